@@ -1,0 +1,555 @@
+//! The log's vocabulary: a versioned envelope and every event type.
+//!
+//! Names are past-tense facts. Inbound events come from agents; the rest are
+//! decisions of the fold (published for audit and folded back as no-ops, by
+//! id) or results of the summarizers (folded as facts). Each type has a JSON
+//! Schema in `schemas/`, checked against this code by `tests/schemas.rs`.
+
+use crate::core::message::ChatMessage;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// The envelope version this build writes and the newest it reads.
+pub const EVENT_VERSION: u16 = 1;
+
+/// Hard cap on one encoded event; larger ones are rejected, not truncated.
+pub const MAX_EVENT_BYTES: usize = 8 * 1024 * 1024;
+
+/// One event in the log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Envelope {
+    /// Idempotency key: an event whose id was already applied changes nothing.
+    pub id: String,
+    /// The conversation (session key) this event belongs to.
+    pub conversation: String,
+    /// Envelope version ([`EVENT_VERSION`]).
+    #[serde(default = "default_version")]
+    pub version: u16,
+    /// Event time in milliseconds since the Unix epoch, set by the producer.
+    /// The fold takes time only from here, never from a clock.
+    #[serde(default)]
+    pub time: u64,
+    #[serde(flatten)]
+    pub body: EventBody,
+}
+
+fn default_version() -> u16 {
+    EVENT_VERSION
+}
+
+/// The event's type (`type`) and its `payload`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", content = "payload", rename_all = "snake_case")]
+pub enum EventBody {
+    // ---- from agents ----
+    TurnAppended(TurnAppended),
+    ProviderErrorObserved(ProviderErrorObserved),
+    CompactionRequested(CompactionRequested),
+    ModelDeclared(ModelDeclared),
+    ConversationReset(ConversationReset),
+    // ---- decisions of the fold ----
+    DebtRecorded(Debt),
+    DebtUpdated(Debt),
+    DebtCleared(DebtCleared),
+    JobIssued(JobIssued),
+    SummaryRejected(SummaryRejected),
+    EventRejected(EventRejected),
+    MemoryFlushRequested(MemoryFlushRequested),
+    // ---- results of summarizers ----
+    SummaryRecorded(SummaryRecorded),
+    SweepEnded(SweepEnded),
+    RollingStateUpdated(RollingStateUpdated),
+}
+
+impl EventBody {
+    /// The wire name of this event type (`turn_appended`, ...).
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            EventBody::TurnAppended(_) => "turn_appended",
+            EventBody::ProviderErrorObserved(_) => "provider_error_observed",
+            EventBody::CompactionRequested(_) => "compaction_requested",
+            EventBody::ModelDeclared(_) => "model_declared",
+            EventBody::ConversationReset(_) => "conversation_reset",
+            EventBody::DebtRecorded(_) => "debt_recorded",
+            EventBody::DebtUpdated(_) => "debt_updated",
+            EventBody::DebtCleared(_) => "debt_cleared",
+            EventBody::JobIssued(_) => "job_issued",
+            EventBody::SummaryRejected(_) => "summary_rejected",
+            EventBody::EventRejected(_) => "event_rejected",
+            EventBody::MemoryFlushRequested(_) => "memory_flush_requested",
+            EventBody::SummaryRecorded(_) => "summary_recorded",
+            EventBody::SweepEnded(_) => "sweep_ended",
+            EventBody::RollingStateUpdated(_) => "rolling_state_updated",
+        }
+    }
+
+    /// Every event type's wire name, for schemas and docs.
+    pub const TYPE_NAMES: [&'static str; 15] = [
+        "turn_appended",
+        "provider_error_observed",
+        "compaction_requested",
+        "model_declared",
+        "conversation_reset",
+        "debt_recorded",
+        "debt_updated",
+        "debt_cleared",
+        "job_issued",
+        "summary_rejected",
+        "event_rejected",
+        "memory_flush_requested",
+        "summary_recorded",
+        "sweep_ended",
+        "rolling_state_updated",
+    ];
+
+    /// Decisions are derived by the fold itself; seeing one again in the log
+    /// must never change state.
+    pub fn is_decision(&self) -> bool {
+        matches!(
+            self,
+            EventBody::DebtRecorded(_)
+                | EventBody::DebtUpdated(_)
+                | EventBody::DebtCleared(_)
+                | EventBody::JobIssued(_)
+                | EventBody::SummaryRejected(_)
+                | EventBody::EventRejected(_)
+                | EventBody::MemoryFlushRequested(_)
+        )
+    }
+}
+
+/// Token usage as the provider reported it for the call that produced a turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ProviderUsage {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub total_tokens: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TurnAppended {
+    pub message: ChatMessage,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// Which agent or process sent it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sender: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<ProviderUsage>,
+    /// Free-form metadata, stored and returned untouched.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProviderErrorObserved {
+    /// The raw error text as the provider returned it.
+    pub error: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct CompactionRequested {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instructions: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keep_recent_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_tokens: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelDeclared {
+    pub model: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context_window: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct ConversationReset {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// Why compaction is owed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DebtReason {
+    /// Context tokens above the resolved threshold.
+    Threshold,
+    /// A provider reported a context overflow.
+    Overflow,
+    /// Someone asked for it.
+    Manual,
+    /// The active transcript grew past `max_active_transcript_bytes`.
+    TranscriptBytes,
+    /// Deterministic fallback summaries wait for a model.
+    Resummarize,
+}
+
+/// The one pending compaction debt of a conversation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Debt {
+    pub reason: DebtReason,
+    /// Context tokens when the debt was recorded or last updated.
+    pub context_tokens: u64,
+    /// The resolved trigger threshold.
+    pub threshold_tokens: u64,
+    /// Where a sweep should bring the context down to.
+    pub target_tokens: u64,
+    /// Overflow recovery and manual requests bypass spend backoff.
+    pub urgent: bool,
+    /// Event time the debt was first recorded.
+    pub since: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instructions: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DebtCleared {
+    pub reason: String,
+}
+
+/// A compaction job handed to the summarizers (the log keeps this record;
+/// the work item itself carries the content snapshot).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobIssued {
+    pub job_id: String,
+    pub reason: DebtReason,
+    pub urgent: bool,
+    pub context_tokens: u64,
+    pub target_tokens: u64,
+    /// Deadline for the whole sweep, in milliseconds after `issued_at`.
+    pub deadline_ms: u64,
+    pub issued_at: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instructions: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SummaryRejected {
+    pub summary_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job_id: Option<String>,
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EventRejected {
+    /// Id of the rejected event, when it could be read.
+    pub rejected_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub event_type: Option<String>,
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MemoryFlushRequested {
+    /// Compaction cycle number (one flush per cycle).
+    pub cycle: u64,
+    pub reason: DebtReason,
+}
+
+/// What kind of summary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, PartialOrd, Ord)]
+#[serde(rename_all = "snake_case")]
+pub enum SummaryKind {
+    /// Over a contiguous run of raw turns.
+    Leaf,
+    /// Over a contiguous run of same-depth summaries.
+    Condensed,
+}
+
+/// Exactly what a summary covers.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Covers {
+    /// Raw turns `first..=last` by turn sequence number.
+    Turns { first: u64, last: u64 },
+    /// Child summaries, oldest first.
+    Summaries { ids: Vec<String> },
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SummaryRecorded {
+    /// Content address: see [`crate::core::ids::summary_id`].
+    pub summary_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job_id: Option<String>,
+    pub kind: SummaryKind,
+    /// 0 for leaf summaries; 1 + the children's depth for condensed ones.
+    pub depth: u32,
+    pub covers: Covers,
+    pub content: String,
+    /// Tokens of what it covers (as currently in context).
+    pub source_tokens: u64,
+    /// Tokens of `content`.
+    pub tokens: u64,
+    pub model: String,
+    pub provider: String,
+    pub prompt_version: String,
+    /// A deterministic fallback, to be re-summarized by a model later.
+    pub fallback: bool,
+}
+
+/// Why a sweep stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SweepStop {
+    Done,
+    Deadline,
+    IterationCap,
+    SpendLimit,
+    NoProgress,
+    Failed,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SweepEnded {
+    pub job_id: String,
+    pub passes: u32,
+    /// Summaries committed by this sweep.
+    pub committed: u32,
+    pub stop: SweepStop,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+    /// Summarizer calls and tokens spent (for the spend window).
+    #[serde(default)]
+    pub calls: u32,
+    #[serde(default)]
+    pub tokens_spent: u64,
+    /// Money spent, in micro-dollars.
+    #[serde(default)]
+    pub cost_micros: u64,
+    /// Ask for the job again after this delay (rate limits, spend window).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after_ms: Option<u64>,
+}
+
+/// The rolling session state (Completed / In progress / Decisions /
+/// Blockers / Next; at most 500 characters in all, 200 a section).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct RollingState {
+    pub completed: String,
+    pub in_progress: String,
+    pub decisions: String,
+    pub blockers: String,
+    pub next: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RollingStateUpdated {
+    pub state: RollingState,
+    /// Turn sequence number the state reflects (inclusive).
+    pub through_turn: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job_id: Option<String>,
+}
+
+/// How an event is encoded on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Encoding {
+    #[default]
+    Msgpack,
+    Json,
+}
+
+impl Encoding {
+    /// From a `Content-Type`-like header value; MessagePack when absent.
+    pub fn from_header(value: Option<&str>) -> Encoding {
+        match value.map(|v| v.trim().to_ascii_lowercase()) {
+            Some(v) if v.contains("json") => Encoding::Json,
+            _ => Encoding::Msgpack,
+        }
+    }
+}
+
+impl fmt::Display for Encoding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Encoding::Msgpack => "msgpack",
+            Encoding::Json => "json",
+        })
+    }
+}
+
+/// Why bytes could not become an event.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum DecodeError {
+    #[error("event of {size} bytes exceeds the {limit}-byte limit")]
+    Oversized { size: usize, limit: usize },
+    #[error("malformed {encoding} event: {detail}")]
+    Malformed { encoding: Encoding, detail: String },
+    #[error("event version {found} is newer than this build reads ({supported})")]
+    UnsupportedVersion { found: u16, supported: u16 },
+    #[error("event has an empty {field}")]
+    Empty { field: &'static str },
+}
+
+impl Envelope {
+    pub fn new(
+        id: impl Into<String>,
+        conversation: impl Into<String>,
+        time: u64,
+        body: EventBody,
+    ) -> Self {
+        Envelope {
+            id: id.into(),
+            conversation: conversation.into(),
+            version: EVENT_VERSION,
+            time,
+            body,
+        }
+    }
+
+    pub fn type_name(&self) -> &'static str {
+        self.body.type_name()
+    }
+
+    /// MessagePack with named fields.
+    pub fn to_msgpack(&self) -> Vec<u8> {
+        // Serializing owned, well-formed data into a Vec cannot fail.
+        rmp_serde::to_vec_named(self).expect("msgpack encoding of an event")
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).expect("json encoding of an event")
+    }
+
+    pub fn encode(&self, encoding: Encoding) -> Vec<u8> {
+        match encoding {
+            Encoding::Msgpack => self.to_msgpack(),
+            Encoding::Json => self.to_json().into_bytes(),
+        }
+    }
+
+    pub fn decode(bytes: &[u8], encoding: Encoding) -> Result<Envelope, DecodeError> {
+        if bytes.len() > MAX_EVENT_BYTES {
+            return Err(DecodeError::Oversized {
+                size: bytes.len(),
+                limit: MAX_EVENT_BYTES,
+            });
+        }
+        let env: Envelope = match encoding {
+            Encoding::Msgpack => {
+                rmp_serde::from_slice(bytes).map_err(|e| DecodeError::Malformed {
+                    encoding,
+                    detail: e.to_string(),
+                })?
+            }
+            Encoding::Json => {
+                serde_json::from_slice(bytes).map_err(|e| DecodeError::Malformed {
+                    encoding,
+                    detail: e.to_string(),
+                })?
+            }
+        };
+        env.validate()?;
+        Ok(env)
+    }
+
+    pub fn validate(&self) -> Result<(), DecodeError> {
+        if self.version > EVENT_VERSION {
+            return Err(DecodeError::UnsupportedVersion {
+                found: self.version,
+                supported: EVENT_VERSION,
+            });
+        }
+        if self.id.is_empty() {
+            return Err(DecodeError::Empty { field: "id" });
+        }
+        if self.conversation.is_empty() {
+            return Err(DecodeError::Empty {
+                field: "conversation",
+            });
+        }
+        Ok(())
+    }
+
+    /// A best-effort id and type out of bytes that did not decode, so the
+    /// rejection can name what it rejected.
+    pub fn salvage_id(bytes: &[u8], encoding: Encoding) -> (Option<String>, Option<String>) {
+        #[derive(Deserialize)]
+        struct Partial {
+            id: Option<String>,
+            conversation: Option<String>,
+        }
+        let partial: Option<Partial> = match encoding {
+            Encoding::Msgpack => rmp_serde::from_slice(bytes).ok(),
+            Encoding::Json => serde_json::from_slice(bytes).ok(),
+        };
+        match partial {
+            Some(p) => (p.id, p.conversation),
+            None => (None, None),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::message::Role;
+
+    fn turn() -> Envelope {
+        Envelope::new(
+            "e1",
+            "agent:alpha",
+            1_700_000_000_000,
+            EventBody::TurnAppended(TurnAppended {
+                message: ChatMessage::text(Role::User, "hello"),
+                model: Some("gpt-4o".into()),
+                sender: None,
+                usage: None,
+                metadata: None,
+            }),
+        )
+    }
+
+    #[test]
+    fn both_encodings_round_trip() {
+        let e = turn();
+        for enc in [Encoding::Msgpack, Encoding::Json] {
+            let back = Envelope::decode(&e.encode(enc), enc).unwrap();
+            assert_eq!(back, e);
+        }
+        let json = e.to_json();
+        assert!(json.contains(r#""type":"turn_appended""#), "{json}");
+        assert!(json.contains(r#""payload":{"message""#), "{json}");
+    }
+
+    #[test]
+    fn unknown_type_is_a_clear_error() {
+        let bad = r#"{"id":"x","conversation":"c","version":1,"time":0,"type":"turn_exploded","payload":{}}"#;
+        let err = Envelope::decode(bad.as_bytes(), Encoding::Json)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("turn_exploded"), "{err}");
+    }
+
+    #[test]
+    fn oversized_and_newer_versions_are_rejected() {
+        let big = vec![b' '; MAX_EVENT_BYTES + 1];
+        assert!(matches!(
+            Envelope::decode(&big, Encoding::Json),
+            Err(DecodeError::Oversized { .. })
+        ));
+        let mut e = turn();
+        e.version = 99;
+        assert!(matches!(
+            Envelope::decode(&e.to_msgpack(), Encoding::Msgpack),
+            Err(DecodeError::UnsupportedVersion { .. })
+        ));
+    }
+
+    #[test]
+    fn type_names_match_serde() {
+        let json = serde_json::to_value(turn()).unwrap();
+        assert_eq!(json["type"], turn().type_name());
+        assert!(EventBody::TYPE_NAMES.contains(&turn().type_name()));
+    }
+}

@@ -1,0 +1,8 @@
+//! The pure core: events, state, the fold, the compaction policy, assembly
+//! and the deterministic summarizer. Nothing here does I/O, reads a clock or
+//! a random source, or knows about tokio; everything can be replayed.
+
+pub mod event;
+pub mod message;
+pub mod summary;
+pub mod tokens;

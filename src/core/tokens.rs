@@ -1,0 +1,144 @@
+//! Token counting: each message is counted once, when it is folded.
+//!
+//! The encoding follows the declared model: `o200k_base` for current OpenAI
+//! models (gpt-4o, gpt-4.1, gpt-5, o1/o3/o4), `cl100k_base` for older ones
+//! (gpt-4, gpt-3.5, text-embedding-*), and for unknown models `o200k_base`
+//! as well: a real BPE over the text is a better estimate for Claude, Llama
+//! or Qwen than characters / 4, and it keeps counts stable across models.
+//! The BPE engine is `bpe-openai` (same counts as tiktoken-rs, faster: see
+//! `benches/tokens.rs` and the README); tiktoken-rs stays available for the
+//! comparison and as the reference in tests.
+
+use crate::core::message::ChatMessage;
+use serde::{Deserialize, Serialize};
+
+/// Tokens every chat message costs beyond its text (role, separators), as
+/// OpenAI's own accounting for chat models does.
+pub const MESSAGE_OVERHEAD_TOKENS: u64 = 4;
+
+/// Which BPE encoding counts a model's tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Encoding {
+    O200kBase,
+    Cl100kBase,
+}
+
+impl Encoding {
+    /// The encoding for a declared model name; `o200k_base` when unknown.
+    pub fn for_model(model: Option<&str>) -> Encoding {
+        let Some(model) = model else {
+            return Encoding::O200kBase;
+        };
+        let m = model.to_ascii_lowercase();
+        let m = m.rsplit('/').next().unwrap_or(&m);
+        let old = m.starts_with("gpt-4-")
+            || m == "gpt-4"
+            || m.starts_with("gpt-4-32k")
+            || m.starts_with("gpt-3.5")
+            || m.starts_with("gpt-35")
+            || m.starts_with("text-embedding-ada")
+            || m.starts_with("text-embedding-3")
+            || m.starts_with("davinci-002")
+            || m.starts_with("babbage-002");
+        if old && !m.starts_with("gpt-4o") {
+            Encoding::Cl100kBase
+        } else {
+            Encoding::O200kBase
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Encoding::O200kBase => "o200k_base",
+            Encoding::Cl100kBase => "cl100k_base",
+        }
+    }
+}
+
+/// Counts tokens of text.
+pub fn count_text(encoding: Encoding, text: &str) -> u64 {
+    if text.is_empty() {
+        return 0;
+    }
+    let tokenizer = match encoding {
+        Encoding::O200kBase => bpe_openai::o200k_base(),
+        Encoding::Cl100kBase => bpe_openai::cl100k_base(),
+    };
+    tokenizer.count(text) as u64
+}
+
+/// Reference counter (tiktoken-rs), used to check that the fast path agrees.
+pub fn count_text_tiktoken(encoding: Encoding, text: &str) -> u64 {
+    let bpe = match encoding {
+        Encoding::O200kBase => tiktoken_rs::o200k_base_singleton(),
+        Encoding::Cl100kBase => tiktoken_rs::cl100k_base_singleton(),
+    };
+    bpe.encode_ordinary(text).len() as u64
+}
+
+/// Tokens a chat message costs in a prompt: text, tool calls, name, overhead.
+pub fn count_message(encoding: Encoding, message: &ChatMessage) -> u64 {
+    let mut total = MESSAGE_OVERHEAD_TOKENS + count_text(encoding, &message.text_content());
+    for call in &message.tool_calls {
+        total += 3
+            + count_text(encoding, &call.function.name)
+            + count_text(encoding, &call.function.arguments);
+    }
+    if let Some(name) = &message.name {
+        total += 1 + count_text(encoding, name);
+    }
+    if let Some(id) = &message.tool_call_id {
+        total += count_text(encoding, id);
+    }
+    total
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_picks_encoding() {
+        assert_eq!(
+            Encoding::for_model(Some("gpt-4o-mini")),
+            Encoding::O200kBase
+        );
+        assert_eq!(
+            Encoding::for_model(Some("gpt-4-0613")),
+            Encoding::Cl100kBase
+        );
+        assert_eq!(
+            Encoding::for_model(Some("gpt-3.5-turbo")),
+            Encoding::Cl100kBase
+        );
+        assert_eq!(
+            Encoding::for_model(Some("openai/gpt-4.1")),
+            Encoding::O200kBase
+        );
+        assert_eq!(
+            Encoding::for_model(Some("claude-opus-4-5")),
+            Encoding::O200kBase
+        );
+        assert_eq!(Encoding::for_model(None), Encoding::O200kBase);
+    }
+
+    #[test]
+    fn fast_counter_agrees_with_tiktoken() {
+        let samples = [
+            "hello world",
+            "fn main() { println!(\"{}\", 42); } // ünïcödé ✓ 日本語",
+            "/home/USER/src/lib.rs:120:5 error[E0308]: mismatched types",
+            "   many    spaces\n\n\ttabs\r\n",
+        ];
+        for enc in [Encoding::O200kBase, Encoding::Cl100kBase] {
+            for s in samples {
+                assert_eq!(
+                    count_text(enc, s),
+                    count_text_tiktoken(enc, s),
+                    "{enc:?} {s:?}"
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,85 @@
+//! Durable state: a transactional key-value backend ([`KvBackend`]: redb by
+//! default, sled behind the `sled-store` feature) and the state layout on top
+//! of it ([`state_store`]): materialized conversations, turn bodies, blobs
+//! and the log position they reflect, committed together.
+
+pub mod redb_backend;
+#[cfg(feature = "sled-store")]
+pub mod sled_backend;
+
+/// The named tables of the state store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Table {
+    /// Checkpoints (log positions) and store metadata.
+    Meta,
+    /// Materialized per-conversation state heads.
+    Conversations,
+    /// Append-only records (turns, summaries, applied ids) keyed by conversation and sequence.
+    Records,
+    /// Large payloads, content-addressed.
+    Blobs,
+}
+
+impl Table {
+    pub const ALL: [Table; 4] = [
+        Table::Meta,
+        Table::Conversations,
+        Table::Records,
+        Table::Blobs,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Table::Meta => "meta",
+            Table::Conversations => "conversations",
+            Table::Records => "records",
+            Table::Blobs => "blobs",
+        }
+    }
+}
+
+/// One write in an atomic commit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Write {
+    Put {
+        table: Table,
+        key: Vec<u8>,
+        value: Vec<u8>,
+    },
+    Delete {
+        table: Table,
+        key: Vec<u8>,
+    },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("state store at {path} could not be opened: {detail}")]
+    Open { path: String, detail: String },
+    #[error("state store error: {0}")]
+    Backend(String),
+    #[error(
+        "state store holds an unreadable record ({what}): {detail}; run `contextfold rebuild`"
+    )]
+    Corrupt { what: String, detail: String },
+}
+
+/// A transactional key-value store with a few named tables.
+pub trait KvBackend: Send {
+    fn get(&self, table: Table, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError>;
+
+    /// All entries whose key starts with `prefix`, in key order.
+    fn scan_prefix(
+        &self,
+        table: Table,
+        prefix: &[u8],
+    ) -> Result<Vec<(Vec<u8>, Vec<u8>)>, StoreError>;
+
+    /// Applies every write or none. With `durable`, the commit is on disk
+    /// when this returns; without, it is atomic and ordered but may be lost
+    /// in a crash together with every later commit (never torn).
+    fn commit(&mut self, writes: &[Write], durable: bool) -> Result<(), StoreError>;
+
+    /// Makes every earlier commit durable.
+    fn flush(&mut self) -> Result<(), StoreError>;
+}
