@@ -5,4 +5,5 @@
 
 pub mod core;
 pub mod log;
+pub mod nats;
 pub mod store;
