@@ -224,7 +224,8 @@ mod tests {
 
     #[test]
     fn impossible_settings_name_their_field() {
-        let cases: Vec<(&str, Box<dyn Fn(&mut NatsConfig)>)> = vec![
+        type Change = Box<dyn Fn(&mut NatsConfig)>;
+        let cases: Vec<(&str, Change)> = vec![
             ("prefix", Box::new(|c| c.prefix = "a b".into())),
             ("partitions", Box::new(|c| c.partitions = 0)),
             ("replicas", Box::new(|c| c.replicas = 7)),

@@ -277,6 +277,9 @@ pub struct PartitionLeases {
     settings: LeaseSettings,
     held: Arc<Mutex<BTreeMap<u32, Lease>>>,
     failures: u64,
+    /// Where events go the moment they happen when running as a task (a
+    /// release waits for the worker, which must hear of it first).
+    sink: Option<mpsc::UnboundedSender<LeaseEvent>>,
 }
 
 fn lock(map: &Mutex<BTreeMap<u32, Lease>>) -> MutexGuard<'_, BTreeMap<u32, Lease>> {
@@ -314,6 +317,7 @@ impl PartitionLeases {
             settings,
             held: Arc::new(Mutex::new(BTreeMap::new())),
             failures: 0,
+            sink: None,
         })
     }
 
@@ -342,6 +346,15 @@ impl PartitionLeases {
         tracing::warn!(member = %self.member, "lease {what} failed: {err}");
     }
 
+    fn emit(&self, events: &mut Vec<LeaseEvent>, event: LeaseEvent) {
+        match &self.sink {
+            Some(sink) => {
+                let _ = sink.send(event);
+            }
+            None => events.push(event),
+        }
+    }
+
     fn record(&self) -> Bytes {
         let record = LeaseRecord {
             owner: self.member.clone(),
@@ -349,8 +362,9 @@ impl PartitionLeases {
         Bytes::from(serde_json::to_vec(&record).unwrap_or_default())
     }
 
-    /// One renewal round: heartbeat, renew, rebalance. NATS errors are
-    /// logged and counted; leases then run out by time, never silently.
+    /// One renewal round: heartbeat, renew, rebalance; returns the
+    /// ownership changes. NATS errors are logged and counted; leases then
+    /// run out by time, never silently.
     pub async fn tick(&mut self) -> Vec<LeaseEvent> {
         let mut events = Vec::new();
         self.drop_overdue(&mut events).await;
@@ -397,10 +411,13 @@ impl PartitionLeases {
             let p = lease.partition();
             lock(&self.held).remove(&p);
             lease.revoke();
-            events.push(LeaseEvent::Lost {
-                partition: p,
-                reason: "not renewed in time".to_string(),
-            });
+            self.emit(
+                events,
+                LeaseEvent::Lost {
+                    partition: p,
+                    reason: "not renewed in time".to_string(),
+                },
+            );
             // Only removes our own value: the revision check fails if
             // anyone else has written the key since.
             let _ = self
@@ -424,10 +441,13 @@ impl PartitionLeases {
                 Ok(revision) => {
                     if !lease.renewed(revision, sent + self.settings.usable_for()) {
                         lock(&self.held).remove(&p);
-                        events.push(LeaseEvent::Lost {
-                            partition: p,
-                            reason: "renewal came after the lease ran out".to_string(),
-                        });
+                        self.emit(
+                            events,
+                            LeaseEvent::Lost {
+                                partition: p,
+                                reason: "renewal came after the lease ran out".to_string(),
+                            },
+                        );
                         let _ = self
                             .kv
                             .delete_expect_revision(partition_key(p), Some(revision))
@@ -437,10 +457,13 @@ impl PartitionLeases {
                 Err(e) if e.kind() == UpdateErrorKind::WrongLastRevision => {
                     lock(&self.held).remove(&p);
                     lease.revoke();
-                    events.push(LeaseEvent::Lost {
-                        partition: p,
-                        reason: "the lease key changed hands (expired and re-acquired)".to_string(),
-                    });
+                    self.emit(
+                        events,
+                        LeaseEvent::Lost {
+                            partition: p,
+                            reason: "the lease key expired or changed hands".to_string(),
+                        },
+                    );
                 }
                 // Timeouts and disconnects: try again next round; the lease
                 // runs out by time if they persist.
@@ -504,7 +527,7 @@ impl PartitionLeases {
             return;
         };
         lease.revoke();
-        events.push(LeaseEvent::Released { partition });
+        self.emit(events, LeaseEvent::Released { partition });
         let deadline = Instant::now() + self.settings.release_wait();
         while lease.users() > 0 && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -545,7 +568,7 @@ impl PartitionLeases {
                 Ok(revision) => {
                     let lease = Lease::new(p, revision, sent + self.settings.usable_for());
                     lock(&self.held).insert(p, lease.clone());
-                    events.push(LeaseEvent::Acquired(lease));
+                    self.emit(events, LeaseEvent::Acquired(lease));
                     got += 1;
                 }
                 // Someone else was quicker: fine.
@@ -573,6 +596,7 @@ impl PartitionLeases {
     /// arrive on the returned handle's `events`.
     pub fn spawn(mut self) -> LeaseRunner {
         let (events_tx, events) = mpsc::unbounded_channel();
+        self.sink = Some(events_tx);
         let (stop_tx, mut stop_rx) = watch::channel(false);
         let table = self.table();
         let member = self.member.clone();
@@ -584,13 +608,10 @@ impl PartitionLeases {
                     _ = stop_rx.changed() => break,
                     _ = interval.tick() => {}
                 }
-                for event in self.tick().await {
-                    let _ = events_tx.send(event);
-                }
+                // Events went out through the sink as they happened.
+                self.tick().await;
             }
-            for event in self.release_all().await {
-                let _ = events_tx.send(event);
-            }
+            self.release_all().await;
         });
         LeaseRunner {
             member,

@@ -412,7 +412,7 @@ mod tests {
     #[test]
     fn fnv1a_matches_reference_vectors() {
         // Published FNV-1a 32-bit test vectors.
-        assert_eq!(partition_of_token("", u32::MAX), 0x811c_9dc5 % u32::MAX);
+        assert_eq!(partition_of_token("", u32::MAX), 0x811c_9dc5);
         assert_eq!(partition_of_token("a", u32::MAX), 0xe40c_292c);
         assert_eq!(partition_of_token("foobar", u32::MAX), 0xbf9c_f968);
     }

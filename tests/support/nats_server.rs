@@ -68,7 +68,11 @@ fn locate_binary() -> PathBuf {
 fn parse_version(s: &str) -> Option<(u64, u64, u64)> {
     let core = s.split(['-', '+']).next()?;
     let mut parts = core.split('.').map(|p| p.parse::<u64>().ok());
-    Some((parts.next()??, parts.next()??, parts.next().flatten().unwrap_or(0)))
+    Some((
+        parts.next()??,
+        parts.next()??,
+        parts.next().flatten().unwrap_or(0),
+    ))
 }
 
 /// A port nobody listens on right now (the kernel's pick for port 0).
@@ -82,7 +86,10 @@ fn wait_accepting(child: &mut Child, port: u16, log: &Path) -> Result<(), String
     let deadline = Instant::now() + START_TIMEOUT;
     loop {
         if let Ok(Some(status)) = child.try_wait() {
-            return Err(format!("nats-server exited with {status}: {}", tail(log, 20)));
+            return Err(format!(
+                "nats-server exited with {status}: {}",
+                tail(log, 20)
+            ));
         }
         if let Ok(stream) = TcpStream::connect(("127.0.0.1", port)) {
             let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
