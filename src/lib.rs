@@ -2,7 +2,10 @@
 //!
 //! - [`core`]: the pure, deterministic heart (events, fold, policy, assembly).
 //! - [`log`], [`store`]: the event log and the durable state (adapters).
+//! - [`runtime`]: the engine, the sweep runner and the embedded pipeline.
 
 pub mod core;
 pub mod log;
+pub mod metrics;
+pub mod runtime;
 pub mod store;
