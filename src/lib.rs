@@ -4,7 +4,9 @@
 //! - [`log`], [`store`]: the event log and the durable state (adapters).
 //! - [`runtime`]: the engine, the sweep runner and the embedded pipeline.
 
+pub mod config;
 pub mod core;
+pub mod demo;
 pub mod log;
 pub mod metrics;
 pub mod runtime;
