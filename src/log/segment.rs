@@ -697,7 +697,7 @@ mod tests {
     }
 
     fn encoding_of(i: usize) -> Encoding {
-        if i % 3 == 0 {
+        if i.is_multiple_of(3) {
             Encoding::Json
         } else {
             Encoding::Msgpack
