@@ -2,8 +2,13 @@
 //!
 //! - [`core`]: the pure, deterministic heart (events, fold, policy, assembly).
 //! - [`log`], [`store`]: the event log and the durable state (adapters).
+//! - [`runtime`]: the engine, the sweep runner and the embedded pipeline.
 
+pub mod config;
 pub mod core;
+pub mod demo;
 pub mod log;
+pub mod metrics;
 pub mod nats;
+pub mod runtime;
 pub mod store;

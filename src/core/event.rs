@@ -228,6 +228,22 @@ pub struct JobIssued {
     pub issued_at: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub instructions: Option<String>,
+    /// Compact old history (false: only the rolling session state is due).
+    #[serde(default = "yes")]
+    pub compact: bool,
+    /// Refresh the rolling session state as part of this job.
+    #[serde(default)]
+    pub refresh_rolling_state: bool,
+    /// Summarizer calls this job may still make within the spend window.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_calls: Option<u32>,
+    /// Summarizer tokens this job may still spend within the spend window.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<u64>,
+}
+
+fn yes() -> bool {
+    true
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -2,7 +2,15 @@
 //! and the deterministic summarizer. Nothing here does I/O, reads a clock or
 //! a random source, or knows about tokio; everything can be replayed.
 
+pub mod assembly;
 pub mod event;
+pub mod fallback_summary;
+pub mod fold;
+pub mod glob;
 pub mod message;
+pub mod overflow;
+pub mod policy;
+pub mod state;
 pub mod summary;
+pub mod sweep;
 pub mod tokens;

@@ -2,6 +2,7 @@
 //! through [`EventLog`]. The embedded implementation is a checksummed segment
 //! file ([`segment`]); the NATS JetStream one lives in `crate::nats`.
 
+pub mod memory;
 pub mod segment;
 
 use crate::core::event::Encoding;

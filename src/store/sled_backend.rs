@@ -1,1 +1,133 @@
-//! placeholder
+//! The sled [`KvBackend`] (cargo feature `sled-store`): one sled tree per
+//! [`Table`] in one sled database directory.
+//!
+//! A commit is one multi-tree sled transaction; a durable commit and
+//! [`KvBackend::flush`] call `Db::flush`, which makes every earlier write
+//! durable. Not the default: sled 0.34.7 was seen to deadlock under the
+//! store soak (`benches/store_soak.rs`), see the README.
+
+use super::{KvBackend, StoreError, Table, Write};
+use sled::transaction::{ConflictableTransactionError, TransactionError, TransactionalTree};
+use sled::Transactional;
+use std::path::{Path, PathBuf};
+
+fn backend_error(what: &str) -> impl FnOnce(sled::Error) -> StoreError + '_ {
+    move |e| StoreError::Backend(format!("sled {what}: {e}"))
+}
+
+fn table_index(table: Table) -> usize {
+    match table {
+        Table::Meta => 0,
+        Table::Conversations => 1,
+        Table::Records => 2,
+        Table::Blobs => 3,
+    }
+}
+
+/// State store tables as trees of one sled database.
+pub struct SledBackend {
+    db: sled::Db,
+    /// In [`Table::ALL`] order, indexed by [`table_index`].
+    trees: Vec<sled::Tree>,
+    path: PathBuf,
+}
+
+impl std::fmt::Debug for SledBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SledBackend")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SledBackend {
+    /// Opens (creating if needed) the sled database directory at `path`.
+    pub fn open(path: &Path) -> Result<Self, StoreError> {
+        let open_error = |detail: String| StoreError::Open {
+            path: path.display().to_string(),
+            detail,
+        };
+        let db = sled::open(path).map_err(|e| open_error(e.to_string()))?;
+        let mut trees = Vec::with_capacity(Table::ALL.len());
+        for table in Table::ALL {
+            debug_assert_eq!(table_index(table), trees.len());
+            let tree = db
+                .open_tree(table.name())
+                .map_err(|e| open_error(format!("cannot open tree {}: {e}", table.name())))?;
+            trees.push(tree);
+        }
+        Ok(SledBackend {
+            db,
+            trees,
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// Path of the database directory.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn tree(&self, table: Table) -> &sled::Tree {
+        &self.trees[table_index(table)]
+    }
+}
+
+fn apply(
+    views: &[TransactionalTree],
+    writes: &[Write],
+) -> Result<(), ConflictableTransactionError<StoreError>> {
+    for write in writes {
+        match write {
+            Write::Put { table, key, value } => {
+                views[table_index(*table)].insert(key.as_slice(), value.as_slice())?;
+            }
+            Write::Delete { table, key } => {
+                views[table_index(*table)].remove(key.as_slice())?;
+            }
+        }
+    }
+    Ok(())
+}
+
+impl KvBackend for SledBackend {
+    fn get(&self, table: Table, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+        let value = self.tree(table).get(key).map_err(backend_error("get"))?;
+        Ok(value.map(|v| v.to_vec()))
+    }
+
+    fn scan_prefix(
+        &self,
+        table: Table,
+        prefix: &[u8],
+    ) -> Result<Vec<(Vec<u8>, Vec<u8>)>, StoreError> {
+        self.tree(table)
+            .scan_prefix(prefix)
+            .map(|entry| {
+                entry
+                    .map(|(k, v)| (k.to_vec(), v.to_vec()))
+                    .map_err(backend_error("scan"))
+            })
+            .collect()
+    }
+
+    fn commit(&mut self, writes: &[Write], durable: bool) -> Result<(), StoreError> {
+        if !writes.is_empty() {
+            self.trees
+                .as_slice()
+                .transaction(|views| apply(views, writes))
+                .map_err(|e| match e {
+                    TransactionError::Abort(e) => e,
+                    TransactionError::Storage(e) => backend_error("commit")(e),
+                })?;
+        }
+        if durable {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<(), StoreError> {
+        self.db.flush().map(drop).map_err(backend_error("flush"))
+    }
+}

@@ -1,0 +1,185 @@
+//! The one typed configuration: a TOML file plus `CONTEXTFOLD_*`
+//! environment overrides. Invalid values are reported, never replaced.
+//!
+//! Environment overrides name a path with `__` between levels, for the
+//! sections below only: `CONTEXTFOLD_DATA_DIR=/var/lib/cf`,
+//! `CONTEXTFOLD_POLICY__CONTEXT_THRESHOLD=0.8`,
+//! `CONTEXTFOLD_STORE__BACKEND=sled`. A value is read as TOML (numbers,
+//! booleans, `["a","b"]`) and otherwise as a string.
+
+use crate::core::policy::{PolicyConfig, PolicyError};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// Where state lives when neither `--data` nor `data_dir` says otherwise.
+pub const DEFAULT_DATA_DIR: &str = ".contextfold";
+
+/// Top-level sections an environment override may name.
+const SECTIONS: [&str; 3] = ["data_dir", "store", "policy"];
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// Where the embedded log and the state live (default `.contextfold`).
+    pub data_dir: PathBuf,
+    pub store: StoreConfig,
+    pub policy: PolicyConfig,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config { data_dir: PathBuf::from(DEFAULT_DATA_DIR), store: StoreConfig::default(), policy: PolicyConfig::default() }
+    }
+}
+
+/// Which state store backend to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum StoreBackend {
+    /// redb (default): see README for the soak numbers behind the choice.
+    #[default]
+    Redb,
+    /// sled 0.34, when built with `--features sled-store`.
+    Sled,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StoreConfig {
+    pub backend: StoreBackend,
+    /// Make every N-th state commit durable (1 = every commit).
+    pub flush_every: u32,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig { backend: StoreBackend::Redb, flush_every: 1 }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("config file {path} is not valid TOML: {detail}")]
+    Parse { path: String, detail: String },
+    #[error("invalid configuration{origin}: {detail}")]
+    Invalid { origin: String, detail: String },
+    #[error("environment variable {var}: {detail}")]
+    Env { var: String, detail: String },
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
+}
+
+impl Config {
+    /// Reads the file (if any), applies `CONTEXTFOLD_*` overrides from the
+    /// process environment, and validates.
+    pub fn load(path: Option<&Path>) -> Result<Config, ConfigError> {
+        Self::load_with_env(path, std::env::vars())
+    }
+
+    pub fn load_with_env(path: Option<&Path>, env: impl IntoIterator<Item = (String, String)>) -> Result<Config, ConfigError> {
+        let mut table = match path {
+            Some(p) => {
+                let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read { path: p.display().to_string(), source })?;
+                text.parse::<toml::Table>()
+                    .map_err(|e| ConfigError::Parse { path: p.display().to_string(), detail: e.to_string() })?
+            }
+            None => toml::Table::new(),
+        };
+        let mut applied = Vec::new();
+        for (var, value) in env {
+            let Some(rest) = var.strip_prefix("CONTEXTFOLD_") else { continue };
+            let path: Vec<String> = rest.split("__").map(|s| s.to_ascii_lowercase()).collect();
+            if !SECTIONS.contains(&path[0].as_str()) {
+                continue;
+            }
+            let parsed = format!("v = {value}")
+                .parse::<toml::Table>()
+                .ok()
+                .and_then(|mut t| t.remove("v"))
+                .unwrap_or(toml::Value::String(value.clone()));
+            let mut node = &mut table;
+            for (i, key) in path.iter().enumerate() {
+                if i + 1 == path.len() {
+                    node.insert(key.clone(), parsed.clone());
+                } else {
+                    let entry = node.entry(key.clone()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
+                    node = entry
+                        .as_table_mut()
+                        .ok_or_else(|| ConfigError::Env { var: var.clone(), detail: format!("{key} is not a section") })?;
+                }
+            }
+            applied.push(var);
+        }
+        let origin = match (path, applied.is_empty()) {
+            (Some(p), true) => format!(" in {}", p.display()),
+            (Some(p), false) => format!(" in {} or {}", p.display(), applied.join(", ")),
+            (None, false) => format!(" in {}", applied.join(", ")),
+            (None, true) => String::new(),
+        };
+        let config: Config = toml::Value::Table(table)
+            .try_into()
+            .map_err(|e: toml::de::Error| ConfigError::Invalid { origin, detail: e.to_string() })?;
+        config.policy.validate()?;
+        if config.store.flush_every == 0 {
+            return Err(ConfigError::Invalid { origin: String::new(), detail: "store.flush_every must be at least 1".into() });
+        }
+        Ok(config)
+    }
+
+    /// The default configuration as TOML, for `contextfold config`.
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).expect("config serializes")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect()
+    }
+
+    #[test]
+    fn env_overrides_and_defaults() {
+        let c = Config::load_with_env(
+            None,
+            env(&[
+                ("CONTEXTFOLD_POLICY__CONTEXT_THRESHOLD", "0.8"),
+                ("CONTEXTFOLD_DATA_DIR", "/tmp/x"),
+                ("CONTEXTFOLD_POLICY__IGNORE_SESSIONS", r#"["cron:**"]"#),
+                ("CONTEXTFOLD_BENCH_SCALE", "3"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(c.policy.context_threshold, 0.8);
+        assert_eq!(c.data_dir, PathBuf::from("/tmp/x"));
+        assert_eq!(c.policy.ignore_sessions, vec!["cron:**".to_string()]);
+        assert_eq!(c.policy.fresh_tail_count, 64);
+    }
+
+    #[test]
+    fn invalid_values_are_reported_not_replaced() {
+        let err = Config::load_with_env(None, env(&[("CONTEXTFOLD_POLICY__CONTEXT_THRESHOLD", "1.5")])).unwrap_err();
+        assert!(err.to_string().contains("context_threshold"), "{err}");
+        let err = Config::load_with_env(None, env(&[("CONTEXTFOLD_POLICY__FRESH_TAIL_COUNT", "many")])).unwrap_err();
+        assert!(err.to_string().contains("CONTEXTFOLD_POLICY__FRESH_TAIL_COUNT"), "{err}");
+        let err = Config::load_with_env(None, env(&[("CONTEXTFOLD_POLICY__NO_SUCH_KNOB", "1")])).unwrap_err();
+        assert!(err.to_string().contains("no_such_knob"), "{err}");
+    }
+
+    #[test]
+    fn default_config_round_trips_through_toml() {
+        let text = Config::default().to_toml();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, text).unwrap();
+        assert_eq!(Config::load_with_env(Some(&path), Vec::new()).unwrap(), Config::default());
+    }
+}

@@ -1,0 +1,330 @@
+//! Assembly: what the model sees. Summaries, then the fresh tail verbatim,
+//! within a token budget, valid for a provider (no tool result without its
+//! call, no call without its result). Answers from state alone: the agent's
+//! hot path never waits on a summarizer.
+
+use crate::core::message::{ChatMessage, Content, Role};
+use crate::core::policy::{self, PlanView, PolicyConfig};
+use crate::core::state::{ContextItem, Conversation};
+use crate::core::tokens;
+use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
+
+/// What to assemble.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct AssemblyRequest {
+    /// Token budget for the whole context (prompt included when given).
+    /// `None` uses the conversation's resolved budget.
+    pub budget: Option<u64>,
+    /// The prompt about to be sent; its tokens are reserved from the budget.
+    pub prompt: Option<String>,
+}
+
+/// Where an assembled message came from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Source {
+    Turn {
+        seq: u64,
+    },
+    Summary {
+        id: String,
+        depth: u32,
+    },
+    RollingState,
+    /// A result the provider requires but the agent never recorded.
+    MissingToolResult {
+        call_id: String,
+    },
+}
+
+/// An item that did not fit.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeftOut {
+    pub source: Source,
+    pub tokens: u64,
+}
+
+/// The assembled context.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Assembled {
+    pub messages: Vec<ChatMessage>,
+    pub sources: Vec<Source>,
+    pub tokens: u64,
+    pub budget: u64,
+    pub prompt_tokens: u64,
+    pub fresh_tail_tokens: u64,
+    /// The fresh tail alone does not fit the budget: it is sent whole anyway.
+    pub over_budget: bool,
+    pub left_out: Vec<LeftOut>,
+}
+
+const STUB_NOTE: &str = "no result was recorded for this tool call";
+
+/// Renders a summary as the message an agent sees.
+pub fn summary_message(
+    id: &str,
+    depth: u32,
+    first: u64,
+    last: u64,
+    fallback: bool,
+    content: &str,
+) -> ChatMessage {
+    let mark = if fallback { " fallback=\"true\"" } else { "" };
+    ChatMessage::text(
+        Role::User,
+        format!(
+            "<context_summary id=\"{id}\" depth=\"{depth}\" turns=\"{first}-{last}\"{mark}>\n{content}\n</context_summary>"
+        ),
+    )
+}
+
+/// Assembles the context of a conversation.
+pub fn assemble(conv: &Conversation, cfg: &PolicyConfig, req: &AssemblyRequest) -> Assembled {
+    let budget = req.budget.unwrap_or_else(|| policy::budget(conv, cfg));
+    let enc = conv.encoding;
+    let prompt_tokens = req.prompt.as_deref().map_or(0, |p| {
+        tokens::count_text(enc, p) + tokens::MESSAGE_OVERHEAD_TOKENS
+    });
+    let tail = policy::fresh_tail_start(conv, cfg);
+    let n = conv.context.len();
+
+    // Units are tool groups: [start, end) with a boundary at both ends.
+    // Walk back from the end; the fresh tail is always taken whole.
+    let mut units: Vec<(usize, usize, u64)> = Vec::new();
+    let mut end = n;
+    let mut used = prompt_tokens;
+    let mut fresh_tail_tokens = 0;
+    let mut cut = 0; // first included item
+    let mut rolling: Option<(ChatMessage, u64)> = None;
+    if let Some(state) = &conv.rolling {
+        let text = format!(
+            "<session_state>\nCompleted: {}\nIn progress: {}\nDecisions: {}\nBlockers: {}\nNext: {}\n</session_state>",
+            state.completed, state.in_progress, state.decisions, state.blockers, state.next
+        );
+        let msg = ChatMessage::text(Role::System, text);
+        let t = tokens::count_message(enc, &msg);
+        rolling = Some((msg, t));
+    }
+    let mut left_out = Vec::new();
+    let mut stopped = false;
+    while end > 0 {
+        let mut start = end - 1;
+        while start > 0 && !policy::is_boundary(conv, start) {
+            start -= 1;
+        }
+        let mut t: u64 = (start..end).map(|i| conv.item(i).tokens()).sum();
+        t += missing_results(conv, start, end, end == n).len() as u64 * stub_tokens(enc);
+        let in_tail = start >= tail;
+        if in_tail {
+            fresh_tail_tokens += t;
+        } else if stopped || used + t > budget {
+            stopped = true;
+            for i in start..end {
+                left_out.push(LeftOut {
+                    source: source_of(conv, conv.context[i]),
+                    tokens: conv.item(i).tokens(),
+                });
+            }
+            end = start;
+            continue;
+        }
+        used += t;
+        units.push((start, end, t));
+        cut = start;
+        end = start;
+    }
+    left_out.reverse();
+    let _ = cut;
+    // The rolling state is the first thing to go when space is short.
+    let rolling = rolling.filter(|(_, t)| used + t <= budget);
+    let over_budget = fresh_tail_tokens + prompt_tokens > budget;
+
+    let mut messages = Vec::with_capacity(units.iter().map(|u| u.1 - u.0).sum::<usize>() + 1);
+    let mut sources = Vec::with_capacity(messages.capacity());
+    let mut total = used;
+    if let Some((msg, t)) = rolling {
+        messages.push(msg);
+        sources.push(Source::RollingState);
+        total += t;
+    }
+    for &(start, end, _) in units.iter().rev() {
+        for i in start..end {
+            let item = conv.context[i];
+            messages.push(render(conv, cfg, item, i >= tail).into_owned());
+            sources.push(source_of(conv, item));
+        }
+        for call_id in missing_results(conv, start, end, end == n) {
+            messages.push(ChatMessage {
+                role: Role::Tool,
+                content: Some(Content::Text(STUB_NOTE.into())),
+                tool_calls: Vec::new(),
+                tool_call_id: Some(call_id.clone()),
+                name: None,
+            });
+            sources.push(Source::MissingToolResult { call_id });
+        }
+    }
+    Assembled {
+        messages,
+        sources,
+        tokens: total - prompt_tokens,
+        budget,
+        prompt_tokens,
+        fresh_tail_tokens,
+        over_budget,
+        left_out,
+    }
+}
+
+fn stub_tokens(enc: tokens::Encoding) -> u64 {
+    tokens::MESSAGE_OVERHEAD_TOKENS + tokens::count_text(enc, STUB_NOTE) + 12
+}
+
+/// Tool calls of a group's assistant turn that have no result in the group.
+/// The newest group may still be waiting for its results: it is left as is.
+fn missing_results(conv: &Conversation, start: usize, end: usize, newest: bool) -> Vec<String> {
+    if newest {
+        return Vec::new();
+    }
+    let ContextItem::Turn(seq) = conv.context[start] else {
+        return Vec::new();
+    };
+    let head = &conv.turns[seq as usize];
+    if !head.has_tool_calls() {
+        return Vec::new();
+    }
+    head.tool_call_ids()
+        .filter(|id| {
+            !(start + 1..end).any(|i| match conv.context[i] {
+                ContextItem::Turn(s) => conv.turns[s as usize].tool_result_for() == Some(id),
+                ContextItem::Summary(_) => false,
+            })
+        })
+        .map(str::to_string)
+        .collect()
+}
+
+fn source_of(conv: &Conversation, item: ContextItem) -> Source {
+    match item {
+        ContextItem::Turn(seq) => Source::Turn { seq },
+        ContextItem::Summary(i) => {
+            let s = &conv.summaries[i as usize];
+            Source::Summary {
+                id: s.id.clone(),
+                depth: s.depth,
+            }
+        }
+    }
+}
+
+/// Stub text for a large payload; its tokens are within
+/// [`crate::core::fold::LARGE_PAYLOAD_STUB_TOKENS`].
+pub fn payload_stub(event_id: &str, tokens: u64) -> String {
+    format!("[large payload of {tokens} tokens stored as {event_id}; ask `describe` for it]")
+}
+
+fn render<'a>(
+    conv: &'a Conversation,
+    cfg: &PolicyConfig,
+    item: ContextItem,
+    fresh: bool,
+) -> Cow<'a, ChatMessage> {
+    match item {
+        ContextItem::Summary(i) => {
+            let s = &conv.summaries[i as usize];
+            Cow::Owned(summary_message(
+                &s.id,
+                s.depth,
+                s.first_turn,
+                s.last_turn,
+                s.fallback,
+                &s.content,
+            ))
+        }
+        ContextItem::Turn(seq) => {
+            let turn = &conv.turns[seq as usize];
+            let msg = &turn.body.message;
+            if turn.large_payload {
+                let mut m = msg.clone();
+                m.content = Some(Content::Text(payload_stub(&turn.event_id, turn.tokens)));
+                if !m.tool_calls.is_empty() {
+                    for c in &mut m.tool_calls {
+                        if c.function.arguments.len() > 256 {
+                            c.function.arguments = "{}".into();
+                        }
+                    }
+                }
+                return Cow::Owned(m);
+            }
+            if let Some(limit) = cfg.prune_tool_results_over_tokens {
+                if !fresh && turn.role == Role::Tool && turn.tokens > limit {
+                    let mut m = msg.clone();
+                    m.content = Some(Content::Text(excerpt(&msg.text_content(), &turn.event_id)));
+                    return Cow::Owned(m);
+                }
+            }
+            Cow::Borrowed(msg)
+        }
+    }
+}
+
+/// Head and tail of a long tool result.
+fn excerpt(text: &str, event_id: &str) -> String {
+    const KEEP: usize = 600;
+    if text.len() <= 2 * KEEP {
+        return text.to_string();
+    }
+    let head_end = text
+        .char_indices()
+        .map(|(i, _)| i)
+        .take_while(|&i| i <= KEEP)
+        .last()
+        .unwrap_or(0);
+    let tail_start = text
+        .char_indices()
+        .map(|(i, _)| i)
+        .find(|&i| i >= text.len() - KEEP)
+        .unwrap_or(text.len());
+    format!(
+        "{}\n[... {} bytes pruned; full result stored as {event_id} ...]\n{}",
+        &text[..head_end],
+        tail_start - head_end,
+        &text[tail_start..]
+    )
+}
+
+/// Checks provider validity: every tool result follows the assistant turn
+/// that called it (with only tool results between), and every call of a
+/// non-final assistant turn has its result.
+pub fn check_tool_pairing(messages: &[ChatMessage]) -> Result<(), String> {
+    let mut open: Vec<String> = Vec::new();
+    let mut group_open = false;
+    for (i, m) in messages.iter().enumerate() {
+        if m.role == Role::Tool {
+            let id = m.tool_call_id.as_deref().unwrap_or("");
+            if !group_open {
+                return Err(format!(
+                    "message {i}: tool result {id:?} without a preceding call"
+                ));
+            }
+            match open.iter().position(|c| c == id) {
+                Some(p) => {
+                    open.remove(p);
+                }
+                None => {
+                    return Err(format!(
+                        "message {i}: tool result {id:?} answers no open call"
+                    ))
+                }
+            }
+            continue;
+        }
+        if !open.is_empty() {
+            return Err(format!("message {i}: calls {open:?} have no result"));
+        }
+        group_open = !m.tool_calls.is_empty();
+        open = m.tool_calls.iter().map(|c| c.id.clone()).collect();
+    }
+    Ok(())
+}

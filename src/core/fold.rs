@@ -1,0 +1,876 @@
+//! The fold: `fold(state, event)` applies one event to a partition's state
+//! and returns the decisions it took (debt changes, jobs, rejections) as
+//! events with deterministic ids, to be published to the log.
+//!
+//! Pure and deterministic: time comes from events, ids are derived from the
+//! causing event, and a decision seen again in the log changes nothing.
+
+use crate::core::event::*;
+use crate::core::message::Role;
+use crate::core::overflow;
+use crate::core::policy::{self, PolicyConfig};
+use crate::core::state::{
+    derived_event_id, id_digest, summary_id, ContextItem, Conversation, PendingJob, State, Summary,
+    Turn,
+};
+use crate::core::tokens;
+use std::sync::Arc;
+
+/// What became of one event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FoldStatus {
+    Applied,
+    /// Its id was already applied: nothing changed.
+    Duplicate,
+    /// Rejected with a reason (also recorded as an `event_rejected` or
+    /// `summary_rejected` decision).
+    Rejected(String),
+    /// The conversation matches an `ignore_sessions` glob.
+    Ignored,
+}
+
+/// The result of folding one event.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FoldOutcome {
+    pub status: FoldStatus,
+    /// Decisions to publish, in order.
+    pub decisions: Vec<Envelope>,
+}
+
+/// Tokens a large-payload stub costs in context.
+pub const LARGE_PAYLOAD_STUB_TOKENS: u64 = 48;
+
+/// Folds one event into the state.
+pub fn fold(state: &mut State, policy: &PolicyConfig, event: &Envelope) -> FoldOutcome {
+    fold_counted(state, policy, event, None)
+}
+
+/// Folds one event whose turn tokens were already counted (by the same
+/// encoding the conversation uses), so counting can run ahead of the fold.
+pub fn fold_counted(
+    state: &mut State,
+    policy: &PolicyConfig,
+    event: &Envelope,
+    turn_tokens: Option<u64>,
+) -> FoldOutcome {
+    if policy::session_matches(&policy.ignore_sessions, &event.conversation) {
+        return FoldOutcome {
+            status: FoldStatus::Ignored,
+            decisions: Vec::new(),
+        };
+    }
+    let conv = state
+        .conversations
+        .entry(event.conversation.clone())
+        .or_insert_with(|| Conversation::new(&event.conversation));
+    if conv.has_applied(&event.id) {
+        return FoldOutcome {
+            status: FoldStatus::Duplicate,
+            decisions: Vec::new(),
+        };
+    }
+    let mut cx = FoldContext {
+        conv,
+        policy,
+        event,
+        turn_tokens,
+        decisions: Vec::new(),
+    };
+    let status = cx.apply();
+    FoldOutcome {
+        status,
+        decisions: cx.decisions,
+    }
+}
+
+/// Records bytes that never became an event (malformed, oversized, invalid
+/// UTF-8) as an `event_rejected` decision. The id is derived from the bytes,
+/// so replaying the same log rejects the same way.
+pub fn reject_undecodable(
+    state: &mut State,
+    bytes: &[u8],
+    conversation: Option<&str>,
+    reason: &str,
+    time: u64,
+) -> Envelope {
+    let digest = blake3::hash(bytes).to_hex();
+    let rejected_id = format!("undecodable_{}", &digest[..20]);
+    let conv_key = conversation.unwrap_or("_unattributed").to_string();
+    let env = Envelope::new(
+        derived_event_id(&rejected_id, "event_rejected"),
+        conv_key.clone(),
+        time,
+        EventBody::EventRejected(EventRejected {
+            rejected_id,
+            event_type: None,
+            reason: reason.to_string(),
+        }),
+    );
+    match conversation {
+        Some(key) => {
+            let conv = state
+                .conversations
+                .entry(key.to_string())
+                .or_insert_with(|| Conversation::new(key));
+            if !conv.has_applied(&env.id) {
+                conv.mark_applied(&env.id);
+                conv.rejections += 1;
+                conv.push_history(time, &env.id, "event_rejected", reason.to_string());
+            }
+        }
+        None => state.unattributed_rejections += 1,
+    }
+    env
+}
+
+struct FoldContext<'a> {
+    conv: &'a mut Conversation,
+    policy: &'a PolicyConfig,
+    event: &'a Envelope,
+    turn_tokens: Option<u64>,
+    decisions: Vec<Envelope>,
+}
+
+impl FoldContext<'_> {
+    fn apply(&mut self) -> FoldStatus {
+        let event = self.event;
+        self.conv.last_time = self.conv.last_time.max(event.time);
+        let status = match &event.body {
+            EventBody::TurnAppended(t) => self.turn_appended(t),
+            EventBody::ProviderErrorObserved(e) => self.provider_error(e),
+            EventBody::CompactionRequested(r) => self.compaction_requested(r),
+            EventBody::ModelDeclared(m) => {
+                self.conv.model = Some(m.model.clone());
+                if m.context_window.is_some() {
+                    self.conv.context_window = m.context_window;
+                }
+                if self.conv.turns.is_empty() {
+                    self.conv.encoding = tokens::Encoding::for_model(Some(&m.model));
+                }
+                FoldStatus::Applied
+            }
+            EventBody::ConversationReset(r) => self.reset(r),
+            EventBody::SummaryRecorded(s) => self.summary_recorded(s),
+            EventBody::SweepEnded(s) => self.sweep_ended(s),
+            EventBody::RollingStateUpdated(r) => {
+                self.conv.rolling = Some(r.state.clone());
+                self.conv.rolling_through = Some(r.through_turn);
+                self.conv.rolling_due = false;
+                self.conv.turns_since_rolling = 0;
+                self.conv.consecutive_tool_calls = 0;
+                FoldStatus::Applied
+            }
+            EventBody::EventRejected(r) => {
+                // A rejection made by a runtime that could not decode bytes.
+                self.conv.rejections += 1;
+                self.history("event_rejected", r.reason.clone());
+                FoldStatus::Applied
+            }
+            body if body.is_decision() => {
+                // A decision this fold did not take (another policy wrote it):
+                // kept for audit, never acted on.
+                self.history(
+                    body.type_name(),
+                    "observed, not derived by this policy".into(),
+                );
+                FoldStatus::Applied
+            }
+            _ => FoldStatus::Applied,
+        };
+        match &status {
+            // A rejected summary already produced its `summary_rejected`.
+            FoldStatus::Rejected(reason)
+                if !matches!(event.body, EventBody::SummaryRecorded(_)) =>
+            {
+                self.conv.rejections += 1;
+                let reason = reason.clone();
+                self.history("event_rejected", reason.clone());
+                self.decide(
+                    "event_rejected",
+                    EventBody::EventRejected(EventRejected {
+                        rejected_id: event.id.clone(),
+                        event_type: Some(event.type_name().to_string()),
+                        reason,
+                    }),
+                );
+            }
+            _ => {}
+        }
+        // A rejected event's id is still consumed: a redelivery is a no-op.
+        self.conv.mark_applied(&event.id);
+        if status != FoldStatus::Duplicate {
+            self.evaluate();
+        }
+        status
+    }
+
+    fn history(&mut self, event_type: &str, detail: String) {
+        let (time, id) = (self.event.time, self.event.id.clone());
+        self.conv.push_history(time, &id, event_type, detail);
+    }
+
+    fn decide(&mut self, what: &str, body: EventBody) {
+        let env = Envelope::new(
+            derived_event_id(&self.event.id, what),
+            self.conv.key.clone(),
+            self.event.time,
+            body,
+        );
+        self.conv.mark_applied(&env.id);
+        self.decisions.push(env);
+    }
+
+    fn turn_appended(&mut self, t: &TurnAppended) -> FoldStatus {
+        let msg = &t.message;
+        if msg.role == Role::Tool {
+            let Some(call_id) = msg.tool_call_id.as_deref() else {
+                return FoldStatus::Rejected("tool turn without tool_call_id".into());
+            };
+            let known = self.conv.turns.iter().rev().any(|turn| {
+                turn.epoch == self.conv.epoch && turn.tool_call_ids().any(|c| c == call_id)
+            });
+            if !known {
+                return FoldStatus::Rejected(format!(
+                    "orphan tool result: no earlier assistant turn made tool call {call_id:?}"
+                ));
+            }
+        }
+        if msg.tool_calls.iter().any(|c| c.id.is_empty()) {
+            return FoldStatus::Rejected("assistant tool call with an empty id".into());
+        }
+        let normalized = normalize(&msg.searchable_text());
+        let digest = id_digest(&format!(
+            "{}\u{0}{}\u{0}{}",
+            msg.role.as_str(),
+            msg.tool_call_id.as_deref().unwrap_or(""),
+            normalized
+        ));
+        // Replay-flood guard.
+        let second = self.event.time / 1000;
+        if self.conv.flood.second != second {
+            self.conv.flood.second = second;
+            self.conv.flood.counts.clear();
+        }
+        let count = match self
+            .conv
+            .flood
+            .counts
+            .iter_mut()
+            .find(|(d, _)| *d == digest)
+        {
+            Some((_, c)) => {
+                *c += 1;
+                *c
+            }
+            None => {
+                self.conv.flood.counts.push((digest, 1));
+                1
+            }
+        };
+        let limit = if msg.role == Role::User {
+            self.policy.flood_max_user_per_second
+        } else {
+            self.policy.flood_max_other_per_second
+        };
+        if count > limit {
+            return FoldStatus::Rejected(format!(
+                "replay flood: {count} identical {} turns within one second (limit {limit})",
+                msg.role.as_str()
+            ));
+        }
+        // Duplicate long user turns within the window stay out of context.
+        let mut in_context = true;
+        if msg.role == Role::User && normalized.chars().count() >= self.policy.duplicate_min_chars {
+            let now = self.event.time;
+            let window = self.policy.duplicate_window_ms;
+            self.conv
+                .recent_user_turns
+                .retain(|(t, _)| now.saturating_sub(*t) <= window);
+            if self
+                .conv
+                .recent_user_turns
+                .iter()
+                .any(|(_, d)| *d == digest)
+            {
+                in_context = false;
+                self.conv.duplicates_dropped += 1;
+                self.history(
+                    "duplicate_user_turn",
+                    format!("identical to a user turn within {window} ms"),
+                );
+            } else {
+                self.conv.recent_user_turns.push((now, digest));
+            }
+        }
+        if self.conv.model.is_none() && self.conv.turns.is_empty() {
+            if let Some(model) = &t.model {
+                self.conv.encoding = tokens::Encoding::for_model(Some(model));
+            }
+        }
+        let tokens = self
+            .turn_tokens
+            .unwrap_or_else(|| tokens::count_message(self.conv.encoding, msg));
+        self.push_turn(t, tokens, in_context);
+        FoldStatus::Applied
+    }
+
+    fn push_turn(&mut self, t: &TurnAppended, tokens: u64, mut in_context: bool) {
+        let msg = &t.message;
+        let seq = self.conv.turns.len() as u64;
+        // A late tool result (its call's group already closed) would break
+        // tool pairing in context: it is kept, but out of context.
+        if in_context && msg.role == Role::Tool {
+            let call_id = msg.tool_call_id.as_deref().unwrap_or("");
+            let attached = self.conv.context.iter().rev().find_map(|item| match *item {
+                ContextItem::Turn(s) => {
+                    let prev = &self.conv.turns[s as usize];
+                    if prev.role == Role::Tool {
+                        None
+                    } else {
+                        Some(prev.tool_call_ids().any(|c| c == call_id))
+                    }
+                }
+                ContextItem::Summary(_) => Some(false),
+            });
+            if attached != Some(true) {
+                in_context = false;
+                self.history(
+                    "late_tool_result",
+                    format!("result for {call_id:?} arrived after its group closed"),
+                );
+            }
+        }
+        let large = tokens > self.policy.large_payload_threshold_tokens;
+        let context_tokens = if large {
+            LARGE_PAYLOAD_STUB_TOKENS
+        } else {
+            tokens
+        };
+        let bytes = msg.text_bytes() as u64;
+        self.conv.turns.push(Turn {
+            seq,
+            event_id: self.event.id.clone(),
+            time: self.event.time,
+            role: msg.role,
+            tokens,
+            context_tokens,
+            bytes,
+            in_context,
+            large_payload: large,
+            epoch: self.conv.epoch,
+            body: Arc::new(t.clone()),
+        });
+        if in_context {
+            self.conv.context.push(ContextItem::Turn(seq));
+            self.conv.context_tokens += context_tokens;
+            self.conv.context_bytes += bytes;
+        }
+        self.conv.turns_since_rolling += 1;
+        match msg.role {
+            Role::Assistant if !msg.tool_calls.is_empty() => {
+                self.conv.consecutive_tool_calls += msg.tool_calls.len() as u64
+            }
+            Role::User => self.conv.consecutive_tool_calls = 0,
+            _ => {}
+        }
+        let before = self.conv.context_tokens.saturating_sub(context_tokens);
+        let levels = policy::levels(self.conv, self.policy);
+        if self.conv.turns_since_rolling >= self.policy.rolling_every_turns
+            || self.conv.consecutive_tool_calls >= self.policy.rolling_tool_loop
+            || (before <= levels.rolling_tokens && self.conv.context_tokens > levels.rolling_tokens)
+        {
+            self.conv.rolling_due = true;
+        }
+    }
+
+    fn provider_error(&mut self, e: &ProviderErrorObserved) -> FoldStatus {
+        let verdict = overflow::classify(&e.error);
+        if !verdict.overflow {
+            self.history(
+                "provider_error_observed",
+                "not a context overflow; no compaction".into(),
+            );
+            return FoldStatus::Applied;
+        }
+        self.conv.last_overflow_tokens = verdict.requested_tokens;
+        let levels = policy::levels(self.conv, self.policy);
+        let mut target = levels.target_tokens;
+        if let Some(limit) = verdict.limit_tokens {
+            // The provider told us its real limit: aim under it.
+            target = target.min((limit as f64 * self.policy.context_target) as u64);
+        }
+        self.history(
+            "provider_error_observed",
+            format!(
+                "context overflow (requested {:?}, limit {:?}); urgent compaction to {target} tokens",
+                verdict.requested_tokens, verdict.limit_tokens
+            ),
+        );
+        self.raise_debt(DebtReason::Overflow, true, target, None);
+        FoldStatus::Applied
+    }
+
+    fn compaction_requested(&mut self, r: &CompactionRequested) -> FoldStatus {
+        let levels = policy::levels(self.conv, self.policy);
+        let target = r.target_tokens.unwrap_or(levels.target_tokens);
+        self.history(
+            "compaction_requested",
+            format!("manual compaction to {target} tokens"),
+        );
+        self.raise_debt(DebtReason::Manual, true, target, r.instructions.clone());
+        FoldStatus::Applied
+    }
+
+    fn reset(&mut self, r: &ConversationReset) -> FoldStatus {
+        let c = &mut *self.conv;
+        c.epoch += 1;
+        c.context.clear();
+        c.context_tokens = 0;
+        c.context_bytes = 0;
+        c.pending_job = None;
+        c.turns_since_rolling = 0;
+        c.consecutive_tool_calls = 0;
+        c.rolling_due = false;
+        c.rolling = None;
+        c.rolling_through = None;
+        c.recent_user_turns.clear();
+        let reason = r
+            .reason
+            .clone()
+            .unwrap_or_else(|| "conversation reset".into());
+        self.history("conversation_reset", reason);
+        if self.conv.debt.take().is_some() {
+            self.decide(
+                "debt_cleared",
+                EventBody::DebtCleared(DebtCleared {
+                    reason: "conversation reset".into(),
+                }),
+            );
+        }
+        FoldStatus::Applied
+    }
+
+    /// Records a new debt or coalesces a trigger into the pending one.
+    fn raise_debt(
+        &mut self,
+        reason: DebtReason,
+        urgent: bool,
+        target: u64,
+        instructions: Option<String>,
+    ) {
+        let levels = policy::levels(self.conv, self.policy);
+        let now = self.event.time;
+        match &mut self.conv.debt {
+            None => {
+                let debt = Debt {
+                    reason,
+                    context_tokens: self.conv.context_tokens,
+                    threshold_tokens: levels.threshold_tokens,
+                    target_tokens: target,
+                    urgent,
+                    since: now,
+                    instructions,
+                };
+                self.conv.debt = Some(debt.clone());
+                self.conv.cycle += 1;
+                let cycle = self.conv.cycle;
+                self.history(
+                    "debt_recorded",
+                    format!("{reason:?} at {} tokens", debt.context_tokens),
+                );
+                self.decide("debt_recorded", EventBody::DebtRecorded(debt));
+                self.decide(
+                    "memory_flush_requested",
+                    EventBody::MemoryFlushRequested(MemoryFlushRequested { cycle, reason }),
+                );
+            }
+            Some(debt) => {
+                let stronger = urgent && !debt.urgent;
+                let changed = stronger || target < debt.target_tokens || instructions.is_some();
+                if !changed {
+                    return;
+                }
+                if stronger {
+                    debt.reason = reason;
+                    debt.urgent = true;
+                }
+                debt.target_tokens = debt.target_tokens.min(target);
+                debt.context_tokens = self.conv.context_tokens;
+                if instructions.is_some() {
+                    debt.instructions = instructions;
+                }
+                let debt = debt.clone();
+                self.history(
+                    "debt_updated",
+                    format!("{:?}, target {}", debt.reason, debt.target_tokens),
+                );
+                self.decide("debt_updated", EventBody::DebtUpdated(debt));
+            }
+        }
+    }
+
+    fn summary_recorded(&mut self, s: &SummaryRecorded) -> FoldStatus {
+        match self.validate_summary(s) {
+            Ok((start, end, first_turn, last_turn, source_tokens)) => {
+                let tokens = tokens::count_text(self.conv.encoding, &s.content);
+                let index = self.conv.summaries.len() as u32;
+                self.conv.summaries.push(Summary {
+                    id: s.summary_id.clone(),
+                    kind: s.kind,
+                    depth: s.depth,
+                    covers: s.covers.clone(),
+                    first_turn,
+                    last_turn,
+                    content: Arc::from(s.content.as_str()),
+                    tokens,
+                    source_tokens,
+                    model: s.model.clone(),
+                    provider: s.provider.clone(),
+                    prompt_version: s.prompt_version.clone(),
+                    fallback: s.fallback,
+                    time: self.event.time,
+                    job_id: s.job_id.clone(),
+                });
+                let removed_bytes: u64 = self.conv.context[start..end]
+                    .iter()
+                    .map(|i| match i {
+                        ContextItem::Turn(seq) => self.conv.turns[*seq as usize].bytes,
+                        ContextItem::Summary(_) => 0,
+                    })
+                    .sum();
+                self.conv
+                    .context
+                    .splice(start..end, [ContextItem::Summary(index)]);
+                self.conv.context_tokens = self.conv.context_tokens - source_tokens + tokens;
+                self.conv.context_bytes -= removed_bytes;
+                if let (Some(pending), Some(id)) = (&mut self.conv.pending_job, &s.job_id) {
+                    if &pending.job.job_id == id {
+                        pending.committed += 1;
+                    }
+                }
+                self.history(
+                    "summary_recorded",
+                    format!(
+                        "{} {:?} depth {} over turns {first_turn}..={last_turn}: {source_tokens} -> {tokens} tokens{}",
+                        s.summary_id,
+                        s.kind,
+                        s.depth,
+                        if s.fallback { " (deterministic fallback)" } else { "" }
+                    ),
+                );
+                FoldStatus::Applied
+            }
+            Err(reason) => {
+                self.conv.stale_summaries += 1;
+                self.history("summary_rejected", format!("{}: {reason}", s.summary_id));
+                self.decide(
+                    "summary_rejected",
+                    EventBody::SummaryRejected(SummaryRejected {
+                        summary_id: s.summary_id.clone(),
+                        job_id: s.job_id.clone(),
+                        reason: reason.clone(),
+                    }),
+                );
+                FoldStatus::Rejected(reason)
+            }
+        }
+    }
+
+    /// Checks that a summary matches the current state exactly; returns the
+    /// context range it replaces, its turn span and source tokens.
+    fn validate_summary(
+        &self,
+        s: &SummaryRecorded,
+    ) -> Result<(usize, usize, u64, u64, u64), String> {
+        let expected = summary_id(
+            &self.conv.key,
+            s.kind,
+            s.depth,
+            &s.covers,
+            &s.content,
+            &s.prompt_version,
+        );
+        if expected != s.summary_id {
+            return Err(format!(
+                "id is not the content address of the summary (expected {expected})"
+            ));
+        }
+        if s.content.trim().is_empty() {
+            return Err("empty summary".into());
+        }
+        if self.conv.summary_index(&s.summary_id).is_some() {
+            return Err("stale: this summary was already recorded".into());
+        }
+        let ctx = &self.conv.context;
+        match (&s.kind, &s.covers) {
+            (SummaryKind::Leaf, Covers::Turns { first, last }) => {
+                if s.depth != 0 {
+                    return Err("a leaf summary has depth 0".into());
+                }
+                if first > last || *last as usize >= self.conv.turns.len() {
+                    return Err(format!("covers unknown turns {first}..={last}"));
+                }
+                let Some(start) = ctx.iter().position(|i| *i == ContextItem::Turn(*first)) else {
+                    return Err(format!("stale: turn {first} is no longer raw in context"));
+                };
+                let mut end = start;
+                let mut tokens = 0;
+                for seq in *first..=*last {
+                    let turn = &self.conv.turns[seq as usize];
+                    if !turn.in_context {
+                        continue;
+                    }
+                    if ctx.get(end) != Some(&ContextItem::Turn(seq)) {
+                        return Err(format!(
+                            "stale or non-contiguous: turn {seq} is not next in context"
+                        ));
+                    }
+                    tokens += turn.context_tokens;
+                    end += 1;
+                }
+                let conv: &Conversation = self.conv;
+                if !policy::is_boundary(conv, start) || !policy::is_boundary(conv, end) {
+                    return Err("the chunk separates a tool call from its result".into());
+                }
+                let tail = policy::fresh_tail_start(conv, self.policy);
+                if end > tail && !self.conv.pending_job.as_ref().is_some_and(|p| p.job.urgent) {
+                    return Err("covers turns of the fresh tail".into());
+                }
+                Ok((start, end, *first, *last, tokens))
+            }
+            (SummaryKind::Condensed, Covers::Summaries { ids }) => {
+                if ids.len() < 2 {
+                    return Err("a condensed summary covers at least two summaries".into());
+                }
+                let mut start = None;
+                let mut tokens = 0;
+                let (mut first_turn, mut last_turn) = (u64::MAX, 0);
+                for (k, id) in ids.iter().enumerate() {
+                    let Some(index) = self.conv.summary_index(id) else {
+                        return Err(format!("covers unknown summary {id}"));
+                    };
+                    let child = &self.conv.summaries[index as usize];
+                    if child.depth + 1 != s.depth {
+                        return Err(format!(
+                            "child {id} has depth {}, expected {}",
+                            child.depth,
+                            s.depth - 1
+                        ));
+                    }
+                    let Some(pos) = ctx.iter().position(|i| *i == ContextItem::Summary(index))
+                    else {
+                        return Err(format!("stale: summary {id} is already condensed"));
+                    };
+                    match start {
+                        None => start = Some(pos),
+                        Some(s0) if pos != s0 + k => {
+                            return Err("children are not contiguous in context".into())
+                        }
+                        _ => {}
+                    }
+                    tokens += child.tokens;
+                    first_turn = first_turn.min(child.first_turn);
+                    last_turn = last_turn.max(child.last_turn);
+                }
+                let start = start.unwrap_or(0);
+                Ok((start, start + ids.len(), first_turn, last_turn, tokens))
+            }
+            _ => Err("kind and covers disagree".into()),
+        }
+    }
+
+    fn sweep_ended(&mut self, s: &SweepEnded) -> FoldStatus {
+        let now = self.event.time;
+        let spend = &mut self.conv.spend;
+        if now >= spend.window_start + self.policy.summary_call_window_ms || spend.window_start == 0
+        {
+            spend.window_start = now;
+            spend.calls = 0;
+            spend.tokens = 0;
+            spend.cost_micros = 0;
+        }
+        spend.calls += s.calls;
+        spend.tokens += s.tokens_spent;
+        spend.cost_micros += s.cost_micros;
+        let pending = match &self.conv.pending_job {
+            Some(p) if p.job.job_id == s.job_id => self.conv.pending_job.take(),
+            _ => None,
+        };
+        let committed = pending
+            .as_ref()
+            .map_or(s.committed, |j| j.committed.max(s.committed));
+        let urgent = pending.as_ref().is_some_and(|p| p.job.urgent);
+        self.history(
+            "sweep_ended",
+            format!(
+                "{}: {:?} after {} passes, {committed} committed",
+                s.job_id, s.stop, s.passes
+            ),
+        );
+        if committed == 0 && s.stop != SweepStop::Done || s.stop == SweepStop::NoProgress {
+            if let Some(delay) = s.retry_after_ms {
+                self.conv.spend.backoff_until = now + delay;
+            } else if !urgent {
+                // Backoff only after a round that made no progress.
+                self.conv.spend.backoff_until = now + self.policy.summary_spend_backoff_ms;
+            }
+        }
+        if committed == 0 && urgent && self.conv.debt.as_ref().is_some_and(|d| d.urgent) {
+            self.conv.debt = None;
+            self.decide(
+                "debt_cleared",
+                EventBody::DebtCleared(DebtCleared {
+                    reason: format!("urgent compaction made no progress ({:?}); nothing left outside the fresh tail", s.stop),
+                }),
+            );
+        }
+        FoldStatus::Applied
+    }
+
+    /// Re-evaluates the triggers after every event: records, updates or
+    /// clears the single debt and issues a job when none is pending.
+    fn evaluate(&mut self) {
+        if policy::session_matches(&self.policy.stateless_sessions, &self.conv.key) {
+            return;
+        }
+        let levels = policy::levels(self.conv, self.policy);
+        let tokens = self.conv.context_tokens;
+        if tokens > levels.threshold_tokens {
+            self.raise_debt(DebtReason::Threshold, false, levels.target_tokens, None);
+        }
+        if let Some(max) = self.policy.max_active_transcript_bytes {
+            if self.conv.context_bytes > max {
+                self.raise_debt(
+                    DebtReason::TranscriptBytes,
+                    false,
+                    levels.target_tokens,
+                    None,
+                );
+            }
+        }
+        let now = self.event.time;
+        // A job whose worker vanished is given up after twice its deadline.
+        if let Some(pending) = &self.conv.pending_job {
+            if now > pending.job.issued_at + 2 * pending.job.deadline_ms + 60_000 {
+                let id = pending.job.job_id.clone();
+                self.conv.pending_job = None;
+                self.history(
+                    "job_expired",
+                    format!("{id} ended without a sweep_ended event"),
+                );
+            }
+        }
+        if self.conv.pending_job.is_some() {
+            return;
+        }
+        // Debt that is paid: under target, or nothing left to compact.
+        if let Some(debt) = &self.conv.debt {
+            let conv: &Conversation = self.conv;
+            let over = tokens > debt.target_tokens;
+            let work_left = policy::next_leaf_chunk(conv, self.policy, over || debt.urgent)
+                .is_some()
+                || policy::next_condensation(conv, self.policy, false, debt.urgent).is_some();
+            if !over || !work_left {
+                let reason = if !over {
+                    format!(
+                        "context at {tokens} tokens, under target {}",
+                        debt.target_tokens
+                    )
+                } else {
+                    format!("context at {tokens} tokens but nothing outside the fresh tail is left to compact")
+                };
+                self.conv.debt = None;
+                self.history("debt_cleared", reason.clone());
+                self.decide(
+                    "debt_cleared",
+                    EventBody::DebtCleared(DebtCleared { reason }),
+                );
+            }
+        }
+        let spend = &self.conv.spend;
+        let window_open = now >= spend.window_start + self.policy.summary_call_window_ms;
+        let calls_left = if window_open {
+            self.policy.summary_max_calls_per_window
+        } else {
+            self.policy
+                .summary_max_calls_per_window
+                .saturating_sub(spend.calls)
+        };
+        let tokens_left = self.policy.summary_max_tokens_per_window.map(|max| {
+            if window_open {
+                max
+            } else {
+                max.saturating_sub(spend.tokens)
+            }
+        });
+        let in_backoff = now < spend.backoff_until;
+        let spend_ok = calls_left > 0 && tokens_left != Some(0) && !in_backoff;
+        let (compact, urgent, reason, target, instructions) = match &self.conv.debt {
+            Some(d) if d.urgent || spend_ok => (
+                true,
+                d.urgent,
+                d.reason,
+                d.target_tokens,
+                d.instructions.clone(),
+            ),
+            _ if self.conv.rolling_due && spend_ok => (
+                false,
+                false,
+                DebtReason::Threshold,
+                levels.target_tokens,
+                None,
+            ),
+            _ => return,
+        };
+        let job_id = format!(
+            "job_{}_{}",
+            &blake3::hash(self.conv.key.as_bytes()).to_hex()[..12],
+            self.conv.jobs_issued
+        );
+        self.conv.jobs_issued += 1;
+        let deadline_ms = if reason == DebtReason::Overflow {
+            self.policy.compact_until_under_deadline_ms
+        } else {
+            self.policy.sweep_deadline_ms
+        };
+        let refresh_rolling_state = self.conv.rolling_due;
+        self.history(
+            "job_issued",
+            format!(
+                "{job_id}: {reason:?}{}, {tokens} -> {target} tokens",
+                if urgent { " (urgent)" } else { "" }
+            ),
+        );
+        let job = JobIssued {
+            job_id,
+            reason,
+            urgent,
+            context_tokens: tokens,
+            target_tokens: target,
+            deadline_ms,
+            issued_at: now,
+            instructions,
+            compact,
+            refresh_rolling_state,
+            max_calls: if urgent { None } else { Some(calls_left) },
+            max_tokens: if urgent { None } else { tokens_left },
+        };
+        self.conv.pending_job = Some(PendingJob {
+            job: job.clone(),
+            committed: 0,
+        });
+        self.decide("job_issued", EventBody::JobIssued(job));
+    }
+}
+
+/// Whitespace-collapsed, case-folded text for duplicate detection.
+fn normalize(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for word in text.split_whitespace() {
+        if !out.is_empty() {
+            out.push(' ');
+        }
+        out.extend(word.chars().flat_map(char::to_lowercase));
+    }
+    out
+}

@@ -1,0 +1,350 @@
+//! Per-conversation state: every turn's metadata and body, the summary DAG,
+//! the ordered context items an agent would see now, the one pending debt,
+//! sweep and spend-window bookkeeping, and rolling-state counters.
+//!
+//! Turns, summaries, applied ids and history are append-only vectors so the
+//! state store can persist a conversation incrementally.
+
+use crate::core::event::{Covers, Debt, RollingState, SummaryKind, TurnAppended};
+use crate::core::message::Role;
+use crate::core::tokens;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+
+/// A short, fixed-size digest of an event id, for idempotency checks.
+pub type IdDigest = [u8; 16];
+
+pub fn id_digest(id: &str) -> IdDigest {
+    let hash = blake3::hash(id.as_bytes());
+    let mut out = [0u8; 16];
+    out.copy_from_slice(&hash.as_bytes()[..16]);
+    out
+}
+
+/// Everything a partition's folder knows.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct State {
+    pub conversations: BTreeMap<String, Conversation>,
+    /// Events rejected before they could be attributed to a conversation.
+    pub unattributed_rejections: u64,
+}
+
+/// One turn as folded.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Turn {
+    pub seq: u64,
+    pub event_id: String,
+    pub time: u64,
+    pub role: Role,
+    /// Tokens of the verbatim message.
+    pub tokens: u64,
+    /// Tokens it costs in context (a stub when it is a large payload).
+    pub context_tokens: u64,
+    pub bytes: u64,
+    /// False for duplicate user turns: recorded, kept out of context.
+    pub in_context: bool,
+    /// The payload exceeds `large_payload_threshold_tokens`: shown as a stub.
+    pub large_payload: bool,
+    /// Reset epoch the turn belongs to.
+    pub epoch: u32,
+    /// The turn exactly as published.
+    pub body: Arc<TurnAppended>,
+}
+
+impl Turn {
+    pub fn tool_call_ids(&self) -> impl Iterator<Item = &str> {
+        self.body.message.tool_calls.iter().map(|c| c.id.as_str())
+    }
+    pub fn tool_result_for(&self) -> Option<&str> {
+        if self.role == Role::Tool {
+            self.body.message.tool_call_id.as_deref()
+        } else {
+            None
+        }
+    }
+    pub fn has_tool_calls(&self) -> bool {
+        !self.body.message.tool_calls.is_empty()
+    }
+}
+
+/// A node of the summary DAG.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Summary {
+    pub id: String,
+    pub kind: SummaryKind,
+    pub depth: u32,
+    pub covers: Covers,
+    /// Oldest and newest raw turn under this summary.
+    pub first_turn: u64,
+    pub last_turn: u64,
+    pub content: Arc<str>,
+    pub tokens: u64,
+    pub source_tokens: u64,
+    pub model: String,
+    pub provider: String,
+    pub prompt_version: String,
+    pub fallback: bool,
+    pub time: u64,
+    pub job_id: Option<String>,
+}
+
+/// One item of what the agent would see now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ContextItem {
+    Turn(u64),
+    /// Index into [`Conversation::summaries`].
+    Summary(u32),
+}
+
+/// The job the summarizers are working on.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PendingJob {
+    pub job: crate::core::event::JobIssued,
+    /// Summaries of this job accepted so far.
+    pub committed: u32,
+}
+
+/// Spend bookkeeping for one window.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SpendWindow {
+    pub window_start: u64,
+    pub calls: u32,
+    pub tokens: u64,
+    pub cost_micros: u64,
+    /// No routine job before this time (a round made no progress).
+    pub backoff_until: u64,
+}
+
+/// One line of a conversation's compaction history (for audit).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HistoryEntry {
+    pub time: u64,
+    pub event_id: String,
+    pub event_type: String,
+    pub detail: String,
+}
+
+/// Identical turns seen in the current second (replay-flood guard).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FloodWindow {
+    pub second: u64,
+    pub counts: Vec<(IdDigest, u32)>,
+}
+
+/// One conversation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Conversation {
+    pub key: String,
+    pub model: Option<String>,
+    pub context_window: Option<u64>,
+    pub encoding: tokens::Encoding,
+    pub epoch: u32,
+    /// Append-only: every turn ever folded, by sequence number.
+    pub turns: Vec<Turn>,
+    /// Append-only: every summary ever accepted.
+    pub summaries: Vec<Summary>,
+    /// Append-only: digests of every applied event id, in order.
+    pub applied: Vec<IdDigest>,
+    /// Append-only: compaction decisions and results, for `history`.
+    pub history: Vec<HistoryEntry>,
+    /// What the agent would see now, oldest first.
+    pub context: Vec<ContextItem>,
+    /// Sum of the context items' tokens.
+    pub context_tokens: u64,
+    /// Bytes of the raw turns in context.
+    pub context_bytes: u64,
+    pub debt: Option<Debt>,
+    pub pending_job: Option<PendingJob>,
+    /// Jobs issued so far (job ids are derived from it).
+    pub jobs_issued: u64,
+    /// Compaction cycles started (one memory flush per cycle).
+    pub cycle: u64,
+    pub spend: SpendWindow,
+    pub last_time: u64,
+    pub turns_since_rolling: u64,
+    pub consecutive_tool_calls: u64,
+    pub rolling_due: bool,
+    pub rolling: Option<RollingState>,
+    pub rolling_through: Option<u64>,
+    /// Recent user turns (time, digest of normalized text) for duplicate detection.
+    pub recent_user_turns: Vec<(u64, IdDigest)>,
+    pub flood: FloodWindow,
+    pub rejections: u64,
+    pub duplicates_dropped: u64,
+    pub stale_summaries: u64,
+    pub last_overflow_tokens: Option<u64>,
+    #[serde(skip)]
+    pub applied_set: HashSet<IdDigest>,
+}
+
+impl Conversation {
+    pub fn new(key: &str) -> Conversation {
+        Conversation {
+            key: key.to_string(),
+            model: None,
+            context_window: None,
+            encoding: tokens::Encoding::O200kBase,
+            epoch: 0,
+            turns: Vec::new(),
+            summaries: Vec::new(),
+            applied: Vec::new(),
+            history: Vec::new(),
+            context: Vec::new(),
+            context_tokens: 0,
+            context_bytes: 0,
+            debt: None,
+            pending_job: None,
+            jobs_issued: 0,
+            cycle: 0,
+            spend: SpendWindow::default(),
+            last_time: 0,
+            turns_since_rolling: 0,
+            consecutive_tool_calls: 0,
+            rolling_due: false,
+            rolling: None,
+            rolling_through: None,
+            recent_user_turns: Vec::new(),
+            flood: FloodWindow::default(),
+            rejections: 0,
+            duplicates_dropped: 0,
+            stale_summaries: 0,
+            last_overflow_tokens: None,
+            applied_set: HashSet::new(),
+        }
+    }
+
+    /// Rebuilds the in-memory id set after loading from a store.
+    pub fn rebuild_indexes(&mut self) {
+        self.applied_set = self.applied.iter().copied().collect();
+    }
+
+    pub fn has_applied(&self, id: &str) -> bool {
+        self.applied_set.contains(&id_digest(id))
+    }
+
+    pub fn mark_applied(&mut self, id: &str) {
+        let d = id_digest(id);
+        if self.applied_set.insert(d) {
+            self.applied.push(d);
+        }
+    }
+
+    pub fn item_tokens(&self, item: ContextItem) -> u64 {
+        match item {
+            ContextItem::Turn(seq) => self.turns[seq as usize].context_tokens,
+            ContextItem::Summary(i) => self.summaries[i as usize].tokens,
+        }
+    }
+
+    /// The condensed summary that covers summary `id`, if any.
+    pub fn parent_of(&self, id: &str) -> Option<&Summary> {
+        self.summaries.iter().find(|s| matches!(&s.covers, crate::core::event::Covers::Summaries { ids } if ids.iter().any(|c| c == id)))
+    }
+
+    pub fn summary_index(&self, id: &str) -> Option<u32> {
+        // Summaries are few relative to turns; newest are looked up most.
+        self.summaries
+            .iter()
+            .rposition(|s| s.id == id)
+            .map(|i| i as u32)
+    }
+
+    /// Tokens of the summaries in context (the summarized prefix).
+    pub fn summarized_prefix_tokens(&self) -> u64 {
+        self.context
+            .iter()
+            .filter(|i| matches!(i, ContextItem::Summary(_)))
+            .map(|&i| self.item_tokens(i))
+            .sum()
+    }
+
+    /// Summaries by depth that are in context now.
+    pub fn summaries_in_context_by_depth(&self) -> BTreeMap<u32, usize> {
+        let mut out = BTreeMap::new();
+        for item in &self.context {
+            if let ContextItem::Summary(i) = item {
+                *out.entry(self.summaries[*i as usize].depth).or_insert(0) += 1;
+            }
+        }
+        out
+    }
+
+    /// Source tokens of every raw turn (verbatim), for compression ratios.
+    pub fn raw_tokens(&self) -> u64 {
+        self.turns.iter().map(|t| t.tokens).sum()
+    }
+
+    pub fn push_history(&mut self, time: u64, event_id: &str, event_type: &str, detail: String) {
+        self.history.push(HistoryEntry {
+            time,
+            event_id: event_id.to_string(),
+            event_type: event_type.to_string(),
+            detail,
+        });
+    }
+}
+
+impl State {
+    /// A stable hash of the whole state: the same events folded under the
+    /// same policy give the same hash on any machine.
+    pub fn hash(&self) -> String {
+        let mut hasher = blake3::Hasher::new();
+        for (key, conv) in &self.conversations {
+            hasher.update(key.as_bytes());
+            hasher.update(conv.hash().as_bytes());
+        }
+        hasher.update(&self.unattributed_rejections.to_le_bytes());
+        hasher.finalize().to_hex()[..32].to_string()
+    }
+}
+
+impl Conversation {
+    /// A stable hash of this conversation's state.
+    pub fn hash(&self) -> String {
+        // MessagePack of the serde form: field order is fixed by the struct,
+        // maps are BTreeMaps, and the one HashSet is skipped.
+        let bytes = rmp_serde::to_vec(self).expect("state serializes");
+        blake3::hash(&bytes).to_hex()[..32].to_string()
+    }
+}
+
+/// The content address of a summary: the same summary of the same sources
+/// by the same prompt always has the same id.
+pub fn summary_id(
+    conversation: &str,
+    kind: SummaryKind,
+    depth: u32,
+    covers: &Covers,
+    content: &str,
+    prompt_version: &str,
+) -> String {
+    let mut h = blake3::Hasher::new();
+    h.update(conversation.as_bytes());
+    h.update(&[0, kind as u8]);
+    h.update(&depth.to_le_bytes());
+    match covers {
+        Covers::Turns { first, last } => {
+            h.update(b"turns");
+            h.update(&first.to_le_bytes());
+            h.update(&last.to_le_bytes());
+        }
+        Covers::Summaries { ids } => {
+            h.update(b"summaries");
+            for id in ids {
+                h.update(id.as_bytes());
+                h.update(&[0]);
+            }
+        }
+    }
+    h.update(prompt_version.as_bytes());
+    h.update(&[0]);
+    h.update(content.as_bytes());
+    format!("sum_{}", &h.finalize().to_hex()[..24])
+}
+
+/// A deterministic id for an event the fold derives from `cause`.
+pub fn derived_event_id(cause: &str, what: &str) -> String {
+    let h = blake3::hash(format!("{cause}\u{0}{what}").as_bytes());
+    format!("d_{}_{}", what, &h.to_hex()[..20])
+}

@@ -1,0 +1,358 @@
+//! Sweep planning: a job's snapshot of a conversation and the pure steps of
+//! a sweep over it (which pass next, what to ask the summarizer, the event
+//! that records the answer). The summarizer side runs these steps under its
+//! deadline; the fold later accepts each summary only if it still matches.
+
+use crate::core::event::{
+    Covers, Envelope, EventBody, JobIssued, RollingState, SummaryKind, SummaryRecorded,
+};
+use crate::core::message::Role;
+use crate::core::policy::{self, PlanItem, PlanView, PolicyConfig, Run};
+use crate::core::state::{summary_id, ContextItem, Conversation};
+use crate::core::summary::{
+    IdentifierPolicy, RollingStateRequest, SourceItem, SummaryDraft, SummaryRequest,
+};
+use crate::core::tokens;
+use serde::{Deserialize, Serialize};
+
+/// One context item in a snapshot. Items of the fresh tail carry no text.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SnapshotItem {
+    pub plan: PlanItemWire,
+    /// `Some(id)` for a summary.
+    pub summary_id: Option<String>,
+    pub first_turn: u64,
+    pub last_turn: u64,
+    pub source: Option<SourceItem>,
+}
+
+/// [`PlanItem`] in a serializable form.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlanItemWire {
+    pub seq: Option<u64>,
+    pub role: Option<Role>,
+    pub depth: u32,
+    pub tokens: u64,
+}
+
+impl From<PlanItemWire> for PlanItem {
+    fn from(w: PlanItemWire) -> PlanItem {
+        match (w.seq, w.role) {
+            (Some(seq), Some(role)) => PlanItem::Turn {
+                seq,
+                role,
+                tokens: w.tokens,
+            },
+            _ => PlanItem::Summary {
+                depth: w.depth,
+                tokens: w.tokens,
+            },
+        }
+    }
+}
+
+/// Everything a stateless summarizer needs to run one job.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SweepSnapshot {
+    pub conversation: String,
+    pub job: JobIssued,
+    pub encoding: tokens::Encoding,
+    pub budget: u64,
+    pub context_tokens: u64,
+    pub prefix_target_tokens: u64,
+    pub items: Vec<SnapshotItem>,
+    pub policy: PolicyConfig,
+    pub rolling: Option<RollingState>,
+    pub rolling_sources: Vec<SourceItem>,
+    pub through_turn: u64,
+}
+
+impl PlanView for SweepSnapshot {
+    fn len(&self) -> usize {
+        self.items.len()
+    }
+    fn item(&self, i: usize) -> PlanItem {
+        self.items[i].plan.into()
+    }
+}
+
+/// Removes `<tag ...>...</tag>` blocks of injected context (memory plugins)
+/// from text given to a summarizer; the stored turn is untouched.
+pub fn strip_injected(text: &str, tags: &[String]) -> String {
+    let mut out = text.to_string();
+    for tag in tags {
+        let open = format!("<{tag}");
+        let close = format!("</{tag}>");
+        while let Some(start) = out.find(&open) {
+            let after = &out[start + open.len()..];
+            if !(after.starts_with('>') || after.starts_with(' ')) {
+                break;
+            }
+            match out[start..].find(&close) {
+                Some(rel) => out.replace_range(start..start + rel + close.len(), ""),
+                None => break,
+            }
+        }
+    }
+    out
+}
+
+fn turn_source(conv: &Conversation, seq: u64, tags: &[String]) -> SourceItem {
+    let turn = &conv.turns[seq as usize];
+    let msg = &turn.body.message;
+    let tool = msg
+        .tool_calls
+        .first()
+        .map(|c| c.function.name.clone())
+        .or_else(|| msg.name.clone());
+    SourceItem {
+        label: format!("turn {seq}"),
+        role: Some(turn.role),
+        tool,
+        text: strip_injected(&msg.searchable_text(), tags),
+        tokens: turn.context_tokens,
+        time: turn.time,
+    }
+}
+
+/// Takes the snapshot a job works on.
+pub fn snapshot(conv: &Conversation, job: &JobIssued, cfg: &PolicyConfig) -> SweepSnapshot {
+    let levels = policy::levels(conv, cfg);
+    let tail = policy::fresh_tail_start(conv, cfg);
+    let tags = &cfg.strip_injected_context_tags;
+    let items = conv
+        .context
+        .iter()
+        .enumerate()
+        .map(|(i, &item)| {
+            let plan = conv.item(i);
+            let wire = match plan {
+                PlanItem::Turn { seq, role, tokens } => PlanItemWire {
+                    seq: Some(seq),
+                    role: Some(role),
+                    depth: 0,
+                    tokens,
+                },
+                PlanItem::Summary { depth, tokens } => PlanItemWire {
+                    seq: None,
+                    role: None,
+                    depth,
+                    tokens,
+                },
+            };
+            match item {
+                ContextItem::Turn(seq) => SnapshotItem {
+                    plan: wire,
+                    summary_id: None,
+                    first_turn: seq,
+                    last_turn: seq,
+                    source: (job.compact && i < tail).then(|| turn_source(conv, seq, tags)),
+                },
+                ContextItem::Summary(k) => {
+                    let s = &conv.summaries[k as usize];
+                    SnapshotItem {
+                        plan: wire,
+                        summary_id: Some(s.id.clone()),
+                        first_turn: s.first_turn,
+                        last_turn: s.last_turn,
+                        source: job.compact.then(|| SourceItem {
+                            label: format!("summary {}", s.id),
+                            role: None,
+                            tool: None,
+                            text: s.content.to_string(),
+                            tokens: s.tokens,
+                            time: s.time,
+                        }),
+                    }
+                }
+            }
+        })
+        .collect();
+    let from = conv.rolling_through.map_or(0, |t| t + 1);
+    let rolling_sources = if job.refresh_rolling_state {
+        conv.context
+            .iter()
+            .filter_map(|item| match item {
+                ContextItem::Turn(seq) if *seq >= from => Some(turn_source(conv, *seq, tags)),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .take(60)
+            .rev()
+            .collect()
+    } else {
+        Vec::new()
+    };
+    SweepSnapshot {
+        conversation: conv.key.clone(),
+        job: job.clone(),
+        encoding: conv.encoding,
+        budget: levels.budget,
+        context_tokens: conv.context_tokens,
+        prefix_target_tokens: levels.prefix_target_tokens,
+        items,
+        policy: cfg.clone(),
+        rolling: conv.rolling.clone(),
+        rolling_sources,
+        through_turn: conv.turns.len().saturating_sub(1) as u64,
+    }
+}
+
+/// One step of a sweep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pass {
+    Leaf(Run),
+    Condense(Run, u32),
+}
+
+impl SweepSnapshot {
+    fn summarized_prefix_tokens(&self) -> u64 {
+        self.items
+            .iter()
+            .filter(|i| i.summary_id.is_some())
+            .map(|i| i.plan.tokens)
+            .sum()
+    }
+
+    /// The next pass: leaf passes while an eligible chunk is left outside
+    /// the fresh tail, then condensation.
+    pub fn next_pass(&self) -> Option<Pass> {
+        if !self.job.compact {
+            return None;
+        }
+        let over = self.context_tokens > self.job.target_tokens;
+        let pressure = self.job.urgent;
+        if let Some(run) = policy::next_leaf_chunk(self, &self.policy, over || pressure) {
+            return Some(Pass::Leaf(run));
+        }
+        let prefix_over = self.summarized_prefix_tokens() > self.prefix_target_tokens;
+        policy::next_condensation(self, &self.policy, prefix_over, pressure && over)
+            .map(|(run, depth)| Pass::Condense(run, depth))
+    }
+
+    /// What to ask the summarizer for this pass.
+    pub fn request(&self, pass: Pass, aggressive: bool) -> SummaryRequest {
+        let (run, kind, depth) = match pass {
+            Pass::Leaf(run) => (run, SummaryKind::Leaf, 0),
+            Pass::Condense(run, depth) => (run, SummaryKind::Condensed, depth),
+        };
+        let sources: Vec<SourceItem> = self.items[run.start..run.end]
+            .iter()
+            .filter_map(|i| i.source.clone())
+            .collect();
+        let previous_summary = self.items[..run.start].iter().rev().find_map(|i| {
+            i.summary_id
+                .as_ref()
+                .and(i.source.as_ref())
+                .map(|s| s.text.clone())
+        });
+        SummaryRequest {
+            conversation: self.conversation.clone(),
+            kind,
+            depth,
+            target_tokens: policy::summary_target(&self.policy, depth, run.tokens, aggressive),
+            sources,
+            previous_summary: if kind == SummaryKind::Leaf {
+                previous_summary
+            } else {
+                None
+            },
+            instructions: self.job.instructions.clone(),
+            custom_instructions: self.policy.custom_instructions.clone(),
+            identifier_policy: IdentifierPolicy::Strict,
+            aggressive,
+        }
+    }
+
+    /// The `summary_recorded` payload for a draft, content-addressed.
+    pub fn record(&self, pass: Pass, draft: &SummaryDraft) -> SummaryRecorded {
+        let (run, kind, depth) = match pass {
+            Pass::Leaf(run) => (run, SummaryKind::Leaf, 0),
+            Pass::Condense(run, depth) => (run, SummaryKind::Condensed, depth),
+        };
+        let slice = &self.items[run.start..run.end];
+        let covers = match kind {
+            SummaryKind::Leaf => Covers::Turns {
+                first: slice.first().map_or(0, |i| i.first_turn),
+                last: slice.last().map_or(0, |i| i.last_turn),
+            },
+            SummaryKind::Condensed => Covers::Summaries {
+                ids: slice.iter().filter_map(|i| i.summary_id.clone()).collect(),
+            },
+        };
+        let summary_id = summary_id(
+            &self.conversation,
+            kind,
+            depth,
+            &covers,
+            &draft.content,
+            &draft.prompt_version,
+        );
+        SummaryRecorded {
+            summary_id,
+            job_id: Some(self.job.job_id.clone()),
+            kind,
+            depth,
+            covers,
+            content: draft.content.clone(),
+            source_tokens: run.tokens,
+            tokens: tokens::count_text(self.encoding, &draft.content),
+            model: draft.model.clone(),
+            provider: draft.provider.clone(),
+            prompt_version: draft.prompt_version.clone(),
+            fallback: draft.fallback,
+        }
+    }
+
+    /// Applies a recorded summary to the snapshot so the next pass sees it.
+    pub fn apply(&mut self, pass: Pass, rec: &SummaryRecorded) {
+        let run = match pass {
+            Pass::Leaf(run) | Pass::Condense(run, _) => run,
+        };
+        let first_turn = self.items[run.start].first_turn;
+        let last_turn = self.items[run.end - 1].last_turn;
+        let item = SnapshotItem {
+            plan: PlanItemWire {
+                seq: None,
+                role: None,
+                depth: rec.depth,
+                tokens: rec.tokens,
+            },
+            summary_id: Some(rec.summary_id.clone()),
+            first_turn,
+            last_turn,
+            source: Some(SourceItem {
+                label: format!("summary {}", rec.summary_id),
+                role: None,
+                tool: None,
+                text: rec.content.clone(),
+                tokens: rec.tokens,
+                time: 0,
+            }),
+        };
+        self.items.splice(run.start..run.end, [item]);
+        self.context_tokens = self.context_tokens - run.tokens + rec.tokens;
+    }
+
+    pub fn rolling_request(&self) -> Option<RollingStateRequest> {
+        self.job.refresh_rolling_state.then(|| RollingStateRequest {
+            conversation: self.conversation.clone(),
+            previous: self.rolling.clone(),
+            sources: self.rolling_sources.clone(),
+        })
+    }
+}
+
+/// The event a summarizer publishes for a recorded summary. Its id is
+/// derived from the summary's content address, so a redelivered job that
+/// writes the same summary is deduplicated.
+pub fn summary_event(conversation: &str, time: u64, rec: SummaryRecorded) -> Envelope {
+    Envelope::new(
+        format!("sr_{}", rec.summary_id),
+        conversation,
+        time,
+        EventBody::SummaryRecorded(rec),
+    )
+}

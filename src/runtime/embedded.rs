@@ -1,0 +1,144 @@
+//! The embedded pipeline: one machine, no server. Events go into an
+//! [`EventLog`]; the engine folds them; decisions are appended to the same
+//! log; jobs run right here with a summarizer; their results go back into
+//! the log and are folded like any other event.
+
+use crate::core::event::{Encoding, Envelope};
+use crate::core::sweep;
+use crate::log::{EventLog, LogError};
+use crate::runtime::engine::Engine;
+use crate::runtime::sweep::{run_sweep, PassSummarizer};
+use crate::store::{KvBackend, StoreError};
+use std::collections::HashSet;
+use std::time::Duration;
+
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    #[error(transparent)]
+    Log(#[from] LogError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Counts of one catch-up.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct CatchUp {
+    pub records: u64,
+    pub decisions: u64,
+}
+
+pub struct Pipeline<L: EventLog, B: KvBackend, S: PassSummarizer> {
+    pub log: L,
+    pub engine: Engine<B>,
+    summarizer: S,
+    /// Records folded between commits.
+    pub read_batch: usize,
+    jobs_run: HashSet<String>,
+}
+
+impl<L: EventLog, B: KvBackend, S: PassSummarizer> Pipeline<L, B, S> {
+    /// Opens the pipeline and catches the state up with the log.
+    pub async fn open(log: L, engine: Engine<B>, summarizer: S) -> Result<Self, PipelineError> {
+        let mut p = Pipeline {
+            log,
+            engine,
+            summarizer,
+            read_batch: 4096,
+            jobs_run: HashSet::new(),
+        };
+        p.catch_up().await?;
+        Ok(p)
+    }
+
+    /// Folds every record after the engine's position; appends the
+    /// decisions to the log; commits after each batch.
+    pub async fn catch_up(&mut self) -> Result<CatchUp, PipelineError> {
+        let mut total = CatchUp::default();
+        loop {
+            let records = self
+                .log
+                .read_after(self.engine.position(), self.read_batch)
+                .await?;
+            if records.is_empty() {
+                break;
+            }
+            let mut decisions = Vec::new();
+            for record in &records {
+                let applied = self.engine.apply(record);
+                decisions.extend(
+                    applied
+                        .decisions
+                        .into_iter()
+                        .map(|d| (Encoding::Msgpack, d.to_msgpack())),
+                );
+            }
+            total.records += records.len() as u64;
+            total.decisions += decisions.len() as u64;
+            // Decisions reach the log before the state that took them is
+            // committed: after a crash, the replay derives them again with
+            // the same ids, and the fold drops the copies.
+            if !decisions.is_empty() {
+                self.log.append_batch(&decisions).await?;
+            }
+            self.engine.commit()?;
+        }
+        Ok(total)
+    }
+
+    /// Appends events to the log (one sync), then folds and compacts until
+    /// nothing is pending.
+    pub async fn ingest(&mut self, events: &[Envelope]) -> Result<(), PipelineError> {
+        let records: Vec<(Encoding, Vec<u8>)> = events
+            .iter()
+            .map(|e| (Encoding::Msgpack, e.to_msgpack()))
+            .collect();
+        if !records.is_empty() {
+            self.log.append_batch(&records).await?;
+        }
+        self.settle().await
+    }
+
+    /// Appends raw bytes as they arrived (possibly malformed), then settles.
+    pub async fn ingest_raw(
+        &mut self,
+        records: &[(Encoding, Vec<u8>)],
+    ) -> Result<(), PipelineError> {
+        if !records.is_empty() {
+            self.log.append_batch(records).await?;
+        }
+        self.settle().await
+    }
+
+    /// Catches up, runs every pending job, and repeats until quiet.
+    pub async fn settle(&mut self) -> Result<(), PipelineError> {
+        // Each round either commits summaries or ends jobs; the cap only
+        // guards against a policy bug turning into a hang.
+        for _ in 0..10_000 {
+            self.catch_up().await?;
+            let jobs: Vec<_> = self
+                .engine
+                .state
+                .conversations
+                .values()
+                .filter_map(|c| c.pending_job.as_ref().map(|p| (c, p)))
+                .filter(|(_, p)| !self.jobs_run.contains(&p.job.job_id))
+                .map(|(c, p)| sweep::snapshot(c, &p.job, &self.engine.policy))
+                .collect();
+            if jobs.is_empty() {
+                return Ok(());
+            }
+            for snap in jobs {
+                self.jobs_run.insert(snap.job.job_id.clone());
+                let deadline = Duration::from_millis(snap.job.deadline_ms);
+                let mut out = Vec::new();
+                run_sweep(snap, &self.summarizer, deadline, |e| {
+                    out.push((Encoding::Msgpack, e.to_msgpack()))
+                })
+                .await;
+                self.log.append_batch(&out).await?;
+            }
+        }
+        tracing::error!("compaction did not settle after 10000 rounds; stopping");
+        Ok(())
+    }
+}

@@ -1,0 +1,155 @@
+//! The engine: decodes log records, folds them into state, tracks which
+//! conversations changed and commits them with the log position atomically.
+//! The embedded pipeline and the NATS folder both drive one engine per
+//! partition.
+
+use crate::core::event::{Envelope, EventBody, JobIssued};
+use crate::core::fold::{self, FoldStatus};
+use crate::core::policy::PolicyConfig;
+use crate::core::state::State;
+use crate::log::{LogRecord, Position};
+use crate::metrics as m;
+use crate::store::state_store::StateStore;
+use crate::store::{KvBackend, StoreError};
+use std::collections::BTreeSet;
+
+/// What folding one record produced.
+#[derive(Debug, Default)]
+pub struct Applied {
+    /// Decisions to publish to the log.
+    pub decisions: Vec<Envelope>,
+    /// Jobs among them, to hand to summarizers.
+    pub jobs: Vec<(String, JobIssued)>,
+}
+
+pub struct Engine<B: KvBackend> {
+    pub state: State,
+    pub policy: PolicyConfig,
+    store: StateStore<B>,
+    position: Position,
+    dirty: BTreeSet<String>,
+    fingerprint: String,
+}
+
+/// A fingerprint of the policy: state folded under another policy is
+/// rebuilt from the log.
+pub fn policy_fingerprint(policy: &PolicyConfig) -> String {
+    let bytes = rmp_serde::to_vec(policy).expect("policy serializes");
+    blake3::hash(&bytes).to_hex()[..16].to_string()
+}
+
+impl<B: KvBackend> Engine<B> {
+    /// Opens the engine on a store; the caller replays the log after
+    /// [`Engine::position`].
+    pub fn open(backend: B, policy: PolicyConfig) -> Result<Self, StoreError> {
+        let mut store = StateStore::new(backend);
+        let fingerprint = policy_fingerprint(&policy);
+        let (state, position) = store.load(&fingerprint)?;
+        Ok(Engine {
+            state,
+            policy,
+            store,
+            position,
+            dirty: BTreeSet::new(),
+            fingerprint,
+        })
+    }
+
+    /// Position of the last record folded.
+    pub fn position(&self) -> Position {
+        self.position
+    }
+
+    pub fn set_flush_every(&mut self, n: u32) {
+        self.store.flush_every = n.max(1);
+    }
+
+    /// Folds one log record (decoding it, or rejecting it with a reason).
+    pub fn apply(&mut self, record: &LogRecord) -> Applied {
+        self.position = self.position.max(record.position);
+        match Envelope::decode(&record.bytes, record.encoding) {
+            Ok(event) => self.apply_event(&event, None),
+            Err(err) => {
+                let (_, conv) = Envelope::salvage_id(&record.bytes, record.encoding);
+                let time = self
+                    .state
+                    .conversations
+                    .get(conv.as_deref().unwrap_or(""))
+                    .map_or(0, |c| c.last_time);
+                let env = fold::reject_undecodable(
+                    &mut self.state,
+                    &record.bytes,
+                    conv.as_deref(),
+                    &err.to_string(),
+                    time,
+                );
+                tracing::warn!(position = record.position, error = %err, "rejected undecodable event");
+                metrics::counter!(m::EVENTS_REJECTED).increment(1);
+                if let Some(c) = conv {
+                    self.dirty.insert(c);
+                }
+                Applied {
+                    decisions: vec![env],
+                    jobs: Vec::new(),
+                }
+            }
+        }
+    }
+
+    /// Folds one decoded event.
+    pub fn apply_event(&mut self, event: &Envelope, turn_tokens: Option<u64>) -> Applied {
+        let span = tracing::trace_span!("fold", conversation = %event.conversation, event = %event.id, kind = event.type_name());
+        let _guard = span.enter();
+        let outcome = fold::fold_counted(&mut self.state, &self.policy, event, turn_tokens);
+        match &outcome.status {
+            FoldStatus::Applied => metrics::counter!(m::EVENTS_FOLDED).increment(1),
+            FoldStatus::Duplicate => metrics::counter!(m::EVENTS_DUPLICATE).increment(1),
+            FoldStatus::Rejected(reason) => {
+                tracing::info!(%reason, "event rejected");
+                metrics::counter!(m::EVENTS_REJECTED).increment(1);
+            }
+            FoldStatus::Ignored => metrics::counter!(m::EVENTS_IGNORED).increment(1),
+        }
+        if outcome.status != FoldStatus::Duplicate && outcome.status != FoldStatus::Ignored {
+            self.dirty.insert(event.conversation.clone());
+        }
+        let jobs: Vec<_> = outcome
+            .decisions
+            .iter()
+            .filter_map(|d| match &d.body {
+                EventBody::JobIssued(j) => Some((d.conversation.clone(), j.clone())),
+                _ => None,
+            })
+            .collect();
+        metrics::counter!(m::JOBS_ISSUED).increment(jobs.len() as u64);
+        Applied {
+            decisions: outcome.decisions,
+            jobs,
+        }
+    }
+
+    /// Commits the changed conversations together with the position.
+    pub fn commit(&mut self) -> Result<(), StoreError> {
+        let dirty = std::mem::take(&mut self.dirty);
+        self.store
+            .commit(&mut self.state, &dirty, self.position, &self.fingerprint)?;
+        metrics::counter!(m::STATE_COMMITS).increment(1);
+        Ok(())
+    }
+
+    pub fn flush(&mut self) -> Result<(), StoreError> {
+        self.store.flush()
+    }
+
+    pub fn has_uncommitted(&self) -> bool {
+        !self.dirty.is_empty()
+    }
+
+    pub fn store(&self) -> &StateStore<B> {
+        &self.store
+    }
+
+    pub fn store_mut(&mut self) -> &mut StateStore<B> {
+        &mut self.store
+    }
+}

@@ -1,0 +1,214 @@
+//! The sweep runner: runs a job's passes against a summarizer under a hard
+//! deadline. The deadline cancels the call in flight (its future is
+//! dropped), every committed pass is kept, and the sweep ends with an event
+//! saying why it stopped.
+
+use crate::core::event::{
+    Envelope, EventBody, RollingState, RollingStateUpdated, SweepEnded, SweepStop,
+};
+use crate::core::summary::{RollingStateRequest, SummaryDraft, SummaryRequest};
+use crate::core::sweep::{summary_event, SweepSnapshot};
+use crate::metrics as m;
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+/// Spend of one summarizer call.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Spend {
+    pub calls: u32,
+    pub tokens: u64,
+    pub cost_micros: u64,
+}
+
+/// Why a pass could not produce a summary.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PassError {
+    #[error("rate limited; retry after {retry_after_ms} ms")]
+    RateLimited { retry_after_ms: u64, spend: Spend },
+    #[error("summarizer failed: {reason}")]
+    Failed { reason: String, spend: Spend },
+}
+
+/// What the sweep runner needs of a summarizer.
+pub trait PassSummarizer: Send + Sync {
+    fn summarize(
+        &self,
+        req: &SummaryRequest,
+    ) -> impl Future<Output = Result<(SummaryDraft, Spend), PassError>> + Send;
+    fn rolling_state(
+        &self,
+        req: &RollingStateRequest,
+    ) -> impl Future<Output = Result<(RollingState, Spend), PassError>> + Send;
+}
+
+/// The deterministic summarizer of the core: no model, no spend.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Deterministic;
+
+impl PassSummarizer for Deterministic {
+    async fn summarize(&self, req: &SummaryRequest) -> Result<(SummaryDraft, Spend), PassError> {
+        Ok((
+            crate::core::fallback_summary::summarize(req),
+            Spend::default(),
+        ))
+    }
+    async fn rolling_state(
+        &self,
+        req: &RollingStateRequest,
+    ) -> Result<(RollingState, Spend), PassError> {
+        Ok((
+            crate::core::fallback_summary::rolling_state(req),
+            Spend::default(),
+        ))
+    }
+}
+
+/// Runs one job. `publish` receives each event as soon as it is committed
+/// (summaries, the rolling state, and last the `sweep_ended`).
+pub async fn run_sweep<S, F>(
+    mut snap: SweepSnapshot,
+    summarizer: &S,
+    deadline: Duration,
+    mut publish: F,
+) -> SweepEnded
+where
+    S: PassSummarizer,
+    F: FnMut(Envelope),
+{
+    let started = Instant::now();
+    let span =
+        tracing::info_span!("sweep", conversation = %snap.conversation, job = %snap.job.job_id);
+    let _guard = span.enter();
+    let issued_at = snap.job.issued_at;
+    let logical_time = |started: Instant| logical_time(issued_at, started);
+    let job_id = snap.job.job_id.clone();
+    let conversation = snap.conversation.clone();
+    let max_passes = snap.policy.max_sweep_iterations;
+    let mut spent = Spend::default();
+    let mut passes = 0u32;
+    let mut committed = 0u32;
+    let mut retry_after_ms = None;
+    let mut detail = None;
+    let over_budget = |spent: &Spend, snap: &SweepSnapshot| {
+        snap.job.max_calls.is_some_and(|max| spent.calls >= max)
+            || snap.job.max_tokens.is_some_and(|max| spent.tokens >= max)
+    };
+    let mut stop = loop {
+        if passes >= max_passes {
+            break SweepStop::IterationCap;
+        }
+        if over_budget(&spent, &snap) {
+            break SweepStop::SpendLimit;
+        }
+        let Some(pass) = snap.next_pass() else {
+            break SweepStop::Done;
+        };
+        let remaining = deadline.saturating_sub(started.elapsed());
+        let request = snap.request(pass, false);
+        let result = tokio::time::timeout(remaining, summarizer.summarize(&request)).await;
+        passes += 1;
+        match result {
+            Err(_) => {
+                detail = Some(format!(
+                    "deadline of {} ms reached; the call in flight was cancelled",
+                    deadline.as_millis()
+                ));
+                break SweepStop::Deadline;
+            }
+            Ok(Err(PassError::RateLimited {
+                retry_after_ms: ms,
+                spend,
+            })) => {
+                add(&mut spent, spend);
+                retry_after_ms = Some(ms);
+                detail = Some(format!("rate limited; retry after {ms} ms"));
+                break if committed == 0 {
+                    SweepStop::NoProgress
+                } else {
+                    SweepStop::SpendLimit
+                };
+            }
+            Ok(Err(PassError::Failed { reason, spend })) => {
+                add(&mut spent, spend);
+                detail = Some(reason);
+                break SweepStop::Failed;
+            }
+            Ok(Ok((draft, spend))) => {
+                add(&mut spent, spend);
+                metrics::counter!(m::SUMMARIZER_CALLS).increment(spend.calls as u64);
+                let record = snap.record(pass, &draft);
+                if record.tokens >= record.source_tokens {
+                    detail = Some(format!(
+                        "summary of {} tokens is not smaller than its {}-token source",
+                        record.tokens, record.source_tokens
+                    ));
+                    break SweepStop::NoProgress;
+                }
+                snap.apply(pass, &record);
+                committed += 1;
+                metrics::counter!(m::SUMMARIES_WRITTEN).increment(1);
+                publish(summary_event(&conversation, logical_time(started), record));
+            }
+        }
+    };
+    if stop == SweepStop::Done
+        && committed == 0
+        && snap.job.compact
+        && snap.context_tokens > snap.job.target_tokens
+    {
+        stop = SweepStop::NoProgress;
+        detail.get_or_insert_with(|| "nothing eligible outside the fresh tail".into());
+    }
+    if let Some(req) = snap.rolling_request() {
+        let remaining = deadline.saturating_sub(started.elapsed());
+        if let Ok(Ok((state, spend))) =
+            tokio::time::timeout(remaining, summarizer.rolling_state(&req)).await
+        {
+            add(&mut spent, spend);
+            publish(Envelope::new(
+                format!("rs_{job_id}"),
+                conversation.clone(),
+                logical_time(started),
+                EventBody::RollingStateUpdated(RollingStateUpdated {
+                    state,
+                    through_turn: snap.through_turn,
+                    job_id: Some(job_id.clone()),
+                }),
+            ));
+        }
+    }
+    metrics::counter!(m::SWEEPS_ENDED).increment(1);
+    metrics::histogram!(m::SWEEP_SECONDS).record(started.elapsed().as_secs_f64());
+    let ended = SweepEnded {
+        job_id: job_id.clone(),
+        passes,
+        committed,
+        stop,
+        detail,
+        calls: spent.calls,
+        tokens_spent: spent.tokens,
+        cost_micros: spent.cost_micros,
+        retry_after_ms,
+    };
+    tracing::info!(passes, committed, stop = ?stop, "sweep ended");
+    publish(Envelope::new(
+        format!("se_{job_id}"),
+        conversation,
+        logical_time(started),
+        EventBody::SweepEnded(ended.clone()),
+    ));
+    ended
+}
+
+fn add(total: &mut Spend, s: Spend) {
+    total.calls += s.calls;
+    total.tokens += s.tokens;
+    total.cost_micros += s.cost_micros;
+}
+
+/// Events a summarizer writes carry the conversation's own clock (the
+/// job's issue time plus the time spent), so spend windows and backoff are
+/// measured in the same time as the turns.
+fn logical_time(issued_at: u64, started: Instant) -> u64 {
+    issued_at + started.elapsed().as_millis() as u64
+}
