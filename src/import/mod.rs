@@ -24,6 +24,13 @@
 //! file, so ids stay put when a file grows. Thinking / reasoning blocks are
 //! never content: they are dropped.
 //!
+//! Turns carry `model` and provider `usage` where the source records them,
+//! and these `metadata` keys when they apply: `is_error` (a failed tool
+//! result), `compact_summary` (Claude Code's own compaction summary),
+//! `orphan_tool_call_id` / `tool_name` (a tool result that answered no call,
+//! kept as a user message). User messages named `console` are output a
+//! person saw rather than typed (aider's `> ` lines, pi's `!` commands).
+//!
 //! Reading never panics on input: broken input gives an [`ImportError`]
 //! naming the line (JSONL, markdown) or the byte offset (JSON) where it failed.
 
@@ -579,6 +586,12 @@ mod tests {
             assert_eq!(name.parse::<Format>(), Ok(format));
         }
         assert_eq!("Claude_Code".parse::<Format>(), Ok(Format::ClaudeCode));
+        use clap::ValueEnum;
+        assert_eq!(
+            <Format as ValueEnum>::from_str("swe-agent", false),
+            Ok(Format::SweAgent)
+        );
+        assert!(<Format as ValueEnum>::from_str("sweagent", false).is_err());
         let err = "word".parse::<Format>().unwrap_err();
         assert!(err.contains("claude-code"), "{err}");
     }
