@@ -3,10 +3,12 @@
 //! - [`core`]: the pure, deterministic heart (events, fold, policy, assembly).
 //! - [`log`], [`store`]: the event log and the durable state (adapters).
 //! - [`runtime`]: the engine, the sweep runner and the embedded pipeline.
+//! - [`import`]: real agent transcripts read as inbound events.
 
 pub mod config;
 pub mod core;
 pub mod demo;
+pub mod import;
 pub mod log;
 pub mod metrics;
 pub mod runtime;
