@@ -303,6 +303,22 @@ impl Drop for InFlight<'_> {
     }
 }
 
+/// Loads the BPE tables of the models' encodings now. Their first use takes
+/// seconds (in a debug build) of synchronous work that no deadline can
+/// interrupt; paying it at construction keeps every call cancellable.
+pub fn warm_tokenizers(models: &[String]) {
+    let mut encodings = vec![Encoding::O200kBase];
+    for m in models {
+        let e = Encoding::for_model(Some(m));
+        if !encodings.contains(&e) {
+            encodings.push(e);
+        }
+    }
+    for e in encodings {
+        count_text(e, "warm");
+    }
+}
+
 /// The API key, never printed.
 #[derive(Clone, Default)]
 struct ApiKey(String);
@@ -399,6 +415,7 @@ impl LlmSummarizer {
             }
         });
         let client = async_openai::Client::with_config(openai_config).with_http_service(service);
+        warm_tokenizers(&config.model_chain());
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         Ok(LlmSummarizer {
             provider: config.provider_name(),
