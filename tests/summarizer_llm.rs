@@ -17,12 +17,15 @@ use contextfold::core::message::Role;
 use contextfold::core::summary::{IdentifierPolicy, SourceItem, SummaryRequest};
 use contextfold::core::tokens::{count_text, Encoding};
 use contextfold::summarizer::breaker::ManualClock;
+use contextfold::summarizer::config::ExternalConfig;
 use contextfold::summarizer::prompts::MISSING_IDENTIFIERS_PHRASE;
+use contextfold::summarizer::ConfiguredSummarizer;
 use contextfold::summarizer::{
     CallLog, CallOutcome, EscalatingSummarizer, LlmSummarizer, ModelPrice, SummarizeError,
     Summarizer, SummarizerConfig,
 };
-use llm_server::{completion, FakeLlm, Llmock, Scripted, ScriptedServer};
+use futures::StreamExt;
+use llm_server::{completion, FakeLlm, Llmock, NatsForTests, Scripted, ScriptedServer};
 use serde_json::json;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -677,4 +680,113 @@ async fn strict_identifiers_survive_retry_then_appended_section() {
         "the retry named the missing identifiers"
     );
     assert_eq!(server.total().await, 2);
+}
+
+// ------------------------------------------------------ external (NATS) --
+
+#[tokio::test]
+async fn external_summarizer_over_nats_falls_back_to_the_built_in_path() {
+    let Some(nats) = NatsForTests::start().await else {
+        return;
+    };
+    let client = async_nats::connect(nats.url()).await.expect("connect");
+
+    // The team's summarizer, answering by conversation name.
+    let mut requests = client.subscribe("summarize.team").await.expect("subscribe");
+    let responder = client.clone();
+    tokio::spawn(async move {
+        while let Some(msg) = requests.next().await {
+            let responder = responder.clone();
+            tokio::spawn(async move {
+                let req: SummaryRequest = serde_json::from_slice(&msg.payload).expect("request");
+                let reply = match req.conversation.as_str() {
+                    "team:ok" => json!({"content": format!("Team summary. {}", IDS.join(" ")),
+                                        "model": "team-model"}),
+                    "team:error" => json!({"error": "model overloaded"}),
+                    "team:slow" => {
+                        tokio::time::sleep(Duration::from_secs(3)).await;
+                        json!({"content": "too late"})
+                    }
+                    _ => json!({"content": ""}),
+                };
+                if let Some(to) = msg.reply {
+                    let _ = responder.publish(to, reply.to_string().into()).await;
+                }
+            });
+        }
+    });
+    client.flush().await.expect("flush");
+
+    // The built-in path, counting its calls.
+    let builtin =
+        ScriptedServer::start(|r| Scripted::json(200, completion(&r.model(), GOOD))).await;
+    let external_cfg = |subject: &str| SummarizerConfig {
+        api_key_env: "CONTEXTFOLD_TEST_UNSET_KEY".into(),
+        external: Some(ExternalConfig {
+            subject: subject.into(),
+            timeout_ms: 500,
+        }),
+        ..config(&builtin.base_url(), "m-builtin", &[])
+    };
+    let team = ConfiguredSummarizer::from_config(
+        &external_cfg("summarize.team"),
+        Some(client.clone()),
+        None,
+    )
+    .expect("configured");
+    let named = |conversation: &str| SummaryRequest {
+        conversation: conversation.into(),
+        identifier_policy: IdentifierPolicy::Off,
+        ..request(200)
+    };
+
+    let out = team.summarize(&named("team:ok")).await.unwrap();
+    assert_eq!(out.draft.model, "team-model");
+    assert_eq!(out.draft.provider, "nats:summarize.team");
+    assert!(!out.draft.fallback);
+    assert_eq!(
+        builtin.received().len(),
+        0,
+        "the built-in path was not needed"
+    );
+
+    let mut expected_builtin_calls = 0;
+    for (conversation, outcome) in [
+        ("team:error", "Invalid"),
+        ("team:empty", "Invalid"),
+        ("team:slow", "Timeout"),
+    ] {
+        let started = Instant::now();
+        let out = team.summarize(&named(conversation)).await.unwrap();
+        expected_builtin_calls += 1;
+        assert_eq!(out.draft.model, "m-builtin", "{conversation}");
+        assert_eq!(out.draft.content, GOOD);
+        assert_eq!(
+            builtin.received().len(),
+            expected_builtin_calls,
+            "{conversation}"
+        );
+        assert!(
+            format!("{:?}", out.calls[0].outcome).starts_with(outcome),
+            "{conversation}: {:?}",
+            out.calls
+        );
+        assert_eq!(out.calls[1].outcome, CallOutcome::Ok);
+        assert!(
+            started.elapsed() < Duration::from_millis(1500),
+            "{conversation}"
+        );
+    }
+
+    // Nobody listening on the subject: straight to the built-in path.
+    let nobody = ConfiguredSummarizer::from_config(
+        &external_cfg("summarize.nobody"),
+        Some(client.clone()),
+        None,
+    )
+    .expect("configured");
+    let out = nobody.summarize(&named("team:ok")).await.unwrap();
+    assert_eq!(out.draft.model, "m-builtin");
+    assert_eq!(out.calls[0].outcome, CallOutcome::Connect);
+    assert_eq!(builtin.received().len(), expected_builtin_calls + 1);
 }

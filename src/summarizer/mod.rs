@@ -63,6 +63,71 @@ impl<S: Summarizer> Summarizer for Arc<S> {
     }
 }
 
+/// The summarizer a configuration asks for: the LLM client, behind the
+/// external NATS summarizer when one is configured, always wrapped in
+/// validation and escalation.
+#[derive(Debug)]
+pub enum ConfiguredSummarizer {
+    Llm(Box<EscalatingSummarizer<LlmSummarizer>>),
+    External(
+        Box<
+            EscalatingSummarizer<
+                WithFallback<ExternalSummarizer<async_nats::Client>, LlmSummarizer>,
+            >,
+        >,
+    ),
+}
+
+impl ConfiguredSummarizer {
+    /// Builds from `config`; `nats` is needed only when `config.external`
+    /// is set. Every LLM call is also reported to `call_log` when given.
+    pub fn from_config(
+        config: &SummarizerConfig,
+        nats: Option<async_nats::Client>,
+        call_log: Option<CallLog>,
+    ) -> Result<Self, SummarizeError> {
+        let mut llm = LlmSummarizer::new(config.clone())?;
+        if let Some(log) = call_log {
+            llm = llm.with_call_log(log);
+        }
+        match (&config.external, nats) {
+            (None, _) => Ok(ConfiguredSummarizer::Llm(Box::new(
+                EscalatingSummarizer::new(llm, config),
+            ))),
+            (Some(ext), Some(client)) => {
+                let external = ExternalSummarizer::new(
+                    client,
+                    ext.subject.clone(),
+                    std::time::Duration::from_millis(ext.timeout_ms),
+                );
+                Ok(ConfiguredSummarizer::External(Box::new(
+                    EscalatingSummarizer::new(WithFallback::new(external, llm), config),
+                )))
+            }
+            (Some(ext), None) => Err(SummarizeError::Config(format!(
+                "summarizer.external.subject = {:?} needs a NATS connection",
+                ext.subject
+            ))),
+        }
+    }
+}
+
+impl Summarizer for ConfiguredSummarizer {
+    async fn summarize(&self, req: &SummaryRequest) -> Result<SummaryOutcome, SummarizeError> {
+        match self {
+            ConfiguredSummarizer::Llm(s) => s.summarize(req).await,
+            ConfiguredSummarizer::External(s) => s.summarize(req).await,
+        }
+    }
+
+    fn name(&self) -> &str {
+        match self {
+            ConfiguredSummarizer::Llm(s) => s.name(),
+            ConfiguredSummarizer::External(s) => s.name(),
+        }
+    }
+}
+
 /// A summary and every call spent to write it (including failed attempts).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SummaryOutcome {

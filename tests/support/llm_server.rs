@@ -504,3 +504,79 @@ pub fn completion(model: &str, content: &str) -> serde_json::Value {
         "usage": {"prompt_tokens": 100, "completion_tokens": 20, "total_tokens": 120}
     })
 }
+
+/// A plain nats-server (no JetStream) for the external summarizer's
+/// request/reply test. The binary is the one `scripts/install-nats.sh`
+/// installs: `$CONTEXTFOLD_NATS_SERVER`, else `nats-server` in
+/// `$CONTEXTFOLD_VENV/bin`, `.venv/bin` or `.venv-llm/bin`.
+pub struct NatsForTests {
+    process: Process,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl NatsForTests {
+    /// `None` (test skips) when no nats-server is installed.
+    pub async fn start() -> Option<NatsForTests> {
+        let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let mut candidates: Vec<PathBuf> = Vec::new();
+        if let Some(p) = std::env::var_os("CONTEXTFOLD_NATS_SERVER") {
+            candidates.push(PathBuf::from(p));
+        }
+        if let Some(v) = std::env::var_os("CONTEXTFOLD_VENV") {
+            candidates.push(PathBuf::from(v).join("bin/nats-server"));
+        }
+        candidates.push(manifest.join(".venv/bin/nats-server"));
+        candidates.push(manifest.join(".venv-llm/bin/nats-server"));
+        let Some(bin) = candidates.into_iter().find(|p| p.is_file()) else {
+            let msg = "no nats-server found: run scripts/install-nats.sh (or set CONTEXTFOLD_NATS_SERVER)";
+            if std::env::var_os("CONTEXTFOLD_REQUIRE_LLM_SERVERS").is_some() {
+                panic!("CONTEXTFOLD_REQUIRE_LLM_SERVERS is set but {msg}");
+            }
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "SKIPPED: {msg}");
+            return None;
+        };
+        let dir = tempfile::tempdir().expect("tempdir");
+        for _attempt in 0..3 {
+            let port = free_port();
+            let log = dir.path().join(format!("nats-{port}.log"));
+            let log_file = std::fs::File::create(&log).expect("nats log");
+            let child = Command::new(&bin)
+                .args(["-a", "127.0.0.1", "-p", &port.to_string()])
+                .stdin(Stdio::null())
+                .stdout(log_file.try_clone().expect("log fd"))
+                .stderr(log_file)
+                .spawn()
+                .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
+            let mut process = Process { child, log };
+            let deadline = Instant::now() + Duration::from_secs(15);
+            loop {
+                if let Ok(Some(_)) = process.child.try_wait() {
+                    break;
+                }
+                if async_nats::connect(format!("nats://127.0.0.1:{port}"))
+                    .await
+                    .is_ok()
+                {
+                    return Some(NatsForTests {
+                        process,
+                        port,
+                        _dir: dir,
+                    });
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "nats-server not ready on {port}: {}",
+                    process.log()
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        panic!("nats-server failed to start three times");
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+}
