@@ -14,7 +14,9 @@ mod llm_server;
 
 use contextfold::core::event::SummaryKind;
 use contextfold::core::message::Role;
-use contextfold::core::summary::{IdentifierPolicy, SourceItem, SummaryRequest};
+use contextfold::core::summary::{
+    IdentifierPolicy, RollingStateRequest, SourceItem, SummaryRequest, ROLLING_STATE_MAX_CHARS,
+};
 use contextfold::core::tokens::{count_text, Encoding};
 use contextfold::summarizer::breaker::ManualClock;
 use contextfold::summarizer::config::ExternalConfig;
@@ -531,6 +533,58 @@ async fn connection_errors_are_retried_a_bounded_number_of_times() {
         }
         other => panic!("expected Unavailable, got {other:?}"),
     }
+}
+
+#[tokio::test]
+async fn rolling_state_is_refreshed_within_its_limits() {
+    let long = "renewing the certificate for the api service and checking every pool ".repeat(5);
+    let server = ScriptedServer::start(move |r| {
+        let text = if r.model() == "m-state" {
+            format!(
+                "**Completed:** traced the failure to an expired certificate\n\
+                 **In progress:** {long}\n**Decisions:** keep the database at 10.20.30.40:5432 \
+                 untouched\n**Blockers:** none\n**Next:** redeploy build 9fceb02d0ae5"
+            )
+        } else {
+            "I think the agent is doing well.".to_string()
+        };
+        Scripted::json(200, completion(&r.model(), &text))
+    })
+    .await;
+    let req = RollingStateRequest {
+        conversation: "agent:ops:deploy".into(),
+        previous: None,
+        sources: request(200).sources,
+    };
+    let (state, calls) = llm(config(&server.base_url(), "m-state", &[]))
+        .refresh_rolling_state(&req)
+        .await
+        .unwrap();
+    assert_eq!(calls.len(), 1);
+    assert_eq!(
+        state.completed,
+        "traced the failure to an expired certificate"
+    );
+    assert!(state.decisions.contains("10.20.30.40:5432"));
+    assert_eq!(state.next, "redeploy build 9fceb02d0ae5");
+    let total = [
+        &state.completed,
+        &state.in_progress,
+        &state.decisions,
+        &state.blockers,
+        &state.next,
+    ]
+    .iter()
+    .map(|s| s.chars().count())
+    .sum::<usize>();
+    assert!(total <= ROLLING_STATE_MAX_CHARS, "{total}");
+
+    let err = llm(config(&server.base_url(), "m-chatty", &[]))
+        .refresh_rolling_state(&req)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, SummarizeError::Invalid { .. }), "{err:?}");
+    assert!(matches!(err.calls()[0].outcome, CallOutcome::Invalid(_)));
 }
 
 // --------------------------------------------------------------- fakellm --
