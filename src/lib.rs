@@ -4,6 +4,8 @@
 //! - [`log`], [`store`]: the event log and the durable state (adapters).
 //! - [`runtime`]: the engine, the sweep runner and the embedded pipeline.
 //! - [`import`]: real agent transcripts read as inbound events.
+//! - [`summarizer`]: writing summaries (LLM, deterministic, external), with
+//!   deadlines, retries, validation and escalation (an adapter).
 
 pub mod config;
 pub mod core;
@@ -13,3 +15,4 @@ pub mod log;
 pub mod metrics;
 pub mod runtime;
 pub mod store;
+pub mod summarizer;
