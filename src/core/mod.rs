@@ -3,6 +3,8 @@
 //! a random source, or knows about tokio; everything can be replayed.
 
 pub mod event;
+pub mod identifiers;
 pub mod message;
+pub mod overflow;
 pub mod summary;
 pub mod tokens;
