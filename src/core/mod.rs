@@ -3,6 +3,7 @@
 //! a random source, or knows about tokio; everything can be replayed.
 
 pub mod event;
+pub mod fallback_summary;
 pub mod glob;
 pub mod identifiers;
 pub mod message;
