@@ -437,7 +437,11 @@ static RULES: LazyLock<Vec<Rule>> = LazyLock::new(|| {
             scan: |re, text, out| push_all(re, text, out, IdentifierKind::Uuid),
         },
         Rule {
-            regex: compile(r"\b(?:0x[0-9a-fA-F]{4,64}|[0-9a-f]{7,128}|[0-9A-F]{7,128})\b"),
+            // A digest mixes digits and letters: the pattern requires both, so
+            // plain numbers and words never become candidates.
+            regex: compile(
+                r"\b(?:0x[0-9a-fA-F]{4,64}|[0-9a-f]*(?:[0-9][0-9a-f]*[a-f]|[a-f][0-9a-f]*[0-9])[0-9a-f]*|[0-9A-F]*(?:[0-9][0-9A-F]*[A-F]|[A-F][0-9A-F]*[0-9])[0-9A-F]*)\b",
+            ),
             scan: scan_hashes,
         },
         Rule {
@@ -451,9 +455,10 @@ static RULES: LazyLock<Vec<Rule>> = LazyLock::new(|| {
             scan: scan_ipv6,
         },
         Rule {
-            regex: compile(
-                r"\b(?:localhost|(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+[A-Za-z]{2,24})(?::[0-9]{2,5})?\b",
-            ),
+            regex: compile(&format!(
+                r"\b(?:localhost:[0-9]{{2,5}}|(?:[A-Za-z0-9](?:[A-Za-z0-9-]{{0,61}}[A-Za-z0-9])?\.)+(?:[A-Za-z]{{2,24}}:[0-9]{{2,5}}|(?i:{})))\b",
+                HOST_TLDS.join("|")
+            )),
             scan: scan_hosts,
         },
         Rule {
@@ -472,14 +477,20 @@ static RULES: LazyLock<Vec<Rule>> = LazyLock::new(|| {
         },
         Rule {
             // Bare file names: Cargo.toml, README.md, test_schema.py.
-            regex: compile(r"\b[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*\.[A-Za-z0-9]{1,10}\b"),
+            regex: compile(&format!(
+                r"\b[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*\.(?i:{})\b",
+                FILE_EXTENSIONS.join("|")
+            )),
             scan: scan_file_names,
         },
         Rule {
-            regex: compile(
-                r"(?i)\bports?\s*(?:number\s*)?[:=#]?\s*([0-9]{2,5})\b|(?:^|[\s(\[=,])(:[0-9]{2,5})\b",
-            ),
+            regex: compile(r"(?i)\bports?\s*(?:number\s*)?[:=#]?\s*([0-9]{2,5})\b"),
             scan: scan_ports,
+        },
+        Rule {
+            // `:8080` standing alone (`listening on :8080`).
+            regex: compile(r":[0-9]{2,5}\b"),
+            scan: scan_bare_ports,
         },
         Rule {
             regex: compile(
@@ -500,7 +511,8 @@ static RULES: LazyLock<Vec<Rule>> = LazyLock::new(|| {
             scan: |re, text, out| push_all(re, text, out, IdentifierKind::ErrorCode),
         },
         Rule {
-            regex: compile(r"(?:\b[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+)?#[0-9]{2,7}\b"),
+            // Found by its `#`; an `owner/repo` before it is taken in by hand.
+            regex: compile(r"#[0-9]{2,7}\b"),
             scan: scan_hash_tickets,
         },
         Rule {
@@ -521,7 +533,11 @@ static RULES: LazyLock<Vec<Rule>> = LazyLock::new(|| {
         },
         Rule {
             // Machine-made ids: snake/kebab compounds and uppercase codes.
-            regex: compile(r"\b[A-Za-z][A-Za-z0-9]*(?:[_-][A-Za-z0-9]+)+\b|\b[A-Z0-9]{5,12}\b"),
+            // Both shapes need a digit, and the pattern says so: plain words
+            // never become candidates.
+            regex: compile(
+                r"\b[A-Za-z][A-Za-z0-9_-]*[0-9][A-Za-z0-9_-]*\b|\b[A-Z0-9]*(?:[A-Z][A-Z0-9]*[0-9]|[0-9][A-Z0-9]*[A-Z])[A-Z0-9]*\b",
+            ),
             scan: scan_tokens,
         },
     ]
@@ -555,13 +571,8 @@ fn scan_urls(re: &Regex, text: &str, out: &mut Vec<Found>) {
 fn scan_hashes(re: &Regex, text: &str, out: &mut Vec<Found>) {
     for m in re.find_iter(text) {
         let s = m.as_str();
-        if !s.starts_with("0x") {
-            // A digest mixes digits and letters; all digits is a number, all
-            // letters is a word (`defaced`, `DECADE`).
-            let digits = digit_count(s);
-            if digits == 0 || digits == s.len() {
-                continue;
-            }
+        if !s.starts_with("0x") && !(7..=128).contains(&s.len()) {
+            continue;
         }
         // Part of a longer token such as `abc1234-foo` or `x.abcdef12`.
         if matches!(byte_before(text, m.start()), Some(b'-' | b'.' | b'/'))
@@ -767,26 +778,42 @@ fn scan_file_names(re: &Regex, text: &str, out: &mut Vec<Found>) {
     }
 }
 
+fn scan_bare_ports(re: &Regex, text: &str, out: &mut Vec<Found>) {
+    for m in re.find_iter(text) {
+        let alone = match byte_before(text, m.start()) {
+            None => true,
+            Some(b) => b.is_ascii_whitespace() || matches!(b, b'(' | b'[' | b'=' | b','),
+        };
+        if alone {
+            push_port(text, m.start(), m.end(), out);
+        }
+    }
+}
+
 fn scan_ports(re: &Regex, text: &str, out: &mut Vec<Found>) {
     for caps in re.captures_iter(text) {
-        let Some(m) = caps.get(1).or_else(|| caps.get(2)) else {
-            continue;
-        };
-        let digits = m.as_str().trim_start_matches(':');
-        if digits.parse::<u32>().map_or(true, |n| n == 0 || n > 65535) {
-            continue;
+        if let Some(m) = caps.get(1) {
+            push_port(text, m.start(), m.end(), out);
         }
-        if byte_at(text, m.end()) == Some(b'.')
-            && byte_at(text, m.end() + 1).is_some_and(|b| b.is_ascii_digit())
-        {
-            continue;
-        }
-        out.push(Found {
-            start: m.start(),
-            end: m.end(),
-            kind: IdentifierKind::Port,
-        });
     }
+}
+
+fn push_port(text: &str, start: usize, end: usize, out: &mut Vec<Found>) {
+    let digits = text[start..end].trim_start_matches(':');
+    if digits.parse::<u32>().map_or(true, |n| n == 0 || n > 65535) {
+        return;
+    }
+    // `:3.5` is a ratio, not a port.
+    if byte_at(text, end) == Some(b'.')
+        && byte_at(text, end + 1).is_some_and(|b| b.is_ascii_digit())
+    {
+        return;
+    }
+    out.push(Found {
+        start,
+        end,
+        kind: IdentifierKind::Port,
+    });
 }
 
 fn scan_codes(re: &Regex, text: &str, out: &mut Vec<Found>) {
@@ -834,16 +861,32 @@ fn scan_codes(re: &Regex, text: &str, out: &mut Vec<Found>) {
 }
 
 fn scan_hash_tickets(re: &Regex, text: &str, out: &mut Vec<Found>) {
+    let bytes = text.as_bytes();
+    let repo_byte = |b: u8| is_ident_byte(b) || b == b'.' || b == b'-';
     for m in re.find_iter(text) {
-        let s = m.as_str();
+        let mut start = m.start();
+        // `owner/repo#123`: walk back over `repo`, `/`, `owner`.
+        let mut i = start;
+        while i > 0 && repo_byte(bytes[i - 1]) {
+            i -= 1;
+        }
+        if i < start && i > 0 && bytes[i - 1] == b'/' {
+            let mut j = i - 1;
+            while j > 0 && repo_byte(bytes[j - 1]) {
+                j -= 1;
+            }
+            if j < i - 1 && (j == 0 || bytes[j - 1] != b'/') {
+                start = j;
+            }
+        }
         // `&#123;` is an HTML entity, `abc#12` an anchor inside a word.
-        if s.starts_with('#')
-            && byte_before(text, m.start()).is_some_and(|b| is_ident_byte(b) || b == b'&')
+        if start == m.start()
+            && byte_before(text, start).is_some_and(|b| is_ident_byte(b) || b == b'&')
         {
             continue;
         }
         out.push(Found {
-            start: m.start(),
+            start,
             end: m.end(),
             kind: IdentifierKind::Ticket,
         });
@@ -876,6 +919,15 @@ fn scan_tokens(re: &Regex, text: &str, out: &mut Vec<Found>) {
         let letters = s.bytes().filter(u8::is_ascii_alphabetic).count();
         let digits = digit_count(s);
         if s.len() < 5 || letters == 0 || digits < 2 {
+            continue;
+        }
+        if s.contains(['_', '-']) {
+            // Compound ids have clean separators (`a_b-c`, not `a__b`, `a-`).
+            if s.ends_with(['_', '-']) || s.contains("__") || s.contains("--") {
+                continue;
+            }
+        } else if s.len() > 12 || s.bytes().any(|b| b.is_ascii_lowercase()) {
+            // Unseparated, only short uppercase codes (`HAT136`, `4WQ150`).
             continue;
         }
         if matches!(
