@@ -19,6 +19,8 @@
 //! itself fits that size it is returned verbatim (nothing is lost); when not
 //! even the structure fits, a verbatim excerpt cut to size is returned.
 //! Condensed summaries merge their children's sections, line by line.
+//! Instructions and the previous summary are for models; this summarizer
+//! reads only the sources.
 
 use crate::core::event::RollingState;
 use crate::core::event::SummaryKind;
@@ -582,6 +584,7 @@ fn parse_child(text: &str) -> ChildSections {
     }
     let mut child = ChildSections::default();
     let mut into = Into::Done;
+    let mut structured = false;
     for (i, raw) in text.lines().enumerate() {
         let line = raw.trim();
         if line.is_empty() {
@@ -591,6 +594,7 @@ fn parse_child(text: &str) -> ChildSections {
             continue;
         }
         if let Some(heading) = line.strip_prefix('#') {
+            structured = true;
             let h = heading.trim_start_matches('#').trim().to_lowercase();
             into = if h.contains("identifier") {
                 Into::Identifiers
@@ -623,7 +627,7 @@ fn parse_child(text: &str) -> ChildSections {
             .to_string();
         match into {
             Into::Asked => child.asked.push(item),
-            Into::Done => {
+            Into::Done if !structured => {
                 // Prose from a model: its decisions and open items still count.
                 for sentence in sentences(&item) {
                     if sentence.len() >= 12 && DECISION.is_match(sentence) {
@@ -634,6 +638,7 @@ fn parse_child(text: &str) -> ChildSections {
                 }
                 child.done.push(item);
             }
+            Into::Done => child.done.push(item),
             Into::Decisions => child.decisions.push(item),
             Into::Open => child.open.push(item),
             Into::Files => child.files.push(item),
@@ -869,8 +874,17 @@ fn truncate_to_tokens(text: &str, budget: u64) -> String {
     }
     let cut = &text[..bounds[lo]];
     // Prefer ending at whitespace if one is close: a half word is noise.
+    // BPE counts are not monotonic in the prefix, so the shorter cut is
+    // measured again.
     match cut.rfind(char::is_whitespace) {
-        Some(at) if cut.len() - at <= 40 && at > 0 => cut[..at].trim_end().to_string(),
+        Some(at) if cut.len() - at <= 40 && at > 0 => {
+            let shorter = cut[..at].trim_end();
+            if tokens(shorter) <= budget {
+                shorter.to_string()
+            } else {
+                cut.to_string()
+            }
+        }
         _ => cut.to_string(),
     }
 }
@@ -1076,34 +1090,41 @@ mod tests {
         }
     }
 
-    /// Turns of the tau-bench conversations (OpenAI chat messages), numbered
-    /// across conversations, system prompts left out, until `max_tokens`.
+    /// The non-system messages of the tau-bench conversations (OpenAI chat
+    /// messages), read once for all tests.
+    fn tau_bench_messages() -> Option<&'static [ChatMessage]> {
+        static MESSAGES: std::sync::OnceLock<Option<Vec<ChatMessage>>> = std::sync::OnceLock::new();
+        MESSAGES
+            .get_or_init(|| {
+                let text = shared_transcript("tau-bench_sierra-research/gpt-4o-airline.json")?;
+                let runs: Vec<serde_json::Value> = match serde_json::from_str(&text) {
+                    Ok(runs) => runs,
+                    Err(e) => panic!("tau-bench file does not parse: {e}"),
+                };
+                let messages = runs
+                    .iter()
+                    .filter_map(|run| run.get("traj").and_then(|t| t.as_array()))
+                    .flatten()
+                    .filter_map(|v| serde_json::from_value::<ChatMessage>(v.clone()).ok())
+                    .filter(|m| m.role != Role::System)
+                    .collect();
+                Some(messages)
+            })
+            .as_deref()
+    }
+
+    /// Turns of the tau-bench conversations, numbered across conversations,
+    /// until `max_tokens`.
     fn tau_bench_items(max_tokens: u64) -> Option<Vec<SourceItem>> {
-        let text = shared_transcript("tau-bench_sierra-research/gpt-4o-airline.json")?;
-        let runs: Vec<serde_json::Value> = match serde_json::from_str(&text) {
-            Ok(runs) => runs,
-            Err(e) => panic!("tau-bench file does not parse: {e}"),
-        };
         let mut items = Vec::new();
         let mut total = 0;
-        for run in runs {
-            let Some(traj) = run.get("traj").and_then(|t| t.as_array()) else {
-                continue;
-            };
-            for value in traj {
-                let Ok(message) = serde_json::from_value::<ChatMessage>(value.clone()) else {
-                    continue;
-                };
-                if message.role == Role::System {
-                    continue;
-                }
-                let item = item_of(items.len() + 1, &message);
-                if total + item.tokens > max_tokens {
-                    return Some(items);
-                }
-                total += item.tokens;
-                items.push(item);
+        for message in tau_bench_messages()? {
+            let item = item_of(items.len() + 1, message);
+            if total + item.tokens > max_tokens {
+                break;
             }
+            total += item.tokens;
+            items.push(item);
         }
         Some(items)
     }
@@ -1370,7 +1391,7 @@ mod tests {
 
     #[test]
     fn unicode_is_cut_on_char_boundaries() {
-        let long = "日本語のテキスト 🚀 ünïcödé — ".repeat(200);
+        let long = "日本語のテキスト 🚀 ünïcödé — ".repeat(40);
         let items: Vec<SourceItem> = (0..20)
             .map(|i| {
                 turn(
@@ -1553,5 +1574,71 @@ mod tests {
         assert_eq!(condense("  a \n\t b  ", 10), "a b");
         assert!(condense(&"word ".repeat(100), 30).chars().count() <= 30);
         assert_eq!(prefix_bytes("日本語", 4), "日");
+    }
+
+    mod properties {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn role_strategy() -> impl Strategy<Value = Option<Role>> {
+            prop_oneof![
+                Just(Some(Role::User)),
+                Just(Some(Role::Assistant)),
+                Just(Some(Role::Tool)),
+                Just(Some(Role::System)),
+                Just(None),
+            ]
+        }
+
+        fn item_strategy() -> impl Strategy<Value = SourceItem> {
+            (
+                role_strategy(),
+                proptest::option::of("[a-z_]{1,8}"),
+                "(\\PC|[ \n./:#-]|src/a\\.rs|E0308|##? [A-Za-z]+|TODO|because){0,60}",
+                0u64..400,
+            )
+                .prop_map(|(role, tool, text, tokens)| SourceItem {
+                    label: "turn 1".to_string(),
+                    role,
+                    tool,
+                    text,
+                    tokens,
+                    time: 0,
+                })
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(48))]
+            #[test]
+            fn bounded_and_deterministic(
+                sources in proptest::collection::vec(item_strategy(), 0..12),
+                target in 0u64..600,
+                aggressive: bool,
+                depth in 0u32..3,
+            ) {
+                let mut req = leaf(sources, target);
+                req.aggressive = aggressive;
+                req.depth = depth;
+                if depth > 0 {
+                    req.kind = SummaryKind::Condensed;
+                }
+                let draft = summarize(&req);
+                let size = tokens(&draft.content);
+                prop_assert!(size <= req.source_tokens());
+                let target = if target == 0 { req.source_tokens() * 12 / 100 } else { target };
+                let cap = if aggressive { target / 2 } else { target };
+                prop_assert!(size <= cap, "{} > {}", size, cap);
+                prop_assert_eq!(&draft, &summarize(&req));
+                let state = rolling_state(&RollingStateRequest {
+                    conversation: "c".to_string(),
+                    previous: None,
+                    sources: req.sources.clone(),
+                });
+                let sections = [&state.completed, &state.in_progress, &state.decisions, &state.blockers, &state.next];
+                let total: usize = sections.iter().map(|s| s.chars().count()).sum();
+                prop_assert!(total <= ROLLING_STATE_MAX_CHARS);
+                prop_assert!(sections.iter().all(|s| s.chars().count() <= ROLLING_SECTION_MAX_CHARS));
+            }
+        }
     }
 }
