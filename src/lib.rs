@@ -3,12 +3,17 @@
 //! - [`core`]: the pure, deterministic heart (events, fold, policy, assembly).
 //! - [`log`], [`store`]: the event log and the durable state (adapters).
 //! - [`runtime`]: the engine, the sweep runner and the embedded pipeline.
+//! - [`import`]: real agent transcripts read as inbound events.
+//! - [`summarizer`]: writing summaries (LLM, deterministic, external), with
+//!   deadlines, retries, validation and escalation (an adapter).
 
 pub mod config;
 pub mod core;
 pub mod demo;
+pub mod import;
 pub mod log;
 pub mod metrics;
 pub mod nats;
 pub mod runtime;
 pub mod store;
+pub mod summarizer;

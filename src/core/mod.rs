@@ -7,6 +7,7 @@ pub mod event;
 pub mod fallback_summary;
 pub mod fold;
 pub mod glob;
+pub mod identifiers;
 pub mod message;
 pub mod overflow;
 pub mod policy;

@@ -63,7 +63,7 @@ pub fn levels(conv: &Conversation, cfg: &PolicyConfig) -> Levels {
         }
         if let Some(g) = &rule.session {
             match SessionGlob::parse(g) {
-                Ok(glob) if glob.matches(&conv.key) => score += 100 + glob.specificity().min(99),
+                Ok(glob) if glob.matches(&conv.key) => score += 100 + glob.specificity().0.min(99),
                 _ => continue,
             }
         }

@@ -1,0 +1,1117 @@
+//! Opaque identifiers: the exact strings a summary must not paraphrase.
+//!
+//! This module owns what counts as an opaque identifier (file paths, URLs,
+//! hashes, UUIDs, IP addresses, hosts and ports, error codes, ticket ids,
+//! versions, dates, machine-made ids such as `toolu_01...` or `mia_li_3668`)
+//! and how they are found in text. The summarizers keep them, the validator
+//! checks for them and the eval measures their retention, so all three use
+//! [`extract`].
+//!
+//! It runs over whole transcripts, so every pattern is compiled once and only
+//! uses ASCII word boundaries: a Unicode `\b` makes the regex crate leave its
+//! fast DFA as soon as the text holds one non-ASCII byte.
+
+use regex::Regex;
+use std::collections::HashSet;
+use std::net::{Ipv4Addr, Ipv6Addr};
+use std::sync::LazyLock;
+
+/// What kind of opaque identifier a string is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum IdentifierKind {
+    Url,
+    /// A file or directory path (absolute, relative, Windows, or a bare file
+    /// name with a known extension).
+    Path,
+    Uuid,
+    /// Hex digests: git SHAs (7 to 40), sha256 and longer, `0x` values.
+    Hash,
+    /// IPv4 or IPv6, with port or prefix length when given.
+    IpAddress,
+    /// `host:port` or a bare host name with a well-known top-level domain.
+    Host,
+    /// A port stated as `port 8080` or `:8080`.
+    Port,
+    /// Compiler / errno / HTTP / exception / exit codes.
+    ErrorCode,
+    /// Issue or ticket ids: `#123`, `owner/repo#123`, `ABC-123`, `CVE-...`.
+    Ticket,
+    Version,
+    Date,
+    /// Machine-made ids: `call_abc123`, `mia_li_3668`, `HAT136`, `4WQ150`.
+    Token,
+}
+
+/// One identifier found in a text.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Identifier {
+    pub kind: IdentifierKind,
+    pub text: String,
+}
+
+/// Every opaque identifier of `text`, each once, in order of first appearance.
+pub fn extract(text: &str) -> Vec<String> {
+    extract_with_kinds(text)
+        .into_iter()
+        .map(|identifier| identifier.text)
+        .collect()
+}
+
+/// Like [`extract`], with the kind of each identifier.
+pub fn extract_with_kinds(text: &str) -> Vec<Identifier> {
+    let mut found: Vec<Found> = Vec::new();
+    for rule in RULES.iter() {
+        (rule.scan)(&rule.regex, text, &mut found);
+    }
+    // Text that still holds JSON escapes (`\nsrc/lib.rs`) must not glue the
+    // escape letter to the identifier after it.
+    for f in &mut found {
+        if f.end - f.start > 1
+            && byte_before(text, f.start) == Some(b'\\')
+            && matches!(byte_at(text, f.start), Some(b'n' | b'r' | b't'))
+        {
+            f.start += 1;
+        }
+    }
+    // Leftmost wins, then the longest: a URL hides the path inside it, an IP
+    // with its port hides the bare version-like prefix, a path hides the file
+    // name at its end.
+    found.sort_by(|a, b| {
+        a.start
+            .cmp(&b.start)
+            .then(b.end.cmp(&a.end))
+            .then(a.kind.cmp(&b.kind))
+    });
+    let mut seen: HashSet<&str> = HashSet::new();
+    let mut out = Vec::new();
+    let mut covered_to = 0usize;
+    for f in &found {
+        if f.start < covered_to {
+            continue;
+        }
+        covered_to = f.end;
+        let s = &text[f.start..f.end];
+        if seen.insert(s) {
+            out.push(Identifier {
+                kind: f.kind,
+                text: s.to_string(),
+            });
+        }
+    }
+    out
+}
+
+struct Found {
+    start: usize,
+    end: usize,
+    kind: IdentifierKind,
+}
+
+struct Rule {
+    regex: Regex,
+    scan: fn(&Regex, &str, &mut Vec<Found>),
+}
+
+/// Compiles a pattern with ASCII-only word boundaries (see the module doc).
+fn compile(pattern: &str) -> Regex {
+    let ascii = pattern.replace(r"\b", r"(?-u:\b)");
+    match Regex::new(&ascii) {
+        Ok(regex) => regex,
+        // The patterns are constants of this file: only a bug reaches this.
+        Err(e) => panic!("identifier pattern does not compile: {e}"),
+    }
+}
+
+/// File extensions that make a bare `name.ext` a file name, and that make
+/// `name.ext:42` a file position rather than a host and port.
+const FILE_EXTENSIONS: &[&str] = &[
+    "rs",
+    "py",
+    "pyi",
+    "ipynb",
+    "js",
+    "mjs",
+    "cjs",
+    "ts",
+    "tsx",
+    "jsx",
+    "go",
+    "java",
+    "kt",
+    "kts",
+    "scala",
+    "c",
+    "h",
+    "cc",
+    "cpp",
+    "cxx",
+    "hpp",
+    "hh",
+    "cs",
+    "fs",
+    "swift",
+    "m",
+    "mm",
+    "rb",
+    "php",
+    "pl",
+    "lua",
+    "r",
+    "jl",
+    "dart",
+    "ex",
+    "exs",
+    "erl",
+    "hs",
+    "ml",
+    "clj",
+    "zig",
+    "nim",
+    "sh",
+    "bash",
+    "zsh",
+    "fish",
+    "ps1",
+    "bat",
+    "cmd",
+    "md",
+    "markdown",
+    "rst",
+    "txt",
+    "adoc",
+    "toml",
+    "yaml",
+    "yml",
+    "json",
+    "jsonl",
+    "ndjson",
+    "xml",
+    "html",
+    "htm",
+    "css",
+    "scss",
+    "sass",
+    "less",
+    "vue",
+    "svelte",
+    "sql",
+    "proto",
+    "graphql",
+    "ini",
+    "cfg",
+    "conf",
+    "env",
+    "lock",
+    "csv",
+    "tsv",
+    "parquet",
+    "log",
+    "diff",
+    "patch",
+    "traj",
+    "dockerfile",
+    "gradle",
+    "cmake",
+    "mk",
+    "tf",
+    "tfvars",
+    "hcl",
+    "nix",
+    "pem",
+    "crt",
+    "key",
+    "pdf",
+    "png",
+    "jpg",
+    "jpeg",
+    "gif",
+    "svg",
+    "webp",
+    "zip",
+    "tar",
+    "gz",
+    "tgz",
+    "whl",
+    "so",
+    "dll",
+    "exe",
+    "wasm",
+    "db",
+    "sqlite",
+    "pyc",
+    "o",
+    "a",
+    "bin",
+    "dat",
+    "msgpack",
+    "redb",
+    "dcm",
+];
+
+/// Top-level domains accepted for a bare host name (`api.example.com`).
+/// Kept short: `self.name`-style attribute access must not look like a host.
+const HOST_TLDS: &[&str] = &[
+    "com",
+    "org",
+    "net",
+    "io",
+    "dev",
+    "ai",
+    "co",
+    "app",
+    "edu",
+    "gov",
+    "cloud",
+    "internal",
+    "local",
+    "localdomain",
+    "lan",
+    "corp",
+    "xyz",
+    "info",
+    "tech",
+    "site",
+    "run",
+    "sh",
+    "so",
+    "gg",
+    "ly",
+    "me",
+    "uk",
+    "de",
+    "fr",
+    "jp",
+    "cn",
+    "eu",
+    "nl",
+    "ch",
+    "ca",
+    "au",
+    "ru",
+    "us",
+];
+
+/// Uppercase prefixes of `ABC-123`/`UTF-16`-shaped strings that name a
+/// standard or an encoding, not a ticket or an id.
+const NOT_TICKET_PREFIXES: &[&str] = &[
+    "UTF", "UCS", "SHA", "MD", "ISO", "IEC", "GPT", "AES", "RSA", "DES", "TLS", "SSL", "HTTP",
+    "COVID", "PDF", "WCAG", "IPV", "CP", "WIN", "LATIN", "KOI", "ES", "ECMA", "X", "H", "P", "MP",
+    "BASE", "CRC", "PBKDF", "HMAC", "ED", "CHACHA", "ARM", "X86", "I", "A", "TOP", "PHASE", "STEP",
+    "PART", "Q", "PEP",
+];
+
+/// errno names worth keeping exactly.
+const ERRNO: &[&str] = &[
+    "EPERM",
+    "ENOENT",
+    "ESRCH",
+    "EINTR",
+    "EIO",
+    "ENXIO",
+    "E2BIG",
+    "ENOEXEC",
+    "EBADF",
+    "ECHILD",
+    "EAGAIN",
+    "ENOMEM",
+    "EACCES",
+    "EFAULT",
+    "EBUSY",
+    "EEXIST",
+    "EXDEV",
+    "ENODEV",
+    "ENOTDIR",
+    "EISDIR",
+    "EINVAL",
+    "ENFILE",
+    "EMFILE",
+    "ENOTTY",
+    "EFBIG",
+    "ENOSPC",
+    "ESPIPE",
+    "EROFS",
+    "EMLINK",
+    "EPIPE",
+    "EDOM",
+    "ERANGE",
+    "EDEADLK",
+    "ENAMETOOLONG",
+    "ENOSYS",
+    "ENOTEMPTY",
+    "ELOOP",
+    "EWOULDBLOCK",
+    "ENOTSOCK",
+    "EADDRINUSE",
+    "EADDRNOTAVAIL",
+    "ENETDOWN",
+    "ENETUNREACH",
+    "ENETRESET",
+    "ECONNABORTED",
+    "ECONNRESET",
+    "ENOBUFS",
+    "EISCONN",
+    "ENOTCONN",
+    "ETIMEDOUT",
+    "ECONNREFUSED",
+    "EHOSTDOWN",
+    "EHOSTUNREACH",
+    "EALREADY",
+    "EINPROGRESS",
+    "ESTALE",
+    "EDQUOT",
+    "ECANCELED",
+    "EOVERFLOW",
+    "ENOTSUP",
+    "EOPNOTSUPP",
+    "EPROTO",
+    "ENOTFOUND",
+    "EAI_AGAIN",
+    "ESOCKETTIMEDOUT",
+];
+
+fn is_ident_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b == b'_'
+}
+
+fn byte_before(text: &str, start: usize) -> Option<u8> {
+    start.checked_sub(1).map(|i| text.as_bytes()[i])
+}
+
+fn byte_at(text: &str, i: usize) -> Option<u8> {
+    text.as_bytes().get(i).copied()
+}
+
+/// Drops sentence punctuation a pattern swallowed at the end of a match,
+/// keeping a closing bracket that has its opening one inside.
+fn trim_trailing(text: &str, start: usize, mut end: usize) -> usize {
+    while end > start {
+        let s = &text[start..end];
+        let Some(last) = s.as_bytes().last().copied() else {
+            break;
+        };
+        let drop = match last {
+            b'.' | b',' | b';' | b':' | b'!' | b'?' | b'\'' | b'"' | b'`' | b'*' => true,
+            b')' => s.matches('(').count() < s.matches(')').count(),
+            b']' => s.matches('[').count() < s.matches(']').count(),
+            b'}' => s.matches('{').count() < s.matches('}').count(),
+            b'>' => !s.contains('<'),
+            _ => false,
+        };
+        if !drop {
+            break;
+        }
+        end -= 1;
+    }
+    end
+}
+
+fn extension_of(name: &str) -> Option<&str> {
+    let (stem, ext) = name.rsplit_once('.')?;
+    if stem.is_empty() {
+        return None;
+    }
+    Some(ext)
+}
+
+fn is_file_extension(ext: &str) -> bool {
+    let lower = ext.to_ascii_lowercase();
+    FILE_EXTENSIONS.contains(&lower.as_str())
+}
+
+fn digit_count(s: &str) -> usize {
+    s.bytes().filter(u8::is_ascii_digit).count()
+}
+
+static RULES: LazyLock<Vec<Rule>> = LazyLock::new(|| {
+    vec![
+        Rule {
+            regex: compile(
+                r#"\b(?:https?|wss?|ftp|sftp|ssh|git|file|s3|gs|nats|redis|postgres(?:ql)?|mysql|mongodb(?:\+srv)?|amqp)://[^\s<>"'`\\]+"#,
+            ),
+            scan: scan_urls,
+        },
+        Rule {
+            regex: compile(
+                r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b",
+            ),
+            scan: |re, text, out| push_all(re, text, out, IdentifierKind::Uuid),
+        },
+        Rule {
+            // A digest mixes digits and letters: the pattern requires both, so
+            // plain numbers and words never become candidates.
+            regex: compile(
+                r"\b(?:0x[0-9a-fA-F]{4,64}|[0-9a-f]*(?:[0-9][0-9a-f]*[a-f]|[a-f][0-9a-f]*[0-9])[0-9a-f]*|[0-9A-F]*(?:[0-9][0-9A-F]*[A-F]|[A-F][0-9A-F]*[0-9])[0-9A-F]*)\b",
+            ),
+            scan: scan_hashes,
+        },
+        Rule {
+            regex: compile(r"\b(?:[0-9]{1,3}\.){3}[0-9]{1,3}(?::[0-9]{1,5}|/[0-9]{1,2})?\b"),
+            scan: scan_ipv4,
+        },
+        Rule {
+            regex: compile(
+                r"\[[0-9a-fA-F:.]{2,45}\](?::[0-9]{1,5})?|[0-9a-fA-F]{0,4}(?::[0-9a-fA-F]{0,4}){2,7}(?:/[0-9]{1,3})?",
+            ),
+            scan: scan_ipv6,
+        },
+        Rule {
+            regex: compile(&format!(
+                r"\b(?:localhost:[0-9]{{2,5}}|(?:[A-Za-z0-9](?:[A-Za-z0-9-]{{0,61}}[A-Za-z0-9])?\.)+(?:[A-Za-z]{{2,24}}:[0-9]{{2,5}}|(?i:{})))\b",
+                HOST_TLDS.join("|")
+            )),
+            scan: scan_hosts,
+        },
+        Rule {
+            // Absolute, home- or dot-relative unix paths.
+            regex: compile(r"(?:~|\.{1,2})?/[A-Za-z0-9_.@+%-]+(?:/[A-Za-z0-9_.@+%-]+)*/?"),
+            scan: scan_unix_paths,
+        },
+        Rule {
+            regex: compile(r#"\b[A-Za-z]:\\[^\s"'<>|*?]+"#),
+            scan: scan_windows_paths,
+        },
+        Rule {
+            // Relative paths with at least one directory: src/core/mod.rs.
+            regex: compile(r"\b[A-Za-z0-9_.@+-]+(?:/[A-Za-z0-9_.@+-]+)+"),
+            scan: scan_relative_paths,
+        },
+        Rule {
+            // Bare file names: Cargo.toml, README.md, test_schema.py.
+            regex: compile(&format!(
+                r"\b[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*\.(?i:{})\b",
+                FILE_EXTENSIONS.join("|")
+            )),
+            scan: scan_file_names,
+        },
+        Rule {
+            regex: compile(r"(?i)\bports?\s*(?:number\s*)?[:=#]?\s*([0-9]{2,5})\b"),
+            scan: scan_ports,
+        },
+        Rule {
+            // `:8080` standing alone (`listening on :8080`).
+            regex: compile(r":[0-9]{2,5}\b"),
+            scan: scan_bare_ports,
+        },
+        Rule {
+            regex: compile(
+                r"\b(?:E[0-9]{4}|(?:TS|CS|SC|SA|PLR|PLW|PLE|RUF|SIM|UP|ANN|E|W|F|C|D|N|B|I)[0-9]{3,4}|SIG[A-Z]{2,7}|E[A-Z0-9_]{2,14}|[A-Z][A-Za-z0-9]+(?:Error|Exception|Warning))\b",
+            ),
+            scan: scan_codes,
+        },
+        Rule {
+            regex: compile(
+                r"(?i)\bHTTP(?:/[0-9.]+)?\s*[1-5][0-9]{2}\b|\bstatus(?:[ _]code)?\s*[:=]?\s*[1-5][0-9]{2}\b|\bexit(?:ed)?(?: with)? (?:code|status)\s*[:=]?\s*-?[0-9]{1,3}\b",
+            ),
+            scan: |re, text, out| push_all(re, text, out, IdentifierKind::ErrorCode),
+        },
+        Rule {
+            regex: compile(
+                r"\b[1-5][0-9]{2} (?:Not Found|Bad Request|Unauthorized|Forbidden|Internal Server Error|Bad Gateway|Service Unavailable|Gateway Timeout|Too Many Requests|Conflict|Method Not Allowed|Unprocessable Entity|Payload Too Large|Request Entity Too Large|Not Implemented|Moved Permanently|Not Modified|Gone|Precondition Failed|Request Timeout)\b",
+            ),
+            scan: |re, text, out| push_all(re, text, out, IdentifierKind::ErrorCode),
+        },
+        Rule {
+            // Found by its `#`; an `owner/repo` before it is taken in by hand.
+            regex: compile(r"#[0-9]{2,7}\b"),
+            scan: scan_hash_tickets,
+        },
+        Rule {
+            regex: compile(r"\bCVE-[0-9]{4}-[0-9]{4,7}\b|\b[A-Z][A-Z0-9]{1,9}-[0-9]{1,7}\b"),
+            scan: scan_key_tickets,
+        },
+        Rule {
+            regex: compile(
+                r"\bv?[0-9]+\.[0-9]+\.[0-9]+(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?\b|\bv[0-9]+\.[0-9]+\b",
+            ),
+            scan: |re, text, out| push_all(re, text, out, IdentifierKind::Version),
+        },
+        Rule {
+            regex: compile(
+                r"\b[0-9]{4}-[0-9]{2}-[0-9]{2}(?:[T ][0-9]{2}:[0-9]{2}(?::[0-9]{2}(?:\.[0-9]+)?)?(?:Z|[+-][0-9]{2}:?[0-9]{2})?)?\b",
+            ),
+            scan: |re, text, out| push_all(re, text, out, IdentifierKind::Date),
+        },
+        Rule {
+            // Machine-made ids: snake/kebab compounds and uppercase codes.
+            // Both shapes need a digit, and the pattern says so: plain words
+            // never become candidates.
+            regex: compile(
+                r"\b[A-Za-z][A-Za-z0-9_-]*[0-9][A-Za-z0-9_-]*\b|\b[A-Z0-9]*(?:[A-Z][A-Z0-9]*[0-9]|[0-9][A-Z0-9]*[A-Z])[A-Z0-9]*\b",
+            ),
+            scan: scan_tokens,
+        },
+    ]
+});
+
+fn push_all(re: &Regex, text: &str, out: &mut Vec<Found>, kind: IdentifierKind) {
+    for m in re.find_iter(text) {
+        out.push(Found {
+            start: m.start(),
+            end: m.end(),
+            kind,
+        });
+    }
+}
+
+fn scan_urls(re: &Regex, text: &str, out: &mut Vec<Found>) {
+    for m in re.find_iter(text) {
+        let end = trim_trailing(text, m.start(), m.end());
+        // A scheme alone (`https://`) is not an identifier.
+        if text[m.start()..end].ends_with("://") {
+            continue;
+        }
+        out.push(Found {
+            start: m.start(),
+            end,
+            kind: IdentifierKind::Url,
+        });
+    }
+}
+
+fn scan_hashes(re: &Regex, text: &str, out: &mut Vec<Found>) {
+    for m in re.find_iter(text) {
+        let s = m.as_str();
+        if !s.starts_with("0x") && !(7..=128).contains(&s.len()) {
+            continue;
+        }
+        // Part of a longer token such as `abc1234-foo` or `x.abcdef12`.
+        if matches!(byte_before(text, m.start()), Some(b'-' | b'.' | b'/'))
+            || matches!(byte_at(text, m.end()), Some(b'-'))
+        {
+            continue;
+        }
+        out.push(Found {
+            start: m.start(),
+            end: m.end(),
+            kind: IdentifierKind::Hash,
+        });
+    }
+}
+
+fn scan_ipv4(re: &Regex, text: &str, out: &mut Vec<Found>) {
+    for m in re.find_iter(text) {
+        let s = m.as_str();
+        let addr = s.split([':', '/']).next().unwrap_or(s);
+        if addr.parse::<Ipv4Addr>().is_err() {
+            continue;
+        }
+        // `1.2.3.4.5` is a version or an OID, not an address.
+        if matches!(byte_before(text, m.start()), Some(b'.'))
+            || (matches!(byte_at(text, m.end()), Some(b'.'))
+                && byte_at(text, m.end() + 1).is_some_and(|b| b.is_ascii_digit()))
+        {
+            continue;
+        }
+        out.push(Found {
+            start: m.start(),
+            end: m.end(),
+            kind: IdentifierKind::IpAddress,
+        });
+    }
+}
+
+fn scan_ipv6(re: &Regex, text: &str, out: &mut Vec<Found>) {
+    for m in re.find_iter(text) {
+        let s = m.as_str();
+        let (addr, bracketed) = if let Some(rest) = s.strip_prefix('[') {
+            (rest.split(']').next().unwrap_or(rest), true)
+        } else {
+            (s.split('/').next().unwrap_or(s), false)
+        };
+        if addr.parse::<Ipv6Addr>().is_err() {
+            continue;
+        }
+        if !bracketed {
+            // Rust paths (`de::Error`, `crate::db::add`) and clock times
+            // share the alphabet: require a digit and clean edges.
+            if !addr.bytes().any(|b| b.is_ascii_digit())
+                || byte_before(text, m.start()).is_some_and(|b| is_ident_byte(b) || b == b':')
+                || byte_at(text, m.end()).is_some_and(|b| is_ident_byte(b) || b == b':')
+            {
+                continue;
+            }
+        }
+        out.push(Found {
+            start: m.start(),
+            end: m.end(),
+            kind: IdentifierKind::IpAddress,
+        });
+    }
+}
+
+fn scan_hosts(re: &Regex, text: &str, out: &mut Vec<Found>) {
+    for m in re.find_iter(text) {
+        let s = m.as_str();
+        let (host, port) = match s.rsplit_once(':') {
+            Some((h, p)) => (h, Some(p)),
+            None => (s, None),
+        };
+        // Inside an e-mail address, a path or a dotted attribute chain.
+        if matches!(
+            byte_before(text, m.start()),
+            Some(b'@' | b'.' | b'/' | b'-')
+        ) {
+            continue;
+        }
+        if host.eq_ignore_ascii_case("localhost") {
+            if port.is_none() {
+                continue;
+            }
+        } else {
+            let tld = host.rsplit('.').next().unwrap_or(host);
+            // `lib.rs:120` is a file position, `self.config` is code.
+            if is_file_extension(tld) {
+                continue;
+            }
+            if port.is_none() && !HOST_TLDS.contains(&tld.to_ascii_lowercase().as_str()) {
+                continue;
+            }
+            if port.is_none() && byte_at(text, m.end()) == Some(b'(') {
+                continue;
+            }
+        }
+        if port.is_some_and(|p| p.parse::<u32>().map_or(true, |n| n > 65535)) {
+            continue;
+        }
+        out.push(Found {
+            start: m.start(),
+            end: m.end(),
+            kind: IdentifierKind::Host,
+        });
+    }
+}
+
+fn scan_unix_paths(re: &Regex, text: &str, out: &mut Vec<Found>) {
+    for m in re.find_iter(text) {
+        // `and/or`, `1/2`, the `//host` of a URL.
+        if byte_before(text, m.start())
+            .is_some_and(|b| is_ident_byte(b) || matches!(b, b'/' | b':' | b'.' | b'-' | b'<'))
+        {
+            continue;
+        }
+        let end = trim_trailing(text, m.start(), m.end());
+        let s = &text[m.start()..end];
+        let anchored = s.starts_with('~') || s.starts_with('.');
+        let body = s.trim_start_matches(['~', '.']).trim_matches('/');
+        if body.is_empty() || !body.bytes().any(|b| b.is_ascii_alphabetic()) {
+            continue;
+        }
+        let segments = body.split('/').count();
+        let last = body.rsplit('/').next().unwrap_or(body);
+        let has_ext =
+            extension_of(last).is_some_and(|e| e.bytes().any(|b| b.is_ascii_alphabetic()));
+        if !(anchored || segments >= 2 || has_ext) {
+            continue;
+        }
+        out.push(Found {
+            start: m.start(),
+            end,
+            kind: IdentifierKind::Path,
+        });
+    }
+}
+
+fn scan_windows_paths(re: &Regex, text: &str, out: &mut Vec<Found>) {
+    for m in re.find_iter(text) {
+        let end = trim_trailing(text, m.start(), m.end());
+        if end - m.start() <= 3 {
+            continue;
+        }
+        out.push(Found {
+            start: m.start(),
+            end,
+            kind: IdentifierKind::Path,
+        });
+    }
+}
+
+fn scan_relative_paths(re: &Regex, text: &str, out: &mut Vec<Found>) {
+    for m in re.find_iter(text) {
+        if matches!(
+            byte_before(text, m.start()),
+            Some(b'/' | b'.' | b'-' | b'@')
+        ) {
+            continue;
+        }
+        let end = trim_trailing(text, m.start(), m.end());
+        let s = &text[m.start()..end];
+        let last = s.rsplit('/').next().unwrap_or(s);
+        // Without an extension `input/output` is prose; with one it is a file.
+        let Some(ext) = extension_of(last) else {
+            continue;
+        };
+        if !ext.bytes().next().is_some_and(|b| b.is_ascii_alphabetic()) {
+            continue;
+        }
+        out.push(Found {
+            start: m.start(),
+            end,
+            kind: IdentifierKind::Path,
+        });
+    }
+}
+
+fn scan_file_names(re: &Regex, text: &str, out: &mut Vec<Found>) {
+    for m in re.find_iter(text) {
+        let s = m.as_str();
+        let Some(ext) = extension_of(s) else {
+            continue;
+        };
+        if !is_file_extension(ext) {
+            continue;
+        }
+        // `response.json()` and `obj.py_attr` are code, not files.
+        if matches!(byte_at(text, m.end()), Some(b'(' | b'_'))
+            || matches!(byte_before(text, m.start()), Some(b'.' | b'-'))
+        {
+            continue;
+        }
+        // A lone letter before the dot (`e.g`, `a.out`-like prose) is noise.
+        if s.find('.').is_some_and(|i| i < 2) && !s.starts_with('_') {
+            continue;
+        }
+        out.push(Found {
+            start: m.start(),
+            end: m.end(),
+            kind: IdentifierKind::Path,
+        });
+    }
+}
+
+fn scan_bare_ports(re: &Regex, text: &str, out: &mut Vec<Found>) {
+    for m in re.find_iter(text) {
+        let alone = match byte_before(text, m.start()) {
+            None => true,
+            Some(b) => b.is_ascii_whitespace() || matches!(b, b'(' | b'[' | b'=' | b','),
+        };
+        if alone {
+            push_port(text, m.start(), m.end(), out);
+        }
+    }
+}
+
+fn scan_ports(re: &Regex, text: &str, out: &mut Vec<Found>) {
+    for caps in re.captures_iter(text) {
+        if let Some(m) = caps.get(1) {
+            push_port(text, m.start(), m.end(), out);
+        }
+    }
+}
+
+fn push_port(text: &str, start: usize, end: usize, out: &mut Vec<Found>) {
+    let digits = text[start..end].trim_start_matches(':');
+    if digits.parse::<u32>().map_or(true, |n| n == 0 || n > 65535) {
+        return;
+    }
+    // `:3.5` is a ratio, not a port.
+    if byte_at(text, end) == Some(b'.')
+        && byte_at(text, end + 1).is_some_and(|b| b.is_ascii_digit())
+    {
+        return;
+    }
+    out.push(Found {
+        start,
+        end,
+        kind: IdentifierKind::Port,
+    });
+}
+
+fn scan_codes(re: &Regex, text: &str, out: &mut Vec<Found>) {
+    for m in re.find_iter(text) {
+        let s = m.as_str();
+        let keep = if s.ends_with("Error") || s.ends_with("Exception") || s.ends_with("Warning") {
+            true
+        } else if s.starts_with("SIG") && s.bytes().all(|b| b.is_ascii_uppercase()) {
+            matches!(
+                s,
+                "SIGKILL"
+                    | "SIGTERM"
+                    | "SIGINT"
+                    | "SIGSEGV"
+                    | "SIGABRT"
+                    | "SIGHUP"
+                    | "SIGPIPE"
+                    | "SIGBUS"
+                    | "SIGFPE"
+                    | "SIGILL"
+                    | "SIGQUIT"
+                    | "SIGUSR1"
+                    | "SIGUSR2"
+                    | "SIGCHLD"
+                    | "SIGALRM"
+                    | "SIGSTOP"
+                    | "SIGCONT"
+                    | "SIGTRAP"
+            )
+        } else if s.bytes().skip(1).all(|b| b.is_ascii_digit()) || digit_count(s) >= 3 {
+            // E0308, W291, TS2345: a prefix then digits.
+            let digits = digit_count(s);
+            digits >= 3 && s.bytes().rev().take(digits).all(|b| b.is_ascii_digit())
+        } else {
+            ERRNO.contains(&s)
+        };
+        if keep && !matches!(byte_before(text, m.start()), Some(b'-' | b'.')) {
+            out.push(Found {
+                start: m.start(),
+                end: m.end(),
+                kind: IdentifierKind::ErrorCode,
+            });
+        }
+    }
+}
+
+fn scan_hash_tickets(re: &Regex, text: &str, out: &mut Vec<Found>) {
+    let bytes = text.as_bytes();
+    let repo_byte = |b: u8| is_ident_byte(b) || b == b'.' || b == b'-';
+    for m in re.find_iter(text) {
+        let mut start = m.start();
+        // `owner/repo#123`: walk back over `repo`, `/`, `owner`.
+        let mut i = start;
+        while i > 0 && repo_byte(bytes[i - 1]) {
+            i -= 1;
+        }
+        if i < start && i > 0 && bytes[i - 1] == b'/' {
+            let mut j = i - 1;
+            while j > 0 && repo_byte(bytes[j - 1]) {
+                j -= 1;
+            }
+            if j < i - 1 && (j == 0 || bytes[j - 1] != b'/') {
+                start = j;
+            }
+        }
+        // `&#123;` is an HTML entity, `abc#12` an anchor inside a word.
+        if start == m.start()
+            && byte_before(text, start).is_some_and(|b| is_ident_byte(b) || b == b'&')
+        {
+            continue;
+        }
+        out.push(Found {
+            start,
+            end: m.end(),
+            kind: IdentifierKind::Ticket,
+        });
+    }
+}
+
+fn scan_key_tickets(re: &Regex, text: &str, out: &mut Vec<Found>) {
+    for m in re.find_iter(text) {
+        let s = m.as_str();
+        let prefix = s.split('-').next().unwrap_or(s);
+        if !s.starts_with("CVE-") && NOT_TICKET_PREFIXES.contains(&prefix) {
+            continue;
+        }
+        if matches!(byte_before(text, m.start()), Some(b'-' | b'_' | b'.'))
+            || matches!(byte_at(text, m.end()), Some(b'-' | b'_'))
+        {
+            continue;
+        }
+        out.push(Found {
+            start: m.start(),
+            end: m.end(),
+            kind: IdentifierKind::Ticket,
+        });
+    }
+}
+
+fn scan_tokens(re: &Regex, text: &str, out: &mut Vec<Found>) {
+    for m in re.find_iter(text) {
+        let s = m.as_str();
+        let letters = s.bytes().filter(u8::is_ascii_alphabetic).count();
+        let digits = digit_count(s);
+        if s.len() < 5 || letters == 0 || digits < 2 {
+            continue;
+        }
+        if s.contains(['_', '-']) {
+            // Compound ids have clean separators (`a_b-c`, not `a__b`, `a-`).
+            if s.ends_with(['_', '-']) || s.contains("__") || s.contains("--") {
+                continue;
+            }
+        } else if s.len() > 12 || s.bytes().any(|b| b.is_ascii_lowercase()) {
+            // Unseparated, only short uppercase codes (`HAT136`, `4WQ150`).
+            continue;
+        }
+        if matches!(
+            byte_before(text, m.start()),
+            Some(b'-' | b'.' | b'/' | b'$')
+        ) || matches!(byte_at(text, m.end()), Some(b'('))
+        {
+            continue;
+        }
+        let first = s.split(['-', '_']).next().unwrap_or(s).to_ascii_uppercase();
+        if NOT_TICKET_PREFIXES.contains(&first.as_str()) {
+            continue;
+        }
+        out.push(Found {
+            start: m.start(),
+            end: m.end(),
+            kind: IdentifierKind::Token,
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(text: &str) -> Vec<String> {
+        extract(text)
+    }
+
+    fn has(text: &str, want: &str) {
+        let got = ids(text);
+        assert!(
+            got.iter().any(|s| s == want),
+            "{want:?} not found in {text:?}: {got:?}"
+        );
+    }
+
+    fn lacks(text: &str, unwanted: &str) {
+        let got = ids(text);
+        assert!(
+            !got.iter().any(|s| s == unwanted),
+            "{unwanted:?} wrongly found in {text:?}: {got:?}"
+        );
+    }
+
+    #[test]
+    fn finds_paths_of_every_shape() {
+        has(
+            "see /home/USER/src/lib.rs:120:5 for it",
+            "/home/USER/src/lib.rs",
+        );
+        has("edit src/core/mod.rs now", "src/core/mod.rs");
+        has("open ./scripts/run and ../x/y.py", "./scripts/run");
+        has("open ./scripts/run and ../x/y.py", "../x/y.py");
+        has("config in ~/.config/app.toml.", "~/.config/app.toml");
+        has(
+            r"copied to C:\Users\dev\proj\main.rs, then",
+            r"C:\Users\dev\proj\main.rs",
+        );
+        has("bump Cargo.toml and README.md", "Cargo.toml");
+        has("bump Cargo.toml and README.md", "README.md");
+        has("the file test_schema.py fails", "test_schema.py");
+        lacks("this and/or that, 1/2 of it", "and/or");
+        lacks("call response.json() then", "response.json");
+        lacks("e.g. this", "e.g");
+    }
+
+    #[test]
+    fn finds_urls_without_trailing_punctuation() {
+        has(
+            "see https://github.com/org/repo/pull/42.",
+            "https://github.com/org/repo/pull/42",
+        );
+        has(
+            "(docs: https://en.wikipedia.org/wiki/Foo_(bar)).",
+            "https://en.wikipedia.org/wiki/Foo_(bar)",
+        );
+        // The path inside the URL is not reported again.
+        let got = ids("at https://example.com/a/b.html here");
+        assert_eq!(got, vec!["https://example.com/a/b.html".to_string()]);
+    }
+
+    #[test]
+    fn finds_hashes_and_uuids() {
+        has("commit 3ea751c0 fixed it", "3ea751c0");
+        has(
+            "at 3ea751c087f32b16e039a2233dd6eefecef325d5",
+            "3ea751c087f32b16e039a2233dd6eefecef325d5",
+        );
+        let sha256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
+        has(&format!("digest sha256:{sha256}"), sha256);
+        has(
+            "session fa812bfe-b295-4cca-9c2f-fdf01028cb46 ended",
+            "fa812bfe-b295-4cca-9c2f-fdf01028cb46",
+        );
+        lacks("we defaced the facade", "defaced");
+        lacks("in 1234567 cases", "1234567");
+    }
+
+    #[test]
+    fn finds_addresses_hosts_and_ports() {
+        has("bind 192.168.1.10:8080 ok", "192.168.1.10:8080");
+        has("cidr 10.0.0.0/8", "10.0.0.0/8");
+        has("ipv6 [2001:db8::1]:443 up", "[2001:db8::1]:443");
+        has("ping fe80::1 and ::1", "fe80::1");
+        has("connect to db.internal:5432 failed", "db.internal:5432");
+        has("serve on localhost:3000", "localhost:3000");
+        has("call api.example.com please", "api.example.com");
+        has("listening on port 8080", "8080");
+        has("listening on :9090 now", ":9090");
+        lacks("at 10:30:00 we met", "10:30:00");
+        lacks("use crate::db::add and de::Error", "db::add");
+        lacks("see lib.rs:120", "lib.rs:120");
+        lacks("self.config is set", "self.config");
+        lacks("port 99999", "99999");
+    }
+
+    #[test]
+    fn finds_error_codes() {
+        has("error[E0308]: mismatched types", "E0308");
+        has("open failed: ENOENT", "ENOENT");
+        has("got HTTP 404 from it", "HTTP 404");
+        has(
+            "returned 503 Service Unavailable",
+            "503 Service Unavailable",
+        );
+        has("raised ValueError: bad", "ValueError");
+        has("ruff: F401 unused import", "F401");
+        has("process exited with code 137", "exited with code 137");
+        has("killed by SIGKILL", "SIGKILL");
+        lacks("the END of EXAMPLE", "EXAMPLE");
+        lacks("an Error occurred", "Error");
+    }
+
+    #[test]
+    fn finds_tickets_versions_dates_and_machine_ids() {
+        has("fixes #1234 and org/repo#56", "#1234");
+        has("fixes #1234 and org/repo#56", "org/repo#56");
+        has("see PROJ-123 first", "PROJ-123");
+        has("patch CVE-2024-3094 now", "CVE-2024-3094");
+        has("bump to v1.2.3-rc.1", "v1.2.3-rc.1");
+        has("python 3.11.4 installed", "3.11.4");
+        has("flight on 2024-05-17 leaves", "2024-05-17");
+        has("user mia_li_3668 booked HAT136", "mia_li_3668");
+        has("user mia_li_3668 booked HAT136", "HAT136");
+        has("reservation 4WQ150 changed", "4WQ150");
+        has("tool call toolu_01XyZabc9 done", "toolu_01XyZabc9");
+        lacks("encoded as UTF-8 or UTF-16", "UTF-16");
+        lacks("hash with SHA-256", "SHA-256");
+        lacks("item #1 is first", "#1");
+        lacks("pi is 3.14 roughly", "3.14");
+    }
+
+    #[test]
+    fn ignores_plain_prose_and_small_numbers() {
+        let got = ids("The quick brown fox jumped over 3 lazy dogs in 2 minutes, twice.");
+        assert!(got.is_empty(), "{got:?}");
+    }
+
+    #[test]
+    fn unique_in_first_appearance_order() {
+        let got = ids("src/b.rs then src/a.rs then src/b.rs again, #42 and #42");
+        assert_eq!(got, vec!["src/b.rs", "src/a.rs", "#42"]);
+    }
+
+    #[test]
+    fn handles_unicode_text() {
+        has("日本語のテキスト src/lib.rs を編集 ✓ café", "src/lib.rs");
+        has("ошибка E0308 в файле ./main.rs", "./main.rs");
+        let got = ids("ünïcödé ✓ 日本語 — no identifiers here");
+        assert!(got.is_empty(), "{got:?}");
+    }
+
+    #[test]
+    fn kinds_are_reported() {
+        let got = extract_with_kinds("see https://x.io/a and src/a.rs at 1.2.3.4:80");
+        let kinds: Vec<_> = got.iter().map(|i| i.kind).collect();
+        assert_eq!(
+            kinds,
+            vec![
+                IdentifierKind::Url,
+                IdentifierKind::Path,
+                IdentifierKind::IpAddress
+            ]
+        );
+    }
+}

@@ -1,0 +1,414 @@
+//! A team's own summarizer, in any language, reached by NATS request/reply
+//! on a configured subject.
+//!
+//! Wire contract: the request body is a JSON [`SummaryRequest`]; the reply
+//! is a JSON [`SummaryDraft`] (`prompt_version` and `fallback` may be
+//! omitted; `model`/`provider` default to the subject), or `{"error": "..."}`.
+//! A timeout, no responder, an error reply, an unreadable or empty reply is
+//! a failure, and [`WithFallback`] then uses the built-in path.
+
+use super::{CallOutcome, CallRecord, SummarizeError, Summarizer, SummaryOutcome};
+use crate::core::summary::{SummaryDraft, SummaryRequest};
+use crate::core::tokens::{count_text, Encoding};
+use bytes::Bytes;
+use serde::Deserialize;
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+/// Why a request over the transport got no reply.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum TransportError {
+    #[error("no reply within {0} ms")]
+    TimedOut(u64),
+    #[error("no summarizer is listening on the subject")]
+    NoResponders,
+    #[error("request failed: {0}")]
+    Other(String),
+}
+
+/// Request/reply, abstracted so the fallback logic is testable without a
+/// NATS server. Implemented for `async_nats::Client`.
+pub trait RequestTransport: Send + Sync {
+    fn request(
+        &self,
+        subject: &str,
+        payload: Bytes,
+        timeout: Duration,
+    ) -> impl Future<Output = Result<Bytes, TransportError>> + Send;
+}
+
+impl RequestTransport for async_nats::Client {
+    async fn request(
+        &self,
+        subject: &str,
+        payload: Bytes,
+        timeout: Duration,
+    ) -> Result<Bytes, TransportError> {
+        let request = async_nats::Request::new()
+            .payload(payload)
+            .timeout(Some(timeout));
+        match self.send_request(subject.to_string(), request).await {
+            Ok(message) => Ok(message.payload),
+            Err(e) => Err(match e.kind() {
+                async_nats::RequestErrorKind::TimedOut => {
+                    TransportError::TimedOut(timeout.as_millis() as u64)
+                }
+                async_nats::RequestErrorKind::NoResponders => TransportError::NoResponders,
+                _ => TransportError::Other(e.to_string()),
+            }),
+        }
+    }
+}
+
+/// The reply: a draft, or an error.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Reply {
+    Error { error: String },
+    Draft(ReplyDraft),
+}
+
+#[derive(Debug, Deserialize)]
+struct ReplyDraft {
+    content: String,
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    provider: Option<String>,
+    #[serde(default)]
+    prompt_version: Option<String>,
+    #[serde(default)]
+    fallback: bool,
+}
+
+/// The external summarizer.
+#[derive(Debug)]
+pub struct ExternalSummarizer<T> {
+    transport: T,
+    subject: String,
+    timeout: Duration,
+    name: String,
+}
+
+impl<T: RequestTransport> ExternalSummarizer<T> {
+    pub fn new(transport: T, subject: impl Into<String>, timeout: Duration) -> Self {
+        let subject = subject.into();
+        ExternalSummarizer {
+            name: format!("external({subject})"),
+            transport,
+            subject,
+            timeout,
+        }
+    }
+
+    fn record(
+        &self,
+        model: &str,
+        latency_ms: u64,
+        prompt: u64,
+        completion: u64,
+        outcome: CallOutcome,
+    ) -> CallRecord {
+        CallRecord {
+            model: model.to_string(),
+            provider: format!("nats:{}", self.subject),
+            latency_ms,
+            prompt_tokens_provider: None,
+            completion_tokens_provider: None,
+            prompt_tokens_ours: prompt,
+            completion_tokens_ours: completion,
+            // What an external summarizer costs is its team's to account.
+            cost_micros: 0,
+            outcome,
+        }
+    }
+}
+
+impl<T: RequestTransport> Summarizer for ExternalSummarizer<T> {
+    async fn summarize(&self, req: &SummaryRequest) -> Result<SummaryOutcome, SummarizeError> {
+        let payload = serde_json::to_vec(req)
+            .map_err(|e| SummarizeError::Config(format!("cannot encode the request: {e}")))?;
+        let prompt_tokens = req.source_tokens();
+        let started = Instant::now();
+        let result = self
+            .transport
+            .request(&self.subject, Bytes::from(payload), self.timeout)
+            .await;
+        let latency = started.elapsed().as_millis() as u64;
+        let fail = |outcome: CallOutcome, reason: String| SummarizeError::Unavailable {
+            reason: format!("external summarizer on {}: {reason}", self.subject),
+            calls: vec![self.record("external", latency, prompt_tokens, 0, outcome)],
+        };
+        let bytes = match result {
+            Ok(b) => b,
+            Err(TransportError::TimedOut(ms)) => {
+                return Err(fail(
+                    CallOutcome::Timeout,
+                    format!("no reply within {ms} ms"),
+                ))
+            }
+            Err(e) => return Err(fail(CallOutcome::Connect, e.to_string())),
+        };
+        let reply: Reply = match serde_json::from_slice(&bytes) {
+            Ok(r) => r,
+            Err(e) => {
+                let reason = format!("unreadable reply: {e}");
+                return Err(fail(CallOutcome::Invalid(reason.clone()), reason));
+            }
+        };
+        match reply {
+            Reply::Error { error } => {
+                let reason = format!("replied with an error: {error}");
+                Err(fail(CallOutcome::Invalid(reason.clone()), reason))
+            }
+            Reply::Draft(d) if d.content.trim().is_empty() => {
+                let reason = "replied with an empty summary".to_string();
+                Err(fail(CallOutcome::Invalid(reason.clone()), reason))
+            }
+            Reply::Draft(d) => {
+                let model = d
+                    .model
+                    .filter(|m| !m.is_empty())
+                    .unwrap_or_else(|| "external".to_string());
+                let completion = count_text(Encoding::for_model(Some(&model)), &d.content);
+                let record =
+                    self.record(&model, latency, prompt_tokens, completion, CallOutcome::Ok);
+                Ok(SummaryOutcome {
+                    draft: SummaryDraft {
+                        content: d.content,
+                        provider: d
+                            .provider
+                            .filter(|p| !p.is_empty())
+                            .unwrap_or_else(|| format!("nats:{}", self.subject)),
+                        model,
+                        prompt_version: d
+                            .prompt_version
+                            .filter(|v| !v.is_empty())
+                            .unwrap_or_else(|| format!("external:{}", self.subject)),
+                        fallback: d.fallback,
+                    },
+                    calls: vec![record],
+                })
+            }
+        }
+    }
+
+    fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+/// Tries `primary`; on any failure uses `fallback`, keeping the calls of
+/// both.
+#[derive(Debug)]
+pub struct WithFallback<P, F> {
+    primary: P,
+    fallback: F,
+    name: String,
+}
+
+impl<P: Summarizer, F: Summarizer> WithFallback<P, F> {
+    pub fn new(primary: P, fallback: F) -> Self {
+        let name = format!("{}|{}", primary.name(), fallback.name());
+        WithFallback {
+            primary,
+            fallback,
+            name,
+        }
+    }
+}
+
+impl<P: Summarizer, F: Summarizer> Summarizer for WithFallback<P, F> {
+    async fn summarize(&self, req: &SummaryRequest) -> Result<SummaryOutcome, SummarizeError> {
+        match self.primary.summarize(req).await {
+            Ok(outcome) => Ok(outcome),
+            Err(mut e) => {
+                tracing::warn!(
+                    primary = %self.primary.name(),
+                    error = %e,
+                    "primary summarizer failed; using the fallback"
+                );
+                let earlier = e.take_calls();
+                match self.fallback.summarize(req).await {
+                    Ok(mut outcome) => {
+                        let mut calls = earlier;
+                        calls.append(&mut outcome.calls);
+                        outcome.calls = calls;
+                        Ok(outcome)
+                    }
+                    Err(e) => Err(e.prepend_calls(earlier)),
+                }
+            }
+        }
+    }
+
+    fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::event::SummaryKind;
+    use crate::core::message::Role;
+    use crate::core::summary::{IdentifierPolicy, SourceItem};
+    use crate::summarizer::DeterministicSummarizer;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+
+    /// A transport answering from a script and recording requests.
+    struct FakeTransport {
+        reply: Mutex<Option<Result<Bytes, TransportError>>>,
+        delay: Duration,
+        requests: AtomicUsize,
+        last: Mutex<Option<(String, Bytes, Duration)>>,
+    }
+
+    impl FakeTransport {
+        fn new(reply: Result<&str, TransportError>) -> Self {
+            FakeTransport {
+                reply: Mutex::new(Some(reply.map(|s| Bytes::from(s.to_string())))),
+                delay: Duration::ZERO,
+                requests: AtomicUsize::new(0),
+                last: Mutex::new(None),
+            }
+        }
+    }
+
+    impl RequestTransport for FakeTransport {
+        async fn request(
+            &self,
+            subject: &str,
+            payload: Bytes,
+            timeout: Duration,
+        ) -> Result<Bytes, TransportError> {
+            self.requests.fetch_add(1, Ordering::SeqCst);
+            *self.last.lock().unwrap() = Some((subject.to_string(), payload, timeout));
+            tokio::time::sleep(self.delay).await;
+            self.reply
+                .lock()
+                .unwrap()
+                .take()
+                .unwrap_or(Err(TransportError::Other("script exhausted".into())))
+        }
+    }
+
+    fn req() -> SummaryRequest {
+        SummaryRequest {
+            conversation: "c".into(),
+            kind: SummaryKind::Leaf,
+            depth: 0,
+            sources: vec![SourceItem {
+                label: "turn 1".into(),
+                role: Some(Role::User),
+                tool: None,
+                text: "rotate /etc/app/key.pem".into(),
+                tokens: 9,
+                time: 0,
+            }],
+            target_tokens: 64,
+            previous_summary: None,
+            instructions: None,
+            custom_instructions: None,
+            identifier_policy: IdentifierPolicy::Strict,
+            aggressive: false,
+        }
+    }
+
+    fn external(t: FakeTransport) -> ExternalSummarizer<FakeTransport> {
+        ExternalSummarizer::new(t, "summarize.team", Duration::from_millis(750))
+    }
+
+    #[tokio::test]
+    async fn a_draft_reply_is_used_and_the_request_is_the_json_request() {
+        let ext = external(FakeTransport::new(Ok(
+            r#"{"content":"Key rotation of /etc/app/key.pem requested.","model":"team-model"}"#,
+        )));
+        let s = WithFallback::new(ext, DeterministicSummarizer);
+        let out = s.summarize(&req()).await.unwrap();
+        assert_eq!(
+            out.draft.content,
+            "Key rotation of /etc/app/key.pem requested."
+        );
+        assert_eq!(out.draft.model, "team-model");
+        assert_eq!(out.draft.provider, "nats:summarize.team");
+        assert!(!out.draft.fallback);
+        assert_eq!(out.calls.len(), 1);
+        let (subject, payload, timeout) = s.primary.transport.last.lock().unwrap().clone().unwrap();
+        assert_eq!(subject, "summarize.team");
+        assert_eq!(timeout, Duration::from_millis(750));
+        let sent: SummaryRequest = serde_json::from_slice(&payload).unwrap();
+        assert_eq!(sent, req());
+    }
+
+    #[tokio::test]
+    async fn every_failure_falls_back_to_the_built_in_path() {
+        let cases: Vec<(Result<&str, TransportError>, CallOutcome)> = vec![
+            (Err(TransportError::TimedOut(750)), CallOutcome::Timeout),
+            (Err(TransportError::NoResponders), CallOutcome::Connect),
+            (
+                Ok(r#"{"error":"model overloaded"}"#),
+                CallOutcome::Invalid("replied with an error: model overloaded".into()),
+            ),
+            (
+                Ok(r#"{"content":"   "}"#),
+                CallOutcome::Invalid("replied with an empty summary".into()),
+            ),
+            (Ok("not json"), CallOutcome::Invalid(String::new())),
+            (Ok(""), CallOutcome::Invalid(String::new())),
+        ];
+        for (reply, expected) in cases {
+            let s = WithFallback::new(external(FakeTransport::new(reply)), DeterministicSummarizer);
+            let out = s.summarize(&req()).await.unwrap();
+            assert!(out.draft.fallback, "{expected:?}: built-in path used");
+            assert_eq!(s.primary.transport.requests.load(Ordering::SeqCst), 1);
+            assert_eq!(out.calls.len(), 1, "the failed external call is kept");
+            match (&out.calls[0].outcome, &expected) {
+                (CallOutcome::Invalid(_), CallOutcome::Invalid(e)) if e.is_empty() => {}
+                (got, want) => assert_eq!(got, want),
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_failing_fallback_reports_both_calls() {
+        struct Down;
+        impl Summarizer for Down {
+            async fn summarize(
+                &self,
+                _: &SummaryRequest,
+            ) -> Result<SummaryOutcome, SummarizeError> {
+                Err(SummarizeError::RateLimited {
+                    provider: "p".into(),
+                    retry_after_ms: 900,
+                    calls: vec![CallRecord {
+                        model: "m".into(),
+                        provider: "p".into(),
+                        latency_ms: 1,
+                        prompt_tokens_provider: None,
+                        completion_tokens_provider: None,
+                        prompt_tokens_ours: 1,
+                        completion_tokens_ours: 0,
+                        cost_micros: 0,
+                        outcome: CallOutcome::RateLimited,
+                    }],
+                })
+            }
+            fn name(&self) -> &str {
+                "down"
+            }
+        }
+        let s = WithFallback::new(
+            external(FakeTransport::new(Err(TransportError::TimedOut(750)))),
+            Down,
+        );
+        let err = s.summarize(&req()).await.unwrap_err();
+        assert_eq!(err.retry_after_ms(), Some(900));
+        let outcomes: Vec<_> = err.calls().iter().map(|c| c.outcome.clone()).collect();
+        assert_eq!(
+            outcomes,
+            vec![CallOutcome::Timeout, CallOutcome::RateLimited]
+        );
+    }
+}

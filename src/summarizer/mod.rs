@@ -1,0 +1,425 @@
+//! Summarizers: the effectful side of compaction. A [`Summarizer`] turns one
+//! [`SummaryRequest`] into a [`SummaryDraft`] and reports every model call it
+//! made ([`CallRecord`]) so spend windows can be event-sourced by the caller.
+//!
+//! Implementations:
+//! - [`llm::LlmSummarizer`]: any OpenAI-compatible chat-completions endpoint,
+//!   with its own timeouts, retries, rate-limit handling, model fallback
+//!   chain and auth circuit breaker;
+//! - [`deterministic::DeterministicSummarizer`]: the core's fallback, no model;
+//! - [`external::ExternalSummarizer`]: a team's own summarizer over NATS
+//!   request/reply, usually wrapped in [`external::WithFallback`];
+//! - [`validation::EscalatingSummarizer`]: validates what another summarizer
+//!   wrote and escalates normal -> aggressive -> deterministic fallback.
+//!
+//! Deadlines belong to the caller: it drops the future (for example with
+//! `tokio::time::timeout`), and dropping cancels the HTTP request in flight.
+//! Calls cut short that way are reported to a [`CallLog`], when one is set,
+//! as [`CallOutcome::Cancelled`], so no spend goes unaccounted.
+
+pub mod breaker;
+pub mod config;
+pub mod deterministic;
+pub mod external;
+pub mod llm;
+pub mod prompts;
+pub mod validation;
+
+pub use breaker::{AuthBreakers, Clock, ManualClock, SystemClock};
+pub use config::{ModelPrice, SummarizerConfig};
+pub use deterministic::DeterministicSummarizer;
+pub use external::{ExternalSummarizer, WithFallback};
+pub use llm::LlmSummarizer;
+pub use prompts::PROMPT_VERSION;
+pub use validation::EscalatingSummarizer;
+
+use crate::core::summary::{SummaryDraft, SummaryRequest};
+use serde::{Deserialize, Serialize};
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+
+/// Writes one summary.
+pub trait Summarizer: Send + Sync {
+    /// Summarizes `req`. Dropping the future cancels any call in flight.
+    fn summarize(
+        &self,
+        req: &SummaryRequest,
+    ) -> impl Future<Output = Result<SummaryOutcome, SummarizeError>> + Send;
+
+    /// A short name for logs and records (`llm`, `deterministic`, ...).
+    fn name(&self) -> &str;
+}
+
+impl<S: Summarizer> Summarizer for Arc<S> {
+    fn summarize(
+        &self,
+        req: &SummaryRequest,
+    ) -> impl Future<Output = Result<SummaryOutcome, SummarizeError>> + Send {
+        (**self).summarize(req)
+    }
+
+    fn name(&self) -> &str {
+        (**self).name()
+    }
+}
+
+/// The summarizer a configuration asks for: the LLM client, behind the
+/// external NATS summarizer when one is configured, always wrapped in
+/// validation and escalation.
+#[derive(Debug)]
+pub enum ConfiguredSummarizer {
+    Llm(Box<EscalatingSummarizer<LlmSummarizer>>),
+    External(
+        Box<
+            EscalatingSummarizer<
+                WithFallback<ExternalSummarizer<async_nats::Client>, LlmSummarizer>,
+            >,
+        >,
+    ),
+}
+
+impl ConfiguredSummarizer {
+    /// Builds from `config`; `nats` is needed only when `config.external`
+    /// is set. Every LLM call is also reported to `call_log` when given.
+    pub fn from_config(
+        config: &SummarizerConfig,
+        nats: Option<async_nats::Client>,
+        call_log: Option<CallLog>,
+    ) -> Result<Self, SummarizeError> {
+        let mut llm = LlmSummarizer::new(config.clone())?;
+        if let Some(log) = call_log {
+            llm = llm.with_call_log(log);
+        }
+        match (&config.external, nats) {
+            (None, _) => Ok(ConfiguredSummarizer::Llm(Box::new(
+                EscalatingSummarizer::new(llm, config),
+            ))),
+            (Some(ext), Some(client)) => {
+                let external = ExternalSummarizer::new(
+                    client,
+                    ext.subject.clone(),
+                    std::time::Duration::from_millis(ext.timeout_ms),
+                );
+                Ok(ConfiguredSummarizer::External(Box::new(
+                    EscalatingSummarizer::new(WithFallback::new(external, llm), config),
+                )))
+            }
+            (Some(ext), None) => Err(SummarizeError::Config(format!(
+                "summarizer.external.subject = {:?} needs a NATS connection",
+                ext.subject
+            ))),
+        }
+    }
+}
+
+impl Summarizer for ConfiguredSummarizer {
+    async fn summarize(&self, req: &SummaryRequest) -> Result<SummaryOutcome, SummarizeError> {
+        match self {
+            ConfiguredSummarizer::Llm(s) => s.summarize(req).await,
+            ConfiguredSummarizer::External(s) => s.summarize(req).await,
+        }
+    }
+
+    fn name(&self) -> &str {
+        match self {
+            ConfiguredSummarizer::Llm(s) => s.name(),
+            ConfiguredSummarizer::External(s) => s.name(),
+        }
+    }
+}
+
+/// A summary and every call spent to write it (including failed attempts).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SummaryOutcome {
+    pub draft: SummaryDraft,
+    pub calls: Vec<CallRecord>,
+}
+
+impl SummaryOutcome {
+    /// Tokens spent by all calls (provider's counts where known, else ours).
+    pub fn tokens_spent(&self) -> u64 {
+        self.calls.iter().map(CallRecord::tokens).sum()
+    }
+
+    pub fn cost_micros(&self) -> u64 {
+        self.calls.iter().map(|c| c.cost_micros).sum()
+    }
+}
+
+/// How one model call ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind", content = "detail")]
+pub enum CallOutcome {
+    /// The model answered (its text may still be rejected: see `Invalid`).
+    Ok,
+    /// The per-call timeout expired.
+    Timeout,
+    /// The server answered with this non-success status (5xx, 4xx other
+    /// than 401/403/429).
+    HttpStatus(u16),
+    /// 429: the caller should come back after the Retry-After delay.
+    RateLimited,
+    /// 401/403: the key was refused.
+    Auth,
+    /// The answer was unusable: malformed body or rejected summary text.
+    Invalid(String),
+    /// Could not connect (refused, DNS, TLS, reset before an answer).
+    Connect,
+    /// The caller dropped the call in flight (its deadline passed).
+    Cancelled,
+}
+
+impl CallOutcome {
+    pub fn is_ok(&self) -> bool {
+        matches!(self, CallOutcome::Ok)
+    }
+}
+
+/// One call to a model, for spend accounting and audit.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CallRecord {
+    pub model: String,
+    pub provider: String,
+    pub latency_ms: u64,
+    /// Usage as the provider reported it; `None` when missing or zero.
+    pub prompt_tokens_provider: Option<u64>,
+    pub completion_tokens_provider: Option<u64>,
+    /// Our own counts (the model's BPE, or `o200k_base` when unknown).
+    pub prompt_tokens_ours: u64,
+    pub completion_tokens_ours: u64,
+    /// Cost from the configured price table, in micro-dollars.
+    pub cost_micros: u64,
+    pub outcome: CallOutcome,
+}
+
+impl CallRecord {
+    /// Tokens this call spent: the provider's counts where known, else ours.
+    pub fn tokens(&self) -> u64 {
+        self.prompt_tokens_provider
+            .unwrap_or(self.prompt_tokens_ours)
+            + self
+                .completion_tokens_provider
+                .unwrap_or(self.completion_tokens_ours)
+    }
+}
+
+/// Why no summary was written. Each variant says what the caller should do.
+#[derive(Debug, thiserror::Error)]
+pub enum SummarizeError {
+    /// Every model in the chain was rate limited (or the last one was): put
+    /// the job back on the queue with this delay instead of sleeping.
+    #[error(
+        "rate limited by {provider}: return the job to the queue and retry in {retry_after_ms} ms"
+    )]
+    RateLimited {
+        provider: String,
+        retry_after_ms: u64,
+        calls: Vec<CallRecord>,
+    },
+    /// The provider refused the API key (401/403). No fallback summary may
+    /// be written for this: fix the key.
+    #[error(
+        "authentication failed at {provider} (HTTP {status}): check the API key in ${api_key_env}{}",
+        detail_suffix(detail)
+    )]
+    AuthFailed {
+        provider: String,
+        status: u16,
+        api_key_env: String,
+        detail: String,
+        calls: Vec<CallRecord>,
+    },
+    /// Repeated auth failures opened the provider's circuit breaker; no call
+    /// was made.
+    #[error(
+        "circuit breaker for {provider} is open after repeated authentication failures: \
+         fix the API key; calls resume in {retry_after_ms} ms"
+    )]
+    BreakerOpen {
+        provider: String,
+        retry_after_ms: u64,
+    },
+    /// No model could answer (timeouts, 5xx, connection errors through the
+    /// whole chain, or an external summarizer that failed).
+    #[error("summarizer unavailable: {reason}")]
+    Unavailable {
+        reason: String,
+        calls: Vec<CallRecord>,
+    },
+    /// A model answered, but with something that is not a usable summary
+    /// (malformed body, no text). Escalation treats it like rejected output.
+    #[error("unusable summarizer answer: {reason}")]
+    Invalid {
+        reason: String,
+        calls: Vec<CallRecord>,
+    },
+    /// The summarizer cannot run as configured.
+    #[error("summarizer misconfigured: {0}")]
+    Config(String),
+}
+
+fn detail_suffix(detail: &str) -> String {
+    if detail.is_empty() {
+        String::new()
+    } else {
+        format!(" ({detail})")
+    }
+}
+
+impl SummarizeError {
+    /// Calls made before the failure (for spend accounting).
+    pub fn calls(&self) -> &[CallRecord] {
+        match self {
+            SummarizeError::RateLimited { calls, .. }
+            | SummarizeError::AuthFailed { calls, .. }
+            | SummarizeError::Unavailable { calls, .. }
+            | SummarizeError::Invalid { calls, .. } => calls,
+            SummarizeError::BreakerOpen { .. } | SummarizeError::Config(_) => &[],
+        }
+    }
+
+    /// Takes the calls out (leaving none), to merge them into an outcome.
+    pub fn take_calls(&mut self) -> Vec<CallRecord> {
+        match self {
+            SummarizeError::RateLimited { calls, .. }
+            | SummarizeError::AuthFailed { calls, .. }
+            | SummarizeError::Unavailable { calls, .. }
+            | SummarizeError::Invalid { calls, .. } => std::mem::take(calls),
+            SummarizeError::BreakerOpen { .. } | SummarizeError::Config(_) => Vec::new(),
+        }
+    }
+
+    /// Puts earlier calls in front of this error's own.
+    pub fn prepend_calls(mut self, mut earlier: Vec<CallRecord>) -> Self {
+        let own = self.take_calls();
+        earlier.extend(own);
+        match &mut self {
+            SummarizeError::RateLimited { calls, .. }
+            | SummarizeError::AuthFailed { calls, .. }
+            | SummarizeError::Unavailable { calls, .. }
+            | SummarizeError::Invalid { calls, .. } => *calls = earlier,
+            SummarizeError::BreakerOpen { .. } | SummarizeError::Config(_) => {}
+        }
+        self
+    }
+
+    /// When the job should be tried again, if the error says.
+    pub fn retry_after_ms(&self) -> Option<u64> {
+        match self {
+            SummarizeError::RateLimited { retry_after_ms, .. }
+            | SummarizeError::BreakerOpen { retry_after_ms, .. } => Some(*retry_after_ms),
+            _ => None,
+        }
+    }
+
+    /// True for failures that must never produce a fallback summary: the
+    /// provider refused our credentials.
+    pub fn is_auth(&self) -> bool {
+        matches!(
+            self,
+            SummarizeError::AuthFailed { .. } | SummarizeError::BreakerOpen { .. }
+        )
+    }
+}
+
+/// A shared sink of call records. The LLM client reports every call here as
+/// it ends, including calls cancelled by the caller dropping the future,
+/// whose records would otherwise be lost with the future.
+#[derive(Debug, Clone, Default)]
+pub struct CallLog {
+    inner: Arc<Mutex<Vec<CallRecord>>>,
+}
+
+impl CallLog {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn push(&self, record: CallRecord) {
+        // A poisoned lock only means another thread panicked mid-push; the
+        // records themselves are still valid.
+        let mut guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        guard.push(record);
+    }
+
+    /// Takes all records reported so far.
+    pub fn drain(&self) -> Vec<CallRecord> {
+        let mut guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        std::mem::take(&mut *guard)
+    }
+
+    pub fn len(&self) -> usize {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(outcome: CallOutcome) -> CallRecord {
+        CallRecord {
+            model: "m".into(),
+            provider: "p".into(),
+            latency_ms: 1,
+            prompt_tokens_provider: None,
+            completion_tokens_provider: Some(7),
+            prompt_tokens_ours: 100,
+            completion_tokens_ours: 9,
+            cost_micros: 3,
+            outcome,
+        }
+    }
+
+    #[test]
+    fn tokens_prefer_provider_counts_where_known() {
+        assert_eq!(record(CallOutcome::Ok).tokens(), 107);
+    }
+
+    #[test]
+    fn prepend_keeps_call_order() {
+        let err = SummarizeError::Unavailable {
+            reason: "x".into(),
+            calls: vec![record(CallOutcome::Timeout)],
+        };
+        let err = err.prepend_calls(vec![record(CallOutcome::HttpStatus(503))]);
+        let outcomes: Vec<_> = err.calls().iter().map(|c| c.outcome.clone()).collect();
+        assert_eq!(
+            outcomes,
+            vec![CallOutcome::HttpStatus(503), CallOutcome::Timeout]
+        );
+    }
+
+    #[test]
+    fn messages_say_what_to_do() {
+        let err = SummarizeError::AuthFailed {
+            provider: "127.0.0.1:1".into(),
+            status: 401,
+            api_key_env: "MY_KEY".into(),
+            detail: String::new(),
+            calls: vec![],
+        };
+        let msg = err.to_string();
+        assert!(msg.contains("$MY_KEY"), "{msg}");
+        assert!(err.is_auth());
+        let err = SummarizeError::RateLimited {
+            provider: "p".into(),
+            retry_after_ms: 1500,
+            calls: vec![],
+        };
+        assert!(err.to_string().contains("1500 ms"));
+        assert_eq!(err.retry_after_ms(), Some(1500));
+    }
+
+    #[test]
+    fn call_outcome_serializes_in_snake_case() {
+        let json = serde_json::to_string(&CallOutcome::HttpStatus(503)).unwrap();
+        assert_eq!(json, r#"{"kind":"http_status","detail":503}"#);
+        let json = serde_json::to_string(&CallOutcome::RateLimited).unwrap();
+        assert_eq!(json, r#"{"kind":"rate_limited"}"#);
+    }
+}
