@@ -28,7 +28,11 @@ pub struct Config {
 
 impl Default for Config {
     fn default() -> Self {
-        Config { data_dir: PathBuf::from(DEFAULT_DATA_DIR), store: StoreConfig::default(), policy: PolicyConfig::default() }
+        Config {
+            data_dir: PathBuf::from(DEFAULT_DATA_DIR),
+            store: StoreConfig::default(),
+            policy: PolicyConfig::default(),
+        }
     }
 }
 
@@ -53,7 +57,10 @@ pub struct StoreConfig {
 
 impl Default for StoreConfig {
     fn default() -> Self {
-        StoreConfig { backend: StoreBackend::Redb, flush_every: 1 }
+        StoreConfig {
+            backend: StoreBackend::Redb,
+            flush_every: 1,
+        }
     }
 }
 
@@ -82,18 +89,29 @@ impl Config {
         Self::load_with_env(path, std::env::vars())
     }
 
-    pub fn load_with_env(path: Option<&Path>, env: impl IntoIterator<Item = (String, String)>) -> Result<Config, ConfigError> {
+    pub fn load_with_env(
+        path: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Config, ConfigError> {
         let mut table = match path {
             Some(p) => {
-                let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read { path: p.display().to_string(), source })?;
+                let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
+                    path: p.display().to_string(),
+                    source,
+                })?;
                 text.parse::<toml::Table>()
-                    .map_err(|e| ConfigError::Parse { path: p.display().to_string(), detail: e.to_string() })?
+                    .map_err(|e| ConfigError::Parse {
+                        path: p.display().to_string(),
+                        detail: e.to_string(),
+                    })?
             }
             None => toml::Table::new(),
         };
         let mut applied = Vec::new();
         for (var, value) in env {
-            let Some(rest) = var.strip_prefix("CONTEXTFOLD_") else { continue };
+            let Some(rest) = var.strip_prefix("CONTEXTFOLD_") else {
+                continue;
+            };
             let path: Vec<String> = rest.split("__").map(|s| s.to_ascii_lowercase()).collect();
             if !SECTIONS.contains(&path[0].as_str()) {
                 continue;
@@ -108,10 +126,13 @@ impl Config {
                 if i + 1 == path.len() {
                     node.insert(key.clone(), parsed.clone());
                 } else {
-                    let entry = node.entry(key.clone()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
-                    node = entry
-                        .as_table_mut()
-                        .ok_or_else(|| ConfigError::Env { var: var.clone(), detail: format!("{key} is not a section") })?;
+                    let entry = node
+                        .entry(key.clone())
+                        .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+                    node = entry.as_table_mut().ok_or_else(|| ConfigError::Env {
+                        var: var.clone(),
+                        detail: format!("{key} is not a section"),
+                    })?;
                 }
             }
             applied.push(var);
@@ -122,12 +143,19 @@ impl Config {
             (None, false) => format!(" in {}", applied.join(", ")),
             (None, true) => String::new(),
         };
-        let config: Config = toml::Value::Table(table)
-            .try_into()
-            .map_err(|e: toml::de::Error| ConfigError::Invalid { origin, detail: e.to_string() })?;
+        let config: Config =
+            toml::Value::Table(table)
+                .try_into()
+                .map_err(|e: toml::de::Error| ConfigError::Invalid {
+                    origin,
+                    detail: e.to_string(),
+                })?;
         config.policy.validate()?;
         if config.store.flush_every == 0 {
-            return Err(ConfigError::Invalid { origin: String::new(), detail: "store.flush_every must be at least 1".into() });
+            return Err(ConfigError::Invalid {
+                origin: String::new(),
+                detail: "store.flush_every must be at least 1".into(),
+            });
         }
         Ok(config)
     }
@@ -143,7 +171,10 @@ mod tests {
     use super::*;
 
     fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
-        pairs.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect()
+        pairs
+            .iter()
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .collect()
     }
 
     #[test]
@@ -166,11 +197,24 @@ mod tests {
 
     #[test]
     fn invalid_values_are_reported_not_replaced() {
-        let err = Config::load_with_env(None, env(&[("CONTEXTFOLD_POLICY__CONTEXT_THRESHOLD", "1.5")])).unwrap_err();
+        let err = Config::load_with_env(
+            None,
+            env(&[("CONTEXTFOLD_POLICY__CONTEXT_THRESHOLD", "1.5")]),
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("context_threshold"), "{err}");
-        let err = Config::load_with_env(None, env(&[("CONTEXTFOLD_POLICY__FRESH_TAIL_COUNT", "many")])).unwrap_err();
-        assert!(err.to_string().contains("CONTEXTFOLD_POLICY__FRESH_TAIL_COUNT"), "{err}");
-        let err = Config::load_with_env(None, env(&[("CONTEXTFOLD_POLICY__NO_SUCH_KNOB", "1")])).unwrap_err();
+        let err = Config::load_with_env(
+            None,
+            env(&[("CONTEXTFOLD_POLICY__FRESH_TAIL_COUNT", "many")]),
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("CONTEXTFOLD_POLICY__FRESH_TAIL_COUNT"),
+            "{err}"
+        );
+        let err = Config::load_with_env(None, env(&[("CONTEXTFOLD_POLICY__NO_SUCH_KNOB", "1")]))
+            .unwrap_err();
         assert!(err.to_string().contains("no_such_knob"), "{err}");
     }
 
@@ -180,6 +224,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("c.toml");
         std::fs::write(&path, text).unwrap();
-        assert_eq!(Config::load_with_env(Some(&path), Vec::new()).unwrap(), Config::default());
+        assert_eq!(
+            Config::load_with_env(Some(&path), Vec::new()).unwrap(),
+            Config::default()
+        );
     }
 }

@@ -11,7 +11,10 @@ struct Lcg(u64);
 
 impl Lcg {
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         self.0 >> 33
     }
     fn pick<'a>(&mut self, items: &[&'a str]) -> &'a str {
@@ -92,22 +95,42 @@ pub fn session() -> Vec<Envelope> {
         events.push(Envelope::new(format!("demo-{n:05}"), conv, *time, body));
     };
     let turn = |message: ChatMessage| {
-        EventBody::TurnAppended(TurnAppended { message, model: Some("gpt-4o".into()), sender: Some("billing-agent".into()), usage: None, metadata: None })
+        EventBody::TurnAppended(TurnAppended {
+            message,
+            model: Some("gpt-4o".into()),
+            sender: Some("billing-agent".into()),
+            usage: None,
+            metadata: None,
+        })
     };
-    push(&mut events, &mut time, EventBody::ModelDeclared(ModelDeclared { model: "gpt-4o".into(), context_window: Some(128_000) }));
+    push(
+        &mut events,
+        &mut time,
+        EventBody::ModelDeclared(ModelDeclared {
+            model: "gpt-4o".into(),
+            context_window: Some(128_000),
+        }),
+    );
     push(
         &mut events,
         &mut time,
         turn(ChatMessage::text(Role::System, "You are a careful senior engineer working in the billing service repository. Use the tools to read, edit and test code.")),
     );
     let mut call = 0u32;
-    for (t, task) in TASKS.iter().enumerate() {
-        push(&mut events, &mut time, turn(ChatMessage::text(Role::User, *task)));
+    for (t, task) in TASKS.iter().cycle().take(3 * TASKS.len()).enumerate() {
+        push(
+            &mut events,
+            &mut time,
+            turn(ChatMessage::text(Role::User, *task)),
+        );
         let rounds = 6 + (rng.next() % 6) as usize;
         for r in 0..rounds {
             let file = rng.pick(&FILES);
             let (name, args, result) = match r % 4 {
-                0 => ("read_file", format!("{{\"path\":\"{file}\"}}"), code_block(&mut rng, file, 60 + (rng.next() % 80) as usize)),
+                0 => {
+                    let lines = 60 + (rng.next() % 80) as usize;
+                    ("read_file", format!("{{\"path\":\"{file}\"}}"), code_block(&mut rng, file, lines))
+                }
                 1 => ("run_tests", "{\"command\":\"cargo test -p billing -- --nocapture\"}".to_string(), rng.pick(&ERRORS).to_string()),
                 2 => (
                     "edit_file",
@@ -124,17 +147,34 @@ pub fn session() -> Vec<Envelope> {
             };
             call += 1;
             let id = format!("call_{t}_{r}_{call:04}");
-            let mut assistant = ChatMessage::text(Role::Assistant, format!("Let me {} `{file}`.", if r % 2 == 0 { "look at" } else { "check" }));
-            assistant.tool_calls = vec![ToolCall { id: id.clone(), kind: "function".into(), function: FunctionCall { name: name.into(), arguments: args } }];
+            let mut assistant = ChatMessage::text(
+                Role::Assistant,
+                format!(
+                    "Let me {} `{file}`.",
+                    if r % 2 == 0 { "look at" } else { "check" }
+                ),
+            );
+            assistant.tool_calls = vec![ToolCall {
+                id: id.clone(),
+                kind: "function".into(),
+                function: FunctionCall {
+                    name: name.into(),
+                    arguments: args,
+                },
+            }];
             push(&mut events, &mut time, turn(assistant));
             let mut tool = ChatMessage::text(Role::Tool, result);
             tool.tool_call_id = Some(id);
             push(&mut events, &mut time, turn(tool));
             if r % 3 == 2 {
-                push(&mut events, &mut time, turn(ChatMessage::text(Role::Assistant, rng.pick(&DECISIONS))));
+                push(
+                    &mut events,
+                    &mut time,
+                    turn(ChatMessage::text(Role::Assistant, rng.pick(&DECISIONS))),
+                );
             }
         }
-        if t == 5 {
+        if t == 13 {
             push(
                 &mut events,
                 &mut time,

@@ -345,6 +345,10 @@ fn samples() -> Vec<Envelope> {
         deadline_ms: 120_000,
         issued_at: T0,
         instructions: None,
+        compact: true,
+        refresh_rolling_state: false,
+        max_calls: Some(24),
+        max_tokens: None,
     };
     push(EventBody::JobIssued(job.clone()));
     for reason in REASONS {

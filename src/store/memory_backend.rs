@@ -20,7 +20,7 @@ impl KvBackend for MemoryBackend {
         &self,
         table: Table,
         prefix: &[u8],
-    ) -> Result<Vec<(Vec<u8>, Vec<u8>)>, StoreError> {
+    ) -> Result<crate::store::Entries, StoreError> {
         Ok(self
             .tables
             .range((tag(table), prefix.to_vec())..)

@@ -66,16 +66,15 @@ pub enum StoreError {
     Corrupt { what: String, detail: String },
 }
 
+/// Key-value pairs in key order.
+pub type Entries = Vec<(Vec<u8>, Vec<u8>)>;
+
 /// A transactional key-value store with a few named tables.
 pub trait KvBackend: Send {
     fn get(&self, table: Table, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError>;
 
     /// All entries whose key starts with `prefix`, in key order.
-    fn scan_prefix(
-        &self,
-        table: Table,
-        prefix: &[u8],
-    ) -> Result<Vec<(Vec<u8>, Vec<u8>)>, StoreError>;
+    fn scan_prefix(&self, table: Table, prefix: &[u8]) -> Result<Entries, StoreError>;
 
     /// Applies every write or none. With `durable`, the commit is on disk
     /// when this returns; without, it is atomic and ordered but may be lost

@@ -98,7 +98,7 @@ impl KvBackend for RedbBackend {
         &self,
         table: Table,
         prefix: &[u8],
-    ) -> Result<Vec<(Vec<u8>, Vec<u8>)>, StoreError> {
+    ) -> Result<crate::store::Entries, StoreError> {
         let txn = self
             .db
             .begin_read()

@@ -100,7 +100,7 @@ impl KvBackend for SledBackend {
         &self,
         table: Table,
         prefix: &[u8],
-    ) -> Result<Vec<(Vec<u8>, Vec<u8>)>, StoreError> {
+    ) -> Result<crate::store::Entries, StoreError> {
         self.tree(table)
             .scan_prefix(prefix)
             .map(|entry| {

@@ -1,0 +1,339 @@
+//! Subcommands over the embedded log and state in the data directory.
+
+use super::report;
+use anyhow::{bail, Context, Result};
+use contextfold::config::Config;
+use contextfold::core::assembly::{self, AssemblyRequest};
+use contextfold::core::event::{Encoding, Envelope};
+use contextfold::core::overflow;
+use contextfold::import::{self, Format};
+use contextfold::log::memory::MemoryLog;
+use contextfold::log::segment::SegmentLog;
+use contextfold::log::EventLog;
+use contextfold::runtime::embedded::Pipeline;
+use contextfold::runtime::engine::Engine;
+use contextfold::runtime::sweep::Deterministic;
+use contextfold::store::memory_backend::MemoryBackend;
+use contextfold::store::redb_backend::RedbBackend;
+use std::io::{BufRead, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+fn log_dir(config: &Config) -> PathBuf {
+    config.data_dir.join("log")
+}
+
+fn state_path(config: &Config) -> PathBuf {
+    config.data_dir.join("state.redb")
+}
+
+type LocalPipeline = Pipeline<SegmentLog, RedbBackend, Deterministic>;
+
+async fn open_pipeline(config: &Config) -> Result<LocalPipeline> {
+    std::fs::create_dir_all(&config.data_dir)
+        .with_context(|| format!("creating data directory {}", config.data_dir.display()))?;
+    let log = SegmentLog::open(&log_dir(config))
+        .with_context(|| format!("opening the event log in {}", log_dir(config).display()))?;
+    let backend = RedbBackend::open(&state_path(config))
+        .with_context(|| format!("opening the state store {}", state_path(config).display()))?;
+    let mut engine = Engine::open(backend, config.policy.clone())?;
+    engine.set_flush_every(config.store.flush_every);
+    Ok(Pipeline::open(log, engine, Deterministic).await?)
+}
+
+pub fn import(format: &str, file: &Path) -> Result<ExitCode> {
+    let format: Format = format.parse().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let conversations = import::import_file(file, format)
+        .with_context(|| format!("importing {}", file.display()))?;
+    let stdout = std::io::stdout();
+    let mut out = std::io::BufWriter::new(stdout.lock());
+    let mut n = 0;
+    for conv in &conversations {
+        for e in &conv.events {
+            writeln!(out, "{}", e.to_json())?;
+            n += 1;
+        }
+    }
+    out.flush()?;
+    eprintln!(
+        "imported {n} events in {} conversation(s) from {}",
+        conversations.len(),
+        file.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn classify_errors() -> Result<ExitCode> {
+    let stdin = std::io::stdin();
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    for line in stdin.lock().lines() {
+        let line = line.context("reading stdin")?;
+        let v = overflow::classify(&line);
+        let verdict = if v.overflow { "overflow" } else { "other" };
+        let counts: Vec<String> = v.token_counts.iter().map(u64::to_string).collect();
+        if counts.is_empty() {
+            writeln!(out, "{verdict}")?;
+        } else {
+            writeln!(out, "{verdict} {}", counts.join(" "))?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Reads input as event JSONL when it looks like it, else as a transcript.
+/// Lines that are not valid events are kept as raw records so the engine
+/// rejects them with a reason and folds everything else.
+fn read_input(file: Option<&Path>, format: &str) -> Result<Vec<(Encoding, Vec<u8>)>> {
+    let bytes = match file {
+        Some(p) if p != Path::new("-") => {
+            std::fs::read(p).with_context(|| format!("reading {}", p.display()))?
+        }
+        _ => {
+            let mut b = Vec::new();
+            std::io::stdin()
+                .read_to_end(&mut b)
+                .context("reading stdin")?;
+            b
+        }
+    };
+    let first = bytes
+        .split(|&b| b == b'\n')
+        .find(|l| !l.iter().all(u8::is_ascii_whitespace));
+    let is_events = format == "events"
+        || (format == "auto"
+            && first.is_some_and(|l| {
+                serde_json::from_slice::<serde_json::Value>(l)
+                    .ok()
+                    .is_some_and(|v| v.get("conversation").is_some() && v.get("payload").is_some())
+            }));
+    if is_events {
+        return Ok(bytes
+            .split(|&b| b == b'\n')
+            .filter(|l| !l.iter().all(u8::is_ascii_whitespace))
+            .map(|l| (Encoding::Json, l.to_vec()))
+            .collect());
+    }
+    let format: Format = format.parse().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let name = file.map_or("stdin".to_string(), |p| {
+        p.file_stem()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .into_owned()
+    });
+    let conversations = import::import_bytes(&bytes, format, &name)?;
+    Ok(conversations
+        .iter()
+        .flat_map(|c| c.events.iter().map(|e| (Encoding::Msgpack, e.to_msgpack())))
+        .collect())
+}
+
+pub fn run(
+    config: &Config,
+    file: Option<&Path>,
+    format: &str,
+    batch: usize,
+    json: bool,
+) -> Result<ExitCode> {
+    let records = read_input(file, format)?;
+    let rt = runtime()?;
+    rt.block_on(async {
+        let mut p = open_pipeline(config).await?;
+        let started = Instant::now();
+        let total = records.len();
+        let mut done = 0;
+        let mut last_report = Instant::now();
+        for chunk in records.chunks(batch.max(1)) {
+            p.ingest_raw(chunk).await?;
+            done += chunk.len();
+            if last_report.elapsed().as_millis() >= 500 || done == total {
+                eprintln!(
+                    "  {done}/{total} events folded ({:.1}s)",
+                    started.elapsed().as_secs_f64()
+                );
+                last_report = Instant::now();
+            }
+        }
+        p.engine.flush()?;
+        report::print(&p.engine.state, &p.engine.policy, started.elapsed(), json);
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+/// Folds the whole log into a fresh in-memory state, stopping after the
+/// event `until` when given.
+async fn replay_log(config: &Config, until: Option<&str>) -> Result<(Engine<MemoryBackend>, bool)> {
+    let mut log = SegmentLog::open(&log_dir(config))
+        .with_context(|| format!("opening the event log in {}", log_dir(config).display()))?;
+    let mut engine = Engine::open(MemoryBackend::default(), config.policy.clone())?;
+    let mut after = 0;
+    loop {
+        let records = log.read_after(after, 4096).await?;
+        if records.is_empty() {
+            return Ok((engine, until.is_none()));
+        }
+        for r in &records {
+            after = r.position;
+            engine.apply(r);
+            if let Some(id) = until {
+                if Envelope::decode(&r.bytes, r.encoding).is_ok_and(|e| e.id == id) {
+                    return Ok((engine, true));
+                }
+            }
+        }
+    }
+}
+
+pub fn replay(config: &Config) -> Result<ExitCode> {
+    let rt = runtime()?;
+    rt.block_on(async {
+        let started = Instant::now();
+        let (engine, _) = replay_log(config, None).await?;
+        for (key, conv) in &engine.state.conversations {
+            println!(
+                "{}  {key}  ({} turns, {} summaries)",
+                conv.hash(),
+                conv.turns.len(),
+                conv.summaries.len()
+            );
+        }
+        println!(
+            "state {}  ({} records in {:.2}s)",
+            engine.state.hash(),
+            engine.position(),
+            started.elapsed().as_secs_f64()
+        );
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+pub fn assemble(
+    config: &Config,
+    conversation: &str,
+    at: Option<&str>,
+    budget: Option<u64>,
+    json: bool,
+) -> Result<ExitCode> {
+    let rt = runtime()?;
+    rt.block_on(async {
+        let state = if at.is_some() {
+            let (engine, found) = replay_log(config, at).await?;
+            if !found {
+                bail!(
+                    "event {:?} is not in the log at {}",
+                    at.unwrap_or_default(),
+                    log_dir(config).display()
+                );
+            }
+            engine.state
+        } else {
+            open_pipeline(config).await?.engine.state
+        };
+        let Some(conv) = state.conversations.get(conversation) else {
+            bail!(
+                "unknown conversation {conversation:?}; `contextfold replay` lists the known ones"
+            );
+        };
+        let out = assembly::assemble(
+            conv,
+            &config.policy,
+            &AssemblyRequest {
+                budget,
+                prompt: None,
+            },
+        );
+        if json {
+            println!("{}", serde_json::to_string_pretty(&out)?);
+        } else {
+            report::print_assembled(&out);
+        }
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+pub fn rebuild(config: &Config) -> Result<ExitCode> {
+    let rt = runtime()?;
+    rt.block_on(async {
+        let current = open_pipeline(config).await?.engine.state.hash();
+        let stamp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let fresh_path = config.data_dir.join(format!("state.rebuild-{stamp}.redb"));
+        let mut log = SegmentLog::open(&log_dir(config))?;
+        let mut engine = Engine::open(RedbBackend::open(&fresh_path)?, config.policy.clone())?;
+        let mut after = 0;
+        loop {
+            let records = log.read_after(after, 4096).await?;
+            if records.is_empty() {
+                break;
+            }
+            for r in &records {
+                after = r.position;
+                engine.apply(r);
+            }
+            engine.commit()?;
+        }
+        engine.flush()?;
+        let rebuilt = engine.state.hash();
+        println!("current state  {current}");
+        println!("rebuilt state  {rebuilt}  -> {}", fresh_path.display());
+        if rebuilt == current {
+            println!("hashes agree");
+            Ok(ExitCode::SUCCESS)
+        } else {
+            println!(
+                "hashes DIFFER: the current store does not match the log; use the rebuilt store"
+            );
+            Ok(ExitCode::FAILURE)
+        }
+    })
+}
+
+pub fn demo(config: &Config, file: Option<&Path>, budget: u64) -> Result<ExitCode> {
+    let events: Vec<Envelope> = match file {
+        Some(f) => import::import_file(f, Format::Auto)?
+            .into_iter()
+            .flat_map(|c| c.events)
+            .collect(),
+        None => contextfold::demo::session(),
+    };
+    let mut policy = config.policy.clone();
+    policy.default_context_window = budget;
+    policy.max_assembly_token_budget = Some(budget);
+    let rt = runtime()?;
+    rt.block_on(async {
+        let engine = Engine::open(MemoryBackend::default(), policy.clone())?;
+        let mut p = Pipeline::open(MemoryLog::new(), engine, Deterministic).await?;
+        let started = Instant::now();
+        let total = events.len();
+        let mut max_assembled = 0;
+        for (i, e) in events.iter().enumerate() {
+            p.ingest(std::slice::from_ref(e)).await?;
+            if let Some(conv) = p.engine.state.conversations.get(&e.conversation) {
+                let out = assembly::assemble(conv, &policy, &AssemblyRequest::default());
+                max_assembled = max_assembled.max(out.tokens);
+            }
+            if (i + 1) % 100 == 0 || i + 1 == total {
+                eprintln!("  {}/{total} turns folded", i + 1);
+            }
+        }
+        report::print(&p.engine.state, &policy, started.elapsed(), false);
+        println!(
+            "largest assembled context after any turn: {max_assembled} tokens (budget {budget})"
+        );
+        if let Some((key, conv)) = p.engine.state.conversations.iter().next() {
+            let out = assembly::assemble(conv, &policy, &AssemblyRequest::default());
+            println!("\n== what the model sees now for {key} ==");
+            report::print_assembled_brief(&out);
+        }
+        Ok(ExitCode::SUCCESS)
+    })
+}

@@ -1,0 +1,76 @@
+//! bpe-openai (the fold's counter) against tiktoken-rs (the reference) on
+//! real text: every message of the tau-bench airline corpus, counted the way
+//! the fold counts it, must get the same number of tokens from both engines
+//! in both encodings. A difference is reported with the message, the text
+//! and both counts.
+
+#[allow(dead_code)] // the aider corpus is for the benchmark
+mod corpus;
+
+use contextfold::core::tokens::{count_text, count_text_tiktoken, Encoding};
+
+#[test]
+fn bpe_openai_counts_like_tiktoken_on_every_tau_bench_message() {
+    let corpus = match corpus::tau_bench() {
+        Ok(Some(corpus)) => corpus,
+        Ok(None) => {
+            eprintln!(
+                "skipped: {} is absent (set {} to the shared data directory)",
+                corpus::shared_path(corpus::TAU_BENCH).display(),
+                corpus::SHARED_DATA_ENV
+            );
+            return;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    assert!(
+        corpus.messages.len() > 5000,
+        "only {} messages read from {}",
+        corpus.messages.len(),
+        corpus::shared_path(corpus::TAU_BENCH).display()
+    );
+    let mut differences = Vec::new();
+    for encoding in [Encoding::O200kBase, Encoding::Cl100kBase] {
+        let (mut fast_total, mut reference_total) = (0u64, 0u64);
+        for message in &corpus.messages {
+            let (mut fast, mut reference) = (0u64, 0u64);
+            let mut pieces = Vec::new();
+            for piece in &message.pieces {
+                let (f, r) = (
+                    count_text(encoding, piece),
+                    count_text_tiktoken(encoding, piece),
+                );
+                if f != r {
+                    let start: String = piece.chars().take(80).collect();
+                    pieces.push(format!("    bpe-openai {f}, tiktoken {r} for {start:?}..."));
+                }
+                fast += f;
+                reference += r;
+            }
+            if fast != reference || !pieces.is_empty() {
+                differences.push(format!(
+                    "{} {}: bpe-openai {fast}, tiktoken {reference} ({:+})\n{}",
+                    encoding.name(),
+                    message.label,
+                    fast as i64 - reference as i64,
+                    pieces.join("\n")
+                ));
+            }
+            fast_total += fast;
+            reference_total += reference;
+        }
+        eprintln!(
+            "{} over {} messages ({} bytes): bpe-openai {fast_total}, tiktoken {reference_total}",
+            encoding.name(),
+            corpus.messages.len(),
+            corpus.bytes()
+        );
+        assert!(fast_total > 0, "{} counted nothing", encoding.name());
+    }
+    assert!(
+        differences.is_empty(),
+        "{} messages counted differently:\n{}",
+        differences.len(),
+        differences.join("\n")
+    );
+}
