@@ -667,6 +667,13 @@ impl LeaseRunner {
         self.table.clone()
     }
 
+    /// Takes the event receiver (to hand to the folder role); `events` is
+    /// then an empty, closed channel.
+    pub fn take_events(&mut self) -> mpsc::UnboundedReceiver<LeaseEvent> {
+        let (_, closed) = mpsc::unbounded_channel();
+        std::mem::replace(&mut self.events, closed)
+    }
+
     /// Graceful stop: releases all leases and leaves; returns the final
     /// events not yet received.
     pub async fn stop(mut self) -> Vec<LeaseEvent> {

@@ -8,10 +8,14 @@
 //! - [`setup`]: create-or-validate of streams, KV and object store.
 //! - [`leases`]: partition ownership through KV leases.
 //! - [`event_log`]: [`crate::log::EventLog`] over the events stream.
+//! - [`folder`]: the folder role (one engine per held partition).
+//! - [`jobs`]: the compaction job on the work queue.
 
 pub mod config;
 pub mod connect;
 pub mod event_log;
+pub mod folder;
+pub mod jobs;
 pub mod leases;
 pub mod setup;
 pub mod subjects;

@@ -159,13 +159,21 @@ pub fn summarizer_consumer_config(cfg: &NatsConfig) -> Result<pull::Config, Nats
 }
 
 /// A folder's durable pull consumer for one partition, starting after
-/// `after` (the stream position the folder's state already reflects).
-pub fn folder_consumer_config(subjects: &Subjects, partition: u32, after: u64) -> pull::Config {
+/// `after` (the stream position the folder's state already reflects). The
+/// folder acknowledges a whole batch with one ack of its last message.
+pub fn folder_consumer_config(
+    subjects: &Subjects,
+    partition: u32,
+    after: u64,
+    max_ack_pending: i64,
+) -> pull::Config {
     pull::Config {
         durable_name: Some(subjects.folder_consumer(partition)),
         description: Some(format!("contextfold folder of partition {partition}")),
         filter_subject: subjects.partition_filter(partition),
-        ack_policy: AckPolicy::Explicit,
+        ack_policy: AckPolicy::All,
+        ack_wait: Duration::from_secs(60),
+        max_ack_pending,
         deliver_policy: if after == 0 {
             DeliverPolicy::All
         } else {
@@ -479,7 +487,7 @@ mod tests {
         let kv = lease_bucket_config(&cfg).unwrap();
         assert_eq!(kv.max_age, Duration::from_secs(10));
         assert_eq!(kv.history, 1);
-        let c = folder_consumer_config(&cfg.subjects().unwrap(), 3, 41);
+        let c = folder_consumer_config(&cfg.subjects().unwrap(), 3, 41, 5000);
         assert_eq!(c.filter_subject, "cf.ev.3.*");
         assert_eq!(
             c.deliver_policy,
