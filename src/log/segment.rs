@@ -526,6 +526,9 @@ impl SegmentLog {
     /// when the batch crosses a segment boundary). Returns the position of
     /// the last record; an empty batch writes nothing and returns the
     /// current last position. No record is written if any is too large.
+    /// If an I/O error interrupts a batch that crosses a segment boundary,
+    /// the records already synced into the earlier segment stay in the log
+    /// (the caller sees the error and may re-append; events are idempotent).
     pub fn append_batch_sync(
         &mut self,
         records: &[(Encoding, Vec<u8>)],
