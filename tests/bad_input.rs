@@ -45,7 +45,13 @@ fn every_kind_of_bad_input_is_rejected_with_a_reason_and_nothing_else_is_lost() 
         "orphan",
         "c:bad",
         1_500,
-        EventBody::TurnAppended(TurnAppended { message: orphan, model: None, sender: None, usage: None, metadata: None }),
+        EventBody::TurnAppended(TurnAppended {
+            message: orphan,
+            model: None,
+            sender: None,
+            usage: None,
+            metadata: None,
+        }),
     );
     let unknown_type = br#"{"id":"u1","conversation":"c:bad","version":1,"time":5,"type":"turn_exploded","payload":{}}"#.to_vec();
     let unknown_role =
@@ -60,7 +66,11 @@ fn every_kind_of_bad_input_is_rejected_with_a_reason_and_nothing_else_is_lost() 
     let mut position = 0;
     let mut record = |encoding: Encoding, bytes: Vec<u8>| {
         position += 1;
-        LogRecord { position, encoding, bytes }
+        LogRecord {
+            position,
+            encoding,
+            bytes,
+        }
     };
     let records = vec![
         record(Encoding::Msgpack, good[0].to_msgpack()),
@@ -83,27 +93,62 @@ fn every_kind_of_bad_input_is_rejected_with_a_reason_and_nothing_else_is_lost() 
     }
     assert_eq!(reasons.len(), 7, "{reasons:#?}");
     let joined = reasons.join("\n");
-    for needle in ["turn_exploded", "robot", "malformed json", "malformed msgpack", "exceeds", "orphan tool result"] {
-        assert!(joined.contains(needle), "no reason mentions {needle:?}:\n{joined}");
+    for needle in [
+        "turn_exploded",
+        "robot",
+        "malformed json",
+        "malformed msgpack",
+        "exceeds",
+        "orphan tool result",
+    ] {
+        assert!(
+            joined.contains(needle),
+            "no reason mentions {needle:?}:\n{joined}"
+        );
     }
-    assert!(joined.contains("utf-8") || joined.contains("UTF-8") || joined.contains("invalid unicode"), "{joined}");
+    assert!(
+        joined.contains("utf-8") || joined.contains("UTF-8") || joined.contains("invalid unicode"),
+        "{joined}"
+    );
     let conv = &engine.state.conversations["c:bad"];
-    let texts: Vec<String> = conv.turns.iter().map(|t| t.body.message.text_content()).collect();
-    assert_eq!(texts, vec!["please look at src/main.rs", "looking", "thanks, and then run the tests"]);
+    let texts: Vec<String> = conv
+        .turns
+        .iter()
+        .map(|t| t.body.message.text_content())
+        .collect();
+    assert_eq!(
+        texts,
+        vec![
+            "please look at src/main.rs",
+            "looking",
+            "thanks, and then run the tests"
+        ]
+    );
     // Rejections are counted where they can be attributed, never silently.
     assert_eq!(conv.rejections + engine.state.unattributed_rejections, 7);
 }
 
 #[test]
 fn replaying_the_same_bad_log_rejects_the_same_way() {
-    let records: Vec<LogRecord> = [b"not json".to_vec(), br#"{"id":"x","conversation":"c","type":"nope"}"#.to_vec()]
-        .into_iter()
-        .enumerate()
-        .map(|(i, bytes)| LogRecord { position: i as u64 + 1, encoding: Encoding::Json, bytes })
-        .collect();
+    let records: Vec<LogRecord> = [
+        b"not json".to_vec(),
+        br#"{"id":"x","conversation":"c","type":"nope"}"#.to_vec(),
+    ]
+    .into_iter()
+    .enumerate()
+    .map(|(i, bytes)| LogRecord {
+        position: i as u64 + 1,
+        encoding: Encoding::Json,
+        bytes,
+    })
+    .collect();
     let run = || {
         let mut engine = Engine::open(MemoryBackend::default(), PolicyConfig::default()).unwrap();
-        let ids: Vec<String> = records.iter().flat_map(|r| engine.apply(r).decisions).map(|d| d.id).collect();
+        let ids: Vec<String> = records
+            .iter()
+            .flat_map(|r| engine.apply(r).decisions)
+            .map(|d| d.id)
+            .collect();
         (ids, engine.state.hash())
     };
     assert_eq!(run(), run());
