@@ -735,18 +735,26 @@ impl FoldContext<'_> {
         }
         let levels = policy::levels(self.conv, self.policy);
         let tokens = self.conv.context_tokens;
-        if tokens > levels.threshold_tokens {
+        let over_bytes = self
+            .policy
+            .max_active_transcript_bytes
+            .is_some_and(|max| self.conv.context_bytes > max);
+        // A routine trigger with nothing outside the fresh tail to compact
+        // records no debt: it would be cleared at once and flap every turn.
+        let routine_work = (tokens > levels.threshold_tokens || over_bytes)
+            && self.conv.debt.is_none()
+            && (policy::next_leaf_chunk(&*self.conv, self.policy, true).is_some()
+                || policy::next_condensation(&*self.conv, self.policy, false, false).is_some());
+        if tokens > levels.threshold_tokens && (routine_work || self.conv.debt.is_some()) {
             self.raise_debt(DebtReason::Threshold, false, levels.target_tokens, None);
         }
-        if let Some(max) = self.policy.max_active_transcript_bytes {
-            if self.conv.context_bytes > max {
-                self.raise_debt(
-                    DebtReason::TranscriptBytes,
-                    false,
-                    levels.target_tokens,
-                    None,
-                );
-            }
+        if over_bytes && (routine_work || self.conv.debt.is_some()) {
+            self.raise_debt(
+                DebtReason::TranscriptBytes,
+                false,
+                levels.target_tokens,
+                None,
+            );
         }
         let now = self.event.time;
         // A job whose worker vanished is given up after twice its deadline.
