@@ -549,3 +549,160 @@ async fn one_compaction_job_per_conversation_however_many_triggers() {
     assert!(none.is_err(), "a second job was published");
     p.shut_down().await;
 }
+
+/// Ingest benchmark (numbers for the README), run in release:
+/// `cargo test --release --test nats_folder ingest_rate -- --ignored --nocapture`
+/// (`CF_BENCH_EVENTS` sets the event count, default 100000).
+///
+/// Publishes N turn events of about 512 bytes over 256 conversations, then
+/// measures in the same run (a) the raw rate: one pull consumer per
+/// partition, as the folders use them, pulling and acknowledging with no
+/// work; (b) the end-to-end rate: a process with redb state stores
+/// folding, publishing decisions, committing (durably) and acknowledging.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "benchmark: run in release with --ignored"]
+async fn ingest_rate_against_the_raw_consumer_rate() {
+    let n: usize = std::env::var("CF_BENCH_EVENTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100_000);
+    let server = NatsServer::start();
+    let cfg = NatsConfig {
+        storage: StorageKind::File,
+        ..config(&server.url())
+    };
+    let (_client, js, infra) = connect(&cfg).await;
+    let filler = "lorem ipsum dolor sit amet consectetur ".repeat(10);
+    let events: Vec<Envelope> = (0..n)
+        .map(|i| {
+            let conv = format!("bench:{}", i % 256);
+            let role = if i % 2 == 0 {
+                Role::User
+            } else {
+                Role::Assistant
+            };
+            turn(
+                &format!("b{i}"),
+                &conv,
+                role,
+                format!("{i} {}", &filler[..330]),
+                1_700_000_000_000 + i as u64,
+            )
+        })
+        .collect();
+    let size = events[0].to_json().len();
+    let started = Instant::now();
+    let mut acks = Vec::with_capacity(4096);
+    for e in &events {
+        let subject = format!("cf.in.{}", encode_conversation(&e.conversation).unwrap());
+        acks.push(
+            js.publish_with_headers(
+                subject,
+                event_headers(&e.id, Encoding::Json),
+                e.to_json().into(),
+            )
+            .await
+            .unwrap(),
+        );
+        if acks.len() == 4096 {
+            for a in acks.drain(..) {
+                a.await.unwrap();
+            }
+        }
+    }
+    for a in acks.drain(..) {
+        a.await.unwrap();
+    }
+    let publish_rate = n as f64 / started.elapsed().as_secs_f64();
+
+    // (a) Raw: the same consumers, pulling and acking, no work.
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for p in 0..cfg.partitions {
+        let mut config =
+            contextfold::nats::setup::folder_consumer_config(&infra.subjects, p, 0, 8192);
+        config.durable_name = Some(format!("raw_{p}"));
+        let consumer = infra.events.create_consumer(config).await.unwrap();
+        let total = infra
+            .events
+            .consumer_info(format!("raw_{p}"))
+            .await
+            .unwrap()
+            .num_pending as usize;
+        tasks.push(tokio::spawn(async move {
+            let mut chunks = consumer
+                .stream()
+                .max_messages_per_batch(1024)
+                .messages()
+                .await
+                .unwrap()
+                .ready_chunks(1024);
+            let mut seen = 0;
+            while seen < total {
+                let chunk = chunks.next().await.unwrap();
+                seen += chunk.len();
+                let last = chunk.into_iter().last().unwrap().unwrap();
+                last.ack().await.unwrap();
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let raw_secs = started.elapsed().as_secs_f64();
+    let raw_rate = n as f64 / raw_secs;
+
+    // (b) End to end.
+    let dir = tempfile::tempdir().unwrap();
+    let last_positions: BTreeMap<u32, u64> = {
+        let mut m = BTreeMap::new();
+        for p in 0..cfg.partitions {
+            let mut log = NatsEventLog::open_partition(js.clone(), infra.subjects.clone(), p)
+                .await
+                .unwrap();
+            m.insert(p, log.last_position().await.unwrap());
+        }
+        m
+    };
+    let started = Instant::now();
+    let process = start_process(
+        &cfg,
+        "bench",
+        redb_engines(dir.path().into(), PolicyConfig::default()),
+    )
+    .await;
+    let mut acquired = None;
+    loop {
+        let held = process.engines.partitions();
+        if acquired.is_none() && held.len() == 16 {
+            acquired = Some(started.elapsed());
+        }
+        let done = held.len() == 16
+            && last_positions.iter().all(|(p, last)| {
+                process.engines.get(*p).is_some_and(|e| {
+                    let e = e.lock().unwrap();
+                    e.position() >= *last && !e.has_uncommitted()
+                })
+            });
+        if done {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(600),
+            "ingest did not finish"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let e2e_secs = started.elapsed().as_secs_f64();
+    let e2e_rate = n as f64 / e2e_secs;
+    let turns: usize = process.conversations().values().map(|(t, _)| t).sum();
+    assert_eq!(turns, n);
+    eprintln!(
+        "ingest benchmark: {n} events of {size} bytes; publish {publish_rate:.0}/s; raw pull+ack \
+         {raw_rate:.0}/s ({raw_secs:.2} s); end-to-end fold+commit+ack {e2e_rate:.0}/s \
+         ({e2e_secs:.2} s, leases after {:?}); ratio {:.2}",
+        acquired.unwrap_or_default(),
+        e2e_rate / raw_rate
+    );
+    process.shut_down().await;
+}
