@@ -79,6 +79,23 @@ pub fn summary_message(
     )
 }
 
+/// Tokens a summary costs in context: its rendered message, wrapper and
+/// message overhead included, so that what is sent is what was counted.
+pub fn summary_tokens(
+    enc: tokens::Encoding,
+    id: &str,
+    depth: u32,
+    first: u64,
+    last: u64,
+    fallback: bool,
+    content: &str,
+) -> u64 {
+    tokens::count_message(
+        enc,
+        &summary_message(id, depth, first, last, fallback, content),
+    )
+}
+
 /// Assembles the context of a conversation.
 pub fn assemble(conv: &Conversation, cfg: &PolicyConfig, req: &AssemblyRequest) -> Assembled {
     let budget = req.budget.unwrap_or_else(|| policy::budget(conv, cfg));
@@ -114,7 +131,10 @@ pub fn assemble(conv: &Conversation, cfg: &PolicyConfig, req: &AssemblyRequest) 
             start -= 1;
         }
         let mut t: u64 = (start..end).map(|i| conv.item(i).tokens()).sum();
-        t += missing_results(conv, start, end, end == n).len() as u64 * stub_tokens(enc);
+        t += missing_results(conv, start, end, end == n)
+            .iter()
+            .map(|id| stub_tokens(enc, id))
+            .sum::<u64>();
         let in_tail = start >= tail;
         if in_tail {
             fresh_tail_tokens += t;
@@ -177,8 +197,12 @@ pub fn assemble(conv: &Conversation, cfg: &PolicyConfig, req: &AssemblyRequest) 
     }
 }
 
-fn stub_tokens(enc: tokens::Encoding) -> u64 {
-    tokens::MESSAGE_OVERHEAD_TOKENS + tokens::count_text(enc, STUB_NOTE) + 12
+/// Tokens of the stub result for `call_id`: exactly what `count_message`
+/// gives for the message sent (the call id can be long: count it).
+fn stub_tokens(enc: tokens::Encoding, call_id: &str) -> u64 {
+    tokens::MESSAGE_OVERHEAD_TOKENS
+        + tokens::count_text(enc, STUB_NOTE)
+        + tokens::count_text(enc, call_id)
 }
 
 /// Tool calls of a group's assistant turn that have no result in the group.

@@ -5,6 +5,7 @@
 //! Pure and deterministic: time comes from events, ids are derived from the
 //! causing event, and a decision seen again in the log changes nothing.
 
+use crate::core::assembly;
 use crate::core::event::*;
 use crate::core::message::Role;
 use crate::core::overflow;
@@ -512,7 +513,17 @@ impl FoldContext<'_> {
     fn summary_recorded(&mut self, s: &SummaryRecorded) -> FoldStatus {
         match self.validate_summary(s) {
             Ok((start, end, first_turn, last_turn, source_tokens)) => {
-                let tokens = tokens::count_text(self.conv.encoding, &s.content);
+                // What it costs in context is its rendered message, wrapper
+                // included: assembly's budget is kept in real tokens.
+                let tokens = assembly::summary_tokens(
+                    self.conv.encoding,
+                    &s.summary_id,
+                    s.depth,
+                    first_turn,
+                    last_turn,
+                    s.fallback,
+                    &s.content,
+                );
                 let index = self.conv.summaries.len() as u32;
                 self.conv.summaries.push(Summary {
                     id: s.summary_id.clone(),
