@@ -38,9 +38,6 @@ pub struct FoldOutcome {
     pub decisions: Vec<Envelope>,
 }
 
-/// Tokens a large-payload stub costs in context.
-pub const LARGE_PAYLOAD_STUB_TOKENS: u64 = 48;
-
 /// Folds one event into the state.
 pub fn fold(state: &mut State, policy: &PolicyConfig, event: &Envelope) -> FoldOutcome {
     fold_counted(state, policy, event, None)
@@ -343,7 +340,11 @@ impl FoldContext<'_> {
         }
         let large = tokens > self.policy.large_payload_threshold_tokens;
         let context_tokens = if large {
-            LARGE_PAYLOAD_STUB_TOKENS
+            // Shown as a stub: it costs what the stub message costs.
+            tokens::count_message(
+                self.conv.encoding,
+                &assembly::payload_stub_message(msg, &self.event.id, tokens),
+            )
         } else {
             tokens
         };
