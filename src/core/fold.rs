@@ -5,6 +5,7 @@
 //! Pure and deterministic: time comes from events, ids are derived from the
 //! causing event, and a decision seen again in the log changes nothing.
 
+use crate::core::assembly;
 use crate::core::event::*;
 use crate::core::message::Role;
 use crate::core::overflow;
@@ -36,9 +37,6 @@ pub struct FoldOutcome {
     /// Decisions to publish, in order.
     pub decisions: Vec<Envelope>,
 }
-
-/// Tokens a large-payload stub costs in context.
-pub const LARGE_PAYLOAD_STUB_TOKENS: u64 = 48;
 
 /// Folds one event into the state.
 pub fn fold(state: &mut State, policy: &PolicyConfig, event: &Envelope) -> FoldOutcome {
@@ -342,7 +340,11 @@ impl FoldContext<'_> {
         }
         let large = tokens > self.policy.large_payload_threshold_tokens;
         let context_tokens = if large {
-            LARGE_PAYLOAD_STUB_TOKENS
+            // Shown as a stub: it costs what the stub message costs.
+            tokens::count_message(
+                self.conv.encoding,
+                &assembly::payload_stub_message(msg, &self.event.id, tokens),
+            )
         } else {
             tokens
         };
@@ -512,7 +514,17 @@ impl FoldContext<'_> {
     fn summary_recorded(&mut self, s: &SummaryRecorded) -> FoldStatus {
         match self.validate_summary(s) {
             Ok((start, end, first_turn, last_turn, source_tokens)) => {
-                let tokens = tokens::count_text(self.conv.encoding, &s.content);
+                // What it costs in context is its rendered message, wrapper
+                // included: assembly's budget is kept in real tokens.
+                let tokens = assembly::summary_tokens(
+                    self.conv.encoding,
+                    &s.summary_id,
+                    s.depth,
+                    first_turn,
+                    last_turn,
+                    s.fallback,
+                    &s.content,
+                );
                 let index = self.conv.summaries.len() as u32;
                 self.conv.summaries.push(Summary {
                     id: s.summary_id.clone(),

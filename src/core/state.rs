@@ -79,6 +79,8 @@ pub struct Summary {
     pub first_turn: u64,
     pub last_turn: u64,
     pub content: Arc<str>,
+    /// Tokens it costs in context: the rendered summary message
+    /// ([`crate::core::assembly::summary_message`]), wrapper included.
     pub tokens: u64,
     pub source_tokens: u64,
     pub model: String,

@@ -3,6 +3,7 @@
 //! that records the answer). The summarizer side runs these steps under its
 //! deadline; the fold later accepts each summary only if it still matches.
 
+use crate::core::assembly;
 use crate::core::event::{
     Covers, Envelope, EventBody, JobIssued, RollingState, SummaryKind, SummaryRecorded,
 };
@@ -318,12 +319,22 @@ impl SweepSnapshot {
         };
         let first_turn = self.items[run.start].first_turn;
         let last_turn = self.items[run.end - 1].last_turn;
+        // In context it costs its rendered message, as the fold counts it.
+        let cost = assembly::summary_tokens(
+            self.encoding,
+            &rec.summary_id,
+            rec.depth,
+            first_turn,
+            last_turn,
+            rec.fallback,
+            &rec.content,
+        );
         let item = SnapshotItem {
             plan: PlanItemWire {
                 seq: None,
                 role: None,
                 depth: rec.depth,
-                tokens: rec.tokens,
+                tokens: cost,
             },
             summary_id: Some(rec.summary_id.clone()),
             first_turn,
@@ -333,12 +344,12 @@ impl SweepSnapshot {
                 role: None,
                 tool: None,
                 text: rec.content.clone(),
-                tokens: rec.tokens,
+                tokens: cost,
                 time: 0,
             }),
         };
         self.items.splice(run.start..run.end, [item]);
-        self.context_tokens = self.context_tokens - run.tokens + rec.tokens;
+        self.context_tokens = self.context_tokens - run.tokens + cost;
     }
 
     pub fn rolling_request(&self) -> Option<RollingStateRequest> {

@@ -442,6 +442,29 @@ mod tests {
     }
 
     #[test]
+    fn short_run_before_an_oversized_group_is_not_stuck() {
+        // The pi session's opening: a short user turn, then a tool group far
+        // above the chunk size. The chunk takes both rather than nothing.
+        let cfg = PolicyConfig {
+            fresh_tail_count: 2,
+            leaf_chunk_tokens: 20_000,
+            ..PolicyConfig::default()
+        };
+        let items = vec![
+            turn(0, Role::User, 159),
+            turn(1, Role::Assistant, 59),
+            turn(2, Role::Tool, 12_652),
+            turn(3, Role::Tool, 12_403),
+            turn(4, Role::Assistant, 51),
+            turn(5, Role::Tool, 5_980),
+            turn(6, Role::User, 10),
+            turn(7, Role::Assistant, 10),
+        ];
+        let run = next_leaf_chunk(&items, &cfg, false).unwrap();
+        assert_eq!((run.start, run.end, run.tokens), (0, 4, 25_273));
+    }
+
+    #[test]
     fn fresh_tail_reaches_back_to_newest_user_turn() {
         let cfg = PolicyConfig {
             fresh_tail_count: 2,
