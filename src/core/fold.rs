@@ -11,8 +11,8 @@ use crate::core::message::Role;
 use crate::core::overflow;
 use crate::core::policy::{self, PolicyConfig};
 use crate::core::state::{
-    derived_event_id, id_digest, summary_id, ContextItem, Conversation, PendingJob, State, Summary,
-    Turn,
+    derived_event_id, id_digest, summary_id, ContextItem, Conversation, PendingJob, SpendEntry,
+    SpendWindow, State, Summary, Turn,
 };
 use crate::core::tokens;
 use std::sync::Arc;
@@ -57,8 +57,12 @@ pub fn fold_counted(
             decisions: Vec::new(),
         };
     }
-    let conv = state
-        .conversations
+    let State {
+        conversations,
+        spend: global,
+        ..
+    } = state;
+    let conv = conversations
         .entry(event.conversation.clone())
         .or_insert_with(|| Conversation::new(&event.conversation));
     if conv.has_applied(&event.id) {
@@ -69,6 +73,7 @@ pub fn fold_counted(
     }
     let mut cx = FoldContext {
         conv,
+        global,
         policy,
         event,
         turn_tokens,
@@ -123,6 +128,8 @@ pub fn reject_undecodable(
 
 struct FoldContext<'a> {
     conv: &'a mut Conversation,
+    /// The partition's spend window across conversations.
+    global: &'a mut SpendWindow,
     policy: &'a PolicyConfig,
     event: &'a Envelope,
     turn_tokens: Option<u64>,
@@ -694,21 +701,31 @@ impl FoldContext<'_> {
 
     fn sweep_ended(&mut self, s: &SweepEnded) -> FoldStatus {
         let now = self.event.time;
-        let spend = &mut self.conv.spend;
-        if now >= spend.window_start + self.policy.summary_call_window_ms || spend.window_start == 0
-        {
-            spend.window_start = now;
-            spend.calls = 0;
-            spend.tokens = 0;
-            spend.cost_micros = 0;
-        }
-        spend.calls += s.calls;
-        spend.tokens += s.tokens_spent;
-        spend.cost_micros += s.cost_micros;
-        let pending = match &self.conv.pending_job {
-            Some(p) if p.job.job_id == s.job_id => self.conv.pending_job.take(),
-            _ => None,
+        let window = self.policy.summary_call_window_ms;
+        let (pending, current) = match &self.conv.pending_job {
+            Some(p) if p.job.job_id == s.job_id => (self.conv.pending_job.take(), true),
+            Some(_) => (None, false),
+            // Its job expired or was reset away: its spend still counts, and
+            // nothing newer is running that its outcome could mislead.
+            None => (None, true),
         };
+        // Spend counts from when the job was granted its allowance, so the
+        // job's calls and the window that allowed them are the same window.
+        let spent_at = pending.as_ref().map_or(now, |p| p.job.issued_at.min(now));
+        let entry = SpendEntry {
+            time: spent_at,
+            job_id: s.job_id.clone(),
+            calls: s.calls,
+            tokens: s.tokens_spent,
+            cost_micros: s.cost_micros,
+            reserved_until: None,
+        };
+        self.conv.spend.prune(now, window);
+        if has_global_limits(self.policy) {
+            self.global.prune(now, window);
+            self.global.record(entry.clone());
+        }
+        self.conv.spend.record(entry);
         let committed = pending
             .as_ref()
             .map_or(s.committed, |j| j.committed.max(s.committed));
@@ -716,19 +733,36 @@ impl FoldContext<'_> {
         self.history(
             "sweep_ended",
             format!(
-                "{}: {:?} after {} passes, {committed} committed",
-                s.job_id, s.stop, s.passes
+                "{}: {:?} after {} passes, {committed} committed, {} calls{}",
+                s.job_id,
+                s.stop,
+                s.passes,
+                s.calls,
+                s.retry_after_ms
+                    .map_or(String::new(), |ms| format!(", retry after {ms} ms"))
             ),
         );
-        if committed == 0 && s.stop != SweepStop::Done || s.stop == SweepStop::NoProgress {
-            if let Some(delay) = s.retry_after_ms {
-                self.conv.spend.backoff_until = now + delay;
-            } else if !urgent {
-                // Backoff only after a round that made no progress.
-                self.conv.spend.backoff_until = now + self.policy.summary_spend_backoff_ms;
-            }
+        if !current {
+            return FoldStatus::Applied;
         }
-        if committed == 0 && urgent && self.conv.debt.as_ref().is_some_and(|d| d.urgent) {
+        if let Some(delay) = s.retry_after_ms {
+            // The provider said when to come back: no job of any kind before
+            // then, whatever the round achieved.
+            self.conv.spend.retry_at = self.conv.spend.retry_at.max(now.saturating_add(delay));
+        } else if committed == 0 && s.stop != SweepStop::Done && !urgent {
+            // Backoff only after a round that made no progress.
+            self.conv.spend.backoff_until = now + self.policy.summary_spend_backoff_ms;
+        }
+        // An urgent round that found nothing to compact ends its debt; one
+        // that failed (auth, deadline, rate limit) keeps it for the next
+        // inbound event.
+        let nothing_to_do = matches!(s.stop, SweepStop::Done | SweepStop::NoProgress)
+            && s.retry_after_ms.is_none();
+        if committed == 0
+            && urgent
+            && nothing_to_do
+            && self.conv.debt.as_ref().is_some_and(|d| d.urgent)
+        {
             self.conv.debt = None;
             self.decide(
                 "debt_cleared",
@@ -816,24 +850,54 @@ impl FoldContext<'_> {
                 );
             }
         }
-        let spend = &self.conv.spend;
-        let window_open = now >= spend.window_start + self.policy.summary_call_window_ms;
-        let calls_left = if window_open {
-            self.policy.summary_max_calls_per_window
-        } else {
-            self.policy
-                .summary_max_calls_per_window
-                .saturating_sub(spend.calls)
-        };
-        let tokens_left = self.policy.summary_max_tokens_per_window.map(|max| {
-            if window_open {
-                max
-            } else {
-                max.saturating_sub(spend.tokens)
+        // A round that committed nothing is not retried on its own end: the
+        // next job waits for something new (a turn, an error, a request),
+        // so a summarizer that keeps failing cannot make the worker spin.
+        if matches!(&self.event.body, EventBody::SweepEnded(s) if s.committed == 0) {
+            return;
+        }
+        // The provider asked us to wait (Retry-After): no job of any kind.
+        if now < self.conv.spend.retry_at {
+            return;
+        }
+        let window = self.policy.summary_call_window_ms;
+        self.conv.spend.prune(now, window);
+        let mine = self.conv.spend.totals(now, window);
+        let mut calls_left = self
+            .policy
+            .summary_max_calls_per_window
+            .saturating_sub(mine.calls);
+        let mut tokens_left = self
+            .policy
+            .summary_max_tokens_per_window
+            .map(|max| max.saturating_sub(mine.tokens));
+        let mut cost_left = self
+            .policy
+            .summary_max_cost_micros_per_window
+            .map(|max| max.saturating_sub(mine.cost_micros));
+        let global = has_global_limits(self.policy);
+        if global {
+            self.global.prune(now, window);
+            let all = self.global.totals(now, window);
+            if let Some(max) = self.policy.summary_max_calls_per_window_global {
+                calls_left = calls_left.min(max.saturating_sub(all.calls));
             }
-        });
-        let in_backoff = now < spend.backoff_until;
-        let spend_ok = calls_left > 0 && tokens_left != Some(0) && !in_backoff;
+            let left = |max: Option<u64>, used: u64| max.map(|m| m.saturating_sub(used));
+            tokens_left = min_limit(
+                tokens_left,
+                left(self.policy.summary_max_tokens_per_window_global, all.tokens),
+            );
+            cost_left = min_limit(
+                cost_left,
+                left(
+                    self.policy.summary_max_cost_micros_per_window_global,
+                    all.cost_micros,
+                ),
+            );
+        }
+        let in_backoff = now < self.conv.spend.backoff_until;
+        let spend_ok =
+            calls_left > 0 && tokens_left != Some(0) && cost_left != Some(0) && !in_backoff;
         let (compact, urgent, reason, target, instructions) = match &self.conv.debt {
             Some(d) if d.urgent || spend_ok => (
                 true,
@@ -874,6 +938,18 @@ impl FoldContext<'_> {
                 format!("{job_id}: rolling session state only")
             },
         );
+        if global && !urgent {
+            // Hold the allowance until the job ends, so jobs of other
+            // conversations cannot be granted the same calls.
+            self.global.record(SpendEntry {
+                time: now,
+                job_id: job_id.clone(),
+                calls: calls_left,
+                tokens: tokens_left.unwrap_or(0),
+                cost_micros: 0,
+                reserved_until: Some(now + 2 * deadline_ms + 60_000),
+            });
+        }
         let job = JobIssued {
             job_id,
             reason,
@@ -893,6 +969,21 @@ impl FoldContext<'_> {
             committed: 0,
         });
         self.decide("job_issued", EventBody::JobIssued(job));
+    }
+}
+
+/// A global (partition-wide) spend limit is configured.
+fn has_global_limits(policy: &PolicyConfig) -> bool {
+    policy.summary_max_calls_per_window_global.is_some()
+        || policy.summary_max_tokens_per_window_global.is_some()
+        || policy.summary_max_cost_micros_per_window_global.is_some()
+}
+
+/// The tighter of two optional limits (`None` is unlimited).
+fn min_limit(a: Option<u64>, b: Option<u64>) -> Option<u64> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
     }
 }
 

@@ -28,6 +28,10 @@ pub struct State {
     pub conversations: BTreeMap<String, Conversation>,
     /// Events rejected before they could be attributed to a conversation.
     pub unattributed_rejections: u64,
+    /// The partition's spend window across its conversations (used when a
+    /// `*_global` spend limit is set).
+    #[serde(default)]
+    pub spend: SpendWindow,
 }
 
 /// One turn as folded.
@@ -107,15 +111,89 @@ pub struct PendingJob {
     pub committed: u32,
 }
 
-/// Spend bookkeeping for one window.
+/// Spend of one sweep in a spend window, counted at the time its job was
+/// issued (conversation time). While `reserved_until` is set, the amounts
+/// are the allowance the running job may still use, not yet what it spent.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SpendWindow {
-    pub window_start: u64,
+pub struct SpendEntry {
+    pub time: u64,
+    pub job_id: String,
     pub calls: u32,
     pub tokens: u64,
     pub cost_micros: u64,
+    /// The job is running: its allowance is held until it ends, or until
+    /// this time if its `sweep_ended` never comes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reserved_until: Option<u64>,
+}
+
+/// Spend in a sliding window of conversation time: whatever the instant,
+/// the sweeps of the last `summary_call_window_ms` count, so no span of
+/// that length ever holds more than the limits allow.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SpendWindow {
+    /// Sweeps that still count, oldest first.
+    pub recent: Vec<SpendEntry>,
     /// No routine job before this time (a round made no progress).
     pub backoff_until: u64,
+    /// No job at all before this time: the provider asked (Retry-After).
+    #[serde(default)]
+    pub retry_at: u64,
+}
+
+/// Totals of a [`SpendWindow`] at one instant.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SpendTotals {
+    pub calls: u32,
+    pub tokens: u64,
+    pub cost_micros: u64,
+}
+
+impl SpendWindow {
+    /// Drops sweeps that no longer count at `now`; a reservation whose job
+    /// vanished becomes spend (the worker may have used all of it).
+    pub fn prune(&mut self, now: u64, window_ms: u64) {
+        for e in &mut self.recent {
+            if e.reserved_until.is_some_and(|until| until <= now) {
+                e.reserved_until = None;
+            }
+        }
+        self.recent
+            .retain(|e| e.reserved_until.is_some() || e.time.saturating_add(window_ms) > now);
+    }
+
+    /// What counts against the limits at `now` (reservations included).
+    pub fn totals(&self, now: u64, window_ms: u64) -> SpendTotals {
+        let mut t = SpendTotals::default();
+        for e in &self.recent {
+            if e.reserved_until.is_some() || e.time.saturating_add(window_ms) > now {
+                t.calls = t.calls.saturating_add(e.calls);
+                t.tokens = t.tokens.saturating_add(e.tokens);
+                t.cost_micros = t.cost_micros.saturating_add(e.cost_micros);
+            }
+        }
+        t
+    }
+
+    /// Records a sweep's spend, replacing its reservation if it held one.
+    pub fn record(&mut self, entry: SpendEntry) {
+        if let Some(held) = self
+            .recent
+            .iter_mut()
+            .find(|e| e.reserved_until.is_some() && e.job_id == entry.job_id)
+        {
+            *held = SpendEntry {
+                time: held.time,
+                ..entry
+            };
+            return;
+        }
+        if entry.calls == 0 && entry.tokens == 0 && entry.cost_micros == 0 {
+            return;
+        }
+        let at = self.recent.partition_point(|e| e.time <= entry.time);
+        self.recent.insert(at, entry);
+    }
 }
 
 /// One line of a conversation's compaction history (for audit).
@@ -297,6 +375,10 @@ impl State {
             hasher.update(conv.hash().as_bytes());
         }
         hasher.update(&self.unattributed_rejections.to_le_bytes());
+        // Only when used, so states without a global window hash as before.
+        if self.spend != SpendWindow::default() {
+            hasher.update(&rmp_serde::to_vec(&self.spend).expect("spend serializes"));
+        }
         hasher.finalize().to_hex()[..32].to_string()
     }
 }
