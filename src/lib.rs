@@ -15,6 +15,7 @@ pub mod demo;
 pub mod import;
 pub mod log;
 pub mod metrics;
+pub mod nats;
 pub mod runtime;
 pub mod store;
 pub mod summarizer;

@@ -632,8 +632,9 @@ impl FoldContext<'_> {
                 if !policy::is_boundary(conv, start) || !policy::is_boundary(conv, end) {
                     return Err("the chunk separates a tool call from its result".into());
                 }
-                let tail = policy::fresh_tail_start(conv, self.policy);
-                if end > tail && !self.conv.pending_job.as_ref().is_some_and(|p| p.job.urgent) {
+                // The hard line: the newest fresh_tail_count turns are never summarized.
+                let tail = policy::fresh_tail_start_with(conv, self.policy, false);
+                if end > tail {
                     return Err("covers turns of the fresh tail".into());
                 }
                 Ok((start, end, *first, *last, tokens))
@@ -735,18 +736,32 @@ impl FoldContext<'_> {
         }
         let levels = policy::levels(self.conv, self.policy);
         let tokens = self.conv.context_tokens;
-        if tokens > levels.threshold_tokens {
+        let over_bytes = self
+            .policy
+            .max_active_transcript_bytes
+            .is_some_and(|max| self.conv.context_bytes > max);
+        // A routine trigger with nothing outside the fresh tail to compact
+        // records no debt: it would be cleared at once and flap every turn.
+        let routine_work = (tokens > levels.threshold_tokens || over_bytes)
+            && self.conv.debt.is_none()
+            && (policy::next_leaf_chunk_with(
+                &*self.conv,
+                self.policy,
+                true,
+                tokens <= levels.budget,
+            )
+            .is_some()
+                || policy::next_condensation(&*self.conv, self.policy, false, false).is_some());
+        if tokens > levels.threshold_tokens && (routine_work || self.conv.debt.is_some()) {
             self.raise_debt(DebtReason::Threshold, false, levels.target_tokens, None);
         }
-        if let Some(max) = self.policy.max_active_transcript_bytes {
-            if self.conv.context_bytes > max {
-                self.raise_debt(
-                    DebtReason::TranscriptBytes,
-                    false,
-                    levels.target_tokens,
-                    None,
-                );
-            }
+        if over_bytes && (routine_work || self.conv.debt.is_some()) {
+            self.raise_debt(
+                DebtReason::TranscriptBytes,
+                false,
+                levels.target_tokens,
+                None,
+            );
         }
         let now = self.event.time;
         // A job whose worker vanished is given up after twice its deadline.
@@ -767,9 +782,11 @@ impl FoldContext<'_> {
         if let Some(debt) = &self.conv.debt {
             let conv: &Conversation = self.conv;
             let over = tokens > debt.target_tokens;
-            let work_left = policy::next_leaf_chunk(conv, self.policy, over || debt.urgent)
-                .is_some()
-                || policy::next_condensation(conv, self.policy, false, debt.urgent).is_some();
+            let reach_back = !(debt.urgent || tokens > policy::budget(conv, self.policy));
+            let work_left =
+                policy::next_leaf_chunk_with(conv, self.policy, over || debt.urgent, reach_back)
+                    .is_some()
+                    || policy::next_condensation(conv, self.policy, false, debt.urgent).is_some();
             if !over || !work_left {
                 let reason = if !over {
                     format!(
@@ -836,10 +853,14 @@ impl FoldContext<'_> {
         let refresh_rolling_state = self.conv.rolling_due;
         self.history(
             "job_issued",
-            format!(
-                "{job_id}: {reason:?}{}, {tokens} -> {target} tokens",
-                if urgent { " (urgent)" } else { "" }
-            ),
+            if compact {
+                format!(
+                    "{job_id}: {reason:?}{}, {tokens} -> {target} tokens",
+                    if urgent { " (urgent)" } else { "" }
+                )
+            } else {
+                format!("{job_id}: rolling session state only")
+            },
         );
         let job = JobIssued {
             job_id,

@@ -118,7 +118,7 @@ fn turn_source(conv: &Conversation, seq: u64, tags: &[String]) -> SourceItem {
 /// Takes the snapshot a job works on.
 pub fn snapshot(conv: &Conversation, job: &JobIssued, cfg: &PolicyConfig) -> SweepSnapshot {
     let levels = policy::levels(conv, cfg);
-    let tail = policy::fresh_tail_start(conv, cfg);
+    let tail = policy::fresh_tail_start_with(conv, cfg, false);
     let tags = &cfg.strip_injected_context_tags;
     let items = conv
         .context
@@ -224,7 +224,12 @@ impl SweepSnapshot {
         }
         let over = self.context_tokens > self.job.target_tokens;
         let pressure = self.job.urgent;
-        if let Some(run) = policy::next_leaf_chunk(self, &self.policy, over || pressure) {
+        // Over the whole budget, the fresh tail stops reaching back to the
+        // newest user turn, or a long autonomous run could never shrink.
+        let reach_back = !(pressure || self.context_tokens > self.budget);
+        if let Some(run) =
+            policy::next_leaf_chunk_with(self, &self.policy, over || pressure, reach_back)
+        {
             return Some(Pass::Leaf(run));
         }
         let prefix_over = self.summarized_prefix_tokens() > self.prefix_target_tokens;

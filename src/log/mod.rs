@@ -55,4 +55,19 @@ pub trait EventLog {
 
     /// Position of the newest record (0 when empty).
     async fn last_position(&mut self) -> Result<Position, LogError>;
+
+    /// Appends one record that is readable at once and durable after the
+    /// next [`EventLog::sync`]; logs without a cheaper path append durably.
+    async fn append_deferred(
+        &mut self,
+        encoding: Encoding,
+        bytes: &[u8],
+    ) -> Result<Position, LogError> {
+        self.append(encoding, bytes).await
+    }
+
+    /// Makes every deferred append durable.
+    async fn sync(&mut self) -> Result<(), LogError> {
+        Ok(())
+    }
 }

@@ -154,6 +154,10 @@ pub struct SegmentLog {
     /// Oldest first; never empty, the last one takes appends.
     segments: Vec<Segment>,
     dropped_tail_bytes: u64,
+    /// Appends skip their fdatasync until [`SegmentLog::sync_now`].
+    deferred: bool,
+    /// The newest segment holds bytes written but not yet synced.
+    unsynced: bool,
     /// Holds the directory's exclusive lock for as long as the log is open.
     _lock: File,
 }
@@ -395,6 +399,8 @@ impl SegmentLog {
             options,
             segments: Vec::with_capacity(firsts.len().max(1)),
             dropped_tail_bytes: 0,
+            deferred: false,
+            unsynced: false,
             _lock: lock,
         };
         if firsts.is_empty() {
@@ -526,6 +532,9 @@ impl SegmentLog {
     /// when the batch crosses a segment boundary). Returns the position of
     /// the last record; an empty batch writes nothing and returns the
     /// current last position. No record is written if any is too large.
+    /// If an I/O error interrupts a batch that crosses a segment boundary,
+    /// the records already synced into the earlier segment stay in the log
+    /// (the caller sees the error and may re-append; events are idempotent).
     pub fn append_batch_sync(
         &mut self,
         records: &[(Encoding, Vec<u8>)],
@@ -560,6 +569,10 @@ impl SegmentLog {
     /// non-empty newest segment.
     fn roll_if_full(&mut self, size: u64) -> Result<(), LogError> {
         let segment_bytes = self.options.segment_bytes;
+        if self.newest().len > 0 && self.newest().len + size > segment_bytes {
+            // A segment is complete only once it is on disk.
+            self.sync_now()?;
+        }
         let newest = self.newest();
         if newest.len > 0 && newest.len + size > segment_bytes {
             let next = newest.first + newest.record_count();
@@ -572,13 +585,20 @@ impl SegmentLog {
     /// `starts` are the records' offsets within `frames`. The index is
     /// extended only once the bytes are durable.
     fn write_frames(&mut self, frames: &[u8], starts: &[u64]) -> Result<(), LogError> {
+        let deferred = self.deferred;
         let newest = self.newest();
         let base = newest.len;
         let written = newest
             .file
             .seek(SeekFrom::Start(base))
             .and_then(|_| newest.file.write_all(frames))
-            .and_then(|()| newest.file.sync_data());
+            .and_then(|()| {
+                if deferred {
+                    Ok(())
+                } else {
+                    newest.file.sync_data()
+                }
+            });
         if let Err(source) = written {
             // Best effort: drop the partial write now rather than leave it
             // for the next open to find as a torn tail. Later appends
@@ -588,6 +608,31 @@ impl SegmentLog {
         }
         newest.offsets.extend(starts.iter().map(|s| base + s));
         newest.len = base + frames.len() as u64;
+        self.unsynced |= self.deferred;
+        Ok(())
+    }
+
+    /// Appends one record without waiting for the disk; it is readable at
+    /// once and durable after the next [`SegmentLog::sync_now`] (a crash
+    /// before that loses it, and every later record, never a middle one).
+    pub fn append_deferred(
+        &mut self,
+        encoding: Encoding,
+        bytes: &[u8],
+    ) -> Result<Position, LogError> {
+        self.deferred = true;
+        let appended = self.append_sync(encoding, bytes);
+        self.deferred = false;
+        appended
+    }
+
+    /// Makes every deferred append durable.
+    pub fn sync_now(&mut self) -> Result<(), LogError> {
+        if self.unsynced {
+            let newest = self.newest();
+            newest.file.sync_data().map_err(io_error(&newest.path))?;
+            self.unsynced = false;
+        }
         Ok(())
     }
 
@@ -685,6 +730,18 @@ impl EventLog for SegmentLog {
 
     async fn last_position(&mut self) -> Result<Position, LogError> {
         Ok(self.last_position_sync())
+    }
+
+    async fn append_deferred(
+        &mut self,
+        encoding: Encoding,
+        bytes: &[u8],
+    ) -> Result<Position, LogError> {
+        SegmentLog::append_deferred(self, encoding, bytes)
+    }
+
+    async fn sync(&mut self) -> Result<(), LogError> {
+        self.sync_now()
     }
 }
 

@@ -50,71 +50,50 @@ impl<L: EventLog, B: KvBackend, S: PassSummarizer> Pipeline<L, B, S> {
         Ok(p)
     }
 
-    /// Folds every record after the engine's position; appends the
-    /// decisions to the log; commits after each batch.
+    /// Folds every record after the engine's position, runs every job
+    /// issued on the way, makes the log durable, then commits the state.
     pub async fn catch_up(&mut self) -> Result<CatchUp, PipelineError> {
-        let mut total = CatchUp::default();
+        let total = self.settle_unsynced().await?;
+        self.log.sync().await?;
+        self.engine.commit()?;
+        Ok(total)
+    }
+
+    /// Folds what the log holds after the engine's position, appending the
+    /// decisions (deferred: durable at the next sync).
+    async fn fold_available(&mut self, total: &mut CatchUp) -> Result<(), PipelineError> {
         loop {
             let records = self
                 .log
                 .read_after(self.engine.position(), self.read_batch)
                 .await?;
             if records.is_empty() {
-                break;
+                return Ok(());
             }
-            let mut decisions = Vec::new();
             for record in &records {
                 let applied = self.engine.apply(record);
-                decisions.extend(
-                    applied
-                        .decisions
-                        .into_iter()
-                        .map(|d| (Encoding::Msgpack, d.to_msgpack())),
-                );
+                total.decisions += applied.decisions.len() as u64;
+                // Decisions reach the log before the state that took them is
+                // committed: after a crash, the replay derives them again with
+                // the same ids, and the fold drops the copies.
+                for d in applied.decisions {
+                    self.log
+                        .append_deferred(Encoding::Msgpack, &d.to_msgpack())
+                        .await?;
+                }
             }
             total.records += records.len() as u64;
-            total.decisions += decisions.len() as u64;
-            // Decisions reach the log before the state that took them is
-            // committed: after a crash, the replay derives them again with
-            // the same ids, and the fold drops the copies.
-            if !decisions.is_empty() {
-                self.log.append_batch(&decisions).await?;
-            }
-            self.engine.commit()?;
         }
-        Ok(total)
     }
 
-    /// Appends events to the log (one sync), then folds and compacts until
-    /// nothing is pending.
-    pub async fn ingest(&mut self, events: &[Envelope]) -> Result<(), PipelineError> {
-        let records: Vec<(Encoding, Vec<u8>)> = events
-            .iter()
-            .map(|e| (Encoding::Msgpack, e.to_msgpack()))
-            .collect();
-        if !records.is_empty() {
-            self.log.append_batch(&records).await?;
-        }
-        self.settle().await
-    }
-
-    /// Appends raw bytes as they arrived (possibly malformed), then settles.
-    pub async fn ingest_raw(
-        &mut self,
-        records: &[(Encoding, Vec<u8>)],
-    ) -> Result<(), PipelineError> {
-        if !records.is_empty() {
-            self.log.append_batch(records).await?;
-        }
-        self.settle().await
-    }
-
-    /// Catches up, runs every pending job, and repeats until quiet.
-    pub async fn settle(&mut self) -> Result<(), PipelineError> {
+    /// Folds and runs jobs until nothing is pending; nothing is synced or
+    /// committed here.
+    async fn settle_unsynced(&mut self) -> Result<CatchUp, PipelineError> {
+        let mut total = CatchUp::default();
         // Each round either commits summaries or ends jobs; the cap only
         // guards against a policy bug turning into a hang.
-        for _ in 0..10_000 {
-            self.catch_up().await?;
+        for _ in 0..100_000 {
+            self.fold_available(&mut total).await?;
             let jobs: Vec<_> = self
                 .engine
                 .state
@@ -125,20 +104,52 @@ impl<L: EventLog, B: KvBackend, S: PassSummarizer> Pipeline<L, B, S> {
                 .map(|(c, p)| sweep::snapshot(c, &p.job, &self.engine.policy))
                 .collect();
             if jobs.is_empty() {
-                return Ok(());
+                return Ok(total);
             }
             for snap in jobs {
                 self.jobs_run.insert(snap.job.job_id.clone());
                 let deadline = Duration::from_millis(snap.job.deadline_ms);
                 let mut out = Vec::new();
-                run_sweep(snap, &self.summarizer, deadline, |e| {
-                    out.push((Encoding::Msgpack, e.to_msgpack()))
-                })
-                .await;
-                self.log.append_batch(&out).await?;
+                run_sweep(snap, &self.summarizer, deadline, |e| out.push(e)).await;
+                for e in out {
+                    self.log
+                        .append_deferred(Encoding::Msgpack, &e.to_msgpack())
+                        .await?;
+                }
             }
         }
-        tracing::error!("compaction did not settle after 10000 rounds; stopping");
+        tracing::error!("compaction did not settle after 100000 rounds; stopping");
+        Ok(total)
+    }
+
+    /// Appends events and folds each as it arrives, running jobs as soon as
+    /// they are issued (as live summarizers would); one sync and one state
+    /// commit for the whole batch.
+    pub async fn ingest(&mut self, events: &[Envelope]) -> Result<(), PipelineError> {
+        let records: Vec<(Encoding, Vec<u8>)> = events
+            .iter()
+            .map(|e| (Encoding::Msgpack, e.to_msgpack()))
+            .collect();
+        self.ingest_raw(&records).await
+    }
+
+    /// Like [`Pipeline::ingest`] for bytes as they arrived (possibly
+    /// malformed: those are rejected with a reason by the fold).
+    pub async fn ingest_raw(
+        &mut self,
+        records: &[(Encoding, Vec<u8>)],
+    ) -> Result<(), PipelineError> {
+        for (encoding, bytes) in records {
+            self.log.append_deferred(*encoding, bytes).await?;
+            self.settle_unsynced().await?;
+        }
+        self.log.sync().await?;
+        self.engine.commit()?;
         Ok(())
+    }
+
+    /// Catches up and runs every pending job.
+    pub async fn settle(&mut self) -> Result<(), PipelineError> {
+        self.catch_up().await.map(|_| ())
     }
 }

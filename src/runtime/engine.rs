@@ -71,28 +71,43 @@ impl<B: KvBackend> Engine<B> {
             Ok(event) => self.apply_event(&event, None),
             Err(err) => {
                 let (_, conv) = Envelope::salvage_id(&record.bytes, record.encoding);
-                let time = self
-                    .state
-                    .conversations
-                    .get(conv.as_deref().unwrap_or(""))
-                    .map_or(0, |c| c.last_time);
-                let env = fold::reject_undecodable(
-                    &mut self.state,
-                    &record.bytes,
-                    conv.as_deref(),
-                    &err.to_string(),
-                    time,
-                );
-                tracing::warn!(position = record.position, error = %err, "rejected undecodable event");
-                metrics::counter!(m::EVENTS_REJECTED).increment(1);
-                if let Some(c) = conv {
-                    self.dirty.insert(c);
-                }
-                Applied {
-                    decisions: vec![env],
-                    jobs: Vec::new(),
-                }
+                self.reject(record, conv.as_deref(), &err.to_string())
             }
+        }
+    }
+
+    /// Folds an event the caller already decoded from the record at
+    /// `position` (saves a second decode when the caller inspects it).
+    pub fn apply_at(&mut self, position: Position, event: &Envelope) -> Applied {
+        self.position = self.position.max(position);
+        self.apply_event(event, None)
+    }
+
+    /// Rejects a record without folding it: undecodable bytes, or a record
+    /// a runtime refuses before the fold (e.g. published on a subject that
+    /// names another conversation). Records an `event_rejected` decision.
+    pub fn reject(
+        &mut self,
+        record: &LogRecord,
+        conversation: Option<&str>,
+        reason: &str,
+    ) -> Applied {
+        self.position = self.position.max(record.position);
+        let time = self
+            .state
+            .conversations
+            .get(conversation.unwrap_or(""))
+            .map_or(0, |c| c.last_time);
+        let env =
+            fold::reject_undecodable(&mut self.state, &record.bytes, conversation, reason, time);
+        tracing::warn!(position = record.position, %reason, "rejected event");
+        metrics::counter!(m::EVENTS_REJECTED).increment(1);
+        if let Some(c) = conversation {
+            self.dirty.insert(c.to_string());
+        }
+        Applied {
+            decisions: vec![env],
+            jobs: Vec::new(),
         }
     }
 

@@ -3,13 +3,28 @@
 //!
 //! A commit is one multi-tree sled transaction; a durable commit and
 //! [`KvBackend::flush`] call `Db::flush`, which makes every earlier write
-//! durable. Not the default: sled 0.34.7 was seen to deadlock under the
-//! store soak (`benches/store_soak.rs`), see the README.
+//! durable.
+//!
+//! Not the default, because sled 0.34.7 deadlocks under the store soak
+//! (`benches/store_soak.rs`) with its default 512 KiB segments: the writer
+//! holds the segment accountant's mutex in `SegmentAccountant::next` ->
+//! `bump_tip` while waiting for a file truncation queued on sled's IO thread
+//! pool, and every pool thread is blocked on that same mutex in
+//! `sa_stabilize`. Truncations happen when segments at the end of the file
+//! are freed, so this backend uses the largest segment size sled accepts
+//! ([`SEGMENT_BYTES`]), which makes them rare. That is a mitigation, not a
+//! fix: it costs disk space (the soak's store is ~67 MB where redb's is
+//! ~2 MB) and the deadlock remains possible. sled records the segment size
+//! in the database, so a database made with another size will not open.
 
 use super::{KvBackend, StoreError, Table, Write};
 use sled::transaction::{ConflictableTransactionError, TransactionError, TransactionalTree};
 use sled::Transactional;
 use std::path::{Path, PathBuf};
+
+/// sled's segment size: its maximum, to make the truncations that can
+/// deadlock sled 0.34.7 rare (see the module documentation).
+pub const SEGMENT_BYTES: usize = 16 << 20;
 
 fn backend_error(what: &str) -> impl FnOnce(sled::Error) -> StoreError + '_ {
     move |e| StoreError::Backend(format!("sled {what}: {e}"))
@@ -47,7 +62,11 @@ impl SledBackend {
             path: path.display().to_string(),
             detail,
         };
-        let db = sled::open(path).map_err(|e| open_error(e.to_string()))?;
+        let db = sled::Config::new()
+            .path(path)
+            .segment_size(SEGMENT_BYTES)
+            .open()
+            .map_err(|e| open_error(e.to_string()))?;
         let mut trees = Vec::with_capacity(Table::ALL.len());
         for table in Table::ALL {
             debug_assert_eq!(table_index(table), trees.len());

@@ -45,7 +45,7 @@ fn record_key(conv: &str, kind: u8, index: usize) -> Vec<u8> {
 }
 
 fn encode<T: serde::Serialize>(value: &T) -> Vec<u8> {
-    rmp_serde::to_vec(value).expect("state records serialize")
+    rmp_serde::to_vec_named(value).expect("state records serialize")
 }
 
 fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8], what: &str) -> Result<T, StoreError> {

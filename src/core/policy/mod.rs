@@ -201,6 +201,18 @@ pub fn raw_start<V: PlanView + ?Sized>(items: &V) -> usize {
 /// capped by `fresh_tail_max_tokens`, always back to the newest user turn,
 /// and never inside a tool group.
 pub fn fresh_tail_start<V: PlanView + ?Sized>(items: &V, cfg: &PolicyConfig) -> usize {
+    fresh_tail_start_with(items, cfg, true)
+}
+
+/// [`fresh_tail_start`], optionally without reaching back to the newest
+/// user turn: under pressure (overflow recovery, manual compaction, a
+/// context over the whole budget) a long autonomous run after one user turn
+/// must still be compactable; the newest `fresh_tail_count` turns stay.
+pub fn fresh_tail_start_with<V: PlanView + ?Sized>(
+    items: &V,
+    cfg: &PolicyConfig,
+    reach_back: bool,
+) -> usize {
     let len = items.len();
     let mut start = len;
     let mut count = 0usize;
@@ -226,7 +238,7 @@ pub fn fresh_tail_start<V: PlanView + ?Sized>(items: &V, cfg: &PolicyConfig) -> 
         count += 1;
         tokens += t;
     }
-    if newest_user.is_none() {
+    if newest_user.is_none() && reach_back {
         // Reach further back to the newest user turn, if there is one.
         let mut i = start;
         while i > 0 {
@@ -264,7 +276,18 @@ pub fn next_leaf_chunk<V: PlanView + ?Sized>(
     cfg: &PolicyConfig,
     pressure: bool,
 ) -> Option<Run> {
-    let tail = fresh_tail_start(items, cfg);
+    next_leaf_chunk_with(items, cfg, pressure, true)
+}
+
+/// [`next_leaf_chunk`] with the fresh tail's reach-back chosen (see
+/// [`fresh_tail_start_with`]).
+pub fn next_leaf_chunk_with<V: PlanView + ?Sized>(
+    items: &V,
+    cfg: &PolicyConfig,
+    pressure: bool,
+    reach_back: bool,
+) -> Option<Run> {
+    let tail = fresh_tail_start_with(items, cfg, reach_back);
     let start = raw_start(items);
     if start >= tail {
         return None;
@@ -274,7 +297,11 @@ pub fn next_leaf_chunk<V: PlanView + ?Sized>(
     let mut last_ok: Option<(usize, u64)> = None;
     while end < tail {
         let t = items.item(end).tokens();
-        if tokens + t > cfg.leaf_chunk_tokens && last_ok.is_some() {
+        // A chunk too small to be worth a summary takes the next group
+        // whole, even when that group alone is over the chunk size.
+        if tokens + t > cfg.leaf_chunk_tokens
+            && last_ok.is_some_and(|(_, tk)| tk >= MIN_LEAF_CHUNK_TOKENS)
+        {
             break;
         }
         tokens += t;

@@ -1,0 +1,336 @@
+//! [`EventLog`] over the JetStream events stream.
+//!
+//! Appending publishes to the conversation's inbound subject
+//! (`cf.in.<conv>`) with `Nats-Msg-Id` = the event id, so the server drops a
+//! republished event within the dedup window, and `Content-Type` naming the
+//! encoding. The stream stores it as `cf.ev.<partition>.<conv>`. Positions
+//! are stream sequence numbers. A log opened for one partition reads only
+//! that partition's events (positions are still stream sequences, so they
+//! have gaps).
+
+use crate::core::event::{Encoding, Envelope, MAX_EVENT_BYTES};
+use crate::log::{EventLog, LogError, LogRecord, Position};
+use crate::nats::subjects::Subjects;
+use crate::nats::NatsError;
+use async_nats::header::NATS_MESSAGE_ID;
+use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy, PullConsumer};
+use async_nats::jetstream::context::PublishAckFuture;
+use async_nats::jetstream::{self, stream, Context};
+use async_nats::HeaderMap;
+use futures::StreamExt;
+use std::time::Duration;
+
+/// The header naming an event's encoding.
+pub const CONTENT_TYPE: &str = "Content-Type";
+
+/// `Content-Type` value for an encoding.
+pub fn content_type(encoding: Encoding) -> &'static str {
+    match encoding {
+        Encoding::Json => "application/json",
+        Encoding::Msgpack => "application/msgpack",
+    }
+}
+
+/// The encoding of a received event: the `Content-Type` header when
+/// present, else JSON when the body starts with `{` (a MessagePack event
+/// starts with a map marker, never with `{`, which is the integer 123),
+/// else MessagePack. Agents should set the header; the sniffing lets a
+/// plain `nats pub cf.in.x '{...}'` work.
+pub fn encoding_of(headers: Option<&HeaderMap>, payload: &[u8]) -> Encoding {
+    if let Some(value) = headers.and_then(|h| h.get(CONTENT_TYPE)) {
+        return Encoding::from_header(Some(value.as_str()));
+    }
+    match payload.iter().find(|b| !b.is_ascii_whitespace()) {
+        Some(b'{') => Encoding::Json,
+        _ => Encoding::Msgpack,
+    }
+}
+
+/// Headers for publishing one event.
+pub fn event_headers(event_id: &str, encoding: Encoding) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    headers.insert(NATS_MESSAGE_ID, event_id);
+    headers.insert(CONTENT_TYPE, content_type(encoding));
+    headers
+}
+
+/// Result of publishing one event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Appended {
+    /// Stream sequence of the event (of the first copy, for a duplicate).
+    pub position: Position,
+    /// The server had this event id already (within the dedup window).
+    pub duplicate: bool,
+}
+
+/// A reading position kept between `read_after` calls so sequential reads
+/// reuse one consumer.
+struct Cursor {
+    consumer: PullConsumer,
+    /// Position of the last record delivered through `consumer`.
+    after: Position,
+}
+
+/// The events stream as an [`EventLog`].
+pub struct NatsEventLog {
+    js: Context,
+    stream: stream::Stream,
+    subjects: Subjects,
+    partition: Option<u32>,
+    cursor: Option<Cursor>,
+}
+
+fn backend(err: impl std::fmt::Display) -> LogError {
+    LogError::Backend(err.to_string())
+}
+
+impl NatsEventLog {
+    /// The whole events stream (every partition).
+    pub async fn open(js: Context, subjects: Subjects) -> Result<Self, NatsError> {
+        let name = subjects.events_stream();
+        let stream = js
+            .get_stream(&name)
+            .await
+            .map_err(|e| NatsError::js(format!("opening stream {name}"), e))?;
+        Ok(NatsEventLog {
+            js,
+            stream,
+            subjects,
+            partition: None,
+            cursor: None,
+        })
+    }
+
+    /// Only the events of one partition.
+    pub async fn open_partition(
+        js: Context,
+        subjects: Subjects,
+        partition: u32,
+    ) -> Result<Self, NatsError> {
+        let mut log = NatsEventLog::open(js, subjects).await?;
+        log.partition = Some(partition);
+        Ok(log)
+    }
+
+    pub fn partition(&self) -> Option<u32> {
+        self.partition
+    }
+
+    fn filter(&self) -> Option<String> {
+        self.partition.map(|p| self.subjects.partition_filter(p))
+    }
+
+    async fn start_publish(
+        &self,
+        id: &str,
+        conversation: &str,
+        encoding: Encoding,
+        bytes: Vec<u8>,
+    ) -> Result<PublishAckFuture, LogError> {
+        if bytes.len() > MAX_EVENT_BYTES {
+            return Err(LogError::TooLarge {
+                size: bytes.len(),
+                limit: MAX_EVENT_BYTES,
+            });
+        }
+        let subject = self.subjects.inbound(conversation).map_err(backend)?;
+        self.js
+            .publish_with_headers(subject, event_headers(id, encoding), bytes.into())
+            .await
+            .map_err(backend)
+    }
+
+    /// Publishes one event: `Nats-Msg-Id` = its id, `Content-Type` = its
+    /// encoding; waits for the stream's acknowledgement.
+    pub async fn append_event(
+        &mut self,
+        event: &Envelope,
+        encoding: Encoding,
+    ) -> Result<Appended, LogError> {
+        let ack = self
+            .start_publish(
+                &event.id,
+                &event.conversation,
+                encoding,
+                event.encode(encoding),
+            )
+            .await?
+            .await
+            .map_err(backend)?;
+        Ok(Appended {
+            position: ack.sequence,
+            duplicate: ack.duplicate,
+        })
+    }
+
+    async fn publish_encoded(
+        &self,
+        encoding: Encoding,
+        bytes: &[u8],
+    ) -> Result<PublishAckFuture, LogError> {
+        let (id, conversation) = Envelope::salvage_id(bytes, encoding);
+        match (id, conversation) {
+            (Some(id), Some(conversation)) if !id.is_empty() && !conversation.is_empty() => {
+                self.start_publish(&id, &conversation, encoding, bytes.to_vec())
+                    .await
+            }
+            _ => Err(LogError::Backend(
+                "cannot publish bytes without an event id and conversation: the subject and \
+                 Nats-Msg-Id come from them"
+                    .to_string(),
+            )),
+        }
+    }
+
+    async fn reader(&mut self, after: Position) -> Result<&mut Cursor, LogError> {
+        let reusable = matches!(&self.cursor, Some(c) if c.after == after);
+        if !reusable {
+            if let Some(old) = self.cursor.take() {
+                // Best effort: the server also drops it when inactive.
+                let name = old.consumer.cached_info().name.clone();
+                let _ = self.stream.delete_consumer(&name).await;
+            }
+            let config = pull::Config {
+                deliver_policy: DeliverPolicy::ByStartSequence {
+                    start_sequence: after + 1,
+                },
+                ack_policy: AckPolicy::None,
+                filter_subject: self.filter().unwrap_or_default(),
+                inactive_threshold: Duration::from_secs(60),
+                memory_storage: true,
+                ..Default::default()
+            };
+            let consumer = self.stream.create_consumer(config).await.map_err(backend)?;
+            self.cursor = Some(Cursor { consumer, after });
+        }
+        self.cursor
+            .as_mut()
+            .ok_or_else(|| LogError::Backend("reader cursor vanished".to_string()))
+    }
+}
+
+impl EventLog for NatsEventLog {
+    async fn append(&mut self, encoding: Encoding, bytes: &[u8]) -> Result<Position, LogError> {
+        let ack = self
+            .publish_encoded(encoding, bytes)
+            .await?
+            .await
+            .map_err(backend)?;
+        Ok(ack.sequence)
+    }
+
+    /// Pipelines the publishes, then waits for every acknowledgement.
+    async fn append_batch(
+        &mut self,
+        records: &[(Encoding, Vec<u8>)],
+    ) -> Result<Position, LogError> {
+        let mut pending = Vec::with_capacity(records.len());
+        for (encoding, bytes) in records {
+            pending.push(self.publish_encoded(*encoding, bytes).await?);
+        }
+        let mut last = 0;
+        for ack in pending {
+            last = last.max(ack.await.map_err(backend)?.sequence);
+        }
+        if last == 0 {
+            last = self.last_position().await?;
+        }
+        Ok(last)
+    }
+
+    async fn read_after(
+        &mut self,
+        after: Position,
+        max: usize,
+    ) -> Result<Vec<LogRecord>, LogError> {
+        if max == 0 {
+            return Ok(Vec::new());
+        }
+        let cursor = self.reader(after).await?;
+        let mut batch = cursor
+            .consumer
+            .fetch()
+            .max_messages(max)
+            .messages()
+            .await
+            .map_err(backend)?;
+        let mut records = Vec::new();
+        while let Some(message) = batch.next().await {
+            let message = message.map_err(backend)?;
+            let info = message.info().map_err(backend)?;
+            let position = info.stream_sequence;
+            records.push(LogRecord {
+                position,
+                encoding: encoding_of(message.headers.as_ref(), &message.payload),
+                bytes: message.payload.to_vec(),
+            });
+        }
+        if let Some(last) = records.last() {
+            cursor.after = last.position;
+        }
+        Ok(records)
+    }
+
+    async fn last_position(&mut self) -> Result<Position, LogError> {
+        let Some(filter) = self.filter() else {
+            let info = self.stream.info().await.map_err(backend)?;
+            return Ok(info.state.last_sequence);
+        };
+        // The newest event of the partition: a consumer starting at the
+        // last matching message hands it over at once, or nothing.
+        let consumer: PullConsumer = self
+            .stream
+            .create_consumer(pull::Config {
+                deliver_policy: DeliverPolicy::Last,
+                ack_policy: AckPolicy::None,
+                filter_subject: filter,
+                inactive_threshold: Duration::from_secs(10),
+                memory_storage: true,
+                ..Default::default()
+            })
+            .await
+            .map_err(backend)?;
+        let mut batch = consumer
+            .fetch()
+            .max_messages(1)
+            .messages()
+            .await
+            .map_err(backend)?;
+        let mut last = 0;
+        if let Some(message) = batch.next().await {
+            let message: jetstream::Message = message.map_err(backend)?;
+            last = message.info().map_err(backend)?.stream_sequence;
+        }
+        let name = consumer.cached_info().name.clone();
+        let _ = self.stream.delete_consumer(&name).await;
+        Ok(last)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn encoding_comes_from_the_header_else_the_first_byte() {
+        let mut h = HeaderMap::new();
+        h.insert(CONTENT_TYPE, "application/json");
+        assert_eq!(encoding_of(Some(&h), b"\x82"), Encoding::Json);
+        let mut h = HeaderMap::new();
+        h.insert(CONTENT_TYPE, content_type(Encoding::Msgpack));
+        assert_eq!(encoding_of(Some(&h), b"{}"), Encoding::Msgpack);
+        assert_eq!(encoding_of(None, b"  {\"id\":1}"), Encoding::Json);
+        assert_eq!(encoding_of(None, b"\x85\xa2id"), Encoding::Msgpack);
+        assert_eq!(encoding_of(None, b""), Encoding::Msgpack);
+    }
+
+    #[test]
+    fn headers_carry_id_and_type() {
+        let h = event_headers("evt-1", Encoding::Json);
+        assert_eq!(h.get("Nats-Msg-Id").map(|v| v.as_str()), Some("evt-1"));
+        assert_eq!(
+            h.get(CONTENT_TYPE).map(|v| v.as_str()),
+            Some("application/json")
+        );
+    }
+}

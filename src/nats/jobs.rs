@@ -1,0 +1,117 @@
+//! The compaction job as it travels on the work queue (`cf.job.<conv>`).
+//!
+//! The folder publishes one [`JobMessage`] per issued job, MessagePack with
+//! `Nats-Msg-Id` = the job id (a republished job is dropped by the server),
+//! carrying the [`SweepSnapshot`] a stateless summarizer needs. A snapshot
+//! larger than `max_inline_payload_bytes` goes to the object store under
+//! `jobs/<job id>` and the message carries its name instead.
+
+use crate::core::event::Encoding;
+use crate::core::sweep::SweepSnapshot;
+use crate::nats::event_log::event_headers;
+use crate::nats::subjects::Subjects;
+use crate::nats::NatsError;
+use async_nats::jetstream::context::PublishAckFuture;
+use async_nats::jetstream::object_store::ObjectStore;
+use async_nats::jetstream::Context;
+use serde::{Deserialize, Serialize};
+use tokio::io::AsyncReadExt;
+
+/// One compaction job on the work queue.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobMessage {
+    pub job_id: String,
+    pub conversation: String,
+    /// The snapshot itself, when small enough to travel inline.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<SweepSnapshot>,
+    /// Otherwise the object-store name holding the MessagePack snapshot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_object: Option<String>,
+}
+
+/// Object-store name of a job's snapshot.
+pub fn snapshot_object_name(job_id: &str) -> String {
+    format!("jobs/{job_id}")
+}
+
+fn encode<T: Serialize>(value: &T) -> Vec<u8> {
+    // Owned, well-formed data serializes into a Vec without failing.
+    rmp_serde::to_vec_named(value).expect("job messages serialize")
+}
+
+impl JobMessage {
+    pub fn decode(bytes: &[u8]) -> Result<JobMessage, NatsError> {
+        rmp_serde::from_slice(bytes).map_err(|e| NatsError::js("decoding a job", e))
+    }
+
+    /// The snapshot, fetched from the object store when not inline.
+    pub async fn snapshot(&self, payloads: &ObjectStore) -> Result<SweepSnapshot, NatsError> {
+        if let Some(s) = &self.snapshot {
+            return Ok(s.clone());
+        }
+        let Some(name) = &self.snapshot_object else {
+            return Err(NatsError::js(
+                "reading a job",
+                format!("job {} carries no snapshot", self.job_id),
+            ));
+        };
+        let mut object = payloads
+            .get(name)
+            .await
+            .map_err(|e| NatsError::js(format!("fetching job snapshot {name}"), e))?;
+        let mut bytes = Vec::new();
+        object
+            .read_to_end(&mut bytes)
+            .await
+            .map_err(|e| NatsError::js(format!("reading job snapshot {name}"), e))?;
+        rmp_serde::from_slice(&bytes)
+            .map_err(|e| NatsError::js(format!("decoding job snapshot {name}"), e))
+    }
+}
+
+/// Publishes a job (storing a large snapshot first); returns the pending
+/// acknowledgement so several publishes can be in flight.
+pub async fn publish_job(
+    js: &Context,
+    payloads: &ObjectStore,
+    subjects: &Subjects,
+    snapshot: SweepSnapshot,
+    max_inline_bytes: usize,
+) -> Result<PublishAckFuture, NatsError> {
+    let job_id = snapshot.job.job_id.clone();
+    let conversation = snapshot.conversation.clone();
+    let subject = subjects.job(&conversation)?;
+    let snapshot_bytes = encode(&snapshot);
+    // The envelope around an inline snapshot adds the two strings and a
+    // few field names.
+    let inline_size = snapshot_bytes.len() + job_id.len() + conversation.len() + 64;
+    let message = if inline_size <= max_inline_bytes {
+        JobMessage {
+            job_id: job_id.clone(),
+            conversation,
+            snapshot: Some(snapshot),
+            snapshot_object: None,
+        }
+    } else {
+        let name = snapshot_object_name(&job_id);
+        // Same name, same content on a republish: overwriting is harmless.
+        payloads
+            .put(name.as_str(), &mut snapshot_bytes.as_slice())
+            .await
+            .map_err(|e| NatsError::js(format!("storing job snapshot {name}"), e))?;
+        JobMessage {
+            job_id: job_id.clone(),
+            conversation,
+            snapshot: None,
+            snapshot_object: Some(name),
+        }
+    };
+    js.publish_with_headers(
+        subject,
+        event_headers(&job_id, Encoding::Msgpack),
+        encode(&message).into(),
+    )
+    .await
+    .map_err(|e| NatsError::js(format!("publishing job {job_id}"), e))
+}

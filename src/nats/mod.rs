@@ -1,0 +1,68 @@
+//! The NATS JetStream adapter: subjects, connection, the streams and buckets
+//! contextfold runs on, partition leases, and the JetStream event log.
+//!
+//! - [`config`]: `[nats]` settings ([`NatsConfig`]).
+//! - [`connect`]: connection options ([`NatsOptions`]) and connecting.
+//! - [`version`]: refusing servers too old for the features used.
+//! - [`subjects`]: subject names and the conversation-key encoding.
+//! - [`setup`]: create-or-validate of streams, KV and object store.
+//! - [`leases`]: partition ownership through KV leases.
+//! - [`event_log`]: [`crate::log::EventLog`] over the events stream.
+//! - [`folder`]: the folder role (one engine per held partition).
+//! - [`jobs`]: the compaction job on the work queue.
+
+pub mod config;
+pub mod connect;
+pub mod event_log;
+pub mod folder;
+pub mod jobs;
+pub mod leases;
+pub mod setup;
+pub mod subjects;
+pub mod version;
+
+pub use config::NatsConfig;
+pub use connect::NatsOptions;
+pub use subjects::Subjects;
+
+use std::path::PathBuf;
+
+/// What went wrong talking to NATS, phrased for the operator.
+#[derive(Debug, thiserror::Error)]
+pub enum NatsError {
+    #[error("invalid NATS setting `{field}`: {reason}")]
+    Config { field: &'static str, reason: String },
+    #[error("cannot read {what} {path}: {source}")]
+    File {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot connect to NATS at {servers}: {detail}")]
+    Connect { servers: String, detail: String },
+    #[error("nats-server {found} is not supported (need {minimum} or newer): {detail}")]
+    ServerVersion {
+        found: String,
+        minimum: version::ServerVersion,
+        detail: String,
+    },
+    #[error("JetStream is not enabled on NATS server {server}: start it with `-js` (or `jetstream {{}}` in its config)")]
+    JetStreamDisabled { server: String },
+    #[error("{resource} exists with settings contextfold cannot use: {detail}")]
+    Incompatible { resource: String, detail: String },
+    #[error("JetStream {operation} failed: {detail}")]
+    JetStream { operation: String, detail: String },
+    #[error(transparent)]
+    Subject(#[from] subjects::SubjectError),
+}
+
+impl NatsError {
+    /// A JetStream call that failed, naming what was attempted.
+    pub(crate) fn js(operation: impl Into<String>, err: impl std::fmt::Display) -> Self {
+        NatsError::JetStream {
+            operation: operation.into(),
+            detail: err.to_string(),
+        }
+    }
+}

@@ -1,0 +1,4 @@
+//! Shared test harness: integration tests include it with `mod support;`.
+#![allow(dead_code)]
+
+pub mod nats_server;
