@@ -4,9 +4,11 @@
 //! - [`log`], [`store`]: the event log and the durable state (adapters).
 //! - [`runtime`]: the engine, the sweep runner and the embedded pipeline.
 //! - [`import`]: real agent transcripts read as inbound events.
+//! - [`api`]: the request/reply API (pure handlers, JSON dispatch, NATS service).
 //! - [`summarizer`]: writing summaries (LLM, deterministic, external), with
 //!   deadlines, retries, validation and escalation (an adapter).
 
+pub mod api;
 pub mod config;
 pub mod core;
 pub mod demo;

@@ -1,0 +1,137 @@
+//! `assemble`: what the model sees now, within a budget, in OpenAI chat
+//! shape, with token counts, where each message came from and what did not
+//! fit. A thin wrapper over [`crate::core::assembly::assemble`].
+
+use crate::api::{conversation, ApiError};
+use crate::core::assembly::{self, Assembled, AssemblyRequest};
+use crate::core::policy::PolicyConfig;
+use crate::core::state::State;
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AssembleRequest {
+    pub conversation: String,
+    /// Token budget for the whole context, prompt included (default: the
+    /// conversation's resolved budget).
+    #[serde(default)]
+    pub budget: Option<u64>,
+    /// The prompt about to be sent; its tokens are reserved from the budget.
+    #[serde(default)]
+    pub prompt: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AssembleResponse {
+    pub conversation: String,
+    /// `messages`, `sources` (one per message), `tokens`, `budget`,
+    /// `prompt_tokens`, `fresh_tail_tokens`, `over_budget`, `left_out`.
+    #[serde(flatten)]
+    pub assembled: Assembled,
+    /// Tokens of everything in `left_out`.
+    pub left_out_tokens: u64,
+}
+
+pub fn assemble(
+    state: &State,
+    policy: &PolicyConfig,
+    req: &AssembleRequest,
+) -> Result<AssembleResponse, ApiError> {
+    let conv = conversation(state, &req.conversation)?;
+    if req.budget == Some(0) {
+        return Err(ApiError::BadRequest(
+            "`budget` must be at least 1 token (omit it for the conversation's budget)".into(),
+        ));
+    }
+    let assembled = assembly::assemble(
+        conv,
+        policy,
+        &AssemblyRequest {
+            budget: req.budget,
+            prompt: req.prompt.clone(),
+        },
+    );
+    Ok(AssembleResponse {
+        conversation: conv.key.clone(),
+        left_out_tokens: assembled.left_out.iter().map(|l| l.tokens).sum(),
+        assembled,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::testing::{self, CONV};
+    use crate::core::assembly::{check_tool_pairing, Source};
+
+    fn req(budget: Option<u64>) -> AssembleRequest {
+        AssembleRequest {
+            conversation: CONV.into(),
+            budget,
+            prompt: None,
+        }
+    }
+
+    #[test]
+    fn assembles_summaries_then_the_fresh_tail() {
+        let (state, policy) = testing::folded();
+        let out = assemble(state, policy, &req(None)).unwrap();
+        let a = &out.assembled;
+        assert_eq!(a.messages.len(), a.sources.len());
+        assert!(check_tool_pairing(&a.messages).is_ok());
+        // The rolling session state (if any) first, then summaries.
+        let first = a
+            .sources
+            .iter()
+            .find(|s| **s != Source::RollingState)
+            .unwrap();
+        assert!(matches!(first, Source::Summary { .. }), "{:?}", a.sources);
+        assert!(!a.over_budget);
+        assert!(a.tokens <= a.budget);
+        assert_eq!(out.left_out_tokens, 0);
+        let last = a.messages.last().unwrap();
+        assert_eq!(last.text_content(), "What is left to do?");
+    }
+
+    #[test]
+    fn a_small_budget_leaves_out_the_oldest_and_says_so() {
+        let (state, policy) = testing::folded();
+        let full = assemble(state, policy, &req(None)).unwrap();
+        let budget = full.assembled.fresh_tail_tokens + 1;
+        let out = assemble(state, policy, &req(Some(budget))).unwrap();
+        assert!(!out.assembled.left_out.is_empty());
+        assert_eq!(
+            out.left_out_tokens,
+            out.assembled.left_out.iter().map(|l| l.tokens).sum::<u64>()
+        );
+        assert!(out.left_out_tokens > 0);
+        assert!(out.assembled.messages.len() < full.assembled.messages.len());
+        let json = serde_json::to_value(&out).unwrap();
+        assert_eq!(json["budget"], budget);
+        assert!(json["messages"][0]["role"].is_string(), "OpenAI chat shape");
+    }
+
+    #[test]
+    fn the_prompt_is_reserved_from_the_budget() {
+        let (state, policy) = testing::folded();
+        let mut r = req(None);
+        r.prompt = Some("Summarize the billing work so far.".into());
+        let out = assemble(state, policy, &r).unwrap();
+        assert!(out.assembled.prompt_tokens > 0);
+    }
+
+    #[test]
+    fn zero_budget_and_unknown_conversation_are_errors() {
+        let (state, policy) = testing::folded();
+        assert!(matches!(
+            assemble(state, policy, &req(Some(0))),
+            Err(ApiError::BadRequest(_))
+        ));
+        let mut r = req(None);
+        r.conversation = "nobody".into();
+        assert!(matches!(
+            assemble(state, policy, &r),
+            Err(ApiError::UnknownConversation { .. })
+        ));
+    }
+}

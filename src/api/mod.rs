@@ -1,0 +1,471 @@
+//! The request/reply API, independent of any transport: JSON request and
+//! response types and pure handlers over a partition's [`State`] and the
+//! [`PolicyConfig`] it was folded under. No I/O, no clock, no waiting on a
+//! summarizer: every answer comes from state as it is now.
+//!
+//! Operations (bodies documented in `docs/api.md`): `assemble`, `status`,
+//! `grep`, `describe`, `expand`, `compact` (builds the event to publish;
+//! the transport publishes it) and `history`. [`handle`] is the single JSON
+//! dispatch any transport can serve; [`handle_view`] adds the ownership
+//! check a partitioned runtime needs ([`StateView`]). Errors are always a
+//! structured reply (`{"error": {"code", "message", ...}}`), never silence.
+
+pub mod assemble;
+pub mod compact;
+mod coverage;
+pub mod describe;
+pub mod expand;
+pub mod grep;
+pub mod history;
+pub mod nats_service;
+pub mod status;
+#[cfg(test)]
+pub(crate) mod testing;
+
+use crate::core::policy::PolicyConfig;
+use crate::core::state::{Conversation, State, Summary, Turn};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::panic::AssertUnwindSafe;
+use std::sync::RwLock;
+
+pub use assemble::{AssembleRequest, AssembleResponse};
+pub use compact::{CompactRequest, CompactResponse};
+pub use describe::{DescribeRequest, DescribeResponse};
+pub use expand::{ExpandRequest, ExpandResponse};
+pub use grep::{GrepRequest, GrepResponse};
+pub use history::{HistoryRequest, HistoryResponse};
+pub use status::{StatusRequest, StatusResponse};
+
+/// Largest request body accepted; larger ones are a `bad_request`.
+pub const MAX_REQUEST_BYTES: usize = 1024 * 1024;
+
+/// Retry hint sent with `not_owner` when the transport gives none: about
+/// the time a partition lease takes to move.
+pub const DEFAULT_NOT_OWNER_RETRY_MS: u64 = 500;
+
+/// One API operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Op {
+    Assemble,
+    Status,
+    Grep,
+    Describe,
+    Expand,
+    Compact,
+    History,
+}
+
+impl Op {
+    pub const ALL: [Op; 7] = [
+        Op::Assemble,
+        Op::Status,
+        Op::Grep,
+        Op::Describe,
+        Op::Expand,
+        Op::Compact,
+        Op::History,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Op::Assemble => "assemble",
+            Op::Status => "status",
+            Op::Grep => "grep",
+            Op::Describe => "describe",
+            Op::Expand => "expand",
+            Op::Compact => "compact",
+            Op::History => "history",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Op> {
+        Op::ALL.into_iter().find(|op| op.as_str() == name)
+    }
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Why a request got no answer. Serialized as
+/// `{"error": {"code": ..., "message": ..., "retry_after_ms"?, "conversation"?}}`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ApiError {
+    #[error("unknown conversation {conversation:?}: no event of it has been folded here (keys are exact and case-sensitive)")]
+    UnknownConversation { conversation: String },
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("this process does not own conversation {conversation:?} now; retry in {retry_after_ms} ms (its partition is owned elsewhere or moving)")]
+    NotOwner {
+        conversation: String,
+        retry_after_ms: u64,
+    },
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+/// The machine-readable kind of an [`ApiError`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    UnknownConversation,
+    BadRequest,
+    NotOwner,
+    Internal,
+}
+
+impl ErrorCode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::UnknownConversation => "unknown_conversation",
+            ErrorCode::BadRequest => "bad_request",
+            ErrorCode::NotOwner => "not_owner",
+            ErrorCode::Internal => "internal",
+        }
+    }
+
+    /// The HTTP-like status NATS services put in `Nats-Service-Error-Code`.
+    pub fn status(self) -> u16 {
+        match self {
+            ErrorCode::UnknownConversation => 404,
+            ErrorCode::BadRequest => 400,
+            ErrorCode::NotOwner => 503,
+            ErrorCode::Internal => 500,
+        }
+    }
+}
+
+/// The `error` object of an error reply.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{code:?}: {message}")]
+pub struct ErrorBody {
+    pub code: ErrorCode,
+    pub message: String,
+    /// Ask again after this long (`not_owner`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after_ms: Option<u64>,
+    /// The conversation the error is about, when there is one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conversation: Option<String>,
+}
+
+/// An error reply on the wire.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorReply {
+    pub error: ErrorBody,
+}
+
+impl ApiError {
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            ApiError::UnknownConversation { .. } => ErrorCode::UnknownConversation,
+            ApiError::BadRequest(_) => ErrorCode::BadRequest,
+            ApiError::NotOwner { .. } => ErrorCode::NotOwner,
+            ApiError::Internal(_) => ErrorCode::Internal,
+        }
+    }
+
+    pub fn body(&self) -> ErrorBody {
+        let (retry_after_ms, conversation) = match self {
+            ApiError::UnknownConversation { conversation } => (None, Some(conversation.clone())),
+            ApiError::NotOwner {
+                conversation,
+                retry_after_ms,
+            } => (Some(*retry_after_ms), Some(conversation.clone())),
+            ApiError::BadRequest(_) | ApiError::Internal(_) => (None, None),
+        };
+        ErrorBody {
+            code: self.code(),
+            message: self.to_string(),
+            retry_after_ms,
+            conversation,
+        }
+    }
+
+    /// The JSON error reply.
+    pub fn to_json(&self) -> Vec<u8> {
+        encode(&ErrorReply { error: self.body() })
+    }
+
+    fn bad(message: impl Into<String>) -> ApiError {
+        ApiError::BadRequest(message.into())
+    }
+}
+
+/// Why a reply could not be read as the expected response.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ReplyError {
+    /// The service answered with a structured error.
+    #[error("{}", .0.message)]
+    Api(ErrorBody),
+    #[error("malformed reply: {0}")]
+    Malformed(String),
+}
+
+/// Reads a reply: the response, or the structured error it carries. For
+/// clients of any transport.
+pub fn decode_reply<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ReplyError> {
+    #[derive(Deserialize)]
+    struct Probe {
+        error: Option<ErrorBody>,
+    }
+    if let Ok(Probe { error: Some(e) }) = serde_json::from_slice::<Probe>(bytes) {
+        return Err(ReplyError::Api(e));
+    }
+    serde_json::from_slice(bytes).map_err(|e| ReplyError::Malformed(e.to_string()))
+}
+
+fn encode<T: Serialize>(value: &T) -> Vec<u8> {
+    // Response types hold only strings, numbers, maps with string keys and
+    // JSON values: serializing them to a Vec cannot fail.
+    serde_json::to_vec(value).expect("API responses serialize to JSON")
+}
+
+/// Reads a request body; an empty body is `{}`.
+pub(crate) fn parse_request<T: DeserializeOwned>(op: Op, body: &[u8]) -> Result<T, ApiError> {
+    if body.len() > MAX_REQUEST_BYTES {
+        return Err(ApiError::bad(format!(
+            "{op} request of {} bytes exceeds the {MAX_REQUEST_BYTES}-byte limit",
+            body.len()
+        )));
+    }
+    let body = if body.iter().all(u8::is_ascii_whitespace) {
+        b"{}".as_slice()
+    } else {
+        body
+    };
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad(format!("malformed {op} request: {e} (see docs/api.md)")))
+}
+
+/// The conversation a request names.
+pub(crate) fn conversation<'a>(state: &'a State, key: &str) -> Result<&'a Conversation, ApiError> {
+    if key.is_empty() {
+        return Err(ApiError::bad("`conversation` is empty"));
+    }
+    state
+        .conversations
+        .get(key)
+        .ok_or_else(|| ApiError::UnknownConversation {
+            conversation: key.to_string(),
+        })
+}
+
+/// A turn by sequence number; a miss is a broken state, not a bad request.
+pub(crate) fn turn(conv: &Conversation, seq: u64) -> Result<&Turn, ApiError> {
+    usize::try_from(seq)
+        .ok()
+        .and_then(|i| conv.turns.get(i))
+        .ok_or_else(|| {
+            ApiError::Internal(format!(
+                "state of {:?} refers to turn {seq} but holds {} turns",
+                conv.key,
+                conv.turns.len()
+            ))
+        })
+}
+
+/// A summary by index into [`Conversation::summaries`].
+pub(crate) fn summary_at(conv: &Conversation, index: u32) -> Result<&Summary, ApiError> {
+    conv.summaries.get(index as usize).ok_or_else(|| {
+        ApiError::Internal(format!(
+            "state of {:?} refers to summary #{index} but holds {} summaries",
+            conv.key,
+            conv.summaries.len()
+        ))
+    })
+}
+
+/// Answers one request from a state, as JSON bytes or a structured error.
+pub fn answer(
+    op: Op,
+    body: &[u8],
+    state: &State,
+    policy: &PolicyConfig,
+) -> Result<Vec<u8>, ApiError> {
+    // A handler bug must come back as an `internal` reply, not take the
+    // serving task down or leave the caller waiting.
+    let run = AssertUnwindSafe(|| -> Result<Vec<u8>, ApiError> {
+        Ok(match op {
+            Op::Assemble => encode(&assemble::assemble(
+                state,
+                policy,
+                &parse_request(op, body)?,
+            )?),
+            Op::Status => encode(&status::status(state, policy, &parse_request(op, body)?)?),
+            Op::Grep => encode(&grep::grep(state, &parse_request(op, body)?)?),
+            Op::Describe => encode(&describe::describe(state, &parse_request(op, body)?)?),
+            Op::Expand => encode(&expand::expand(state, &parse_request(op, body)?)?),
+            Op::Compact => encode(&compact::compact(state, policy, &parse_request(op, body)?)?),
+            Op::History => encode(&history::history(state, &parse_request(op, body)?)?),
+        })
+    });
+    match std::panic::catch_unwind(run) {
+        Ok(result) => result,
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            tracing::error!(op = %op, panic = %what, "API handler panicked");
+            Err(ApiError::Internal(format!(
+                "the {op} handler failed ({what}); this is a bug: please report it with the request"
+            )))
+        }
+    }
+}
+
+fn parse_op(op: &str) -> Result<Op, ApiError> {
+    Op::parse(op).ok_or_else(|| {
+        let known: Vec<&str> = Op::ALL.iter().map(|o| o.as_str()).collect();
+        ApiError::bad(format!(
+            "unknown operation {op:?}; known: {}",
+            known.join(", ")
+        ))
+    })
+}
+
+/// The single JSON dispatch: operation name and request body in, response
+/// or error reply out.
+pub fn handle(op: &str, body: &[u8], state: &State, policy: &PolicyConfig) -> Vec<u8> {
+    match parse_op(op).and_then(|op| answer(op, body, state, policy)) {
+        Ok(bytes) => bytes,
+        Err(e) => e.to_json(),
+    }
+}
+
+/// Access to the state a process holds, for a transport serving the API.
+pub trait StateView: Send + Sync + 'static {
+    /// Runs `f` over the state that holds `conversation` (or, for `None`,
+    /// the state to report globally on). `f` gets `None` when this process
+    /// does not own that conversation's partition.
+    fn with_state<R>(
+        &self,
+        conversation: Option<&str>,
+        f: impl FnOnce(Option<(&State, &PolicyConfig)>) -> R,
+    ) -> R;
+}
+
+/// A view over one state that owns every conversation (one process, or a
+/// test).
+#[derive(Debug, Default)]
+pub struct LocalState {
+    pub state: RwLock<State>,
+    pub policy: PolicyConfig,
+}
+
+impl LocalState {
+    pub fn new(state: State, policy: PolicyConfig) -> Self {
+        LocalState {
+            state: RwLock::new(state),
+            policy,
+        }
+    }
+}
+
+impl StateView for LocalState {
+    fn with_state<R>(
+        &self,
+        _conversation: Option<&str>,
+        f: impl FnOnce(Option<(&State, &PolicyConfig)>) -> R,
+    ) -> R {
+        // A writer that panicked left a state the fold had fully applied
+        // up to its last event; reading it is still sound.
+        let guard = self.state.read().unwrap_or_else(|e| e.into_inner());
+        f(Some((&guard, &self.policy)))
+    }
+}
+
+/// Answers one request through a [`StateView`]: `not_owner` (with
+/// `retry_after_ms`) when this process does not hold the conversation.
+pub fn answer_view<V: StateView + ?Sized>(
+    op: &str,
+    body: &[u8],
+    view: &V,
+    retry_after_ms: u64,
+) -> Result<Vec<u8>, ApiError> {
+    let op = parse_op(op)?;
+    #[derive(Deserialize)]
+    struct Routing {
+        #[serde(default)]
+        conversation: Option<String>,
+    }
+    // Only the routing key here; the handler reads (and checks) the rest.
+    let routing: Routing = parse_request(op, body)?;
+    let key = routing.conversation;
+    view.with_state(key.as_deref(), |held| match held {
+        Some((state, policy)) => answer(op, body, state, policy),
+        None => Err(ApiError::NotOwner {
+            conversation: key.clone().unwrap_or_default(),
+            retry_after_ms,
+        }),
+    })
+}
+
+/// [`answer_view`] as JSON bytes either way.
+pub fn handle_view<V: StateView + ?Sized>(
+    op: &str,
+    body: &[u8],
+    view: &V,
+    retry_after_ms: u64,
+) -> Vec<u8> {
+    match answer_view(op, body, view, retry_after_ms) {
+        Ok(bytes) => bytes,
+        Err(e) => e.to_json(),
+    }
+}
+
+/// Cuts `text` to at most `max` characters, marking the cut.
+pub(crate) fn clip(text: &str, max: usize) -> String {
+    match text.char_indices().nth(max) {
+        None => text.to_string(),
+        Some((cut, _)) => format!("{}…", &text[..cut]),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_op_round_trips_its_name() {
+        for op in Op::ALL {
+            assert_eq!(Op::parse(op.as_str()), Some(op));
+            assert_eq!(
+                serde_json::to_value(op).unwrap(),
+                serde_json::json!(op.as_str())
+            );
+        }
+        assert_eq!(Op::parse("Assemble"), None);
+    }
+
+    #[test]
+    fn error_reply_shape() {
+        let e = ApiError::NotOwner {
+            conversation: "a:b".into(),
+            retry_after_ms: 250,
+        };
+        let v: serde_json::Value = serde_json::from_slice(&e.to_json()).unwrap();
+        assert_eq!(v["error"]["code"], "not_owner");
+        assert_eq!(v["error"]["retry_after_ms"], 250);
+        assert_eq!(v["error"]["conversation"], "a:b");
+        assert!(v["error"]["message"].as_str().unwrap().contains("250 ms"));
+        let back = decode_reply::<serde_json::Value>(&e.to_json()).unwrap_err();
+        assert_eq!(back, ReplyError::Api(e.body()));
+        let bad = ApiError::BadRequest("x".into()).to_json();
+        let v: serde_json::Value = serde_json::from_slice(&bad).unwrap();
+        assert!(v["error"].get("retry_after_ms").is_none());
+    }
+
+    #[test]
+    fn clip_counts_characters_not_bytes() {
+        assert_eq!(clip("héllo", 2), "hé…");
+        assert_eq!(clip("héllo", 5), "héllo");
+    }
+}

@@ -1,0 +1,789 @@
+//! `status`: the numbers an operator watches. Globally: conversations,
+//! turns, tokens, summaries, pending jobs, debts, rejections. Per
+//! conversation: turns and tokens (raw, in context, the frontier not yet
+//! summarized, the fresh tail), compression ratio, summaries by depth, the
+//! debt and its age, the pending job, the spend window and a health verdict
+//! with its reasons. "Now" is the conversation's newest event time: the API
+//! reads no clock.
+
+use crate::api::{conversation, summary_at, turn, ApiError};
+use crate::core::event::DebtReason;
+use crate::core::policy::{self, PolicyConfig};
+use crate::core::state::{ContextItem, Conversation, State};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StatusRequest {
+    /// One conversation; omitted: the whole state this process holds.
+    #[serde(default)]
+    pub conversation: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "scope", rename_all = "snake_case")]
+pub enum StatusResponse {
+    Global(GlobalStatus),
+    Conversation(Box<ConversationStatus>),
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GlobalStatus {
+    pub conversations: usize,
+    pub turns: u64,
+    pub raw_tokens: u64,
+    pub context_tokens: u64,
+    pub summaries: u64,
+    pub summaries_by_depth: BTreeMap<u32, u64>,
+    pub fallback_summaries_in_context: u64,
+    pub pending_jobs: u64,
+    pub debts: u64,
+    pub urgent_debts: u64,
+    /// Rejected events, attributed or not.
+    pub rejections: u64,
+    /// Bytes that named no readable conversation.
+    pub unattributed_rejections: u64,
+    pub stale_summaries: u64,
+    pub duplicates_dropped: u64,
+    /// Newest event time over all conversations (ms).
+    pub newest_event_time: u64,
+    pub degraded_conversations: u64,
+    /// Up to [`MAX_LISTED_DEGRADED`] degraded conversation keys.
+    pub degraded: Vec<String>,
+    pub health: Health,
+}
+
+/// How many degraded conversations the global status names.
+pub const MAX_LISTED_DEGRADED: usize = 20;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ConversationStatus {
+    pub conversation: String,
+    pub model: Option<String>,
+    pub context_window: Option<u64>,
+    pub encoding: String,
+    pub epoch: u32,
+    /// Newest event time (ms): the "now" ages are measured against.
+    pub last_event_time: u64,
+    pub turns: TurnCounts,
+    pub tokens: TokenCounts,
+    pub compression: Compression,
+    pub summaries: SummaryCounts,
+    pub debt: Option<DebtStatus>,
+    pub pending_job: Option<JobStatus>,
+    pub spend_window: SpendStatus,
+    pub rolling_state: RollingStatus,
+    pub rejections: u64,
+    pub health: Health,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TurnCounts {
+    pub total: u64,
+    /// Raw in context now.
+    pub in_context: u64,
+    /// Under a summary that is in context.
+    pub summarized: u64,
+    /// Kept out of context when folded (duplicates, late tool results).
+    pub excluded: u64,
+    /// From before the last reset.
+    pub earlier_epochs: u64,
+    pub large_payloads: u64,
+    pub duplicates_dropped: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenCounts {
+    /// Every turn ever folded, verbatim.
+    pub raw: u64,
+    /// What the context costs now (summaries + raw turns).
+    pub context: u64,
+    pub budget: u64,
+    pub threshold: u64,
+    pub target: u64,
+    /// Raw turns in context, not yet summarized (fresh tail included).
+    pub frontier: u64,
+    /// The fresh tail, never compacted.
+    pub fresh_tail: u64,
+    /// The frontier outside the fresh tail: what the next leaf pass takes.
+    pub compactable: u64,
+    /// Summaries in context.
+    pub summarized_prefix: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Compression {
+    /// `summarized_turn_tokens / summary_tokens`; 1.0 with no summary.
+    pub ratio: f64,
+    /// Context tokens of the raw turns under the summaries in context.
+    pub summarized_turn_tokens: u64,
+    /// Tokens of the summaries in context.
+    pub summary_tokens: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DepthCount {
+    pub total: u64,
+    pub in_context: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SummaryCounts {
+    pub total: u64,
+    pub in_context: u64,
+    pub by_depth: BTreeMap<u32, DepthCount>,
+    pub fallback: u64,
+    pub fallback_in_context: u64,
+    /// Summaries the fold rejected as stale or invalid.
+    pub rejected: u64,
+}
+
+/// What an unpaid debt is waiting on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DebtWait {
+    /// A job is working on it.
+    Job,
+    /// A round made no progress; routine jobs wait until `backoff_until`.
+    SpendBackoff,
+    /// The window's calls or tokens are used up.
+    SpendWindow,
+    /// Nothing blocks it: the fold issues a job at the next event.
+    NextEvent,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DebtStatus {
+    pub reason: DebtReason,
+    pub urgent: bool,
+    pub context_tokens: u64,
+    pub threshold_tokens: u64,
+    pub target_tokens: u64,
+    pub since: u64,
+    /// `last_event_time - since`.
+    pub age_ms: u64,
+    pub waiting_on: DebtWait,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instructions: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobStatus {
+    pub job_id: String,
+    pub reason: DebtReason,
+    pub urgent: bool,
+    pub compact: bool,
+    pub refresh_rolling_state: bool,
+    pub issued_at: u64,
+    pub age_ms: u64,
+    pub deadline_ms: u64,
+    /// Older than its deadline by event time.
+    pub overdue: bool,
+    /// Summaries of this job committed so far.
+    pub committed: u32,
+    pub target_tokens: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SpendStatus {
+    pub window_start: u64,
+    pub window_ms: u64,
+    /// The window has ended: the next sweep starts a new one.
+    pub expired: bool,
+    /// Spent in the current window (0 once it expired).
+    pub calls: u32,
+    pub tokens: u64,
+    pub cost_micros: u64,
+    pub max_calls: u32,
+    pub calls_left: u32,
+    pub max_tokens: Option<u64>,
+    pub tokens_left: Option<u64>,
+    pub max_cost_micros: Option<u64>,
+    pub backoff_until: u64,
+    pub in_backoff: bool,
+    /// A routine (non-urgent) job may be issued now.
+    pub routine_allowed: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RollingStatus {
+    pub present: bool,
+    pub through_turn: Option<u64>,
+    pub due: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HealthStatus {
+    Ok,
+    Degraded,
+}
+
+/// Why a conversation (or the whole state) is degraded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HealthCode {
+    /// Deterministic fallback summaries in context await a model.
+    FallbackSummaries,
+    /// The fresh tail alone exceeds the budget: assembly sends it over budget.
+    OverBudget,
+    /// Context above the budget: assembly leaves the oldest items out.
+    ContextOverBudget,
+    /// Events of this conversation were rejected (see `history`).
+    Rejections,
+    /// An urgent debt older than `compact_until_under_deadline_ms`.
+    StalledDebt,
+    /// A job older than its deadline with no `sweep_ended`.
+    OverdueJob,
+    /// Degraded conversations (global status only).
+    DegradedConversations,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HealthReason {
+    pub code: HealthCode,
+    pub message: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Health {
+    pub status: HealthStatus,
+    pub reasons: Vec<HealthReason>,
+}
+
+impl Health {
+    fn from_reasons(reasons: Vec<HealthReason>) -> Health {
+        Health {
+            status: if reasons.is_empty() {
+                HealthStatus::Ok
+            } else {
+                HealthStatus::Degraded
+            },
+            reasons,
+        }
+    }
+}
+
+pub fn status(
+    state: &State,
+    policy: &PolicyConfig,
+    req: &StatusRequest,
+) -> Result<StatusResponse, ApiError> {
+    match &req.conversation {
+        Some(key) => {
+            let conv = conversation(state, key)?;
+            Ok(StatusResponse::Conversation(Box::new(conversation_status(
+                conv, policy,
+            )?)))
+        }
+        None => Ok(StatusResponse::Global(global_status(state, policy)?)),
+    }
+}
+
+pub fn global_status(state: &State, policy: &PolicyConfig) -> Result<GlobalStatus, ApiError> {
+    let mut g = GlobalStatus {
+        conversations: state.conversations.len(),
+        turns: 0,
+        raw_tokens: 0,
+        context_tokens: 0,
+        summaries: 0,
+        summaries_by_depth: BTreeMap::new(),
+        fallback_summaries_in_context: 0,
+        pending_jobs: 0,
+        debts: 0,
+        urgent_debts: 0,
+        rejections: state.unattributed_rejections,
+        unattributed_rejections: state.unattributed_rejections,
+        stale_summaries: 0,
+        duplicates_dropped: 0,
+        newest_event_time: 0,
+        degraded_conversations: 0,
+        degraded: Vec::new(),
+        health: Health::from_reasons(Vec::new()),
+    };
+    for conv in state.conversations.values() {
+        let s = conversation_status(conv, policy)?;
+        g.turns += s.turns.total;
+        g.raw_tokens += s.tokens.raw;
+        g.context_tokens += s.tokens.context;
+        g.summaries += s.summaries.total;
+        for (depth, n) in &s.summaries.by_depth {
+            *g.summaries_by_depth.entry(*depth).or_insert(0) += n.total;
+        }
+        g.fallback_summaries_in_context += s.summaries.fallback_in_context;
+        g.pending_jobs += u64::from(s.pending_job.is_some());
+        g.debts += u64::from(s.debt.is_some());
+        g.urgent_debts += u64::from(s.debt.as_ref().is_some_and(|d| d.urgent));
+        g.rejections += s.rejections;
+        g.stale_summaries += s.summaries.rejected;
+        g.duplicates_dropped += s.turns.duplicates_dropped;
+        g.newest_event_time = g.newest_event_time.max(s.last_event_time);
+        if s.health.status == HealthStatus::Degraded {
+            g.degraded_conversations += 1;
+            if g.degraded.len() < MAX_LISTED_DEGRADED {
+                g.degraded.push(s.conversation);
+            }
+        }
+    }
+    let mut reasons = Vec::new();
+    if g.degraded_conversations > 0 {
+        reasons.push(HealthReason {
+            code: HealthCode::DegradedConversations,
+            message: format!(
+                "{} of {} conversations are degraded (ask `status` for one to see why)",
+                g.degraded_conversations, g.conversations
+            ),
+        });
+    }
+    if state.unattributed_rejections > 0 {
+        reasons.push(HealthReason {
+            code: HealthCode::Rejections,
+            message: format!(
+                "{} events were rejected before they could be attributed to a conversation",
+                state.unattributed_rejections
+            ),
+        });
+    }
+    g.health = Health::from_reasons(reasons);
+    Ok(g)
+}
+
+pub fn conversation_status(
+    conv: &Conversation,
+    policy: &PolicyConfig,
+) -> Result<ConversationStatus, ApiError> {
+    let now = conv.last_time;
+    let levels = policy::levels(conv, policy);
+
+    // Turns and the raw part of the context.
+    let mut turns = TurnCounts {
+        total: conv.turns.len() as u64,
+        in_context: 0,
+        summarized: 0,
+        excluded: 0,
+        earlier_epochs: 0,
+        large_payloads: 0,
+        duplicates_dropped: conv.duplicates_dropped,
+    };
+    let mut eligible = 0u64;
+    for t in &conv.turns {
+        turns.large_payloads += u64::from(t.large_payload);
+        if t.epoch != conv.epoch {
+            turns.earlier_epochs += 1;
+        } else if t.in_context {
+            eligible += 1;
+        } else {
+            turns.excluded += 1;
+        }
+    }
+    let tail = policy::fresh_tail_start(conv, policy);
+    let (mut frontier, mut fresh_tail) = (0u64, 0u64);
+    let mut summarized_turn_tokens = 0u64;
+    let mut summary_tokens = 0u64;
+    let mut by_depth: BTreeMap<u32, DepthCount> = BTreeMap::new();
+    let mut fallback_in_context = 0u64;
+    for s in &conv.summaries {
+        by_depth
+            .entry(s.depth)
+            .or_insert(DepthCount {
+                total: 0,
+                in_context: 0,
+            })
+            .total += 1;
+    }
+    for (i, item) in conv.context.iter().enumerate() {
+        match *item {
+            ContextItem::Turn(seq) => {
+                let t = turn(conv, seq)?;
+                turns.in_context += 1;
+                frontier += t.context_tokens;
+                if i >= tail {
+                    fresh_tail += t.context_tokens;
+                }
+            }
+            ContextItem::Summary(k) => {
+                let s = summary_at(conv, k)?;
+                summary_tokens += s.tokens;
+                fallback_in_context += u64::from(s.fallback);
+                if let Some(d) = by_depth.get_mut(&s.depth) {
+                    d.in_context += 1;
+                }
+                // Each raw turn counted once, however deep the DAG above it.
+                for seq in s.first_turn..=s.last_turn {
+                    let t = turn(conv, seq)?;
+                    if t.in_context {
+                        summarized_turn_tokens += t.context_tokens;
+                    }
+                }
+            }
+        }
+    }
+    turns.summarized = eligible.saturating_sub(turns.in_context);
+    let tokens = TokenCounts {
+        raw: conv.raw_tokens(),
+        context: conv.context_tokens,
+        budget: levels.budget,
+        threshold: levels.threshold_tokens,
+        target: levels.target_tokens,
+        frontier,
+        fresh_tail,
+        compactable: frontier - fresh_tail,
+        summarized_prefix: summary_tokens,
+    };
+    let compression = Compression {
+        ratio: if summary_tokens == 0 {
+            1.0
+        } else {
+            summarized_turn_tokens as f64 / summary_tokens as f64
+        },
+        summarized_turn_tokens,
+        summary_tokens,
+    };
+    let summaries = SummaryCounts {
+        total: conv.summaries.len() as u64,
+        in_context: by_depth.values().map(|d| d.in_context).sum(),
+        by_depth,
+        fallback: conv.summaries.iter().filter(|s| s.fallback).count() as u64,
+        fallback_in_context,
+        rejected: conv.stale_summaries,
+    };
+    let spend = spend_status(conv, policy);
+    let pending_job = conv.pending_job.as_ref().map(|p| {
+        let age_ms = now.saturating_sub(p.job.issued_at);
+        JobStatus {
+            job_id: p.job.job_id.clone(),
+            reason: p.job.reason,
+            urgent: p.job.urgent,
+            compact: p.job.compact,
+            refresh_rolling_state: p.job.refresh_rolling_state,
+            issued_at: p.job.issued_at,
+            age_ms,
+            deadline_ms: p.job.deadline_ms,
+            overdue: age_ms > p.job.deadline_ms,
+            committed: p.committed,
+            target_tokens: p.job.target_tokens,
+        }
+    });
+    let debt = conv.debt.as_ref().map(|d| DebtStatus {
+        reason: d.reason,
+        urgent: d.urgent,
+        context_tokens: d.context_tokens,
+        threshold_tokens: d.threshold_tokens,
+        target_tokens: d.target_tokens,
+        since: d.since,
+        age_ms: now.saturating_sub(d.since),
+        waiting_on: if pending_job.is_some() {
+            DebtWait::Job
+        } else if d.urgent || spend.routine_allowed {
+            DebtWait::NextEvent
+        } else if spend.in_backoff {
+            DebtWait::SpendBackoff
+        } else {
+            DebtWait::SpendWindow
+        },
+        instructions: d.instructions.clone(),
+    });
+
+    let mut reasons = Vec::new();
+    if fallback_in_context > 0 {
+        reasons.push(HealthReason {
+            code: HealthCode::FallbackSummaries,
+            message: format!(
+                "{fallback_in_context} deterministic fallback summaries in context await re-summarization by a model"
+            ),
+        });
+    }
+    if fresh_tail > levels.budget {
+        reasons.push(HealthReason {
+            code: HealthCode::OverBudget,
+            message: format!(
+                "the fresh tail alone is {fresh_tail} tokens, over the budget of {}: assembly sends it whole, over budget",
+                levels.budget
+            ),
+        });
+    } else if conv.context_tokens > levels.budget {
+        reasons.push(HealthReason {
+            code: HealthCode::ContextOverBudget,
+            message: format!(
+                "context is {} tokens, over the budget of {}: assembly leaves the oldest items out",
+                conv.context_tokens, levels.budget
+            ),
+        });
+    }
+    if conv.rejections > 0 {
+        reasons.push(HealthReason {
+            code: HealthCode::Rejections,
+            message: format!(
+                "{} events of this conversation were rejected (see `history`)",
+                conv.rejections
+            ),
+        });
+    }
+    if let Some(d) = &debt {
+        if d.urgent && d.age_ms > policy.compact_until_under_deadline_ms {
+            reasons.push(HealthReason {
+                code: HealthCode::StalledDebt,
+                message: format!(
+                    "urgent {:?} debt unpaid for {} ms (recovery deadline {} ms)",
+                    d.reason, d.age_ms, policy.compact_until_under_deadline_ms
+                ),
+            });
+        }
+    }
+    if let Some(j) = &pending_job {
+        if j.overdue {
+            reasons.push(HealthReason {
+                code: HealthCode::OverdueJob,
+                message: format!(
+                    "job {} issued {} ms ago, past its {} ms deadline, has not ended",
+                    j.job_id, j.age_ms, j.deadline_ms
+                ),
+            });
+        }
+    }
+
+    Ok(ConversationStatus {
+        conversation: conv.key.clone(),
+        model: conv.model.clone(),
+        context_window: conv.context_window,
+        encoding: conv.encoding.name().to_string(),
+        epoch: conv.epoch,
+        last_event_time: now,
+        turns,
+        tokens,
+        compression,
+        summaries,
+        debt,
+        pending_job,
+        spend_window: spend,
+        rolling_state: RollingStatus {
+            present: conv.rolling.is_some(),
+            through_turn: conv.rolling_through,
+            due: conv.rolling_due,
+        },
+        rejections: conv.rejections,
+        health: Health::from_reasons(reasons),
+    })
+}
+
+/// The spend window as the fold sees it at the conversation's newest event.
+fn spend_status(conv: &Conversation, policy: &PolicyConfig) -> SpendStatus {
+    let now = conv.last_time;
+    let s = &conv.spend;
+    let window_ms = policy.summary_call_window_ms;
+    let expired = now >= s.window_start.saturating_add(window_ms);
+    let (calls, tokens, cost_micros) = if expired {
+        (0, 0, 0)
+    } else {
+        (s.calls, s.tokens, s.cost_micros)
+    };
+    let max_calls = policy.summary_max_calls_per_window;
+    let calls_left = max_calls.saturating_sub(calls);
+    let tokens_left = policy
+        .summary_max_tokens_per_window
+        .map(|m| m.saturating_sub(tokens));
+    let in_backoff = now < s.backoff_until;
+    SpendStatus {
+        window_start: s.window_start,
+        window_ms,
+        expired,
+        calls,
+        tokens,
+        cost_micros,
+        max_calls,
+        calls_left,
+        max_tokens: policy.summary_max_tokens_per_window,
+        tokens_left,
+        max_cost_micros: policy.summary_max_cost_micros_per_window,
+        backoff_until: s.backoff_until,
+        in_backoff,
+        routine_allowed: calls_left > 0 && tokens_left != Some(0) && !in_backoff,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::testing::{self, CONV};
+    use crate::core::event::Debt;
+    use crate::core::state::PendingJob;
+
+    fn conv_status(state: &State, policy: &PolicyConfig) -> ConversationStatus {
+        match status(
+            state,
+            policy,
+            &StatusRequest {
+                conversation: Some(CONV.into()),
+            },
+        )
+        .unwrap()
+        {
+            StatusResponse::Conversation(s) => *s,
+            other => panic!("expected a conversation status, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn per_conversation_numbers_add_up() {
+        let (state, policy) = testing::folded();
+        let conv = testing::conv(state);
+        let s = conv_status(state, policy);
+        assert_eq!(s.turns.total, conv.turns.len() as u64);
+        assert_eq!(
+            s.turns.in_context + s.turns.summarized + s.turns.excluded + s.turns.earlier_epochs,
+            s.turns.total
+        );
+        assert!(s.turns.summarized > 0 && s.turns.in_context > 0);
+        // Context = summaries + frontier.
+        assert_eq!(
+            s.tokens.context,
+            s.tokens.summarized_prefix + s.tokens.frontier
+        );
+        assert!(s.tokens.fresh_tail > 0 && s.tokens.fresh_tail <= s.tokens.frontier);
+        assert_eq!(
+            s.tokens.compactable,
+            s.tokens.frontier - s.tokens.fresh_tail
+        );
+        assert_eq!(s.tokens.raw, conv.raw_tokens());
+        // Every summarized turn's tokens are under some summary in context.
+        assert!(s.compression.ratio > 1.0, "{:?}", s.compression);
+        assert_eq!(
+            s.compression.ratio,
+            s.compression.summarized_turn_tokens as f64 / s.compression.summary_tokens as f64
+        );
+        assert_eq!(s.summaries.total, conv.summaries.len() as u64);
+        assert_eq!(
+            s.summaries.by_depth.values().map(|d| d.total).sum::<u64>(),
+            s.summaries.total
+        );
+        assert!(s.summaries.by_depth.keys().any(|d| *d >= 1));
+        assert_eq!(s.model.as_deref(), Some("gpt-4o"));
+        assert_eq!(s.last_event_time, conv.last_time);
+    }
+
+    #[test]
+    fn fallback_summaries_make_the_conversation_degraded() {
+        let (state, policy) = testing::folded();
+        let s = conv_status(state, policy);
+        // The deterministic summarizer writes only fallback summaries.
+        assert!(s.summaries.fallback_in_context > 0);
+        assert_eq!(s.health.status, HealthStatus::Degraded);
+        assert!(s
+            .health
+            .reasons
+            .iter()
+            .any(|r| r.code == HealthCode::FallbackSummaries));
+    }
+
+    #[test]
+    fn debt_age_and_pending_job_use_event_time() {
+        let (state, policy) = testing::folded();
+        let mut state = state.clone();
+        let conv = state.conversations.get_mut(CONV).unwrap();
+        conv.debt = Some(Debt {
+            reason: DebtReason::Overflow,
+            context_tokens: 5000,
+            threshold_tokens: 4500,
+            target_tokens: 3000,
+            urgent: true,
+            since: conv.last_time - policy.compact_until_under_deadline_ms - 1,
+            instructions: None,
+        });
+        conv.pending_job = Some(PendingJob {
+            job: crate::core::event::JobIssued {
+                job_id: "job_x".into(),
+                reason: DebtReason::Overflow,
+                urgent: true,
+                context_tokens: 5000,
+                target_tokens: 3000,
+                deadline_ms: 1000,
+                issued_at: conv.last_time - 5000,
+                instructions: None,
+                compact: true,
+                refresh_rolling_state: false,
+                max_calls: None,
+                max_tokens: None,
+            },
+            committed: 2,
+        });
+        let s = conv_status(&state, policy);
+        let d = s.debt.unwrap();
+        assert_eq!(d.age_ms, policy.compact_until_under_deadline_ms + 1);
+        assert_eq!(d.waiting_on, DebtWait::Job);
+        let j = s.pending_job.unwrap();
+        assert_eq!((j.age_ms, j.overdue, j.committed), (5000, true, 2));
+        let codes: Vec<HealthCode> = s.health.reasons.iter().map(|r| r.code).collect();
+        assert!(codes.contains(&HealthCode::StalledDebt), "{codes:?}");
+        assert!(codes.contains(&HealthCode::OverdueJob), "{codes:?}");
+    }
+
+    #[test]
+    fn spend_backoff_holds_a_routine_debt() {
+        let (state, policy) = testing::folded();
+        let mut state = state.clone();
+        let conv = state.conversations.get_mut(CONV).unwrap();
+        conv.pending_job = None;
+        conv.spend.backoff_until = conv.last_time + 10;
+        conv.debt = Some(Debt {
+            reason: DebtReason::Threshold,
+            context_tokens: 5000,
+            threshold_tokens: 4500,
+            target_tokens: 3000,
+            urgent: false,
+            since: conv.last_time,
+            instructions: None,
+        });
+        let s = conv_status(&state, policy);
+        assert!(s.spend_window.in_backoff && !s.spend_window.routine_allowed);
+        assert_eq!(s.debt.unwrap().waiting_on, DebtWait::SpendBackoff);
+    }
+
+    #[test]
+    fn over_budget_and_rejections_are_reported() {
+        let (state, policy) = testing::folded();
+        let tight = PolicyConfig {
+            max_assembly_token_budget: Some(100),
+            ..policy.clone()
+        };
+        let mut state = state.clone();
+        state.conversations.get_mut(CONV).unwrap().rejections = 3;
+        let s = conv_status(&state, &tight);
+        let codes: Vec<HealthCode> = s.health.reasons.iter().map(|r| r.code).collect();
+        assert!(codes.contains(&HealthCode::OverBudget), "{codes:?}");
+        assert!(codes.contains(&HealthCode::Rejections), "{codes:?}");
+        assert_eq!(s.tokens.budget, 100);
+    }
+
+    #[test]
+    fn global_sums_conversations() {
+        let (state, policy) = testing::folded();
+        let mut state = state.clone();
+        let mut other = testing::conv(&state).clone();
+        other.key = "other".into();
+        state.conversations.insert("other".into(), other);
+        state.unattributed_rejections = 2;
+        let StatusResponse::Global(g) = status(&state, policy, &StatusRequest::default()).unwrap()
+        else {
+            panic!("expected global status");
+        };
+        let one = conversation_status(testing::conv(&state), policy).unwrap();
+        assert_eq!(g.conversations, 2);
+        assert_eq!(g.turns, 2 * one.turns.total);
+        assert_eq!(g.context_tokens, 2 * one.tokens.context);
+        assert_eq!(g.summaries, 2 * one.summaries.total);
+        assert_eq!(g.rejections, 2 * one.rejections + 2);
+        assert_eq!(g.degraded_conversations, 2);
+        assert_eq!(g.degraded.len(), 2);
+        assert_eq!(g.health.status, HealthStatus::Degraded);
+        let json = serde_json::to_value(&g).unwrap();
+        assert!(json["summaries_by_depth"]["0"].is_u64(), "{json}");
+    }
+
+    #[test]
+    fn empty_state_is_healthy() {
+        let s = global_status(&State::default(), &PolicyConfig::default()).unwrap();
+        assert_eq!(s.conversations, 0);
+        assert_eq!(s.health.status, HealthStatus::Ok);
+    }
+}
