@@ -756,8 +756,8 @@ impl FoldContext<'_> {
         // An urgent round that found nothing to compact ends its debt; one
         // that failed (auth, deadline, rate limit) keeps it for the next
         // inbound event.
-        let nothing_to_do = matches!(s.stop, SweepStop::Done | SweepStop::NoProgress)
-            && s.retry_after_ms.is_none();
+        let nothing_to_do =
+            matches!(s.stop, SweepStop::Done | SweepStop::NoProgress) && s.retry_after_ms.is_none();
         if committed == 0
             && urgent
             && nothing_to_do
