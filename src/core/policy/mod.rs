@@ -124,6 +124,21 @@ pub trait PlanView {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
+    /// Most tokens the fresh tail may hold (see [`fresh_tail_start`]).
+    fn fresh_tail_cap(&self, cfg: &PolicyConfig) -> Option<u64> {
+        cfg.fresh_tail_max_tokens
+    }
+}
+
+/// Most tokens a conversation's fresh tail may hold: `fresh_tail_max_tokens`
+/// when set, else the compaction target, and never more than the budget.
+/// A tail larger than the target could never be compacted under it, and one
+/// larger than the budget would overflow every assembled context.
+pub fn fresh_tail_cap(conv: &Conversation, cfg: &PolicyConfig) -> u64 {
+    let levels = levels(conv, cfg);
+    cfg.fresh_tail_max_tokens
+        .unwrap_or(levels.target_tokens)
+        .min(levels.budget)
 }
 
 impl PlanView for [PlanItem] {
@@ -147,6 +162,9 @@ impl PlanView for Vec<PlanItem> {
 impl PlanView for Conversation {
     fn len(&self) -> usize {
         self.context.len()
+    }
+    fn fresh_tail_cap(&self, cfg: &PolicyConfig) -> Option<u64> {
+        Some(fresh_tail_cap(self, cfg))
     }
     fn item(&self, i: usize) -> PlanItem {
         match self.context[i] {
@@ -198,10 +216,13 @@ pub fn raw_start<V: PlanView + ?Sized>(items: &V) -> usize {
 }
 
 /// Where the fresh tail starts: the newest `fresh_tail_count` raw turns,
-/// capped by `fresh_tail_max_tokens`, always back to the newest user turn,
-/// and never inside a tool group.
+/// back to the newest user turn, within the view's token cap (at least one
+/// turn), and never inside a tool group.
 pub fn fresh_tail_start<V: PlanView + ?Sized>(items: &V, cfg: &PolicyConfig) -> usize {
     let len = items.len();
+    let cap = items.fresh_tail_cap(cfg);
+    let over_cap =
+        |count: usize, tokens: u64, t: u64| count > 0 && cap.is_some_and(|c| tokens + t > c);
     let mut start = len;
     let mut count = 0usize;
     let mut tokens = 0u64;
@@ -214,10 +235,8 @@ pub fn fresh_tail_start<V: PlanView + ?Sized>(items: &V, cfg: &PolicyConfig) -> 
         else {
             break;
         };
-        if let Some(cap) = cfg.fresh_tail_max_tokens {
-            if count > 0 && tokens + t > cap {
-                break;
-            }
+        if over_cap(count, tokens, t) {
+            break;
         }
         if role == Role::User && newest_user.is_none() {
             newest_user = Some(start - 1);
@@ -227,17 +246,24 @@ pub fn fresh_tail_start<V: PlanView + ?Sized>(items: &V, cfg: &PolicyConfig) -> 
         tokens += t;
     }
     if newest_user.is_none() {
-        // Reach further back to the newest user turn, if there is one.
+        // Reach further back to the newest user turn, if there is one and
+        // the cap allows: an agent's long tool loop after one request must
+        // not make the whole loop fresh.
         let mut i = start;
+        let mut reach = tokens;
         while i > 0 {
             match items.item(i - 1) {
+                PlanItem::Turn { tokens: t, .. } if over_cap(count, reach, t) => break,
                 PlanItem::Turn {
                     role: Role::User, ..
                 } => {
                     start = i - 1;
                     break;
                 }
-                PlanItem::Turn { .. } => i -= 1,
+                PlanItem::Turn { tokens: t, .. } => {
+                    reach += t;
+                    i -= 1;
+                }
                 PlanItem::Summary { .. } => break,
             }
         }
@@ -274,7 +300,12 @@ pub fn next_leaf_chunk<V: PlanView + ?Sized>(
     let mut last_ok: Option<(usize, u64)> = None;
     while end < tail {
         let t = items.item(end).tokens();
-        if tokens + t > cfg.leaf_chunk_tokens && last_ok.is_some() {
+        // A run too small to summarize grows past the chunk size rather
+        // than stop: a tool group bigger than a chunk is indivisible, and
+        // stopping before it would leave the whole history uncompactable.
+        if tokens + t > cfg.leaf_chunk_tokens
+            && last_ok.is_some_and(|(_, ok)| ok >= MIN_LEAF_CHUNK_TOKENS)
+        {
             break;
         }
         tokens += t;
@@ -412,6 +443,58 @@ mod tests {
         ];
         let run = next_leaf_chunk(&items, &cfg, true).unwrap();
         assert_eq!((run.start, run.end, run.tokens), (0, 2, 1600));
+    }
+
+    #[test]
+    fn a_small_run_before_an_oversized_group_grows_to_include_it() {
+        // A session whose first request is followed by tool results bigger
+        // than a chunk: stopping at the 159-token request (too small to
+        // summarize) left the whole history uncompactable.
+        let cfg = PolicyConfig {
+            fresh_tail_count: 2,
+            leaf_chunk_tokens: 20_000,
+            ..PolicyConfig::default()
+        };
+        let items = vec![
+            turn(0, Role::User, 159),
+            turn(1, Role::Assistant, 59),
+            turn(2, Role::Tool, 12_652),
+            turn(3, Role::Tool, 12_403),
+            turn(4, Role::Assistant, 51),
+            turn(5, Role::User, 10),
+            turn(6, Role::Assistant, 10),
+        ];
+        let run = next_leaf_chunk(&items, &cfg, false).unwrap();
+        assert_eq!((run.start, run.end, run.tokens), (0, 4, 25_273));
+    }
+
+    #[test]
+    fn the_reach_back_to_the_newest_user_turn_respects_the_cap() {
+        let cfg = PolicyConfig {
+            fresh_tail_count: 2,
+            fresh_tail_max_tokens: Some(100),
+            ..PolicyConfig::default()
+        };
+        // One request, then a long tool loop: without the cap the loop
+        // would all be fresh (and never compacted).
+        let mut items = vec![turn(0, Role::User, 10)];
+        for k in 0..20 {
+            items.push(turn(1 + 2 * k, Role::Assistant, 20));
+            items.push(turn(2 + 2 * k, Role::Tool, 20));
+        }
+        let start = fresh_tail_start(&items, &cfg);
+        let tail: u64 = (start..items.len()).map(|i| items.item(i).tokens()).sum();
+        assert!(tail <= 100, "tail of {tail} tokens");
+        assert!(start > 0 && is_boundary(&items, start));
+        let uncapped = PolicyConfig {
+            fresh_tail_max_tokens: None,
+            ..cfg
+        };
+        assert_eq!(
+            fresh_tail_start(&items, &uncapped),
+            0,
+            "back to the request"
+        );
     }
 
     #[test]
