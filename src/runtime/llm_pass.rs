@@ -207,7 +207,10 @@ impl LlmPass {
         config: &SummarizerConfig,
         api_key: impl Into<String>,
     ) -> Result<Self, SummarizeError> {
-        Self::with_client(LlmSummarizer::with_api_key(config.clone(), api_key)?, config)
+        Self::with_client(
+            LlmSummarizer::with_api_key(config.clone(), api_key)?,
+            config,
+        )
     }
 
     /// The LLM path around an existing client (shared breakers, a clock).
@@ -237,7 +240,11 @@ impl<S: Summarizer> SummarizerPass<S> {
     /// Any summarizer. For spend limits to hold inside a pass, its model
     /// calls must go through a [`Gated`]; `call_log` must be the one its
     /// client reports to for cut-short calls to be counted.
-    pub fn new(summarizer: S, rolling: Option<Arc<LlmSummarizer>>, call_log: Option<CallLog>) -> Self {
+    pub fn new(
+        summarizer: S,
+        rolling: Option<Arc<LlmSummarizer>>,
+        call_log: Option<CallLog>,
+    ) -> Self {
         SummarizerPass {
             summarizer,
             rolling,
@@ -409,7 +416,9 @@ mod tests {
         })
     }
 
-    fn pass(answer: fn() -> Result<SummaryOutcome, SummarizeError>) -> SummarizerPass<Gated<Scripted>> {
+    fn pass(
+        answer: fn() -> Result<SummaryOutcome, SummarizeError>,
+    ) -> SummarizerPass<Gated<Scripted>> {
         let inner = Scripted {
             attempts: AtomicU32::new(0),
             answer,

@@ -136,8 +136,14 @@ where
             || snap.job.max_tokens.is_some_and(|max| spent.tokens >= max)
     };
     let allowance = |spent: &Spend, snap: &SweepSnapshot| Allowance {
-        calls: snap.job.max_calls.map(|max| max.saturating_sub(spent.calls)),
-        tokens: snap.job.max_tokens.map(|max| max.saturating_sub(spent.tokens)),
+        calls: snap
+            .job
+            .max_calls
+            .map(|max| max.saturating_sub(spent.calls)),
+        tokens: snap
+            .job
+            .max_tokens
+            .map(|max| max.saturating_sub(spent.tokens)),
     };
     let deadline_note = || {
         format!(
