@@ -1,6 +1,7 @@
 //! Subcommands. Each reads the configuration, opens what it needs under the
 //! data directory and reports in plain text (or JSON where asked).
 
+mod eval;
 mod local;
 mod report;
 
@@ -81,6 +82,19 @@ pub enum Command {
         #[arg(long, default_value_t = 32_000)]
         budget: u64,
     },
+    /// Quality report: run transcripts through the pipeline in memory and
+    /// measure budget overflows, compression and identifier retention.
+    Eval {
+        /// Token budget of every assembled context.
+        #[arg(long, default_value_t = eval::DEFAULT_BUDGET)]
+        budget: u64,
+        /// Print one JSON object (the last line of output).
+        #[arg(long)]
+        json: bool,
+        /// Transcript files (any format `import` reads).
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+    },
     /// Print the effective configuration as TOML.
     Config,
 }
@@ -108,6 +122,11 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
         } => local::assemble(&config, &conversation, at.as_deref(), budget, json),
         Command::Rebuild => local::rebuild(&config),
         Command::Demo { file, budget } => local::demo(&config, file.as_deref(), budget),
+        Command::Eval {
+            budget,
+            json,
+            files,
+        } => eval::eval(&config, &files, budget, json),
         Command::Config => {
             print!("{}", config.to_toml());
             Ok(ExitCode::SUCCESS)

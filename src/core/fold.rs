@@ -345,7 +345,15 @@ impl FoldContext<'_> {
                 );
             }
         }
-        let large = tokens > self.policy.large_payload_threshold_tokens;
+        // A turn bigger than the compaction target could never be kept in
+        // a context that respects the budget (and may hold the fresh tail
+        // over it): it is a large payload there too, whatever the knob says.
+        let levels = policy::levels(self.conv, self.policy);
+        let large = tokens
+            > self
+                .policy
+                .large_payload_threshold_tokens
+                .min(levels.target_tokens);
         let context_tokens = if large {
             // Shown as a stub: it costs what the stub message costs.
             tokens::count_message(
@@ -383,7 +391,6 @@ impl FoldContext<'_> {
             _ => {}
         }
         let before = self.conv.context_tokens.saturating_sub(context_tokens);
-        let levels = policy::levels(self.conv, self.policy);
         if self.conv.turns_since_rolling >= self.policy.rolling_every_turns
             || self.conv.consecutive_tool_calls >= self.policy.rolling_tool_loop
             || (before <= levels.rolling_tokens && self.conv.context_tokens > levels.rolling_tokens)
@@ -715,6 +722,7 @@ impl FoldContext<'_> {
         let entry = SpendEntry {
             time: spent_at,
             job_id: s.job_id.clone(),
+            conversation: String::new(),
             calls: s.calls,
             tokens: s.tokens_spent,
             cost_micros: s.cost_micros,
@@ -723,7 +731,10 @@ impl FoldContext<'_> {
         self.conv.spend.prune(now, window);
         if has_global_limits(self.policy) {
             self.global.prune(now, window);
-            self.global.record(entry.clone());
+            self.global.record(SpendEntry {
+                conversation: self.conv.key.clone(),
+                ..entry.clone()
+            });
         }
         self.conv.spend.record(entry);
         let committed = pending
@@ -876,11 +887,21 @@ impl FoldContext<'_> {
             .summary_max_cost_micros_per_window
             .map(|max| max.saturating_sub(mine.cost_micros));
         let global = has_global_limits(self.policy);
+        let own_calls_left = calls_left;
         if global {
             self.global.prune(now, window);
             let all = self.global.totals(now, window);
             if let Some(max) = self.policy.summary_max_calls_per_window_global {
-                calls_left = calls_left.min(max.saturating_sub(all.calls));
+                // A fair share of the partition's calls for each conversation
+                // that spends or waits in the window, so the first to ask
+                // cannot hold the whole window while others wait.
+                let mut active = self.global.active_conversations(now, window);
+                active.insert(self.conv.key.as_str());
+                let share = max.div_ceil(active.len().max(1) as u32);
+                let mine = self.global.calls_of(&self.conv.key, now, window);
+                calls_left = calls_left
+                    .min(max.saturating_sub(all.calls))
+                    .min(share.saturating_sub(mine));
             }
             let left = |max: Option<u64>, used: u64| max.map(|m| m.saturating_sub(used));
             tokens_left = min_limit(
@@ -913,8 +934,16 @@ impl FoldContext<'_> {
                 levels.target_tokens,
                 None,
             ),
+            Some(_) if global && own_calls_left > 0 && calls_left == 0 && !in_backoff => {
+                // Refused only for the partition's sake: wait for a share.
+                self.global.wait(&self.conv.key, now);
+                return;
+            }
             _ => return,
         };
+        if global {
+            self.global.stop_waiting(&self.conv.key);
+        }
         let job_id = format!(
             "job_{}_{}",
             &blake3::hash(self.conv.key.as_bytes()).to_hex()[..12],
@@ -944,6 +973,7 @@ impl FoldContext<'_> {
             self.global.record(SpendEntry {
                 time: now,
                 job_id: job_id.clone(),
+                conversation: self.conv.key.clone(),
                 calls: calls_left,
                 tokens: tokens_left.unwrap_or(0),
                 cost_micros: 0,
@@ -997,4 +1027,269 @@ fn normalize(text: &str) -> String {
         out.extend(word.chars().flat_map(char::to_lowercase));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::message::ChatMessage;
+
+    const T0: u64 = 1_700_000_000_000;
+
+    fn policy() -> PolicyConfig {
+        PolicyConfig {
+            default_context_window: 2_000,
+            fresh_tail_count: 2,
+            // Three of the tests' turns a chunk.
+            leaf_chunk_tokens: 600,
+            rolling_every_turns: 1_000_000,
+            rolling_tool_loop: 1_000_000,
+            rolling_threshold: 1.0,
+            summary_max_calls_per_window: 5,
+            summary_max_cost_micros_per_window: Some(1_000),
+            ..PolicyConfig::default()
+        }
+    }
+
+    fn turn(conv: &str, i: u64, time: u64) -> Envelope {
+        let role = if i.is_multiple_of(2) {
+            Role::User
+        } else {
+            Role::Assistant
+        };
+        Envelope::new(
+            format!("{conv}-t{i}"),
+            conv,
+            time,
+            EventBody::TurnAppended(TurnAppended {
+                message: ChatMessage::text(
+                    role,
+                    format!("turn {i}: {}", "words of a turn ".repeat(40)),
+                ),
+                model: None,
+                sender: None,
+                usage: None,
+                metadata: None,
+            }),
+        )
+    }
+
+    fn jobs(decisions: &[Envelope]) -> Vec<JobIssued> {
+        decisions
+            .iter()
+            .filter_map(|d| match &d.body {
+                EventBody::JobIssued(j) => Some(j.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Folds turns until a job is issued; returns it and the next turn index.
+    fn until_job(
+        state: &mut State,
+        p: &PolicyConfig,
+        conv: &str,
+        from: u64,
+        time: u64,
+    ) -> (JobIssued, u64) {
+        for i in from..from + 200 {
+            let out = fold(state, p, &turn(conv, i, time + (i - from) * 1_000));
+            if let Some(j) = jobs(&out.decisions).pop() {
+                return (j, i + 1);
+            }
+        }
+        panic!("no job issued");
+    }
+
+    fn ended(job: &JobIssued, committed: u32, stop: SweepStop) -> SweepEnded {
+        SweepEnded {
+            job_id: job.job_id.clone(),
+            passes: committed.max(1),
+            committed,
+            stop,
+            detail: None,
+            calls: 1,
+            tokens_spent: 100,
+            cost_micros: 10,
+            retry_after_ms: None,
+        }
+    }
+
+    fn event(s: SweepEnded, conv: &str, time: u64) -> Envelope {
+        Envelope::new(
+            format!("se-{}-{time}", s.job_id),
+            conv,
+            time,
+            EventBody::SweepEnded(s),
+        )
+    }
+
+    #[test]
+    fn a_turn_bigger_than_the_target_is_a_large_payload() {
+        let p = policy(); // budget 2000, target 1000
+        let mut state = State::default();
+        let big = Envelope::new(
+            "big",
+            "c",
+            T0,
+            EventBody::TurnAppended(TurnAppended {
+                message: ChatMessage::text(Role::User, "a line of a long log\n".repeat(300)),
+                model: None,
+                sender: None,
+                usage: None,
+                metadata: None,
+            }),
+        );
+        fold(&mut state, &p, &big);
+        let turn = &state.conversations["c"].turns[0];
+        assert!(turn.tokens > 1_000 && turn.tokens < p.large_payload_threshold_tokens);
+        assert!(turn.large_payload, "{} tokens kept whole", turn.tokens);
+        assert_eq!(turn.context_tokens, LARGE_PAYLOAD_STUB_TOKENS);
+        fold(&mut state, &p, &turn_small("c", 1));
+        assert!(!state.conversations["c"].turns[1].large_payload);
+    }
+
+    fn turn_small(conv: &str, i: u64) -> Envelope {
+        turn(conv, i, T0 + i)
+    }
+
+    #[test]
+    fn a_rate_limit_delays_the_next_job_even_after_progress() {
+        let p = policy();
+        let mut state = State::default();
+        let (job, next) = until_job(&mut state, &p, "c", 0, T0);
+        let mut s = ended(&job, 1, SweepStop::SpendLimit);
+        s.retry_after_ms = Some(20_000);
+        let out = fold(&mut state, &p, &event(s, "c", job.issued_at + 10));
+        assert!(jobs(&out.decisions).is_empty());
+        let conv = &state.conversations["c"];
+        assert_eq!(conv.spend.retry_at, job.issued_at + 20_010);
+        assert_eq!(conv.spend.backoff_until, 0, "progress: no backoff");
+        // Turns before the delay get no job, however far over the threshold.
+        for i in next..next + 10 {
+            let out = fold(&mut state, &p, &turn("c", i, job.issued_at + 5_000 + i));
+            assert!(jobs(&out.decisions).is_empty(), "job before Retry-After");
+        }
+        let out = fold(
+            &mut state,
+            &p,
+            &turn("c", next + 10, job.issued_at + 20_011),
+        );
+        assert_eq!(
+            jobs(&out.decisions).len(),
+            1,
+            "the job comes back after the delay"
+        );
+    }
+
+    #[test]
+    fn backoff_only_after_rounds_without_progress() {
+        let p = policy();
+        for (committed, stop, backoff) in [
+            (2, SweepStop::Deadline, false),
+            (1, SweepStop::NoProgress, false),
+            (0, SweepStop::Deadline, true),
+            (0, SweepStop::Failed, true),
+            (0, SweepStop::Done, false),
+        ] {
+            let mut state = State::default();
+            let (job, _) = until_job(&mut state, &p, "c", 0, T0);
+            let e = event(ended(&job, committed, stop), "c", job.issued_at + 10);
+            fold(&mut state, &p, &e);
+            let until = state.conversations["c"].spend.backoff_until;
+            assert_eq!(until > 0, backoff, "{committed} committed, {stop:?}");
+        }
+    }
+
+    #[test]
+    fn a_barren_sweep_is_not_retried_on_its_own_end() {
+        let p = policy();
+        let mut state = State::default();
+        let (job, next) = until_job(&mut state, &p, "c", 0, T0);
+        // Urgent: no backoff, so only the barren-end rule stops a retry loop.
+        let manual = Envelope::new(
+            "m1",
+            "c",
+            job.issued_at + 1,
+            EventBody::CompactionRequested(CompactionRequested::default()),
+        );
+        fold(&mut state, &p, &manual);
+        let mut urgent = job.clone();
+        urgent.urgent = true;
+        if let Some(pending) = &mut state.conversations.get_mut("c").unwrap().pending_job {
+            pending.job.urgent = true;
+        }
+        let e = event(ended(&urgent, 0, SweepStop::Failed), "c", job.issued_at + 2);
+        let out = fold(&mut state, &p, &e);
+        assert!(jobs(&out.decisions).is_empty(), "retried on its own end");
+        let conv = &state.conversations["c"];
+        assert!(
+            conv.debt.as_ref().is_some_and(|d| d.urgent),
+            "a failed urgent round keeps its debt"
+        );
+        let out = fold(&mut state, &p, &turn("c", next, job.issued_at + 3));
+        let again = jobs(&out.decisions);
+        assert_eq!(again.len(), 1, "the next inbound event retries");
+        assert!(again[0].urgent);
+    }
+
+    #[test]
+    fn spend_counts_in_a_sliding_window_of_calls_tokens_and_money() {
+        let p = policy();
+        let mut state = State::default();
+        let (job, mut next) = until_job(&mut state, &p, "c", 0, T0);
+        assert_eq!(job.max_calls, Some(5));
+        // A productive round that spent the whole money allowance.
+        let mut s = ended(&job, 1, SweepStop::Done);
+        s.cost_micros = 1_000;
+        fold(&mut state, &p, &event(s, "c", job.issued_at + 10));
+        let window_end = job.issued_at + p.summary_call_window_ms;
+        let mut t = job.issued_at + 1_000;
+        while t < window_end {
+            let out = fold(&mut state, &p, &turn("c", next, t));
+            assert!(
+                jobs(&out.decisions).is_empty(),
+                "job with no money left at {t}"
+            );
+            next += 1;
+            t += 30_000;
+        }
+        // The window slides past the spending job: compaction may resume.
+        let out = fold(&mut state, &p, &turn("c", next, window_end));
+        assert_eq!(jobs(&out.decisions).len(), 1);
+        assert!(state.conversations["c"].spend.recent.is_empty(), "pruned");
+    }
+
+    #[test]
+    fn the_partition_window_reserves_and_shares_calls() {
+        let p = PolicyConfig {
+            summary_max_calls_per_window_global: Some(4),
+            ..policy()
+        };
+        let mut state = State::default();
+        let (a, _) = until_job(&mut state, &p, "a", 0, T0);
+        assert_eq!(a.max_calls, Some(4), "alone, a may use the whole window");
+        // b asks while a's allowance is reserved: nothing is left for it.
+        for i in 0..200 {
+            let out = fold(&mut state, &p, &turn("b", i, T0 + 100_000 + i * 1_000));
+            assert!(
+                jobs(&out.decisions).is_empty(),
+                "b was granted calls a holds"
+            );
+            if !state.spend.waiting.is_empty() {
+                break;
+            }
+        }
+
+        assert_eq!(state.spend.waiting.len(), 1, "b waits for a share");
+        // a ends having spent 1 call: b gets its fair share, half of 4.
+        fold(
+            &mut state,
+            &p,
+            &event(ended(&a, 1, SweepStop::Done), "a", T0 + 400_000),
+        );
+        let (b, _) = until_job(&mut state, &p, "b", 500, T0 + 401_000);
+        assert_eq!(b.max_calls, Some(2), "{b:?}");
+        assert!(state.spend.waiting.is_empty(), "b no longer waits");
+    }
 }

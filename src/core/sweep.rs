@@ -66,11 +66,17 @@ pub struct SweepSnapshot {
     pub rolling: Option<RollingState>,
     pub rolling_sources: Vec<SourceItem>,
     pub through_turn: u64,
+    /// The conversation's fresh-tail cap when the snapshot was taken.
+    #[serde(default)]
+    pub fresh_tail_cap: Option<u64>,
 }
 
 impl PlanView for SweepSnapshot {
     fn len(&self) -> usize {
         self.items.len()
+    }
+    fn fresh_tail_cap(&self, cfg: &PolicyConfig) -> Option<u64> {
+        self.fresh_tail_cap.or(cfg.fresh_tail_max_tokens)
     }
     fn item(&self, i: usize) -> PlanItem {
         self.items[i].plan.into()
@@ -198,6 +204,7 @@ pub fn snapshot(conv: &Conversation, job: &JobIssued, cfg: &PolicyConfig) -> Swe
         rolling: conv.rolling.clone(),
         rolling_sources,
         through_turn: conv.turns.len().saturating_sub(1) as u64,
+        fresh_tail_cap: Some(policy::fresh_tail_cap(conv, cfg)),
     }
 }
 
