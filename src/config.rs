@@ -4,10 +4,12 @@
 //! Environment overrides name a path with `__` between levels, for the
 //! sections below only: `CONTEXTFOLD_DATA_DIR=/var/lib/cf`,
 //! `CONTEXTFOLD_POLICY__CONTEXT_THRESHOLD=0.8`,
-//! `CONTEXTFOLD_STORE__BACKEND=sled`. A value is read as TOML (numbers,
-//! booleans, `["a","b"]`) and otherwise as a string.
+//! `CONTEXTFOLD_STORE__BACKEND=sled`, `CONTEXTFOLD_NATS__PARTITIONS=32`.
+//! A value is read as TOML (numbers, booleans, `["a","b"]`) and otherwise
+//! as a string.
 
 use crate::core::policy::{PolicyConfig, PolicyError};
+use crate::nats::NatsConfig;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -15,7 +17,7 @@ use std::path::{Path, PathBuf};
 pub const DEFAULT_DATA_DIR: &str = ".contextfold";
 
 /// Top-level sections an environment override may name.
-const SECTIONS: [&str; 3] = ["data_dir", "store", "policy"];
+const SECTIONS: [&str; 4] = ["data_dir", "store", "policy", "nats"];
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -24,6 +26,8 @@ pub struct Config {
     pub data_dir: PathBuf,
     pub store: StoreConfig,
     pub policy: PolicyConfig,
+    /// How `serve` and `publish` reach NATS, and the JetStream layout.
+    pub nats: NatsConfig,
 }
 
 impl Default for Config {
@@ -32,6 +36,7 @@ impl Default for Config {
             data_dir: PathBuf::from(DEFAULT_DATA_DIR),
             store: StoreConfig::default(),
             policy: PolicyConfig::default(),
+            nats: NatsConfig::default(),
         }
     }
 }
@@ -151,6 +156,10 @@ impl Config {
                     detail: e.to_string(),
                 })?;
         config.policy.validate()?;
+        config.nats.validate().map_err(|e| ConfigError::Invalid {
+            origin: String::new(),
+            detail: format!("[nats] {e}"),
+        })?;
         if config.store.flush_every == 0 {
             return Err(ConfigError::Invalid {
                 origin: String::new(),
