@@ -4,12 +4,13 @@
 //! Environment overrides name a path with `__` between levels, for the
 //! sections below only: `CONTEXTFOLD_DATA_DIR=/var/lib/cf`,
 //! `CONTEXTFOLD_POLICY__CONTEXT_THRESHOLD=0.8`,
-//! `CONTEXTFOLD_STORE__BACKEND=sled`. A value is read as TOML (numbers,
-//! booleans, `["a","b"]`) and otherwise as a string.
-//! `CONTEXTFOLD_SUMMARIZER__BASE_URL=http://127.0.0.1:8080/v1` turns the
-//! model summarizer on.
+//! `CONTEXTFOLD_STORE__BACKEND=sled`, `CONTEXTFOLD_NATS__PARTITIONS=32`.
+//! A value is read as TOML (numbers, booleans, `["a","b"]`) and otherwise
+//! as a string. `CONTEXTFOLD_SUMMARIZER__BASE_URL=http://127.0.0.1:8080/v1`
+//! turns the model summarizer on.
 
 use crate::core::policy::{PolicyConfig, PolicyError};
+use crate::nats::NatsConfig;
 use crate::summarizer::SummarizerConfig;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -18,7 +19,7 @@ use std::path::{Path, PathBuf};
 pub const DEFAULT_DATA_DIR: &str = ".contextfold";
 
 /// Top-level sections an environment override may name.
-const SECTIONS: [&str; 4] = ["data_dir", "store", "policy", "summarizer"];
+const SECTIONS: [&str; 5] = ["data_dir", "store", "policy", "summarizer", "nats"];
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -33,6 +34,8 @@ pub struct Config {
     /// summaries are written by the model at its `base_url`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub summarizer: Option<SummarizerConfig>,
+    /// How `serve` and `publish` reach NATS, and the JetStream layout.
+    pub nats: NatsConfig,
 }
 
 impl Default for Config {
@@ -42,6 +45,7 @@ impl Default for Config {
             store: StoreConfig::default(),
             policy: PolicyConfig::default(),
             summarizer: None,
+            nats: NatsConfig::default(),
         }
     }
 }
@@ -169,6 +173,10 @@ impl Config {
                     detail,
                 })?;
         }
+        config.nats.validate().map_err(|e| ConfigError::Invalid {
+            origin: String::new(),
+            detail: format!("[nats] {e}"),
+        })?;
         if config.store.flush_every == 0 {
             return Err(ConfigError::Invalid {
                 origin: String::new(),

@@ -3,7 +3,9 @@
 
 mod eval;
 mod local;
+mod publish;
 mod report;
+mod serve;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
@@ -97,6 +99,29 @@ pub enum Command {
     },
     /// Print the effective configuration as TOML.
     Config,
+    /// Run contextfold over NATS JetStream: fold published turns, run
+    /// compaction jobs, answer requests; until SIGTERM or Ctrl-C.
+    Serve {
+        #[command(flatten)]
+        nats: serve::NatsArgs,
+        /// Roles of this process: folder, summarizer, api (comma-separated) or all.
+        #[arg(long, default_value = "folder,summarizer,api")]
+        roles: contextfold::nats::serve::Roles,
+        /// Compaction jobs run at once by the summarizer role.
+        #[arg(long)]
+        concurrency: Option<usize>,
+    },
+    /// Publish inbound events to NATS as an agent would (Nats-Msg-Id = event id).
+    Publish {
+        #[command(flatten)]
+        nats: serve::NatsArgs,
+        /// Events as JSONL (what `import` writes), or any transcript `import`
+        /// reads; `-` or none for stdin.
+        file: Option<PathBuf>,
+        /// Transcript format when FILE is a transcript.
+        #[arg(long, default_value = "auto")]
+        format: String,
+    },
 }
 
 pub fn run(cli: Cli) -> Result<ExitCode> {
@@ -127,6 +152,14 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
             json,
             files,
         } => eval::eval(&config, &files, budget, json),
+        Command::Serve {
+            nats,
+            roles,
+            concurrency,
+        } => serve::serve(&config, &nats, roles, concurrency),
+        Command::Publish { nats, file, format } => {
+            publish::publish(&config, &nats, file.as_deref(), &format)
+        }
         Command::Config => {
             print!("{}", config.to_toml());
             Ok(ExitCode::SUCCESS)

@@ -1144,7 +1144,11 @@ mod tests {
         let turn = &state.conversations["c"].turns[0];
         assert!(turn.tokens > 1_000 && turn.tokens < p.large_payload_threshold_tokens);
         assert!(turn.large_payload, "{} tokens kept whole", turn.tokens);
-        assert_eq!(turn.context_tokens, LARGE_PAYLOAD_STUB_TOKENS);
+        assert!(
+            turn.context_tokens < 100,
+            "a stub costs {} tokens",
+            turn.context_tokens
+        );
         fold(&mut state, &p, &turn_small("c", 1));
         assert!(!state.conversations["c"].turns[1].large_payload);
     }

@@ -11,6 +11,7 @@ use crate::core::sweep::{summary_event, SweepSnapshot};
 use crate::metrics as m;
 use std::future::Future;
 use std::time::{Duration, Instant};
+use tracing::Instrument;
 
 /// Spend of one summarizer call.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -108,7 +109,7 @@ impl PassSummarizer for Deterministic {
 /// Runs one job. `publish` receives each event as soon as it is committed
 /// (summaries, the rolling state, and last the `sweep_ended`).
 pub async fn run_sweep<S, F>(
-    mut snap: SweepSnapshot,
+    snap: SweepSnapshot,
     summarizer: &S,
     deadline: Duration,
     mut publish: F,
@@ -117,10 +118,26 @@ where
     S: PassSummarizer,
     F: FnMut(Envelope),
 {
-    let started = Instant::now();
     let span =
         tracing::info_span!("sweep", conversation = %snap.conversation, job = %snap.job.job_id);
-    let _guard = span.enter();
+    // Instrumented rather than entered: an entered span guard held across
+    // awaits makes the future !Send, and a NATS worker spawns it.
+    sweep_in_span(snap, summarizer, deadline, &mut publish)
+        .instrument(span)
+        .await
+}
+
+async fn sweep_in_span<S, F>(
+    mut snap: SweepSnapshot,
+    summarizer: &S,
+    deadline: Duration,
+    publish: &mut F,
+) -> SweepEnded
+where
+    S: PassSummarizer,
+    F: FnMut(Envelope),
+{
+    let started = Instant::now();
     let issued_at = snap.job.issued_at;
     let logical_time = |started: Instant| logical_time(issued_at, started);
     let job_id = snap.job.job_id.clone();
