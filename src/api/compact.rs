@@ -103,10 +103,12 @@ pub fn compact(
         Some(text) if text.trim().is_empty() => {
             return bad("`instructions` is blank; omit it instead".into())
         }
-        Some(text) if text.chars().count() > MAX_INSTRUCTIONS_CHARS => return bad(format!(
+        Some(text) if text.chars().count() > MAX_INSTRUCTIONS_CHARS => {
+            return bad(format!(
             "`instructions` of {} characters exceeds the {MAX_INSTRUCTIONS_CHARS}-character limit",
             text.chars().count()
-        )),
+        ))
+        }
         other => other.clone(),
     };
     let levels = policy::levels(conv, policy);

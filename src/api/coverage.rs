@@ -132,7 +132,7 @@ mod tests {
     #[test]
     fn every_in_context_turn_is_raw_or_covered_exactly_once() {
         let (state, _) = testing::folded();
-        let conv = testing::conv(&state);
+        let conv = testing::conv(state);
         let cov = Coverage::new(conv).unwrap();
         let raw: Vec<u64> = conv
             .context
@@ -160,7 +160,7 @@ mod tests {
     #[test]
     fn summaries_resolve_to_their_ancestor_in_context() {
         let (state, _) = testing::folded();
-        let conv = testing::conv(&state);
+        let conv = testing::conv(state);
         let cov = Coverage::new(conv).unwrap();
         for s in &conv.summaries {
             let top = cov

@@ -35,7 +35,8 @@ pub struct GlobalStatus {
     pub raw_tokens: u64,
     pub context_tokens: u64,
     pub summaries: u64,
-    pub summaries_by_depth: BTreeMap<u32, u64>,
+    /// Summaries at each depth, shallowest first.
+    pub summaries_by_depth: Vec<DepthTotal>,
     pub fallback_summaries_in_context: u64,
     pub pending_jobs: u64,
     pub debts: u64,
@@ -122,17 +123,27 @@ pub struct Compression {
     pub summary_tokens: u64,
 }
 
+/// Summaries at one depth. (A list, not a map keyed by depth: JSON keys
+/// are strings, and clients should not have to parse them.)
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DepthCount {
+    pub depth: u32,
     pub total: u64,
     pub in_context: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DepthTotal {
+    pub depth: u32,
+    pub total: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SummaryCounts {
     pub total: u64,
     pub in_context: u64,
-    pub by_depth: BTreeMap<u32, DepthCount>,
+    /// Shallowest first.
+    pub by_depth: Vec<DepthCount>,
     pub fallback: u64,
     pub fallback_in_context: u64,
     /// Summaries the fold rejected as stale or invalid.
@@ -288,7 +299,7 @@ pub fn global_status(state: &State, policy: &PolicyConfig) -> Result<GlobalStatu
         raw_tokens: 0,
         context_tokens: 0,
         summaries: 0,
-        summaries_by_depth: BTreeMap::new(),
+        summaries_by_depth: Vec::new(),
         fallback_summaries_in_context: 0,
         pending_jobs: 0,
         debts: 0,
@@ -302,14 +313,15 @@ pub fn global_status(state: &State, policy: &PolicyConfig) -> Result<GlobalStatu
         degraded: Vec::new(),
         health: Health::from_reasons(Vec::new()),
     };
+    let mut by_depth: BTreeMap<u32, u64> = BTreeMap::new();
     for conv in state.conversations.values() {
         let s = conversation_status(conv, policy)?;
         g.turns += s.turns.total;
         g.raw_tokens += s.tokens.raw;
         g.context_tokens += s.tokens.context;
         g.summaries += s.summaries.total;
-        for (depth, n) in &s.summaries.by_depth {
-            *g.summaries_by_depth.entry(*depth).or_insert(0) += n.total;
+        for d in &s.summaries.by_depth {
+            *by_depth.entry(d.depth).or_insert(0) += d.total;
         }
         g.fallback_summaries_in_context += s.summaries.fallback_in_context;
         g.pending_jobs += u64::from(s.pending_job.is_some());
@@ -326,6 +338,10 @@ pub fn global_status(state: &State, policy: &PolicyConfig) -> Result<GlobalStatu
             }
         }
     }
+    g.summaries_by_depth = by_depth
+        .into_iter()
+        .map(|(depth, total)| DepthTotal { depth, total })
+        .collect();
     let mut reasons = Vec::new();
     if g.degraded_conversations > 0 {
         reasons.push(HealthReason {
@@ -387,6 +403,7 @@ pub fn conversation_status(
         by_depth
             .entry(s.depth)
             .or_insert(DepthCount {
+                depth: s.depth,
                 total: 0,
                 in_context: 0,
             })
@@ -443,7 +460,7 @@ pub fn conversation_status(
     let summaries = SummaryCounts {
         total: conv.summaries.len() as u64,
         in_context: by_depth.values().map(|d| d.in_context).sum(),
-        by_depth,
+        by_depth: by_depth.into_values().collect(),
         fallback: conv.summaries.iter().filter(|s| s.fallback).count() as u64,
         fallback_in_context,
         rejected: conv.stale_summaries,
@@ -654,10 +671,15 @@ mod tests {
         );
         assert_eq!(s.summaries.total, conv.summaries.len() as u64);
         assert_eq!(
-            s.summaries.by_depth.values().map(|d| d.total).sum::<u64>(),
+            s.summaries.by_depth.iter().map(|d| d.total).sum::<u64>(),
             s.summaries.total
         );
-        assert!(s.summaries.by_depth.keys().any(|d| *d >= 1));
+        assert!(s.summaries.by_depth.iter().any(|d| d.depth >= 1));
+        assert!(s
+            .summaries
+            .by_depth
+            .windows(2)
+            .all(|w| w[0].depth < w[1].depth));
         assert_eq!(s.model.as_deref(), Some("gpt-4o"));
         assert_eq!(s.last_event_time, conv.last_time);
     }
@@ -777,7 +799,9 @@ mod tests {
         assert_eq!(g.degraded.len(), 2);
         assert_eq!(g.health.status, HealthStatus::Degraded);
         let json = serde_json::to_value(&g).unwrap();
-        assert!(json["summaries_by_depth"]["0"].is_u64(), "{json}");
+        assert_eq!(json["summaries_by_depth"][0]["depth"], 0, "{json}");
+        let back: GlobalStatus = serde_json::from_value(json).unwrap();
+        assert_eq!(back, g);
     }
 
     #[test]
