@@ -782,3 +782,90 @@ async fn nats_reply_over_max_payload_becomes_an_error_reply() {
     assert!(decode_reply::<GrepResponse>(&reply.payload).is_ok());
     service.stop().await;
 }
+
+/// Assemble latency over NATS for a long synthetic conversation (run with
+/// `cargo test --release --test api -- --ignored --nocapture`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement, not a check"]
+async fn nats_assemble_latency() {
+    if !nats_available() {
+        return;
+    }
+    let turns: usize = std::env::var("CONTEXTFOLD_LATENCY_TURNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(6000);
+    let policy = PolicyConfig::default();
+    let mut input = Vec::new();
+    let mut k = 0;
+    while input.len() < turns {
+        for e in events(&format!("long{k}")) {
+            let mut e = e;
+            e.conversation = "long".into();
+            e.id = format!("{k}-{}", e.id);
+            e.time += k as u64 * 1_000_000;
+            input.push(e);
+        }
+        k += 1;
+    }
+    let started = std::time::Instant::now();
+    let folded = tokio::task::spawn_blocking(move || fold(&policy, &input))
+        .await
+        .unwrap();
+    let conv = &folded.conversations["long"];
+    println!(
+        "folded {} turns ({} summaries, {} context items) in {:.1}s",
+        conv.turns.len(),
+        conv.summaries.len(),
+        conv.context.len(),
+        started.elapsed().as_secs_f64()
+    );
+    // The handler alone, for comparison with the round trip.
+    let body = json!({"conversation": "long"}).to_string();
+    let mut alone = Vec::new();
+    for _ in 0..500 {
+        let t = std::time::Instant::now();
+        let reply = handle(
+            "assemble",
+            body.as_bytes(),
+            &folded,
+            &PolicyConfig::default(),
+        );
+        alone.push(t.elapsed().as_micros() as u64);
+        assert!(reply.len() > 100);
+    }
+    alone.sort_unstable();
+    println!(
+        "assemble handler alone: p50 {} us, p99 {} us",
+        alone[alone.len() / 2],
+        alone[alone.len() * 99 / 100]
+    );
+    let server = support::nats_server::NatsServer::start();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let view = Arc::new(LocalState::new(folded, PolicyConfig::default()));
+    let service = nats_service::start(client.clone(), view, service_config())
+        .await
+        .unwrap();
+    let mut micros = Vec::new();
+    for i in 0..2200 {
+        let t = std::time::Instant::now();
+        let reply = client
+            .request("cf.api.assemble", body.clone().into())
+            .await
+            .unwrap();
+        if i >= 200 {
+            micros.push(t.elapsed().as_micros() as u64);
+        }
+        assert!(reply.payload.len() > 100);
+    }
+    micros.sort_unstable();
+    let p = |q: f64| micros[((micros.len() as f64 * q) as usize).min(micros.len() - 1)];
+    println!(
+        "assemble over NATS: p50 {} us, p99 {} us, max {} us ({} requests)",
+        p(0.50),
+        p(0.99),
+        micros[micros.len() - 1],
+        micros.len()
+    );
+    service.stop().await;
+}
