@@ -4,10 +4,14 @@
 //! Environment overrides name a path with `__` between levels, for the
 //! sections below only: `CONTEXTFOLD_DATA_DIR=/var/lib/cf`,
 //! `CONTEXTFOLD_POLICY__CONTEXT_THRESHOLD=0.8`,
-//! `CONTEXTFOLD_STORE__BACKEND=sled`. A value is read as TOML (numbers,
-//! booleans, `["a","b"]`) and otherwise as a string.
+//! `CONTEXTFOLD_STORE__BACKEND=sled`, `CONTEXTFOLD_NATS__PARTITIONS=32`.
+//! A value is read as TOML (numbers, booleans, `["a","b"]`) and otherwise
+//! as a string. `CONTEXTFOLD_SUMMARIZER__BASE_URL=http://127.0.0.1:8080/v1`
+//! turns the model summarizer on.
 
 use crate::core::policy::{PolicyConfig, PolicyError};
+use crate::nats::NatsConfig;
+use crate::summarizer::SummarizerConfig;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -15,7 +19,7 @@ use std::path::{Path, PathBuf};
 pub const DEFAULT_DATA_DIR: &str = ".contextfold";
 
 /// Top-level sections an environment override may name.
-const SECTIONS: [&str; 3] = ["data_dir", "store", "policy"];
+const SECTIONS: [&str; 5] = ["data_dir", "store", "policy", "summarizer", "nats"];
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -24,6 +28,14 @@ pub struct Config {
     pub data_dir: PathBuf,
     pub store: StoreConfig,
     pub policy: PolicyConfig,
+    /// The model summarizer (`[summarizer]`, every field defaulted). Absent:
+    /// the deterministic summarizer, which needs no model and spends
+    /// nothing. Present (even as `CONTEXTFOLD_SUMMARIZER__BASE_URL` alone):
+    /// summaries are written by the model at its `base_url`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub summarizer: Option<SummarizerConfig>,
+    /// How `serve` and `publish` reach NATS, and the JetStream layout.
+    pub nats: NatsConfig,
 }
 
 impl Default for Config {
@@ -32,6 +44,8 @@ impl Default for Config {
             data_dir: PathBuf::from(DEFAULT_DATA_DIR),
             store: StoreConfig::default(),
             policy: PolicyConfig::default(),
+            summarizer: None,
+            nats: NatsConfig::default(),
         }
     }
 }
@@ -151,6 +165,18 @@ impl Config {
                     detail: e.to_string(),
                 })?;
         config.policy.validate()?;
+        if let Some(summarizer) = &config.summarizer {
+            summarizer
+                .validate()
+                .map_err(|detail| ConfigError::Invalid {
+                    origin: String::new(),
+                    detail,
+                })?;
+        }
+        config.nats.validate().map_err(|e| ConfigError::Invalid {
+            origin: String::new(),
+            detail: format!("[nats] {e}"),
+        })?;
         if config.store.flush_every == 0 {
             return Err(ConfigError::Invalid {
                 origin: String::new(),
@@ -215,6 +241,28 @@ mod tests {
         );
         let err = Config::load_with_env(None, env(&[("CONTEXTFOLD_POLICY__NO_SUCH_KNOB", "1")]))
             .unwrap_err();
+        assert!(err.to_string().contains("no_such_knob"), "{err}");
+    }
+
+    #[test]
+    fn a_summarizer_base_url_turns_the_model_on() {
+        let c = Config::load_with_env(None, Vec::new()).unwrap();
+        assert_eq!(c.summarizer, None, "no section: deterministic");
+        let c = Config::load_with_env(
+            None,
+            env(&[
+                ("CONTEXTFOLD_SUMMARIZER__BASE_URL", "http://127.0.0.1:9/v1"),
+                ("CONTEXTFOLD_SUMMARIZER__MAX_RETRIES", "0"),
+            ]),
+        )
+        .unwrap();
+        let s = c.summarizer.expect("section from the environment");
+        assert_eq!(s.base_url, "http://127.0.0.1:9/v1");
+        assert_eq!(s.max_retries, 0);
+        assert_eq!(s.model, SummarizerConfig::default().model);
+        let err =
+            Config::load_with_env(None, env(&[("CONTEXTFOLD_SUMMARIZER__NO_SUCH_KNOB", "1")]))
+                .unwrap_err();
         assert!(err.to_string().contains("no_such_knob"), "{err}");
     }
 

@@ -92,7 +92,7 @@ pub fn classify_errors() -> Result<ExitCode> {
 /// Reads input as event JSONL when it looks like it, else as a transcript.
 /// Lines that are not valid events are kept as raw records so the engine
 /// rejects them with a reason and folds everything else.
-fn read_input(file: Option<&Path>, format: &str) -> Result<Vec<(Encoding, Vec<u8>)>> {
+pub(super) fn read_input(file: Option<&Path>, format: &str) -> Result<Vec<(Encoding, Vec<u8>)>> {
     let bytes = match file {
         Some(p) if p != Path::new("-") => {
             std::fs::read(p).with_context(|| format!("reading {}", p.display()))?

@@ -1,9 +1,12 @@
 //! Subcommands. Each reads the configuration, opens what it needs under the
 //! data directory and reports in plain text (or JSON where asked).
 
+mod eval;
 mod local;
+mod publish;
 mod query;
 mod report;
+mod serve;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
@@ -83,6 +86,19 @@ pub enum Command {
         #[arg(long, default_value_t = 32_000)]
         budget: u64,
     },
+    /// Quality report: run transcripts through the pipeline in memory and
+    /// measure budget overflows, compression and identifier retention.
+    Eval {
+        /// Token budget of every assembled context.
+        #[arg(long, default_value_t = eval::DEFAULT_BUDGET)]
+        budget: u64,
+        /// Print one JSON object (the last line of output).
+        #[arg(long)]
+        json: bool,
+        /// Transcript files (any format `import` reads).
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+    },
     /// Print the effective configuration as TOML.
     Config,
     /// Status of the whole state, or of one conversation (JSON): tokens,
@@ -127,6 +143,29 @@ pub enum Command {
         #[arg(long)]
         since: Option<u64>,
     },
+    /// Run contextfold over NATS JetStream: fold published turns, run
+    /// compaction jobs, answer requests; until SIGTERM or Ctrl-C.
+    Serve {
+        #[command(flatten)]
+        nats: serve::NatsArgs,
+        /// Roles of this process: folder, summarizer, api (comma-separated) or all.
+        #[arg(long, default_value = "folder,summarizer,api")]
+        roles: contextfold::nats::serve::Roles,
+        /// Compaction jobs run at once by the summarizer role.
+        #[arg(long)]
+        concurrency: Option<usize>,
+    },
+    /// Publish inbound events to NATS as an agent would (Nats-Msg-Id = event id).
+    Publish {
+        #[command(flatten)]
+        nats: serve::NatsArgs,
+        /// Events as JSONL (what `import` writes), or any transcript `import`
+        /// reads; `-` or none for stdin.
+        file: Option<PathBuf>,
+        /// Transcript format when FILE is a transcript.
+        #[arg(long, default_value = "auto")]
+        format: String,
+    },
 }
 
 pub fn run(cli: Cli) -> Result<ExitCode> {
@@ -152,6 +191,19 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
         } => local::assemble(&config, &conversation, at.as_deref(), budget, json),
         Command::Rebuild => local::rebuild(&config),
         Command::Demo { file, budget } => local::demo(&config, file.as_deref(), budget),
+        Command::Eval {
+            budget,
+            json,
+            files,
+        } => eval::eval(&config, &files, budget, json),
+        Command::Serve {
+            nats,
+            roles,
+            concurrency,
+        } => serve::serve(&config, &nats, roles, concurrency),
+        Command::Publish { nats, file, format } => {
+            publish::publish(&config, &nats, file.as_deref(), &format)
+        }
         Command::Config => {
             print!("{}", config.to_toml());
             Ok(ExitCode::SUCCESS)

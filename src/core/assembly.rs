@@ -79,6 +79,23 @@ pub fn summary_message(
     )
 }
 
+/// Tokens a summary costs in context: its rendered message, wrapper and
+/// message overhead included, so that what is sent is what was counted.
+pub fn summary_tokens(
+    enc: tokens::Encoding,
+    id: &str,
+    depth: u32,
+    first: u64,
+    last: u64,
+    fallback: bool,
+    content: &str,
+) -> u64 {
+    tokens::count_message(
+        enc,
+        &summary_message(id, depth, first, last, fallback, content),
+    )
+}
+
 /// Assembles the context of a conversation.
 pub fn assemble(conv: &Conversation, cfg: &PolicyConfig, req: &AssemblyRequest) -> Assembled {
     let budget = req.budget.unwrap_or_else(|| policy::budget(conv, cfg));
@@ -114,7 +131,10 @@ pub fn assemble(conv: &Conversation, cfg: &PolicyConfig, req: &AssemblyRequest) 
             start -= 1;
         }
         let mut t: u64 = (start..end).map(|i| conv.item(i).tokens()).sum();
-        t += missing_results(conv, start, end, end == n).len() as u64 * stub_tokens(enc);
+        t += missing_results(conv, start, end, end == n)
+            .iter()
+            .map(|id| stub_tokens(enc, id))
+            .sum::<u64>();
         let in_tail = start >= tail;
         if in_tail {
             fresh_tail_tokens += t;
@@ -177,8 +197,12 @@ pub fn assemble(conv: &Conversation, cfg: &PolicyConfig, req: &AssemblyRequest) 
     }
 }
 
-fn stub_tokens(enc: tokens::Encoding) -> u64 {
-    tokens::MESSAGE_OVERHEAD_TOKENS + tokens::count_text(enc, STUB_NOTE) + 12
+/// Tokens of the stub result for `call_id`: exactly what `count_message`
+/// gives for the message sent (the call id can be long: count it).
+fn stub_tokens(enc: tokens::Encoding, call_id: &str) -> u64 {
+    tokens::MESSAGE_OVERHEAD_TOKENS
+        + tokens::count_text(enc, STUB_NOTE)
+        + tokens::count_text(enc, call_id)
 }
 
 /// Tool calls of a group's assistant turn that have no result in the group.
@@ -218,10 +242,23 @@ fn source_of(conv: &Conversation, item: ContextItem) -> Source {
     }
 }
 
-/// Stub text for a large payload; its tokens are within
-/// [`crate::core::fold::LARGE_PAYLOAD_STUB_TOKENS`].
+/// Stub text for a large payload.
 pub fn payload_stub(event_id: &str, tokens: u64) -> String {
     format!("[large payload of {tokens} tokens stored as {event_id}; ask `describe` for it]")
+}
+
+/// The message sent in place of a large payload: its text replaced by a
+/// stub naming the stored event, long tool-call arguments by `{}`. The fold
+/// counts this very message as the turn's cost in context.
+pub fn payload_stub_message(msg: &ChatMessage, event_id: &str, tokens: u64) -> ChatMessage {
+    let mut m = msg.clone();
+    m.content = Some(Content::Text(payload_stub(event_id, tokens)));
+    for c in &mut m.tool_calls {
+        if c.function.arguments.len() > 256 {
+            c.function.arguments = "{}".into();
+        }
+    }
+    m
 }
 
 fn render<'a>(
@@ -246,16 +283,7 @@ fn render<'a>(
             let turn = &conv.turns[seq as usize];
             let msg = &turn.body.message;
             if turn.large_payload {
-                let mut m = msg.clone();
-                m.content = Some(Content::Text(payload_stub(&turn.event_id, turn.tokens)));
-                if !m.tool_calls.is_empty() {
-                    for c in &mut m.tool_calls {
-                        if c.function.arguments.len() > 256 {
-                            c.function.arguments = "{}".into();
-                        }
-                    }
-                }
-                return Cow::Owned(m);
+                return Cow::Owned(payload_stub_message(msg, &turn.event_id, turn.tokens));
             }
             if let Some(limit) = cfg.prune_tool_results_over_tokens {
                 if !fresh && turn.role == Role::Tool && turn.tokens > limit {
@@ -327,4 +355,123 @@ pub fn check_tool_pairing(messages: &[ChatMessage]) -> Result<(), String> {
         open = m.tool_calls.iter().map(|c| c.id.clone()).collect();
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::event::{
+        Covers, Envelope, EventBody, SummaryKind, SummaryRecorded, TurnAppended,
+    };
+    use crate::core::fold::{fold, FoldStatus};
+    use crate::core::message::{FunctionCall, ToolCall};
+    use crate::core::state::{summary_id, State};
+
+    fn turn(n: u64, message: ChatMessage) -> Envelope {
+        Envelope::new(
+            format!("imp-00000000000000{n:02}"),
+            "c:acct",
+            1_700_000_000_000 + n * 1000,
+            EventBody::TurnAppended(TurnAppended {
+                message,
+                model: None,
+                sender: None,
+                usage: None,
+                metadata: None,
+            }),
+        )
+    }
+
+    /// The tokens assembly accounts are the tokens of the messages it sends:
+    /// summaries with their wrapper, large payloads as their stub.
+    #[test]
+    fn accounted_tokens_are_the_tokens_sent() {
+        let cfg = PolicyConfig {
+            fresh_tail_count: 1,
+            large_payload_threshold_tokens: 100,
+            ..PolicyConfig::default()
+        };
+        let call_id = "toolu_01XfdvT2StjnLNw7MpkvVvJP";
+        let mut call = ChatMessage::text(Role::Assistant, "reading it");
+        call.tool_calls = vec![ToolCall {
+            id: call_id.into(),
+            kind: "function".into(),
+            function: FunctionCall {
+                name: "read_file".into(),
+                arguments: r#"{"path":"/home/USER/src/main.rs"}"#.into(),
+            },
+        }];
+        let mut result = ChatMessage::text(Role::Tool, "fn main() {}\n".repeat(200));
+        result.tool_call_id = Some(call_id.into());
+        let events = [
+            turn(
+                0,
+                ChatMessage::text(Role::User, "Where is the entry point?"),
+            ),
+            turn(
+                1,
+                ChatMessage::text(Role::Assistant, "In src/main.rs, I think."),
+            ),
+            turn(2, call),
+            turn(3, result),
+            turn(4, ChatMessage::text(Role::User, "Thanks.")),
+        ];
+        let mut state = State::default();
+        for e in &events {
+            assert_eq!(fold(&mut state, &cfg, e).status, FoldStatus::Applied);
+        }
+        let covers = Covers::Turns { first: 0, last: 1 };
+        let content = "The user asked where the entry point is: src/main.rs.";
+        let id = summary_id("c:acct", SummaryKind::Leaf, 0, &covers, content, "leaf-v1");
+        let summary = Envelope::new(
+            format!("sr_{id}"),
+            "c:acct",
+            1_700_000_010_000,
+            EventBody::SummaryRecorded(SummaryRecorded {
+                summary_id: id,
+                job_id: None,
+                kind: SummaryKind::Leaf,
+                depth: 0,
+                covers,
+                content: content.into(),
+                source_tokens: 0,
+                tokens: 0,
+                model: "test".into(),
+                provider: "test".into(),
+                prompt_version: "leaf-v1".into(),
+                fallback: false,
+            }),
+        );
+        assert_eq!(fold(&mut state, &cfg, &summary).status, FoldStatus::Applied);
+        let conv = &state.conversations["c:acct"];
+        assert!(conv.turns[3].large_payload);
+        let out = assemble(conv, &cfg, &AssemblyRequest::default());
+        assert!(
+            matches!(out.sources[0], Source::Summary { .. }),
+            "{:?}",
+            out.sources
+        );
+        let sent: u64 = out
+            .messages
+            .iter()
+            .map(|m| tokens::count_message(conv.encoding, m))
+            .sum();
+        assert_eq!(out.tokens, sent);
+        assert_eq!(out.tokens, conv.context_tokens);
+    }
+
+    /// A stub result costs what its message costs, long call id included.
+    #[test]
+    fn missing_result_stub_is_counted_with_its_call_id() {
+        let enc = tokens::Encoding::O200kBase;
+        let id = "toolu_01XfdvT2StjnLNw7MpkvVvJP";
+        let stub = ChatMessage {
+            role: Role::Tool,
+            content: Some(Content::Text(STUB_NOTE.into())),
+            tool_calls: Vec::new(),
+            tool_call_id: Some(id.into()),
+            name: None,
+        };
+        assert_eq!(stub_tokens(enc, id), tokens::count_message(enc, &stub));
+    }
 }

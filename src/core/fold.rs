@@ -5,13 +5,14 @@
 //! Pure and deterministic: time comes from events, ids are derived from the
 //! causing event, and a decision seen again in the log changes nothing.
 
+use crate::core::assembly;
 use crate::core::event::*;
 use crate::core::message::Role;
 use crate::core::overflow;
 use crate::core::policy::{self, PolicyConfig};
 use crate::core::state::{
-    derived_event_id, id_digest, summary_id, ContextItem, Conversation, PendingJob, State, Summary,
-    Turn,
+    derived_event_id, id_digest, summary_id, ContextItem, Conversation, PendingJob, SpendEntry,
+    SpendWindow, State, Summary, Turn,
 };
 use crate::core::tokens;
 use std::sync::Arc;
@@ -37,9 +38,6 @@ pub struct FoldOutcome {
     pub decisions: Vec<Envelope>,
 }
 
-/// Tokens a large-payload stub costs in context.
-pub const LARGE_PAYLOAD_STUB_TOKENS: u64 = 48;
-
 /// Folds one event into the state.
 pub fn fold(state: &mut State, policy: &PolicyConfig, event: &Envelope) -> FoldOutcome {
     fold_counted(state, policy, event, None)
@@ -59,8 +57,12 @@ pub fn fold_counted(
             decisions: Vec::new(),
         };
     }
-    let conv = state
-        .conversations
+    let State {
+        conversations,
+        spend: global,
+        ..
+    } = state;
+    let conv = conversations
         .entry(event.conversation.clone())
         .or_insert_with(|| Conversation::new(&event.conversation));
     if conv.has_applied(&event.id) {
@@ -71,6 +73,7 @@ pub fn fold_counted(
     }
     let mut cx = FoldContext {
         conv,
+        global,
         policy,
         event,
         turn_tokens,
@@ -125,6 +128,8 @@ pub fn reject_undecodable(
 
 struct FoldContext<'a> {
     conv: &'a mut Conversation,
+    /// The partition's spend window across conversations.
+    global: &'a mut SpendWindow,
     policy: &'a PolicyConfig,
     event: &'a Envelope,
     turn_tokens: Option<u64>,
@@ -340,9 +345,21 @@ impl FoldContext<'_> {
                 );
             }
         }
-        let large = tokens > self.policy.large_payload_threshold_tokens;
+        // A turn bigger than the compaction target could never be kept in
+        // a context that respects the budget (and may hold the fresh tail
+        // over it): it is a large payload there too, whatever the knob says.
+        let levels = policy::levels(self.conv, self.policy);
+        let large = tokens
+            > self
+                .policy
+                .large_payload_threshold_tokens
+                .min(levels.target_tokens);
         let context_tokens = if large {
-            LARGE_PAYLOAD_STUB_TOKENS
+            // Shown as a stub: it costs what the stub message costs.
+            tokens::count_message(
+                self.conv.encoding,
+                &assembly::payload_stub_message(msg, &self.event.id, tokens),
+            )
         } else {
             tokens
         };
@@ -374,7 +391,6 @@ impl FoldContext<'_> {
             _ => {}
         }
         let before = self.conv.context_tokens.saturating_sub(context_tokens);
-        let levels = policy::levels(self.conv, self.policy);
         if self.conv.turns_since_rolling >= self.policy.rolling_every_turns
             || self.conv.consecutive_tool_calls >= self.policy.rolling_tool_loop
             || (before <= levels.rolling_tokens && self.conv.context_tokens > levels.rolling_tokens)
@@ -512,7 +528,17 @@ impl FoldContext<'_> {
     fn summary_recorded(&mut self, s: &SummaryRecorded) -> FoldStatus {
         match self.validate_summary(s) {
             Ok((start, end, first_turn, last_turn, source_tokens)) => {
-                let tokens = tokens::count_text(self.conv.encoding, &s.content);
+                // What it costs in context is its rendered message, wrapper
+                // included: assembly's budget is kept in real tokens.
+                let tokens = assembly::summary_tokens(
+                    self.conv.encoding,
+                    &s.summary_id,
+                    s.depth,
+                    first_turn,
+                    last_turn,
+                    s.fallback,
+                    &s.content,
+                );
                 let index = self.conv.summaries.len() as u32;
                 self.conv.summaries.push(Summary {
                     id: s.summary_id.clone(),
@@ -682,21 +708,35 @@ impl FoldContext<'_> {
 
     fn sweep_ended(&mut self, s: &SweepEnded) -> FoldStatus {
         let now = self.event.time;
-        let spend = &mut self.conv.spend;
-        if now >= spend.window_start + self.policy.summary_call_window_ms || spend.window_start == 0
-        {
-            spend.window_start = now;
-            spend.calls = 0;
-            spend.tokens = 0;
-            spend.cost_micros = 0;
-        }
-        spend.calls += s.calls;
-        spend.tokens += s.tokens_spent;
-        spend.cost_micros += s.cost_micros;
-        let pending = match &self.conv.pending_job {
-            Some(p) if p.job.job_id == s.job_id => self.conv.pending_job.take(),
-            _ => None,
+        let window = self.policy.summary_call_window_ms;
+        let (pending, current) = match &self.conv.pending_job {
+            Some(p) if p.job.job_id == s.job_id => (self.conv.pending_job.take(), true),
+            Some(_) => (None, false),
+            // Its job expired or was reset away: its spend still counts, and
+            // nothing newer is running that its outcome could mislead.
+            None => (None, true),
         };
+        // Spend counts from when the job was granted its allowance, so the
+        // job's calls and the window that allowed them are the same window.
+        let spent_at = pending.as_ref().map_or(now, |p| p.job.issued_at.min(now));
+        let entry = SpendEntry {
+            time: spent_at,
+            job_id: s.job_id.clone(),
+            conversation: String::new(),
+            calls: s.calls,
+            tokens: s.tokens_spent,
+            cost_micros: s.cost_micros,
+            reserved_until: None,
+        };
+        self.conv.spend.prune(now, window);
+        if has_global_limits(self.policy) {
+            self.global.prune(now, window);
+            self.global.record(SpendEntry {
+                conversation: self.conv.key.clone(),
+                ..entry.clone()
+            });
+        }
+        self.conv.spend.record(entry);
         let committed = pending
             .as_ref()
             .map_or(s.committed, |j| j.committed.max(s.committed));
@@ -704,19 +744,36 @@ impl FoldContext<'_> {
         self.history(
             "sweep_ended",
             format!(
-                "{}: {:?} after {} passes, {committed} committed",
-                s.job_id, s.stop, s.passes
+                "{}: {:?} after {} passes, {committed} committed, {} calls{}",
+                s.job_id,
+                s.stop,
+                s.passes,
+                s.calls,
+                s.retry_after_ms
+                    .map_or(String::new(), |ms| format!(", retry after {ms} ms"))
             ),
         );
-        if committed == 0 && s.stop != SweepStop::Done || s.stop == SweepStop::NoProgress {
-            if let Some(delay) = s.retry_after_ms {
-                self.conv.spend.backoff_until = now + delay;
-            } else if !urgent {
-                // Backoff only after a round that made no progress.
-                self.conv.spend.backoff_until = now + self.policy.summary_spend_backoff_ms;
-            }
+        if !current {
+            return FoldStatus::Applied;
         }
-        if committed == 0 && urgent && self.conv.debt.as_ref().is_some_and(|d| d.urgent) {
+        if let Some(delay) = s.retry_after_ms {
+            // The provider said when to come back: no job of any kind before
+            // then, whatever the round achieved.
+            self.conv.spend.retry_at = self.conv.spend.retry_at.max(now.saturating_add(delay));
+        } else if committed == 0 && s.stop != SweepStop::Done && !urgent {
+            // Backoff only after a round that made no progress.
+            self.conv.spend.backoff_until = now + self.policy.summary_spend_backoff_ms;
+        }
+        // An urgent round that found nothing to compact ends its debt; one
+        // that failed (auth, deadline, rate limit) keeps it for the next
+        // inbound event.
+        let nothing_to_do =
+            matches!(s.stop, SweepStop::Done | SweepStop::NoProgress) && s.retry_after_ms.is_none();
+        if committed == 0
+            && urgent
+            && nothing_to_do
+            && self.conv.debt.as_ref().is_some_and(|d| d.urgent)
+        {
             self.conv.debt = None;
             self.decide(
                 "debt_cleared",
@@ -804,24 +861,64 @@ impl FoldContext<'_> {
                 );
             }
         }
-        let spend = &self.conv.spend;
-        let window_open = now >= spend.window_start + self.policy.summary_call_window_ms;
-        let calls_left = if window_open {
-            self.policy.summary_max_calls_per_window
-        } else {
-            self.policy
-                .summary_max_calls_per_window
-                .saturating_sub(spend.calls)
-        };
-        let tokens_left = self.policy.summary_max_tokens_per_window.map(|max| {
-            if window_open {
-                max
-            } else {
-                max.saturating_sub(spend.tokens)
+        // A round that committed nothing is not retried on its own end: the
+        // next job waits for something new (a turn, an error, a request),
+        // so a summarizer that keeps failing cannot make the worker spin.
+        if matches!(&self.event.body, EventBody::SweepEnded(s) if s.committed == 0) {
+            return;
+        }
+        // The provider asked us to wait (Retry-After): no job of any kind.
+        if now < self.conv.spend.retry_at {
+            return;
+        }
+        let window = self.policy.summary_call_window_ms;
+        self.conv.spend.prune(now, window);
+        let mine = self.conv.spend.totals(now, window);
+        let mut calls_left = self
+            .policy
+            .summary_max_calls_per_window
+            .saturating_sub(mine.calls);
+        let mut tokens_left = self
+            .policy
+            .summary_max_tokens_per_window
+            .map(|max| max.saturating_sub(mine.tokens));
+        let mut cost_left = self
+            .policy
+            .summary_max_cost_micros_per_window
+            .map(|max| max.saturating_sub(mine.cost_micros));
+        let global = has_global_limits(self.policy);
+        let own_calls_left = calls_left;
+        if global {
+            self.global.prune(now, window);
+            let all = self.global.totals(now, window);
+            if let Some(max) = self.policy.summary_max_calls_per_window_global {
+                // A fair share of the partition's calls for each conversation
+                // that spends or waits in the window, so the first to ask
+                // cannot hold the whole window while others wait.
+                let mut active = self.global.active_conversations(now, window);
+                active.insert(self.conv.key.as_str());
+                let share = max.div_ceil(active.len().max(1) as u32);
+                let mine = self.global.calls_of(&self.conv.key, now, window);
+                calls_left = calls_left
+                    .min(max.saturating_sub(all.calls))
+                    .min(share.saturating_sub(mine));
             }
-        });
-        let in_backoff = now < spend.backoff_until;
-        let spend_ok = calls_left > 0 && tokens_left != Some(0) && !in_backoff;
+            let left = |max: Option<u64>, used: u64| max.map(|m| m.saturating_sub(used));
+            tokens_left = min_limit(
+                tokens_left,
+                left(self.policy.summary_max_tokens_per_window_global, all.tokens),
+            );
+            cost_left = min_limit(
+                cost_left,
+                left(
+                    self.policy.summary_max_cost_micros_per_window_global,
+                    all.cost_micros,
+                ),
+            );
+        }
+        let in_backoff = now < self.conv.spend.backoff_until;
+        let spend_ok =
+            calls_left > 0 && tokens_left != Some(0) && cost_left != Some(0) && !in_backoff;
         let (compact, urgent, reason, target, instructions) = match &self.conv.debt {
             Some(d) if d.urgent || spend_ok => (
                 true,
@@ -837,8 +934,16 @@ impl FoldContext<'_> {
                 levels.target_tokens,
                 None,
             ),
+            Some(_) if global && own_calls_left > 0 && calls_left == 0 && !in_backoff => {
+                // Refused only for the partition's sake: wait for a share.
+                self.global.wait(&self.conv.key, now);
+                return;
+            }
             _ => return,
         };
+        if global {
+            self.global.stop_waiting(&self.conv.key);
+        }
         let job_id = format!(
             "job_{}_{}",
             &blake3::hash(self.conv.key.as_bytes()).to_hex()[..12],
@@ -862,6 +967,19 @@ impl FoldContext<'_> {
                 format!("{job_id}: rolling session state only")
             },
         );
+        if global && !urgent {
+            // Hold the allowance until the job ends, so jobs of other
+            // conversations cannot be granted the same calls.
+            self.global.record(SpendEntry {
+                time: now,
+                job_id: job_id.clone(),
+                conversation: self.conv.key.clone(),
+                calls: calls_left,
+                tokens: tokens_left.unwrap_or(0),
+                cost_micros: 0,
+                reserved_until: Some(now + 2 * deadline_ms + 60_000),
+            });
+        }
         let job = JobIssued {
             job_id,
             reason,
@@ -884,6 +1002,21 @@ impl FoldContext<'_> {
     }
 }
 
+/// A global (partition-wide) spend limit is configured.
+fn has_global_limits(policy: &PolicyConfig) -> bool {
+    policy.summary_max_calls_per_window_global.is_some()
+        || policy.summary_max_tokens_per_window_global.is_some()
+        || policy.summary_max_cost_micros_per_window_global.is_some()
+}
+
+/// The tighter of two optional limits (`None` is unlimited).
+fn min_limit(a: Option<u64>, b: Option<u64>) -> Option<u64> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
 /// Whitespace-collapsed, case-folded text for duplicate detection.
 fn normalize(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
@@ -894,4 +1027,273 @@ fn normalize(text: &str) -> String {
         out.extend(word.chars().flat_map(char::to_lowercase));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::message::ChatMessage;
+
+    const T0: u64 = 1_700_000_000_000;
+
+    fn policy() -> PolicyConfig {
+        PolicyConfig {
+            default_context_window: 2_000,
+            fresh_tail_count: 2,
+            // Three of the tests' turns a chunk.
+            leaf_chunk_tokens: 600,
+            rolling_every_turns: 1_000_000,
+            rolling_tool_loop: 1_000_000,
+            rolling_threshold: 1.0,
+            summary_max_calls_per_window: 5,
+            summary_max_cost_micros_per_window: Some(1_000),
+            ..PolicyConfig::default()
+        }
+    }
+
+    fn turn(conv: &str, i: u64, time: u64) -> Envelope {
+        let role = if i.is_multiple_of(2) {
+            Role::User
+        } else {
+            Role::Assistant
+        };
+        Envelope::new(
+            format!("{conv}-t{i}"),
+            conv,
+            time,
+            EventBody::TurnAppended(TurnAppended {
+                message: ChatMessage::text(
+                    role,
+                    format!("turn {i}: {}", "words of a turn ".repeat(40)),
+                ),
+                model: None,
+                sender: None,
+                usage: None,
+                metadata: None,
+            }),
+        )
+    }
+
+    fn jobs(decisions: &[Envelope]) -> Vec<JobIssued> {
+        decisions
+            .iter()
+            .filter_map(|d| match &d.body {
+                EventBody::JobIssued(j) => Some(j.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Folds turns until a job is issued; returns it and the next turn index.
+    fn until_job(
+        state: &mut State,
+        p: &PolicyConfig,
+        conv: &str,
+        from: u64,
+        time: u64,
+    ) -> (JobIssued, u64) {
+        for i in from..from + 200 {
+            let out = fold(state, p, &turn(conv, i, time + (i - from) * 1_000));
+            if let Some(j) = jobs(&out.decisions).pop() {
+                return (j, i + 1);
+            }
+        }
+        panic!("no job issued");
+    }
+
+    fn ended(job: &JobIssued, committed: u32, stop: SweepStop) -> SweepEnded {
+        SweepEnded {
+            job_id: job.job_id.clone(),
+            passes: committed.max(1),
+            committed,
+            stop,
+            detail: None,
+            calls: 1,
+            tokens_spent: 100,
+            cost_micros: 10,
+            retry_after_ms: None,
+        }
+    }
+
+    fn event(s: SweepEnded, conv: &str, time: u64) -> Envelope {
+        Envelope::new(
+            format!("se-{}-{time}", s.job_id),
+            conv,
+            time,
+            EventBody::SweepEnded(s),
+        )
+    }
+
+    #[test]
+    fn a_turn_bigger_than_the_target_is_a_large_payload() {
+        let p = policy(); // budget 2000, target 1000
+        let mut state = State::default();
+        let big = Envelope::new(
+            "big",
+            "c",
+            T0,
+            EventBody::TurnAppended(TurnAppended {
+                message: ChatMessage::text(Role::User, "a line of a long log\n".repeat(300)),
+                model: None,
+                sender: None,
+                usage: None,
+                metadata: None,
+            }),
+        );
+        fold(&mut state, &p, &big);
+        let turn = &state.conversations["c"].turns[0];
+        assert!(turn.tokens > 1_000 && turn.tokens < p.large_payload_threshold_tokens);
+        assert!(turn.large_payload, "{} tokens kept whole", turn.tokens);
+        assert!(
+            turn.context_tokens < 100,
+            "a stub costs {} tokens",
+            turn.context_tokens
+        );
+        fold(&mut state, &p, &turn_small("c", 1));
+        assert!(!state.conversations["c"].turns[1].large_payload);
+    }
+
+    fn turn_small(conv: &str, i: u64) -> Envelope {
+        turn(conv, i, T0 + i)
+    }
+
+    #[test]
+    fn a_rate_limit_delays_the_next_job_even_after_progress() {
+        let p = policy();
+        let mut state = State::default();
+        let (job, next) = until_job(&mut state, &p, "c", 0, T0);
+        let mut s = ended(&job, 1, SweepStop::SpendLimit);
+        s.retry_after_ms = Some(20_000);
+        let out = fold(&mut state, &p, &event(s, "c", job.issued_at + 10));
+        assert!(jobs(&out.decisions).is_empty());
+        let conv = &state.conversations["c"];
+        assert_eq!(conv.spend.retry_at, job.issued_at + 20_010);
+        assert_eq!(conv.spend.backoff_until, 0, "progress: no backoff");
+        // Turns before the delay get no job, however far over the threshold.
+        for i in next..next + 10 {
+            let out = fold(&mut state, &p, &turn("c", i, job.issued_at + 5_000 + i));
+            assert!(jobs(&out.decisions).is_empty(), "job before Retry-After");
+        }
+        let out = fold(
+            &mut state,
+            &p,
+            &turn("c", next + 10, job.issued_at + 20_011),
+        );
+        assert_eq!(
+            jobs(&out.decisions).len(),
+            1,
+            "the job comes back after the delay"
+        );
+    }
+
+    #[test]
+    fn backoff_only_after_rounds_without_progress() {
+        let p = policy();
+        for (committed, stop, backoff) in [
+            (2, SweepStop::Deadline, false),
+            (1, SweepStop::NoProgress, false),
+            (0, SweepStop::Deadline, true),
+            (0, SweepStop::Failed, true),
+            (0, SweepStop::Done, false),
+        ] {
+            let mut state = State::default();
+            let (job, _) = until_job(&mut state, &p, "c", 0, T0);
+            let e = event(ended(&job, committed, stop), "c", job.issued_at + 10);
+            fold(&mut state, &p, &e);
+            let until = state.conversations["c"].spend.backoff_until;
+            assert_eq!(until > 0, backoff, "{committed} committed, {stop:?}");
+        }
+    }
+
+    #[test]
+    fn a_barren_sweep_is_not_retried_on_its_own_end() {
+        let p = policy();
+        let mut state = State::default();
+        let (job, next) = until_job(&mut state, &p, "c", 0, T0);
+        // Urgent: no backoff, so only the barren-end rule stops a retry loop.
+        let manual = Envelope::new(
+            "m1",
+            "c",
+            job.issued_at + 1,
+            EventBody::CompactionRequested(CompactionRequested::default()),
+        );
+        fold(&mut state, &p, &manual);
+        let mut urgent = job.clone();
+        urgent.urgent = true;
+        if let Some(pending) = &mut state.conversations.get_mut("c").unwrap().pending_job {
+            pending.job.urgent = true;
+        }
+        let e = event(ended(&urgent, 0, SweepStop::Failed), "c", job.issued_at + 2);
+        let out = fold(&mut state, &p, &e);
+        assert!(jobs(&out.decisions).is_empty(), "retried on its own end");
+        let conv = &state.conversations["c"];
+        assert!(
+            conv.debt.as_ref().is_some_and(|d| d.urgent),
+            "a failed urgent round keeps its debt"
+        );
+        let out = fold(&mut state, &p, &turn("c", next, job.issued_at + 3));
+        let again = jobs(&out.decisions);
+        assert_eq!(again.len(), 1, "the next inbound event retries");
+        assert!(again[0].urgent);
+    }
+
+    #[test]
+    fn spend_counts_in_a_sliding_window_of_calls_tokens_and_money() {
+        let p = policy();
+        let mut state = State::default();
+        let (job, mut next) = until_job(&mut state, &p, "c", 0, T0);
+        assert_eq!(job.max_calls, Some(5));
+        // A productive round that spent the whole money allowance.
+        let mut s = ended(&job, 1, SweepStop::Done);
+        s.cost_micros = 1_000;
+        fold(&mut state, &p, &event(s, "c", job.issued_at + 10));
+        let window_end = job.issued_at + p.summary_call_window_ms;
+        let mut t = job.issued_at + 1_000;
+        while t < window_end {
+            let out = fold(&mut state, &p, &turn("c", next, t));
+            assert!(
+                jobs(&out.decisions).is_empty(),
+                "job with no money left at {t}"
+            );
+            next += 1;
+            t += 30_000;
+        }
+        // The window slides past the spending job: compaction may resume.
+        let out = fold(&mut state, &p, &turn("c", next, window_end));
+        assert_eq!(jobs(&out.decisions).len(), 1);
+        assert!(state.conversations["c"].spend.recent.is_empty(), "pruned");
+    }
+
+    #[test]
+    fn the_partition_window_reserves_and_shares_calls() {
+        let p = PolicyConfig {
+            summary_max_calls_per_window_global: Some(4),
+            ..policy()
+        };
+        let mut state = State::default();
+        let (a, _) = until_job(&mut state, &p, "a", 0, T0);
+        assert_eq!(a.max_calls, Some(4), "alone, a may use the whole window");
+        // b asks while a's allowance is reserved: nothing is left for it.
+        for i in 0..200 {
+            let out = fold(&mut state, &p, &turn("b", i, T0 + 100_000 + i * 1_000));
+            assert!(
+                jobs(&out.decisions).is_empty(),
+                "b was granted calls a holds"
+            );
+            if !state.spend.waiting.is_empty() {
+                break;
+            }
+        }
+
+        assert_eq!(state.spend.waiting.len(), 1, "b waits for a share");
+        // a ends having spent 1 call: b gets its fair share, half of 4.
+        fold(
+            &mut state,
+            &p,
+            &event(ended(&a, 1, SweepStop::Done), "a", T0 + 400_000),
+        );
+        let (b, _) = until_job(&mut state, &p, "b", 500, T0 + 401_000);
+        assert_eq!(b.max_calls, Some(2), "{b:?}");
+        assert!(state.spend.waiting.is_empty(), "b no longer waits");
+    }
 }

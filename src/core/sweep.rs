@@ -3,6 +3,7 @@
 //! that records the answer). The summarizer side runs these steps under its
 //! deadline; the fold later accepts each summary only if it still matches.
 
+use crate::core::assembly;
 use crate::core::event::{
     Covers, Envelope, EventBody, JobIssued, RollingState, SummaryKind, SummaryRecorded,
 };
@@ -65,11 +66,17 @@ pub struct SweepSnapshot {
     pub rolling: Option<RollingState>,
     pub rolling_sources: Vec<SourceItem>,
     pub through_turn: u64,
+    /// The conversation's fresh-tail cap when the snapshot was taken.
+    #[serde(default)]
+    pub fresh_tail_cap: Option<u64>,
 }
 
 impl PlanView for SweepSnapshot {
     fn len(&self) -> usize {
         self.items.len()
+    }
+    fn fresh_tail_cap(&self, cfg: &PolicyConfig) -> Option<u64> {
+        self.fresh_tail_cap.or(cfg.fresh_tail_max_tokens)
     }
     fn item(&self, i: usize) -> PlanItem {
         self.items[i].plan.into()
@@ -197,6 +204,7 @@ pub fn snapshot(conv: &Conversation, job: &JobIssued, cfg: &PolicyConfig) -> Swe
         rolling: conv.rolling.clone(),
         rolling_sources,
         through_turn: conv.turns.len().saturating_sub(1) as u64,
+        fresh_tail_cap: Some(policy::fresh_tail_cap(conv, cfg)),
     }
 }
 
@@ -318,12 +326,22 @@ impl SweepSnapshot {
         };
         let first_turn = self.items[run.start].first_turn;
         let last_turn = self.items[run.end - 1].last_turn;
+        // In context it costs its rendered message, as the fold counts it.
+        let cost = assembly::summary_tokens(
+            self.encoding,
+            &rec.summary_id,
+            rec.depth,
+            first_turn,
+            last_turn,
+            rec.fallback,
+            &rec.content,
+        );
         let item = SnapshotItem {
             plan: PlanItemWire {
                 seq: None,
                 role: None,
                 depth: rec.depth,
-                tokens: rec.tokens,
+                tokens: cost,
             },
             summary_id: Some(rec.summary_id.clone()),
             first_turn,
@@ -333,12 +351,12 @@ impl SweepSnapshot {
                 role: None,
                 tool: None,
                 text: rec.content.clone(),
-                tokens: rec.tokens,
+                tokens: cost,
                 time: 0,
             }),
         };
         self.items.splice(run.start..run.end, [item]);
-        self.context_tokens = self.context_tokens - run.tokens + rec.tokens;
+        self.context_tokens = self.context_tokens - run.tokens + cost;
     }
 
     pub fn rolling_request(&self) -> Option<RollingStateRequest> {

@@ -10,6 +10,8 @@
 //! - [`event_log`]: [`crate::log::EventLog`] over the events stream.
 //! - [`folder`]: the folder role (one engine per held partition).
 //! - [`jobs`]: the compaction job on the work queue.
+//! - [`summarizer_role`]: stateless workers running jobs from the queue.
+//! - [`serve`]: every role of one process, started and stopped together.
 
 pub mod config;
 pub mod connect;
@@ -17,8 +19,10 @@ pub mod event_log;
 pub mod folder;
 pub mod jobs;
 pub mod leases;
+pub mod serve;
 pub mod setup;
 pub mod subjects;
+pub mod summarizer_role;
 pub mod version;
 
 pub use config::NatsConfig;

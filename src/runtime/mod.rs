@@ -4,4 +4,5 @@
 
 pub mod embedded;
 pub mod engine;
+pub mod llm_pass;
 pub mod sweep;

@@ -11,6 +11,7 @@ use crate::core::sweep::{summary_event, SweepSnapshot};
 use crate::metrics as m;
 use std::future::Future;
 use std::time::{Duration, Instant};
+use tracing::Instrument;
 
 /// Spend of one summarizer call.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -27,6 +28,19 @@ pub enum PassError {
     RateLimited { retry_after_ms: u64, spend: Spend },
     #[error("summarizer failed: {reason}")]
     Failed { reason: String, spend: Spend },
+    /// The pass would have needed more calls or tokens than the job's
+    /// spend-window allowance had left; nothing over it was spent.
+    #[error("the job's spend-window allowance is used up")]
+    SpendLimit { spend: Spend },
+}
+
+/// What one pass may still spend: the job's spend-window allowance
+/// (`JobIssued::max_calls` / `max_tokens`) minus what the sweep has spent.
+/// `None` is unlimited (urgent jobs).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Allowance {
+    pub calls: Option<u32>,
+    pub tokens: Option<u64>,
 }
 
 /// What the sweep runner needs of a summarizer.
@@ -39,6 +53,35 @@ pub trait PassSummarizer: Send + Sync {
         &self,
         req: &RollingStateRequest,
     ) -> impl Future<Output = Result<(RollingState, Spend), PassError>> + Send;
+
+    /// [`Self::summarize`] within `allowance`: a summarizer that spends
+    /// must not start a call the allowance cannot pay for, and answers
+    /// [`PassError::SpendLimit`] instead. One that never spends ignores it.
+    fn summarize_within(
+        &self,
+        req: &SummaryRequest,
+        allowance: Allowance,
+    ) -> impl Future<Output = Result<(SummaryDraft, Spend), PassError>> + Send {
+        let _ = allowance;
+        self.summarize(req)
+    }
+
+    /// [`Self::rolling_state`] within `allowance`.
+    fn rolling_state_within(
+        &self,
+        req: &RollingStateRequest,
+        allowance: Allowance,
+    ) -> impl Future<Output = Result<(RollingState, Spend), PassError>> + Send {
+        let _ = allowance;
+        self.rolling_state(req)
+    }
+
+    /// Spend of the last call cut short by the deadline (its future was
+    /// dropped, so it could not report it), taken once. The sweep adds it
+    /// to the job's spend: the provider saw those calls.
+    fn take_cut_short_spend(&self) -> Spend {
+        Spend::default()
+    }
 }
 
 /// The deterministic summarizer of the core: no model, no spend.
@@ -66,7 +109,7 @@ impl PassSummarizer for Deterministic {
 /// Runs one job. `publish` receives each event as soon as it is committed
 /// (summaries, the rolling state, and last the `sweep_ended`).
 pub async fn run_sweep<S, F>(
-    mut snap: SweepSnapshot,
+    snap: SweepSnapshot,
     summarizer: &S,
     deadline: Duration,
     mut publish: F,
@@ -75,10 +118,26 @@ where
     S: PassSummarizer,
     F: FnMut(Envelope),
 {
-    let started = Instant::now();
     let span =
         tracing::info_span!("sweep", conversation = %snap.conversation, job = %snap.job.job_id);
-    let _guard = span.enter();
+    // Instrumented rather than entered: an entered span guard held across
+    // awaits makes the future !Send, and a NATS worker spawns it.
+    sweep_in_span(snap, summarizer, deadline, &mut publish)
+        .instrument(span)
+        .await
+}
+
+async fn sweep_in_span<S, F>(
+    mut snap: SweepSnapshot,
+    summarizer: &S,
+    deadline: Duration,
+    publish: &mut F,
+) -> SweepEnded
+where
+    S: PassSummarizer,
+    F: FnMut(Envelope),
+{
+    let started = Instant::now();
     let issued_at = snap.job.issued_at;
     let logical_time = |started: Instant| logical_time(issued_at, started);
     let job_id = snap.job.job_id.clone();
@@ -93,6 +152,22 @@ where
         snap.job.max_calls.is_some_and(|max| spent.calls >= max)
             || snap.job.max_tokens.is_some_and(|max| spent.tokens >= max)
     };
+    let allowance = |spent: &Spend, snap: &SweepSnapshot| Allowance {
+        calls: snap
+            .job
+            .max_calls
+            .map(|max| max.saturating_sub(spent.calls)),
+        tokens: snap
+            .job
+            .max_tokens
+            .map(|max| max.saturating_sub(spent.tokens)),
+    };
+    let deadline_note = || {
+        format!(
+            "deadline of {} ms reached; the call in flight was cancelled",
+            deadline.as_millis()
+        )
+    };
     let mut stop = loop {
         if passes >= max_passes {
             break SweepStop::IterationCap;
@@ -103,16 +178,28 @@ where
         let Some(pass) = snap.next_pass() else {
             break SweepStop::Done;
         };
-        let remaining = deadline.saturating_sub(started.elapsed());
+        // A call started with no time left could reach the provider before
+        // it is cancelled: spend for nothing.
+        let Some(remaining) = deadline
+            .checked_sub(started.elapsed())
+            .filter(|r| !r.is_zero())
+        else {
+            detail = Some(format!("deadline of {} ms reached", deadline.as_millis()));
+            break SweepStop::Deadline;
+        };
         let request = snap.request(pass, false);
-        let result = tokio::time::timeout(remaining, summarizer.summarize(&request)).await;
+        let result = tokio::time::timeout(
+            remaining,
+            summarizer.summarize_within(&request, allowance(&spent, &snap)),
+        )
+        .await;
         passes += 1;
         match result {
             Err(_) => {
-                detail = Some(format!(
-                    "deadline of {} ms reached; the call in flight was cancelled",
-                    deadline.as_millis()
-                ));
+                // The timeout has dropped the pass: its calls are reported
+                // here or nowhere.
+                add(&mut spent, summarizer.take_cut_short_spend());
+                detail = Some(deadline_note());
                 break SweepStop::Deadline;
             }
             Ok(Err(PassError::RateLimited {
@@ -127,6 +214,11 @@ where
                 } else {
                     SweepStop::SpendLimit
                 };
+            }
+            Ok(Err(PassError::SpendLimit { spend })) => {
+                add(&mut spent, spend);
+                detail = Some("the spend-window allowance cannot pay for another call".into());
+                break SweepStop::SpendLimit;
             }
             Ok(Err(PassError::Failed { reason, spend })) => {
                 add(&mut spent, spend);
@@ -159,22 +251,41 @@ where
         stop = SweepStop::NoProgress;
         detail.get_or_insert_with(|| "nothing eligible outside the fresh tail".into());
     }
-    if let Some(req) = snap.rolling_request() {
+    // The rolling state is refreshed only with time and allowance left, and
+    // never after a rate limit or an auth failure (the same provider would
+    // refuse it).
+    let rolling_allowed = !over_budget(&spent, &snap)
+        && !matches!(stop, SweepStop::Deadline | SweepStop::Failed)
+        && retry_after_ms.is_none();
+    if let Some(req) = snap.rolling_request().filter(|_| rolling_allowed) {
         let remaining = deadline.saturating_sub(started.elapsed());
-        if let Ok(Ok((state, spend))) =
-            tokio::time::timeout(remaining, summarizer.rolling_state(&req)).await
-        {
-            add(&mut spent, spend);
-            publish(Envelope::new(
-                format!("rs_{job_id}"),
-                conversation.clone(),
-                logical_time(started),
-                EventBody::RollingStateUpdated(RollingStateUpdated {
-                    state,
-                    through_turn: snap.through_turn,
-                    job_id: Some(job_id.clone()),
-                }),
-            ));
+        if !remaining.is_zero() {
+            let result = tokio::time::timeout(
+                remaining,
+                summarizer.rolling_state_within(&req, allowance(&spent, &snap)),
+            )
+            .await;
+            match result {
+                Ok(Ok((state, spend))) => {
+                    add(&mut spent, spend);
+                    publish(Envelope::new(
+                        format!("rs_{job_id}"),
+                        conversation.clone(),
+                        logical_time(started),
+                        EventBody::RollingStateUpdated(RollingStateUpdated {
+                            state,
+                            through_turn: snap.through_turn,
+                            job_id: Some(job_id.clone()),
+                        }),
+                    ));
+                }
+                Ok(Err(
+                    PassError::RateLimited { spend, .. }
+                    | PassError::Failed { spend, .. }
+                    | PassError::SpendLimit { spend },
+                )) => add(&mut spent, spend),
+                Err(_) => add(&mut spent, summarizer.take_cut_short_spend()),
+            }
         }
     }
     metrics::counter!(m::SWEEPS_ENDED).increment(1);

@@ -11,6 +11,7 @@ use std::collections::{BTreeSet, HashMap};
 const POSITION_KEY: &[u8] = b"position";
 const POLICY_KEY: &[u8] = b"policy";
 const UNATTRIBUTED_KEY: &[u8] = b"unattributed_rejections";
+const GLOBAL_SPEND_KEY: &[u8] = b"global_spend";
 
 const KIND_TURN: u8 = 1;
 const KIND_SUMMARY: u8 = 2;
@@ -93,6 +94,9 @@ impl<B: KvBackend> StateStore<B> {
         let mut state = State::default();
         if let Some(b) = self.backend.get(Table::Meta, UNATTRIBUTED_KEY)? {
             state.unattributed_rejections = decode(&b, "unattributed rejections")?;
+        }
+        if let Some(b) = self.backend.get(Table::Meta, GLOBAL_SPEND_KEY)? {
+            state.spend = decode(&b, "global spend window")?;
         }
         for (key, head) in self.backend.scan_prefix(Table::Conversations, b"")? {
             let key = String::from_utf8(key).map_err(|e| StoreError::Corrupt {
@@ -209,6 +213,13 @@ impl<B: KvBackend> StateStore<B> {
             table: Table::Meta,
             key: UNATTRIBUTED_KEY.to_vec(),
             value: encode(&state.unattributed_rejections),
+        });
+        // Small (the sweeps of one window) and changed by any conversation's
+        // fold: written with every commit, atomically with the position.
+        writes.push(Write::Put {
+            table: Table::Meta,
+            key: GLOBAL_SPEND_KEY.to_vec(),
+            value: encode(&state.spend),
         });
         self.commits_since_flush += 1;
         let durable = self.commits_since_flush >= self.flush_every;

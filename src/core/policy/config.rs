@@ -92,6 +92,13 @@ pub struct PolicyConfig {
     pub summary_call_window_ms: u64,
     /// Backoff after a round that made no progress.
     pub summary_spend_backoff_ms: u64,
+    /// Spend window across all conversations of a partition: calls allowed
+    /// per window (unlimited when unset).
+    pub summary_max_calls_per_window_global: Option<u32>,
+    /// ...tokens allowed per window (unlimited when unset).
+    pub summary_max_tokens_per_window_global: Option<u64>,
+    /// ...money allowed per window, micro-dollars (unlimited when unset).
+    pub summary_max_cost_micros_per_window_global: Option<u64>,
 }
 
 impl Default for PolicyConfig {
@@ -139,6 +146,9 @@ impl Default for PolicyConfig {
             summary_max_cost_micros_per_window: None,
             summary_call_window_ms: 600_000,
             summary_spend_backoff_ms: 1_800_000,
+            summary_max_calls_per_window_global: None,
+            summary_max_tokens_per_window_global: None,
+            summary_max_cost_micros_per_window_global: None,
         }
     }
 }

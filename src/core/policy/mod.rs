@@ -124,6 +124,21 @@ pub trait PlanView {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
+    /// Most tokens the fresh tail may hold (see [`fresh_tail_start`]).
+    fn fresh_tail_cap(&self, cfg: &PolicyConfig) -> Option<u64> {
+        cfg.fresh_tail_max_tokens
+    }
+}
+
+/// Most tokens a conversation's fresh tail may hold: `fresh_tail_max_tokens`
+/// when set, else the compaction target, and never more than the budget.
+/// A tail larger than the target could never be compacted under it, and one
+/// larger than the budget would overflow every assembled context.
+pub fn fresh_tail_cap(conv: &Conversation, cfg: &PolicyConfig) -> u64 {
+    let levels = levels(conv, cfg);
+    cfg.fresh_tail_max_tokens
+        .unwrap_or(levels.target_tokens)
+        .min(levels.budget)
 }
 
 impl PlanView for [PlanItem] {
@@ -147,6 +162,9 @@ impl PlanView for Vec<PlanItem> {
 impl PlanView for Conversation {
     fn len(&self) -> usize {
         self.context.len()
+    }
+    fn fresh_tail_cap(&self, cfg: &PolicyConfig) -> Option<u64> {
+        Some(fresh_tail_cap(self, cfg))
     }
     fn item(&self, i: usize) -> PlanItem {
         match self.context[i] {
@@ -198,8 +216,8 @@ pub fn raw_start<V: PlanView + ?Sized>(items: &V) -> usize {
 }
 
 /// Where the fresh tail starts: the newest `fresh_tail_count` raw turns,
-/// capped by `fresh_tail_max_tokens`, always back to the newest user turn,
-/// and never inside a tool group.
+/// back to the newest user turn, within the view's token cap (at least one
+/// turn), and never inside a tool group.
 pub fn fresh_tail_start<V: PlanView + ?Sized>(items: &V, cfg: &PolicyConfig) -> usize {
     fresh_tail_start_with(items, cfg, true)
 }
@@ -214,6 +232,9 @@ pub fn fresh_tail_start_with<V: PlanView + ?Sized>(
     reach_back: bool,
 ) -> usize {
     let len = items.len();
+    let cap = items.fresh_tail_cap(cfg);
+    let over_cap =
+        |count: usize, tokens: u64, t: u64| count > 0 && cap.is_some_and(|c| tokens + t > c);
     let mut start = len;
     let mut count = 0usize;
     let mut tokens = 0u64;
@@ -226,10 +247,8 @@ pub fn fresh_tail_start_with<V: PlanView + ?Sized>(
         else {
             break;
         };
-        if let Some(cap) = cfg.fresh_tail_max_tokens {
-            if count > 0 && tokens + t > cap {
-                break;
-            }
+        if over_cap(count, tokens, t) {
+            break;
         }
         if role == Role::User && newest_user.is_none() {
             newest_user = Some(start - 1);
@@ -239,17 +258,24 @@ pub fn fresh_tail_start_with<V: PlanView + ?Sized>(
         tokens += t;
     }
     if newest_user.is_none() && reach_back {
-        // Reach further back to the newest user turn, if there is one.
+        // Reach further back to the newest user turn, if there is one and
+        // the cap allows: an agent's long tool loop after one request must
+        // not make the whole loop fresh.
         let mut i = start;
+        let mut reach = tokens;
         while i > 0 {
             match items.item(i - 1) {
+                PlanItem::Turn { tokens: t, .. } if over_cap(count, reach, t) => break,
                 PlanItem::Turn {
                     role: Role::User, ..
                 } => {
                     start = i - 1;
                     break;
                 }
-                PlanItem::Turn { .. } => i -= 1,
+                PlanItem::Turn { tokens: t, .. } => {
+                    reach += t;
+                    i -= 1;
+                }
                 PlanItem::Summary { .. } => break,
             }
         }
@@ -439,6 +465,29 @@ mod tests {
         ];
         let run = next_leaf_chunk(&items, &cfg, true).unwrap();
         assert_eq!((run.start, run.end, run.tokens), (0, 2, 1600));
+    }
+
+    #[test]
+    fn short_run_before_an_oversized_group_is_not_stuck() {
+        // The pi session's opening: a short user turn, then a tool group far
+        // above the chunk size. The chunk takes both rather than nothing.
+        let cfg = PolicyConfig {
+            fresh_tail_count: 2,
+            leaf_chunk_tokens: 20_000,
+            ..PolicyConfig::default()
+        };
+        let items = vec![
+            turn(0, Role::User, 159),
+            turn(1, Role::Assistant, 59),
+            turn(2, Role::Tool, 12_652),
+            turn(3, Role::Tool, 12_403),
+            turn(4, Role::Assistant, 51),
+            turn(5, Role::Tool, 5_980),
+            turn(6, Role::User, 10),
+            turn(7, Role::Assistant, 10),
+        ];
+        let run = next_leaf_chunk(&items, &cfg, false).unwrap();
+        assert_eq!((run.start, run.end, run.tokens), (0, 4, 25_273));
     }
 
     #[test]

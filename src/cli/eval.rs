@@ -1,0 +1,462 @@
+//! `contextfold eval`: the quality report. Each transcript runs through the
+//! embedded pipeline in memory, one event at a time, with the deterministic
+//! summarizer (or the model one when `[summarizer]` is configured). After
+//! every turn the context is assembled within the budget; at the end the
+//! report gives budget overflows (must be 0), compression per summary depth,
+//! the share of the source's opaque identifiers still in the assembled
+//! context, and what the summarizer spent.
+
+use anyhow::{Context, Result};
+use contextfold::config::Config;
+use contextfold::core::assembly::{self, Assembled, AssemblyRequest};
+use contextfold::core::event::{EventBody, SweepStop};
+use contextfold::core::identifiers;
+use contextfold::core::policy::PolicyConfig;
+use contextfold::core::state::{ContextItem, Conversation};
+use contextfold::import::{self, Format};
+use contextfold::log::memory::MemoryLog;
+use contextfold::log::EventLog;
+use contextfold::runtime::embedded::Pipeline;
+use contextfold::runtime::engine::Engine;
+use contextfold::runtime::llm_pass::LlmPass;
+use contextfold::runtime::sweep::{Deterministic, PassSummarizer};
+use contextfold::store::memory_backend::MemoryBackend;
+use serde::Serialize;
+use std::collections::{BTreeMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+/// Budget when `--budget` is not given.
+pub const DEFAULT_BUDGET: u64 = 32_000;
+
+/// Raw tokens under the summaries of one depth in the final context, and
+/// the summaries' own tokens.
+#[derive(Debug, Default, Clone, Copy, Serialize)]
+pub struct DepthCompression {
+    pub summaries: usize,
+    pub covered_tokens: u64,
+    pub summary_tokens: u64,
+    pub ratio: f64,
+}
+
+impl DepthCompression {
+    fn add(&mut self, other: &DepthCompression) {
+        self.summaries += other.summaries;
+        self.covered_tokens += other.covered_tokens;
+        self.summary_tokens += other.summary_tokens;
+        self.ratio = ratio(self.covered_tokens, self.summary_tokens);
+    }
+}
+
+fn ratio(covered: u64, summary: u64) -> f64 {
+    if summary == 0 {
+        1.0
+    } else {
+        covered as f64 / summary as f64
+    }
+}
+
+/// What the summarizer spent, from the `sweep_ended` events in the log.
+#[derive(Debug, Default, Clone, Serialize)]
+pub struct SweepSpend {
+    pub sweeps: u64,
+    pub calls: u64,
+    pub tokens: u64,
+    pub cost_micros: u64,
+    /// Sweeps by how they stopped (`done`, `deadline`, ...).
+    pub stops: BTreeMap<String, u64>,
+}
+
+/// The report of one transcript file.
+#[derive(Debug, Default, Clone, Serialize)]
+pub struct FileReport {
+    pub file: String,
+    pub format: String,
+    pub conversations: usize,
+    pub turns: u64,
+    pub raw_tokens: u64,
+    /// Context tokens at the end (what the fold holds for the agent).
+    pub context_tokens: u64,
+    /// Largest assembled context after any turn.
+    pub max_assembled_tokens: u64,
+    /// Tokens of the final assembled contexts.
+    pub final_assembled_tokens: u64,
+    /// Assemblies (one after every turn) larger than the budget.
+    pub overflows: u64,
+    pub assemblies: u64,
+    pub identifiers: u64,
+    pub identifiers_retained: u64,
+    pub identifier_retention: f64,
+    pub compression_by_depth: BTreeMap<u32, DepthCompression>,
+    pub compression_ratio: f64,
+    pub fallback_summaries: u64,
+    pub spend: SweepSpend,
+    pub seconds: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// Runs `contextfold eval`.
+pub fn eval(config: &Config, files: &[PathBuf], budget: u64, json: bool) -> Result<ExitCode> {
+    if budget == 0 {
+        anyhow::bail!("--budget must be at least 1 token");
+    }
+    let mut policy = config.policy.clone();
+    policy.default_context_window = budget;
+    policy.max_assembly_token_budget = Some(budget);
+    policy
+        .validate()
+        .context("the policy cannot work with this budget")?;
+    let summarizer_name = match &config.summarizer {
+        Some(s) => format!("llm {} at {}", s.model, s.base_url),
+        None => "deterministic".to_string(),
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let mut reports = Vec::new();
+    for file in files {
+        let started = Instant::now();
+        let result = rt.block_on(async {
+            match &config.summarizer {
+                Some(cfg) => {
+                    let pass = LlmPass::llm(cfg).context("building the model summarizer")?;
+                    eval_file(file, &policy, budget, pass).await
+                }
+                None => eval_file(file, &policy, budget, Deterministic).await,
+            }
+        });
+        let mut report = result.unwrap_or_else(|e| FileReport {
+            file: file.display().to_string(),
+            error: Some(format!("{e:#}")),
+            ..FileReport::default()
+        });
+        report.seconds = started.elapsed().as_secs_f64();
+        eprintln!(
+            "  {}: {} turns in {:.1}s",
+            report.file, report.turns, report.seconds
+        );
+        reports.push(report);
+    }
+    let total = totals(&reports);
+    if json {
+        let summary = serde_json::json!({
+            "budget": budget,
+            "summarizer": summarizer_name,
+            "files": reports,
+            "overflows": total.overflows,
+            "assemblies": total.assemblies,
+            "identifier_retention": total.identifier_retention,
+            "identifiers": total.identifiers,
+            "identifiers_retained": total.identifiers_retained,
+            "compression_ratio": total.compression_ratio,
+            "compression_by_depth": total.compression_by_depth,
+            "calls": total.spend.calls,
+            "tokens_spent": total.spend.tokens,
+            "cost_micros": total.spend.cost_micros,
+            "errors": reports.iter().filter(|r| r.error.is_some()).count(),
+        });
+        println!("{summary}");
+    } else {
+        print_table(&reports, &total, budget, &summarizer_name);
+    }
+    let failed = total.overflows > 0 || reports.iter().any(|r| r.error.is_some());
+    Ok(if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+/// One file through a fresh in-memory pipeline.
+async fn eval_file<S: PassSummarizer>(
+    file: &Path,
+    policy: &PolicyConfig,
+    budget: u64,
+    summarizer: S,
+) -> Result<FileReport> {
+    let conversations = import::import_file(file, Format::Auto)
+        .with_context(|| format!("importing {}", file.display()))?;
+    let engine = Engine::open(MemoryBackend::default(), policy.clone())?;
+    let mut p = Pipeline::open(MemoryLog::new(), engine, summarizer).await?;
+    let mut report = FileReport {
+        file: file.display().to_string(),
+        format: conversations
+            .first()
+            .map_or("-", |c| c.format.name())
+            .to_string(),
+        conversations: conversations.len(),
+        ..FileReport::default()
+    };
+    let request = AssemblyRequest {
+        budget: Some(budget),
+        prompt: None,
+    };
+    for event in conversations.iter().flat_map(|c| &c.events) {
+        p.ingest(std::slice::from_ref(event)).await?;
+        if !matches!(event.body, EventBody::TurnAppended(_)) {
+            continue;
+        }
+        let Some(conv) = p.engine.state.conversations.get(&event.conversation) else {
+            continue;
+        };
+        let out = assembly::assemble(conv, policy, &request);
+        report.assemblies += 1;
+        report.max_assembled_tokens = report.max_assembled_tokens.max(out.tokens);
+        if out.tokens > budget {
+            report.overflows += 1;
+        }
+    }
+    for imported in &conversations {
+        let Some(conv) = p.engine.state.conversations.get(&imported.conversation) else {
+            continue;
+        };
+        let out = assembly::assemble(conv, policy, &request);
+        report.final_assembled_tokens += out.tokens;
+        report.turns += conv.turns.len() as u64;
+        report.raw_tokens += conv.raw_tokens();
+        report.context_tokens += conv.context_tokens;
+        report.fallback_summaries += conv.summaries.iter().filter(|s| s.fallback).count() as u64;
+        let (ids, kept) = identifier_retention(conv, &out);
+        report.identifiers += ids;
+        report.identifiers_retained += kept;
+        for (depth, c) in compression_by_depth(conv) {
+            report
+                .compression_by_depth
+                .entry(depth)
+                .or_default()
+                .add(&c);
+        }
+    }
+    report.identifier_retention = share(report.identifiers_retained, report.identifiers);
+    report.compression_ratio = overall(&report.compression_by_depth);
+    report.spend = spend(&mut p.log).await?;
+    Ok(report)
+}
+
+fn share(part: u64, whole: u64) -> f64 {
+    if whole == 0 {
+        1.0
+    } else {
+        part as f64 / whole as f64
+    }
+}
+
+fn overall(by_depth: &BTreeMap<u32, DepthCompression>) -> f64 {
+    // Summaries in context never overlap, so their sums count each raw
+    // turn once.
+    let covered = by_depth.values().map(|c| c.covered_tokens).sum();
+    let tokens = by_depth.values().map(|c| c.summary_tokens).sum();
+    ratio(covered, tokens)
+}
+
+/// Raw turn tokens under the summaries in context, by depth. A summary
+/// replaced its turns' context tokens (a large payload's stub, not the
+/// payload), so that is what it is measured against.
+pub fn compression_by_depth(conv: &Conversation) -> BTreeMap<u32, DepthCompression> {
+    let mut out: BTreeMap<u32, DepthCompression> = BTreeMap::new();
+    for item in &conv.context {
+        let ContextItem::Summary(i) = item else {
+            continue;
+        };
+        let s = &conv.summaries[*i as usize];
+        let covered: u64 = conv
+            .turns
+            .get(s.first_turn as usize..=s.last_turn as usize)
+            .unwrap_or_default()
+            .iter()
+            .filter(|t| t.in_context)
+            .map(|t| t.context_tokens)
+            .sum();
+        let entry = out.entry(s.depth).or_default();
+        entry.add(&DepthCompression {
+            summaries: 1,
+            covered_tokens: covered,
+            summary_tokens: s.tokens,
+            ratio: 0.0,
+        });
+    }
+    out
+}
+
+/// The source's opaque identifiers (over every raw turn), and how many of
+/// them appear verbatim in the assembled context.
+pub fn identifier_retention(conv: &Conversation, assembled: &Assembled) -> (u64, u64) {
+    let mut ids: Vec<String> = Vec::new();
+    let mut seen = HashSet::new();
+    for turn in &conv.turns {
+        for id in identifiers::extract(&turn.body.message.searchable_text()) {
+            if seen.insert(id.clone()) {
+                ids.push(id);
+            }
+        }
+    }
+    let mut context = String::new();
+    for m in &assembled.messages {
+        context.push_str(&m.searchable_text());
+        context.push('\n');
+    }
+    let kept = ids
+        .iter()
+        .filter(|id| context.contains(id.as_str()))
+        .count();
+    (ids.len() as u64, kept as u64)
+}
+
+async fn spend(log: &mut MemoryLog) -> Result<SweepSpend> {
+    let mut out = SweepSpend::default();
+    let mut after = 0;
+    loop {
+        let records = log.read_after(after, 4096).await?;
+        if records.is_empty() {
+            return Ok(out);
+        }
+        for r in &records {
+            after = r.position;
+            let Ok(env) = contextfold::core::event::Envelope::decode(&r.bytes, r.encoding) else {
+                continue;
+            };
+            if let EventBody::SweepEnded(s) = &env.body {
+                out.sweeps += 1;
+                out.calls += s.calls as u64;
+                out.tokens += s.tokens_spent;
+                out.cost_micros += s.cost_micros;
+                *out.stops.entry(stop_name(s.stop).to_string()).or_default() += 1;
+            }
+        }
+    }
+}
+
+fn stop_name(stop: SweepStop) -> &'static str {
+    match stop {
+        SweepStop::Done => "done",
+        SweepStop::Deadline => "deadline",
+        SweepStop::IterationCap => "iteration_cap",
+        SweepStop::SpendLimit => "spend_limit",
+        SweepStop::NoProgress => "no_progress",
+        SweepStop::Failed => "failed",
+    }
+}
+
+fn totals(reports: &[FileReport]) -> FileReport {
+    let mut t = FileReport {
+        file: "total".into(),
+        ..FileReport::default()
+    };
+    for r in reports {
+        t.conversations += r.conversations;
+        t.turns += r.turns;
+        t.raw_tokens += r.raw_tokens;
+        t.context_tokens += r.context_tokens;
+        t.max_assembled_tokens = t.max_assembled_tokens.max(r.max_assembled_tokens);
+        t.final_assembled_tokens += r.final_assembled_tokens;
+        t.overflows += r.overflows;
+        t.assemblies += r.assemblies;
+        t.identifiers += r.identifiers;
+        t.identifiers_retained += r.identifiers_retained;
+        t.fallback_summaries += r.fallback_summaries;
+        for (d, c) in &r.compression_by_depth {
+            t.compression_by_depth.entry(*d).or_default().add(c);
+        }
+        t.spend.sweeps += r.spend.sweeps;
+        t.spend.calls += r.spend.calls;
+        t.spend.tokens += r.spend.tokens;
+        t.spend.cost_micros += r.spend.cost_micros;
+        for (k, n) in &r.spend.stops {
+            *t.spend.stops.entry(k.clone()).or_default() += n;
+        }
+        t.seconds += r.seconds;
+    }
+    t.identifier_retention = share(t.identifiers_retained, t.identifiers);
+    t.compression_ratio = overall(&t.compression_by_depth);
+    t
+}
+
+fn print_table(reports: &[FileReport], total: &FileReport, budget: u64, summarizer: &str) {
+    println!("contextfold eval: budget {budget} tokens, summarizer {summarizer}");
+    println!(
+        "{:<44} {:>5} {:>6} {:>10} {:>8} {:>9} {:>5} {:>10} {:>7} {:>7} {:>7} {:>6} {:>9}",
+        "file",
+        "convs",
+        "turns",
+        "raw tok",
+        "ctx tok",
+        "max asm",
+        "ovf",
+        "ids kept",
+        "d0",
+        "d1",
+        "d2+",
+        "calls",
+        "tokens"
+    );
+    for r in reports.iter().chain(std::iter::once(total)) {
+        if let Some(e) = &r.error {
+            println!("{:<44} error: {e}", short(&r.file));
+            continue;
+        }
+        let depth = |d: u32| {
+            r.compression_by_depth
+                .get(&d)
+                .map_or("-".to_string(), |c| format!("{:.1}x", c.ratio))
+        };
+        let mut deep = DepthCompression::default();
+        for (_, c) in r.compression_by_depth.range(2..) {
+            deep.add(c);
+        }
+        let deep = if deep.summaries == 0 {
+            "-".to_string()
+        } else {
+            format!("{:.1}x", deep.ratio)
+        };
+        println!(
+            "{:<44} {:>5} {:>6} {:>10} {:>8} {:>9} {:>5} {:>9.1}% {:>7} {:>7} {:>7} {:>6} {:>9}",
+            short(&r.file),
+            r.conversations,
+            r.turns,
+            r.raw_tokens,
+            r.context_tokens,
+            r.max_assembled_tokens,
+            r.overflows,
+            100.0 * r.identifier_retention,
+            depth(0),
+            depth(1),
+            deep,
+            r.spend.calls,
+            r.spend.tokens
+        );
+    }
+    println!(
+        "overall: {} overflows in {} assemblies; identifier retention {:.1}% ({}/{}); compression {:.1}x; {} fallback summaries; {} sweeps {:?}",
+        total.overflows,
+        total.assemblies,
+        100.0 * total.identifier_retention,
+        total.identifiers_retained,
+        total.identifiers,
+        total.compression_ratio,
+        total.fallback_summaries,
+        total.spend.sweeps,
+        total.spend.stops
+    );
+}
+
+/// The last two path components: enough to tell the transcripts apart.
+fn short(path: &str) -> String {
+    let parts: Vec<&str> = path.rsplit('/').take(2).collect();
+    let s = parts.into_iter().rev().collect::<Vec<_>>().join("/");
+    if s.chars().count() > 44 {
+        let tail: String = s
+            .chars()
+            .rev()
+            .take(43)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect();
+        format!("…{tail}")
+    } else {
+        s
+    }
+}

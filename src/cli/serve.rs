@@ -1,0 +1,124 @@
+//! `contextfold serve`: every role over NATS in one process (or the ones
+//! `--roles` names), until SIGTERM or SIGINT.
+
+use anyhow::{Context, Result};
+use clap::Args;
+use contextfold::config::Config;
+use contextfold::nats::serve::{shutdown_signal, Roles, ServeOptions, Service};
+use contextfold::nats::NatsConfig;
+use contextfold::runtime::sweep::Deterministic;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+/// How to reach NATS; each flag overrides `[nats.connection]`.
+#[derive(Debug, Clone, Args)]
+pub struct NatsArgs {
+    /// Server URL(s), repeatable or comma-separated
+    /// (`nats://a:4222,nats://b:4222`).
+    #[arg(long = "nats", value_name = "URL", value_delimiter = ',')]
+    pub servers: Vec<String>,
+    /// Credentials file (JWT + NKey seed).
+    #[arg(long, value_name = "FILE")]
+    pub creds: Option<PathBuf>,
+    /// NKey seed file.
+    #[arg(long, value_name = "FILE")]
+    pub nkey: Option<PathBuf>,
+    /// Require TLS.
+    #[arg(long)]
+    pub tls: bool,
+    /// CA certificate(s) to trust (PEM).
+    #[arg(long, value_name = "FILE")]
+    pub tls_ca: Option<PathBuf>,
+    /// Client certificate (PEM), with --tls-key.
+    #[arg(long, value_name = "FILE")]
+    pub tls_cert: Option<PathBuf>,
+    /// Client key (PEM), with --tls-cert.
+    #[arg(long, value_name = "FILE")]
+    pub tls_key: Option<PathBuf>,
+    /// Connection name shown by the server (also the stem of the lease
+    /// member id).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Subject prefix (default `[nats] prefix`, `cf`).
+    #[arg(long)]
+    pub prefix: Option<String>,
+}
+
+impl NatsArgs {
+    /// The configured `[nats]` section with these flags applied.
+    pub fn apply(&self, base: &NatsConfig) -> NatsConfig {
+        let mut cfg = base.clone();
+        let c = &mut cfg.connection;
+        if !self.servers.is_empty() {
+            c.servers = self.servers.clone();
+        }
+        if let Some(p) = &self.creds {
+            c.credentials_file = Some(p.clone());
+        }
+        if let Some(p) = &self.nkey {
+            c.nkey_seed_file = Some(p.clone());
+        }
+        if self.tls {
+            c.tls.require_tls = true;
+        }
+        if let Some(p) = &self.tls_ca {
+            c.tls.root_ca = Some(p.clone());
+        }
+        if let Some(p) = &self.tls_cert {
+            c.tls.client_cert = Some(p.clone());
+        }
+        if let Some(p) = &self.tls_key {
+            c.tls.client_key = Some(p.clone());
+        }
+        if let Some(n) = &self.name {
+            c.name = Some(n.clone());
+        }
+        if let Some(p) = &self.prefix {
+            cfg.prefix = p.clone();
+        }
+        cfg
+    }
+}
+
+pub fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+pub fn serve(
+    config: &Config,
+    nats: &NatsArgs,
+    roles: Roles,
+    concurrency: Option<usize>,
+) -> Result<ExitCode> {
+    let mut opts = ServeOptions::new(nats.apply(&config.nats), config.data_dir.clone());
+    opts.roles = roles;
+    opts.policy = config.policy.clone();
+    opts.flush_every = config.store.flush_every;
+    if let Some(n) = concurrency {
+        opts.summarizer.concurrency = n.max(1);
+    }
+    let servers = opts.nats.connection.servers.join(",");
+    runtime()?.block_on(async {
+        let service = Service::start(opts, Arc::new(Deterministic))
+            .await
+            .with_context(|| format!("starting contextfold serve against {servers}"))?;
+        eprintln!(
+            "contextfold serve: roles {} on nats-server {} at {servers}{}; Ctrl-C or SIGTERM stops",
+            service.roles(),
+            service.server_version(),
+            service
+                .member_id()
+                .map(|m| format!(" as member {m}"))
+                .unwrap_or_default()
+        );
+        shutdown_signal().await;
+        eprintln!("contextfold serve: stopping (finishing in-flight work, releasing leases)");
+        service.shutdown().await;
+        eprintln!("contextfold serve: stopped");
+        Ok(ExitCode::SUCCESS)
+    })
+}

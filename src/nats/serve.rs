@@ -1,0 +1,405 @@
+//! `contextfold serve`: the roles of one process, started together over one
+//! NATS connection and stopped together.
+//!
+//! Start: connect (several URLs, credentials, NKey, TLS, name: see
+//! [`NatsOptions`](crate::nats::NatsOptions)), refuse a server too old or
+//! without JetStream, create or validate the streams, buckets and shared
+//! consumers, then start the roles asked for:
+//!
+//! - `folder`: join the partition leases and fold every held partition into
+//!   its own state store under `<data>/nats/<prefix>/partition-<p>.redb`;
+//! - `summarizer`: run compaction jobs from the work queue;
+//! - `api`: answer requests from the state of held partitions (the service
+//!   itself lives in `crate::api`; see the hook in [`Service::start`]).
+//!
+//! Graceful stop ([`Service::shutdown`], on SIGTERM or SIGINT in the CLI):
+//! summarizers stop pulling and finish or hand back the job they hold,
+//! folders finish their batch (commit, then ack), and only then the leases
+//! are released, so the next owner starts from a committed position.
+
+use crate::core::policy::PolicyConfig;
+use crate::nats::config::NatsConfig;
+use crate::nats::folder::{EngineFactory, EngineMap, FolderRole, FolderSettings};
+use crate::nats::leases::{generate_member_id, LeaseRunner, LeaseSettings, PartitionLeases};
+use crate::nats::setup::{ensure, Infrastructure};
+use crate::nats::summarizer_role::{SummarizerCounters, SummarizerRole, SummarizerSettings};
+use crate::nats::version::ServerVersion;
+use crate::nats::NatsError;
+use crate::runtime::engine::Engine;
+use crate::runtime::sweep::PassSummarizer;
+use crate::store::redb_backend::RedbBackend;
+use crate::store::StoreError;
+use async_nats::jetstream;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+/// Which roles a process runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Roles {
+    pub folder: bool,
+    pub summarizer: bool,
+    pub api: bool,
+}
+
+impl Default for Roles {
+    /// Every role, as a single process deployment wants.
+    fn default() -> Self {
+        Roles {
+            folder: true,
+            summarizer: true,
+            api: true,
+        }
+    }
+}
+
+impl FromStr for Roles {
+    type Err = String;
+
+    /// `folder,summarizer,api` (any subset, comma-separated) or `all`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let mut roles = Roles {
+            folder: false,
+            summarizer: false,
+            api: false,
+        };
+        for name in s.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            match name {
+                "all" => roles = Roles::default(),
+                "folder" => roles.folder = true,
+                "summarizer" => roles.summarizer = true,
+                "api" => roles.api = true,
+                other => {
+                    return Err(format!(
+                        "unknown role {other:?}: use folder, summarizer, api (comma-separated) \
+                         or all"
+                    ))
+                }
+            }
+        }
+        if !(roles.folder || roles.summarizer || roles.api) {
+            return Err("no role given: use folder, summarizer, api or all".to_string());
+        }
+        Ok(roles)
+    }
+}
+
+impl fmt::Display for Roles {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let names: Vec<&str> = [
+            (self.folder, "folder"),
+            (self.summarizer, "summarizer"),
+            (self.api, "api"),
+        ]
+        .iter()
+        .filter(|(on, _)| *on)
+        .map(|(_, n)| *n)
+        .collect();
+        f.write_str(&names.join(","))
+    }
+}
+
+/// Everything `serve` needs to start.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    pub nats: NatsConfig,
+    pub roles: Roles,
+    /// State stores live under `<data_dir>/nats/<prefix>/`.
+    pub data_dir: PathBuf,
+    pub policy: PolicyConfig,
+    /// Make every N-th state commit durable (the `[store]` setting).
+    pub flush_every: u32,
+    /// Stem of the lease member id (`<name>-<pid>-<random>`); defaults to
+    /// the connection name, else `contextfold`.
+    pub member_name: Option<String>,
+    pub folder: FolderSettings,
+    pub summarizer: SummarizerSettings,
+}
+
+impl ServeOptions {
+    /// Defaults for everything but the NATS settings and data directory;
+    /// summarizer timing follows the job consumer of `nats`.
+    pub fn new(nats: NatsConfig, data_dir: impl Into<PathBuf>) -> Self {
+        let summarizer = SummarizerSettings::from_config(&nats);
+        ServeOptions {
+            nats,
+            roles: Roles::default(),
+            data_dir: data_dir.into(),
+            policy: PolicyConfig::default(),
+            flush_every: 1,
+            member_name: None,
+            folder: FolderSettings::default(),
+            summarizer,
+        }
+    }
+
+    /// Where this prefix's partition state stores live.
+    pub fn state_dir(&self) -> PathBuf {
+        self.data_dir.join("nats").join(&self.nats.prefix)
+    }
+}
+
+/// Why `serve` could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Nats(#[from] NatsError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("cannot create the state directory {path}: {source}")]
+    StateDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A redb state store per partition under `dir`.
+pub fn redb_engines(
+    dir: &Path,
+    policy: PolicyConfig,
+    flush_every: u32,
+) -> EngineFactory<RedbBackend> {
+    let dir = dir.to_path_buf();
+    Arc::new(move |p| {
+        let backend = RedbBackend::open(&dir.join(format!("partition-{p}.redb")))?;
+        let mut engine = Engine::open(backend, policy.clone())?;
+        engine.set_flush_every(flush_every);
+        Ok(engine)
+    })
+}
+
+/// A running `serve` process.
+pub struct Service {
+    client: async_nats::Client,
+    server_version: ServerVersion,
+    infra: Infrastructure,
+    roles: Roles,
+    stop: watch::Sender<bool>,
+    leases: Option<LeaseRunner>,
+    engines: Option<EngineMap<RedbBackend>>,
+    folder: Option<JoinHandle<()>>,
+    summarizer: Option<JoinHandle<()>>,
+    summarizer_counters: Option<Arc<SummarizerCounters>>,
+    api: Option<JoinHandle<()>>,
+}
+
+impl Service {
+    /// Connects, sets up JetStream and starts the roles of `opts.roles`.
+    pub async fn start<S: PassSummarizer + 'static>(
+        opts: ServeOptions,
+        summarizer: Arc<S>,
+    ) -> Result<Service, ServeError> {
+        opts.nats.validate()?;
+        let (client, server_version) = opts.nats.connection.connect().await?;
+        let js = jetstream::new(client.clone());
+        let infra = ensure(&js, &opts.nats).await?;
+        tracing::info!(
+            server = %server_version,
+            roles = %opts.roles,
+            prefix = %opts.nats.prefix,
+            "contextfold serve: JetStream ready"
+        );
+        let (stop, stop_rx) = watch::channel(false);
+
+        let mut leases = None;
+        let mut engines = None;
+        let mut folder = None;
+        // The API answers from the engines of held partitions, so it needs
+        // the folder's leases too.
+        if opts.roles.folder || opts.roles.api {
+            let dir = opts.state_dir();
+            std::fs::create_dir_all(&dir).map_err(|source| ServeError::StateDir {
+                path: dir.clone(),
+                source,
+            })?;
+            let name = opts
+                .member_name
+                .clone()
+                .or_else(|| opts.nats.connection.name.clone())
+                .unwrap_or_else(|| "contextfold".to_string());
+            let mut runner = PartitionLeases::new(
+                infra.leases.clone(),
+                generate_member_id(&name),
+                LeaseSettings::from_config(&opts.nats),
+            )?
+            .spawn();
+            let events = runner.take_events();
+            let role = FolderRole::new(
+                js.clone(),
+                &infra,
+                redb_engines(&dir, opts.policy.clone(), opts.flush_every),
+                opts.folder.clone(),
+            );
+            engines = Some(role.engines());
+            folder = Some(tokio::spawn(role.run(events, stop_rx.clone())));
+            tracing::info!(member = runner.member_id(), state = %dir.display(), "folder role started");
+            leases = Some(runner);
+        }
+
+        let mut summarizer_task = None;
+        let mut summarizer_counters = None;
+        if opts.roles.summarizer {
+            let role = SummarizerRole::new(js.clone(), &infra, summarizer, opts.summarizer.clone())
+                .await?;
+            summarizer_counters = Some(role.counters());
+            summarizer_task = Some(tokio::spawn(role.run(stop_rx.clone())));
+            tracing::info!(
+                concurrency = opts.summarizer.concurrency,
+                "summarizer role started"
+            );
+        }
+
+        // ── API HOOK ─────────────────────────────────────────────────────
+        // The request/reply service (src/api/nats_service.rs, another
+        // branch) starts here when `opts.roles.api`: hand it `client`,
+        // `infra.subjects`, a `StateView` over `engines` (the partitions
+        // this process folds) and `stop_rx` for graceful shutdown, and keep
+        // its JoinHandle in `api` so `shutdown` waits for it:
+        //
+        //     api = Some(tokio::spawn(crate::api::nats_service::run(
+        //         client.clone(), infra.subjects.clone(),
+        //         EngineView(engines.clone()), stop_rx.clone())));
+        let api: Option<JoinHandle<()>> = None;
+        if opts.roles.api {
+            tracing::warn!("api role requested, but this build has no API service yet");
+        }
+        // ─────────────────────────────────────────────────────────────────
+
+        Ok(Service {
+            client,
+            server_version,
+            infra,
+            roles: opts.roles,
+            stop,
+            leases,
+            engines,
+            folder,
+            summarizer: summarizer_task,
+            summarizer_counters,
+            api,
+        })
+    }
+
+    pub fn client(&self) -> &async_nats::Client {
+        &self.client
+    }
+
+    pub fn server_version(&self) -> ServerVersion {
+        self.server_version
+    }
+
+    pub fn infrastructure(&self) -> &Infrastructure {
+        &self.infra
+    }
+
+    pub fn roles(&self) -> Roles {
+        self.roles
+    }
+
+    /// The lease member id, when folding.
+    pub fn member_id(&self) -> Option<&str> {
+        self.leases.as_ref().map(LeaseRunner::member_id)
+    }
+
+    /// The engines of the partitions folded here right now (for answering
+    /// requests), when folding.
+    pub fn engines(&self) -> Option<EngineMap<RedbBackend>> {
+        self.engines.clone()
+    }
+
+    pub fn summarizer_counters(&self) -> Option<Arc<SummarizerCounters>> {
+        self.summarizer_counters.clone()
+    }
+
+    /// Graceful stop: stop pulling, finish or hand back in-flight jobs,
+    /// commit and ack the batches being folded, then release the leases.
+    pub async fn shutdown(mut self) {
+        tracing::info!("contextfold serve: shutting down");
+        let _ = self.stop.send(true);
+        for task in [self.summarizer.take(), self.api.take(), self.folder.take()]
+            .into_iter()
+            .flatten()
+        {
+            let _ = task.await;
+        }
+        if let Some(leases) = self.leases.take() {
+            leases.stop().await;
+        }
+        // Publishes and acks still buffered in the client go out first.
+        let _ = tokio::time::timeout(Duration::from_secs(5), self.client.flush()).await;
+        tracing::info!("contextfold serve: stopped");
+    }
+
+    /// Stops at once without releasing anything, as `kill -9` would (for
+    /// tests): leases expire, unacked jobs and events are redelivered.
+    pub fn abort(mut self) {
+        for task in [self.summarizer.take(), self.api.take(), self.folder.take()]
+            .into_iter()
+            .flatten()
+        {
+            task.abort();
+        }
+        if let Some(leases) = self.leases.take() {
+            leases.abort();
+        }
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        for task in [self.summarizer.take(), self.api.take(), self.folder.take()]
+            .into_iter()
+            .flatten()
+        {
+            task.abort();
+        }
+        if let Some(leases) = self.leases.take() {
+            leases.abort();
+        }
+    }
+}
+
+/// Resolves on SIGTERM or SIGINT (Ctrl-C).
+pub async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(e) => {
+                tracing::warn!("cannot listen for SIGTERM ({e}); stopping on Ctrl-C only");
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn roles_parse_subsets_and_refuse_unknown_names() {
+        assert_eq!("all".parse::<Roles>().unwrap(), Roles::default());
+        let r: Roles = "folder, summarizer".parse().unwrap();
+        assert!(r.folder && r.summarizer && !r.api);
+        assert_eq!(r.to_string(), "folder,summarizer");
+        let err = "folder,sumarizer".parse::<Roles>().unwrap_err();
+        assert!(err.contains("sumarizer"), "{err}");
+        assert!("".parse::<Roles>().is_err());
+    }
+}

@@ -1,0 +1,551 @@
+//! The summarizer role: stateless workers that take compaction jobs from the
+//! work queue (`cf.job.*`, through the durable consumer `cf_summarizers`
+//! that every process shares), run the sweep and publish what it produced.
+//!
+//! Per job:
+//!
+//! 1. decode the [`JobMessage`] and fetch its snapshot (inline, or from the
+//!    object store);
+//! 2. run [`run_sweep`] under the job's deadline, sending an in-progress
+//!    acknowledgement every `progress_every` so the server does not hand the
+//!    job to another worker while this one is working;
+//! 3. publish each produced event (summaries, rolling state, last the
+//!    `sweep_ended`) to the conversation's inbound subject, where the folder
+//!    consumes it, with the event id as `Nats-Msg-Id`, and wait until the
+//!    stream stored them;
+//! 4. acknowledge the job.
+//!
+//! A job that cannot run now (rate limited or spend window closed before
+//! any pass committed: `SweepEnded.retry_after_ms`) is negatively
+//! acknowledged with that delay and nothing is published; the worker moves
+//! on instead of sleeping. A crash anywhere leaves the job unacknowledged:
+//! the server redelivers it after `ack_wait`, and the rerun publishes the
+//! same event ids, which the server (dedup window) or the fold (by id)
+//! drops.
+//!
+//! The delivery numbered `job_max_deliver` is not run: the job goes to the
+//! dead-letter subject `cf.dead.<conv>` with the reason, a `sweep_ended`
+//! (stop `failed`) is published so the folder can issue the next job, and
+//! the job is acknowledged. Counting the dead-lettering delivery itself
+//! means a job whose every worker died still ends somewhere (the server
+//! never delivers a job more than `max_deliver` times).
+
+use crate::core::event::{Encoding, Envelope, EventBody, SweepEnded, SweepStop};
+use crate::nats::event_log::event_headers;
+use crate::nats::jobs::JobMessage;
+use crate::nats::setup::Infrastructure;
+use crate::nats::subjects::Subjects;
+use crate::nats::NatsError;
+use crate::runtime::sweep::{run_sweep, PassSummarizer};
+use async_nats::jetstream::consumer::{pull, PullConsumer};
+use async_nats::jetstream::context::PublishAckFuture;
+use async_nats::jetstream::message::AckKind;
+use async_nats::jetstream::object_store::ObjectStore;
+use async_nats::jetstream::{self, Context};
+use futures::StreamExt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{mpsc, watch};
+
+/// Header naming why a job was dead-lettered.
+pub const DEAD_REASON_HEADER: &str = "Contextfold-Dead-Reason";
+/// Header with the number of deliveries a dead-lettered job had.
+pub const DEAD_DELIVERIES_HEADER: &str = "Contextfold-Deliveries";
+/// Header with the id of a dead-lettered job.
+pub const DEAD_JOB_HEADER: &str = "Contextfold-Job-Id";
+
+/// Tuning of the summarizer role.
+#[derive(Debug, Clone)]
+pub struct SummarizerSettings {
+    /// Jobs worked on at once by this process. Default 4.
+    pub concurrency: usize,
+    /// Interval of in-progress acknowledgements; well below the consumer's
+    /// `ack_wait`. Default 10 s (a third of the default `job_ack_wait_ms`).
+    pub progress_every: Duration,
+    /// Deliveries after which a job is dead-lettered (the consumer's
+    /// `max_deliver`, `job_max_deliver`). Default 5.
+    pub max_deliver: i64,
+    /// How long one pull waits for a job before checking for shutdown.
+    /// Default 1 s.
+    pub poll: Duration,
+    /// On shutdown, how long a job in flight may still run before it is
+    /// handed back (NAK without delay). Default 10 s.
+    pub shutdown_grace: Duration,
+    /// First delay before retrying after an error; doubles up to 5 s.
+    pub retry_backoff: Duration,
+}
+
+impl Default for SummarizerSettings {
+    fn default() -> Self {
+        SummarizerSettings {
+            concurrency: 4,
+            progress_every: Duration::from_secs(10),
+            max_deliver: 5,
+            poll: Duration::from_secs(1),
+            shutdown_grace: Duration::from_secs(10),
+            retry_backoff: Duration::from_millis(200),
+        }
+    }
+}
+
+impl SummarizerSettings {
+    /// Settings matching the consumer of `cfg` (ack wait, max deliver).
+    pub fn from_config(cfg: &crate::nats::NatsConfig) -> Self {
+        SummarizerSettings {
+            progress_every: Duration::from_millis((cfg.job_ack_wait_ms / 3).max(100)),
+            max_deliver: cfg.job_max_deliver,
+            ..SummarizerSettings::default()
+        }
+    }
+}
+
+/// What happened to one delivered job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JobOutcome {
+    /// Ran; its events are stored and the job acknowledged.
+    Done { job_id: String, stop: SweepStop },
+    /// Could not run now; handed back to run again after the delay.
+    Deferred { job_id: String, delay: Duration },
+    /// Sent to the dead-letter subject with the reason.
+    DeadLettered { job_id: String, reason: String },
+    /// Shutdown came first; handed back without delay.
+    Returned { job_id: String },
+}
+
+/// Counters of one process's summarizer role.
+#[derive(Debug, Default)]
+pub struct SummarizerCounters {
+    pub done: AtomicU64,
+    pub deferred: AtomicU64,
+    pub dead_lettered: AtomicU64,
+    pub returned: AtomicU64,
+    pub progress_acks: AtomicU64,
+}
+
+/// The summarizer role of one process.
+pub struct SummarizerRole<S: PassSummarizer + 'static> {
+    js: Context,
+    subjects: Subjects,
+    payloads: ObjectStore,
+    consumer: PullConsumer,
+    summarizer: Arc<S>,
+    settings: SummarizerSettings,
+    counters: Arc<SummarizerCounters>,
+    outcomes: Option<mpsc::UnboundedSender<JobOutcome>>,
+}
+
+impl<S: PassSummarizer + 'static> Clone for SummarizerRole<S> {
+    fn clone(&self) -> Self {
+        SummarizerRole {
+            js: self.js.clone(),
+            subjects: self.subjects.clone(),
+            payloads: self.payloads.clone(),
+            consumer: self.consumer.clone(),
+            summarizer: self.summarizer.clone(),
+            settings: self.settings.clone(),
+            counters: self.counters.clone(),
+            outcomes: self.outcomes.clone(),
+        }
+    }
+}
+
+/// How running a job ended (acknowledgement aside).
+enum Ran {
+    /// Events stored and the job acknowledged.
+    Done(SweepStop),
+    /// Nothing could run now; nothing published, not yet acknowledged.
+    Deferred(Duration),
+    /// Shutdown grace ran out; handed back.
+    Returned,
+}
+
+/// Waits out the shutdown grace, if one started.
+async fn until(grace: &mut Option<std::pin::Pin<Box<tokio::time::Sleep>>>) {
+    match grace {
+        Some(sleep) => sleep.await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Why a job could not be run at all (it will be dead-lettered at its last
+/// delivery, retried before).
+#[derive(Debug, thiserror::Error)]
+enum Unrunnable {
+    #[error("{0}")]
+    Bad(String),
+}
+
+impl<S: PassSummarizer + 'static> SummarizerRole<S> {
+    /// Binds to the shared summarizer consumer that `setup::ensure` created.
+    pub async fn new(
+        js: Context,
+        infra: &Infrastructure,
+        summarizer: Arc<S>,
+        settings: SummarizerSettings,
+    ) -> Result<Self, NatsError> {
+        let name = infra.subjects.summarizer_consumer();
+        let consumer: PullConsumer = infra
+            .jobs
+            .get_consumer::<pull::Config>(&name)
+            .await
+            .map_err(|e| NatsError::js(format!("looking up consumer {name}"), e))?;
+        Ok(SummarizerRole {
+            js,
+            subjects: infra.subjects.clone(),
+            payloads: infra.payloads.clone(),
+            consumer,
+            summarizer,
+            settings,
+            counters: Arc::new(SummarizerCounters::default()),
+            outcomes: None,
+        })
+    }
+
+    /// Reports every job outcome on the returned channel (tests, metrics).
+    pub fn watch_outcomes(&mut self) -> mpsc::UnboundedReceiver<JobOutcome> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.outcomes = Some(tx);
+        rx
+    }
+
+    pub fn counters(&self) -> Arc<SummarizerCounters> {
+        self.counters.clone()
+    }
+
+    /// Runs `concurrency` workers until `shutdown` turns true; each stops
+    /// pulling, then finishes (or hands back) the job it holds.
+    pub async fn run(self, shutdown: watch::Receiver<bool>) {
+        let workers: Vec<_> = (0..self.settings.concurrency.max(1))
+            .map(|i| tokio::spawn(self.clone().worker(i, shutdown.clone())))
+            .collect();
+        for w in workers {
+            let _ = w.await;
+        }
+    }
+
+    async fn worker(self, index: usize, mut shutdown: watch::Receiver<bool>) {
+        tracing::debug!(worker = index, "summarizer worker started");
+        let mut backoff = self.settings.retry_backoff;
+        while !*shutdown.borrow() {
+            match self.next_job().await {
+                Ok(Some(message)) => {
+                    backoff = self.settings.retry_backoff;
+                    let outcome = self.handle(message, &mut shutdown).await;
+                    self.record(outcome);
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(worker = index, "pulling a job failed, retrying: {e}");
+                    tokio::select! {
+                        _ = shutdown.changed() => {}
+                        _ = tokio::time::sleep(backoff) => {}
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+        tracing::debug!(worker = index, "summarizer worker stopped");
+    }
+
+    /// One job, or none within the poll interval. Pulling one at a time
+    /// means a stopping worker never holds jobs it has not started.
+    async fn next_job(&self) -> Result<Option<jetstream::Message>, NatsError> {
+        let mut batch = self
+            .consumer
+            .batch()
+            .max_messages(1)
+            .expires(self.settings.poll)
+            .messages()
+            .await
+            .map_err(|e| NatsError::js("pulling a job", e))?;
+        match batch.next().await {
+            None => Ok(None),
+            Some(Ok(m)) => Ok(Some(m)),
+            Some(Err(e)) => Err(NatsError::js("pulling a job", e)),
+        }
+    }
+
+    fn record(&self, outcome: Result<JobOutcome, NatsError>) {
+        let outcome = match outcome {
+            Ok(o) => o,
+            Err(e) => {
+                // Unacknowledged: the server redelivers after ack_wait.
+                tracing::warn!("job left for redelivery: {e}");
+                return;
+            }
+        };
+        let c = &self.counters;
+        match &outcome {
+            JobOutcome::Done { .. } => c.done.fetch_add(1, Ordering::Relaxed),
+            JobOutcome::Deferred { .. } => c.deferred.fetch_add(1, Ordering::Relaxed),
+            JobOutcome::DeadLettered { .. } => c.dead_lettered.fetch_add(1, Ordering::Relaxed),
+            JobOutcome::Returned { .. } => c.returned.fetch_add(1, Ordering::Relaxed),
+        };
+        if let Some(tx) = &self.outcomes {
+            let _ = tx.send(outcome);
+        }
+    }
+
+    async fn handle(
+        &self,
+        message: jetstream::Message,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> Result<JobOutcome, NatsError> {
+        let delivered = message
+            .info()
+            .map_err(|e| NatsError::js("reading job metadata", e))?
+            .delivered;
+        let job = match JobMessage::decode(&message.payload) {
+            Ok(job) => job,
+            Err(e) => {
+                // Undecodable bytes never become runnable: dead-letter now.
+                let reason = format!("undecodable job: {e}");
+                return self.dead_letter(&message, None, delivered, reason).await;
+            }
+        };
+        let max = self.settings.max_deliver;
+        if max > 1 && delivered >= max {
+            let reason = format!(
+                "delivered {delivered} times without completing (workers died, timed out or \
+                 were deferred each time)"
+            );
+            return self
+                .dead_letter(&message, Some(&job), delivered, reason)
+                .await;
+        }
+        let job_id = job.job_id.clone();
+        match self.run_job(&message, &job, shutdown).await {
+            Ok(Ran::Done(stop)) => Ok(JobOutcome::Done { job_id, stop }),
+            Ok(Ran::Returned) => Ok(JobOutcome::Returned { job_id }),
+            Ok(Ran::Deferred(delay)) if delivered >= max => {
+                let reason = format!(
+                    "could not run by its last delivery (last: retry after {} ms)",
+                    delay.as_millis()
+                );
+                self.dead_letter(&message, Some(&job), delivered, reason)
+                    .await
+            }
+            Ok(Ran::Deferred(delay)) => {
+                let _ = message.ack_with(AckKind::Nak(Some(delay))).await;
+                Ok(JobOutcome::Deferred { job_id, delay })
+            }
+            Err(Unrunnable::Bad(reason)) if delivered >= max => {
+                self.dead_letter(&message, Some(&job), delivered, reason)
+                    .await
+            }
+            Err(Unrunnable::Bad(reason)) => {
+                // Maybe transient (the object store was unreachable): hand
+                // it back for another try.
+                tracing::warn!(job = %job_id, "job could not run, retrying later: {reason}");
+                let delay = self.settings.retry_backoff.max(Duration::from_secs(1));
+                let _ = message.ack_with(AckKind::Nak(Some(delay))).await;
+                Ok(JobOutcome::Deferred { job_id, delay })
+            }
+        }
+    }
+
+    async fn run_job(
+        &self,
+        message: &jetstream::Message,
+        job: &JobMessage,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> Result<Ran, Unrunnable> {
+        let snapshot = job
+            .snapshot(&self.payloads)
+            .await
+            .map_err(|e| Unrunnable::Bad(e.to_string()))?;
+        if snapshot.job.job_id != job.job_id || snapshot.conversation != job.conversation {
+            return Err(Unrunnable::Bad(format!(
+                "job {} carries the snapshot of job {} of {:?}",
+                job.job_id, snapshot.job.job_id, snapshot.conversation
+            )));
+        }
+        let deadline = Duration::from_millis(snapshot.job.deadline_ms.max(1));
+
+        // Events go out as soon as the sweep commits them, so a worker
+        // dying mid-sweep loses nothing committed; the sweep_ended is held
+        // back until it is known whether the job is deferred instead.
+        let (tx, mut rx) = mpsc::unbounded_channel::<Envelope>();
+        let mut ended_event = None;
+        let sweep = run_sweep(snapshot, self.summarizer.as_ref(), deadline, |e| {
+            if matches!(e.body, EventBody::SweepEnded(_)) {
+                ended_event = Some(e);
+            } else {
+                let _ = tx.send(e);
+            }
+        });
+        let mut sweep = Box::pin(sweep);
+        let mut pending: Vec<PublishAckFuture> = Vec::new();
+        let mut publish_error = None;
+        let mut progress = tokio::time::interval(self.settings.progress_every);
+        progress.tick().await;
+        let mut grace: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
+        let ended: SweepEnded = loop {
+            tokio::select! {
+                ended = &mut sweep => break ended,
+                Some(e) = rx.recv() => {
+                    match self.publish_event(&e).await {
+                        Ok(ack) => pending.push(ack),
+                        Err(err) => publish_error = Some(err),
+                    }
+                }
+                _ = progress.tick() => {
+                    if message.ack_with(AckKind::Progress).await.is_ok() {
+                        self.counters.progress_acks.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                changed = shutdown.changed(), if grace.is_none() => {
+                    if changed.is_err() || *shutdown.borrow() {
+                        grace = Some(Box::pin(tokio::time::sleep(self.settings.shutdown_grace)));
+                    }
+                }
+                _ = until(&mut grace), if grace.is_some() => {
+                    // Out of grace: whatever was committed stays published;
+                    // another worker reruns the rest.
+                    drop(sweep);
+                    while let Ok(e) = rx.try_recv() {
+                        if let Ok(ack) = self.publish_event(&e).await {
+                            pending.push(ack);
+                        }
+                    }
+                    for ack in pending {
+                        let _ = ack.await;
+                    }
+                    let _ = message.ack_with(AckKind::Nak(None)).await;
+                    return Ok(Ran::Returned);
+                }
+            }
+        };
+        drop(sweep);
+        let deferred = ended.committed == 0 && ended.retry_after_ms.is_some();
+        if !deferred {
+            if let Some(e) = ended_event.take() {
+                let _ = tx.send(e);
+            }
+        }
+        drop(tx);
+        while let Some(e) = rx.recv().await {
+            match self.publish_event(&e).await {
+                Ok(ack) => pending.push(ack),
+                Err(err) => publish_error = Some(err),
+            }
+        }
+        for ack in pending {
+            if let Err(e) = ack.await {
+                publish_error = Some(NatsError::js("waiting for the stream to store an event", e));
+            }
+        }
+        if let Some(e) = publish_error {
+            // Not acknowledged: redelivered after ack_wait and rerun; what
+            // was stored is deduplicated.
+            return Err(Unrunnable::Bad(format!(
+                "publishing the results failed: {e}"
+            )));
+        }
+        if deferred {
+            return Ok(Ran::Deferred(Duration::from_millis(
+                ended.retry_after_ms.unwrap_or(0),
+            )));
+        }
+        // A lost ack means one redelivery, whose events are dropped as
+        // duplicates.
+        if let Err(e) = message.double_ack().await {
+            tracing::debug!(job = %job.job_id, "job ack not confirmed: {e}");
+        }
+        Ok(Ran::Done(ended.stop))
+    }
+
+    async fn publish_event(&self, e: &Envelope) -> Result<PublishAckFuture, NatsError> {
+        let subject = self.subjects.inbound(&e.conversation)?;
+        self.js
+            .publish_with_headers(
+                subject,
+                event_headers(&e.id, Encoding::Msgpack),
+                e.to_msgpack().into(),
+            )
+            .await
+            .map_err(|err| NatsError::js(format!("publishing event {}", e.id), err))
+    }
+
+    /// Moves a job to `cf.dead.<conv>` with the reason, tells the folder the
+    /// job ended (so the conversation is not left with a pending job for
+    /// ever), then acknowledges it.
+    async fn dead_letter(
+        &self,
+        message: &jetstream::Message,
+        job: Option<&JobMessage>,
+        delivered: i64,
+        reason: String,
+    ) -> Result<JobOutcome, NatsError> {
+        let conversation = match job {
+            Some(j) => j.conversation.clone(),
+            None => message
+                .subject
+                .as_str()
+                .rsplit('.')
+                .next()
+                .and_then(|t| crate::nats::subjects::decode_conversation(t).ok())
+                .unwrap_or_default(),
+        };
+        let job_id = job.map_or_else(
+            || format!("seq-{}", message.info().map_or(0, |i| i.stream_sequence)),
+            |j| j.job_id.clone(),
+        );
+        tracing::warn!(job = %job_id, %conversation, delivered, "dead-lettering job: {reason}");
+        let subject = if conversation.is_empty() {
+            format!("{}.dead.unknown", self.subjects.prefix())
+        } else {
+            self.subjects.dead_letter(&conversation)?
+        };
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Nats-Msg-Id", format!("dead_{job_id}").as_str());
+        headers.insert(DEAD_JOB_HEADER, job_id.as_str());
+        // Header values are one line.
+        headers.insert(
+            DEAD_REASON_HEADER,
+            reason.replace(['\r', '\n'], " ").as_str(),
+        );
+        headers.insert(DEAD_DELIVERIES_HEADER, delivered.to_string().as_str());
+        self.js
+            .publish_with_headers(subject, headers, message.payload.clone())
+            .await
+            .map_err(|e| NatsError::js(format!("dead-lettering job {job_id}"), e))?
+            .await
+            .map_err(|e| NatsError::js(format!("dead-lettering job {job_id}"), e))?;
+        if let Some(j) = job {
+            // The conversation's clock, as the sweep's own events carry it.
+            let issued_at = match &j.snapshot {
+                Some(s) => s.job.issued_at,
+                None => j
+                    .snapshot(&self.payloads)
+                    .await
+                    .map_or(0, |s| s.job.issued_at),
+            };
+            let ended = Envelope::new(
+                format!("se_{job_id}"),
+                conversation.clone(),
+                issued_at,
+                EventBody::SweepEnded(SweepEnded {
+                    job_id: job_id.clone(),
+                    passes: 0,
+                    committed: 0,
+                    stop: SweepStop::Failed,
+                    detail: Some(format!("dead-lettered: {reason}")),
+                    calls: 0,
+                    tokens_spent: 0,
+                    cost_micros: 0,
+                    retry_after_ms: None,
+                }),
+            );
+            self.publish_event(&ended)
+                .await?
+                .await
+                .map_err(|e| NatsError::js("publishing the end of a dead-lettered job", e))?;
+        }
+        if let Err(e) = message.double_ack().await {
+            tracing::debug!(job = %job_id, "dead-lettered job ack not confirmed: {e}");
+        }
+        Ok(JobOutcome::DeadLettered { job_id, reason })
+    }
+}

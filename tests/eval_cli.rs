@@ -1,0 +1,195 @@
+//! `contextfold eval` as a user runs it: the built binary over real
+//! transcripts from ../shared/data/transcripts (skipped with a message when
+//! absent), checking the JSON report's invariants rather than fixed numbers,
+//! and the model path against fakellm on loopback, whose own request count
+//! must match the calls the report says were spent.
+
+#[path = "support/llm_server.rs"]
+mod llm_server;
+
+use llm_server::FakeLlm;
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const TRANSCRIPTS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/data/transcripts");
+
+fn transcript(rel: &str) -> Option<PathBuf> {
+    let p = Path::new(TRANSCRIPTS).join(rel);
+    if p.is_file() {
+        Some(p)
+    } else {
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED: {} not found (the shared data set is absent)",
+            p.display()
+        );
+        None
+    }
+}
+
+fn eval(args: &[&str], files: &[PathBuf], env: &[(&str, &str)]) -> Output {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_contextfold"));
+    cmd.arg("eval")
+        .args(args)
+        .args(files)
+        // Nothing of the caller's environment may switch the summarizer.
+        .env_remove("CONTEXTFOLD_CONFIG")
+        .env_remove("CONTEXTFOLD_SUMMARIZER__BASE_URL")
+        .current_dir(dir.path());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().expect("run contextfold eval")
+}
+
+/// The last line of stdout as JSON.
+fn report(out: &Output) -> Value {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let last = stdout.lines().last().unwrap_or_default();
+    serde_json::from_str(last).unwrap_or_else(|e| {
+        panic!(
+            "last line is not JSON ({e}): {last:?}\nstderr: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })
+}
+
+fn f(v: &Value, key: &str) -> f64 {
+    v[key]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{key} is not a number in {v}"))
+}
+
+#[test]
+fn a_small_budget_compacts_without_overflow() {
+    let (Some(a), Some(b)) = (
+        transcript("swe-agent_SWE-agent/pydicom__pydicom-1458.traj"),
+        transcript("claude-code_marot-spotter/fa812bfe-b295-4cca-9c2f-fdf01028cb46.jsonl"),
+    ) else {
+        return;
+    };
+    let out = eval(&["--budget", "8000", "--json"], &[a, b], &[]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r = report(&out);
+    assert_eq!(r["overflows"], json!(0), "{r}");
+    let retention = f(&r, "identifier_retention");
+    assert!((0.0..=1.0).contains(&retention), "{retention}");
+    let kept = f(&r, "identifiers_retained");
+    let all = f(&r, "identifiers");
+    assert!(all > 0.0 && (retention - kept / all).abs() < 1e-9);
+    // With 8000 tokens for sessions of 14k and 145k, something was
+    // summarized, and a summary is smaller than what it replaced.
+    assert!(f(&r, "compression_ratio") > 1.0, "{r}");
+    let depths = r["compression_by_depth"].as_object().expect("by depth");
+    assert!(depths.contains_key("0"), "no leaf summary: {r}");
+    for (depth, c) in depths {
+        assert!(
+            f(c, "covered_tokens") > f(c, "summary_tokens"),
+            "depth {depth}: {c}"
+        );
+    }
+    // The deterministic summarizer spends nothing.
+    assert_eq!(r["calls"], json!(0));
+    let files = r["files"].as_array().expect("files");
+    assert_eq!(files.len(), 2);
+    for file in files {
+        assert!(f(file, "turns") > 0.0, "{file}");
+        assert!(
+            f(file, "assemblies") >= f(file, "turns"),
+            "one per turn: {file}"
+        );
+        assert!(f(file, "max_assembled_tokens") <= 8000.0, "{file}");
+    }
+}
+
+#[test]
+fn a_budget_larger_than_the_session_keeps_every_identifier() {
+    let Some(a) = transcript("claude-code_marot-spotter/tool_heavy.jsonl") else {
+        return;
+    };
+    let out = eval(&["--budget", "1000000", "--json"], &[a], &[]);
+    assert!(out.status.success());
+    let r = report(&out);
+    // Nothing needed compaction: the context is the verbatim transcript.
+    assert_eq!(f(&r, "identifier_retention"), 1.0, "{r}");
+    assert_eq!(f(&r, "compression_ratio"), 1.0, "{r}");
+    assert!(f(&r, "identifiers") > 0.0, "the transcript has identifiers");
+    assert_eq!(r["overflows"], json!(0));
+}
+
+#[test]
+fn the_table_names_every_file_and_a_bad_file_fails_the_run() {
+    let Some(a) = transcript("claude-code_marot-spotter/short.jsonl") else {
+        return;
+    };
+    let missing = PathBuf::from("/nonexistent/transcript.jsonl");
+    let out = eval(&[], &[a, missing], &[]);
+    assert!(
+        !out.status.success(),
+        "a file that cannot be read fails the run"
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("short.jsonl"), "{stdout}");
+    assert!(stdout.contains("error:"), "{stdout}");
+    assert!(stdout.contains("overall: 0 overflows"), "{stdout}");
+    assert!(stdout.contains("budget 32000 tokens"), "{stdout}");
+}
+
+#[tokio::test]
+async fn the_model_path_reports_the_calls_the_server_saw() {
+    let Some(a) = transcript("swe-agent_SWE-agent/pydicom__pydicom-1458.traj") else {
+        return;
+    };
+    let rules = json!({"rules": [
+        {"name": "rolling", "when": {"messages_contain": "In progress"},
+         "respond": {"content": "Completed: reproduced the bug\nIn progress: fixing the reader\nDecisions: keep the public API\nBlockers: none\nNext: add a test"}},
+        {"name": "summary", "when": {"model_matches": "m-eval"},
+         "respond": {"content": "The agent reproduced the failing pydicom read, traced it to the value reader, and patched the conversion while keeping the public API unchanged."}}
+    ]});
+    let Some(server) = FakeLlm::start(&rules.to_string()).await else {
+        return;
+    };
+    let base = server.base_url();
+    let out = tokio::task::spawn_blocking(move || {
+        eval(
+            &["--budget", "8000", "--json"],
+            &[a],
+            &[
+                ("CONTEXTFOLD_SUMMARIZER__BASE_URL", base.as_str()),
+                ("CONTEXTFOLD_SUMMARIZER__MODEL", "m-eval"),
+                ("CONTEXTFOLD_SUMMARIZER__MAX_RETRIES", "0"),
+            ],
+        )
+    })
+    .await
+    .expect("eval ran");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r = report(&out);
+    assert!(
+        r["summarizer"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("m-eval"),
+        "{r}"
+    );
+    let calls = f(&r, "calls") as u64;
+    assert!(calls > 0, "the model was never called: {r}");
+    assert_eq!(
+        calls,
+        server.total().await,
+        "calls in the report = calls at the server"
+    );
+    assert!(f(&r, "tokens_spent") > 0.0);
+    assert_eq!(r["overflows"], json!(0));
+}
