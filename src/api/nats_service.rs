@@ -11,6 +11,10 @@
 //!   ([`start_partition`], started when a lease is won, stopped when it is
 //!   lost). These never forward, so a request cannot loop.
 //!
+//! [`run`] is the API role of `contextfold serve`: the public subjects plus
+//! one partition subscription per partition held, reconciled as leases
+//! move, over an [`EngineView`] of the folder's engines.
+//!
 //! The operation is the subject's last token; the JSON body goes to
 //! [`crate::api::answer_view`] on a blocking thread (a regex over a long
 //! conversation must not stall the async workers). Error replies also carry
@@ -20,13 +24,18 @@
 
 use crate::api::{answer_view, ApiError, Op};
 pub use crate::api::{LocalState, StateView};
+use crate::core::policy::PolicyConfig;
+use crate::core::state::{Conversation, State};
+use crate::nats::folder::{EngineMap, SharedEngine};
 use crate::nats::subjects::{self, ApiOp, SubjectError};
+use crate::store::KvBackend;
 use async_nats::{Client, HeaderMap, PublishErrorKind, RequestErrorKind, Subject};
 use bytes::Bytes;
 use futures::StreamExt;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::{oneshot, Semaphore};
+use tokio::sync::{oneshot, watch, Semaphore};
 use tokio::task::{JoinHandle, JoinSet};
 
 /// Default subject prefix.
@@ -423,6 +432,162 @@ async fn publish(
     }
 }
 
+/// The engines of the partitions a process folds, as the API needs them.
+pub trait HeldEngines: Send + Sync + 'static {
+    type Backend: KvBackend + 'static;
+    /// The engine of `partition` while its lease is held.
+    fn engine(&self, partition: u32) -> Option<SharedEngine<Self::Backend>>;
+    /// Partitions held now, ascending.
+    fn held(&self) -> Vec<u32>;
+}
+
+impl<B: KvBackend + Sync + 'static> HeldEngines for EngineMap<B> {
+    type Backend = B;
+    fn engine(&self, partition: u32) -> Option<SharedEngine<B>> {
+        self.get(partition)
+    }
+    fn held(&self) -> Vec<u32> {
+        self.partitions()
+    }
+}
+
+/// A [`StateView`] over the folder's engines: a conversation is owned when
+/// its partition's lease is held here.
+pub struct EngineView<H: HeldEngines> {
+    engines: H,
+    partitions: u32,
+    /// For keys no partition can hold (empty, too long): answered from an
+    /// empty state, so the caller hears what is wrong with the key.
+    policy: PolicyConfig,
+}
+
+impl<H: HeldEngines> EngineView<H> {
+    pub fn new(engines: H, partitions: u32, policy: PolicyConfig) -> Self {
+        EngineView {
+            engines,
+            partitions: partitions.max(1),
+            policy,
+        }
+    }
+
+    pub fn held(&self) -> Vec<u32> {
+        self.engines.held()
+    }
+}
+
+impl<H: HeldEngines> StateView for EngineView<H> {
+    fn with_state<R>(
+        &self,
+        conversation: Option<&str>,
+        f: impl FnOnce(Option<(&State, &PolicyConfig)>) -> R,
+    ) -> R {
+        match conversation {
+            Some(key) => {
+                let Ok(partition) = partition_of(key, self.partitions) else {
+                    return f(Some((&State::default(), &self.policy)));
+                };
+                match self.engines.engine(partition) {
+                    Some(engine) => {
+                        // The folder holds this lock for one batch at most.
+                        let engine = engine.lock().unwrap_or_else(|p| p.into_inner());
+                        f(Some((&engine.state, &engine.policy)))
+                    }
+                    None => f(None),
+                }
+            }
+            None => {
+                // The global view: every held partition's conversations in
+                // one state. A copy, taken one partition lock at a time, so
+                // no folder waits on another's; global status is rare.
+                let mut merged = State::default();
+                let mut policy = self.policy.clone();
+                for partition in self.engines.held() {
+                    let Some(engine) = self.engines.engine(partition) else {
+                        continue;
+                    };
+                    let engine = engine.lock().unwrap_or_else(|p| p.into_inner());
+                    policy = engine.policy.clone();
+                    merged.unattributed_rejections += engine.state.unattributed_rejections;
+                    merged.conversations.extend(
+                        engine
+                            .state
+                            .conversations
+                            .iter()
+                            .map(|(k, c)| (k.clone(), Conversation::clone(c))),
+                    );
+                }
+                f(Some((&merged, &policy)))
+            }
+        }
+    }
+}
+
+/// How often [`run`] looks at the held partitions.
+pub const RECONCILE_EVERY: Duration = Duration::from_millis(250);
+
+/// The API role: serves the public subjects (forwarding what this process
+/// does not own when `config.forward_partitions` is set) and one partition
+/// subscription per partition `held()` returns, started and stopped as
+/// leases move, until `shutdown` turns true; then answers what it already
+/// received and returns.
+pub async fn run<V: StateView>(
+    client: Client,
+    view: Arc<V>,
+    config: ServiceConfig,
+    held: impl Fn() -> Vec<u32> + Send + 'static,
+    mut shutdown: watch::Receiver<bool>,
+) -> Result<(), ServiceError> {
+    let public = start(client.clone(), view.clone(), config.clone()).await?;
+    let mut owned: BTreeMap<u32, ApiService> = BTreeMap::new();
+    let mut tick = tokio::time::interval(RECONCILE_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        if *shutdown.borrow() {
+            break;
+        }
+        tokio::select! {
+            changed = shutdown.changed() => {
+                if changed.is_err() {
+                    break;
+                }
+                continue;
+            }
+            _ = tick.tick() => {}
+        }
+        let now: Vec<u32> = held();
+        let gone: Vec<u32> = owned.keys().filter(|p| !now.contains(p)).copied().collect();
+        for p in gone {
+            if let Some(service) = owned.remove(&p) {
+                service.stop().await;
+                tracing::info!(
+                    partition = p,
+                    "API stopped answering for a partition no longer held"
+                );
+            }
+        }
+        for p in now {
+            if owned.contains_key(&p) {
+                continue;
+            }
+            match start_partition(client.clone(), view.clone(), config.clone(), p).await {
+                Ok(service) => {
+                    owned.insert(p, service);
+                }
+                // Retried at the next tick; meanwhile the public subjects
+                // answer (or say not_owner).
+                Err(e) => {
+                    tracing::warn!(partition = p, error = %e, "cannot serve the partition's API subjects")
+                }
+            }
+        }
+    }
+    public.stop().await;
+    for (_, service) in std::mem::take(&mut owned) {
+        service.stop().await;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -456,6 +621,80 @@ mod tests {
             subjects::partition_of_token(&token, 16)
         );
         assert!(partition_of("", 16).is_err());
+    }
+
+    /// Engines held by partition, as the folder would hold them.
+    struct FakeHeld(BTreeMap<u32, SharedEngine<crate::store::memory_backend::MemoryBackend>>);
+
+    impl HeldEngines for FakeHeld {
+        type Backend = crate::store::memory_backend::MemoryBackend;
+        fn engine(&self, partition: u32) -> Option<SharedEngine<Self::Backend>> {
+            self.0.get(&partition).cloned()
+        }
+        fn held(&self) -> Vec<u32> {
+            self.0.keys().copied().collect()
+        }
+    }
+
+    fn engine_with(
+        state: State,
+        policy: &PolicyConfig,
+    ) -> SharedEngine<crate::store::memory_backend::MemoryBackend> {
+        let mut engine = crate::runtime::engine::Engine::open(
+            crate::store::memory_backend::MemoryBackend::default(),
+            policy.clone(),
+        )
+        .unwrap();
+        engine.state = state;
+        Arc::new(std::sync::Mutex::new(engine))
+    }
+
+    #[test]
+    fn the_engine_view_owns_exactly_the_held_partitions() {
+        use crate::api::testing::{self, CONV};
+        let (state, policy) = testing::folded();
+        let p = partition_of(CONV, 16).unwrap();
+        let mut other = State::default();
+        let mut c = testing::conv(state).clone();
+        let other_key = (0..)
+            .map(|i| format!("other-{i}"))
+            .find(|k| partition_of(k, 16).unwrap() != p)
+            .unwrap();
+        c.key = other_key.clone();
+        other.conversations.insert(other_key.clone(), c);
+        other.unattributed_rejections = 1;
+        let q = partition_of(&other_key, 16).unwrap();
+        let view = EngineView::new(
+            FakeHeld(BTreeMap::from([
+                (p, engine_with(state.clone(), policy)),
+                (q, engine_with(other, policy)),
+            ])),
+            16,
+            policy.clone(),
+        );
+        assert_eq!(view.held().len(), 2);
+        let owned = |key: &str| {
+            view.with_state(Some(key), |s| {
+                s.map(|(s, _)| s.conversations.contains_key(key))
+            })
+        };
+        assert_eq!(owned(CONV), Some(true));
+        assert_eq!(owned(&other_key), Some(true));
+        // A key whose partition is not held here: not owned.
+        let stranger = (0..)
+            .map(|i| format!("stranger-{i}"))
+            .find(|k| ![p, q].contains(&partition_of(k, 16).unwrap()))
+            .unwrap();
+        assert_eq!(owned(&stranger), None);
+        // An empty key belongs to no partition: answered (as a bad request).
+        let reply = crate::api::handle_view("status", br#"{"conversation":""}"#, &view, 100);
+        assert!(String::from_utf8_lossy(&reply).contains("bad_request"));
+        // The global view merges every held partition.
+        let (n, rejected) = view.with_state(None, |s| {
+            let (s, _) = s.unwrap();
+            (s.conversations.len(), s.unattributed_rejections)
+        });
+        assert_eq!((n, rejected), (2, 1));
     }
 
     #[test]
