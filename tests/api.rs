@@ -869,3 +869,68 @@ async fn nats_assemble_latency() {
     );
     service.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_run_follows_the_held_partitions_and_stops_on_shutdown() {
+    if !nats_available() {
+        return;
+    }
+    let server = support::nats_server::NatsServer::start();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let partition = nats_service::partition_of(CONV, 16).unwrap();
+    let held = Arc::new(std::sync::Mutex::new(Vec::<u32>::new()));
+    let (stop, stop_rx) = tokio::sync::watch::channel(false);
+    let role = tokio::spawn(nats_service::run(
+        async_nats::connect(server.url()).await.unwrap(),
+        Arc::new(LocalState::new(state().clone(), policy())),
+        ServiceConfig {
+            forward_partitions: Some(16),
+            ..service_config()
+        },
+        {
+            let held = held.clone();
+            move || held.lock().unwrap().clone()
+        },
+        stop_rx,
+    ));
+    let owner_subject = format!("cf.api.p.{partition}.status");
+    let body = json!({"conversation": CONV}).to_string();
+    // Polls until the owner subject is (or is not) answered.
+    let answered = |want: bool| {
+        let client = client.clone();
+        let subject = owner_subject.clone();
+        let body = body.clone();
+        async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+            loop {
+                let got = client
+                    .request(subject.clone(), body.clone().into())
+                    .await
+                    .is_ok();
+                if got == want {
+                    return;
+                }
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "{subject}: expected answered = {want}"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    answered(false).await;
+    // The public subject answers from the start.
+    let reply = request(&client, "cf.api.status", json!({"conversation": CONV})).await;
+    assert!(decode_reply::<StatusResponse>(&reply.payload).is_ok());
+    held.lock().unwrap().push(partition);
+    answered(true).await;
+    held.lock().unwrap().clear();
+    answered(false).await;
+    stop.send(true).unwrap();
+    role.await.unwrap().unwrap();
+    let err = client
+        .request("cf.api.status", "{}".into())
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), async_nats::RequestErrorKind::NoResponders);
+}
