@@ -1,21 +1,41 @@
-//! The API over NATS request/reply: one queue-group subscription on
-//! `<prefix>.api.*` (so any number of processes share the requests and each
-//! is answered once), the operation taken from the last subject token, the
-//! JSON body handed to [`crate::api::answer_view`] on a blocking thread,
-//! and the reply published to the request's reply subject. Error replies
-//! also carry the NATS service headers `Nats-Service-Error-Code` and
-//! `Nats-Service-Error`, so generic NATS tools see them as errors.
+//! The API over NATS request/reply (subjects as in [`crate::nats::subjects`]):
 //!
-//! A request for a conversation this process does not own gets `not_owner`
-//! with a retry hint; routing requests to the owner is the runtime's job
-//! (partition-specific subjects or forwarding), not this module's.
+//! - `<prefix>.api.<op>`: the public subjects. Every API process joins one
+//!   queue group on `<prefix>.api.*`, so each request is answered once. A
+//!   process that does not own the conversation forwards the request to
+//!   `<prefix>.api.p.<partition>.<op>` when it knows the partition count
+//!   ([`ServiceConfig::forward_partitions`]) and relays the owner's reply;
+//!   otherwise, or when no owner answers, it replies `not_owner` with a
+//!   retry hint.
+//! - `<prefix>.api.p.<partition>.<op>`: answered by the partition's owner
+//!   ([`start_partition`], started when a lease is won, stopped when it is
+//!   lost). These never forward, so a request cannot loop.
+//!
+//! [`run`] is the API role of `contextfold serve`: the public subjects plus
+//! one partition subscription per partition held, reconciled as leases
+//! move, over an [`EngineView`] of the folder's engines.
+//!
+//! The operation is the subject's last token; the JSON body goes to
+//! [`crate::api::answer_view`] on a blocking thread (a regex over a long
+//! conversation must not stall the async workers). Error replies also carry
+//! the NATS service headers `Nats-Service-Error-Code` and
+//! `Nats-Service-Error`, so generic NATS tools see them as errors. A reply
+//! too large for the server becomes an error reply: never silence.
 
-use crate::api::{answer_view, ApiError};
-pub use crate::api::{LocalState, Op, StateView};
-use async_nats::{Client, HeaderMap, PublishErrorKind, Subject};
+use crate::api::{answer_view, ApiError, Op};
+pub use crate::api::{LocalState, StateView};
+use crate::core::policy::PolicyConfig;
+use crate::core::state::{Conversation, State};
+use crate::nats::folder::{EngineMap, SharedEngine};
+use crate::nats::subjects::{self, ApiOp, SubjectError};
+use crate::store::KvBackend;
+use async_nats::{Client, HeaderMap, PublishErrorKind, RequestErrorKind, Subject};
+use bytes::Bytes;
 use futures::StreamExt;
+use std::collections::BTreeMap;
 use std::sync::Arc;
-use tokio::sync::{oneshot, Semaphore};
+use std::time::Duration;
+use tokio::sync::{oneshot, watch, Semaphore};
 use tokio::task::{JoinHandle, JoinSet};
 
 /// Default subject prefix.
@@ -26,13 +46,18 @@ pub const DEFAULT_QUEUE_GROUP: &str = "contextfold-api";
 /// How the service subscribes and answers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServiceConfig {
-    /// Subjects are `<prefix>.api.<op>`.
+    /// Subjects are `<prefix>.api.<op>` and `<prefix>.api.p.<partition>.<op>`.
     pub prefix: String,
     pub queue_group: String,
     /// `retry_after_ms` sent with `not_owner`.
     pub not_owner_retry_ms: u64,
     /// Requests answered at once; more wait in the subscription.
     pub max_in_flight: usize,
+    /// The events stream's partition count: with it, a request for a
+    /// conversation this process does not own is forwarded to its owner.
+    pub forward_partitions: Option<u32>,
+    /// How long a forwarded request may wait for the owner.
+    pub forward_timeout: Duration,
 }
 
 impl Default for ServiceConfig {
@@ -42,56 +67,57 @@ impl Default for ServiceConfig {
             queue_group: DEFAULT_QUEUE_GROUP.into(),
             not_owner_retry_ms: crate::api::DEFAULT_NOT_OWNER_RETRY_MS,
             max_in_flight: 64,
+            forward_partitions: None,
+            forward_timeout: Duration::from_secs(5),
         }
     }
 }
 
-/// The subject an operation is served on.
-pub fn subject(prefix: &str, op: Op) -> String {
-    format!("{prefix}.api.{}", op.as_str())
+impl From<Op> for ApiOp {
+    fn from(op: Op) -> ApiOp {
+        match op {
+            Op::Assemble => ApiOp::Assemble,
+            Op::Status => ApiOp::Status,
+            Op::Grep => ApiOp::Grep,
+            Op::Describe => ApiOp::Describe,
+            Op::Expand => ApiOp::Expand,
+            Op::Compact => ApiOp::Compact,
+            Op::History => ApiOp::History,
+        }
+    }
 }
 
-/// The subscription filter covering every operation.
-pub fn subject_filter(prefix: &str) -> String {
+/// The subscription filter of the public subjects.
+pub fn public_filter(prefix: &str) -> String {
     format!("{prefix}.api.*")
+}
+
+/// The subscription filter of one partition's subjects.
+pub fn partition_filter(prefix: &str, partition: u32) -> String {
+    format!("{prefix}.api.p.{partition}.*")
+}
+
+/// The partition that owns a conversation, as the events stream computes it.
+pub fn partition_of(conversation: &str, partitions: u32) -> Result<u32, SubjectError> {
+    let token = subjects::encode_conversation(conversation)?;
+    Ok(subjects::partition_of_token(&token, partitions))
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServiceError {
-    #[error("invalid API subject prefix {prefix:?}: {why}")]
-    Prefix { prefix: String, why: &'static str },
+    #[error(transparent)]
+    Subject(#[from] SubjectError),
     #[error("invalid queue group {0:?}: it must be non-empty without spaces")]
     QueueGroup(String),
+    #[error("`forward_partitions` must be at least 1")]
+    Partitions,
     #[error("cannot subscribe to {subject}: {detail}")]
     Subscribe { subject: String, detail: String },
     #[error("cannot reach the NATS server to confirm the subscription: {0}")]
     Flush(String),
 }
 
-/// Checks a subject prefix: dot-separated non-empty tokens, no wildcards,
-/// no whitespace.
-pub fn validate_prefix(prefix: &str) -> Result<(), ServiceError> {
-    let why = if prefix.is_empty() {
-        Some("it is empty")
-    } else if prefix.split('.').any(str::is_empty) {
-        Some("it has an empty token (leading, trailing or double dot)")
-    } else if prefix.contains(['*', '>']) {
-        Some("it contains a wildcard")
-    } else if prefix.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        Some("it contains whitespace")
-    } else {
-        None
-    };
-    match why {
-        Some(why) => Err(ServiceError::Prefix {
-            prefix: prefix.to_string(),
-            why,
-        }),
-        None => Ok(()),
-    }
-}
-
-/// A running API service. Dropping it stops it too, without waiting.
+/// A running API subscription. Dropping it stops it too, without waiting.
 pub struct ApiService {
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<()>>,
@@ -126,18 +152,62 @@ impl Drop for ApiService {
     }
 }
 
-/// Subscribes and starts answering. When this returns, the server has the
-/// subscription: requests sent from now on are served.
+/// Where requests come from, and so whether a miss is forwarded.
+#[derive(Debug, Clone)]
+enum Route {
+    Public {
+        forward: Option<u32>,
+        prefix: String,
+        timeout: Duration,
+    },
+    Partition,
+}
+
+/// Serves the public subjects `<prefix>.api.<op>`. When this returns, the
+/// server has the subscription: requests sent from now on are served.
 pub async fn start<V: StateView>(
     client: Client,
     view: Arc<V>,
     config: ServiceConfig,
 ) -> Result<ApiService, ServiceError> {
-    validate_prefix(&config.prefix)?;
-    if config.queue_group.is_empty() || config.queue_group.contains(char::is_whitespace) {
-        return Err(ServiceError::QueueGroup(config.queue_group));
+    subjects::validate_prefix(&config.prefix)?;
+    if config.forward_partitions == Some(0) {
+        return Err(ServiceError::Partitions);
     }
-    let filter = subject_filter(&config.prefix);
+    let route = Route::Public {
+        forward: config.forward_partitions,
+        prefix: config.prefix.clone(),
+        timeout: config.forward_timeout,
+    };
+    serve(client, view, public_filter(&config.prefix), route, &config).await
+}
+
+/// Serves one partition's subjects `<prefix>.api.p.<partition>.<op>`, for
+/// the process holding its lease.
+pub async fn start_partition<V: StateView>(
+    client: Client,
+    view: Arc<V>,
+    config: ServiceConfig,
+    partition: u32,
+) -> Result<ApiService, ServiceError> {
+    subjects::validate_prefix(&config.prefix)?;
+    let filter = partition_filter(&config.prefix, partition);
+    serve(client, view, filter, Route::Partition, &config).await
+}
+
+async fn serve<V: StateView>(
+    client: Client,
+    view: Arc<V>,
+    filter: String,
+    route: Route,
+    config: &ServiceConfig,
+) -> Result<ApiService, ServiceError> {
+    if config.queue_group.is_empty() || config.queue_group.contains(char::is_whitespace) {
+        return Err(ServiceError::QueueGroup(config.queue_group.clone()));
+    }
+    // Partition subjects join the group too: while a lease moves, old and
+    // new owner may both be subscribed for a moment, and one answer is
+    // enough.
     let mut subscriber = client
         .queue_subscribe(filter.clone(), config.queue_group.clone())
         .await
@@ -150,10 +220,10 @@ pub async fn start<V: StateView>(
         .await
         .map_err(|e| ServiceError::Flush(e.to_string()))?;
     let (stop_tx, mut stop_rx) = oneshot::channel::<()>();
-    let op_prefix = format!("{}.api.", config.prefix);
     let limit = Arc::new(Semaphore::new(config.max_in_flight.max(1)));
     let retry_ms = config.not_owner_retry_ms;
     tracing::info!(subject = %filter, group = %config.queue_group, "API service started");
+    let task_filter = filter.clone();
     let task = tokio::spawn(async move {
         let mut in_flight = JoinSet::new();
         let mut draining = false;
@@ -178,40 +248,124 @@ pub async fn start<V: StateView>(
             };
             let client = client.clone();
             let view = view.clone();
-            let op = message
-                .subject
-                .as_str()
-                .strip_prefix(&op_prefix)
-                .unwrap_or_default()
-                .to_string();
+            let route = route.clone();
             in_flight.spawn(async move {
                 let _permit = permit;
                 let Some(reply) = message.reply else {
                     tracing::warn!(subject = %message.subject, "API request without a reply subject; nothing to answer to");
                     return;
                 };
+                let op = message
+                    .subject
+                    .as_str()
+                    .rsplit('.')
+                    .next()
+                    .unwrap_or_default()
+                    .to_string();
                 let body = message.payload;
+                let (op_for_handler, body_for_handler) = (op.clone(), body.clone());
                 let result = tokio::task::spawn_blocking(move || {
-                    answer_view(&op, &body, view.as_ref(), retry_ms)
+                    answer_view(&op_for_handler, &body_for_handler, view.as_ref(), retry_ms)
                 })
                 .await
                 .unwrap_or_else(|e| {
                     Err(ApiError::Internal(format!("the request task failed: {e}")))
                 });
-                send_reply(&client, reply, result).await;
+                match (result, &route) {
+                    (
+                        Err(ApiError::NotOwner { conversation, .. }),
+                        Route::Public {
+                            forward: Some(partitions),
+                            prefix,
+                            timeout,
+                        },
+                    ) if !conversation.is_empty() => {
+                        let relayed = forward(
+                            &client,
+                            prefix,
+                            *partitions,
+                            *timeout,
+                            &op,
+                            &conversation,
+                            body,
+                            retry_ms,
+                        )
+                        .await;
+                        match relayed {
+                            Ok((headers, payload)) => {
+                                publish(&client, reply, headers, payload, None).await
+                            }
+                            Err(e) => send_reply(&client, reply, Err(e)).await,
+                        }
+                    }
+                    (result, _) => send_reply(&client, reply, result).await,
+                }
             });
         }
         while in_flight.join_next().await.is_some() {}
         if let Err(e) = client.flush().await {
             tracing::warn!(error = %e, "cannot flush the last API replies");
         }
-        tracing::info!("API service stopped");
+        tracing::info!(subject = %task_filter, "API service stopped");
     });
     Ok(ApiService {
         stop: Some(stop_tx),
         task: Some(task),
         filter,
     })
+}
+
+/// Asks the owner of the conversation's partition and returns its reply
+/// as is (headers included); no owner answering is `not_owner`.
+#[allow(clippy::too_many_arguments)]
+async fn forward(
+    client: &Client,
+    prefix: &str,
+    partitions: u32,
+    timeout: Duration,
+    op: &str,
+    conversation: &str,
+    body: Bytes,
+    retry_ms: u64,
+) -> Result<(HeaderMap, Bytes), ApiError> {
+    let not_owner = || ApiError::NotOwner {
+        conversation: conversation.to_string(),
+        retry_after_ms: retry_ms,
+    };
+    let Some(op) = ApiOp::from_token(op) else {
+        return Err(ApiError::BadRequest(format!("unknown operation {op:?}")));
+    };
+    let partition = partition_of(conversation, partitions)
+        .map_err(|e| ApiError::BadRequest(format!("cannot route the conversation: {e}")))?;
+    let subject = subjects::Subjects::new(prefix)
+        .map_err(|e| ApiError::Internal(e.to_string()))?
+        .api_for_partition(partition, op);
+    let request = async_nats::Request::new()
+        .payload(body)
+        .timeout(Some(timeout));
+    match client.send_request(subject.clone(), request).await {
+        Ok(message) => Ok((message.headers.unwrap_or_default(), message.payload)),
+        Err(e) => {
+            match e.kind() {
+                RequestErrorKind::NoResponders => {
+                    tracing::debug!(%subject, "no owner answers this partition now");
+                }
+                RequestErrorKind::TimedOut => {
+                    tracing::warn!(%subject, ?timeout, "the partition's owner did not answer in time");
+                }
+                RequestErrorKind::MaxPayloadExceeded => {
+                    return Err(ApiError::BadRequest(format!(
+                        "the request is larger than the NATS server's max_payload of {} bytes",
+                        client.server_info().max_payload
+                    )))
+                }
+                _ => {
+                    tracing::warn!(%subject, error = %e, "forwarding an API request failed");
+                }
+            }
+            Err(not_owner())
+        }
+    }
 }
 
 fn headers_for(error: Option<&ApiError>) -> HeaderMap {
@@ -238,14 +392,27 @@ async fn send_reply(client: &Client, reply: Subject, result: Result<Vec<u8>, Api
         Ok(body) => (body, None),
         Err(e) => (e.to_json(), Some(e)),
     };
+    let headers = headers_for(error.as_ref());
+    publish(client, reply, headers, body.into(), error.as_ref()).await;
+}
+
+async fn publish(
+    client: &Client,
+    reply: Subject,
+    headers: HeaderMap,
+    body: Bytes,
+    error: Option<&ApiError>,
+) {
     let size = body.len();
-    let first = client
-        .publish_with_headers(reply.clone(), headers_for(error.as_ref()), body.into())
-        .await;
-    let Err(e) = first else { return };
+    let Err(e) = client
+        .publish_with_headers(reply.clone(), headers, body)
+        .await
+    else {
+        return;
+    };
     // The caller must never be left waiting: a reply the server cannot
     // carry becomes an error reply that says what to ask instead.
-    let error = if e.kind() == PublishErrorKind::MaxPayloadExceeded {
+    let fallback = if e.kind() == PublishErrorKind::MaxPayloadExceeded && error.is_none() {
         ApiError::BadRequest(format!(
             "the reply of {size} bytes exceeds the NATS server's max_payload of {} bytes; ask for less (a lower grep `limit`, expand `max_tokens`, history `limit`)",
             client.server_info().max_payload
@@ -254,11 +421,171 @@ async fn send_reply(client: &Client, reply: Subject, result: Result<Vec<u8>, Api
         ApiError::Internal(format!("cannot publish the reply: {e}"))
     };
     if let Err(e) = client
-        .publish_with_headers(reply, headers_for(Some(&error)), error.to_json().into())
+        .publish_with_headers(
+            reply,
+            headers_for(Some(&fallback)),
+            fallback.to_json().into(),
+        )
         .await
     {
         tracing::error!(error = %e, "cannot publish an API error reply");
     }
+}
+
+/// The engines of the partitions a process folds, as the API needs them.
+pub trait HeldEngines: Send + Sync + 'static {
+    type Backend: KvBackend + 'static;
+    /// The engine of `partition` while its lease is held.
+    fn engine(&self, partition: u32) -> Option<SharedEngine<Self::Backend>>;
+    /// Partitions held now, ascending.
+    fn held(&self) -> Vec<u32>;
+}
+
+impl<B: KvBackend + Sync + 'static> HeldEngines for EngineMap<B> {
+    type Backend = B;
+    fn engine(&self, partition: u32) -> Option<SharedEngine<B>> {
+        self.get(partition)
+    }
+    fn held(&self) -> Vec<u32> {
+        self.partitions()
+    }
+}
+
+/// A [`StateView`] over the folder's engines: a conversation is owned when
+/// its partition's lease is held here.
+pub struct EngineView<H: HeldEngines> {
+    engines: H,
+    partitions: u32,
+    /// For keys no partition can hold (empty, too long): answered from an
+    /// empty state, so the caller hears what is wrong with the key.
+    policy: PolicyConfig,
+}
+
+impl<H: HeldEngines> EngineView<H> {
+    pub fn new(engines: H, partitions: u32, policy: PolicyConfig) -> Self {
+        EngineView {
+            engines,
+            partitions: partitions.max(1),
+            policy,
+        }
+    }
+
+    pub fn held(&self) -> Vec<u32> {
+        self.engines.held()
+    }
+}
+
+impl<H: HeldEngines> StateView for EngineView<H> {
+    fn with_state<R>(
+        &self,
+        conversation: Option<&str>,
+        f: impl FnOnce(Option<(&State, &PolicyConfig)>) -> R,
+    ) -> R {
+        match conversation {
+            Some(key) => {
+                let Ok(partition) = partition_of(key, self.partitions) else {
+                    return f(Some((&State::default(), &self.policy)));
+                };
+                match self.engines.engine(partition) {
+                    Some(engine) => {
+                        // The folder holds this lock for one batch at most.
+                        let engine = engine.lock().unwrap_or_else(|p| p.into_inner());
+                        f(Some((&engine.state, &engine.policy)))
+                    }
+                    None => f(None),
+                }
+            }
+            None => {
+                // The global view: every held partition's conversations in
+                // one state. A copy, taken one partition lock at a time, so
+                // no folder waits on another's; global status is rare.
+                let mut merged = State::default();
+                let mut policy = self.policy.clone();
+                for partition in self.engines.held() {
+                    let Some(engine) = self.engines.engine(partition) else {
+                        continue;
+                    };
+                    let engine = engine.lock().unwrap_or_else(|p| p.into_inner());
+                    policy = engine.policy.clone();
+                    merged.unattributed_rejections += engine.state.unattributed_rejections;
+                    merged.conversations.extend(
+                        engine
+                            .state
+                            .conversations
+                            .iter()
+                            .map(|(k, c)| (k.clone(), Conversation::clone(c))),
+                    );
+                }
+                f(Some((&merged, &policy)))
+            }
+        }
+    }
+}
+
+/// How often [`run`] looks at the held partitions.
+pub const RECONCILE_EVERY: Duration = Duration::from_millis(250);
+
+/// The API role: serves the public subjects (forwarding what this process
+/// does not own when `config.forward_partitions` is set) and one partition
+/// subscription per partition `held()` returns, started and stopped as
+/// leases move, until `shutdown` turns true; then answers what it already
+/// received and returns.
+pub async fn run<V: StateView>(
+    client: Client,
+    view: Arc<V>,
+    config: ServiceConfig,
+    held: impl Fn() -> Vec<u32> + Send + 'static,
+    mut shutdown: watch::Receiver<bool>,
+) -> Result<(), ServiceError> {
+    let public = start(client.clone(), view.clone(), config.clone()).await?;
+    let mut owned: BTreeMap<u32, ApiService> = BTreeMap::new();
+    let mut tick = tokio::time::interval(RECONCILE_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        if *shutdown.borrow() {
+            break;
+        }
+        tokio::select! {
+            changed = shutdown.changed() => {
+                if changed.is_err() {
+                    break;
+                }
+                continue;
+            }
+            _ = tick.tick() => {}
+        }
+        let now: Vec<u32> = held();
+        let gone: Vec<u32> = owned.keys().filter(|p| !now.contains(p)).copied().collect();
+        for p in gone {
+            if let Some(service) = owned.remove(&p) {
+                service.stop().await;
+                tracing::info!(
+                    partition = p,
+                    "API stopped answering for a partition no longer held"
+                );
+            }
+        }
+        for p in now {
+            if owned.contains_key(&p) {
+                continue;
+            }
+            match start_partition(client.clone(), view.clone(), config.clone(), p).await {
+                Ok(service) => {
+                    owned.insert(p, service);
+                }
+                // Retried at the next tick; meanwhile the public subjects
+                // answer (or say not_owner).
+                Err(e) => {
+                    tracing::warn!(partition = p, error = %e, "cannot serve the partition's API subjects")
+                }
+            }
+        }
+    }
+    public.stop().await;
+    for (_, service) in std::mem::take(&mut owned) {
+        service.stop().await;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -266,14 +593,108 @@ mod tests {
     use super::*;
 
     #[test]
-    fn subjects_and_prefixes() {
-        assert_eq!(subject("cf", Op::Grep), "cf.api.grep");
-        assert_eq!(subject_filter("team.cf"), "team.cf.api.*");
-        assert!(validate_prefix("cf").is_ok());
-        assert!(validate_prefix("team.cf").is_ok());
-        for bad in ["", "cf.", ".cf", "a..b", "cf.*", "c>", "c f"] {
-            assert!(validate_prefix(bad).is_err(), "{bad:?}");
+    fn filters_match_the_subjects_module() {
+        let s = subjects::Subjects::new("acme.cf").unwrap();
+        for op in Op::ALL {
+            let public = s.api(op.into());
+            assert_eq!(public, format!("acme.cf.api.{op}"));
+            let filter = public_filter("acme.cf");
+            assert_eq!(
+                public.rsplit_once('.').unwrap().0,
+                filter.rsplit_once('.').unwrap().0
+            );
+            let owned = s.api_for_partition(7, op.into());
+            assert_eq!(
+                owned.rsplit_once('.').unwrap().0,
+                partition_filter("acme.cf", 7).rsplit_once('.').unwrap().0
+            );
+            assert_eq!(ApiOp::from(op).as_str(), op.as_str());
         }
+    }
+
+    #[test]
+    fn partition_of_follows_the_token_hash() {
+        let key = "team:alpha/session 1";
+        let token = subjects::encode_conversation(key).unwrap();
+        assert_eq!(
+            partition_of(key, 16).unwrap(),
+            subjects::partition_of_token(&token, 16)
+        );
+        assert!(partition_of("", 16).is_err());
+    }
+
+    /// Engines held by partition, as the folder would hold them.
+    struct FakeHeld(BTreeMap<u32, SharedEngine<crate::store::memory_backend::MemoryBackend>>);
+
+    impl HeldEngines for FakeHeld {
+        type Backend = crate::store::memory_backend::MemoryBackend;
+        fn engine(&self, partition: u32) -> Option<SharedEngine<Self::Backend>> {
+            self.0.get(&partition).cloned()
+        }
+        fn held(&self) -> Vec<u32> {
+            self.0.keys().copied().collect()
+        }
+    }
+
+    fn engine_with(
+        state: State,
+        policy: &PolicyConfig,
+    ) -> SharedEngine<crate::store::memory_backend::MemoryBackend> {
+        let mut engine = crate::runtime::engine::Engine::open(
+            crate::store::memory_backend::MemoryBackend::default(),
+            policy.clone(),
+        )
+        .unwrap();
+        engine.state = state;
+        Arc::new(std::sync::Mutex::new(engine))
+    }
+
+    #[test]
+    fn the_engine_view_owns_exactly_the_held_partitions() {
+        use crate::api::testing::{self, CONV};
+        let (state, policy) = testing::folded();
+        let p = partition_of(CONV, 16).unwrap();
+        let mut other = State::default();
+        let mut c = testing::conv(state).clone();
+        let other_key = (0..)
+            .map(|i| format!("other-{i}"))
+            .find(|k| partition_of(k, 16).unwrap() != p)
+            .unwrap();
+        c.key = other_key.clone();
+        other.conversations.insert(other_key.clone(), c);
+        other.unattributed_rejections = 1;
+        let q = partition_of(&other_key, 16).unwrap();
+        let view = EngineView::new(
+            FakeHeld(BTreeMap::from([
+                (p, engine_with(state.clone(), policy)),
+                (q, engine_with(other, policy)),
+            ])),
+            16,
+            policy.clone(),
+        );
+        assert_eq!(view.held().len(), 2);
+        let owned = |key: &str| {
+            view.with_state(Some(key), |s| {
+                s.map(|(s, _)| s.conversations.contains_key(key))
+            })
+        };
+        assert_eq!(owned(CONV), Some(true));
+        assert_eq!(owned(&other_key), Some(true));
+        // A key whose partition is not held here: not owned.
+        let stranger = (0..)
+            .map(|i| format!("stranger-{i}"))
+            .find(|k| ![p, q].contains(&partition_of(k, 16).unwrap()))
+            .unwrap();
+        assert_eq!(owned(&stranger), None);
+        // An empty key belongs to no partition: answered (as a bad request).
+        let reply = crate::api::handle_view("status", br#"{"conversation":""}"#, &view, 100);
+        assert!(String::from_utf8_lossy(&reply).contains("bad_request"));
+        // The global view merges every held partition.
+        let (n, rejected) = view.with_state(None, |s| {
+            let (s, _) = s.unwrap();
+            (s.conversations.len(), s.unattributed_rejections)
+        });
+        assert_eq!((n, rejected), (2, 1));
     }
 
     #[test]

@@ -35,7 +35,8 @@ pub struct GlobalStatus {
     pub raw_tokens: u64,
     pub context_tokens: u64,
     pub summaries: u64,
-    pub summaries_by_depth: BTreeMap<u32, u64>,
+    /// Summaries at each depth, shallowest first.
+    pub summaries_by_depth: Vec<DepthTotal>,
     pub fallback_summaries_in_context: u64,
     pub pending_jobs: u64,
     pub debts: u64,
@@ -122,17 +123,27 @@ pub struct Compression {
     pub summary_tokens: u64,
 }
 
+/// Summaries at one depth. (A list, not a map keyed by depth: JSON keys
+/// are strings, and clients should not have to parse them.)
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DepthCount {
+    pub depth: u32,
     pub total: u64,
     pub in_context: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DepthTotal {
+    pub depth: u32,
+    pub total: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SummaryCounts {
     pub total: u64,
     pub in_context: u64,
-    pub by_depth: BTreeMap<u32, DepthCount>,
+    /// Shallowest first.
+    pub by_depth: Vec<DepthCount>,
     pub fallback: u64,
     pub fallback_in_context: u64,
     /// Summaries the fold rejected as stale or invalid.
@@ -147,8 +158,10 @@ pub enum DebtWait {
     Job,
     /// A round made no progress; routine jobs wait until `backoff_until`.
     SpendBackoff,
-    /// The window's calls or tokens are used up.
+    /// The window's calls, tokens or money are used up.
     SpendWindow,
+    /// The provider asked to wait (Retry-After): no job before `retry_at`.
+    RetryAfter,
     /// Nothing blocks it: the fold issues a job at the next event.
     NextEvent,
 }
@@ -200,10 +213,33 @@ pub struct SpendStatus {
     pub max_tokens: Option<u64>,
     pub tokens_left: Option<u64>,
     pub max_cost_micros: Option<u64>,
+    /// What is left of every limit that applies (the conversation's and,
+    /// with partition-wide limits, the partition's and its fair share).
+    pub cost_left: Option<u64>,
     pub backoff_until: u64,
     pub in_backoff: bool,
+    /// The provider asked to wait (Retry-After): no job of any kind before.
+    pub retry_at: u64,
+    pub waiting_retry_after: bool,
+    /// The partition's window, when a `*_global` limit is set.
+    pub partition: Option<PartitionSpend>,
     /// A routine (non-urgent) job may be issued now.
     pub routine_allowed: bool,
+}
+
+/// The partition-wide spend window (all conversations this state holds).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartitionSpend {
+    pub calls: u32,
+    pub tokens: u64,
+    pub cost_micros: u64,
+    pub max_calls: Option<u32>,
+    pub max_tokens: Option<u64>,
+    pub max_cost_micros: Option<u64>,
+    /// Conversations spending or waiting in the window (this one included).
+    pub active_conversations: usize,
+    /// Each active conversation's fair share of `max_calls`.
+    pub share_calls: Option<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -274,7 +310,7 @@ pub fn status(
         Some(key) => {
             let conv = conversation(state, key)?;
             Ok(StatusResponse::Conversation(Box::new(conversation_status(
-                conv, policy,
+                state, conv, policy,
             )?)))
         }
         None => Ok(StatusResponse::Global(global_status(state, policy)?)),
@@ -288,7 +324,7 @@ pub fn global_status(state: &State, policy: &PolicyConfig) -> Result<GlobalStatu
         raw_tokens: 0,
         context_tokens: 0,
         summaries: 0,
-        summaries_by_depth: BTreeMap::new(),
+        summaries_by_depth: Vec::new(),
         fallback_summaries_in_context: 0,
         pending_jobs: 0,
         debts: 0,
@@ -302,14 +338,15 @@ pub fn global_status(state: &State, policy: &PolicyConfig) -> Result<GlobalStatu
         degraded: Vec::new(),
         health: Health::from_reasons(Vec::new()),
     };
+    let mut by_depth: BTreeMap<u32, u64> = BTreeMap::new();
     for conv in state.conversations.values() {
-        let s = conversation_status(conv, policy)?;
+        let s = conversation_status(state, conv, policy)?;
         g.turns += s.turns.total;
         g.raw_tokens += s.tokens.raw;
         g.context_tokens += s.tokens.context;
         g.summaries += s.summaries.total;
-        for (depth, n) in &s.summaries.by_depth {
-            *g.summaries_by_depth.entry(*depth).or_insert(0) += n.total;
+        for d in &s.summaries.by_depth {
+            *by_depth.entry(d.depth).or_insert(0) += d.total;
         }
         g.fallback_summaries_in_context += s.summaries.fallback_in_context;
         g.pending_jobs += u64::from(s.pending_job.is_some());
@@ -326,6 +363,10 @@ pub fn global_status(state: &State, policy: &PolicyConfig) -> Result<GlobalStatu
             }
         }
     }
+    g.summaries_by_depth = by_depth
+        .into_iter()
+        .map(|(depth, total)| DepthTotal { depth, total })
+        .collect();
     let mut reasons = Vec::new();
     if g.degraded_conversations > 0 {
         reasons.push(HealthReason {
@@ -349,7 +390,10 @@ pub fn global_status(state: &State, policy: &PolicyConfig) -> Result<GlobalStatu
     Ok(g)
 }
 
+/// The status of `conv`, held in `state` (whose partition-wide spend
+/// window applies when a `*_global` limit is set).
 pub fn conversation_status(
+    state: &State,
     conv: &Conversation,
     policy: &PolicyConfig,
 ) -> Result<ConversationStatus, ApiError> {
@@ -387,6 +431,7 @@ pub fn conversation_status(
         by_depth
             .entry(s.depth)
             .or_insert(DepthCount {
+                depth: s.depth,
                 total: 0,
                 in_context: 0,
             })
@@ -443,12 +488,12 @@ pub fn conversation_status(
     let summaries = SummaryCounts {
         total: conv.summaries.len() as u64,
         in_context: by_depth.values().map(|d| d.in_context).sum(),
-        by_depth,
+        by_depth: by_depth.into_values().collect(),
         fallback: conv.summaries.iter().filter(|s| s.fallback).count() as u64,
         fallback_in_context,
         rejected: conv.stale_summaries,
     };
-    let spend = spend_status(conv, policy);
+    let spend = spend_status(state, conv, policy);
     let pending_job = conv.pending_job.as_ref().map(|p| {
         let age_ms = now.saturating_sub(p.job.issued_at);
         JobStatus {
@@ -475,6 +520,8 @@ pub fn conversation_status(
         age_ms: now.saturating_sub(d.since),
         waiting_on: if pending_job.is_some() {
             DebtWait::Job
+        } else if spend.waiting_retry_after {
+            DebtWait::RetryAfter
         } else if d.urgent || spend.routine_allowed {
             DebtWait::NextEvent
         } else if spend.in_backoff {
@@ -567,26 +614,70 @@ pub fn conversation_status(
     })
 }
 
-/// The spend window as the fold sees it at the conversation's newest event.
-fn spend_status(conv: &Conversation, policy: &PolicyConfig) -> SpendStatus {
+/// The spend window as the fold sees it at the conversation's newest event
+/// (the same limits `fold` checks before it issues a routine job).
+fn spend_status(state: &State, conv: &Conversation, policy: &PolicyConfig) -> SpendStatus {
     let now = conv.last_time;
     let s = &conv.spend;
     let window_ms = policy.summary_call_window_ms;
+    let counts = |e: &crate::core::state::SpendEntry| {
+        e.reserved_until.is_some() || e.time.saturating_add(window_ms) > now
+    };
     // A sliding window: it starts at the oldest sweep that still counts.
-    let window_start = s
-        .recent
-        .iter()
-        .find(|e| e.reserved_until.is_some() || e.time.saturating_add(window_ms) > now)
-        .map_or(now, |e| e.time);
+    let window_start = s.recent.iter().find(|e| counts(e)).map_or(now, |e| e.time);
     let totals = s.totals(now, window_ms);
     let (calls, tokens, cost_micros) = (totals.calls, totals.tokens, totals.cost_micros);
     let expired = calls == 0 && tokens == 0 && cost_micros == 0;
     let max_calls = policy.summary_max_calls_per_window;
-    let calls_left = max_calls.saturating_sub(calls);
-    let tokens_left = policy
-        .summary_max_tokens_per_window
-        .map(|m| m.saturating_sub(tokens));
+    let mut calls_left = max_calls.saturating_sub(calls);
+    let left = |max: Option<u64>, used: u64| max.map(|m| m.saturating_sub(used));
+    let mut tokens_left = left(policy.summary_max_tokens_per_window, tokens);
+    let mut cost_left = left(policy.summary_max_cost_micros_per_window, cost_micros);
+    let tighter = |a: Option<u64>, b: Option<u64>| match (a, b) {
+        (Some(x), Some(y)) => Some(x.min(y)),
+        (x, None) => x,
+        (None, y) => y,
+    };
+    let global = policy.summary_max_calls_per_window_global.is_some()
+        || policy.summary_max_tokens_per_window_global.is_some()
+        || policy.summary_max_cost_micros_per_window_global.is_some();
+    let partition = global.then(|| {
+        let all = state.spend.totals(now, window_ms);
+        let mut active = state.spend.active_conversations(now, window_ms);
+        active.insert(conv.key.as_str());
+        let share_calls = policy
+            .summary_max_calls_per_window_global
+            .map(|max| max.div_ceil(active.len().max(1) as u32));
+        if let Some(max) = policy.summary_max_calls_per_window_global {
+            let mine = state.spend.calls_of(&conv.key, now, window_ms);
+            calls_left = calls_left
+                .min(max.saturating_sub(all.calls))
+                .min(share_calls.unwrap_or(max).saturating_sub(mine));
+        }
+        tokens_left = tighter(
+            tokens_left,
+            left(policy.summary_max_tokens_per_window_global, all.tokens),
+        );
+        cost_left = tighter(
+            cost_left,
+            left(
+                policy.summary_max_cost_micros_per_window_global,
+                all.cost_micros,
+            ),
+        );
+        PartitionSpend {
+            calls: all.calls,
+            tokens: all.tokens,
+            cost_micros: all.cost_micros,
+            max_calls: policy.summary_max_calls_per_window_global,
+            max_tokens: policy.summary_max_tokens_per_window_global,
+            max_cost_micros: policy.summary_max_cost_micros_per_window_global,
+            active_conversations: active.len(),
+            share_calls,
+        }
+    });
     let in_backoff = now < s.backoff_until;
+    let waiting_retry_after = now < s.retry_at;
     SpendStatus {
         window_start,
         window_ms,
@@ -599,9 +690,17 @@ fn spend_status(conv: &Conversation, policy: &PolicyConfig) -> SpendStatus {
         max_tokens: policy.summary_max_tokens_per_window,
         tokens_left,
         max_cost_micros: policy.summary_max_cost_micros_per_window,
+        cost_left,
         backoff_until: s.backoff_until,
         in_backoff,
-        routine_allowed: calls_left > 0 && tokens_left != Some(0) && !in_backoff,
+        retry_at: s.retry_at,
+        waiting_retry_after,
+        partition,
+        routine_allowed: calls_left > 0
+            && tokens_left != Some(0)
+            && cost_left != Some(0)
+            && !in_backoff
+            && !waiting_retry_after,
     }
 }
 
@@ -657,10 +756,15 @@ mod tests {
         );
         assert_eq!(s.summaries.total, conv.summaries.len() as u64);
         assert_eq!(
-            s.summaries.by_depth.values().map(|d| d.total).sum::<u64>(),
+            s.summaries.by_depth.iter().map(|d| d.total).sum::<u64>(),
             s.summaries.total
         );
-        assert!(s.summaries.by_depth.keys().any(|d| *d >= 1));
+        assert!(s.summaries.by_depth.iter().any(|d| d.depth >= 1));
+        assert!(s
+            .summaries
+            .by_depth
+            .windows(2)
+            .all(|w| w[0].depth < w[1].depth));
         assert_eq!(s.model.as_deref(), Some("gpt-4o"));
         assert_eq!(s.last_event_time, conv.last_time);
     }
@@ -743,6 +847,53 @@ mod tests {
     }
 
     #[test]
+    fn partition_limits_and_retry_after_hold_jobs() {
+        let (state, policy) = testing::folded();
+        let mut state = state.clone();
+        let now = testing::conv(&state).last_time;
+        let global = PolicyConfig {
+            summary_max_calls_per_window_global: Some(4),
+            ..policy.clone()
+        };
+        state.spend.recent.push(crate::core::state::SpendEntry {
+            time: now - 10,
+            job_id: "job_other".into(),
+            conversation: "other".into(),
+            calls: 4,
+            tokens: 100,
+            cost_micros: 0,
+            reserved_until: None,
+        });
+        let s = conversation_status(&state, testing::conv(&state), &global).unwrap();
+        let p = s.spend_window.partition.clone().expect("global limits set");
+        assert_eq!(
+            (p.calls, p.max_calls, p.active_conversations),
+            (4, Some(4), 2)
+        );
+        assert_eq!(p.share_calls, Some(2));
+        assert_eq!(s.spend_window.calls_left, 0);
+        assert!(!s.spend_window.routine_allowed);
+        let alone = conversation_status(&state, testing::conv(&state), policy).unwrap();
+        assert!(alone.spend_window.partition.is_none());
+
+        let conv = state.conversations.get_mut(CONV).unwrap();
+        conv.pending_job = None;
+        conv.spend.retry_at = now + 5;
+        conv.debt = Some(Debt {
+            reason: DebtReason::Overflow,
+            context_tokens: 5000,
+            threshold_tokens: 4500,
+            target_tokens: 3000,
+            urgent: true,
+            since: now,
+            instructions: None,
+        });
+        let s = conversation_status(&state, testing::conv(&state), policy).unwrap();
+        assert!(s.spend_window.waiting_retry_after);
+        assert_eq!(s.debt.unwrap().waiting_on, DebtWait::RetryAfter);
+    }
+
+    #[test]
     fn over_budget_and_rejections_are_reported() {
         let (state, policy) = testing::folded();
         let tight = PolicyConfig {
@@ -776,7 +927,7 @@ mod tests {
         else {
             panic!("expected global status");
         };
-        let one = conversation_status(testing::conv(&state), policy).unwrap();
+        let one = conversation_status(&state, testing::conv(&state), policy).unwrap();
         assert_eq!(g.conversations, 2);
         assert_eq!(g.turns, 2 * one.turns.total);
         assert_eq!(g.context_tokens, 2 * one.tokens.context);
@@ -786,7 +937,9 @@ mod tests {
         assert_eq!(g.degraded.len(), 2);
         assert_eq!(g.health.status, HealthStatus::Degraded);
         let json = serde_json::to_value(&g).unwrap();
-        assert!(json["summaries_by_depth"]["0"].is_u64(), "{json}");
+        assert_eq!(json["summaries_by_depth"][0]["depth"], 0, "{json}");
+        let back: GlobalStatus = serde_json::from_value(json).unwrap();
+        assert_eq!(back, g);
     }
 
     #[test]

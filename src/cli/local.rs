@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
-fn runtime() -> Result<tokio::runtime::Runtime> {
+pub(super) fn runtime() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -37,7 +37,7 @@ fn state_path(config: &Config) -> PathBuf {
 
 type LocalPipeline = Pipeline<SegmentLog, RedbBackend, Deterministic>;
 
-async fn open_pipeline(config: &Config) -> Result<LocalPipeline> {
+pub(super) async fn open_pipeline(config: &Config) -> Result<LocalPipeline> {
     std::fs::create_dir_all(&config.data_dir)
         .with_context(|| format!("creating data directory {}", config.data_dir.display()))?;
     let log = SegmentLog::open(&log_dir(config))

@@ -4,12 +4,14 @@
 mod eval;
 mod local;
 mod publish;
+mod query;
 mod report;
 mod serve;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use contextfold::config::Config;
+use query::Query;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -99,6 +101,48 @@ pub enum Command {
     },
     /// Print the effective configuration as TOML.
     Config,
+    /// Status of the whole state, or of one conversation (JSON): tokens,
+    /// frontier, compression, summaries by depth, debt, spend, health.
+    Status { conversation: Option<String> },
+    /// Search a conversation's raw turns and summaries (JSON).
+    Grep {
+        conversation: String,
+        pattern: String,
+        /// PATTERN is a regular expression (default: plain text).
+        #[arg(long)]
+        regex: bool,
+        #[arg(long, short = 'i')]
+        ignore_case: bool,
+        /// Items returned at most (default 50, at most 500).
+        #[arg(long)]
+        limit: Option<usize>,
+        /// turns, summaries or all.
+        #[arg(long, default_value = "all", value_parser = query::parse_scope)]
+        scope: contextfold::api::grep::GrepScope,
+    },
+    /// A summary, or a turn by event id or turn number, in full (JSON).
+    Describe { conversation: String, id: String },
+    /// The child summaries or raw turns under a summary, within a token cap (JSON).
+    Expand {
+        conversation: String,
+        summary_id: String,
+        /// Token cap (default 4000).
+        #[arg(long)]
+        max_tokens: Option<u64>,
+        /// Items to skip first (the `next_skip` of a cut expansion).
+        #[arg(long, default_value_t = 0)]
+        skip: usize,
+    },
+    /// The compaction decisions of a conversation, in order (JSON).
+    History {
+        conversation: String,
+        /// Entries at most (default 500).
+        #[arg(long)]
+        limit: Option<usize>,
+        /// Only entries at or after this event time (ms since the epoch).
+        #[arg(long)]
+        since: Option<u64>,
+    },
     /// Run contextfold over NATS JetStream: fold published turns, run
     /// compaction jobs, answer requests; until SIGTERM or Ctrl-C.
     Serve {
@@ -164,5 +208,53 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
             print!("{}", config.to_toml());
             Ok(ExitCode::SUCCESS)
         }
+        Command::Status { conversation } => query::run(&config, Query::Status { conversation }),
+        Command::Grep {
+            conversation,
+            pattern,
+            regex,
+            ignore_case,
+            limit,
+            scope,
+        } => query::run(
+            &config,
+            Query::Grep {
+                conversation,
+                pattern,
+                regex,
+                ignore_case,
+                limit,
+                scope,
+            },
+        ),
+        Command::Describe { conversation, id } => {
+            query::run(&config, Query::Describe { conversation, id })
+        }
+        Command::Expand {
+            conversation,
+            summary_id,
+            max_tokens,
+            skip,
+        } => query::run(
+            &config,
+            Query::Expand {
+                conversation,
+                summary_id,
+                max_tokens,
+                skip,
+            },
+        ),
+        Command::History {
+            conversation,
+            limit,
+            since,
+        } => query::run(
+            &config,
+            Query::History {
+                conversation,
+                limit,
+                since,
+            },
+        ),
     }
 }
