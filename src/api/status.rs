@@ -9,6 +9,7 @@
 use crate::api::{conversation, summary_at, turn, ApiError};
 use crate::core::event::DebtReason;
 use crate::core::policy::{self, PolicyConfig};
+use crate::core::spend::{self, SpendTotals};
 use crate::core::state::{ContextItem, Conversation, State};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -618,89 +619,44 @@ pub fn conversation_status(
 /// (the same limits `fold` checks before it issues a routine job).
 fn spend_status(state: &State, conv: &Conversation, policy: &PolicyConfig) -> SpendStatus {
     let now = conv.last_time;
-    let s = &conv.spend;
     let window_ms = policy.summary_call_window_ms;
-    let counts = |e: &crate::core::state::SpendEntry| {
-        e.reserved_until.is_some() || e.time.saturating_add(window_ms) > now
-    };
+    // The fold's own computation over windows pruned as the fold prunes them.
+    let mut own = conv.spend.clone();
+    own.prune(now, window_ms);
+    let mut partition = state.spend.clone();
+    partition.prune(now, window_ms);
+    let a = spend::allowance(&own, &partition, &conv.key, policy, now);
     // A sliding window: it starts at the oldest sweep that still counts.
-    let window_start = s.recent.iter().find(|e| counts(e)).map_or(now, |e| e.time);
-    let totals = s.totals(now, window_ms);
-    let (calls, tokens, cost_micros) = (totals.calls, totals.tokens, totals.cost_micros);
-    let expired = calls == 0 && tokens == 0 && cost_micros == 0;
-    let max_calls = policy.summary_max_calls_per_window;
-    let mut calls_left = max_calls.saturating_sub(calls);
-    let left = |max: Option<u64>, used: u64| max.map(|m| m.saturating_sub(used));
-    let mut tokens_left = left(policy.summary_max_tokens_per_window, tokens);
-    let mut cost_left = left(policy.summary_max_cost_micros_per_window, cost_micros);
-    let tighter = |a: Option<u64>, b: Option<u64>| match (a, b) {
-        (Some(x), Some(y)) => Some(x.min(y)),
-        (x, None) => x,
-        (None, y) => y,
-    };
-    let global = policy.summary_max_calls_per_window_global.is_some()
-        || policy.summary_max_tokens_per_window_global.is_some()
-        || policy.summary_max_cost_micros_per_window_global.is_some();
-    let partition = global.then(|| {
-        let all = state.spend.totals(now, window_ms);
-        let mut active = state.spend.active_conversations(now, window_ms);
-        active.insert(conv.key.as_str());
-        let share_calls = policy
-            .summary_max_calls_per_window_global
-            .map(|max| max.div_ceil(active.len().max(1) as u32));
-        if let Some(max) = policy.summary_max_calls_per_window_global {
-            let mine = state.spend.calls_of(&conv.key, now, window_ms);
-            calls_left = calls_left
-                .min(max.saturating_sub(all.calls))
-                .min(share_calls.unwrap_or(max).saturating_sub(mine));
-        }
-        tokens_left = tighter(
-            tokens_left,
-            left(policy.summary_max_tokens_per_window_global, all.tokens),
-        );
-        cost_left = tighter(
-            cost_left,
-            left(
-                policy.summary_max_cost_micros_per_window_global,
-                all.cost_micros,
-            ),
-        );
-        PartitionSpend {
-            calls: all.calls,
-            tokens: all.tokens,
-            cost_micros: all.cost_micros,
-            max_calls: policy.summary_max_calls_per_window_global,
-            max_tokens: policy.summary_max_tokens_per_window_global,
-            max_cost_micros: policy.summary_max_cost_micros_per_window_global,
-            active_conversations: active.len(),
-            share_calls,
-        }
-    });
-    let in_backoff = now < s.backoff_until;
-    let waiting_retry_after = now < s.retry_at;
+    let window_start = own.recent.first().map_or(now, |e| e.time);
+    let waiting_retry_after = now < own.retry_at;
     SpendStatus {
         window_start,
         window_ms,
-        expired,
-        calls,
-        tokens,
-        cost_micros,
-        max_calls,
-        calls_left,
+        expired: a.own == SpendTotals::default(),
+        calls: a.own.calls,
+        tokens: a.own.tokens,
+        cost_micros: a.own.cost_micros,
+        max_calls: policy.summary_max_calls_per_window,
+        calls_left: a.calls_left,
         max_tokens: policy.summary_max_tokens_per_window,
-        tokens_left,
+        tokens_left: a.tokens_left,
         max_cost_micros: policy.summary_max_cost_micros_per_window,
-        cost_left,
-        backoff_until: s.backoff_until,
-        in_backoff,
-        retry_at: s.retry_at,
+        cost_left: a.cost_left,
+        backoff_until: own.backoff_until,
+        in_backoff: a.in_backoff,
+        retry_at: own.retry_at,
         waiting_retry_after,
-        partition,
-        routine_allowed: calls_left > 0
-            && tokens_left != Some(0)
-            && cost_left != Some(0)
-            && !in_backoff
-            && !waiting_retry_after,
+        routine_allowed: a.routine_ok() && !waiting_retry_after,
+        partition: a.partition.map(|p| PartitionSpend {
+            calls: p.totals.calls,
+            tokens: p.totals.tokens,
+            cost_micros: p.totals.cost_micros,
+            max_calls: policy.summary_max_calls_per_window_global,
+            max_tokens: policy.summary_max_tokens_per_window_global,
+            max_cost_micros: policy.summary_max_cost_micros_per_window_global,
+            active_conversations: p.active_conversations,
+            share_calls: p.share_calls,
+        }),
     }
 }
 

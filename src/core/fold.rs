@@ -10,6 +10,7 @@ use crate::core::event::*;
 use crate::core::message::Role;
 use crate::core::overflow;
 use crate::core::policy::{self, PolicyConfig};
+use crate::core::spend;
 use crate::core::state::{
     derived_event_id, id_digest, summary_id, ContextItem, Conversation, PendingJob, SpendEntry,
     SpendWindow, State, Summary, Turn,
@@ -729,7 +730,7 @@ impl FoldContext<'_> {
             reserved_until: None,
         };
         self.conv.spend.prune(now, window);
-        if has_global_limits(self.policy) {
+        if spend::has_partition_limits(self.policy) {
             self.global.prune(now, window);
             self.global.record(SpendEntry {
                 conversation: self.conv.key.clone(),
@@ -873,52 +874,19 @@ impl FoldContext<'_> {
         }
         let window = self.policy.summary_call_window_ms;
         self.conv.spend.prune(now, window);
-        let mine = self.conv.spend.totals(now, window);
-        let mut calls_left = self
-            .policy
-            .summary_max_calls_per_window
-            .saturating_sub(mine.calls);
-        let mut tokens_left = self
-            .policy
-            .summary_max_tokens_per_window
-            .map(|max| max.saturating_sub(mine.tokens));
-        let mut cost_left = self
-            .policy
-            .summary_max_cost_micros_per_window
-            .map(|max| max.saturating_sub(mine.cost_micros));
-        let global = has_global_limits(self.policy);
-        let own_calls_left = calls_left;
+        let global = spend::has_partition_limits(self.policy);
         if global {
             self.global.prune(now, window);
-            let all = self.global.totals(now, window);
-            if let Some(max) = self.policy.summary_max_calls_per_window_global {
-                // A fair share of the partition's calls for each conversation
-                // that spends or waits in the window, so the first to ask
-                // cannot hold the whole window while others wait.
-                let mut active = self.global.active_conversations(now, window);
-                active.insert(self.conv.key.as_str());
-                let share = max.div_ceil(active.len().max(1) as u32);
-                let mine = self.global.calls_of(&self.conv.key, now, window);
-                calls_left = calls_left
-                    .min(max.saturating_sub(all.calls))
-                    .min(share.saturating_sub(mine));
-            }
-            let left = |max: Option<u64>, used: u64| max.map(|m| m.saturating_sub(used));
-            tokens_left = min_limit(
-                tokens_left,
-                left(self.policy.summary_max_tokens_per_window_global, all.tokens),
-            );
-            cost_left = min_limit(
-                cost_left,
-                left(
-                    self.policy.summary_max_cost_micros_per_window_global,
-                    all.cost_micros,
-                ),
-            );
         }
-        let in_backoff = now < self.conv.spend.backoff_until;
-        let spend_ok =
-            calls_left > 0 && tokens_left != Some(0) && cost_left != Some(0) && !in_backoff;
+        let allowance = spend::allowance(
+            &self.conv.spend,
+            self.global,
+            &self.conv.key,
+            self.policy,
+            now,
+        );
+        let (calls_left, tokens_left) = (allowance.calls_left, allowance.tokens_left);
+        let spend_ok = allowance.routine_ok();
         let (compact, urgent, reason, target, instructions) = match &self.conv.debt {
             Some(d) if d.urgent || spend_ok => (
                 true,
@@ -934,7 +902,12 @@ impl FoldContext<'_> {
                 levels.target_tokens,
                 None,
             ),
-            Some(_) if global && own_calls_left > 0 && calls_left == 0 && !in_backoff => {
+            Some(_)
+                if global
+                    && allowance.own_calls_left > 0
+                    && calls_left == 0
+                    && !allowance.in_backoff =>
+            {
                 // Refused only for the partition's sake: wait for a share.
                 self.global.wait(&self.conv.key, now);
                 return;
@@ -999,21 +972,6 @@ impl FoldContext<'_> {
             committed: 0,
         });
         self.decide("job_issued", EventBody::JobIssued(job));
-    }
-}
-
-/// A global (partition-wide) spend limit is configured.
-fn has_global_limits(policy: &PolicyConfig) -> bool {
-    policy.summary_max_calls_per_window_global.is_some()
-        || policy.summary_max_tokens_per_window_global.is_some()
-        || policy.summary_max_cost_micros_per_window_global.is_some()
-}
-
-/// The tighter of two optional limits (`None` is unlimited).
-fn min_limit(a: Option<u64>, b: Option<u64>) -> Option<u64> {
-    match (a, b) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
     }
 }
 

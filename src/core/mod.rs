@@ -11,6 +11,7 @@ pub mod identifiers;
 pub mod message;
 pub mod overflow;
 pub mod policy;
+pub mod spend;
 pub mod state;
 pub mod summary;
 pub mod sweep;

@@ -9,8 +9,10 @@ use crate::core::event::{Covers, Debt, RollingState, SummaryKind, TurnAppended};
 use crate::core::message::Role;
 use crate::core::tokens;
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
+
+pub use crate::core::spend::{SpendEntry, SpendTotals, SpendWindow};
 
 /// A short, fixed-size digest of an event id, for idempotency checks.
 pub type IdDigest = [u8; 16];
@@ -109,137 +111,6 @@ pub struct PendingJob {
     pub job: crate::core::event::JobIssued,
     /// Summaries of this job accepted so far.
     pub committed: u32,
-}
-
-// State is stored as positional MessagePack: no field may be skipped when
-// serializing, or every field after it would be read in the wrong place.
-
-/// Spend of one sweep in a spend window, counted at the time its job was
-/// issued (conversation time). While `reserved_until` is set, the amounts
-/// are the allowance the running job may still use, not yet what it spent.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SpendEntry {
-    pub time: u64,
-    pub job_id: String,
-    /// Whose job it was (kept in the partition's window only).
-    #[serde(default)]
-    pub conversation: String,
-    pub calls: u32,
-    pub tokens: u64,
-    pub cost_micros: u64,
-    /// The job is running: its allowance is held until it ends, or until
-    /// this time if its `sweep_ended` never comes.
-    #[serde(default)]
-    pub reserved_until: Option<u64>,
-}
-
-/// Spend in a sliding window of conversation time: whatever the instant,
-/// the sweeps of the last `summary_call_window_ms` count, so no span of
-/// that length ever holds more than the limits allow.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SpendWindow {
-    /// Sweeps that still count, oldest first.
-    pub recent: Vec<SpendEntry>,
-    /// No routine job before this time (a round made no progress).
-    pub backoff_until: u64,
-    /// No job at all before this time: the provider asked (Retry-After).
-    #[serde(default)]
-    pub retry_at: u64,
-    /// Conversations refused a job for want of the partition's allowance,
-    /// and since when (partition window only): they count toward the fair
-    /// share of the calls.
-    #[serde(default)]
-    pub waiting: Vec<(String, u64)>,
-}
-
-/// Totals of a [`SpendWindow`] at one instant.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct SpendTotals {
-    pub calls: u32,
-    pub tokens: u64,
-    pub cost_micros: u64,
-}
-
-impl SpendWindow {
-    /// Drops sweeps that no longer count at `now`; a reservation whose job
-    /// vanished becomes spend (the worker may have used all of it).
-    pub fn prune(&mut self, now: u64, window_ms: u64) {
-        for e in &mut self.recent {
-            if e.reserved_until.is_some_and(|until| until <= now) {
-                e.reserved_until = None;
-            }
-        }
-        self.recent
-            .retain(|e| e.reserved_until.is_some() || e.time.saturating_add(window_ms) > now);
-        self.waiting
-            .retain(|(_, since)| since.saturating_add(window_ms) > now);
-    }
-
-    /// Calls of `conversation`'s sweeps that count at `now`.
-    pub fn calls_of(&self, conversation: &str, now: u64, window_ms: u64) -> u32 {
-        self.recent
-            .iter()
-            .filter(|e| e.conversation == conversation)
-            .filter(|e| e.reserved_until.is_some() || e.time.saturating_add(window_ms) > now)
-            .map(|e| e.calls)
-            .fold(0u32, u32::saturating_add)
-    }
-
-    /// Conversations that spend or wait in the window at `now`.
-    pub fn active_conversations(&self, now: u64, window_ms: u64) -> BTreeSet<&str> {
-        self.recent
-            .iter()
-            .filter(|e| e.reserved_until.is_some() || e.time.saturating_add(window_ms) > now)
-            .map(|e| e.conversation.as_str())
-            .chain(self.waiting.iter().map(|(c, _)| c.as_str()))
-            .collect()
-    }
-
-    /// Marks `conversation` as waiting for an allowance (once).
-    pub fn wait(&mut self, conversation: &str, now: u64) {
-        if !self.waiting.iter().any(|(c, _)| c == conversation) {
-            self.waiting.push((conversation.to_string(), now));
-        }
-    }
-
-    pub fn stop_waiting(&mut self, conversation: &str) {
-        self.waiting.retain(|(c, _)| c != conversation);
-    }
-
-    /// What counts against the limits at `now` (reservations included).
-    pub fn totals(&self, now: u64, window_ms: u64) -> SpendTotals {
-        let mut t = SpendTotals::default();
-        for e in &self.recent {
-            if e.reserved_until.is_some() || e.time.saturating_add(window_ms) > now {
-                t.calls = t.calls.saturating_add(e.calls);
-                t.tokens = t.tokens.saturating_add(e.tokens);
-                t.cost_micros = t.cost_micros.saturating_add(e.cost_micros);
-            }
-        }
-        t
-    }
-
-    /// Records a sweep's spend, replacing what was held for its job.
-    pub fn record(&mut self, entry: SpendEntry) {
-        // A job's spend replaces what was held for it, even a reservation
-        // that expired into spend while its sweep ran late.
-        if let Some(held) = self
-            .recent
-            .iter_mut()
-            .find(|e| !e.job_id.is_empty() && e.job_id == entry.job_id)
-        {
-            *held = SpendEntry {
-                time: held.time,
-                ..entry
-            };
-            return;
-        }
-        if entry.calls == 0 && entry.tokens == 0 && entry.cost_micros == 0 {
-            return;
-        }
-        let at = self.recent.partition_point(|e| e.time <= entry.time);
-        self.recent.insert(at, entry);
-    }
 }
 
 /// One line of a conversation's compaction history (for audit).
@@ -477,44 +348,4 @@ pub fn summary_id(
 pub fn derived_event_id(cause: &str, what: &str) -> String {
     let h = blake3::hash(format!("{cause}\u{0}{what}").as_bytes());
     format!("d_{}_{}", what, &h.to_hex()[..20])
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn entry(time: u64, job: &str, calls: u32, reserved_until: Option<u64>) -> SpendEntry {
-        SpendEntry {
-            time,
-            job_id: job.into(),
-            conversation: "c".into(),
-            calls,
-            tokens: 0,
-            cost_micros: 0,
-            reserved_until,
-        }
-    }
-
-    #[test]
-    fn the_window_slides_and_a_late_sweep_replaces_its_expired_reservation() {
-        let mut w = SpendWindow::default();
-        w.record(entry(1_000, "j1", 4, Some(5_000)));
-        w.record(entry(2_000, "j2", 2, None));
-        assert_eq!(w.totals(2_000, 10_000).calls, 6);
-        // The worker vanished: its reservation turns into spend...
-        w.prune(6_000, 10_000);
-        assert_eq!(w.recent[0].reserved_until, None);
-        assert_eq!(w.totals(6_000, 10_000).calls, 6);
-        // ...until its sweep ends after all, with what it really spent.
-        w.record(entry(7_000, "j1", 1, None));
-        assert_eq!(w.recent.len(), 2);
-        assert_eq!(w.recent[0].time, 1_000, "counted when it was granted");
-        assert_eq!(w.totals(7_000, 10_000).calls, 3);
-        assert_eq!(w.calls_of("c", 7_000, 10_000), 3);
-        // Entries leave the window a window after they were granted.
-        w.prune(11_000, 10_000);
-        assert_eq!(w.totals(11_000, 10_000).calls, 2);
-        w.prune(12_000, 10_000);
-        assert!(w.recent.is_empty());
-    }
 }
