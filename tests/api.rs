@@ -605,7 +605,7 @@ async fn nats_forwards_to_the_partition_owner_or_says_not_owner() {
     let server = support::nats_server::NatsServer::start();
     let client = async_nats::connect(server.url()).await.unwrap();
     let partitions = 16;
-    let partition = nats_service::partition_of(CONV, partitions).unwrap();
+    let partition = contextfold::nats::subjects::partition_of(CONV, partitions).unwrap();
 
     // Process A answers the public subjects but owns nothing.
     let stranger = Arc::new(Owning {
@@ -877,7 +877,7 @@ async fn nats_run_follows_the_held_partitions_and_stops_on_shutdown() {
     }
     let server = support::nats_server::NatsServer::start();
     let client = async_nats::connect(server.url()).await.unwrap();
-    let partition = nats_service::partition_of(CONV, 16).unwrap();
+    let partition = contextfold::nats::subjects::partition_of(CONV, 16).unwrap();
     let held = Arc::new(std::sync::Mutex::new(Vec::<u32>::new()));
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
     let role = tokio::spawn(nats_service::run(

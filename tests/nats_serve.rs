@@ -21,7 +21,7 @@ use contextfold::nats::config::StorageKind;
 use contextfold::nats::event_log::NatsEventLog;
 use contextfold::nats::serve::{Roles, ServeOptions, Service};
 use contextfold::nats::setup::{ensure, Infrastructure};
-use contextfold::nats::subjects::{encode_conversation, partition_of_token};
+use contextfold::nats::subjects;
 use contextfold::nats::{NatsConfig, NatsOptions};
 use contextfold::runtime::engine::Engine;
 use contextfold::runtime::sweep::{Deterministic, PassError, PassSummarizer, Spend};
@@ -250,7 +250,7 @@ async fn assert_matches_replay(
 }
 
 fn partition_of(key: &str) -> u32 {
-    partition_of_token(&encode_conversation(key).unwrap(), 16)
+    subjects::partition_of(key, 16).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

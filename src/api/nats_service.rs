@@ -27,7 +27,7 @@ pub use crate::api::{LocalState, StateView};
 use crate::core::policy::PolicyConfig;
 use crate::core::state::{Conversation, State};
 use crate::nats::folder::{EngineMap, SharedEngine};
-use crate::nats::subjects::{self, ApiOp, SubjectError};
+use crate::nats::subjects::{partition_of, SubjectError, Subjects};
 use crate::store::KvBackend;
 use async_nats::{Client, HeaderMap, PublishErrorKind, RequestErrorKind, Subject};
 use bytes::Bytes;
@@ -71,36 +71,6 @@ impl Default for ServiceConfig {
             forward_timeout: Duration::from_secs(5),
         }
     }
-}
-
-impl From<Op> for ApiOp {
-    fn from(op: Op) -> ApiOp {
-        match op {
-            Op::Assemble => ApiOp::Assemble,
-            Op::Status => ApiOp::Status,
-            Op::Grep => ApiOp::Grep,
-            Op::Describe => ApiOp::Describe,
-            Op::Expand => ApiOp::Expand,
-            Op::Compact => ApiOp::Compact,
-            Op::History => ApiOp::History,
-        }
-    }
-}
-
-/// The subscription filter of the public subjects.
-pub fn public_filter(prefix: &str) -> String {
-    format!("{prefix}.api.*")
-}
-
-/// The subscription filter of one partition's subjects.
-pub fn partition_filter(prefix: &str, partition: u32) -> String {
-    format!("{prefix}.api.p.{partition}.*")
-}
-
-/// The partition that owns a conversation, as the events stream computes it.
-pub fn partition_of(conversation: &str, partitions: u32) -> Result<u32, SubjectError> {
-    let token = subjects::encode_conversation(conversation)?;
-    Ok(subjects::partition_of_token(&token, partitions))
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -170,7 +140,7 @@ pub async fn start<V: StateView>(
     view: Arc<V>,
     config: ServiceConfig,
 ) -> Result<ApiService, ServiceError> {
-    subjects::validate_prefix(&config.prefix)?;
+    let filter = Subjects::new(&config.prefix)?.api_wildcard();
     if config.forward_partitions == Some(0) {
         return Err(ServiceError::Partitions);
     }
@@ -179,7 +149,7 @@ pub async fn start<V: StateView>(
         prefix: config.prefix.clone(),
         timeout: config.forward_timeout,
     };
-    serve(client, view, public_filter(&config.prefix), route, &config).await
+    serve(client, view, filter, route, &config).await
 }
 
 /// Serves one partition's subjects `<prefix>.api.p.<partition>.<op>`, for
@@ -190,8 +160,7 @@ pub async fn start_partition<V: StateView>(
     config: ServiceConfig,
     partition: u32,
 ) -> Result<ApiService, ServiceError> {
-    subjects::validate_prefix(&config.prefix)?;
-    let filter = partition_filter(&config.prefix, partition);
+    let filter = Subjects::new(&config.prefix)?.api_partition_wildcard(partition);
     serve(client, view, filter, Route::Partition, &config).await
 }
 
@@ -332,12 +301,12 @@ async fn forward(
         conversation: conversation.to_string(),
         retry_after_ms: retry_ms,
     };
-    let Some(op) = ApiOp::from_token(op) else {
+    let Some(op) = Op::parse(op) else {
         return Err(ApiError::BadRequest(format!("unknown operation {op:?}")));
     };
     let partition = partition_of(conversation, partitions)
         .map_err(|e| ApiError::BadRequest(format!("cannot route the conversation: {e}")))?;
-    let subject = subjects::Subjects::new(prefix)
+    let subject = Subjects::new(prefix)
         .map_err(|e| ApiError::Internal(e.to_string()))?
         .api_for_partition(partition, op);
     let request = async_nats::Request::new()
@@ -591,37 +560,6 @@ pub async fn run<V: StateView>(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn filters_match_the_subjects_module() {
-        let s = subjects::Subjects::new("acme.cf").unwrap();
-        for op in Op::ALL {
-            let public = s.api(op.into());
-            assert_eq!(public, format!("acme.cf.api.{op}"));
-            let filter = public_filter("acme.cf");
-            assert_eq!(
-                public.rsplit_once('.').unwrap().0,
-                filter.rsplit_once('.').unwrap().0
-            );
-            let owned = s.api_for_partition(7, op.into());
-            assert_eq!(
-                owned.rsplit_once('.').unwrap().0,
-                partition_filter("acme.cf", 7).rsplit_once('.').unwrap().0
-            );
-            assert_eq!(ApiOp::from(op).as_str(), op.as_str());
-        }
-    }
-
-    #[test]
-    fn partition_of_follows_the_token_hash() {
-        let key = "team:alpha/session 1";
-        let token = subjects::encode_conversation(key).unwrap();
-        assert_eq!(
-            partition_of(key, 16).unwrap(),
-            subjects::partition_of_token(&token, 16)
-        );
-        assert!(partition_of("", 16).is_err());
-    }
 
     /// Engines held by partition, as the folder would hold them.
     struct FakeHeld(BTreeMap<u32, SharedEngine<crate::store::memory_backend::MemoryBackend>>);

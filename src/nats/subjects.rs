@@ -31,9 +31,9 @@
 //! | `cf.api.<op>` | request/reply API, any process answers or forwards |
 //! | `cf.api.p.<partition>.<op>` | the API served by the owner of a partition |
 
+use crate::api::Op;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine as _;
-use std::fmt;
 
 /// Longest conversation key accepted, in UTF-8 bytes. Its encoded token
 /// (at most 1 + 4/3 of it) keeps a subject far below the server's default
@@ -133,6 +133,14 @@ pub fn partition_of_token(token: &str, partitions: u32) -> u32 {
     hash % partitions.max(1)
 }
 
+/// The partition that owns a conversation, as the events stream computes it.
+pub fn partition_of(conversation: &str, partitions: u32) -> Result<u32, SubjectError> {
+    Ok(partition_of_token(
+        &encode_conversation(conversation)?,
+        partitions,
+    ))
+}
+
 /// Checks a subject prefix: one or more `.`-separated tokens of
 /// `A-Z a-z 0-9 _ -`.
 pub fn validate_prefix(prefix: &str) -> Result<(), SubjectError> {
@@ -144,53 +152,6 @@ pub fn validate_prefix(prefix: &str) -> Result<(), SubjectError> {
         Ok(())
     } else {
         Err(SubjectError::BadPrefix(prefix.to_string()))
-    }
-}
-
-/// The request/reply operations of the API.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ApiOp {
-    Assemble,
-    Status,
-    Grep,
-    Describe,
-    Expand,
-    Compact,
-    History,
-}
-
-impl ApiOp {
-    pub const ALL: [ApiOp; 7] = [
-        ApiOp::Assemble,
-        ApiOp::Status,
-        ApiOp::Grep,
-        ApiOp::Describe,
-        ApiOp::Expand,
-        ApiOp::Compact,
-        ApiOp::History,
-    ];
-
-    /// The subject token (`assemble`, ...).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ApiOp::Assemble => "assemble",
-            ApiOp::Status => "status",
-            ApiOp::Grep => "grep",
-            ApiOp::Describe => "describe",
-            ApiOp::Expand => "expand",
-            ApiOp::Compact => "compact",
-            ApiOp::History => "history",
-        }
-    }
-
-    pub fn from_token(token: &str) -> Option<ApiOp> {
-        ApiOp::ALL.into_iter().find(|op| op.as_str() == token)
-    }
-}
-
-impl fmt::Display for ApiOp {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
     }
 }
 
@@ -301,13 +262,23 @@ impl Subjects {
     }
 
     /// `cf.api.<op>`: the public request/reply subject.
-    pub fn api(&self, op: ApiOp) -> String {
+    pub fn api(&self, op: Op) -> String {
         format!("{}.api.{op}", self.prefix)
     }
 
     /// `cf.api.p.<partition>.<op>`: answered by the partition's owner.
-    pub fn api_for_partition(&self, partition: u32, op: ApiOp) -> String {
+    pub fn api_for_partition(&self, partition: u32, op: Op) -> String {
         format!("{}.api.p.{partition}.{op}", self.prefix)
+    }
+
+    /// `cf.api.*`: every public request/reply subject.
+    pub fn api_wildcard(&self) -> String {
+        format!("{}.api.*", self.prefix)
+    }
+
+    /// `cf.api.p.<partition>.*`: every subject a partition's owner answers.
+    pub fn api_partition_wildcard(&self, partition: u32) -> String {
+        format!("{}.api.p.{partition}.*", self.prefix)
     }
 
     /// Events stream name (`CF_EVENTS`).
@@ -359,6 +330,17 @@ mod tests {
             && t != ">"
             && t.bytes()
                 .all(|b| b.is_ascii_graphic() && b != b'.' && b != b'*' && b != b'>')
+    }
+
+    #[test]
+    fn partition_of_follows_the_token_hash() {
+        let key = "team:alpha/session 1";
+        let token = encode_conversation(key).unwrap();
+        assert_eq!(
+            partition_of(key, 16).unwrap(),
+            partition_of_token(&token, 16)
+        );
+        assert!(partition_of("", 16).is_err());
     }
 
     #[test]
@@ -441,16 +423,24 @@ mod tests {
         );
         assert_eq!(s.event(3, "x").unwrap(), "acme.cf.ev.3.x");
         assert_eq!(s.partition_filter(3), "acme.cf.ev.3.*");
-        assert_eq!(s.api(ApiOp::Assemble), "acme.cf.api.assemble");
-        assert_eq!(
-            s.api_for_partition(5, ApiOp::Status),
-            "acme.cf.api.p.5.status"
-        );
+        assert_eq!(s.api(Op::Assemble), "acme.cf.api.assemble");
+        assert_eq!(s.api_for_partition(5, Op::Status), "acme.cf.api.p.5.status");
         assert_eq!(s.events_stream(), "ACME_CF_EVENTS");
         assert_eq!(s.lease_bucket(), "acme_cf_leases");
         assert_eq!(s.folder_consumer(2), "acme_cf_fold_2");
-        for op in ApiOp::ALL {
-            assert_eq!(ApiOp::from_token(op.as_str()), Some(op));
+        for op in Op::ALL {
+            assert_eq!(Op::parse(op.as_str()), Some(op));
+            // The wildcards cover exactly the subjects they serve.
+            let public = s.api(op);
+            assert_eq!(
+                public.rsplit_once('.').unwrap().0,
+                s.api_wildcard().rsplit_once('.').unwrap().0
+            );
+            let owned = s.api_for_partition(7, op);
+            assert_eq!(
+                owned.rsplit_once('.').unwrap().0,
+                s.api_partition_wildcard(7).rsplit_once('.').unwrap().0
+            );
         }
     }
 
