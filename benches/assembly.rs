@@ -5,8 +5,8 @@
 //! - `compacted`: 26,500 real turns (the tau-bench, pi and Claude Code
 //!   transcripts repeated, ids rewritten) run through the embedded pipeline
 //!   with the deterministic summarizer, context window 1,000,000 and
-//!   threshold / target at 0.16 / 0.12 of it, so the context ends as
-//!   summaries plus raw turns at 120k-160k tokens; assembled whole.
+//!   threshold / target at 0.17 / 0.16 of it, chosen so that the context
+//!   ends as summaries plus raw turns at about 155k tokens; assembled whole.
 //! - `raw_newest_155k`: the same 26,500 real turns folded without
 //!   compaction; assembled with a 155,000-token budget, so the newest turns
 //!   fill it and the rest is listed as left out.
@@ -14,12 +14,18 @@
 //!   tool calls) that all fit in about 155,000 tokens: every turn is sent,
 //!   the most messages one assembly can produce at this size.
 //!
+//! Each shape is timed as `borrowed` (`assemble_borrowed`: stored turns
+//! borrowed from the state, what a server serializing the answer needs)
+//! and `owned` (`assemble`: every message copied out).
+//!
 //! Run: `cargo bench --bench assembly`.
 
 #[path = "support/transcripts.rs"]
 mod transcripts;
 
-use contextfold::core::assembly::{assemble, check_tool_pairing, AssemblyRequest};
+use contextfold::core::assembly::{
+    assemble, assemble_borrowed, check_tool_pairing, AssemblyRequest,
+};
 use contextfold::core::event::{Envelope, EventBody, TurnAppended};
 use contextfold::core::fold::fold;
 use contextfold::core::message::{ChatMessage, FunctionCall, Role, ToolCall};
@@ -99,8 +105,9 @@ fn compacted() -> Option<&'static Shape> {
             let events = transcripts::long_conversation(KEY, TURNS)?;
             let policy = PolicyConfig {
                 default_context_window: 1_000_000,
-                context_threshold: 0.16,
-                context_target: 0.12,
+                // Where 26,500 of these turns end at about 155,000 tokens.
+                context_threshold: 0.17,
+                context_target: 0.16,
                 ..PolicyConfig::default()
             };
             let rt = tokio::runtime::Builder::new_current_thread()
@@ -164,14 +171,16 @@ fn turn(n: usize, message: ChatMessage) -> Envelope {
     )
 }
 
-/// Short turns in cycles of four: a user line, an assistant tool call, its
-/// result, an assistant answer.
+/// Short turns in cycles of eight: user and assistant lines, then an
+/// assistant tool call, its result and an answer. About 5.8 tokens a turn
+/// (4 of them message overhead), so 26,500 turns make about 155,000.
 fn synthetic_turns() -> Vec<Envelope> {
     (0..TURNS)
         .map(|n| {
-            let m = match n % 4 {
-                0 => ChatMessage::text(Role::User, "go on"),
-                1 => {
+            let m = match n % 8 {
+                0 | 2 | 4 => ChatMessage::text(Role::User, "ok"),
+                1 | 3 => ChatMessage::text(Role::Assistant, "ok"),
+                5 => {
                     let mut m = ChatMessage::text(Role::Assistant, "");
                     m.content = None;
                     m.tool_calls = vec![ToolCall {
@@ -184,7 +193,7 @@ fn synthetic_turns() -> Vec<Envelope> {
                     }];
                     m
                 }
-                2 => {
+                6 => {
                     let mut m = ChatMessage::text(Role::Tool, "ok");
                     m.tool_call_id = Some(format!("c{}", n - 1));
                     m
@@ -215,27 +224,36 @@ fn raw_all() -> &'static Shape {
     })
 }
 
-fn bench_shape(bencher: Bencher, shape: Option<&'static Shape>) {
-    let Some(s) = shape else {
-        eprintln!("skipped: shared transcripts absent");
+/// The shapes, by name, for `args`.
+const SHAPES: [&str; 3] = ["compacted", "raw_newest_155k", "raw_all_155k"];
+
+fn shape(name: &str) -> Option<&'static Shape> {
+    match name {
+        "compacted" => compacted(),
+        "raw_newest_155k" => raw_newest(),
+        _ => Some(raw_all()),
+    }
+}
+
+/// What a server answering from state does: stored turns borrowed, the
+/// result ready to serialize.
+#[divan::bench(args = SHAPES, sample_count = 300)]
+fn borrowed(bencher: Bencher, name: &str) {
+    let Some(s) = shape(name) else {
+        eprintln!("{name} skipped: shared transcripts absent");
+        return;
+    };
+    bencher.bench(|| assemble_borrowed(&s.conv, &s.policy, &s.request));
+}
+
+/// The same with every message copied out of the state (`assemble`).
+#[divan::bench(args = SHAPES, sample_count = 300)]
+fn owned(bencher: Bencher, name: &str) {
+    let Some(s) = shape(name) else {
+        eprintln!("{name} skipped: shared transcripts absent");
         return;
     };
     bencher.bench(|| assemble(&s.conv, &s.policy, &s.request));
-}
-
-#[divan::bench(sample_count = 200)]
-fn compacted_context(bencher: Bencher) {
-    bench_shape(bencher, compacted());
-}
-
-#[divan::bench(sample_count = 200)]
-fn raw_newest_155k(bencher: Bencher) {
-    bench_shape(bencher, raw_newest());
-}
-
-#[divan::bench(sample_count = 200)]
-fn raw_all_155k(bencher: Bencher) {
-    bench_shape(bencher, Some(raw_all()));
 }
 
 fn main() {
