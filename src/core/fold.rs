@@ -15,6 +15,7 @@ use crate::core::state::{
     State, Summary, Turn,
 };
 use crate::core::tokens;
+use std::cell::RefCell;
 use std::sync::Arc;
 
 /// What became of one event.
@@ -945,7 +946,20 @@ impl FoldContext<'_> {
 /// characters of the normalized text; the same bytes as building the
 /// strings would hash.
 fn turn_digest(msg: &ChatMessage) -> (IdDigest, usize) {
-    let mut n = Normalizer::new();
+    thread_local! {
+        // Reused: zeroing a fresh 8 KB buffer for every turn showed in profiles.
+        static SCRATCH: RefCell<Box<[u8; Normalizer::BUF]>> =
+            RefCell::new(Box::new([0; Normalizer::BUF]));
+    }
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut buf) => digest_with(msg, &mut buf),
+        // Only reentrancy could get here; a fresh buffer hashes the same.
+        Err(_) => digest_with(msg, &mut Box::new([0; Normalizer::BUF])),
+    })
+}
+
+fn digest_with(msg: &ChatMessage, buf: &mut [u8; Normalizer::BUF]) -> (IdDigest, usize) {
+    let mut n = Normalizer::new(buf);
     n.hasher.update(msg.role.as_str().as_bytes());
     n.hasher.update(&[0]);
     n.hasher
@@ -977,9 +991,9 @@ fn turn_digest(msg: &ChatMessage) -> (IdDigest, usize) {
 }
 
 /// Whitespace-collapsing, case-folding writer into a blake3 hasher.
-struct Normalizer {
+struct Normalizer<'b> {
     hasher: blake3::Hasher,
-    buf: [u8; Normalizer::BUF],
+    buf: &'b mut [u8; Normalizer::BUF],
     len: usize,
     /// Bytes of raw text seen (for `searchable_text`'s separators).
     raw_len: usize,
@@ -989,14 +1003,14 @@ struct Normalizer {
     space: bool,
 }
 
-impl Normalizer {
+impl<'b> Normalizer<'b> {
     /// Large enough for blake3 to hash several chunks at once.
     const BUF: usize = 8192;
 
-    fn new() -> Self {
+    fn new(buf: &'b mut [u8; Normalizer::BUF]) -> Self {
         Normalizer {
             hasher: blake3::Hasher::new(),
-            buf: [0; Normalizer::BUF],
+            buf,
             len: 0,
             raw_len: 0,
             chars: 0,
