@@ -1256,6 +1256,58 @@ mod tests {
         }
     }
 
+    /// Moving a turn into the state folds exactly as copying it.
+    #[test]
+    fn owned_and_borrowed_folds_agree() {
+        let policy = PolicyConfig::default();
+        let mut call = ChatMessage::text(Role::Assistant, "Reading it.");
+        call.tool_calls = vec![ToolCall {
+            id: "call_1".into(),
+            kind: "function".into(),
+            function: FunctionCall {
+                name: "read_file".into(),
+                arguments: r#"{"path":"src/main.rs"}"#.into(),
+            },
+        }];
+        let mut result = ChatMessage::text(Role::Tool, "fn main() {}");
+        result.tool_call_id = Some("call_1".into());
+        let mut orphan = ChatMessage::text(Role::Tool, "nobody asked");
+        orphan.tool_call_id = Some("call_9".into());
+        let events: Vec<Envelope> = [
+            ChatMessage::text(Role::User, "Where is the entry point of this crate?"),
+            call,
+            result,
+            orphan,
+            ChatMessage::text(Role::User, "Where is the entry point of this crate?"),
+        ]
+        .into_iter()
+        .enumerate()
+        .map(|(n, message)| {
+            Envelope::new(
+                format!("e{n}"),
+                "c:owned",
+                1_700_000_000_000 + n as u64 * 1000,
+                EventBody::TurnAppended(TurnAppended {
+                    message,
+                    model: None,
+                    sender: None,
+                    usage: None,
+                    metadata: None,
+                }),
+            )
+        })
+        .collect();
+        let (mut borrowed, mut owned) = (State::default(), State::default());
+        for e in events.iter().chain(&events) {
+            let a = fold_counted(&mut borrowed, &policy, e, None);
+            let b = fold_owned(&mut owned, &policy, e.clone(), None);
+            assert_eq!(a, b);
+        }
+        assert_eq!(borrowed.hash(), owned.hash());
+        assert_eq!(borrowed, owned);
+        assert_eq!(borrowed.conversations["c:owned"].turns.len(), 4);
+    }
+
     #[test]
     fn streamed_turn_digest_crosses_its_buffer() {
         let long = "Word\tÉTÉ  \u{3000}İ ".repeat(3000);
