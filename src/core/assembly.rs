@@ -8,7 +8,7 @@ use crate::core::policy::{self, PlanView, PolicyConfig};
 use crate::core::state::{ContextItem, Conversation};
 use crate::core::tokens;
 use serde::{Deserialize, Serialize};
-use std::borrow::Cow;
+use std::borrow::Borrow;
 
 /// What to assemble.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -96,8 +96,92 @@ pub fn summary_tokens(
     )
 }
 
-/// Assembles the context of a conversation.
+/// Assembles the context of a conversation (owned messages; see
+/// [`assemble_borrowed`] for the same without copying stored turns).
 pub fn assemble(conv: &Conversation, cfg: &PolicyConfig, req: &AssemblyRequest) -> Assembled {
+    assemble_borrowed(conv, cfg, req).into_owned()
+}
+
+/// A message of an assembled context: a stored turn borrowed from the
+/// state, sent exactly as published, or a message assembly built (a
+/// summary, a stub, the rolling state).
+#[derive(Debug, Clone, PartialEq)]
+pub enum SentMessage<'a> {
+    Stored(&'a ChatMessage),
+    Built(Box<ChatMessage>),
+}
+
+impl SentMessage<'_> {
+    pub fn into_owned(self) -> ChatMessage {
+        match self {
+            SentMessage::Stored(m) => m.clone(),
+            SentMessage::Built(m) => *m,
+        }
+    }
+}
+
+impl std::ops::Deref for SentMessage<'_> {
+    type Target = ChatMessage;
+    fn deref(&self) -> &ChatMessage {
+        match self {
+            SentMessage::Stored(m) => m,
+            SentMessage::Built(m) => m,
+        }
+    }
+}
+
+impl Borrow<ChatMessage> for SentMessage<'_> {
+    fn borrow(&self) -> &ChatMessage {
+        self
+    }
+}
+
+impl Serialize for SentMessage<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        ChatMessage::serialize(self, serializer)
+    }
+}
+
+/// [`Assembled`] with stored turns borrowed from the state: what a server
+/// answering from state serializes without copying the context first.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct AssembledRef<'a> {
+    pub messages: Vec<SentMessage<'a>>,
+    pub sources: Vec<Source>,
+    pub tokens: u64,
+    pub budget: u64,
+    pub prompt_tokens: u64,
+    pub fresh_tail_tokens: u64,
+    /// The fresh tail alone does not fit the budget: it is sent whole anyway.
+    pub over_budget: bool,
+    pub left_out: Vec<LeftOut>,
+}
+
+impl AssembledRef<'_> {
+    pub fn into_owned(self) -> Assembled {
+        Assembled {
+            messages: self
+                .messages
+                .into_iter()
+                .map(SentMessage::into_owned)
+                .collect(),
+            sources: self.sources,
+            tokens: self.tokens,
+            budget: self.budget,
+            prompt_tokens: self.prompt_tokens,
+            fresh_tail_tokens: self.fresh_tail_tokens,
+            over_budget: self.over_budget,
+            left_out: self.left_out,
+        }
+    }
+}
+
+/// Assembles the context of a conversation, borrowing stored turns.
+pub fn assemble_borrowed<'a>(
+    conv: &'a Conversation,
+    cfg: &PolicyConfig,
+    req: &AssemblyRequest,
+) -> AssembledRef<'a> {
     let budget = req.budget.unwrap_or_else(|| policy::budget(conv, cfg));
     let enc = conv.encoding;
     let prompt_tokens = req.prompt.as_deref().map_or(0, |p| {
@@ -105,90 +189,77 @@ pub fn assemble(conv: &Conversation, cfg: &PolicyConfig, req: &AssemblyRequest) 
     });
     let tail = policy::fresh_tail_start(conv, cfg);
     let n = conv.context.len();
-
-    // Units are tool groups: [start, end) with a boundary at both ends.
-    // Walk back from the end; the fresh tail is always taken whole.
-    let mut units: Vec<(usize, usize, u64)> = Vec::new();
-    let mut end = n;
-    let mut used = prompt_tokens;
-    let mut fresh_tail_tokens = 0;
-    let mut cut = 0; // first included item
-    let mut rolling: Option<(ChatMessage, u64)> = None;
-    if let Some(state) = &conv.rolling {
+    let rolling = conv.rolling.as_ref().map(|state| {
         let text = format!(
             "<session_state>\nCompleted: {}\nIn progress: {}\nDecisions: {}\nBlockers: {}\nNext: {}\n</session_state>",
             state.completed, state.in_progress, state.decisions, state.blockers, state.next
         );
         let msg = ChatMessage::text(Role::System, text);
         let t = tokens::count_message(enc, &msg);
-        rolling = Some((msg, t));
-    }
-    let mut left_out = Vec::new();
-    let mut stopped = false;
+        (msg, t)
+    });
+
+    // Units are tool groups: [start, end) with a boundary at both ends.
+    // Walk back from the end, the fresh tail always taken whole, until a
+    // unit does not fit: it and everything older is left out. Messages are
+    // collected newest first, then reversed.
+    let mut messages = Vec::with_capacity(n + 1);
+    let mut sources = Vec::with_capacity(n + 1);
+    let mut used = prompt_tokens;
+    let mut fresh_tail_tokens = 0;
+    let mut end = n;
+    let mut left_end = 0; // items [0, left_end) are left out
     while end > 0 {
         let mut start = end - 1;
         while start > 0 && !policy::is_boundary(conv, start) {
             start -= 1;
         }
+        let missing = missing_results(conv, start, end, end == n);
         let mut t: u64 = (start..end).map(|i| conv.item(i).tokens()).sum();
-        t += missing_results(conv, start, end, end == n)
-            .iter()
-            .map(|id| stub_tokens(enc, id))
-            .sum::<u64>();
-        let in_tail = start >= tail;
-        if in_tail {
+        t += missing.iter().map(|id| stub_tokens(enc, id)).sum::<u64>();
+        if start >= tail {
             fresh_tail_tokens += t;
-        } else if stopped || used + t > budget {
-            stopped = true;
-            for i in start..end {
-                left_out.push(LeftOut {
-                    source: source_of(conv, conv.context[i]),
-                    tokens: conv.item(i).tokens(),
-                });
-            }
-            end = start;
-            continue;
+        } else if used + t > budget {
+            left_end = end;
+            break;
         }
         used += t;
-        units.push((start, end, t));
-        cut = start;
-        end = start;
-    }
-    left_out.reverse();
-    let _ = cut;
-    // The rolling state is the first thing to go when space is short.
-    let rolling = rolling.filter(|(_, t)| used + t <= budget);
-    let over_budget = fresh_tail_tokens + prompt_tokens > budget;
-
-    let mut messages = Vec::with_capacity(units.iter().map(|u| u.1 - u.0).sum::<usize>() + 1);
-    let mut sources = Vec::with_capacity(messages.capacity());
-    let mut total = used;
-    if let Some((msg, t)) = rolling {
-        messages.push(msg);
-        sources.push(Source::RollingState);
-        total += t;
-    }
-    for &(start, end, _) in units.iter().rev() {
-        for i in start..end {
-            let item = conv.context[i];
-            messages.push(render(conv, cfg, item, i >= tail).into_owned());
-            sources.push(source_of(conv, item));
-        }
-        for call_id in missing_results(conv, start, end, end == n) {
-            messages.push(ChatMessage {
+        for call_id in missing.into_iter().rev() {
+            messages.push(SentMessage::Built(Box::new(ChatMessage {
                 role: Role::Tool,
                 content: Some(Content::Text(STUB_NOTE.into())),
                 tool_calls: Vec::new(),
                 tool_call_id: Some(call_id.clone()),
                 name: None,
-            });
+            })));
             sources.push(Source::MissingToolResult { call_id });
         }
+        for i in (start..end).rev() {
+            let item = conv.context[i];
+            messages.push(render(conv, cfg, item, i >= tail));
+            sources.push(source_of(conv, item));
+        }
+        end = start;
     }
-    Assembled {
+    let left_out = (0..left_end)
+        .map(|i| LeftOut {
+            source: source_of(conv, conv.context[i]),
+            tokens: conv.item(i).tokens(),
+        })
+        .collect();
+    let over_budget = fresh_tail_tokens + prompt_tokens > budget;
+    // The rolling state is the first thing to go when space is short.
+    if let Some((msg, t)) = rolling.filter(|(_, t)| used + t <= budget) {
+        messages.push(SentMessage::Built(Box::new(msg)));
+        sources.push(Source::RollingState);
+        used += t;
+    }
+    messages.reverse();
+    sources.reverse();
+    AssembledRef {
         messages,
         sources,
-        tokens: total - prompt_tokens,
+        tokens: used - prompt_tokens,
         budget,
         prompt_tokens,
         fresh_tail_tokens,
@@ -215,7 +286,10 @@ fn missing_results(conv: &Conversation, start: usize, end: usize, newest: bool) 
         return Vec::new();
     };
     let head = &conv.turns[seq as usize];
-    if !head.has_tool_calls() {
+    // The role is in the turn, the calls behind its body: read the body
+    // only for assistant turns (walking thousands of turns, it is a cache
+    // miss each).
+    if head.role != Role::Assistant || !head.has_tool_calls() {
         return Vec::new();
     }
     head.tool_call_ids()
@@ -266,33 +340,37 @@ fn render<'a>(
     cfg: &PolicyConfig,
     item: ContextItem,
     fresh: bool,
-) -> Cow<'a, ChatMessage> {
+) -> SentMessage<'a> {
     match item {
         ContextItem::Summary(i) => {
             let s = &conv.summaries[i as usize];
-            Cow::Owned(summary_message(
+            SentMessage::Built(Box::new(summary_message(
                 &s.id,
                 s.depth,
                 s.first_turn,
                 s.last_turn,
                 s.fallback,
                 &s.content,
-            ))
+            )))
         }
         ContextItem::Turn(seq) => {
             let turn = &conv.turns[seq as usize];
             let msg = &turn.body.message;
             if turn.large_payload {
-                return Cow::Owned(payload_stub_message(msg, &turn.event_id, turn.tokens));
+                return SentMessage::Built(Box::new(payload_stub_message(
+                    msg,
+                    &turn.event_id,
+                    turn.tokens,
+                )));
             }
             if let Some(limit) = cfg.prune_tool_results_over_tokens {
                 if !fresh && turn.role == Role::Tool && turn.tokens > limit {
                     let mut m = msg.clone();
                     m.content = Some(Content::Text(excerpt(&msg.text_content(), &turn.event_id)));
-                    return Cow::Owned(m);
+                    return SentMessage::Built(Box::new(m));
                 }
             }
-            Cow::Borrowed(msg)
+            SentMessage::Stored(msg)
         }
     }
 }
@@ -325,10 +403,11 @@ fn excerpt(text: &str, event_id: &str) -> String {
 /// Checks provider validity: every tool result follows the assistant turn
 /// that called it (with only tool results between), and every call of a
 /// non-final assistant turn has its result.
-pub fn check_tool_pairing(messages: &[ChatMessage]) -> Result<(), String> {
+pub fn check_tool_pairing<M: Borrow<ChatMessage>>(messages: &[M]) -> Result<(), String> {
     let mut open: Vec<String> = Vec::new();
     let mut group_open = false;
     for (i, m) in messages.iter().enumerate() {
+        let m: &ChatMessage = m.borrow();
         if m.role == Role::Tool {
             let id = m.tool_call_id.as_deref().unwrap_or("");
             if !group_open {
@@ -458,6 +537,73 @@ mod tests {
             .sum();
         assert_eq!(out.tokens, sent);
         assert_eq!(out.tokens, conv.context_tokens);
+    }
+
+    /// What does not fit is listed oldest first, tool groups included, and
+    /// what is sent is borrowed from the state.
+    #[test]
+    fn left_out_is_chronological_and_sent_turns_are_borrowed() {
+        let cfg = PolicyConfig {
+            fresh_tail_count: 2,
+            ..PolicyConfig::default()
+        };
+        let mut state = State::default();
+        for round in 0..4u64 {
+            let call_id = format!("call_{round}");
+            let mut call = ChatMessage::text(Role::Assistant, "looking");
+            call.tool_calls = vec![ToolCall {
+                id: call_id.clone(),
+                kind: "function".into(),
+                function: FunctionCall {
+                    name: "ls".into(),
+                    arguments: "{}".into(),
+                },
+            }];
+            let mut result = ChatMessage::text(Role::Tool, "src tests benches");
+            result.tool_call_id = Some(call_id);
+            let question = ChatMessage::text(Role::User, format!("And now step {round}?"));
+            for (k, m) in [question, call, result].into_iter().enumerate() {
+                fold(&mut state, &cfg, &turn(round * 3 + k as u64, m));
+            }
+        }
+        let conv = &state.conversations["c:acct"];
+        let out = assemble_borrowed(
+            conv,
+            &cfg,
+            &AssemblyRequest {
+                budget: Some(60),
+                prompt: None,
+            },
+        );
+        let left: Vec<u64> = out
+            .left_out
+            .iter()
+            .map(|l| match l.source {
+                Source::Turn { seq } => seq,
+                ref other => panic!("{other:?}"),
+            })
+            .collect();
+        assert!(left.len() >= 3, "{left:?}");
+        assert!(left.windows(2).all(|w| w[0] < w[1]), "{left:?}");
+        for (m, source) in out.messages.iter().zip(&out.sources) {
+            let Source::Turn { seq } = source else {
+                continue;
+            };
+            let stored = &conv.turns[*seq as usize].body.message;
+            assert!(matches!(m, SentMessage::Stored(r) if std::ptr::eq(*r, stored)));
+        }
+        check_tool_pairing(&out.messages).unwrap();
+        assert_eq!(
+            out.clone().into_owned(),
+            assemble(
+                conv,
+                &cfg,
+                &AssemblyRequest {
+                    budget: Some(60),
+                    prompt: None
+                }
+            )
+        );
     }
 
     /// A stub result costs what its message costs, long call id included.

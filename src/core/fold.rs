@@ -7,15 +7,16 @@
 
 use crate::core::assembly;
 use crate::core::event::*;
-use crate::core::message::Role;
+use crate::core::message::{ChatMessage, Content, Role};
 use crate::core::overflow;
 use crate::core::policy::{self, PolicyConfig};
 use crate::core::spend;
 use crate::core::state::{
-    derived_event_id, id_digest, summary_id, ContextItem, Conversation, PendingJob, SpendEntry,
-    SpendWindow, State, Summary, Turn,
+    derived_event_id, id_digest, summary_id, ContextItem, Conversation, IdDigest, PendingJob,
+    SpendEntry, SpendWindow, State, Summary, Turn,
 };
 use crate::core::tokens;
+use std::cell::RefCell;
 use std::sync::Arc;
 
 /// What became of one event.
@@ -52,6 +53,49 @@ pub fn fold_counted(
     event: &Envelope,
     turn_tokens: Option<u64>,
 ) -> FoldOutcome {
+    fold_with(state, policy, event, turn_tokens, None)
+}
+
+/// [`fold_counted`] for an event the caller owns (one just decoded): a
+/// turn moves into the state instead of being copied there. Same result.
+pub fn fold_owned(
+    state: &mut State,
+    policy: &PolicyConfig,
+    mut event: Envelope,
+    turn_tokens: Option<u64>,
+) -> FoldOutcome {
+    let turn = match &mut event.body {
+        EventBody::TurnAppended(t) => Some(Arc::new(std::mem::replace(t, empty_turn()))),
+        _ => None,
+    };
+    fold_with(state, policy, &event, turn_tokens, turn)
+}
+
+/// What is left in an event whose turn was moved out; never read.
+fn empty_turn() -> TurnAppended {
+    TurnAppended {
+        message: ChatMessage {
+            role: Role::User,
+            content: None,
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+            name: None,
+        },
+        model: None,
+        sender: None,
+        usage: None,
+        metadata: None,
+    }
+}
+
+/// `turn` is the event's turn, already moved out of it when given.
+fn fold_with(
+    state: &mut State,
+    policy: &PolicyConfig,
+    event: &Envelope,
+    turn_tokens: Option<u64>,
+    turn: Option<Arc<TurnAppended>>,
+) -> FoldOutcome {
     if policy::session_matches(&policy.ignore_sessions, &event.conversation) {
         return FoldOutcome {
             status: FoldStatus::Ignored,
@@ -63,10 +107,18 @@ pub fn fold_counted(
         spend: global,
         ..
     } = state;
-    let conv = conversations
-        .entry(event.conversation.clone())
-        .or_insert_with(|| Conversation::new(&event.conversation));
-    if conv.has_applied(&event.id) {
+    // Look up before inserting: `entry` would allocate the key every event.
+    if !conversations.contains_key(&event.conversation) {
+        conversations.insert(
+            event.conversation.clone(),
+            Conversation::new(&event.conversation),
+        );
+    }
+    let Some(conv) = conversations.get_mut(&event.conversation) else {
+        unreachable!("the conversation was just inserted");
+    };
+    let event_digest = id_digest(&event.id);
+    if conv.has_applied_digest(&event_digest) {
         return FoldOutcome {
             status: FoldStatus::Duplicate,
             decisions: Vec::new(),
@@ -77,7 +129,9 @@ pub fn fold_counted(
         global,
         policy,
         event,
+        event_digest,
         turn_tokens,
+        turn,
         decisions: Vec::new(),
     };
     let status = cx.apply();
@@ -133,7 +187,10 @@ struct FoldContext<'a> {
     global: &'a mut SpendWindow,
     policy: &'a PolicyConfig,
     event: &'a Envelope,
+    event_digest: IdDigest,
     turn_tokens: Option<u64>,
+    /// The turn, when the caller gave it up: it is kept without a copy.
+    turn: Option<Arc<TurnAppended>>,
     decisions: Vec<Envelope>,
 }
 
@@ -142,7 +199,10 @@ impl FoldContext<'_> {
         let event = self.event;
         self.conv.last_time = self.conv.last_time.max(event.time);
         let status = match &event.body {
-            EventBody::TurnAppended(t) => self.turn_appended(t),
+            EventBody::TurnAppended(t) => match self.turn.take() {
+                Some(owned) => self.turn_appended(&owned, Some(&owned)),
+                None => self.turn_appended(t, None),
+            },
             EventBody::ProviderErrorObserved(e) => self.provider_error(e),
             EventBody::CompactionRequested(r) => self.compaction_requested(r),
             EventBody::ModelDeclared(m) => {
@@ -203,7 +263,7 @@ impl FoldContext<'_> {
             _ => {}
         }
         // A rejected event's id is still consumed: a redelivery is a no-op.
-        self.conv.mark_applied(&event.id);
+        self.conv.mark_applied_digest(self.event_digest);
         if status != FoldStatus::Duplicate {
             self.evaluate();
         }
@@ -226,7 +286,12 @@ impl FoldContext<'_> {
         self.decisions.push(env);
     }
 
-    fn turn_appended(&mut self, t: &TurnAppended) -> FoldStatus {
+    /// `shared` is `t` itself when the state may keep it as it is.
+    fn turn_appended(
+        &mut self,
+        t: &TurnAppended,
+        shared: Option<&Arc<TurnAppended>>,
+    ) -> FoldStatus {
         let msg = &t.message;
         if msg.role == Role::Tool {
             let Some(call_id) = msg.tool_call_id.as_deref() else {
@@ -244,13 +309,7 @@ impl FoldContext<'_> {
         if msg.tool_calls.iter().any(|c| c.id.is_empty()) {
             return FoldStatus::Rejected("assistant tool call with an empty id".into());
         }
-        let normalized = normalize(&msg.searchable_text());
-        let digest = id_digest(&format!(
-            "{}\u{0}{}\u{0}{}",
-            msg.role.as_str(),
-            msg.tool_call_id.as_deref().unwrap_or(""),
-            normalized
-        ));
+        let (digest, normalized_chars) = turn_digest(msg);
         // Replay-flood guard.
         let second = self.event.time / 1000;
         if self.conv.flood.second != second {
@@ -286,7 +345,7 @@ impl FoldContext<'_> {
         }
         // Duplicate long user turns within the window stay out of context.
         let mut in_context = true;
-        if msg.role == Role::User && normalized.chars().count() >= self.policy.duplicate_min_chars {
+        if msg.role == Role::User && normalized_chars >= self.policy.duplicate_min_chars {
             let now = self.event.time;
             let window = self.policy.duplicate_window_ms;
             self.conv
@@ -316,11 +375,17 @@ impl FoldContext<'_> {
         let tokens = self
             .turn_tokens
             .unwrap_or_else(|| tokens::count_message(self.conv.encoding, msg));
-        self.push_turn(t, tokens, in_context);
+        self.push_turn(t, tokens, in_context, shared);
         FoldStatus::Applied
     }
 
-    fn push_turn(&mut self, t: &TurnAppended, tokens: u64, mut in_context: bool) {
+    fn push_turn(
+        &mut self,
+        t: &TurnAppended,
+        tokens: u64,
+        mut in_context: bool,
+        shared: Option<&Arc<TurnAppended>>,
+    ) {
         let msg = &t.message;
         let seq = self.conv.turns.len() as u64;
         // A late tool result (its call's group already closed) would break
@@ -376,7 +441,7 @@ impl FoldContext<'_> {
             in_context,
             large_payload: large,
             epoch: self.conv.epoch,
-            body: Arc::new(t.clone()),
+            body: shared.map_or_else(|| Arc::new(t.clone()), Arc::clone),
         });
         if in_context {
             self.conv.context.push(ContextItem::Turn(seq));
@@ -975,7 +1040,205 @@ impl FoldContext<'_> {
     }
 }
 
-/// Whitespace-collapsed, case-folded text for duplicate detection.
+/// The digest duplicate detection and the flood guard compare turns by:
+/// blake3 of `role \0 tool_call_id \0 normalized text`, where the text is
+/// [`ChatMessage::searchable_text`] whitespace-collapsed and case-folded.
+/// Streamed into the hasher (no intermediate strings), with the number of
+/// characters of the normalized text; the same bytes as building the
+/// strings would hash.
+fn turn_digest(msg: &ChatMessage) -> (IdDigest, usize) {
+    thread_local! {
+        // Reused: zeroing a fresh 8 KB buffer for every turn showed in profiles.
+        static SCRATCH: RefCell<Box<[u8; Normalizer::BUF]>> =
+            RefCell::new(Box::new([0; Normalizer::BUF]));
+    }
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut buf) => digest_with(msg, &mut buf),
+        // Only reentrancy could get here; a fresh buffer hashes the same.
+        Err(_) => digest_with(msg, &mut Box::new([0; Normalizer::BUF])),
+    })
+}
+
+fn digest_with(msg: &ChatMessage, buf: &mut [u8; Normalizer::BUF]) -> (IdDigest, usize) {
+    let mut n = Normalizer::new(buf);
+    n.hasher.update(msg.role.as_str().as_bytes());
+    n.hasher.update(&[0]);
+    n.hasher
+        .update(msg.tool_call_id.as_deref().unwrap_or("").as_bytes());
+    n.hasher.update(&[0]);
+    // The pieces of `searchable_text`, with its newline separators.
+    match &msg.content {
+        None => {}
+        Some(Content::Text(t)) => n.raw(t),
+        Some(Content::Parts(parts)) => {
+            for text in parts.iter().filter_map(|p| p.text.as_deref()) {
+                if n.raw_len > 0 {
+                    n.raw("\n");
+                }
+                n.raw(text);
+            }
+        }
+    }
+    for call in &msg.tool_calls {
+        if n.raw_len > 0 {
+            n.raw("\n");
+        }
+        n.raw(&call.function.name);
+        n.raw("(");
+        n.raw(&call.function.arguments);
+        n.raw(")");
+    }
+    n.finish()
+}
+
+/// Whitespace-collapsing, case-folding writer into a blake3 hasher.
+struct Normalizer<'b> {
+    hasher: blake3::Hasher,
+    buf: &'b mut [u8; Normalizer::BUF],
+    len: usize,
+    /// Bytes of raw text seen (for `searchable_text`'s separators).
+    raw_len: usize,
+    /// Characters written.
+    chars: usize,
+    /// A word was written and whitespace followed it.
+    space: bool,
+}
+
+impl<'b> Normalizer<'b> {
+    /// Large enough for blake3 to hash several chunks at once.
+    const BUF: usize = 8192;
+
+    fn new(buf: &'b mut [u8; Normalizer::BUF]) -> Self {
+        Normalizer {
+            hasher: blake3::Hasher::new(),
+            buf,
+            len: 0,
+            raw_len: 0,
+            chars: 0,
+            space: false,
+        }
+    }
+
+    fn raw(&mut self, text: &str) {
+        self.raw_len += text.len();
+        // Locals, not fields, in the loop: the compiler keeps them in
+        // registers instead of storing them after every byte.
+        let Normalizer {
+            hasher,
+            buf,
+            len,
+            chars,
+            space,
+            ..
+        } = self;
+        let (mut len, mut chars, mut space) = (*len, *chars, *space);
+        let bytes = text.as_bytes();
+        let mut i = 0;
+        while i < bytes.len() {
+            // Room for a space and a lowercase expansion (at most 3 chars).
+            if len + 16 > Normalizer::BUF {
+                hasher.update(&buf[..len]);
+                len = 0;
+            }
+            if let Some(word) = bytes.get(i..i + 8) {
+                let x = u64::from_le_bytes(word.try_into().unwrap_or([0; 8]));
+                if let Some(lower) = plain_words(x) {
+                    // Eight bytes of words with single spaces between them:
+                    // their normalized form is themselves, lowercased.
+                    if space {
+                        buf[len] = b' ';
+                        len += 1;
+                        chars += 1;
+                        space = false;
+                    }
+                    buf[len..len + 8].copy_from_slice(&lower.to_le_bytes());
+                    len += 8;
+                    chars += 8;
+                    i += 8;
+                    continue;
+                }
+            }
+            let b = bytes[i];
+            let c = if b.is_ascii() {
+                i += 1;
+                // `char::is_whitespace` in ASCII: \t \n \x0B \x0C \r and space.
+                if b == b' ' || (b'\t'..=b'\r').contains(&b) {
+                    space = chars > 0;
+                    continue;
+                }
+                None
+            } else {
+                // `i` is on a char boundary: only whole chars are skipped.
+                let Some(c) = text[i..].chars().next() else {
+                    break;
+                };
+                i += c.len_utf8();
+                if c.is_whitespace() {
+                    space = chars > 0;
+                    continue;
+                }
+                Some(c)
+            };
+            if space {
+                buf[len] = b' ';
+                len += 1;
+                chars += 1;
+                space = false;
+            }
+            match c {
+                None => {
+                    buf[len] = b.to_ascii_lowercase();
+                    len += 1;
+                    chars += 1;
+                }
+                Some(c) => {
+                    for l in c.to_lowercase() {
+                        len += l.encode_utf8(&mut buf[len..]).len();
+                        chars += 1;
+                    }
+                }
+            }
+        }
+        (self.len, self.chars, self.space) = (len, chars, space);
+    }
+
+    fn finish(mut self) -> (IdDigest, usize) {
+        self.hasher.update(&self.buf[..self.len]);
+        let hash = self.hasher.finalize();
+        let mut out = [0u8; 16];
+        out.copy_from_slice(&hash.as_bytes()[..16]);
+        (out, self.chars)
+    }
+}
+
+/// Eight bytes (little endian) that normalize to themselves lowercased:
+/// printable ASCII, no space first or last, no two spaces in a row. Returns
+/// them lowercased; `None` sends the caller byte by byte.
+fn plain_words(x: u64) -> Option<u64> {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    // Any byte >= 0x80 (not ASCII) or < 0x20 (tab, newline, controls)?
+    let below_space = x.wrapping_sub(0x20 * ONES) & !x & HIGH;
+    if (x & HIGH) | below_space != 0 {
+        return None;
+    }
+    // High bit of each byte that is a space (exact: no borrows).
+    let y = x ^ (0x20 * ONES);
+    let spaces = !(((y & !HIGH) + !HIGH) | y) & HIGH;
+    let first_or_last = 0x80 | (0x80 << 56);
+    if spaces & first_or_last != 0 || spaces & (spaces >> 8) != 0 {
+        return None;
+    }
+    // Bytes in 'A'..='Z' (all bytes are ASCII: no carries between bytes).
+    let at_least_a = x + (0x80 - u64::from(b'A')) * ONES;
+    let above_z = x + (0x7f - u64::from(b'Z')) * ONES;
+    let upper = at_least_a & !above_z & HIGH;
+    Some(x | (upper >> 2))
+}
+
+/// Whitespace-collapsed, case-folded text: the reference [`turn_digest`]
+/// is checked against.
+#[cfg(test)]
 fn normalize(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for word in text.split_whitespace() {
@@ -991,6 +1254,8 @@ fn normalize(text: &str) -> String {
 mod tests {
     use super::*;
     use crate::core::message::ChatMessage;
+    use crate::core::message::{ContentPart, FunctionCall, ToolCall};
+    use proptest::prelude::*;
 
     const T0: u64 = 1_700_000_000_000;
 
@@ -1253,5 +1518,168 @@ mod tests {
         let (b, _) = until_job(&mut state, &p, "b", 500, T0 + 401_000);
         assert_eq!(b.max_calls, Some(2), "{b:?}");
         assert!(state.spend.waiting.is_empty(), "b no longer waits");
+    }
+
+    /// The digest as it was first written: build the strings, hash them.
+    fn reference(msg: &ChatMessage) -> (IdDigest, usize) {
+        let normalized = normalize(&msg.searchable_text());
+        let digest = id_digest(&format!(
+            "{}\u{0}{}\u{0}{}",
+            msg.role.as_str(),
+            msg.tool_call_id.as_deref().unwrap_or(""),
+            normalized
+        ));
+        (digest, normalized.chars().count())
+    }
+
+    /// Text with every kind of whitespace and case the normalizer treats
+    /// specially, long enough to cross its buffer.
+    fn text() -> impl Strategy<Value = String> {
+        let pieces = prop::sample::select(vec![
+            "a",
+            "Z",
+            "Hello",
+            " ",
+            "  ",
+            "\t",
+            "\n",
+            "\r\n",
+            "\u{0B}",
+            "\u{0C}",
+            "\u{85}",
+            "\u{A0}",
+            "\u{3000}",
+            "\u{2028}",
+            "İ",
+            "Σ",
+            "ẞ",
+            "ǅ",
+            "日本語",
+            "é",
+            "É",
+            "🙂",
+            "(",
+            "{\"k\":1}",
+            "x",
+        ]);
+        let prose = "[ -~]{0,40}|[ -~\t\n]{0,40}|[A-Za-z ]{0,40}";
+        prop::collection::vec(prop_oneof![pieces.prop_map(String::from), prose], 0..40)
+            .prop_map(|v| v.concat())
+    }
+
+    fn message() -> impl Strategy<Value = ChatMessage> {
+        (
+            0usize..4,
+            prop::option::of(text()),
+            prop::collection::vec(prop::option::of(text()), 0..4),
+            any::<bool>(),
+            prop::collection::vec((text(), text()), 0..3),
+            prop::option::of("[a-z_0-9]{0,12}"),
+        )
+            .prop_map(|(role, plain, parts, use_parts, calls, call_id)| {
+                let role = [Role::System, Role::User, Role::Assistant, Role::Tool][role];
+                let content = if use_parts {
+                    Some(Content::Parts(
+                        parts
+                            .into_iter()
+                            .map(|text| ContentPart {
+                                kind: "text".into(),
+                                text,
+                                other: Default::default(),
+                            })
+                            .collect(),
+                    ))
+                } else {
+                    plain.map(Content::Text)
+                };
+                ChatMessage {
+                    role,
+                    content,
+                    tool_calls: calls
+                        .into_iter()
+                        .enumerate()
+                        .map(|(i, (name, arguments))| ToolCall {
+                            id: format!("call_{i}"),
+                            kind: "function".into(),
+                            function: FunctionCall { name, arguments },
+                        })
+                        .collect(),
+                    tool_call_id: call_id,
+                    name: None,
+                }
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+        /// The streamed digest is byte for byte the digest of the built
+        /// strings, so states folded before and after hash the same.
+        #[test]
+        fn streamed_turn_digest_is_the_reference_digest(msg in message()) {
+            prop_assert_eq!(turn_digest(&msg), reference(&msg));
+        }
+    }
+
+    /// Moving a turn into the state folds exactly as copying it.
+    #[test]
+    fn owned_and_borrowed_folds_agree() {
+        let policy = PolicyConfig::default();
+        let mut call = ChatMessage::text(Role::Assistant, "Reading it.");
+        call.tool_calls = vec![ToolCall {
+            id: "call_1".into(),
+            kind: "function".into(),
+            function: FunctionCall {
+                name: "read_file".into(),
+                arguments: r#"{"path":"src/main.rs"}"#.into(),
+            },
+        }];
+        let mut result = ChatMessage::text(Role::Tool, "fn main() {}");
+        result.tool_call_id = Some("call_1".into());
+        let mut orphan = ChatMessage::text(Role::Tool, "nobody asked");
+        orphan.tool_call_id = Some("call_9".into());
+        let events: Vec<Envelope> = [
+            ChatMessage::text(Role::User, "Where is the entry point of this crate?"),
+            call,
+            result,
+            orphan,
+            ChatMessage::text(Role::User, "Where is the entry point of this crate?"),
+        ]
+        .into_iter()
+        .enumerate()
+        .map(|(n, message)| {
+            Envelope::new(
+                format!("e{n}"),
+                "c:owned",
+                1_700_000_000_000 + n as u64 * 1000,
+                EventBody::TurnAppended(TurnAppended {
+                    message,
+                    model: None,
+                    sender: None,
+                    usage: None,
+                    metadata: None,
+                }),
+            )
+        })
+        .collect();
+        let (mut borrowed, mut owned) = (State::default(), State::default());
+        for e in events.iter().chain(&events) {
+            let a = fold_counted(&mut borrowed, &policy, e, None);
+            let b = fold_owned(&mut owned, &policy, e.clone(), None);
+            assert_eq!(a, b);
+        }
+        assert_eq!(borrowed.hash(), owned.hash());
+        assert_eq!(borrowed, owned);
+        assert_eq!(borrowed.conversations["c:owned"].turns.len(), 4);
+    }
+
+    #[test]
+    fn streamed_turn_digest_crosses_its_buffer() {
+        let long = "Word\tÉTÉ  \u{3000}İ ".repeat(3000);
+        for role in [Role::User, Role::Tool] {
+            let mut msg = ChatMessage::text(role, long.clone());
+            msg.tool_call_id = Some("call_1".into());
+            assert_eq!(turn_digest(&msg), reference(&msg));
+        }
     }
 }

@@ -10,6 +10,7 @@ use crate::core::message::Role;
 use crate::core::tokens;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashSet};
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
 pub use crate::core::spend::{SpendEntry, SpendTotals, SpendWindow};
@@ -23,6 +24,33 @@ pub fn id_digest(id: &str) -> IdDigest {
     out.copy_from_slice(&hash.as_bytes()[..16]);
     out
 }
+
+/// Hashes an [`IdDigest`] by its first eight bytes: a digest is already a
+/// blake3 output, so SipHash over it again is wasted work on every event.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct DigestHasher(u64);
+
+impl Hasher for DigestHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        match bytes.first_chunk::<8>() {
+            Some(head) => self.0 ^= u64::from_le_bytes(*head),
+            // Not a digest (nothing else is hashed here): still well defined.
+            None => {
+                for &b in bytes {
+                    self.0 = self.0.rotate_left(8) ^ u64::from(b);
+                }
+            }
+        }
+    }
+    /// The slice length prefix `[u8; 16]` hashes with carries nothing.
+    fn write_usize(&mut self, _: usize) {}
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+/// A set of event-id digests.
+pub type DigestSet = HashSet<IdDigest, BuildHasherDefault<DigestHasher>>;
 
 /// Everything a partition's folder knows.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -172,7 +200,7 @@ pub struct Conversation {
     pub stale_summaries: u64,
     pub last_overflow_tokens: Option<u64>,
     #[serde(skip)]
-    pub applied_set: HashSet<IdDigest>,
+    pub applied_set: DigestSet,
 }
 
 impl Conversation {
@@ -207,7 +235,7 @@ impl Conversation {
             duplicates_dropped: 0,
             stale_summaries: 0,
             last_overflow_tokens: None,
-            applied_set: HashSet::new(),
+            applied_set: DigestSet::default(),
         }
     }
 
@@ -217,13 +245,20 @@ impl Conversation {
     }
 
     pub fn has_applied(&self, id: &str) -> bool {
-        self.applied_set.contains(&id_digest(id))
+        self.has_applied_digest(&id_digest(id))
+    }
+
+    pub fn has_applied_digest(&self, digest: &IdDigest) -> bool {
+        self.applied_set.contains(digest)
     }
 
     pub fn mark_applied(&mut self, id: &str) {
-        let d = id_digest(id);
-        if self.applied_set.insert(d) {
-            self.applied.push(d);
+        self.mark_applied_digest(id_digest(id));
+    }
+
+    pub fn mark_applied_digest(&mut self, digest: IdDigest) {
+        if self.applied_set.insert(digest) {
+            self.applied.push(digest);
         }
     }
 

@@ -68,7 +68,7 @@ impl<B: KvBackend> Engine<B> {
     pub fn apply(&mut self, record: &LogRecord) -> Applied {
         self.position = self.position.max(record.position);
         match Envelope::decode(&record.bytes, record.encoding) {
-            Ok(event) => self.apply_event(&event, None),
+            Ok(event) => self.apply_owned(event),
             Err(err) => {
                 let (_, conv) = Envelope::salvage_id(&record.bytes, record.encoding);
                 self.reject(record, conv.as_deref(), &err.to_string())
@@ -116,6 +116,19 @@ impl<B: KvBackend> Engine<B> {
         let span = tracing::trace_span!("fold", conversation = %event.conversation, event = %event.id, kind = event.type_name());
         let _guard = span.enter();
         let outcome = fold::fold_counted(&mut self.state, &self.policy, event, turn_tokens);
+        self.folded(&event.conversation, outcome)
+    }
+
+    /// Folds an event just decoded: its turn moves into the state uncopied.
+    fn apply_owned(&mut self, event: Envelope) -> Applied {
+        let span = tracing::trace_span!("fold", conversation = %event.conversation, event = %event.id, kind = event.type_name());
+        let _guard = span.enter();
+        let conversation = event.conversation.clone();
+        let outcome = fold::fold_owned(&mut self.state, &self.policy, event, None);
+        self.folded(&conversation, outcome)
+    }
+
+    fn folded(&mut self, conversation: &str, outcome: fold::FoldOutcome) -> Applied {
         match &outcome.status {
             FoldStatus::Applied => metrics::counter!(m::EVENTS_FOLDED).increment(1),
             FoldStatus::Duplicate => metrics::counter!(m::EVENTS_DUPLICATE).increment(1),
@@ -125,8 +138,11 @@ impl<B: KvBackend> Engine<B> {
             }
             FoldStatus::Ignored => metrics::counter!(m::EVENTS_IGNORED).increment(1),
         }
-        if outcome.status != FoldStatus::Duplicate && outcome.status != FoldStatus::Ignored {
-            self.dirty.insert(event.conversation.clone());
+        if outcome.status != FoldStatus::Duplicate
+            && outcome.status != FoldStatus::Ignored
+            && !self.dirty.contains(conversation)
+        {
+            self.dirty.insert(conversation.to_string());
         }
         let jobs: Vec<_> = outcome
             .decisions
