@@ -254,6 +254,54 @@ fn partition_of(key: &str) -> u32 {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_with_the_api_role_answers_requests_over_nats() {
+    let server = NatsServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let policy = PolicyConfig::default();
+    let mut opts = options(&server.url(), dir.path(), &policy, "api");
+    opts.roles = "folder,api".parse::<Roles>().unwrap();
+    let service = Service::start(opts, Arc::new(Deterministic))
+        .await
+        .expect("serve starts");
+    wait_until("all partitions held", Duration::from_secs(10), || {
+        held(&service).len() == 16
+    })
+    .await;
+    let (client, _js, _infra) = client_for(&server.url()).await;
+    let key = "agent:api/one";
+    raw_publish(&client, &turns(key, 0..3, 8)).await;
+    wait_until("3 turns folded", Duration::from_secs(20), || {
+        conversations(&service).get(key).map(|c| c.0) == Some(3)
+    })
+    .await;
+
+    // The public subject, then the owning partition's subject: both answer
+    // from the folded state.
+    let partition = partition_of(key);
+    for subject in [
+        "cf.api.assemble".to_string(),
+        format!("cf.api.p.{partition}.assemble"),
+    ] {
+        let body = serde_json::json!({ "conversation": key }).to_string();
+        let reply = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                // The partition subscriptions follow the leases every few
+                // hundred ms: until then the request finds no responder.
+                match client.request(subject.clone(), body.clone().into()).await {
+                    Ok(m) => break m,
+                    Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+                }
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("no answer on {subject}"));
+        let text = String::from_utf8_lossy(&reply.payload);
+        assert!(text.contains("turn 2:"), "{subject}: {text}");
+    }
+    service.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_raw_published_turn_is_folded_and_assembles() {
     let server = NatsServer::start();
     let dir = tempfile::tempdir().unwrap();

@@ -9,14 +9,15 @@
 //! - `folder`: join the partition leases and fold every held partition into
 //!   its own state store under `<data>/nats/<prefix>/partition-<p>.redb`;
 //! - `summarizer`: run compaction jobs from the work queue;
-//! - `api`: answer requests from the state of held partitions (the service
-//!   itself lives in `crate::api`; see the hook in [`Service::start`]).
+//! - `api`: answer requests (`<prefix>.api.<op>`) from the state of held
+//!   partitions and forward the rest to their owners (`crate::api`).
 //!
 //! Graceful stop ([`Service::shutdown`], on SIGTERM or SIGINT in the CLI):
 //! summarizers stop pulling and finish or hand back the job they hold,
 //! folders finish their batch (commit, then ack), and only then the leases
 //! are released, so the next owner starts from a committed position.
 
+use crate::api::nats_service::{self, EngineView, HeldEngines, ServiceConfig};
 use crate::core::policy::PolicyConfig;
 use crate::nats::config::NatsConfig;
 use crate::nats::folder::{EngineFactory, EngineMap, FolderRole, FolderSettings};
@@ -254,21 +255,32 @@ impl Service {
             );
         }
 
-        // ── API HOOK ─────────────────────────────────────────────────────
-        // The request/reply service (src/api/nats_service.rs, another
-        // branch) starts here when `opts.roles.api`: hand it `client`,
-        // `infra.subjects`, a `StateView` over `engines` (the partitions
-        // this process folds) and `stop_rx` for graceful shutdown, and keep
-        // its JoinHandle in `api` so `shutdown` waits for it:
-        //
-        //     api = Some(tokio::spawn(crate::api::nats_service::run(
-        //         client.clone(), infra.subjects.clone(),
-        //         EngineView(engines.clone()), stop_rx.clone())));
-        let api: Option<JoinHandle<()>> = None;
+        // The API answers from the engines of the partitions this process
+        // folds and forwards every other conversation to its owner.
+        let mut api = None;
         if opts.roles.api {
-            tracing::warn!("api role requested, but this build has no API service yet");
+            if let Some(engines) = engines.clone() {
+                let view = Arc::new(EngineView::new(
+                    engines.clone(),
+                    opts.nats.partitions,
+                    opts.policy.clone(),
+                ));
+                let config = ServiceConfig {
+                    prefix: opts.nats.prefix.clone(),
+                    forward_partitions: Some(opts.nats.partitions),
+                    ..ServiceConfig::default()
+                };
+                let held = move || engines.held();
+                let client = client.clone();
+                let stop_rx = stop_rx.clone();
+                api = Some(tokio::spawn(async move {
+                    if let Err(e) = nats_service::run(client, view, config, held, stop_rx).await {
+                        tracing::error!(error = %e, "api role stopped");
+                    }
+                }));
+                tracing::info!(prefix = %opts.nats.prefix, "api role started");
+            }
         }
-        // ─────────────────────────────────────────────────────────────────
 
         Ok(Service {
             client,
