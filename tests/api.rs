@@ -140,6 +140,17 @@ fn events(conv: &str) -> Vec<Envelope> {
 }
 
 fn fold(policy: &PolicyConfig, events: &[Envelope]) -> State {
+    // On a thread of its own: async tests call this too, and a runtime
+    // cannot be started inside another.
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| fold_here(policy, events))
+            .join()
+            .expect("folding the fixture")
+    })
+}
+
+fn fold_here(policy: &PolicyConfig, events: &[Envelope]) -> State {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .build()
@@ -632,11 +643,19 @@ async fn nats_forwards_to_the_partition_owner_or_says_not_owner() {
     )
     .await
     .unwrap();
-    // No owner yet: not_owner, promptly (no responders).
+    // No owner yet: not_owner once the forward budget (with retries) is spent.
     let reply = request(&client, "cf.api.history", json!({"conversation": CONV})).await;
     assert_eq!(error_of(&reply.payload).code, ErrorCode::NotOwner);
 
-    // Process B owns the partition and serves its subjects.
+    // Process B takes the partition while a request is waiting: the
+    // forwarder asks again and the request is answered, not bounced.
+    let waiting = {
+        let client = client.clone();
+        tokio::spawn(async move {
+            request(&client, "cf.api.history", json!({"conversation": CONV})).await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let owner_client = async_nats::connect(server.url()).await.unwrap();
     let owner = nats_service::start_partition(
         owner_client,
@@ -646,6 +665,11 @@ async fn nats_forwards_to_the_partition_owner_or_says_not_owner() {
     )
     .await
     .unwrap();
+    let reply = waiting.await.unwrap();
+    assert_eq!(
+        reply.payload.as_ref(),
+        call("history", json!({"conversation": CONV})).as_slice()
+    );
     assert_eq!(owner.subject_filter(), format!("cf.api.p.{partition}.*"));
     for (op, body) in [
         ("assemble", json!({"conversation": CONV, "budget": 2000})),
@@ -755,10 +779,7 @@ async fn nats_reply_over_max_payload_becomes_an_error_reply() {
         T0 + 1_000_000,
         turn(ChatMessage::text(Role::User, big)),
     ));
-    // The fold drives its own runtime: off this one.
-    let folded = tokio::task::spawn_blocking(move || fold(&policy(), &input))
-        .await
-        .unwrap();
+    let folded = fold(&policy(), &input);
     let view = Arc::new(LocalState::new(folded, policy()));
     let service = nats_service::start(client.clone(), view, service_config())
         .await
@@ -809,9 +830,7 @@ async fn nats_assemble_latency() {
         k += 1;
     }
     let started = std::time::Instant::now();
-    let folded = tokio::task::spawn_blocking(move || fold(&policy, &input))
-        .await
-        .unwrap();
+    let folded = fold(&policy, &input);
     let conv = &folded.conversations["long"];
     println!(
         "folded {} turns ({} summaries, {} context items) in {:.1}s",

@@ -56,7 +56,8 @@ pub struct ServiceConfig {
     /// The events stream's partition count: with it, a request for a
     /// conversation this process does not own is forwarded to its owner.
     pub forward_partitions: Option<u32>,
-    /// How long a forwarded request may wait for the owner.
+    /// How long a forwarded request may wait for the owner, retries
+    /// included (a partition in handover has no owner for a moment).
     pub forward_timeout: Duration,
 }
 
@@ -68,10 +69,15 @@ impl Default for ServiceConfig {
             not_owner_retry_ms: crate::api::DEFAULT_NOT_OWNER_RETRY_MS,
             max_in_flight: 64,
             forward_partitions: None,
-            forward_timeout: Duration::from_secs(5),
+            forward_timeout: Duration::from_secs(3),
         }
     }
 }
+
+/// First pause before a forwarded request is asked again (lease handover).
+const FORWARD_RETRY_FIRST: Duration = Duration::from_millis(25);
+/// Longest pause between forwarding attempts.
+const FORWARD_RETRY_MAX: Duration = Duration::from_millis(400);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServiceError {
@@ -309,18 +315,38 @@ async fn forward(
     let subject = Subjects::new(prefix)
         .map_err(|e| ApiError::Internal(e.to_string()))?
         .api_for_partition(partition, op);
-    let request = async_nats::Request::new()
-        .payload(body)
-        .timeout(Some(timeout));
-    match client.send_request(subject.clone(), request).await {
-        Ok(message) => Ok((message.headers.unwrap_or_default(), message.payload)),
-        Err(e) => {
-            match e.kind() {
+    // A lease in handover leaves a moment with no owner, or with the old
+    // owner still subscribed but no longer holding it: ask again, backing
+    // off, within the forward budget, so clients rarely see it.
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut pause = FORWARD_RETRY_FIRST;
+    loop {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if left.is_zero() {
+            return Err(not_owner());
+        }
+        let request = async_nats::Request::new()
+            .payload(body.clone())
+            .timeout(Some(left));
+        match client.send_request(subject.clone(), request).await {
+            Ok(message) => {
+                let moving = message
+                    .headers
+                    .as_ref()
+                    .and_then(|h| h.get("Nats-Service-Error-Code"))
+                    .is_some_and(|v| v.as_str() == "503");
+                if !moving {
+                    return Ok((message.headers.unwrap_or_default(), message.payload));
+                }
+                tracing::debug!(%subject, "the partition's subscriber no longer holds it");
+            }
+            Err(e) => match e.kind() {
                 RequestErrorKind::NoResponders => {
                     tracing::debug!(%subject, "no owner answers this partition now");
                 }
                 RequestErrorKind::TimedOut => {
                     tracing::warn!(%subject, ?timeout, "the partition's owner did not answer in time");
+                    return Err(not_owner());
                 }
                 RequestErrorKind::MaxPayloadExceeded => {
                     return Err(ApiError::BadRequest(format!(
@@ -330,10 +356,13 @@ async fn forward(
                 }
                 _ => {
                     tracing::warn!(%subject, error = %e, "forwarding an API request failed");
+                    return Err(not_owner());
                 }
-            }
-            Err(not_owner())
+            },
         }
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        tokio::time::sleep(pause.min(left)).await;
+        pause = (pause * 2).min(FORWARD_RETRY_MAX);
     }
 }
 
