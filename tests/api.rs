@@ -518,6 +518,9 @@ fn service_config() -> ServiceConfig {
     ServiceConfig {
         not_owner_retry_ms: 300,
         forward_timeout: Duration::from_secs(2),
+        // These tests serve a bare state: there is no events stream to
+        // store a compaction request in.
+        publish_compactions: false,
         ..ServiceConfig::default()
     }
 }

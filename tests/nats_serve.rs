@@ -267,7 +267,7 @@ async fn serve_with_the_api_role_answers_requests_over_nats() {
         held(&service).len() == 16
     })
     .await;
-    let (client, _js, _infra) = client_for(&server.url()).await;
+    let (client, js, infra) = client_for(&server.url()).await;
     let key = "agent:api/one";
     raw_publish(&client, &turns(key, 0..3, 8)).await;
     wait_until("3 turns folded", Duration::from_secs(20), || {
@@ -298,6 +298,39 @@ async fn serve_with_the_api_role_answers_requests_over_nats() {
         let text = String::from_utf8_lossy(&reply.payload);
         assert!(text.contains("turn 2:"), "{subject}: {text}");
     }
+
+    // `compact` stores its event in the events stream, once however often
+    // it is asked, and the owner folds it.
+    let body = serde_json::json!({
+        "conversation": key,
+        "request_id": "operator-1",
+        "instructions": "keep every path",
+    })
+    .to_string();
+    let mut event_id = String::new();
+    for _ in 0..2 {
+        let reply = client
+            .request("cf.api.compact", body.clone().into())
+            .await
+            .expect("compact answers");
+        let v: serde_json::Value = serde_json::from_slice(&reply.payload).unwrap();
+        assert_eq!(v["published"], true, "{v}");
+        event_id = v["event"]["id"].as_str().unwrap().to_string();
+    }
+    let engine = service.engines().unwrap().get(partition).unwrap();
+    wait_until(
+        "the compaction request folded",
+        Duration::from_secs(20),
+        || engine.lock().unwrap().state.conversations[key].has_applied(&event_id),
+    )
+    .await;
+    drop(engine);
+    let stored = partition_events(&js, &infra, partition)
+        .await
+        .into_iter()
+        .filter(|(_, e)| e.id == event_id)
+        .count();
+    assert_eq!(stored, 1, "a retried compact request is stored once");
     service.shutdown().await;
 }
 

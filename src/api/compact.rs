@@ -48,6 +48,10 @@ pub struct CompactResponse {
     pub pending_job: Option<String>,
     /// Things the caller should know (the request would change nothing, ...).
     pub warnings: Vec<String>,
+    /// The transport stored `event` in the log (the NATS service does);
+    /// when false, the caller publishes it.
+    #[serde(default)]
+    pub published: bool,
 }
 
 /// The event id for a caller's `request_id` in a conversation. Includes the
@@ -165,6 +169,7 @@ pub fn compact(
         pending_debt: conv.debt.clone(),
         pending_job: conv.pending_job.as_ref().map(|p| p.job.job_id.clone()),
         warnings,
+        published: false,
     })
 }
 

@@ -22,13 +22,16 @@
 //! `Nats-Service-Error`, so generic NATS tools see them as errors. A reply
 //! too large for the server becomes an error reply: never silence.
 
-use crate::api::{answer_view, ApiError, Op};
+use crate::api::{answer_view, ApiError, CompactResponse, Op};
 pub use crate::api::{LocalState, StateView};
+use crate::core::event::Encoding;
 use crate::core::policy::PolicyConfig;
 use crate::core::state::{Conversation, State};
+use crate::nats::event_log::event_headers;
 use crate::nats::folder::{EngineMap, SharedEngine};
 use crate::nats::subjects::{partition_of, SubjectError, Subjects};
 use crate::store::KvBackend;
+use async_nats::jetstream;
 use async_nats::{Client, HeaderMap, PublishErrorKind, RequestErrorKind, Subject};
 use bytes::Bytes;
 use futures::StreamExt;
@@ -59,6 +62,10 @@ pub struct ServiceConfig {
     /// How long a forwarded request may wait for the owner, retries
     /// included (a partition in handover has no owner for a moment).
     pub forward_timeout: Duration,
+    /// `compact` stores its `compaction_requested` event in the events
+    /// stream (`<prefix>.in.<conversation>`) before answering. Off only
+    /// where no events stream exists (tests of the bare service).
+    pub publish_compactions: bool,
 }
 
 impl Default for ServiceConfig {
@@ -70,6 +77,7 @@ impl Default for ServiceConfig {
             max_in_flight: 64,
             forward_partitions: None,
             forward_timeout: Duration::from_secs(3),
+            publish_compactions: true,
         }
     }
 }
@@ -197,6 +205,11 @@ async fn serve<V: StateView>(
     let (stop_tx, mut stop_rx) = oneshot::channel::<()>();
     let limit = Arc::new(Semaphore::new(config.max_in_flight.max(1)));
     let retry_ms = config.not_owner_retry_ms;
+    let compactions = if config.publish_compactions {
+        Some(Subjects::new(&config.prefix)?)
+    } else {
+        None
+    };
     tracing::info!(subject = %filter, group = %config.queue_group, "API service started");
     let task_filter = filter.clone();
     let task = tokio::spawn(async move {
@@ -224,6 +237,7 @@ async fn serve<V: StateView>(
             let client = client.clone();
             let view = view.clone();
             let route = route.clone();
+            let compactions = compactions.clone();
             in_flight.spawn(async move {
                 let _permit = permit;
                 let Some(reply) = message.reply else {
@@ -246,6 +260,13 @@ async fn serve<V: StateView>(
                 .unwrap_or_else(|e| {
                     Err(ApiError::Internal(format!("the request task failed: {e}")))
                 });
+                let result = match result {
+                    Ok(reply) if compactions.is_some() && op == Op::Compact.as_str() => {
+                        let subjects = compactions.as_ref().expect("checked above");
+                        publish_compaction(&client, subjects, &reply).await
+                    }
+                    other => other,
+                };
                 match (result, &route) {
                     (
                         Err(ApiError::NotOwner { conversation, .. }),
@@ -288,6 +309,40 @@ async fn serve<V: StateView>(
         task: Some(task),
         filter,
     })
+}
+
+/// Stores a `compact` answer's event in the events stream (deduplicated by
+/// its id, so a retried request is stored once) and marks it published.
+async fn publish_compaction(
+    client: &Client,
+    subjects: &Subjects,
+    reply: &[u8],
+) -> Result<Vec<u8>, ApiError> {
+    let mut response: CompactResponse = serde_json::from_slice(reply)
+        .map_err(|e| ApiError::Internal(format!("cannot read the compact answer: {e}")))?;
+    let event = &response.event;
+    let subject = subjects
+        .inbound(&event.conversation)
+        .map_err(|e| ApiError::BadRequest(format!("cannot route the conversation: {e}")))?;
+    let stored = async {
+        jetstream::new(client.clone())
+            .publish_with_headers(
+                subject,
+                event_headers(&event.id, Encoding::Json),
+                event.encode(Encoding::Json).into(),
+            )
+            .await?
+            .await
+    };
+    stored.await.map_err(|e| {
+        ApiError::Internal(format!(
+            "cannot store the compaction request {} in the events stream: {e}",
+            event.id
+        ))
+    })?;
+    response.published = true;
+    serde_json::to_vec(&response)
+        .map_err(|e| ApiError::Internal(format!("cannot encode the compact answer: {e}")))
 }
 
 /// Asks the owner of the conversation's partition and returns its reply
