@@ -662,3 +662,120 @@ async fn two_instances_split_partitions_and_a_kill_moves_them_to_the_survivor() 
     }
     a.shutdown().await;
 }
+
+/// Runs the `contextfold` binary; returns (success, stdout, stderr).
+async fn cli(data: &Path, args: &[&str]) -> (bool, String, String) {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_contextfold"))
+        .arg("--data")
+        .arg(data)
+        .args(args)
+        .env_remove("CONTEXTFOLD_CONFIG")
+        .output()
+        .await
+        .expect("the contextfold binary runs");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn json_of(text: &str) -> serde_json::Value {
+    serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_publishes_and_asks_a_running_service_over_nats() {
+    let server = NatsServer::start();
+    let url = server.url();
+    let dir = tempfile::tempdir().unwrap();
+    let policy = PolicyConfig::default();
+    let mut opts = options(&url, &dir.path().join("serve"), &policy, "cli");
+    opts.roles = Roles::default();
+    let service = Service::start(opts, Arc::new(Deterministic))
+        .await
+        .expect("serve starts");
+    wait_until("all partitions held", Duration::from_secs(10), || {
+        held(&service).len() == 16
+    })
+    .await;
+
+    // An agent's turns, published by the CLI as `import` writes them.
+    let key = "agent:cli/one";
+    let file = dir.path().join("events.jsonl");
+    let lines: Vec<String> = turns(key, 0..5, 8).iter().map(|e| e.to_json()).collect();
+    std::fs::write(&file, lines.join("\n") + "\n").unwrap();
+    let client_data = dir.path().join("client");
+    let data = client_data.as_path();
+    let (ok, _, err) = cli(data, &["publish", "--nats", &url, file.to_str().unwrap()]).await;
+    assert!(ok, "publish: {err}");
+    wait_until("5 turns folded", Duration::from_secs(20), || {
+        conversations(&service).get(key).map(|c| c.0) == Some(5)
+    })
+    .await;
+
+    let (ok, out, err) = cli(data, &["status", key, "--nats", &url]).await;
+    assert!(ok, "status: {err}");
+    assert_eq!(json_of(&out)["turns"]["total"], 5, "{out}");
+
+    let (ok, out, err) = cli(data, &["assemble", key, "--nats", &url]).await;
+    assert!(ok, "assemble: {err}");
+    assert!(
+        out.contains("turn 4:") && out.contains("== 5 messages"),
+        "{out}"
+    );
+    let (ok, out, err) = cli(data, &["assemble", key, "--json", "--nats", &url]).await;
+    assert!(ok, "assemble --json: {err}");
+    assert_eq!(json_of(&out)["messages"].as_array().unwrap().len(), 5);
+
+    let (ok, out, err) = cli(data, &["grep", key, "turn 3:", "--nats", &url]).await;
+    assert!(ok, "grep: {err}");
+    assert_eq!(
+        json_of(&out)["matches"].as_array().unwrap().len(),
+        1,
+        "{out}"
+    );
+    let (ok, out, err) = cli(data, &["describe", key, "2", "--nats", &url]).await;
+    assert!(ok, "describe: {err}");
+    assert!(out.contains("turn 2:"), "{out}");
+
+    let (ok, out, err) = cli(
+        data,
+        &[
+            "compact",
+            key,
+            "--instructions",
+            "keep the ports",
+            "--request-id",
+            "op-1",
+            "--nats",
+            &url,
+        ],
+    )
+    .await;
+    assert!(ok, "compact: {err}");
+    let compact = json_of(&out);
+    assert_eq!(compact["published"], true, "{out}");
+    let event_id = compact["event"]["id"].as_str().unwrap().to_string();
+    let mut entries = Vec::new();
+    for _ in 0..100 {
+        let (ok, out, err) = cli(data, &["history", key, "--nats", &url]).await;
+        assert!(ok, "history: {err}");
+        entries = json_of(&out)["entries"].as_array().unwrap().clone();
+        if entries.iter().any(|e| e["event_id"] == event_id.as_str()) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        entries.iter().any(|e| e["event_id"] == event_id.as_str()),
+        "the manual compaction is in the history: {entries:?}"
+    );
+
+    // Errors are the command's errors, with the API's words.
+    let (ok, _, err) = cli(data, &["status", "agent:nobody", "--nats", &url]).await;
+    assert!(!ok && err.contains("unknown conversation"), "{err}");
+    let (ok, _, err) = cli(data, &["status", "--nats", &url, "--prefix", "other"]).await;
+    assert!(!ok && err.contains("no contextfold API answers"), "{err}");
+    service.shutdown().await;
+}

@@ -219,7 +219,7 @@ pub fn assemble(
     config: &Config,
     conversation: &str,
     at: Option<&str>,
-    budget: Option<u64>,
+    request: AssemblyRequest,
     json: bool,
 ) -> Result<ExitCode> {
     let rt = runtime()?;
@@ -242,14 +242,7 @@ pub fn assemble(
                 "unknown conversation {conversation:?}; `contextfold replay` lists the known ones"
             );
         };
-        let out = assembly::assemble(
-            conv,
-            &config.policy,
-            &AssemblyRequest {
-                budget,
-                prompt: None,
-            },
-        );
+        let out = assembly::assemble(conv, &config.policy, &request);
         if json {
             println!("{}", serde_json::to_string_pretty(&out)?);
         } else {

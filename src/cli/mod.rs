@@ -10,8 +10,14 @@ mod serve;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
+use contextfold::api::describe::NodeRef;
+use contextfold::api::{
+    AssembleRequest, CompactRequest, DescribeRequest, ExpandRequest, GrepRequest, HistoryRequest,
+    StatusRequest,
+};
 use contextfold::config::Config;
-use query::Query;
+use contextfold::core::assembly::AssemblyRequest;
+use query::{Output, Query};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -64,15 +70,20 @@ pub enum Command {
     /// Print exactly what the model sees for a conversation.
     Assemble {
         conversation: String,
-        /// Assemble as of this event id (replays the log up to it).
-        #[arg(long)]
+        /// Assemble as of this event id (replays the local log up to it).
+        #[arg(long, conflicts_with = "servers")]
         at: Option<String>,
         /// Token budget (default: the conversation's resolved budget).
         #[arg(long)]
         budget: Option<u64>,
+        /// The prompt about to be sent: its tokens are reserved from the budget.
+        #[arg(long)]
+        prompt: Option<String>,
         /// Print JSON (messages in OpenAI chat shape plus accounting).
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        nats: serve::NatsArgs,
     },
     /// Rebuild the state from the log into a fresh store and check the
     /// hashes agree with the current one. Deletes nothing.
@@ -103,7 +114,11 @@ pub enum Command {
     Config,
     /// Status of the whole state, or of one conversation (JSON): tokens,
     /// frontier, compression, summaries by depth, debt, spend, health.
-    Status { conversation: Option<String> },
+    Status {
+        conversation: Option<String>,
+        #[command(flatten)]
+        nats: serve::NatsArgs,
+    },
     /// Search a conversation's raw turns and summaries (JSON).
     Grep {
         conversation: String,
@@ -119,9 +134,16 @@ pub enum Command {
         /// turns, summaries or all.
         #[arg(long, default_value = "all", value_parser = query::parse_scope)]
         scope: contextfold::api::grep::GrepScope,
+        #[command(flatten)]
+        nats: serve::NatsArgs,
     },
     /// A summary, or a turn by event id or turn number, in full (JSON).
-    Describe { conversation: String, id: String },
+    Describe {
+        conversation: String,
+        id: String,
+        #[command(flatten)]
+        nats: serve::NatsArgs,
+    },
     /// The child summaries or raw turns under a summary, within a token cap (JSON).
     Expand {
         conversation: String,
@@ -132,6 +154,28 @@ pub enum Command {
         /// Items to skip first (the `next_skip` of a cut expansion).
         #[arg(long, default_value_t = 0)]
         skip: usize,
+        #[command(flatten)]
+        nats: serve::NatsArgs,
+    },
+    /// Ask for a compaction now (JSON): records a manual debt that the next
+    /// sweep pays, with optional instructions for the summaries.
+    Compact {
+        conversation: String,
+        /// What the summaries must keep or focus on.
+        #[arg(long)]
+        instructions: Option<String>,
+        /// Compact down to this many context tokens (default: the policy's target).
+        #[arg(long)]
+        target_tokens: Option<u64>,
+        /// Recorded in the event (see docs/api.md).
+        #[arg(long)]
+        keep_recent_tokens: Option<u64>,
+        /// Idempotency key: asking again with the same key is folded once
+        /// (default: a fresh key per invocation).
+        #[arg(long)]
+        request_id: Option<String>,
+        #[command(flatten)]
+        nats: serve::NatsArgs,
     },
     /// The compaction decisions of a conversation, in order (JSON).
     History {
@@ -142,6 +186,8 @@ pub enum Command {
         /// Only entries at or after this event time (ms since the epoch).
         #[arg(long)]
         since: Option<u64>,
+        #[command(flatten)]
+        nats: serve::NatsArgs,
     },
     /// Run contextfold over NATS JetStream: fold published turns, run
     /// compaction jobs, answer requests; until SIGTERM or Ctrl-C.
@@ -187,8 +233,23 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
             conversation,
             at,
             budget,
+            prompt,
             json,
-        } => local::assemble(&config, &conversation, at.as_deref(), budget, json),
+            nats,
+        } => {
+            if nats.servers.is_empty() {
+                let request = AssemblyRequest { budget, prompt };
+                local::assemble(&config, &conversation, at.as_deref(), request, json)
+            } else {
+                let output = if json { Output::Json } else { Output::Text };
+                let request = AssembleRequest {
+                    conversation,
+                    budget,
+                    prompt,
+                };
+                query::run(&config, &nats, Query::Assemble(request), output)
+            }
+        }
         Command::Rebuild => local::rebuild(&config),
         Command::Demo { file, budget } => local::demo(&config, file.as_deref(), budget),
         Command::Eval {
@@ -208,7 +269,11 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
             print!("{}", config.to_toml());
             Ok(ExitCode::SUCCESS)
         }
-        Command::Status { conversation } => query::run(&config, Query::Status { conversation }),
+        Command::Status { conversation, nats } => ask(
+            &config,
+            &nats,
+            Query::Status(StatusRequest { conversation }),
+        ),
         Command::Grep {
             conversation,
             pattern,
@@ -216,45 +281,85 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
             ignore_case,
             limit,
             scope,
-        } => query::run(
+            nats,
+        } => ask(
             &config,
-            Query::Grep {
+            &nats,
+            Query::Grep(GrepRequest {
                 conversation,
                 pattern,
                 regex,
                 ignore_case,
                 limit,
                 scope,
-            },
+            }),
         ),
-        Command::Describe { conversation, id } => {
-            query::run(&config, Query::Describe { conversation, id })
-        }
+        Command::Describe {
+            conversation,
+            id,
+            nats,
+        } => ask(
+            &config,
+            &nats,
+            Query::Describe(DescribeRequest {
+                conversation,
+                id: NodeRef::Id(id),
+            }),
+        ),
         Command::Expand {
             conversation,
             summary_id,
             max_tokens,
             skip,
-        } => query::run(
+            nats,
+        } => ask(
             &config,
-            Query::Expand {
+            &nats,
+            Query::Expand(ExpandRequest {
                 conversation,
                 summary_id,
                 max_tokens,
                 skip,
-            },
+            }),
+        ),
+        Command::Compact {
+            conversation,
+            instructions,
+            target_tokens,
+            keep_recent_tokens,
+            request_id,
+            nats,
+        } => ask(
+            &config,
+            &nats,
+            Query::Compact(CompactRequest {
+                conversation,
+                instructions,
+                target_tokens,
+                keep_recent_tokens,
+                id: None,
+                request_id: Some(request_id.unwrap_or_else(query::fresh_request_id)),
+                time: None,
+            }),
         ),
         Command::History {
             conversation,
             limit,
             since,
-        } => query::run(
+            nats,
+        } => ask(
             &config,
-            Query::History {
+            &nats,
+            Query::History(HistoryRequest {
                 conversation,
                 limit,
                 since,
-            },
+                after: None,
+            }),
         ),
     }
+}
+
+fn ask(config: &Config, nats: &serve::NatsArgs, query: Query) -> Result<ExitCode> {
+    query::run(config, nats, query, Output::Json)
 }

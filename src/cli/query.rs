@@ -1,126 +1,186 @@
-//! Read-only queries of the local state through the API handlers: `status`,
-//! `grep`, `describe`, `expand`, `history`. The output is the API's JSON
-//! response (pretty), the same a NATS client gets.
+//! The API's queries from the command line: `assemble`, `status`, `grep`,
+//! `describe`, `expand`, `compact` and `history`. Without `--nats` they are
+//! answered from the local state (caught up with the log); with `--nats`
+//! they are asked of a running `contextfold serve` over request/reply. Both
+//! go through the same API handlers, so the output is the JSON a NATS
+//! client gets (pretty), and an API error is the command's error.
 
 use super::local::{open_pipeline, runtime};
-use anyhow::{Context, Result};
-use contextfold::api::describe::NodeRef;
+use super::report;
+use super::serve::NatsArgs;
+use anyhow::{bail, Context, Result};
 use contextfold::api::grep::GrepScope;
-use contextfold::api::{self, ApiError};
+use contextfold::api::{
+    self, decode_reply, AssembleRequest, AssembleResponse, CompactRequest, CompactResponse,
+    DescribeRequest, ErrorCode, ExpandRequest, GrepRequest, HistoryRequest, Op, ReplyError,
+    StatusRequest,
+};
 use contextfold::config::Config;
-use contextfold::core::policy::PolicyConfig;
-use contextfold::core::state::State;
-use serde::Serialize;
 use std::io::Write;
 use std::process::ExitCode;
+use std::time::Duration;
 
-/// One query, as the CLI parsed it.
+/// How long a request over NATS may wait for its answer.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long `not_owner` answers (a partition moving) are retried.
+const NOT_OWNER_PATIENCE: Duration = Duration::from_secs(15);
+
+/// One query: the API request it sends.
 #[derive(Debug, Clone)]
 pub enum Query {
-    Status {
-        conversation: Option<String>,
-    },
-    Grep {
-        conversation: String,
-        pattern: String,
-        regex: bool,
-        ignore_case: bool,
-        limit: Option<usize>,
-        scope: GrepScope,
-    },
-    Describe {
-        conversation: String,
-        id: String,
-    },
-    Expand {
-        conversation: String,
-        summary_id: String,
-        max_tokens: Option<u64>,
-        skip: usize,
-    },
-    History {
-        conversation: String,
-        limit: Option<usize>,
-        since: Option<u64>,
-    },
+    Assemble(AssembleRequest),
+    Status(StatusRequest),
+    Grep(GrepRequest),
+    Describe(DescribeRequest),
+    Expand(ExpandRequest),
+    Compact(CompactRequest),
+    History(HistoryRequest),
 }
 
-fn pretty<T: Serialize>(value: Result<T, ApiError>) -> Result<String> {
-    // An API error is the command's error: printed on stderr, exit status 1.
-    let value = value?;
-    serde_json::to_string_pretty(&value).context("encoding the response")
-}
+impl Query {
+    pub fn op(&self) -> Op {
+        match self {
+            Query::Assemble(_) => Op::Assemble,
+            Query::Status(_) => Op::Status,
+            Query::Grep(_) => Op::Grep,
+            Query::Describe(_) => Op::Describe,
+            Query::Expand(_) => Op::Expand,
+            Query::Compact(_) => Op::Compact,
+            Query::History(_) => Op::History,
+        }
+    }
 
-/// Answers a query from a state, as pretty JSON.
-pub fn answer(query: Query, state: &State, policy: &PolicyConfig) -> Result<String> {
-    match query {
-        Query::Status { conversation } => pretty(api::status::status(
-            state,
-            policy,
-            &api::StatusRequest { conversation },
-        )),
-        Query::Grep {
-            conversation,
-            pattern,
-            regex,
-            ignore_case,
-            limit,
-            scope,
-        } => pretty(api::grep::grep(
-            state,
-            &api::GrepRequest {
-                conversation,
-                pattern,
-                regex,
-                ignore_case,
-                limit,
-                scope,
-            },
-        )),
-        Query::Describe { conversation, id } => pretty(api::describe::describe(
-            state,
-            &api::DescribeRequest {
-                conversation,
-                id: NodeRef::Id(id),
-            },
-        )),
-        Query::Expand {
-            conversation,
-            summary_id,
-            max_tokens,
-            skip,
-        } => pretty(api::expand::expand(
-            state,
-            &api::ExpandRequest {
-                conversation,
-                summary_id,
-                max_tokens,
-                skip,
-            },
-        )),
-        Query::History {
-            conversation,
-            limit,
-            since,
-        } => pretty(api::history::history(
-            state,
-            &api::HistoryRequest {
-                conversation,
-                limit,
-                since,
-                after: None,
-            },
-        )),
+    /// The request body, as any API client sends it.
+    pub fn body(&self) -> Result<Vec<u8>> {
+        let body = match self {
+            Query::Assemble(r) => serde_json::to_vec(r),
+            Query::Status(r) => serde_json::to_vec(r),
+            Query::Grep(r) => serde_json::to_vec(r),
+            Query::Describe(r) => serde_json::to_vec(r),
+            Query::Expand(r) => serde_json::to_vec(r),
+            Query::Compact(r) => serde_json::to_vec(r),
+            Query::History(r) => serde_json::to_vec(r),
+        };
+        body.context("encoding the request")
     }
 }
 
-/// Opens the local state (catching it up with the log) and answers.
-pub fn run(config: &Config, query: Query) -> Result<ExitCode> {
+/// An idempotency key for one `compact` invocation: the process id and
+/// the wall clock, unique enough for a person at a terminal (pass
+/// `--request-id` to make retries across invocations fold once).
+pub fn fresh_request_id() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default();
+    format!("cli-{}-{nanos}", std::process::id())
+}
+
+/// How an answer is printed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Output {
+    /// The API's JSON response, pretty.
+    Json,
+    /// `assemble` only: the messages as the model sees them.
+    Text,
+}
+
+fn api_error(e: ReplyError) -> anyhow::Error {
+    match e {
+        ReplyError::Api(body) => anyhow::anyhow!("{} ({})", body.message, body.code.as_str()),
+        ReplyError::Malformed(m) => anyhow::anyhow!("the service sent a malformed reply: {m}"),
+    }
+}
+
+/// The text of a reply; an error reply is an error.
+fn render(reply: &[u8], output: Output) -> Result<String> {
+    if output == Output::Text {
+        let r: AssembleResponse = decode_reply(reply).map_err(api_error)?;
+        return Ok(report::format_assembled(&r.assembled));
+    }
+    let value: serde_json::Value = decode_reply(reply).map_err(api_error)?;
+    serde_json::to_string_pretty(&value).context("encoding the response")
+}
+
+/// Answers from the local state. A `compact` request's event is appended
+/// to the local log and folded, and its jobs run, before the answer.
+async fn ask_locally(config: &Config, query: &Query) -> Result<Vec<u8>> {
+    let mut pipeline = open_pipeline(config).await?;
+    let reply = api::handle(
+        query.op().as_str(),
+        &query.body()?,
+        &pipeline.engine.state,
+        &config.policy,
+    );
+    if let Query::Compact(_) = query {
+        if let Ok(mut response) = decode_reply::<CompactResponse>(&reply) {
+            pipeline
+                .ingest(std::slice::from_ref(&response.event))
+                .await?;
+            pipeline.settle().await?;
+            response.published = true;
+            return serde_json::to_vec(&response).context("encoding the response");
+        }
+    }
+    Ok(reply)
+}
+
+/// Asks a running service; `not_owner` (a partition moving between
+/// processes) is asked again after the hinted pause.
+async fn ask_over_nats(config: &Config, nats: &NatsArgs, query: &Query) -> Result<Vec<u8>> {
+    let cfg = nats.apply(&config.nats);
+    let servers = cfg.connection.servers.join(",");
+    let subject = cfg.subjects()?.api(query.op());
+    let body = query.body()?;
+    let (client, _version) = cfg
+        .connection
+        .connect()
+        .await
+        .with_context(|| format!("connecting to {servers}"))?;
+    let patience = tokio::time::Instant::now() + NOT_OWNER_PATIENCE;
+    loop {
+        let request = async_nats::Request::new()
+            .payload(body.clone().into())
+            .timeout(Some(REQUEST_TIMEOUT));
+        let reply = match client.send_request(subject.clone(), request).await {
+            Ok(message) => message.payload.to_vec(),
+            Err(e) => match e.kind() {
+                async_nats::client::RequestErrorKind::NoResponders => bail!(
+                    "no contextfold API answers on {subject} at {servers}: is `contextfold serve` \
+                     (role api, prefix {:?}) running there?",
+                    cfg.prefix
+                ),
+                async_nats::client::RequestErrorKind::TimedOut => bail!(
+                    "no answer on {subject} within {} s",
+                    REQUEST_TIMEOUT.as_secs()
+                ),
+                _ => bail!("asking {subject}: {e}"),
+            },
+        };
+        match decode_reply::<serde::de::IgnoredAny>(&reply) {
+            Err(ReplyError::Api(e))
+                if e.code == ErrorCode::NotOwner && tokio::time::Instant::now() < patience =>
+            {
+                let pause = Duration::from_millis(e.retry_after_ms.unwrap_or(500).clamp(50, 5_000));
+                tracing::debug!(%subject, ?pause, "not owner; asking again");
+                tokio::time::sleep(pause).await;
+            }
+            _ => return Ok(reply),
+        }
+    }
+}
+
+/// Answers a query, locally or over NATS (`--nats`), and prints it.
+pub fn run(config: &Config, nats: &NatsArgs, query: Query, output: Output) -> Result<ExitCode> {
     let rt = runtime()?;
-    let pipeline = rt.block_on(open_pipeline(config))?;
-    let text = answer(query, &pipeline.engine.state, &config.policy)?;
+    let reply = if nats.servers.is_empty() {
+        rt.block_on(ask_locally(config, &query))?
+    } else {
+        rt.block_on(ask_over_nats(config, nats, &query))?
+    };
+    let text = render(&reply, output)?;
     let mut out = std::io::stdout().lock();
-    match writeln!(out, "{text}") {
+    match writeln!(out, "{}", text.trim_end()) {
         // Piped into `head`: the reader has what it wanted.
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(ExitCode::SUCCESS),
         other => {
@@ -145,21 +205,34 @@ pub fn parse_scope(s: &str) -> Result<GrepScope, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use contextfold::core::policy::PolicyConfig;
+    use contextfold::core::state::State;
+
+    fn answer(query: Query, state: &State, policy: &PolicyConfig) -> Result<String> {
+        let reply = api::handle(query.op().as_str(), &query.body()?, state, policy);
+        render(&reply, Output::Json)
+    }
 
     #[test]
     fn answers_are_the_api_json_and_errors_are_errors() {
         let state = State::default();
         let policy = PolicyConfig::default();
-        let text = answer(Query::Status { conversation: None }, &state, &policy).unwrap();
+        let text = answer(
+            Query::Status(StatusRequest { conversation: None }),
+            &state,
+            &policy,
+        )
+        .unwrap();
         let v: serde_json::Value = serde_json::from_str(&text).unwrap();
         assert_eq!(v["scope"], "global");
         assert_eq!(v["conversations"], 0);
         let err = answer(
-            Query::History {
+            Query::History(HistoryRequest {
                 conversation: "nobody".into(),
                 limit: None,
                 since: None,
-            },
+                after: None,
+            }),
             &state,
             &policy,
         )

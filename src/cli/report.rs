@@ -124,20 +124,29 @@ fn label(s: &Source) -> String {
 }
 
 pub fn print_assembled(out: &Assembled) {
+    print!("{}", format_assembled(out));
+}
+
+/// The messages as the model sees them, then the accounting line.
+pub fn format_assembled(out: &Assembled) -> String {
+    use std::fmt::Write as _;
+    let mut text = String::new();
     for (m, s) in out.messages.iter().zip(&out.sources) {
-        println!("--- {} [{}] ---", m.role.as_str(), label(s));
-        let text = m.text_content();
-        if !text.is_empty() {
-            println!("{text}");
+        let _ = writeln!(text, "--- {} [{}] ---", m.role.as_str(), label(s));
+        let content = m.text_content();
+        if !content.is_empty() {
+            let _ = writeln!(text, "{content}");
         }
         for c in &m.tool_calls {
-            println!(
+            let _ = writeln!(
+                text,
                 "→ call {} {}({})",
                 c.id, c.function.name, c.function.arguments
             );
         }
     }
-    print_accounting(out);
+    let _ = writeln!(text, "{}", accounting(out));
+    text
 }
 
 pub fn print_assembled_brief(out: &Assembled) {
@@ -150,7 +159,11 @@ pub fn print_assembled_brief(out: &Assembled) {
 }
 
 fn print_accounting(out: &Assembled) {
-    println!(
+    println!("{}", accounting(out));
+}
+
+fn accounting(out: &Assembled) -> String {
+    format!(
         "== {} messages, {} tokens of budget {} (fresh tail {}); {} items left out{}",
         out.messages.len(),
         out.tokens,
@@ -162,5 +175,5 @@ fn print_accounting(out: &Assembled) {
         } else {
             ""
         }
-    );
+    )
 }
