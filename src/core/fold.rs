@@ -133,6 +133,7 @@ fn fold_with(
         turn_tokens,
         turn,
         decisions: Vec::new(),
+        idle_round_ended: false,
     };
     let status = cx.apply();
     FoldOutcome {
@@ -192,6 +193,9 @@ struct FoldContext<'a> {
     /// The turn, when the caller gave it up: it is kept without a copy.
     turn: Option<Arc<TurnAppended>>,
     decisions: Vec<Envelope>,
+    /// The event ends a round that was to compact and committed nothing:
+    /// no new job on its own end.
+    idle_round_ended: bool,
 }
 
 impl FoldContext<'_> {
@@ -807,6 +811,14 @@ impl FoldContext<'_> {
             .as_ref()
             .map_or(s.committed, |j| j.committed.max(s.committed));
         let urgent = pending.as_ref().is_some_and(|p| p.job.urgent);
+        // A rolling-state refresh that finished was not asked to compact: a
+        // debt recorded while it ran gets its job now, not on the next turn
+        // (which may never come).
+        let rolling_refreshed = s.stop == SweepStop::Done
+            && pending
+                .as_ref()
+                .is_some_and(|p| !p.job.compact && p.job.refresh_rolling_state);
+        self.idle_round_ended = s.committed == 0 && !rolling_refreshed;
         self.history(
             "sweep_ended",
             format!(
@@ -930,7 +942,7 @@ impl FoldContext<'_> {
         // A round that committed nothing is not retried on its own end: the
         // next job waits for something new (a turn, an error, a request),
         // so a summarizer that keeps failing cannot make the worker spin.
-        if matches!(&self.event.body, EventBody::SweepEnded(s) if s.committed == 0) {
+        if self.idle_round_ended {
             return;
         }
         // The provider asked us to wait (Retry-After): no job of any kind.
@@ -1458,6 +1470,40 @@ mod tests {
         let again = jobs(&out.decisions);
         assert_eq!(again.len(), 1, "the next inbound event retries");
         assert!(again[0].urgent);
+    }
+
+    #[test]
+    fn a_debt_recorded_during_a_rolling_refresh_gets_its_job_when_it_ends() {
+        let p = PolicyConfig {
+            rolling_every_turns: 2,
+            ..policy()
+        };
+        let mut state = State::default();
+        let (rolling, mut next) = until_job(&mut state, &p, "c", 0, T0);
+        assert!(
+            !rolling.compact && rolling.refresh_rolling_state,
+            "{rolling:?}"
+        );
+        // Turns go on while it runs, until the threshold records a debt.
+        let mut time = rolling.issued_at;
+        while state.conversations["c"].debt.is_none() {
+            time += 1_000;
+            let out = fold(&mut state, &p, &turn("c", next, time));
+            assert!(jobs(&out.decisions).is_empty(), "one job at a time");
+            next += 1;
+        }
+        let refreshed = SweepEnded {
+            passes: 0,
+            ..ended(&rolling, 0, SweepStop::Done)
+        };
+        let out = fold(&mut state, &p, &event(refreshed, "c", time + 1));
+        let issued = jobs(&out.decisions);
+        assert_eq!(
+            issued.len(),
+            1,
+            "the debt's job, without waiting for a turn"
+        );
+        assert!(issued[0].compact, "{:?}", issued[0]);
     }
 
     #[test]
