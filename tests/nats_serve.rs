@@ -7,6 +7,8 @@
 //!
 //! Needs the pinned nats-server: run `scripts/install-nats.sh` first.
 
+#[path = "support/llm_server.rs"]
+mod llm_server;
 mod support;
 
 use async_nats::jetstream;
@@ -778,4 +780,76 @@ async fn the_cli_publishes_and_asks_a_running_service_over_nats() {
     let (ok, _, err) = cli(data, &["status", "--nats", &url, "--prefix", "other"]).await;
     assert!(!ok && err.contains("no contextfold API answers"), "{err}");
     service.shutdown().await;
+}
+
+/// `contextfold serve` (the binary) with `[summarizer]` configured writes
+/// its summaries with the model, not the deterministic fallback.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_serve_binary_summarizes_with_the_configured_model() {
+    let rules = serde_json::json!({"rules": [
+        {"name": "summary", "when": {"model_matches": "good"},
+         "respond": {"content": "The agent compared the turns and kept their words."}}
+    ]});
+    let Some(llm) = llm_server::FakeLlm::start(&rules.to_string()).await else {
+        return;
+    };
+    let server = NatsServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let stderr = std::fs::File::create(dir.path().join("serve.log")).unwrap();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_contextfold"))
+        .arg("--data")
+        .arg(dir.path().join("serve"))
+        .args(["serve", "--nats", &server.url()])
+        .env_remove("CONTEXTFOLD_CONFIG")
+        .env("CONTEXTFOLD_SUMMARIZER__BASE_URL", llm.base_url())
+        .env("CONTEXTFOLD_SUMMARIZER__MODEL", "good")
+        .env("OPENAI_API_KEY", "test-key-not-secret")
+        .env("CONTEXTFOLD_POLICY__DEFAULT_CONTEXT_WINDOW", "6000")
+        .env("CONTEXTFOLD_POLICY__FRESH_TAIL_COUNT", "6")
+        .env("CONTEXTFOLD_POLICY__LEAF_CHUNK_TOKENS", "1200")
+        .env("CONTEXTFOLD_POLICY__LEAF_TARGET_TOKENS", "200")
+        .stderr(stderr)
+        .kill_on_drop(true)
+        .spawn()
+        .expect("contextfold serve starts");
+
+    // Once the API answers, serve has set up the streams: publish then.
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let up = Instant::now() + Duration::from_secs(30);
+    while client.request("cf.api.status", "{}".into()).await.is_err() {
+        assert!(Instant::now() < up, "serve did not come up");
+        assert!(child.try_wait().unwrap().is_none(), "serve exited");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let key = "agent:model/one";
+    raw_publish(&client, &turns(key, 0..40, 60)).await;
+    let body = serde_json::json!({ "conversation": key }).to_string();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut last = serde_json::Value::Null;
+    let status = loop {
+        let reply = client.request("cf.api.status", body.clone().into()).await;
+        if let Ok(reply) = reply {
+            let v: serde_json::Value = serde_json::from_slice(&reply.payload).unwrap();
+            if v["summaries"]["total"].as_u64().unwrap_or(0) > 0 && v["pending_job"].is_null() {
+                break v;
+            }
+            last = v;
+        }
+        let log = std::fs::read_to_string(dir.path().join("serve.log")).unwrap_or_default();
+        let exited = child.try_wait().unwrap();
+        assert!(exited.is_none(), "serve exited ({exited:?}):\n{log}");
+        if Instant::now() >= deadline {
+            let history = client
+                .request("cf.api.history", body.clone().into())
+                .await
+                .map(|m| String::from_utf8_lossy(&m.payload).into_owned());
+            panic!("no summary in 60 s ({last}); history {history:?}; serve said:\n{log}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(status["summaries"]["fallback"], 0, "{status}");
+    assert!(llm.total().await > 0, "the model was called");
+    let log = std::fs::read_to_string(dir.path().join("serve.log")).unwrap();
+    assert!(log.contains("summarizer good at"), "{log}");
+    child.kill().await.unwrap();
 }

@@ -6,7 +6,8 @@ use clap::Args;
 use contextfold::config::Config;
 use contextfold::nats::serve::{shutdown_signal, Roles, ServeOptions, Service};
 use contextfold::nats::NatsConfig;
-use contextfold::runtime::sweep::Deterministic;
+use contextfold::runtime::llm_pass::{ExternalPass, LlmPass};
+use contextfold::runtime::sweep::{Deterministic, PassSummarizer};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -103,22 +104,60 @@ pub fn serve(
     }
     let servers = opts.nats.connection.servers.join(",");
     runtime()?.block_on(async {
-        let service = Service::start(opts, Arc::new(Deterministic))
-            .await
-            .with_context(|| format!("starting contextfold serve against {servers}"))?;
-        eprintln!(
-            "contextfold serve: roles {} on nats-server {} at {servers}{}; Ctrl-C or SIGTERM stops",
-            service.roles(),
-            service.server_version(),
-            service
-                .member_id()
-                .map(|m| format!(" as member {m}"))
-                .unwrap_or_default()
-        );
-        shutdown_signal().await;
-        eprintln!("contextfold serve: stopping (finishing in-flight work, releasing leases)");
-        service.shutdown().await;
-        eprintln!("contextfold serve: stopped");
-        Ok(ExitCode::SUCCESS)
+        // The summarizer role uses the model when `[summarizer]` is
+        // configured (behind the team's external summarizer when that is),
+        // else the deterministic summarizer.
+        match &config.summarizer {
+            None => {
+                run_until_signal(opts, Arc::new(Deterministic), &servers, "deterministic").await
+            }
+            Some(cfg) if cfg.external.is_some() => {
+                let (client, _) = opts.nats.connection.connect().await.with_context(|| {
+                    format!("connecting to {servers} for the external summarizer")
+                })?;
+                let pass = ExternalPass::external(cfg, client)
+                    .context("building the external summarizer")?;
+                let name = format!(
+                    "external on {}, then {} at {}",
+                    cfg.external
+                        .as_ref()
+                        .map(|e| e.subject.as_str())
+                        .unwrap_or_default(),
+                    cfg.model,
+                    cfg.base_url
+                );
+                run_until_signal(opts, Arc::new(pass), &servers, &name).await
+            }
+            Some(cfg) => {
+                let pass = LlmPass::llm(cfg).context("building the model summarizer")?;
+                let name = format!("{} at {}", cfg.model, cfg.base_url);
+                run_until_signal(opts, Arc::new(pass), &servers, &name).await
+            }
+        }
     })
+}
+
+async fn run_until_signal<S: PassSummarizer + 'static>(
+    opts: ServeOptions,
+    summarizer: Arc<S>,
+    servers: &str,
+    name: &str,
+) -> Result<ExitCode> {
+    let service = Service::start(opts, summarizer)
+        .await
+        .with_context(|| format!("starting contextfold serve against {servers}"))?;
+    eprintln!(
+        "contextfold serve: roles {} on nats-server {} at {servers}{}, summarizer {name}; Ctrl-C or SIGTERM stops",
+        service.roles(),
+        service.server_version(),
+        service
+            .member_id()
+            .map(|m| format!(" as member {m}"))
+            .unwrap_or_default()
+    );
+    shutdown_signal().await;
+    eprintln!("contextfold serve: stopping (finishing in-flight work, releasing leases)");
+    service.shutdown().await;
+    eprintln!("contextfold serve: stopped");
+    Ok(ExitCode::SUCCESS)
 }

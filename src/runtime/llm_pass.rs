@@ -27,6 +27,7 @@ use crate::core::event::RollingState;
 use crate::core::fallback_summary;
 use crate::core::summary::{RollingStateRequest, SummaryDraft, SummaryRequest};
 use crate::runtime::sweep::{Allowance, PassError, PassSummarizer, Spend};
+use crate::summarizer::external::{ExternalSummarizer, WithFallback};
 use crate::summarizer::{
     CallLog, CallRecord, DeterministicSummarizer, EscalatingSummarizer, LlmSummarizer,
     SummarizeError, Summarizer, SummarizerConfig, SummaryOutcome,
@@ -185,6 +186,44 @@ pub struct SummarizerPass<S> {
 
 /// The LLM path: validation and escalation over a gated model client.
 pub type LlmPass = SummarizerPass<EscalatingSummarizer<Gated<Arc<LlmSummarizer>>>>;
+
+/// The team's external summarizer first; the LLM path (gated, so spend
+/// limits hold) when it fails, times out or returns nothing.
+pub type ExternalPass = SummarizerPass<
+    EscalatingSummarizer<
+        WithFallback<ExternalSummarizer<async_nats::Client>, Gated<Arc<LlmSummarizer>>>,
+    >,
+>;
+
+impl ExternalPass {
+    /// The external path for `config` (`summarizer.external` must be set),
+    /// asking over `nats`.
+    pub fn external(
+        config: &SummarizerConfig,
+        nats: async_nats::Client,
+    ) -> Result<Self, SummarizeError> {
+        let Some(external) = &config.external else {
+            return Err(SummarizeError::Config(
+                "summarizer.external.subject is not set".into(),
+            ));
+        };
+        let call_log = CallLog::new();
+        let client = Arc::new(LlmSummarizer::new(config.clone())?.with_call_log(call_log.clone()));
+        let gated = Gated::new(client.clone(), calls_per_attempt(config));
+        let team = ExternalSummarizer::new(
+            nats,
+            external.subject.clone(),
+            std::time::Duration::from_millis(external.timeout_ms),
+        );
+        let mut pass = SummarizerPass::new(
+            EscalatingSummarizer::new(WithFallback::new(team, gated), config),
+            Some(client),
+            Some(call_log),
+        );
+        pass.rolling_calls = calls_per_attempt(config);
+        Ok(pass)
+    }
+}
 
 /// The deterministic path: no model, no spend.
 pub type DeterministicPass = SummarizerPass<DeterministicSummarizer>;
