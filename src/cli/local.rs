@@ -15,6 +15,7 @@ use contextfold::runtime::engine::Engine;
 use contextfold::runtime::sweep::Deterministic;
 use contextfold::store::memory_backend::MemoryBackend;
 use contextfold::store::redb_backend::RedbBackend;
+use contextfold::store::KvBackend;
 use std::io::{BufRead, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -40,8 +41,7 @@ type LocalPipeline = Pipeline<SegmentLog, RedbBackend, Deterministic>;
 pub(super) async fn open_pipeline(config: &Config) -> Result<LocalPipeline> {
     std::fs::create_dir_all(&config.data_dir)
         .with_context(|| format!("creating data directory {}", config.data_dir.display()))?;
-    let log = SegmentLog::open(&log_dir(config))
-        .with_context(|| format!("opening the event log in {}", log_dir(config).display()))?;
+    let log = open_log(config)?;
     let backend = RedbBackend::open(&state_path(config))
         .with_context(|| format!("opening the state store {}", state_path(config).display()))?;
     let mut engine = Engine::open(backend, config.policy.clone())?;
@@ -168,28 +168,46 @@ pub fn run(
     })
 }
 
-/// Folds the whole log into a fresh in-memory state, stopping after the
-/// event `until` when given.
-async fn replay_log(config: &Config, until: Option<&str>) -> Result<(Engine<MemoryBackend>, bool)> {
-    let mut log = SegmentLog::open(&log_dir(config))
-        .with_context(|| format!("opening the event log in {}", log_dir(config).display()))?;
-    let mut engine = Engine::open(MemoryBackend::default(), config.policy.clone())?;
+fn open_log(config: &Config) -> Result<SegmentLog> {
+    SegmentLog::open(&log_dir(config))
+        .with_context(|| format!("opening the event log in {}", log_dir(config).display()))
+}
+
+/// Folds the log from its start into `engine`, committing after each batch
+/// read; stops after the event `until` when given. Returns whether `until`
+/// was found (true without one).
+async fn fold_log<B: KvBackend>(
+    config: &Config,
+    engine: &mut Engine<B>,
+    until: Option<&str>,
+) -> Result<bool> {
+    let mut log = open_log(config)?;
     let mut after = 0;
     loop {
         let records = log.read_after(after, 4096).await?;
         if records.is_empty() {
-            return Ok((engine, until.is_none()));
+            return Ok(until.is_none());
         }
         for r in &records {
             after = r.position;
             engine.apply(r);
             if let Some(id) = until {
                 if Envelope::decode(&r.bytes, r.encoding).is_ok_and(|e| e.id == id) {
-                    return Ok((engine, true));
+                    engine.commit()?;
+                    return Ok(true);
                 }
             }
         }
+        engine.commit()?;
     }
+}
+
+/// Folds the whole log into a fresh in-memory state, stopping after the
+/// event `until` when given.
+async fn replay_log(config: &Config, until: Option<&str>) -> Result<(Engine<MemoryBackend>, bool)> {
+    let mut engine = Engine::open(MemoryBackend::default(), config.policy.clone())?;
+    let found = fold_log(config, &mut engine, until).await?;
+    Ok((engine, found))
 }
 
 pub fn replay(config: &Config) -> Result<ExitCode> {
@@ -260,20 +278,8 @@ pub fn rebuild(config: &Config) -> Result<ExitCode> {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
         let fresh_path = config.data_dir.join(format!("state.rebuild-{stamp}.redb"));
-        let mut log = SegmentLog::open(&log_dir(config))?;
         let mut engine = Engine::open(RedbBackend::open(&fresh_path)?, config.policy.clone())?;
-        let mut after = 0;
-        loop {
-            let records = log.read_after(after, 4096).await?;
-            if records.is_empty() {
-                break;
-            }
-            for r in &records {
-                after = r.position;
-                engine.apply(r);
-            }
-            engine.commit()?;
-        }
+        fold_log(config, &mut engine, None).await?;
         engine.flush()?;
         let rebuilt = engine.state.hash();
         println!("current state  {current}");

@@ -27,6 +27,18 @@ struct Persisted {
     history: usize,
 }
 
+impl Persisted {
+    /// All of `conv`'s records, as they are once it is committed.
+    fn of(conv: &Conversation) -> Persisted {
+        Persisted {
+            turns: conv.turns.len(),
+            summaries: conv.summaries.len(),
+            applied: conv.applied.len(),
+            history: conv.history.len(),
+        }
+    }
+}
+
 /// Durable, incrementally written state.
 pub struct StateStore<B: KvBackend> {
     backend: B,
@@ -127,15 +139,7 @@ impl<B: KvBackend> StateStore<B> {
                 }
             }
             conv.rebuild_indexes();
-            self.persisted.insert(
-                key.clone(),
-                Persisted {
-                    turns: conv.turns.len(),
-                    summaries: conv.summaries.len(),
-                    applied: conv.applied.len(),
-                    history: conv.history.len(),
-                },
-            );
+            self.persisted.insert(key.clone(), Persisted::of(&conv));
             state.conversations.insert(key, conv);
         }
         Ok((state, position))
@@ -229,15 +233,7 @@ impl<B: KvBackend> StateStore<B> {
         }
         for key in dirty {
             if let Some(conv) = state.conversations.get(key) {
-                self.persisted.insert(
-                    key.clone(),
-                    Persisted {
-                        turns: conv.turns.len(),
-                        summaries: conv.summaries.len(),
-                        applied: conv.applied.len(),
-                        history: conv.history.len(),
-                    },
-                );
+                self.persisted.insert(key.clone(), Persisted::of(conv));
             }
         }
         Ok(())
