@@ -853,3 +853,60 @@ async fn the_serve_binary_summarizes_with_the_configured_model() {
     assert!(log.contains("summarizer good at"), "{log}");
     child.kill().await.unwrap();
 }
+
+/// The server crashes and comes back (same port, same store): serve
+/// reconnects by itself, folds what is published after, and loses nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_reconnects_after_the_server_restarts_without_losing_work() {
+    let mut server = NatsServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let policy = small_policy();
+    let mut cfg = nats_config(&server.url());
+    cfg.storage = StorageKind::File;
+    let mut opts = options(&server.url(), dir.path(), &policy, "steady");
+    opts.nats = cfg.clone();
+    let service = Service::start(opts, Arc::new(Deterministic))
+        .await
+        .expect("serve starts");
+    wait_until("all partitions held", Duration::from_secs(10), || {
+        held(&service).len() == 16
+    })
+    .await;
+    let keys = ["agent:r/one", "agent:r/two", "agent:r/three"];
+    let client = async_nats::connect(server.url()).await.unwrap();
+    for key in keys {
+        raw_publish(&client, &turns(key, 0..20, 40)).await;
+    }
+    client.flush().await.unwrap();
+    wait_until("20 turns each folded", Duration::from_secs(30), || {
+        let c = conversations(&service);
+        keys.iter().all(|k| c.get(*k).map(|c| c.0) == Some(20))
+    })
+    .await;
+
+    server.kill();
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    server.restart();
+
+    // A fresh client, as an agent that reconnects; the service's own
+    // connection comes back by itself.
+    let client = async_nats::connect(server.url()).await.unwrap();
+    for key in keys {
+        raw_publish(&client, &turns(key, 20..40, 40)).await;
+    }
+    client.flush().await.unwrap();
+    wait_until("40 turns each folded", Duration::from_secs(60), || {
+        let c = conversations(&service);
+        keys.iter().all(|k| c.get(*k).map(|c| c.0) == Some(40))
+    })
+    .await;
+    let js = jetstream::new(client.clone());
+    let infra = ensure(&js, &cfg).await.expect("setup is as serve left it");
+    wait_until("all partitions held again", Duration::from_secs(30), || {
+        held(&service).len() == 16
+    })
+    .await;
+    let partitions: BTreeSet<u32> = keys.iter().map(|k| partition_of(k)).collect();
+    assert_matches_replay(&service, &js, &infra, &partitions, &policy).await;
+    service.shutdown().await;
+}
