@@ -161,6 +161,14 @@ enum Ran {
     Returned,
 }
 
+/// Shutdown was asked, or nobody is left to ask for it (the sender was
+/// dropped): a job in flight treats a closed channel as shutdown, and so
+/// does the pull loop, rather than pulling jobs only to hand each back
+/// when its grace runs out.
+fn stopping(shutdown: &watch::Receiver<bool>) -> bool {
+    *shutdown.borrow() || shutdown.has_changed().is_err()
+}
+
 /// Waits out the shutdown grace, if one started.
 async fn until(grace: &mut Option<std::pin::Pin<Box<tokio::time::Sleep>>>) {
     match grace {
@@ -232,7 +240,7 @@ impl<S: PassSummarizer + 'static> SummarizerRole<S> {
     async fn worker(self, index: usize, mut shutdown: watch::Receiver<bool>) {
         tracing::debug!(worker = index, "summarizer worker started");
         let mut backoff = self.settings.retry_backoff;
-        while !*shutdown.borrow() {
+        while !stopping(&shutdown) {
             match self.next_job().await {
                 Ok(Some(message)) => {
                     backoff = self.settings.retry_backoff;
