@@ -511,7 +511,6 @@ impl PassSummarizer for Slow {
     }
 }
 
-#[ignore = "timed out on the loaded 2-core machine after the merge; redelivery path under investigation (see issue 3 note)"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_of_a_killed_worker_is_redelivered_and_finished_by_another() {
     let server = NatsServer::start();

@@ -4,7 +4,8 @@
 //! # On disk
 //!
 //! The directory holds a `LOCK` file (held with an exclusive OS lock while a
-//! [`SegmentLog`] is open, so two processes never append to the same log) and
+//! [`SegmentLog`] is open, so two processes never append to the same log;
+//! released as soon as the log is dropped) and
 //! segment files named `{first position:020}.seg`. A segment is a sequence of
 //! records, each
 //!
@@ -158,8 +159,28 @@ pub struct SegmentLog {
     deferred: bool,
     /// The newest segment holds bytes written but not yet synced.
     unsynced: bool,
-    /// Holds the directory's exclusive lock for as long as the log is open.
-    _lock: File,
+    /// Holds the directory's exclusive lock for as long as the log is open;
+    /// released explicitly on drop (see the `Drop` impl).
+    lock: File,
+}
+
+impl Drop for SegmentLog {
+    /// Releases the directory lock explicitly rather than by closing the
+    /// file. The lock belongs to the open file description, and closing
+    /// our descriptor frees it only if no other descriptor refers to that
+    /// description; a child process forked by any thread of this process
+    /// (e.g. `std::process::Command::spawn`) holds a copy of every
+    /// descriptor until it execs, so a close alone could leave the log
+    /// "already open" for a moment after it was dropped. Unlocking acts on
+    /// the description itself, whoever else still refers to it.
+    fn drop(&mut self) {
+        if let Err(e) = self.lock.unlock() {
+            tracing::warn!(
+                dir = %self.dir.display(),
+                "event log: releasing the directory lock failed: {e}"
+            );
+        }
+    }
 }
 
 fn io_error(path: &Path) -> impl FnOnce(io::Error) -> LogError + '_ {
@@ -401,7 +422,7 @@ impl SegmentLog {
             dropped_tail_bytes: 0,
             deferred: false,
             unsynced: false,
-            _lock: lock,
+            lock,
         };
         if firsts.is_empty() {
             log.create_segment(1)?;
@@ -851,6 +872,19 @@ mod tests {
             matches!(err, LogError::Backend(ref m) if m.contains("already open")),
             "{err}"
         );
+    }
+
+    #[test]
+    fn dropping_the_log_releases_its_lock_even_if_its_descriptor_was_copied() {
+        // A child process forked while the log is open holds a copy of the
+        // lock's descriptor until it execs; a copy made here stands for it.
+        let dir = tempfile::tempdir().unwrap();
+        let log = SegmentLog::open(dir.path()).unwrap();
+        let inherited = log.lock.try_clone().unwrap();
+        drop(log);
+        let reopened = SegmentLog::open(dir.path());
+        assert!(reopened.is_ok(), "{:?}", reopened.err());
+        drop(inherited);
     }
 
     #[test]

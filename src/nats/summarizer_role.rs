@@ -47,6 +47,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
+use tokio::task::JoinSet;
 
 /// Header naming why a job was dead-lettered.
 pub const DEAD_REASON_HEADER: &str = "Contextfold-Dead-Reason";
@@ -160,6 +161,14 @@ enum Ran {
     Returned,
 }
 
+/// Shutdown was asked, or nobody is left to ask for it (the sender was
+/// dropped): a job in flight treats a closed channel as shutdown, and so
+/// does the pull loop, rather than pulling jobs only to hand each back
+/// when its grace runs out.
+fn stopping(shutdown: &watch::Receiver<bool>) -> bool {
+    *shutdown.borrow() || shutdown.has_changed().is_err()
+}
+
 /// Waits out the shutdown grace, if one started.
 async fn until(grace: &mut Option<std::pin::Pin<Box<tokio::time::Sleep>>>) {
     match grace {
@@ -215,19 +224,23 @@ impl<S: PassSummarizer + 'static> SummarizerRole<S> {
 
     /// Runs `concurrency` workers until `shutdown` turns true; each stops
     /// pulling, then finishes (or hands back) the job it holds.
+    ///
+    /// Dropping `run` (a crash, or an aborted task as in `Service::abort`)
+    /// aborts the workers with it, as killing the process would: their
+    /// progress acknowledgements stop, so the server hands their jobs to
+    /// another worker after `ack_wait`, and they pull no more jobs.
     pub async fn run(self, shutdown: watch::Receiver<bool>) {
-        let workers: Vec<_> = (0..self.settings.concurrency.max(1))
-            .map(|i| tokio::spawn(self.clone().worker(i, shutdown.clone())))
-            .collect();
-        for w in workers {
-            let _ = w.await;
+        let mut workers = JoinSet::new();
+        for i in 0..self.settings.concurrency.max(1) {
+            workers.spawn(self.clone().worker(i, shutdown.clone()));
         }
+        while workers.join_next().await.is_some() {}
     }
 
     async fn worker(self, index: usize, mut shutdown: watch::Receiver<bool>) {
         tracing::debug!(worker = index, "summarizer worker started");
         let mut backoff = self.settings.retry_backoff;
-        while !*shutdown.borrow() {
+        while !stopping(&shutdown) {
             match self.next_job().await {
                 Ok(Some(message)) => {
                     backoff = self.settings.retry_backoff;
