@@ -2,29 +2,11 @@
 //! request into the local log once per idempotency key, and the other
 //! queries answer with the API's JSON.
 
+mod support;
+
 use contextfold::core::event::{Envelope, EventBody, TurnAppended};
 use contextfold::core::message::{ChatMessage, Role};
-use std::path::Path;
-use std::process::Command;
-
-fn cli(data: &Path, args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_contextfold"))
-        .arg("--data")
-        .arg(data)
-        .args(args)
-        .env_remove("CONTEXTFOLD_CONFIG")
-        .output()
-        .expect("the contextfold binary runs");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-fn json_of(text: &str) -> serde_json::Value {
-    serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
-}
+use support::cli::{json_of, run as cli};
 
 #[test]
 fn local_compact_is_folded_once_per_request_id() {

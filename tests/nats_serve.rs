@@ -77,6 +77,19 @@ async fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool)
     }
 }
 
+/// Starts a serve process alone on the server and waits until it holds
+/// every partition.
+async fn start_alone(opts: ServeOptions) -> Service {
+    let service = Service::start(opts, Arc::new(Deterministic))
+        .await
+        .expect("serve starts");
+    wait_until("all partitions held", Duration::from_secs(10), || {
+        held(&service).len() == 16
+    })
+    .await;
+    service
+}
+
 fn held(s: &Service) -> BTreeSet<u32> {
     s.engines()
         .map(|e| e.partitions().into_iter().collect())
@@ -262,13 +275,7 @@ async fn serve_with_the_api_role_answers_requests_over_nats() {
     let policy = PolicyConfig::default();
     let mut opts = options(&server.url(), dir.path(), &policy, "api");
     opts.roles = "folder,api".parse::<Roles>().unwrap();
-    let service = Service::start(opts, Arc::new(Deterministic))
-        .await
-        .expect("serve starts");
-    wait_until("all partitions held", Duration::from_secs(10), || {
-        held(&service).len() == 16
-    })
-    .await;
+    let service = start_alone(opts).await;
     let (client, js, infra) = client_for(&server.url()).await;
     let key = "agent:api/one";
     raw_publish(&client, &turns(key, 0..3, 8)).await;
@@ -341,16 +348,7 @@ async fn a_raw_published_turn_is_folded_and_assembles() {
     let server = NatsServer::start();
     let dir = tempfile::tempdir().unwrap();
     let policy = PolicyConfig::default();
-    let service = Service::start(
-        options(&server.url(), dir.path(), &policy, "solo"),
-        Arc::new(Deterministic),
-    )
-    .await
-    .expect("serve starts");
-    wait_until("all partitions held", Duration::from_secs(10), || {
-        held(&service).len() == 16
-    })
-    .await;
+    let service = start_alone(options(&server.url(), dir.path(), &policy, "solo")).await;
     let (client, js, infra) = client_for(&server.url()).await;
 
     let key = "agent:alpha/main thread.ü";
@@ -419,16 +417,7 @@ async fn an_overflowing_conversation_gets_one_job_at_a_time_and_its_summaries_ar
     let server = NatsServer::start();
     let dir = tempfile::tempdir().unwrap();
     let policy = small_policy();
-    let service = Service::start(
-        options(&server.url(), dir.path(), &policy, "solo"),
-        Arc::new(Deterministic),
-    )
-    .await
-    .expect("serve starts");
-    wait_until("all partitions held", Duration::from_secs(10), || {
-        held(&service).len() == 16
-    })
-    .await;
+    let service = start_alone(options(&server.url(), dir.path(), &policy, "solo")).await;
     let (client, js, infra) = client_for(&server.url()).await;
     let conv = "agent:compact";
     // Far over the threshold, in several bursts: triggers keep firing
@@ -664,25 +653,13 @@ async fn two_instances_split_partitions_and_a_kill_moves_them_to_the_survivor() 
     a.shutdown().await;
 }
 
-/// Runs the `contextfold` binary; returns (success, stdout, stderr).
+/// Runs the `contextfold` binary without blocking the runtime.
 async fn cli(data: &Path, args: &[&str]) -> (bool, String, String) {
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_contextfold"))
-        .arg("--data")
-        .arg(data)
-        .args(args)
-        .env_remove("CONTEXTFOLD_CONFIG")
+    let out = tokio::process::Command::from(support::cli::command(data, args))
         .output()
         .await
         .expect("the contextfold binary runs");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-fn json_of(text: &str) -> serde_json::Value {
-    serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
+    support::cli::split(out)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -693,13 +670,7 @@ async fn the_cli_publishes_and_asks_a_running_service_over_nats() {
     let policy = PolicyConfig::default();
     let mut opts = options(&url, &dir.path().join("serve"), &policy, "cli");
     opts.roles = Roles::default();
-    let service = Service::start(opts, Arc::new(Deterministic))
-        .await
-        .expect("serve starts");
-    wait_until("all partitions held", Duration::from_secs(10), || {
-        held(&service).len() == 16
-    })
-    .await;
+    let service = start_alone(opts).await;
 
     // An agent's turns, published by the CLI as `import` writes them.
     let key = "agent:cli/one";
@@ -717,7 +688,7 @@ async fn the_cli_publishes_and_asks_a_running_service_over_nats() {
 
     let (ok, out, err) = cli(data, &["status", key, "--nats", &url]).await;
     assert!(ok, "status: {err}");
-    assert_eq!(json_of(&out)["turns"]["total"], 5, "{out}");
+    assert_eq!(support::cli::json_of(&out)["turns"]["total"], 5, "{out}");
 
     let (ok, out, err) = cli(data, &["assemble", key, "--nats", &url]).await;
     assert!(ok, "assemble: {err}");
@@ -727,12 +698,21 @@ async fn the_cli_publishes_and_asks_a_running_service_over_nats() {
     );
     let (ok, out, err) = cli(data, &["assemble", key, "--json", "--nats", &url]).await;
     assert!(ok, "assemble --json: {err}");
-    assert_eq!(json_of(&out)["messages"].as_array().unwrap().len(), 5);
+    assert_eq!(
+        support::cli::json_of(&out)["messages"]
+            .as_array()
+            .unwrap()
+            .len(),
+        5
+    );
 
     let (ok, out, err) = cli(data, &["grep", key, "turn 3:", "--nats", &url]).await;
     assert!(ok, "grep: {err}");
     assert_eq!(
-        json_of(&out)["matches"].as_array().unwrap().len(),
+        support::cli::json_of(&out)["matches"]
+            .as_array()
+            .unwrap()
+            .len(),
         1,
         "{out}"
     );
@@ -755,14 +735,17 @@ async fn the_cli_publishes_and_asks_a_running_service_over_nats() {
     )
     .await;
     assert!(ok, "compact: {err}");
-    let compact = json_of(&out);
+    let compact = support::cli::json_of(&out);
     assert_eq!(compact["published"], true, "{out}");
     let event_id = compact["event"]["id"].as_str().unwrap().to_string();
     let mut entries = Vec::new();
     for _ in 0..100 {
         let (ok, out, err) = cli(data, &["history", key, "--nats", &url]).await;
         assert!(ok, "history: {err}");
-        entries = json_of(&out)["entries"].as_array().unwrap().clone();
+        entries = support::cli::json_of(&out)["entries"]
+            .as_array()
+            .unwrap()
+            .clone();
         if entries.iter().any(|e| e["event_id"] == event_id.as_str()) {
             break;
         }
@@ -864,13 +847,7 @@ async fn serve_reconnects_after_the_server_restarts_without_losing_work() {
     cfg.storage = StorageKind::File;
     let mut opts = options(&server.url(), dir.path(), &policy, "steady");
     opts.nats = cfg.clone();
-    let service = Service::start(opts, Arc::new(Deterministic))
-        .await
-        .expect("serve starts");
-    wait_until("all partitions held", Duration::from_secs(10), || {
-        held(&service).len() == 16
-    })
-    .await;
+    let service = start_alone(opts).await;
     let keys = ["agent:r/one", "agent:r/two", "agent:r/three"];
     let client = async_nats::connect(server.url()).await.unwrap();
     for key in keys {

@@ -1,4 +1,5 @@
 //! Shared test harness: integration tests include it with `mod support;`.
 #![allow(dead_code)]
 
+pub mod cli;
 pub mod nats_server;
