@@ -68,7 +68,7 @@ impl PassSummarizer for Flaky {
 }
 
 fn turn(i: u64, time: u64) -> Envelope {
-    let role = if i % 2 == 0 {
+    let role = if i.is_multiple_of(2) {
         Role::User
     } else {
         Role::Assistant
