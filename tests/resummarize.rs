@@ -3,6 +3,7 @@
 //! once a model summary shows it is back, through real sweeps
 //! (`run_sweep`) whose events are folded like any other.
 
+use contextfold::api::describe::{describe, DescribeRequest, DescribeResponse, NodeRef};
 use contextfold::core::event::*;
 use contextfold::core::fallback_summary;
 use contextfold::core::fold::{fold, FoldStatus};
@@ -208,6 +209,27 @@ impl Harness {
         }
         let sum: u64 = conv.context.iter().map(|&i| conv.item_tokens(i)).sum();
         assert_eq!(conv.context_tokens, sum);
+        // `describe` links both ways and finds what holds the fallback now.
+        for x in old {
+            let req = DescribeRequest {
+                conversation: CONV.into(),
+                id: NodeRef::Id(x.id.clone()),
+            };
+            let Ok(DescribeResponse::Summary(d)) = describe(&self.state, &req) else {
+                panic!("{} is not described as a summary", x.id);
+            };
+            let by = d.superseded_by.clone().expect("superseded_by");
+            assert!(!d.in_context);
+            assert!(d.covered_by.is_some(), "held by {by} or its ancestor");
+            let req = DescribeRequest {
+                conversation: CONV.into(),
+                id: NodeRef::Id(by),
+            };
+            let Ok(DescribeResponse::Summary(n)) = describe(&self.state, &req) else {
+                panic!("the replacement is not described");
+            };
+            assert_eq!(n.supersedes.as_deref(), Some(x.id.as_str()));
+        }
     }
 }
 

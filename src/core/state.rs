@@ -283,6 +283,14 @@ impl Conversation {
         self.summaries.iter().rev().find(|s| matches!(&s.covers, crate::core::event::Covers::Summaries { ids } if ids.iter().any(|c| c == id)))
     }
 
+    /// The model summary that replaced fallback summary `id` in context.
+    pub fn superseded_by(&self, id: &str) -> Option<&Summary> {
+        self.summaries
+            .iter()
+            .rev()
+            .find(|s| s.supersedes.as_deref() == Some(id))
+    }
+
     pub fn summary_index(&self, id: &str) -> Option<u32> {
         // Summaries are few relative to turns; newest are looked up most.
         self.summaries
