@@ -2317,4 +2317,65 @@ mod tests {
             Some(DebtReason::Threshold)
         );
     }
+
+    #[test]
+    fn a_trigger_with_nothing_to_compact_leaves_a_resummarization_alone() {
+        let p = policy();
+        let mut state = State::default();
+        let next = with_fallbacks(&mut state, &p, "c");
+        let (_, next) = until_job(&mut state, &p, "c", next, T0 + 1_000_000);
+        let decisions = run_job(&mut state, &p, "c", true);
+        let job = jobs(&decisions).pop().expect("a re-summarization job");
+        // The model failed again: backoff, the debt stays.
+        let failed = ended(&job, 0, SweepStop::NoProgress);
+        fold(&mut state, &p, &event(failed, "c", T0 + 2_000_000));
+        // Everything raw is fresh tail and nothing condenses: over the
+        // threshold, a trigger has no compaction work. It must neither take
+        // the debt over nor let it be cleared and raised again every turn.
+        let q = PolicyConfig {
+            fresh_tail_count: 10_000,
+            // Capped at the budget: the tail holds every raw turn in context.
+            fresh_tail_max_tokens: Some(u64::MAX),
+            leaf_fanout: 10_000,
+            condensed_fanout: 10_000,
+            ..p.clone()
+        };
+        let mut all = Vec::new();
+        let mut i = next;
+        while {
+            let conv = &state.conversations["c"];
+            conv.context_tokens <= policy::levels(conv, &q).threshold_tokens
+        } {
+            let out = fold(&mut state, &q, &turn("c", i, T0 + 2_100_000 + i * 1_000));
+            all.extend(out.decisions);
+            i += 1;
+        }
+        // Events that change nothing, over the threshold: no flapping.
+        for k in 0..5 {
+            let declared = Envelope::new(
+                format!("model-{k}"),
+                "c",
+                T0 + 2_900_000 + k,
+                EventBody::ModelDeclared(ModelDeclared {
+                    model: "gpt-4o".into(),
+                    context_window: None,
+                }),
+            );
+            all.extend(fold(&mut state, &q, &declared).decisions);
+        }
+        let conv = &state.conversations["c"];
+        assert!(conv.context_tokens > policy::levels(conv, &q).threshold_tokens);
+        assert!(
+            !all.iter().any(|d| matches!(
+                d.body,
+                EventBody::DebtRecorded(_) | EventBody::DebtUpdated(_) | EventBody::DebtCleared(_)
+            )),
+            "{all:?}"
+        );
+        assert_eq!(
+            conv.debt.as_ref().map(|d| d.reason),
+            Some(DebtReason::Resummarize)
+        );
+        assert!(jobs(&all).is_empty(), "in backoff");
+    }
 }

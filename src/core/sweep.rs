@@ -207,7 +207,10 @@ pub fn snapshot(conv: &Conversation, job: &JobIssued, cfg: &PolicyConfig) -> Swe
                     summary_id: None,
                     first_turn: seq,
                     last_turn: seq,
-                    source: (job.compact && i < tail).then(|| turn_source(conv, seq, tags)),
+                    // A re-summarization never reads raw turns in context:
+                    // they are left out of its (queued, maybe stored) snapshot.
+                    source: (job.compact && !resummarizing && i < tail)
+                        .then(|| turn_source(conv, seq, tags)),
                     fallback: false,
                     resummarize: None,
                 },
