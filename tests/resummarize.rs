@@ -250,6 +250,8 @@ fn fallbacks_written_while_the_model_was_down_are_replaced_when_it_is_back() {
         h.turns(0..60, T0, &model).await;
         let old = h.fallbacks_in_context();
         assert!(old.len() >= 2, "{} fallbacks", old.len());
+        // Condensed ones: their sources are child summaries out of context.
+        assert!(old.iter().any(|s| s.kind == SummaryKind::Condensed));
         assert!(!h.debts().contains(&DebtReason::Resummarize));
         // Up: the next compaction's model summary raises the re-summarization,
         // whose job replaces every fallback in context.
