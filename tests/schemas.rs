@@ -406,6 +406,7 @@ fn samples() -> Vec<Envelope> {
         provider: "openai".into(),
         prompt_version: "leaf-v1".into(),
         fallback: false,
+        supersedes: None,
     };
     push(EventBody::SummaryRecorded(leaf.clone()));
     push(EventBody::SummaryRecorded(SummaryRecorded {
@@ -416,6 +417,11 @@ fn samples() -> Vec<Envelope> {
             ids: vec!["1c2e4a6b8d0f".into(), "5d7f9e1a3c5b".into()],
         },
         fallback: true,
+        ..leaf.clone()
+    }));
+    // A re-summarization: a model summary replacing a fallback one.
+    push(EventBody::SummaryRecorded(SummaryRecorded {
+        supersedes: Some("4f6a8c0e2b4d".into()),
         ..leaf.clone()
     }));
     push(EventBody::SummaryRecorded(SummaryRecorded {
@@ -1105,6 +1111,11 @@ fn lenient_inputs_pass_schema_and_decoder() {
             "summary_recorded",
             "null job id",
             vec![Set("/payload/job_id", Value::Null)],
+        ),
+        (
+            "summary_recorded",
+            "null supersedes",
+            vec![Set("/payload/supersedes", Value::Null)],
         ),
     ];
     for (schema, what, edits) in cases {

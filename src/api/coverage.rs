@@ -118,7 +118,11 @@ impl<'a> Coverage<'a> {
                     .find(|(_, _, s)| s.id == current.id)
                     .map(|(_, _, s)| *s);
             }
-            current = self.conv.parent_of(&current.id)?;
+            // A re-summarized fallback is held by its replacement's place.
+            current = self
+                .conv
+                .parent_of(&current.id)
+                .or_else(|| self.conv.superseded_by(&current.id))?;
         }
         None
     }

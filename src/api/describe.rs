@@ -63,6 +63,12 @@ pub struct SummaryDescription {
     pub in_context: bool,
     /// The summary in context now that holds it (itself or an ancestor).
     pub covered_by: Option<String>,
+    /// A model summary: the fallback summary it replaced.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub supersedes: Option<String>,
+    /// A fallback summary: the model summary that replaced it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub superseded_by: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -119,6 +125,8 @@ pub(crate) fn describe_summary(
         parent: conv.parent_of(&s.id).map(|p| p.id.clone()),
         in_context: coverage.summary_in_context(&s.id),
         covered_by: coverage.summary_covered_by(s).map(|c| c.id.clone()),
+        supersedes: s.supersedes.clone(),
+        superseded_by: conv.superseded_by(&s.id).map(|r| r.id.clone()),
     }
 }
 

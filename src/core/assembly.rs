@@ -519,6 +519,7 @@ mod tests {
                 provider: "test".into(),
                 prompt_version: "leaf-v1".into(),
                 fallback: false,
+                supersedes: None,
             }),
         );
         assert_eq!(fold(&mut state, &cfg, &summary).status, FoldStatus::Applied);

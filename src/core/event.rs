@@ -187,7 +187,9 @@ pub enum DebtReason {
     Manual,
     /// The active transcript grew past `max_active_transcript_bytes`.
     TranscriptBytes,
-    /// Deterministic fallback summaries wait for a model.
+    /// Deterministic fallback summaries in context wait for a model: raised
+    /// only once a model summary shows a model is available again, paid when
+    /// none is left in context. Routine; any other trigger takes it over.
     Resummarize,
 }
 
@@ -310,6 +312,11 @@ pub struct SummaryRecorded {
     pub prompt_version: String,
     /// A deterministic fallback, to be re-summarized by a model later.
     pub fallback: bool,
+    /// The in-context fallback summary this model summary replaces (a
+    /// re-summarization): same kind, depth and covers. The fold accepts it
+    /// only while that summary is still in context.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub supersedes: Option<String>,
 }
 
 /// Why a sweep stopped.

@@ -182,6 +182,18 @@ pub fn reject_undecodable(
     env
 }
 
+/// Where an accepted summary goes: the context range it takes the place
+/// of, the raw turns under it, the tokens it was written over and the
+/// tokens that leave the context.
+struct Placement {
+    start: usize,
+    end: usize,
+    first_turn: u64,
+    last_turn: u64,
+    source_tokens: u64,
+    removed_tokens: u64,
+}
+
 struct FoldContext<'a> {
     conv: &'a mut Conversation,
     /// The partition's spend window across conversations.
@@ -558,25 +570,37 @@ impl FoldContext<'_> {
                     instructions,
                 };
                 self.conv.debt = Some(debt.clone());
-                self.conv.cycle += 1;
-                let cycle = self.conv.cycle;
                 self.history(
                     "debt_recorded",
                     format!("{reason:?} at {} tokens", debt.context_tokens),
                 );
                 self.decide("debt_recorded", EventBody::DebtRecorded(debt));
-                self.decide(
-                    "memory_flush_requested",
-                    EventBody::MemoryFlushRequested(MemoryFlushRequested { cycle, reason }),
-                );
+                // Re-summarization takes nothing out of context, so it is not
+                // a compaction cycle: no memory flush for it.
+                if reason != DebtReason::Resummarize {
+                    self.start_cycle(reason);
+                }
             }
             Some(debt) => {
+                // Re-summarization is the least important reason: any other
+                // trigger takes the debt over (its reason, urgency and
+                // target), so compaction is never held up behind it.
+                let takes_over =
+                    debt.reason == DebtReason::Resummarize && reason != DebtReason::Resummarize;
                 let stronger = urgent && !debt.urgent;
-                let changed = stronger || target < debt.target_tokens || instructions.is_some();
+                let changed =
+                    takes_over || stronger || target < debt.target_tokens || instructions.is_some();
                 if !changed {
                     return;
                 }
-                if stronger {
+                if takes_over {
+                    debt.reason = reason;
+                    debt.urgent = urgent;
+                    debt.target_tokens = target;
+                    debt.threshold_tokens = levels.threshold_tokens;
+                    // Its age is the compaction's, not the re-summarization's.
+                    debt.since = now;
+                } else if stronger {
                     debt.reason = reason;
                     debt.urgent = true;
                 }
@@ -591,13 +615,38 @@ impl FoldContext<'_> {
                     format!("{:?}, target {}", debt.reason, debt.target_tokens),
                 );
                 self.decide("debt_updated", EventBody::DebtUpdated(debt));
+                // Compaction starts here: its cycle (and memory flush) too.
+                if takes_over {
+                    self.start_cycle(reason);
+                }
             }
         }
     }
 
+    /// A compaction cycle begins: one memory flush for it.
+    fn start_cycle(&mut self, reason: DebtReason) {
+        self.conv.cycle += 1;
+        let cycle = self.conv.cycle;
+        self.decide(
+            "memory_flush_requested",
+            EventBody::MemoryFlushRequested(MemoryFlushRequested { cycle, reason }),
+        );
+    }
+
     fn summary_recorded(&mut self, s: &SummaryRecorded) -> FoldStatus {
-        match self.validate_summary(s) {
-            Ok((start, end, first_turn, last_turn, source_tokens)) => {
+        let checked = match &s.supersedes {
+            None => self.validate_summary(s),
+            Some(old) => self.validate_resummary(s, old),
+        };
+        match checked {
+            Ok(Placement {
+                start,
+                end,
+                first_turn,
+                last_turn,
+                source_tokens,
+                removed_tokens,
+            }) => {
                 // What it costs in context is its rendered message, wrapper
                 // included: assembly's budget is kept in real tokens.
                 let tokens = assembly::summary_tokens(
@@ -626,6 +675,7 @@ impl FoldContext<'_> {
                     fallback: s.fallback,
                     time: self.event.time,
                     job_id: s.job_id.clone(),
+                    supersedes: s.supersedes.clone(),
                 });
                 let removed_bytes: u64 = self.conv.context[start..end]
                     .iter()
@@ -637,7 +687,7 @@ impl FoldContext<'_> {
                 self.conv
                     .context
                     .splice(start..end, [ContextItem::Summary(index)]);
-                self.conv.context_tokens = self.conv.context_tokens - source_tokens + tokens;
+                self.conv.context_tokens = self.conv.context_tokens - removed_tokens + tokens;
                 self.conv.context_bytes -= removed_bytes;
                 if let (Some(pending), Some(id)) = (&mut self.conv.pending_job, &s.job_id) {
                     if &pending.job.job_id == id {
@@ -647,11 +697,14 @@ impl FoldContext<'_> {
                 self.history(
                     "summary_recorded",
                     format!(
-                        "{} {:?} depth {} over turns {first_turn}..={last_turn}: {source_tokens} -> {tokens} tokens{}",
+                        "{} {:?} depth {} over turns {first_turn}..={last_turn}: {source_tokens} -> {tokens} tokens{}{}",
                         s.summary_id,
                         s.kind,
                         s.depth,
-                        if s.fallback { " (deterministic fallback)" } else { "" }
+                        if s.fallback { " (deterministic fallback)" } else { "" },
+                        s.supersedes.as_ref().map_or(String::new(), |old| format!(
+                            ", replaces fallback {old} ({removed_tokens} tokens in context)"
+                        ))
                     ),
                 );
                 FoldStatus::Applied
@@ -672,12 +725,9 @@ impl FoldContext<'_> {
         }
     }
 
-    /// Checks that a summary matches the current state exactly; returns the
-    /// context range it replaces, its turn span and source tokens.
-    fn validate_summary(
-        &self,
-        s: &SummaryRecorded,
-    ) -> Result<(usize, usize, u64, u64, u64), String> {
+    /// What every recorded summary must be: its own content address, not
+    /// empty, not recorded before.
+    fn validate_identity(&self, s: &SummaryRecorded) -> Result<(), String> {
         let expected = summary_id(
             &self.conv.key,
             s.kind,
@@ -697,6 +747,60 @@ impl FoldContext<'_> {
         if self.conv.summary_index(&s.summary_id).is_some() {
             return Err("stale: this summary was already recorded".into());
         }
+        Ok(())
+    }
+
+    /// Checks a re-summarization: a model summary that takes the place of
+    /// fallback summary `old` in context, over exactly the same sources.
+    /// The sources are no longer in context, so the placement is `old`'s
+    /// own slot and the source tokens are the ones `old` was written over.
+    fn validate_resummary(&self, s: &SummaryRecorded, old: &str) -> Result<Placement, String> {
+        self.validate_identity(s)?;
+        if s.fallback {
+            return Err(format!(
+                "a fallback summary cannot supersede {old}: only a model summary replaces a fallback"
+            ));
+        }
+        let Some(index) = self.conv.summary_index(old) else {
+            return Err(format!("supersedes unknown summary {old}"));
+        };
+        let replaced = &self.conv.summaries[index as usize];
+        if !replaced.fallback {
+            return Err(format!(
+                "supersedes {old}, which is not a deterministic fallback summary"
+            ));
+        }
+        let Some(pos) = self
+            .conv
+            .context
+            .iter()
+            .position(|i| *i == ContextItem::Summary(index))
+        else {
+            return Err(format!(
+                "stale: {old} is no longer in context (condensed, superseded or reset)"
+            ));
+        };
+        if s.kind != replaced.kind || s.depth != replaced.depth || s.covers != replaced.covers {
+            return Err(format!(
+                "does not cover exactly what {old} covers: kind, depth and covers must match \
+                 ({:?} depth {} {:?} vs {:?} depth {} {:?})",
+                s.kind, s.depth, s.covers, replaced.kind, replaced.depth, replaced.covers
+            ));
+        }
+        Ok(Placement {
+            start: pos,
+            end: pos + 1,
+            first_turn: replaced.first_turn,
+            last_turn: replaced.last_turn,
+            source_tokens: replaced.source_tokens,
+            removed_tokens: replaced.tokens,
+        })
+    }
+
+    /// Checks that a summary matches the current state exactly; returns the
+    /// context range it replaces, its turn span and source tokens.
+    fn validate_summary(&self, s: &SummaryRecorded) -> Result<Placement, String> {
+        self.validate_identity(s)?;
         let ctx = &self.conv.context;
         match (&s.kind, &s.covers) {
             (SummaryKind::Leaf, Covers::Turns { first, last }) => {
@@ -733,7 +837,14 @@ impl FoldContext<'_> {
                 if end > tail {
                     return Err("covers turns of the fresh tail".into());
                 }
-                Ok((start, end, *first, *last, tokens))
+                Ok(Placement {
+                    start,
+                    end,
+                    first_turn: *first,
+                    last_turn: *last,
+                    source_tokens: tokens,
+                    removed_tokens: tokens,
+                })
             }
             (SummaryKind::Condensed, Covers::Summaries { ids }) => {
                 if ids.len() < 2 {
@@ -770,7 +881,14 @@ impl FoldContext<'_> {
                     last_turn = last_turn.max(child.last_turn);
                 }
                 let start = start.unwrap_or(0);
-                Ok((start, start + ids.len(), first_turn, last_turn, tokens))
+                Ok(Placement {
+                    start,
+                    end: start + ids.len(),
+                    first_turn,
+                    last_turn,
+                    source_tokens: tokens,
+                    removed_tokens: tokens,
+                })
             }
             _ => Err("kind and covers disagree".into()),
         }
@@ -863,6 +981,35 @@ impl FoldContext<'_> {
         FoldStatus::Applied
     }
 
+    /// Raises a re-summarization debt when fallback summaries are in
+    /// context, no other debt is owed, and the newest summary recorded was
+    /// written by a model: the evidence that a model is available again. A
+    /// deployment with only the deterministic summarizer never records a
+    /// model summary, so it never owes (and never runs) a re-summarization.
+    ///
+    /// Model summaries are mostly recorded while a compaction debt is owed,
+    /// so the evidence is read from the state, not from this event alone;
+    /// it is only looked at when the answer can have changed (a summary or
+    /// a sweep end folded, or a debt just paid), not on every turn.
+    fn maybe_owe_resummary(&mut self, cleared: bool, levels: &policy::Levels) {
+        let may_change = cleared
+            || matches!(
+                self.event.body,
+                EventBody::SummaryRecorded(_) | EventBody::SweepEnded(_)
+            );
+        if !may_change || self.conv.debt.is_some() {
+            return;
+        }
+        let model_available = self.conv.summaries.last().is_some_and(|s| !s.fallback);
+        if !model_available {
+            return;
+        }
+        if self.conv.fallback_summaries_in_context().next().is_none() {
+            return;
+        }
+        self.raise_debt(DebtReason::Resummarize, false, levels.target_tokens, None);
+    }
+
     /// Re-evaluates the triggers after every event: records, updates or
     /// clears the single debt and issues a job when none is pending.
     fn evaluate(&mut self) {
@@ -877,8 +1024,16 @@ impl FoldContext<'_> {
             .is_some_and(|max| self.conv.context_bytes > max);
         // A routine trigger with nothing outside the fresh tail to compact
         // records no debt: it would be cleared at once and flap every turn.
+        // A pending re-summarization counts as no debt here: a trigger
+        // takes it over only when there is compaction work to do, or the
+        // debt would be taken over and cleared at once, every event.
+        let compaction_debt = self
+            .conv
+            .debt
+            .as_ref()
+            .is_some_and(|d| d.reason != DebtReason::Resummarize);
         let routine_work = (tokens > levels.threshold_tokens || over_bytes)
-            && self.conv.debt.is_none()
+            && !compaction_debt
             && (policy::next_leaf_chunk_with(
                 &*self.conv,
                 self.policy,
@@ -887,10 +1042,15 @@ impl FoldContext<'_> {
             )
             .is_some()
                 || policy::next_condensation(&*self.conv, self.policy, false, false).is_some());
-        if tokens > levels.threshold_tokens && (routine_work || self.conv.debt.is_some()) {
+        if tokens > levels.threshold_tokens && (routine_work || compaction_debt) {
             self.raise_debt(DebtReason::Threshold, false, levels.target_tokens, None);
         }
-        if over_bytes && (routine_work || self.conv.debt.is_some()) {
+        let compaction_debt = self
+            .conv
+            .debt
+            .as_ref()
+            .is_some_and(|d| d.reason != DebtReason::Resummarize);
+        if over_bytes && (routine_work || compaction_debt) {
             self.raise_debt(
                 DebtReason::TranscriptBytes,
                 false,
@@ -913,8 +1073,31 @@ impl FoldContext<'_> {
         if self.conv.pending_job.is_some() {
             return;
         }
+        let mut cleared = false;
+        // A re-summarization is paid when no fallback summary is left in
+        // context, whatever the token count.
+        let resummarizing = self
+            .conv
+            .debt
+            .as_ref()
+            .is_some_and(|d| d.reason == DebtReason::Resummarize);
+        if resummarizing && self.conv.fallback_summaries_in_context().next().is_none() {
+            let reason = "no deterministic fallback summary is left in context".to_string();
+            self.conv.debt = None;
+            cleared = true;
+            self.history("debt_cleared", reason.clone());
+            self.decide(
+                "debt_cleared",
+                EventBody::DebtCleared(DebtCleared { reason }),
+            );
+        }
         // Debt that is paid: under target, or nothing left to compact.
-        if let Some(debt) = &self.conv.debt {
+        if let Some(debt) = self
+            .conv
+            .debt
+            .as_ref()
+            .filter(|d| d.reason != DebtReason::Resummarize)
+        {
             let conv: &Conversation = self.conv;
             let over = tokens > debt.target_tokens;
             let reach_back = !(debt.urgent || tokens > policy::budget(conv, self.policy));
@@ -932,6 +1115,7 @@ impl FoldContext<'_> {
                     format!("context at {tokens} tokens but nothing outside the fresh tail is left to compact")
                 };
                 self.conv.debt = None;
+                cleared = true;
                 self.history("debt_cleared", reason.clone());
                 self.decide(
                     "debt_cleared",
@@ -939,6 +1123,7 @@ impl FoldContext<'_> {
                 );
             }
         }
+        self.maybe_owe_resummary(cleared, &levels);
         // A round that committed nothing is not retried on its own end: the
         // next job waits for something new (a turn, an error, a request),
         // so a summarizer that keeps failing cannot make the worker spin.
@@ -1727,5 +1912,470 @@ mod tests {
             msg.tool_call_id = Some("call_1".into());
             assert_eq!(turn_digest(&msg), reference(&msg));
         }
+    }
+
+    // ---- re-summarization of deterministic fallback summaries ----
+
+    use crate::core::fallback_summary;
+    use crate::core::sweep::{self, Pass};
+
+    /// Runs the conversation's pending job in process, as a sweep would:
+    /// every pass answered by the deterministic summarizer, marked as a
+    /// model's when `model`. A re-summarization the "model" could not do
+    /// (fallback again) is not recorded. Returns every decision.
+    fn run_job(state: &mut State, p: &PolicyConfig, conv: &str, model: bool) -> Vec<Envelope> {
+        let c = &state.conversations[conv];
+        let pending = c.pending_job.clone().expect("a pending job");
+        let mut snap = sweep::snapshot(c, &pending.job, p);
+        let time = c.last_time + 100;
+        let mut decisions = Vec::new();
+        let mut committed = 0;
+        while let Some(pass) = snap.next_pass() {
+            let req = snap.request(pass, false);
+            let mut draft = fallback_summary::summarize(&req);
+            if model {
+                draft.fallback = false;
+                draft.model = "test-model".into();
+                draft.provider = "test".into();
+                draft.prompt_version = "model-v1".into();
+            } else if matches!(pass, Pass::Resummarize(_)) {
+                break;
+            }
+            let rec = snap.record(pass, &draft);
+            if rec.tokens >= rec.source_tokens || committed > 100 {
+                break;
+            }
+            snap.apply(pass, &rec);
+            let out = fold(state, p, &sweep::summary_event(conv, time, rec));
+            assert_eq!(out.status, FoldStatus::Applied, "{:?}", out.decisions);
+            decisions.extend(out.decisions);
+            committed += 1;
+        }
+        let end = SweepEnded {
+            job_id: pending.job.job_id.clone(),
+            passes: committed.max(1),
+            committed,
+            stop: if committed > 0 {
+                SweepStop::Done
+            } else {
+                SweepStop::NoProgress
+            },
+            detail: None,
+            calls: 0,
+            tokens_spent: 0,
+            cost_micros: 0,
+            retry_after_ms: None,
+        };
+        decisions.extend(fold(state, p, &event(end, conv, time + 1)).decisions);
+        decisions
+    }
+
+    fn debts_recorded(decisions: &[Envelope]) -> Vec<DebtReason> {
+        decisions
+            .iter()
+            .filter_map(|d| match &d.body {
+                EventBody::DebtRecorded(debt) | EventBody::DebtUpdated(debt) => Some(debt.reason),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn fallbacks_in_context(state: &State, conv: &str) -> Vec<Summary> {
+        state.conversations[conv]
+            .fallback_summaries_in_context()
+            .cloned()
+            .collect()
+    }
+
+    fn assert_accounting(conv: &Conversation) {
+        let sum: u64 = conv.context.iter().map(|&i| conv.item_tokens(i)).sum();
+        assert_eq!(
+            conv.context_tokens, sum,
+            "context tokens are the items' sum"
+        );
+    }
+
+    /// Turns and fallback-only jobs until fallback summaries are in context
+    /// and no job is pending; returns the next turn index.
+    fn with_fallbacks(state: &mut State, p: &PolicyConfig, conv: &str) -> u64 {
+        let (_, next) = until_job(state, p, conv, 0, T0);
+        let decisions = run_job(state, p, conv, false);
+        assert!(!fallbacks_in_context(state, conv).is_empty());
+        assert!(state.conversations[conv].pending_job.is_none());
+        assert!(!debts_recorded(&decisions).contains(&DebtReason::Resummarize));
+        next
+    }
+
+    #[test]
+    fn a_deterministic_only_deployment_never_owes_resummarization() {
+        let p = policy();
+        let mut state = State::default();
+        let mut next = 0;
+        let mut all = Vec::new();
+        for round in 0..4 {
+            let (_, n) = until_job(&mut state, &p, "c", next, T0 + round * 1_000_000);
+            all.extend(run_job(&mut state, &p, "c", false));
+            next = n;
+        }
+        assert!(!fallbacks_in_context(&state, "c").is_empty());
+        assert!(
+            state.conversations["c"].summaries.len() > 2,
+            "several rounds"
+        );
+        assert!(!debts_recorded(&all).contains(&DebtReason::Resummarize));
+        assert!(state.conversations["c"]
+            .debt
+            .as_ref()
+            .is_none_or(|d| d.reason != DebtReason::Resummarize));
+    }
+
+    #[test]
+    fn a_model_summary_raises_resummarization_which_replaces_every_fallback() {
+        let p = policy();
+        let mut state = State::default();
+        let next = with_fallbacks(&mut state, &p, "c");
+        let old = fallbacks_in_context(&state, "c");
+        // The next compaction is done by a model: evidence it is back.
+        let (_, _) = until_job(&mut state, &p, "c", next, T0 + 1_000_000);
+        let decisions = run_job(&mut state, &p, "c", true);
+        assert_eq!(
+            debts_recorded(&decisions).last(),
+            Some(&DebtReason::Resummarize)
+        );
+        // Not a compaction cycle: no memory flush for it.
+        assert!(!decisions.iter().any(|d| matches!(
+            &d.body,
+            EventBody::MemoryFlushRequested(m) if m.reason == DebtReason::Resummarize
+        )));
+        let job = jobs(&decisions).pop().expect("a re-summarization job");
+        assert_eq!(job.reason, DebtReason::Resummarize);
+        assert!(!job.urgent, "routine: spend window and backoff apply");
+
+        let decisions = run_job(&mut state, &p, "c", true);
+        assert!(fallbacks_in_context(&state, "c").is_empty());
+        assert!(decisions.iter().any(|d| matches!(
+            &d.body,
+            EventBody::DebtCleared(c) if c.reason.contains("no deterministic fallback")
+        )));
+        let conv = &state.conversations["c"];
+        assert!(conv.debt.is_none());
+        assert_accounting(conv);
+        for x in &old {
+            // Lossless: the fallback stays in the DAG, out of context, and a
+            // model summary over exactly its sources took its place.
+            let k = conv.summary_index(&x.id).expect("kept in the DAG");
+            assert!(!conv.context.contains(&ContextItem::Summary(k)));
+            let new = conv
+                .summaries
+                .iter()
+                .find(|s| s.supersedes.as_deref() == Some(x.id.as_str()))
+                .expect("a replacement");
+            assert!(!new.fallback);
+            assert_eq!(
+                (new.kind, new.depth, &new.covers),
+                (x.kind, x.depth, &x.covers)
+            );
+            assert_eq!((new.first_turn, new.last_turn), (x.first_turn, x.last_turn));
+            assert_eq!(new.source_tokens, x.source_tokens);
+            let at = conv.summary_index(&new.id).expect("recorded");
+            assert!(conv.context.contains(&ContextItem::Summary(at)));
+        }
+    }
+
+    /// A fallback leaf in context and a model leaf over the same turns.
+    fn resummary_of(state: &State, conv: &str) -> (Summary, SummaryRecorded) {
+        let c = &state.conversations[conv];
+        let x = c
+            .fallback_summaries_in_context()
+            .next()
+            .expect("a fallback")
+            .clone();
+        let content = "Asked and done, as a model tells it.".to_string();
+        let rec = SummaryRecorded {
+            summary_id: summary_id(&c.key, x.kind, x.depth, &x.covers, &content, "model-v1"),
+            job_id: None,
+            kind: x.kind,
+            depth: x.depth,
+            covers: x.covers.clone(),
+            content,
+            source_tokens: x.source_tokens,
+            tokens: 10,
+            model: "test-model".into(),
+            provider: "test".into(),
+            prompt_version: "model-v1".into(),
+            fallback: false,
+            supersedes: Some(x.id.clone()),
+        };
+        (x, rec)
+    }
+
+    fn readdress(conv: &str, mut rec: SummaryRecorded) -> SummaryRecorded {
+        rec.summary_id = summary_id(
+            conv,
+            rec.kind,
+            rec.depth,
+            &rec.covers,
+            &rec.content,
+            &rec.prompt_version,
+        );
+        rec
+    }
+
+    #[test]
+    fn a_resummary_is_accepted_in_the_place_of_its_fallback() {
+        let p = policy();
+        let mut state = State::default();
+        with_fallbacks(&mut state, &p, "c");
+        let (x, rec) = resummary_of(&state, "c");
+        let before = state.conversations["c"].clone();
+        let pos = before
+            .context
+            .iter()
+            .position(|&i| i == ContextItem::Summary(before.summary_index(&x.id).unwrap()))
+            .unwrap();
+        let out = fold(
+            &mut state,
+            &p,
+            &sweep::summary_event("c", T0 + 9_000_000, rec.clone()),
+        );
+        assert_eq!(out.status, FoldStatus::Applied);
+        let conv = &state.conversations["c"];
+        let k = conv.summary_index(&rec.summary_id).unwrap();
+        assert_eq!(conv.context[pos], ContextItem::Summary(k), "same position");
+        assert_eq!(conv.context.len(), before.context.len());
+        assert_eq!(
+            conv.context_tokens,
+            before.context_tokens - x.tokens + conv.summaries[k as usize].tokens
+        );
+        assert_eq!(conv.context_bytes, before.context_bytes);
+        assert_accounting(conv);
+        assert_eq!(
+            conv.summaries[k as usize].supersedes.as_deref(),
+            Some(x.id.as_str())
+        );
+        // Its sources' parents are the replacement from now on.
+        assert!(conv.summary_index(&x.id).is_some());
+    }
+
+    #[test]
+    fn a_resummary_that_does_not_match_is_rejected_whole() {
+        let p = policy();
+        let mut state = State::default();
+        with_fallbacks(&mut state, &p, "c");
+        let (x, good) = resummary_of(&state, "c");
+        let model_leaf = {
+            // A model summary in context, to be wrongly "superseded".
+            let mut s2 = state.clone();
+            fold(
+                &mut s2,
+                &p,
+                &sweep::summary_event("c", T0 + 9_000_000, good.clone()),
+            );
+            s2
+        };
+        let Covers::Turns { first, last } = x.covers else {
+            panic!("a leaf")
+        };
+        let cases: Vec<(&str, State, SummaryRecorded)> = vec![
+            (
+                "unknown summary",
+                state.clone(),
+                readdress(
+                    "c",
+                    SummaryRecorded {
+                        supersedes: Some("sum_nope".into()),
+                        ..good.clone()
+                    },
+                ),
+            ),
+            (
+                "fallback summary cannot supersede",
+                state.clone(),
+                readdress(
+                    "c",
+                    SummaryRecorded {
+                        fallback: true,
+                        ..good.clone()
+                    },
+                ),
+            ),
+            (
+                "must match",
+                state.clone(),
+                readdress(
+                    "c",
+                    SummaryRecorded {
+                        covers: Covers::Turns {
+                            first,
+                            last: last + 1,
+                        },
+                        ..good.clone()
+                    },
+                ),
+            ),
+            (
+                "must match",
+                state.clone(),
+                readdress(
+                    "c",
+                    SummaryRecorded {
+                        kind: SummaryKind::Condensed,
+                        depth: 1,
+                        ..good.clone()
+                    },
+                ),
+            ),
+            (
+                "content address",
+                state.clone(),
+                SummaryRecorded {
+                    content: "tampered".into(),
+                    ..good.clone()
+                },
+            ),
+            (
+                // The fallback was already replaced: stale.
+                "no longer in context",
+                model_leaf.clone(),
+                readdress(
+                    "c",
+                    SummaryRecorded {
+                        content: "another model's take".into(),
+                        ..good.clone()
+                    },
+                ),
+            ),
+            (
+                "not a deterministic fallback",
+                model_leaf.clone(),
+                readdress(
+                    "c",
+                    SummaryRecorded {
+                        supersedes: Some(good.summary_id.clone()),
+                        content: "a model over a model".into(),
+                        ..good.clone()
+                    },
+                ),
+            ),
+        ];
+        for (why, mut st, rec) in cases {
+            let before = st.conversations["c"].clone();
+            let out = fold(&mut st, &p, &sweep::summary_event("c", T0 + 9_100_000, rec));
+            let FoldStatus::Rejected(reason) = &out.status else {
+                panic!("{why}: accepted");
+            };
+            assert!(reason.contains(why), "{why}: {reason}");
+            assert!(out
+                .decisions
+                .iter()
+                .any(|d| matches!(&d.body, EventBody::SummaryRejected(r) if &r.reason == reason)));
+            let conv = &st.conversations["c"];
+            assert_eq!(conv.context, before.context, "{why}: nothing applied");
+            assert_eq!(conv.context_tokens, before.context_tokens);
+            assert_eq!(conv.summaries.len(), before.summaries.len());
+        }
+    }
+
+    #[test]
+    fn a_threshold_trigger_takes_over_a_pending_resummarization() {
+        let p = policy();
+        let mut state = State::default();
+        let next = with_fallbacks(&mut state, &p, "c");
+        let (_, next) = until_job(&mut state, &p, "c", next, T0 + 1_000_000);
+        let decisions = run_job(&mut state, &p, "c", true);
+        let job = jobs(&decisions).pop().expect("a re-summarization job");
+        assert_eq!(job.reason, DebtReason::Resummarize);
+        let cycle = state.conversations["c"].cycle;
+        // Turns arrive while it runs, until compaction is owed again.
+        let mut taken = Vec::new();
+        for i in next..next + 40 {
+            let out = fold(&mut state, &p, &turn("c", i, T0 + 2_000_000 + i * 1_000));
+            taken.extend(out.decisions);
+            if debts_recorded(&taken).contains(&DebtReason::Threshold) {
+                break;
+            }
+        }
+        assert_eq!(debts_recorded(&taken), vec![DebtReason::Threshold]);
+        let conv = &state.conversations["c"];
+        let debt = conv.debt.as_ref().expect("one debt");
+        assert_eq!(debt.reason, DebtReason::Threshold);
+        assert_eq!(conv.cycle, cycle + 1, "compaction starts a cycle");
+        assert!(taken
+            .iter()
+            .any(|d| matches!(&d.body, EventBody::MemoryFlushRequested(m) if m.reason == DebtReason::Threshold)));
+        // The re-summarization job fails; its end issues nothing, and the
+        // next turn gets the compaction job.
+        let failed = SweepEnded {
+            committed: 0,
+            stop: SweepStop::NoProgress,
+            ..ended(&job, 0, SweepStop::NoProgress)
+        };
+        let out = fold(&mut state, &p, &event(failed, "c", T0 + 3_000_000));
+        assert!(jobs(&out.decisions).is_empty());
+        assert_eq!(
+            state.conversations["c"].debt.as_ref().map(|d| d.reason),
+            Some(DebtReason::Threshold)
+        );
+    }
+
+    #[test]
+    fn a_trigger_with_nothing_to_compact_leaves_a_resummarization_alone() {
+        let p = policy();
+        let mut state = State::default();
+        let next = with_fallbacks(&mut state, &p, "c");
+        let (_, next) = until_job(&mut state, &p, "c", next, T0 + 1_000_000);
+        let decisions = run_job(&mut state, &p, "c", true);
+        let job = jobs(&decisions).pop().expect("a re-summarization job");
+        // The model failed again: backoff, the debt stays.
+        let failed = ended(&job, 0, SweepStop::NoProgress);
+        fold(&mut state, &p, &event(failed, "c", T0 + 2_000_000));
+        // Everything raw is fresh tail and nothing condenses: over the
+        // threshold, a trigger has no compaction work. It must neither take
+        // the debt over nor let it be cleared and raised again every turn.
+        let q = PolicyConfig {
+            fresh_tail_count: 10_000,
+            // Capped at the budget: the tail holds every raw turn in context.
+            fresh_tail_max_tokens: Some(u64::MAX),
+            leaf_fanout: 10_000,
+            condensed_fanout: 10_000,
+            ..p.clone()
+        };
+        let mut all = Vec::new();
+        let mut i = next;
+        while {
+            let conv = &state.conversations["c"];
+            conv.context_tokens <= policy::levels(conv, &q).threshold_tokens
+        } {
+            let out = fold(&mut state, &q, &turn("c", i, T0 + 2_100_000 + i * 1_000));
+            all.extend(out.decisions);
+            i += 1;
+        }
+        // Events that change nothing, over the threshold: no flapping.
+        for k in 0..5 {
+            let declared = Envelope::new(
+                format!("model-{k}"),
+                "c",
+                T0 + 2_900_000 + k,
+                EventBody::ModelDeclared(ModelDeclared {
+                    model: "gpt-4o".into(),
+                    context_window: None,
+                }),
+            );
+            all.extend(fold(&mut state, &q, &declared).decisions);
+        }
+        let conv = &state.conversations["c"];
+        assert!(conv.context_tokens > policy::levels(conv, &q).threshold_tokens);
+        assert!(
+            !all.iter().any(|d| matches!(
+                d.body,
+                EventBody::DebtRecorded(_) | EventBody::DebtUpdated(_) | EventBody::DebtCleared(_)
+            )),
+            "{all:?}"
+        );
+        assert_eq!(
+            conv.debt.as_ref().map(|d| d.reason),
+            Some(DebtReason::Resummarize)
+        );
+        assert!(jobs(&all).is_empty(), "in backoff");
     }
 }

@@ -123,6 +123,13 @@ pub struct Summary {
     pub fallback: bool,
     pub time: u64,
     pub job_id: Option<String>,
+    /// The fallback summary this model summary replaced in context (a
+    /// re-summarization). The link lives on the newer summary because
+    /// summaries are append-only records in the state store: the replaced
+    /// one is never rewritten, it only leaves the context. Skipped when
+    /// absent so states without re-summarization hash and store as before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub supersedes: Option<String>,
 }
 
 /// One item of what the agent would see now.
@@ -269,9 +276,19 @@ impl Conversation {
         }
     }
 
-    /// The condensed summary that covers summary `id`, if any.
+    /// The condensed summary that covers summary `id`, if any. Newest
+    /// first: a re-summarized condensed summary shares its children with the
+    /// fallback it replaced, and the replacement is the one in force.
     pub fn parent_of(&self, id: &str) -> Option<&Summary> {
-        self.summaries.iter().find(|s| matches!(&s.covers, crate::core::event::Covers::Summaries { ids } if ids.iter().any(|c| c == id)))
+        self.summaries.iter().rev().find(|s| matches!(&s.covers, crate::core::event::Covers::Summaries { ids } if ids.iter().any(|c| c == id)))
+    }
+
+    /// The model summary that replaced fallback summary `id` in context.
+    pub fn superseded_by(&self, id: &str) -> Option<&Summary> {
+        self.summaries
+            .iter()
+            .rev()
+            .find(|s| s.supersedes.as_deref() == Some(id))
     }
 
     pub fn summary_index(&self, id: &str) -> Option<u32> {
@@ -289,6 +306,15 @@ impl Conversation {
             .filter(|i| matches!(i, ContextItem::Summary(_)))
             .map(|&i| self.item_tokens(i))
             .sum()
+    }
+
+    /// Deterministic fallback summaries in context, oldest first (what a
+    /// re-summarization job replaces).
+    pub fn fallback_summaries_in_context(&self) -> impl Iterator<Item = &Summary> + '_ {
+        self.context.iter().filter_map(|item| match item {
+            ContextItem::Summary(i) => self.summaries.get(*i as usize).filter(|s| s.fallback),
+            ContextItem::Turn(_) => None,
+        })
     }
 
     /// Summaries by depth that are in context now.

@@ -5,7 +5,7 @@
 
 use crate::core::assembly;
 use crate::core::event::{
-    Covers, Envelope, EventBody, JobIssued, RollingState, SummaryKind, SummaryRecorded,
+    Covers, DebtReason, Envelope, EventBody, JobIssued, RollingState, SummaryKind, SummaryRecorded,
 };
 use crate::core::message::Role;
 use crate::core::policy::{self, PlanItem, PlanView, PolicyConfig, Run};
@@ -25,6 +25,25 @@ pub struct SnapshotItem {
     pub first_turn: u64,
     pub last_turn: u64,
     pub source: Option<SourceItem>,
+    /// A deterministic fallback summary.
+    #[serde(default)]
+    pub fallback: bool,
+    /// In a re-summarization job, what this fallback summary was written
+    /// over (its sources are no longer in context, so they travel here).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resummarize: Option<Resummary>,
+}
+
+/// The sources of a fallback summary, for writing it again with a model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Resummary {
+    pub kind: SummaryKind,
+    pub depth: u32,
+    pub covers: Covers,
+    /// Tokens of the sources, as the fallback summary counted them.
+    pub source_tokens: u64,
+    /// Raw turns (leaf) or child summaries (condensed), oldest first.
+    pub sources: Vec<SourceItem>,
 }
 
 /// [`PlanItem`] in a serializable form.
@@ -122,11 +141,46 @@ fn turn_source(conv: &Conversation, seq: u64, tags: &[String]) -> SourceItem {
     }
 }
 
+fn summary_source(s: &crate::core::state::Summary) -> SourceItem {
+    SourceItem {
+        label: format!("summary {}", s.id),
+        role: None,
+        tool: None,
+        text: s.content.to_string(),
+        tokens: s.tokens,
+        time: s.time,
+    }
+}
+
+/// What fallback summary `s` was written over, exactly as the fold will
+/// check it: the in-context turns of its span, or its child summaries.
+fn resummary(conv: &Conversation, s: &crate::core::state::Summary, tags: &[String]) -> Resummary {
+    let sources = match &s.covers {
+        Covers::Turns { first, last } => (*first..=*last)
+            .filter(|seq| conv.turns.get(*seq as usize).is_some_and(|t| t.in_context))
+            .map(|seq| turn_source(conv, seq, tags))
+            .collect(),
+        Covers::Summaries { ids } => ids
+            .iter()
+            .filter_map(|id| conv.summary_index(id))
+            .map(|k| summary_source(&conv.summaries[k as usize]))
+            .collect(),
+    };
+    Resummary {
+        kind: s.kind,
+        depth: s.depth,
+        covers: s.covers.clone(),
+        source_tokens: s.source_tokens,
+        sources,
+    }
+}
+
 /// Takes the snapshot a job works on.
 pub fn snapshot(conv: &Conversation, job: &JobIssued, cfg: &PolicyConfig) -> SweepSnapshot {
     let levels = policy::levels(conv, cfg);
     let tail = policy::fresh_tail_start_with(conv, cfg, false);
     let tags = &cfg.strip_injected_context_tags;
+    let resummarizing = job.compact && job.reason == DebtReason::Resummarize;
     let items = conv
         .context
         .iter()
@@ -153,7 +207,12 @@ pub fn snapshot(conv: &Conversation, job: &JobIssued, cfg: &PolicyConfig) -> Swe
                     summary_id: None,
                     first_turn: seq,
                     last_turn: seq,
-                    source: (job.compact && i < tail).then(|| turn_source(conv, seq, tags)),
+                    // A re-summarization never reads raw turns in context:
+                    // they are left out of its (queued, maybe stored) snapshot.
+                    source: (job.compact && !resummarizing && i < tail)
+                        .then(|| turn_source(conv, seq, tags)),
+                    fallback: false,
+                    resummarize: None,
                 },
                 ContextItem::Summary(k) => {
                     let s = &conv.summaries[k as usize];
@@ -162,14 +221,10 @@ pub fn snapshot(conv: &Conversation, job: &JobIssued, cfg: &PolicyConfig) -> Swe
                         summary_id: Some(s.id.clone()),
                         first_turn: s.first_turn,
                         last_turn: s.last_turn,
-                        source: job.compact.then(|| SourceItem {
-                            label: format!("summary {}", s.id),
-                            role: None,
-                            tool: None,
-                            text: s.content.to_string(),
-                            tokens: s.tokens,
-                            time: s.time,
-                        }),
+                        source: job.compact.then(|| summary_source(s)),
+                        fallback: s.fallback,
+                        resummarize: (resummarizing && s.fallback)
+                            .then(|| resummary(conv, s, tags)),
                     }
                 }
             }
@@ -213,6 +268,8 @@ pub fn snapshot(conv: &Conversation, job: &JobIssued, cfg: &PolicyConfig) -> Swe
 pub enum Pass {
     Leaf(Run),
     Condense(Run, u32),
+    /// Write the fallback summary at this item again, with a model.
+    Resummarize(usize),
 }
 
 impl SweepSnapshot {
@@ -229,6 +286,15 @@ impl SweepSnapshot {
     pub fn next_pass(&self) -> Option<Pass> {
         if !self.job.compact {
             return None;
+        }
+        // A re-summarization job only replaces fallback summaries, oldest
+        // first; compaction is the job of the other reasons.
+        if self.job.reason == DebtReason::Resummarize {
+            return self
+                .items
+                .iter()
+                .position(|i| i.fallback && i.resummarize.is_some())
+                .map(Pass::Resummarize);
         }
         let over = self.context_tokens > self.job.target_tokens;
         let pressure = self.job.urgent;
@@ -250,17 +316,13 @@ impl SweepSnapshot {
         let (run, kind, depth) = match pass {
             Pass::Leaf(run) => (run, SummaryKind::Leaf, 0),
             Pass::Condense(run, depth) => (run, SummaryKind::Condensed, depth),
+            Pass::Resummarize(i) => return self.resummarize_request(i, aggressive),
         };
         let sources: Vec<SourceItem> = self.items[run.start..run.end]
             .iter()
             .filter_map(|i| i.source.clone())
             .collect();
-        let previous_summary = self.items[..run.start].iter().rev().find_map(|i| {
-            i.summary_id
-                .as_ref()
-                .and(i.source.as_ref())
-                .map(|s| s.text.clone())
-        });
+        let previous_summary = self.previous_summary(run.start);
         SummaryRequest {
             conversation: self.conversation.clone(),
             kind,
@@ -279,11 +341,48 @@ impl SweepSnapshot {
         }
     }
 
+    /// The summary in context before item `at`, given as continuity.
+    fn previous_summary(&self, at: usize) -> Option<String> {
+        self.items[..at].iter().rev().find_map(|i| {
+            i.summary_id
+                .as_ref()
+                .and(i.source.as_ref())
+                .map(|s| s.text.clone())
+        })
+    }
+
+    /// The request that writes the fallback summary at item `i` again: the
+    /// same kind and depth over exactly its sources.
+    fn resummarize_request(&self, i: usize, aggressive: bool) -> SummaryRequest {
+        let r = self.items.get(i).and_then(|item| item.resummarize.as_ref());
+        let (kind, depth, sources, source_tokens) = r
+            .map_or((SummaryKind::Leaf, 0, Vec::new(), 0), |r| {
+                (r.kind, r.depth, r.sources.clone(), r.source_tokens)
+            });
+        SummaryRequest {
+            conversation: self.conversation.clone(),
+            kind,
+            depth,
+            target_tokens: policy::summary_target(&self.policy, depth, source_tokens, aggressive),
+            sources,
+            previous_summary: if kind == SummaryKind::Leaf {
+                self.previous_summary(i)
+            } else {
+                None
+            },
+            instructions: self.job.instructions.clone(),
+            custom_instructions: self.policy.custom_instructions.clone(),
+            identifier_policy: IdentifierPolicy::Strict,
+            aggressive,
+        }
+    }
+
     /// The `summary_recorded` payload for a draft, content-addressed.
     pub fn record(&self, pass: Pass, draft: &SummaryDraft) -> SummaryRecorded {
         let (run, kind, depth) = match pass {
             Pass::Leaf(run) => (run, SummaryKind::Leaf, 0),
             Pass::Condense(run, depth) => (run, SummaryKind::Condensed, depth),
+            Pass::Resummarize(i) => return self.resummarize_record(i, draft),
         };
         let slice = &self.items[run.start..run.end];
         let covers = match kind {
@@ -316,6 +415,41 @@ impl SweepSnapshot {
             provider: draft.provider.clone(),
             prompt_version: draft.prompt_version.clone(),
             fallback: draft.fallback,
+            supersedes: None,
+        }
+    }
+
+    /// The record of a re-summarization: the replaced summary's kind,
+    /// depth and covers, naming it in `supersedes`.
+    fn resummarize_record(&self, i: usize, draft: &SummaryDraft) -> SummaryRecorded {
+        let item = self.items.get(i);
+        let r = item.and_then(|item| item.resummarize.as_ref());
+        let (kind, depth, covers, source_tokens) = r.map_or(
+            (SummaryKind::Leaf, 0, Covers::Turns { first: 0, last: 0 }, 0),
+            |r| (r.kind, r.depth, r.covers.clone(), r.source_tokens),
+        );
+        let summary_id = summary_id(
+            &self.conversation,
+            kind,
+            depth,
+            &covers,
+            &draft.content,
+            &draft.prompt_version,
+        );
+        SummaryRecorded {
+            summary_id,
+            job_id: Some(self.job.job_id.clone()),
+            kind,
+            depth,
+            covers,
+            content: draft.content.clone(),
+            source_tokens,
+            tokens: tokens::count_text(self.encoding, &draft.content),
+            model: draft.model.clone(),
+            provider: draft.provider.clone(),
+            prompt_version: draft.prompt_version.clone(),
+            fallback: draft.fallback,
+            supersedes: item.and_then(|item| item.summary_id.clone()),
         }
     }
 
@@ -323,6 +457,12 @@ impl SweepSnapshot {
     pub fn apply(&mut self, pass: Pass, rec: &SummaryRecorded) {
         let run = match pass {
             Pass::Leaf(run) | Pass::Condense(run, _) => run,
+            // One summary in the place of another: the span is the same.
+            Pass::Resummarize(i) => Run {
+                start: i,
+                end: i + 1,
+                tokens: self.items.get(i).map_or(0, |item| item.plan.tokens),
+            },
         };
         let first_turn = self.items[run.start].first_turn;
         let last_turn = self.items[run.end - 1].last_turn;
@@ -354,6 +494,8 @@ impl SweepSnapshot {
                 tokens: cost,
                 time: 0,
             }),
+            fallback: rec.fallback,
+            resummarize: None,
         };
         self.items.splice(run.start..run.end, [item]);
         self.context_tokens = self.context_tokens - run.tokens + cost;

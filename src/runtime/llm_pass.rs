@@ -10,6 +10,10 @@
 //!   fallback summary (the escalation refuses to write one for auth);
 //! - anything else -> [`PassError::Failed`].
 //!
+//! A draft the escalation wrote with the deterministic fallback is marked
+//! `fallback`; in a re-summarization pass the sweep records none of it (a
+//! fallback cannot replace a fallback) and ends the job without progress.
+//!
 //! It also owns the two spend guarantees the fold cannot give alone:
 //! - [`Gated`] sits between the escalation and the model client and refuses
 //!   an attempt whose worst case (every model of the chain, every retry)

@@ -7,7 +7,7 @@ use crate::core::event::{
     Envelope, EventBody, RollingState, RollingStateUpdated, SweepEnded, SweepStop,
 };
 use crate::core::summary::{RollingStateRequest, SummaryDraft, SummaryRequest};
-use crate::core::sweep::{summary_event, SweepSnapshot};
+use crate::core::sweep::{summary_event, Pass, SweepSnapshot};
 use crate::metrics as m;
 use std::future::Future;
 use std::time::{Duration, Instant};
@@ -228,6 +228,16 @@ where
             Ok(Ok((draft, spend))) => {
                 add(&mut spent, spend);
                 metrics::counter!(m::SUMMARIZER_CALLS).increment(spend.calls as u64);
+                if draft.fallback && matches!(pass, Pass::Resummarize(_)) {
+                    // The model failed again and the escalation fell back:
+                    // a fallback in place of a fallback is no progress, and
+                    // the summary keeps waiting (the fold's backoff applies).
+                    detail = Some(
+                        "re-summarization fell back to the deterministic summary: no model available"
+                            .into(),
+                    );
+                    break SweepStop::NoProgress;
+                }
                 let record = snap.record(pass, &draft);
                 if record.tokens >= record.source_tokens {
                     detail = Some(format!(
