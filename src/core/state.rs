@@ -150,11 +150,30 @@ pub struct HistoryEntry {
     pub detail: String,
 }
 
-/// Identical turns seen in the current second (replay-flood guard).
+/// Identical turns seen in the current second (replay-flood guard): each
+/// distinct turn once, with how many times it came.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FloodWindow {
     pub second: u64,
-    pub counts: Vec<(IdDigest, u32)>,
+    pub counts: Vec<(SeenTurn, u32)>,
+}
+
+/// A turn the duplicate and flood guards compare later turns with. Turns
+/// are identical when the digests of their normalized text are; the digest
+/// is computed only when a later turn has the same sketch, a cheap value
+/// identical turns always share (see `fold::turn_sketch`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SeenTurn {
+    pub sketch: u64,
+    pub digest: SeenDigest,
+}
+
+/// A [`SeenTurn`]'s digest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SeenDigest {
+    /// Not computed yet: it is that of turn `seq`'s message.
+    Of(u64),
+    Known(IdDigest),
 }
 
 /// One conversation.
@@ -192,8 +211,8 @@ pub struct Conversation {
     pub rolling_due: bool,
     pub rolling: Option<RollingState>,
     pub rolling_through: Option<u64>,
-    /// Recent user turns (time, digest of normalized text) for duplicate detection.
-    pub recent_user_turns: Vec<(u64, IdDigest)>,
+    /// Recent long user turns (time, turn) for duplicate detection.
+    pub recent_user_turns: Vec<(u64, SeenTurn)>,
     pub flood: FloodWindow,
     pub rejections: u64,
     pub duplicates_dropped: u64,
