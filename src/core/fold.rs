@@ -1063,12 +1063,13 @@ impl FoldContext<'_> {
     }
 }
 
-/// The turn being folded as the duplicate and flood guards see it: its
-/// sketch at once, its digest only when a seen turn has the same sketch (or
-/// its length is in doubt).
+/// The turn being folded as the duplicate and flood guards see it. Nothing
+/// of its text is read unless a seen turn could be identical: its sketch is
+/// computed when there is one to compare with, its digest only when the
+/// sketches match (or its length is in doubt).
 struct Probe<'m> {
     msg: &'m ChatMessage,
-    sketch: TurnSketch,
+    sketch: Option<u64>,
     digest: Option<(IdDigest, usize)>,
 }
 
@@ -1076,27 +1077,30 @@ impl<'m> Probe<'m> {
     fn new(msg: &'m ChatMessage) -> Self {
         Probe {
             msg,
-            sketch: turn_sketch(msg),
+            sketch: None,
             digest: None,
         }
+    }
+
+    fn sketch(&mut self) -> u64 {
+        *self
+            .sketch
+            .get_or_insert_with(|| turn_sketch(self.msg).value)
     }
 
     fn digest(&mut self) -> (IdDigest, usize) {
         *self.digest.get_or_insert_with(|| turn_digest(self.msg))
     }
 
-    /// Whether its normalized text has at least `min` characters: the
-    /// sketch's count of ASCII graphic characters is a lower bound.
+    /// Whether its normalized text has at least `min` characters: its
+    /// count of ASCII graphic characters is a lower bound.
     fn normalized_chars_at_least(&mut self, min: usize) -> bool {
-        self.sketch.text_graphic >= min || self.digest().1 >= min
+        graphic_at_least(self.msg, min) || self.digest().1 >= min
     }
 
     /// Whether it is identical to `seen` (same digest), one of `turns`.
-    /// Computes (and keeps) `seen`'s digest only when the sketches match.
+    /// Computes (and keeps) `seen`'s sketch and digest only when needed.
     fn same_as(&mut self, seen: &mut SeenTurn, turns: &[Turn]) -> bool {
-        if seen.sketch != self.sketch.value {
-            return false;
-        }
         let theirs = match seen.digest {
             SeenDigest::Known(d) => d,
             SeenDigest::Of(seq) => {
@@ -1104,24 +1108,62 @@ impl<'m> Probe<'m> {
                     // Never written so: a seen turn is kept or its digest is.
                     return false;
                 };
-                let d = turn_digest(&turn.body.message).0;
+                let msg = &turn.body.message;
+                let sketch = *seen.sketch.get_or_insert_with(|| turn_sketch(msg).value);
+                if sketch != self.sketch() {
+                    return false;
+                }
+                let d = turn_digest(msg).0;
                 seen.digest = SeenDigest::Known(d);
                 d
             }
         };
+        if seen.sketch.is_some_and(|s| s != self.sketch()) {
+            return false;
+        }
         theirs == self.digest().0
     }
 
     /// How it is remembered once it is turn `seq`.
     fn seen(&self, seq: u64) -> SeenTurn {
         SeenTurn {
-            sketch: self.sketch.value,
+            sketch: self.sketch,
             digest: match self.digest {
                 Some((d, _)) => SeenDigest::Known(d),
                 None => SeenDigest::Of(seq),
             },
         }
     }
+}
+
+/// Whether `msg`'s text (as [`turn_digest`] normalizes it) has at least
+/// `min` ASCII graphic bytes; reads no further than it takes to know.
+fn graphic_at_least(msg: &ChatMessage, min: usize) -> bool {
+    let mut left = min;
+    let mut take = |text: &str| {
+        for block in text.as_bytes().chunks(64) {
+            if left == 0 {
+                return;
+            }
+            let n = block.iter().filter(|b| b.is_ascii_graphic()).count();
+            left = left.saturating_sub(n);
+        }
+    };
+    match &msg.content {
+        None => {}
+        Some(Content::Text(t)) => take(t),
+        Some(Content::Parts(parts)) => {
+            for t in parts.iter().filter_map(|p| p.text.as_deref()) {
+                take(t);
+            }
+        }
+    }
+    for call in &msg.tool_calls {
+        take(&call.function.name);
+        take(&call.function.arguments);
+        take("()");
+    }
+    left == 0
 }
 
 /// A cheap function of what [`turn_digest`] hashes (role, tool call id and

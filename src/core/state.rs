@@ -161,10 +161,11 @@ pub struct FloodWindow {
 /// A turn the duplicate and flood guards compare later turns with. Turns
 /// are identical when the digests of their normalized text are; the digest
 /// is computed only when a later turn has the same sketch, a cheap value
-/// identical turns always share (see `fold::turn_sketch`).
+/// identical turns always share (see `fold::turn_sketch`), itself computed
+/// only once a later turn is compared with it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SeenTurn {
-    pub sketch: u64,
+    pub sketch: Option<u64>,
     pub digest: SeenDigest,
 }
 

@@ -186,8 +186,8 @@ fn variant_message() -> impl Strategy<Value = ChatMessage> {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 3000, ..ProptestConfig::default() })]
 
-    /// Turns with the same digest have the same sketch, and the sketch's
-    /// graphic count never exceeds the normalized length.
+    /// Turns with the same digest have the same sketch, and the graphic
+    /// counts never exceed the normalized length.
     #[test]
     fn identical_turns_share_their_sketch(a in variant_message(), b in variant_message()) {
         let (da, ca) = turn_digest(&a);
@@ -197,6 +197,16 @@ proptest! {
             prop_assert_eq!(sa, sb);
         }
         prop_assert!(sa.text_graphic <= ca);
+        for min in [0, 1, 5, 24, 40] {
+            // A lower bound, exact for ASCII text.
+            if graphic_at_least(&a, min) {
+                prop_assert!(ca >= min);
+            }
+            if turn_digest(&a).1 == a.searchable_text().len() {
+                let graphic = a.searchable_text().bytes().filter(u8::is_ascii_graphic).count();
+                prop_assert_eq!(graphic_at_least(&a, min), graphic >= min);
+            }
+        }
     }
 
     /// Folding turns decides (rejections, reasons, duplicates kept out of
