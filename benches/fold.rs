@@ -18,10 +18,15 @@
 //!   (`Envelope::decode`) then folded with pre-counted tokens (`fold_owned`,
 //!   as the engine does).
 //!
-//! Every turn's text is read once by the fold whatever the path: the
-//! duplicate and flood guards compare turns by a digest of their
-//! normalized text. So throughput depends on message size; the corpus line
-//! printed first gives the bytes, to read events/s against.
+//! The duplicate and flood guards read a turn's text only when a turn it
+//! could be identical to is in their windows (the same conversation's
+//! second for floods, its last minute of long user turns for duplicates):
+//! first a cheap sketch, then the digest of the normalized text if the
+//! sketches match. So throughput depends on message size and on how turns
+//! are spaced in time; the corpus line printed first gives the bytes, to
+//! read events/s against. `fold_precounted` also copies every turn into
+//! the state (its events are borrowed), which `fold_owned_precounted` does
+//! not.
 //!
 //! Run: `cargo bench --bench fold`. The throughput column is events/s.
 

@@ -13,7 +13,7 @@ use crate::core::policy::{self, PolicyConfig};
 use crate::core::spend;
 use crate::core::state::{
     derived_event_id, id_digest, summary_id, ContextItem, Conversation, IdDigest, PendingJob,
-    SpendEntry, SpendWindow, State, Summary, Turn,
+    SeenDigest, SeenTurn, SpendEntry, SpendWindow, State, Summary, Turn,
 };
 use crate::core::tokens;
 use std::cell::RefCell;
@@ -325,26 +325,33 @@ impl FoldContext<'_> {
         if msg.tool_calls.iter().any(|c| c.id.is_empty()) {
             return FoldStatus::Rejected("assistant tool call with an empty id".into());
         }
-        let (digest, normalized_chars) = turn_digest(msg);
+        // The guards compare turns by the digest of their normalized text,
+        // computed only for turns whose cheap sketch matches (`Probe`).
+        let seq = self.conv.turns.len() as u64;
+        let mut probe = Probe::new(msg);
+        let Conversation {
+            turns,
+            flood,
+            recent_user_turns,
+            ..
+        } = &mut *self.conv;
         // Replay-flood guard.
         let second = self.event.time / 1000;
-        if self.conv.flood.second != second {
-            self.conv.flood.second = second;
-            self.conv.flood.counts.clear();
+        if flood.second != second {
+            flood.second = second;
+            flood.counts.clear();
         }
-        let count = match self
-            .conv
-            .flood
+        let count = match flood
             .counts
             .iter_mut()
-            .find(|(d, _)| *d == digest)
+            .find_map(|(seen, c)| probe.same_as(seen, turns).then_some(c))
         {
-            Some((_, c)) => {
+            Some(c) => {
                 *c += 1;
                 *c
             }
             None => {
-                self.conv.flood.counts.push((digest, 1));
+                flood.counts.push((probe.seen(seq), 1));
                 1
             }
         };
@@ -354,6 +361,12 @@ impl FoldContext<'_> {
             self.policy.flood_max_other_per_second
         };
         if count > limit {
+            if count == 1 {
+                // Rejected, so never turn `seq`: its entry keeps the digest.
+                if let Some((seen, _)) = flood.counts.last_mut() {
+                    seen.digest = SeenDigest::Known(probe.digest().0);
+                }
+            }
             return FoldStatus::Rejected(format!(
                 "replay flood: {count} identical {} turns within one second (limit {limit})",
                 msg.role.as_str()
@@ -361,17 +374,15 @@ impl FoldContext<'_> {
         }
         // Duplicate long user turns within the window stay out of context.
         let mut in_context = true;
-        if msg.role == Role::User && normalized_chars >= self.policy.duplicate_min_chars {
+        if msg.role == Role::User
+            && probe.normalized_chars_at_least(self.policy.duplicate_min_chars)
+        {
             let now = self.event.time;
             let window = self.policy.duplicate_window_ms;
-            self.conv
-                .recent_user_turns
-                .retain(|(t, _)| now.saturating_sub(*t) <= window);
-            if self
-                .conv
-                .recent_user_turns
-                .iter()
-                .any(|(_, d)| *d == digest)
+            recent_user_turns.retain(|(t, _)| now.saturating_sub(*t) <= window);
+            if recent_user_turns
+                .iter_mut()
+                .any(|(_, seen)| probe.same_as(seen, turns))
             {
                 in_context = false;
                 self.conv.duplicates_dropped += 1;
@@ -380,7 +391,7 @@ impl FoldContext<'_> {
                     format!("identical to a user turn within {window} ms"),
                 );
             } else {
-                self.conv.recent_user_turns.push((now, digest));
+                recent_user_turns.push((now, probe.seen(seq)));
             }
         }
         if self.conv.model.is_none() && self.conv.turns.is_empty() {
@@ -1237,6 +1248,221 @@ impl FoldContext<'_> {
     }
 }
 
+/// The turn being folded as the duplicate and flood guards see it. Nothing
+/// of its text is read unless a seen turn could be identical: its sketch is
+/// computed when there is one to compare with, its digest only when the
+/// sketches match (or its length is in doubt).
+struct Probe<'m> {
+    msg: &'m ChatMessage,
+    sketch: Option<u64>,
+    digest: Option<(IdDigest, usize)>,
+}
+
+impl<'m> Probe<'m> {
+    fn new(msg: &'m ChatMessage) -> Self {
+        Probe {
+            msg,
+            sketch: None,
+            digest: None,
+        }
+    }
+
+    fn sketch(&mut self) -> u64 {
+        *self
+            .sketch
+            .get_or_insert_with(|| turn_sketch(self.msg).value)
+    }
+
+    fn digest(&mut self) -> (IdDigest, usize) {
+        *self.digest.get_or_insert_with(|| turn_digest(self.msg))
+    }
+
+    /// Whether its normalized text has at least `min` characters: its
+    /// count of ASCII graphic characters is a lower bound.
+    fn normalized_chars_at_least(&mut self, min: usize) -> bool {
+        graphic_at_least(self.msg, min) || self.digest().1 >= min
+    }
+
+    /// Whether it is identical to `seen` (same digest), one of `turns`.
+    /// Computes (and keeps) `seen`'s sketch and digest only when needed.
+    fn same_as(&mut self, seen: &mut SeenTurn, turns: &[Turn]) -> bool {
+        let theirs = match seen.digest {
+            SeenDigest::Known(d) => d,
+            SeenDigest::Of(seq) => {
+                let Some(turn) = turns.get(seq as usize) else {
+                    // Never written so: a seen turn is kept or its digest is.
+                    return false;
+                };
+                let msg = &turn.body.message;
+                let sketch = *seen.sketch.get_or_insert_with(|| turn_sketch(msg).value);
+                if sketch != self.sketch() {
+                    return false;
+                }
+                let d = turn_digest(msg).0;
+                seen.digest = SeenDigest::Known(d);
+                d
+            }
+        };
+        if seen.sketch.is_some_and(|s| s != self.sketch()) {
+            return false;
+        }
+        theirs == self.digest().0
+    }
+
+    /// How it is remembered once it is turn `seq`.
+    fn seen(&self, seq: u64) -> SeenTurn {
+        SeenTurn {
+            sketch: self.sketch,
+            digest: match self.digest {
+                Some((d, _)) => SeenDigest::Known(d),
+                None => SeenDigest::Of(seq),
+            },
+        }
+    }
+}
+
+/// Whether `msg`'s text (as [`turn_digest`] normalizes it) has at least
+/// `min` ASCII graphic bytes; reads no further than it takes to know.
+fn graphic_at_least(msg: &ChatMessage, min: usize) -> bool {
+    let mut left = min;
+    let mut take = |text: &str| {
+        for block in text.as_bytes().chunks(64) {
+            if left == 0 {
+                return;
+            }
+            let n = block.iter().filter(|b| b.is_ascii_graphic()).count();
+            left = left.saturating_sub(n);
+        }
+    };
+    match &msg.content {
+        None => {}
+        Some(Content::Text(t)) => take(t),
+        Some(Content::Parts(parts)) => {
+            for t in parts.iter().filter_map(|p| p.text.as_deref()) {
+                take(t);
+            }
+        }
+    }
+    for call in &msg.tool_calls {
+        take(&call.function.name);
+        take(&call.function.arguments);
+        take("()");
+    }
+    left == 0
+}
+
+/// A cheap function of what [`turn_digest`] hashes (role, tool call id and
+/// normalized text): identical turns have the same sketch, so turns with
+/// different sketches need no digest to be told apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct TurnSketch {
+    value: u64,
+    /// ASCII graphic characters (`!`..=`~`) of the normalized text: a lower
+    /// bound of its length in characters.
+    text_graphic: usize,
+}
+
+/// The sketch is the role and the count, sum and sum of low nibbles of the
+/// ASCII graphic bytes (`!`..=`~`) of the digested stream after the role.
+/// Normalizing keeps those bytes and their order: whitespace is dropped or
+/// becomes a space (not graphic), ASCII letters are lowercased, and of the
+/// other characters only `K` (U+212A KELVIN SIGN) and `İ` (U+0130) lowercase
+/// to anything ASCII (`k`; `i` and a combining dot), as
+/// `tests::only_kelvin_and_dotted_i_lowercase_into_ascii` checks over every
+/// char. So the sums are taken over the raw text, letters folded, plus those
+/// two characters as the letters they become; the tool call id, hashed as
+/// it is, is summed as it is.
+fn turn_sketch(msg: &ChatMessage) -> TurnSketch {
+    let mut text = GraphicSums::default();
+    match &msg.content {
+        None => {}
+        Some(Content::Text(t)) => text.add_text(t),
+        Some(Content::Parts(parts)) => {
+            for t in parts.iter().filter_map(|p| p.text.as_deref()) {
+                text.add_text(t);
+            }
+        }
+    }
+    for call in &msg.tool_calls {
+        text.add_text(&call.function.name);
+        text.add_text("(");
+        text.add_text(&call.function.arguments);
+        text.add_text(")");
+    }
+    let text_graphic = text.count as usize;
+    let mut all = text;
+    all.add_bytes(msg.tool_call_id.as_deref().unwrap_or("").as_bytes(), false);
+    let role = match msg.role {
+        Role::System => 0,
+        Role::User => 1,
+        Role::Assistant => 2,
+        Role::Tool => 3,
+    };
+    let h = mix(role ^ (u64::from(all.count) << 8));
+    let h = mix(h ^ (u64::from(all.sum) << 32 | u64::from(all.nibbles)));
+    TurnSketch {
+        value: h,
+        text_graphic,
+    }
+}
+
+/// SplitMix64's finalizer.
+fn mix(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// Count, sum and sum of low nibbles of ASCII graphic bytes (wrapping).
+#[derive(Debug, Default, Clone, Copy)]
+struct GraphicSums {
+    count: u32,
+    sum: u32,
+    nibbles: u32,
+}
+
+impl GraphicSums {
+    /// Text as it normalizes: letters lowercased, `K` and `İ` as `k`, `i`.
+    fn add_text(&mut self, text: &str) {
+        if self.add_bytes(text.as_bytes(), true) {
+            for (c, ascii) in [('\u{212A}', b'k'), ('\u{130}', b'i')] {
+                let n = text.matches(c).count() as u32;
+                self.count = self.count.wrapping_add(n);
+                self.sum = self.sum.wrapping_add(n.wrapping_mul(u32::from(ascii)));
+                self.nibbles = self
+                    .nibbles
+                    .wrapping_add(n.wrapping_mul(u32::from(ascii & 15)));
+            }
+        }
+    }
+
+    /// Adds `bytes` (lowercased when `fold`); whether any is not ASCII.
+    fn add_bytes(&mut self, bytes: &[u8], fold: bool) -> bool {
+        let mut high = 0u8;
+        // 16-bit sums over chunks short enough not to overflow (at most
+        // 256 × 126): the loop vectorizes with SSE2's 16-bit lanes. All sums
+        // are modulo 2^32 in the end, so any split of the same bytes
+        // (chunks, pieces) adds up to the same sketch.
+        for chunk in bytes.chunks(256) {
+            let (mut count, mut sum, mut nibbles) = (0u16, 0u16, 0u16);
+            for &b in chunk {
+                high |= b;
+                let upper = fold & (b.wrapping_sub(b'A') < 26);
+                let f = b | (u8::from(upper) << 5);
+                let graphic = b.wrapping_sub(b'!') < 94;
+                let v = if graphic { f } else { 0 };
+                count += u16::from(graphic);
+                sum += u16::from(v);
+                nibbles += u16::from(v & 15);
+            }
+            self.count = self.count.wrapping_add(u32::from(count));
+            self.sum = self.sum.wrapping_add(u32::from(sum));
+            self.nibbles = self.nibbles.wrapping_add(u32::from(nibbles));
+        }
+        high >= 0x80
+    }
+}
+
 /// The digest duplicate detection and the flood guard compare turns by:
 /// blake3 of `role \0 tool_call_id \0 normalized text`, where the text is
 /// [`ChatMessage::searchable_text`] whitespace-collapsed and case-folded.
@@ -1446,6 +1672,9 @@ fn normalize(text: &str) -> String {
     }
     out
 }
+
+#[cfg(test)]
+mod guard_tests;
 
 #[cfg(test)]
 mod tests {

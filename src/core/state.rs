@@ -157,11 +157,56 @@ pub struct HistoryEntry {
     pub detail: String,
 }
 
-/// Identical turns seen in the current second (replay-flood guard).
+/// Identical turns seen in the current second (replay-flood guard): each
+/// distinct turn once, with how many times it came.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FloodWindow {
     pub second: u64,
-    pub counts: Vec<(IdDigest, u32)>,
+    pub counts: Vec<(SeenTurn, u32)>,
+}
+
+/// A turn the duplicate and flood guards compare later turns with. Turns
+/// are identical when the digests of their normalized text are; the digest
+/// is computed only when a later turn has the same sketch, a cheap value
+/// identical turns always share (see `fold::turn_sketch`), itself computed
+/// only once a later turn is compared with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "SeenTurnStored")]
+pub struct SeenTurn {
+    pub sketch: Option<u64>,
+    pub digest: SeenDigest,
+}
+
+/// A [`SeenTurn`] as stored: states written before sketches held the
+/// digest alone, and load (and decide) as turns whose digest is known.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum SeenTurnStored {
+    Seen {
+        sketch: Option<u64>,
+        digest: SeenDigest,
+    },
+    Digest(IdDigest),
+}
+
+impl From<SeenTurnStored> for SeenTurn {
+    fn from(stored: SeenTurnStored) -> Self {
+        match stored {
+            SeenTurnStored::Seen { sketch, digest } => SeenTurn { sketch, digest },
+            SeenTurnStored::Digest(d) => SeenTurn {
+                sketch: None,
+                digest: SeenDigest::Known(d),
+            },
+        }
+    }
+}
+
+/// A [`SeenTurn`]'s digest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SeenDigest {
+    /// Not computed yet: it is that of turn `seq`'s message.
+    Of(u64),
+    Known(IdDigest),
 }
 
 /// One conversation.
@@ -199,8 +244,8 @@ pub struct Conversation {
     pub rolling_due: bool,
     pub rolling: Option<RollingState>,
     pub rolling_through: Option<u64>,
-    /// Recent user turns (time, digest of normalized text) for duplicate detection.
-    pub recent_user_turns: Vec<(u64, IdDigest)>,
+    /// Recent long user turns (time, turn) for duplicate detection.
+    pub recent_user_turns: Vec<(u64, SeenTurn)>,
     pub flood: FloodWindow,
     pub rejections: u64,
     pub duplicates_dropped: u64,
