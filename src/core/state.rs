@@ -171,34 +171,9 @@ pub struct FloodWindow {
 /// identical turns always share (see `fold::turn_sketch`), itself computed
 /// only once a later turn is compared with it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(from = "SeenTurnStored")]
 pub struct SeenTurn {
     pub sketch: Option<u64>,
     pub digest: SeenDigest,
-}
-
-/// A [`SeenTurn`] as stored: states written before sketches held the
-/// digest alone, and load (and decide) as turns whose digest is known.
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum SeenTurnStored {
-    Seen {
-        sketch: Option<u64>,
-        digest: SeenDigest,
-    },
-    Digest(IdDigest),
-}
-
-impl From<SeenTurnStored> for SeenTurn {
-    fn from(stored: SeenTurnStored) -> Self {
-        match stored {
-            SeenTurnStored::Seen { sketch, digest } => SeenTurn { sketch, digest },
-            SeenTurnStored::Digest(d) => SeenTurn {
-                sketch: None,
-                digest: SeenDigest::Known(d),
-            },
-        }
-    }
 }
 
 /// A [`SeenTurn`]'s digest.

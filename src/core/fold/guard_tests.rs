@@ -56,34 +56,6 @@ impl Reference {
     }
 }
 
-/// A store written before sketches (digests alone) loads, as seen turns
-/// whose digest is known; and the current form round-trips.
-#[test]
-fn seen_turns_stored_as_digests_load() {
-    let d: IdDigest = [7; 16];
-    let old_recent = rmp_serde::to_vec_named(&vec![(5u64, d)]).expect("serializes");
-    let old_flood = rmp_serde::to_vec_named(&vec![(d, 2u32)]).expect("serializes");
-    let known = SeenTurn {
-        sketch: None,
-        digest: SeenDigest::Known(d),
-    };
-    let recent: Vec<(u64, SeenTurn)> = rmp_serde::from_slice(&old_recent).expect("loads");
-    let flood: Vec<(SeenTurn, u32)> = rmp_serde::from_slice(&old_flood).expect("loads");
-    assert_eq!(recent, [(5, known)]);
-    assert_eq!(flood, [(known, 2)]);
-    let now = [
-        SeenTurn {
-            sketch: Some(3),
-            digest: SeenDigest::Of(4),
-        },
-        known,
-    ];
-    // Named, as the state store writes it (the positional form is only hashed).
-    let bytes = rmp_serde::to_vec_named(&now).expect("serializes");
-    let back: [SeenTurn; 2] = rmp_serde::from_slice(&bytes).expect("loads");
-    assert_eq!(back, now);
-}
-
 /// Every char: what its normalized form holds of ASCII graphic bytes is
 /// itself lowercased, or `k` for the Kelvin sign, `i` for `İ`, or nothing.
 #[test]
