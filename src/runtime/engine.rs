@@ -31,11 +31,20 @@ pub struct Engine<B: KvBackend> {
     fingerprint: String,
 }
 
-/// A fingerprint of the policy: state folded under another policy is
-/// rebuilt from the log.
+/// The layout of the stored state. Raise it when a state record changes
+/// shape: a store written by another layout is then rebuilt from the log,
+/// so its state (and hash) is always the one a clean replay gives.
+/// 2: the duplicate and flood guards keep sketches of the turns they saw.
+pub const STATE_LAYOUT: u32 = 2;
+
+/// A fingerprint of the policy and the state layout: state folded under
+/// another policy, or stored in another layout, is rebuilt from the log.
 pub fn policy_fingerprint(policy: &PolicyConfig) -> String {
     let bytes = rmp_serde::to_vec(policy).expect("policy serializes");
-    blake3::hash(&bytes).to_hex()[..16].to_string()
+    let mut h = blake3::Hasher::new();
+    h.update(&STATE_LAYOUT.to_le_bytes());
+    h.update(&bytes);
+    h.finalize().to_hex()[..16].to_string()
 }
 
 impl<B: KvBackend> Engine<B> {
