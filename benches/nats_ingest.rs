@@ -31,7 +31,13 @@
 //! cargo bench --bench nats_ingest
 //! CONTEXTFOLD_BENCH_EVENTS=100000  # events published (default 100,000)
 //! CONTEXTFOLD_BENCH_ROUNDS=3       # raw / end-to-end pairs (default 3)
+//! CONTEXTFOLD_BENCH_BATCH=1024     # folder batch and raw pull batch (default: the folder's)
+//! CONTEXTFOLD_BENCH_FLUSH_EVERY=1  # every N-th state commit durable (default: serve's, 1)
 //! ```
+//!
+//! Each phase also reports the CPU time the bench process (client and
+//! folder) and the nats-server process used during it (Linux `/proc`), to
+//! tell a CPU-bound phase from one waiting on I/O or round trips.
 //!
 //! nats-server is looked up as the integration tests do
 //! (`CONTEXTFOLD_NATS_SERVER`, `$CONTEXTFOLD_VENV/bin`, `.venv/bin`);
@@ -169,17 +175,32 @@ async fn wait_acked(
     Ok(())
 }
 
-/// The raw rate: pull and ack everything, no work. Seconds.
-async fn raw(
-    infra: &Infrastructure,
-    settings: &FolderSettings,
-    round: usize,
-    last: &[u64],
-) -> Result<f64, Error> {
+/// What both measurements run against, and how.
+struct Bench {
+    js: jetstream::Context,
+    infra: Infrastructure,
+    cfg: NatsConfig,
+    settings: FolderSettings,
+    /// Every N-th state commit is durable.
+    flush_every: u32,
+    server_pid: Option<u32>,
+}
+
+/// The raw rate: pull and ack everything, no work. Seconds, and the CPU
+/// used.
+async fn raw(bench: &Bench, round: usize, last: &[u64]) -> Result<(f64, String), Error> {
+    let Bench {
+        infra,
+        settings,
+        server_pid,
+        ..
+    } = bench;
+    let server_pid = *server_pid;
     let batch = settings.batch.max(1);
     let names: Vec<String> = (0..last.len())
         .map(|p| format!("raw_{round}_{p}"))
         .collect();
+    let cpu = Cpu::start(server_pid);
     let started = Instant::now();
     let mut tasks = Vec::new();
     for (p, name) in names.iter().enumerate() {
@@ -220,10 +241,11 @@ async fn raw(
     }
     wait_acked(infra, &names, last, started).await?;
     let secs = started.elapsed().as_secs_f64();
+    let cpu = cpu.used();
     for name in &names {
         let _ = infra.events.delete_consumer(name).await;
     }
-    Ok(secs)
+    Ok((secs, cpu))
 }
 
 /// What the end-to-end run found.
@@ -232,17 +254,20 @@ struct EndToEnd {
     /// Until every engine committed its last message (acks not yet seen).
     committed_secs: f64,
     turns: usize,
+    cpu: String,
 }
 
 /// The folder role over every partition, leases held beforehand.
-async fn end_to_end(
-    js: &jetstream::Context,
-    infra: &Infrastructure,
-    cfg: &NatsConfig,
-    settings: &FolderSettings,
-    round: usize,
-    last: &[u64],
-) -> Result<EndToEnd, Error> {
+async fn end_to_end(bench: &Bench, round: usize, last: &[u64]) -> Result<EndToEnd, Error> {
+    let Bench {
+        js,
+        infra,
+        cfg,
+        settings,
+        flush_every,
+        server_pid,
+    } = bench;
+    let (flush_every, server_pid) = (*flush_every, *server_pid);
     let dir = tempfile::tempdir()?;
     let mut runner = PartitionLeases::new(
         infra.leases.clone(),
@@ -277,11 +302,12 @@ async fn end_to_end(
     let role = FolderRole::new(
         js.clone(),
         infra,
-        redb_engines(dir.path(), PolicyConfig::default(), 1),
+        redb_engines(dir.path(), PolicyConfig::default(), flush_every),
         settings.clone(),
     );
     let engines = role.engines();
     let (stop, stop_rx) = watch::channel(false);
+    let cpu = Cpu::start(server_pid);
     let started = Instant::now();
     let folder = tokio::spawn(role.run(rx, stop_rx));
     loop {
@@ -305,6 +331,7 @@ async fn end_to_end(
         .collect();
     wait_acked(infra, &names, last, started).await?;
     let secs = started.elapsed().as_secs_f64();
+    let cpu = cpu.used();
     let turns = engines
         .partitions()
         .into_iter()
@@ -326,7 +353,56 @@ async fn end_to_end(
         secs,
         committed_secs,
         turns,
+        cpu,
     })
+}
+
+/// CPU seconds (user + system) a process used so far, from
+/// `/proc/<pid>/stat`; `None` where there is no such file.
+fn cpu_secs(pid: &str) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the parenthesized command name; utime and stime are the
+    // 14th and 15th fields, in clock ticks (USER_HZ, 100 on Linux).
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    Some(ticks as f64 / 100.0)
+}
+
+/// CPU time of the bench process and of the nats-server over a phase.
+struct Cpu {
+    server_pid: Option<u32>,
+    start: (Option<f64>, Option<f64>),
+}
+
+impl Cpu {
+    fn now(server_pid: Option<u32>) -> (Option<f64>, Option<f64>) {
+        (
+            cpu_secs("self"),
+            server_pid.and_then(|p| cpu_secs(&p.to_string())),
+        )
+    }
+
+    fn start(server_pid: Option<u32>) -> Cpu {
+        Cpu {
+            server_pid,
+            start: Cpu::now(server_pid),
+        }
+    }
+
+    /// "cpu: bench X s, nats-server Y s" since the start.
+    fn used(&self) -> String {
+        let (bench, server) = Cpu::now(self.server_pid);
+        let show = |now: Option<f64>, then: Option<f64>| match (now, then) {
+            (Some(a), Some(b)) => format!("{:.2} s", a - b),
+            _ => "n/a".to_string(),
+        };
+        format!(
+            "cpu: bench {}, nats-server {}",
+            show(bench, self.start.0),
+            show(server, self.start.1)
+        )
+    }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -346,7 +422,13 @@ async fn run() -> Result<(), Error> {
     let (client, _) = cfg.connection.connect().await?;
     let js = jetstream::new(client);
     let infra = ensure(&js, &cfg).await?;
-    let settings = FolderSettings::default();
+    let defaults = FolderSettings::default();
+    let settings = FolderSettings {
+        batch: env_usize("CONTEXTFOLD_BENCH_BATCH", defaults.batch).max(1),
+        ..defaults
+    };
+    let flush_every =
+        env_usize("CONTEXTFOLD_BENCH_FLUSH_EVERY", 1).clamp(1, u32::MAX as usize) as u32;
 
     let events = events(n);
     let size = events[0].to_json().len();
@@ -355,17 +437,25 @@ async fn run() -> Result<(), Error> {
     println!(
         "nats_ingest: {n} turn events of about {size} bytes (JSON) over {CONVERSATIONS} \
          conversations, {} partitions, file storage; published at {publish_rate:.0} events/s; \
-         folder batch {}, max_ack_pending {}",
+         folder batch {}, max_ack_pending {}, state commits durable every {flush_every}",
         cfg.partitions, settings.batch, settings.max_ack_pending
     );
+    let bench = Bench {
+        js,
+        infra,
+        cfg,
+        settings,
+        flush_every,
+        server_pid: server.pid(),
+    };
 
     let mut ratios = Vec::new();
     let mut raw_rates = Vec::new();
     let mut e2e_rates = Vec::new();
     for round in 1..=rounds {
-        let last = last_positions(&js, &infra, cfg.partitions).await?;
-        let raw_secs = raw(&infra, &settings, round, &last).await?;
-        let e2e = end_to_end(&js, &infra, &cfg, &settings, round, &last).await?;
+        let last = last_positions(&bench.js, &bench.infra, bench.cfg.partitions).await?;
+        let (raw_secs, raw_cpu) = raw(&bench, round, &last).await?;
+        let e2e = end_to_end(&bench, round, &last).await?;
         if e2e.turns != n {
             return Err(format!("round {round}: folded {} turns of {n}", e2e.turns).into());
         }
@@ -373,10 +463,10 @@ async fn run() -> Result<(), Error> {
         let e2e_rate = n as f64 / e2e.secs;
         let ratio = e2e_rate / raw_rate;
         println!(
-            "round {round}: raw pull+ack {raw_rate:>8.0} events/s ({raw_secs:.3} s); end to end \
-             fold+publish+commit+ack {e2e_rate:>8.0} events/s ({:.3} s, committed at {:.3} s); \
-             ratio {ratio:.2}",
-            e2e.secs, e2e.committed_secs
+            "round {round}: raw pull+ack {raw_rate:>6.0} events/s ({raw_secs:.3} s; {raw_cpu})\n  \
+             end to end fold+publish+commit+ack {e2e_rate:>6.0} events/s ({:.3} s, committed at \
+             {:.3} s; {})\n  ratio {ratio:.2}",
+            e2e.secs, e2e.committed_secs, e2e.cpu
         );
         ratios.push(ratio);
         raw_rates.push(raw_rate);
