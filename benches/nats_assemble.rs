@@ -14,8 +14,11 @@
 //! state lock, assembly, JSON encoding), the reply's publish and its
 //! delivery. The first requests warm up and are not counted.
 //!
-//! For comparison the handler alone (`api::answer_view`, what the service
-//! runs per request) is timed in-process over the same state.
+//! For comparison, in the same run: the handler alone (`api::answer_view`,
+//! what the service runs per request) timed in-process over the same
+//! state, and the floor: round trips to a responder that answers with a
+//! ready-made reply of the same size (what NATS and this machine cost for
+//! moving it, whatever the service does).
 //!
 //! ```text
 //! cargo bench --bench nats_assemble [-- SHAPE...]
@@ -38,9 +41,11 @@ mod shapes;
 #[path = "../tests/support/nats_server.rs"]
 mod nats_server;
 
+use bytes::Bytes;
 use contextfold::api::nats_service::{self, ServiceConfig};
 use contextfold::api::{answer_view, LocalState};
 use contextfold::core::state::State;
+use futures::StreamExt;
 use nats_server::NatsServer;
 use serde_json::json;
 use std::process::ExitCode;
@@ -78,6 +83,42 @@ fn percentiles(mut v: Vec<Duration>) -> Percentiles {
 
 fn us(d: Duration) -> String {
     format!("{:.0} us", d.as_secs_f64() * 1e6)
+}
+
+/// Round trips to a responder that answers every request with the same
+/// `bytes` bytes, built once: what NATS alone costs for a reply this size.
+async fn echo(
+    server: &NatsServer,
+    client: &async_nats::Client,
+    bytes: usize,
+    requests: usize,
+) -> Result<Vec<Duration>, Error> {
+    let responder = async_nats::connect(server.url()).await?;
+    let mut requests_in = responder.subscribe("bench.echo").await?;
+    responder.flush().await?;
+    let reply = Bytes::from(vec![b'x'; bytes]);
+    let task = tokio::spawn(async move {
+        while let Some(m) = requests_in.next().await {
+            if let Some(to) = m.reply {
+                if responder.publish(to, reply.clone()).await.is_err() {
+                    break;
+                }
+            }
+        }
+    });
+    let mut rtt = Vec::with_capacity(requests);
+    for i in 0..WARMUP + requests {
+        let t = Instant::now();
+        let got = client.request("bench.echo", "{}".into()).await?;
+        if i >= WARMUP {
+            rtt.push(t.elapsed());
+        }
+        if got.payload.len() != bytes {
+            return Err(format!("echo of {} bytes, expected {bytes}", got.payload.len()).into());
+        }
+    }
+    task.abort();
+    Ok(rtt)
 }
 
 async fn bench_shape(name: &str, server: &NatsServer, requests: usize) -> Result<(), Error> {
@@ -127,6 +168,7 @@ async fn bench_shape(name: &str, server: &NatsServer, requests: usize) -> Result
         );
         return Ok(());
     }
+    let floor = percentiles(echo(server, &client, reply_bytes, requests).await?);
     let service = nats_service::start(
         async_nats::connect(server.url()).await?,
         view,
@@ -168,11 +210,17 @@ async fn bench_shape(name: &str, server: &NatsServer, requests: usize) -> Result
     println!(
         "{name}: {turns} turns, reply {reply_bytes} bytes (max_payload {max_payload})\n  \
          handler alone ({HANDLER_RUNS}): p50 {}, p99 {}, max {}\n  \
+         floor, a reply of {reply_bytes} bytes from a responder doing nothing ({requests}): \
+         p50 {}, p90 {}, p99 {}, max {}\n  \
          over NATS ({requests} requests): p50 {}, p90 {}, p99 {}, p99.9 {}, max {}, mean {}; \
          p99 < {GOAL_P99:?}: {}",
         us(alone.p50),
         us(alone.p99),
         us(alone.max),
+        us(floor.p50),
+        us(floor.p90),
+        us(floor.p99),
+        us(floor.max),
         us(over.p50),
         us(over.p90),
         us(over.p99),
