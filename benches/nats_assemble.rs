@@ -109,7 +109,10 @@ async fn echo(
     let mut rtt = Vec::with_capacity(requests);
     for i in 0..WARMUP + requests {
         let t = Instant::now();
-        let got = client.request("bench.echo", "{}".into()).await?;
+        let got = client
+            .request("bench.echo", "{}".into())
+            .await
+            .map_err(|e| format!("echo request {i}: {e}"))?;
         if i >= WARMUP {
             rtt.push(t.elapsed());
         }
@@ -184,7 +187,8 @@ async fn bench_shape(name: &str, server: &NatsServer, requests: usize) -> Result
         let t = Instant::now();
         let reply = client
             .request("cf.api.assemble", body.clone().into())
-            .await?;
+            .await
+            .map_err(|e| format!("{name}: assemble request {i}: {e}"))?;
         let took = t.elapsed();
         if let Some(error) = reply
             .headers
@@ -240,7 +244,9 @@ async fn run(names: Vec<&'static str>) -> Result<(), Error> {
         .max(1);
     let server = NatsServer::start();
     for name in names {
-        bench_shape(name, &server, requests).await?;
+        if let Err(e) = bench_shape(name, &server, requests).await {
+            return Err(format!("{e}; nats-server log:\n{}", server.log_tail(20)).into());
+        }
     }
     Ok(())
 }
