@@ -697,6 +697,38 @@ async fn nats_forwards_to_the_partition_owner_or_says_not_owner() {
     forwarding.stop().await;
 }
 
+/// `start` returns once the server has the subscription: a request sent
+/// right after, from another connection, is answered (never "no
+/// responders"). A plain flush only writes to the socket, and the other
+/// connection's request can overtake the subscription on a busy server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_a_started_service_answers_the_next_request() {
+    if !nats_available() {
+        return;
+    }
+    let server = support::nats_server::NatsServer::start();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let view = Arc::new(LocalState::new(state().clone(), policy()));
+    for attempt in 0..40 {
+        let service = nats_service::start(
+            async_nats::connect(server.url()).await.unwrap(),
+            view.clone(),
+            service_config(),
+        )
+        .await
+        .unwrap();
+        let reply = client
+            .request(
+                "cf.api.status",
+                json!({"conversation": CONV}).to_string().into(),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("attempt {attempt}: {e}"));
+        assert!(decode_reply::<StatusResponse>(&reply.payload).is_ok());
+        service.stop().await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_queue_group_answers_each_request_once() {
     if !nats_available() {
