@@ -95,7 +95,15 @@ async fn echo(
 ) -> Result<Vec<Duration>, Error> {
     let responder = async_nats::connect(server.url()).await?;
     let mut requests_in = responder.subscribe("bench.echo").await?;
-    responder.flush().await?;
+    // Until the server has the subscription (a flush only writes to the
+    // socket): a message to a fresh inbox, back through the connection.
+    let inbox = responder.new_inbox();
+    let mut back = responder.subscribe(inbox.clone()).await?;
+    responder.publish(inbox, Bytes::new()).await?;
+    back.next()
+        .await
+        .ok_or("the responder's connection closed")?;
+    drop(back);
     let reply = Bytes::from(vec![b'x'; bytes]);
     let task = tokio::spawn(async move {
         while let Some(m) = requests_in.next().await {
