@@ -66,8 +66,9 @@ pub struct FolderSettings {
     pub max_inline_job_bytes: usize,
     /// First delay before retrying after an error; doubles up to 5 s.
     pub retry_backoff: Duration,
-    /// Longest wait for the next message while the batch is not full and
-    /// the server reports more of the partition pending. Default 5 ms.
+    /// Longest a batch waits, from its first message, for more while it
+    /// is not full and the server reports more of the partition pending.
+    /// Default 5 ms.
     pub gather_wait: Duration,
 }
 
@@ -379,6 +380,7 @@ impl<B: KvBackend + 'static> FolderRole<B> {
                 m = messages.next() => m,
             };
             let mut msgs = vec![pulled(p, first)?];
+            let gathered_by = tokio::time::Instant::now() + self.settings.gather_wait;
             // What is ready now, then, while the server says more of the
             // partition is pending and the batch is not full, what arrives
             // next: a backlog is folded in full batches (one commit each)
@@ -401,7 +403,7 @@ impl<B: KvBackend + 'static> FolderRole<B> {
                 let next = tokio::select! {
                     _ = lease.lost() => return Ok(()),
                     _ = shutdown.changed() => return Ok(()),
-                    _ = tokio::time::sleep(self.settings.gather_wait) => break,
+                    _ = tokio::time::sleep_until(gathered_by) => break,
                     m = messages.next() => m,
                 };
                 msgs.push(pulled(p, next)?);
