@@ -1,6 +1,6 @@
 //! The 26,500-turn conversation shapes of the assembly benchmarks (the
 //! in-process `assembly` bench and the over-NATS `nats_assemble` bench),
-//! each about 155,000 tokens of context:
+//! each with about 125,000 to 155,000 tokens of context:
 //! - `compacted`: 26,500 real turns (the tau-bench, pi and Claude Code
 //!   transcripts repeated, ids rewritten; see `transcripts.rs`) run through
 //!   the embedded pipeline with the deterministic summarizer, context window
@@ -113,7 +113,8 @@ fn compacted() -> Option<Shape> {
     let events = transcripts::long_conversation(KEY, TURNS)?;
     let policy = PolicyConfig {
         default_context_window: 1_000_000,
-        // Where 26,500 of these turns end at about 155,000 tokens.
+        // Chosen for 26,500 of these turns to end at about 155,000 tokens
+        // (about 125,000 now).
         context_threshold: 0.17,
         context_target: 0.16,
         ..PolicyConfig::default()
