@@ -745,6 +745,19 @@ mod tests {
     }
 
     #[test]
+    fn the_direct_decoder_knows_every_event_type() {
+        for name in EventBody::TYPE_NAMES {
+            // A payload no type accepts: the error must come from the type.
+            let json = format!(r#"{{"id":"a","conversation":"c","type":"{name}","payload":true}}"#);
+            let err = serde_json::from_str::<direct::Direct>(&json)
+                .err()
+                .expect("true is no payload")
+                .to_string();
+            assert!(!err.contains("unknown type"), "{name}: {err}");
+        }
+    }
+
+    #[test]
     fn what_the_direct_decoder_refuses_decodes_as_before() {
         let cases = [
             // Payload first: the derived decoder buffers it.
