@@ -3,9 +3,9 @@
 //! fit. A thin wrapper over [`crate::core::assembly::assemble`].
 
 use crate::api::{conversation, ApiError};
-use crate::core::assembly::{self, Assembled, AssemblyRequest};
+use crate::core::assembly::{self, Assembled, AssembledRef, AssemblyRequest};
 use crate::core::policy::PolicyConfig;
-use crate::core::state::State;
+use crate::core::state::{Conversation, State};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -37,13 +37,28 @@ pub fn assemble(
     policy: &PolicyConfig,
     req: &AssembleRequest,
 ) -> Result<AssembleResponse, ApiError> {
+    let (conv, assembled) = assemble_ref(state, policy, req)?;
+    let assembled = assembled.into_owned();
+    Ok(AssembleResponse {
+        conversation: conv.key.clone(),
+        left_out_tokens: assembled.left_out.iter().map(|l| l.tokens).sum(),
+        assembled,
+    })
+}
+
+/// The conversation and its assembly, stored turns borrowed.
+fn assemble_ref<'a>(
+    state: &'a State,
+    policy: &PolicyConfig,
+    req: &AssembleRequest,
+) -> Result<(&'a Conversation, AssembledRef<'a>), ApiError> {
     let conv = conversation(state, &req.conversation)?;
     if req.budget == Some(0) {
         return Err(ApiError::BadRequest(
             "`budget` must be at least 1 token (omit it for the conversation's budget)".into(),
         ));
     }
-    let assembled = assembly::assemble(
+    let assembled = assembly::assemble_borrowed(
         conv,
         policy,
         &AssemblyRequest {
@@ -51,8 +66,29 @@ pub fn assemble(
             prompt: req.prompt.clone(),
         },
     );
-    Ok(AssembleResponse {
-        conversation: conv.key.clone(),
+    Ok((conv, assembled))
+}
+
+/// [`AssembleResponse`] with the stored turns borrowed from the state:
+/// what a server serializes (the same JSON), without copying the context
+/// first.
+#[derive(Debug, Serialize)]
+pub struct AssembleResponseRef<'a> {
+    pub conversation: &'a str,
+    #[serde(flatten)]
+    pub assembled: AssembledRef<'a>,
+    pub left_out_tokens: u64,
+}
+
+/// [`assemble`] without copying the stored turns.
+pub fn assemble_borrowed<'a>(
+    state: &'a State,
+    policy: &PolicyConfig,
+    req: &AssembleRequest,
+) -> Result<AssembleResponseRef<'a>, ApiError> {
+    let (conv, assembled) = assemble_ref(state, policy, req)?;
+    Ok(AssembleResponseRef {
+        conversation: &conv.key,
         left_out_tokens: assembled.left_out.iter().map(|l| l.tokens).sum(),
         assembled,
     })
@@ -118,6 +154,26 @@ mod tests {
         r.prompt = Some("Summarize the billing work so far.".into());
         let out = assemble(state, policy, &r).unwrap();
         assert!(out.assembled.prompt_tokens > 0);
+    }
+
+    #[test]
+    fn the_borrowed_response_serializes_as_the_owned_one() {
+        let (state, policy) = testing::folded();
+        let full = assemble(state, policy, &req(None)).unwrap();
+        let mut prompted = req(Some(full.assembled.fresh_tail_tokens + 1));
+        prompted.prompt = Some("What \"next\"?\n".into());
+        for r in [req(None), req(Some(1)), prompted] {
+            let owned = serde_json::to_string(&assemble(state, policy, &r).unwrap()).unwrap();
+            let borrowed =
+                serde_json::to_string(&assemble_borrowed(state, policy, &r).unwrap()).unwrap();
+            assert_eq!(borrowed, owned);
+        }
+        let mut r = req(None);
+        r.conversation = "nobody".into();
+        assert!(matches!(
+            assemble_borrowed(state, policy, &r),
+            Err(ApiError::UnknownConversation { .. })
+        ));
     }
 
     #[test]

@@ -292,7 +292,7 @@ pub fn answer(
     // serving task down or leave the caller waiting.
     let run = AssertUnwindSafe(|| -> Result<Vec<u8>, ApiError> {
         Ok(match op {
-            Op::Assemble => encode(&assemble::assemble(
+            Op::Assemble => encode(&assemble::assemble_borrowed(
                 state,
                 policy,
                 &parse_request(op, body)?,

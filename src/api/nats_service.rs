@@ -198,10 +198,7 @@ async fn serve<V: StateView>(
             subject: filter.clone(),
             detail: e.to_string(),
         })?;
-    client
-        .flush()
-        .await
-        .map_err(|e| ServiceError::Flush(e.to_string()))?;
+    round_trip(&client).await.map_err(ServiceError::Flush)?;
     let (stop_tx, mut stop_rx) = oneshot::channel::<()>();
     let limit = Arc::new(Semaphore::new(config.max_in_flight.max(1)));
     let retry_ms = config.not_owner_retry_ms;
@@ -309,6 +306,29 @@ async fn serve<V: StateView>(
         task: Some(task),
         filter,
     })
+}
+
+/// Returns once the server has processed everything `client` sent before
+/// (a subscription, say): a message to a fresh inbox comes back through
+/// the connection. `Client::flush` only writes to the socket, and a
+/// request from another connection can overtake what is still unread
+/// there.
+async fn round_trip(client: &Client) -> Result<(), String> {
+    let inbox = client.new_inbox();
+    let mut back = client
+        .subscribe(inbox.clone())
+        .await
+        .map_err(|e| e.to_string())?;
+    client
+        .publish(inbox, Bytes::new())
+        .await
+        .map_err(|e| e.to_string())?;
+    let limit = client.timeout().unwrap_or(Duration::from_secs(10));
+    match tokio::time::timeout(limit, back.next()).await {
+        Ok(Some(_)) => Ok(()),
+        Ok(None) => Err("the connection closed".into()),
+        Err(_) => Err(format!("no answer within {limit:?}")),
+    }
 }
 
 /// Stores a `compact` answer's event in the events stream (deduplicated by

@@ -458,14 +458,22 @@ impl Envelope {
                 limit: MAX_EVENT_BYTES,
             });
         }
-        let env: Envelope = match encoding {
-            Encoding::Msgpack => {
+        // The direct decoder first; whatever it does not take (payload
+        // before type, unknown type, duplicate or malformed fields) goes
+        // through the derived one, which decides and words the error.
+        let fast = match encoding {
+            Encoding::Msgpack => rmp_serde::from_slice::<direct::Direct>(bytes).ok(),
+            Encoding::Json => serde_json::from_slice::<direct::Direct>(bytes).ok(),
+        };
+        let env: Envelope = match (fast, encoding) {
+            (Some(direct::Direct(env)), _) => env,
+            (None, Encoding::Msgpack) => {
                 rmp_serde::from_slice(bytes).map_err(|e| DecodeError::Malformed {
                     encoding,
                     detail: e.to_string(),
                 })?
             }
-            Encoding::Json => {
+            (None, Encoding::Json) => {
                 serde_json::from_slice(bytes).map_err(|e| DecodeError::Malformed {
                     encoding,
                     detail: e.to_string(),
@@ -509,6 +517,142 @@ impl Envelope {
         match partial {
             Some(p) => (p.id, p.conversation),
             None => (None, None),
+        }
+    }
+}
+
+/// An envelope decoded without buffering: the derived `Deserialize` of
+/// [`Envelope`] (its body is `#[serde(flatten)]`) first copies every field
+/// into an intermediate tree, which costs about as much as the rest of the
+/// decode. When `type` comes before `payload`, as every encoder here writes
+/// them, the payload can be read straight into its type. Anything else is
+/// an error here, and [`Envelope::decode`] falls back to the derived path.
+mod direct {
+    use super::*;
+    use serde::de::{self, IgnoredAny, MapAccess, Visitor};
+
+    pub(super) struct Direct(pub(super) Envelope);
+
+    enum Key {
+        Id,
+        Conversation,
+        Version,
+        Time,
+        Type,
+        Payload,
+        Other,
+    }
+
+    impl<'de> Deserialize<'de> for Key {
+        fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Key, D::Error> {
+            struct KeyVisitor;
+            impl Visitor<'_> for KeyVisitor {
+                type Value = Key;
+                fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                    f.write_str("a field name")
+                }
+                fn visit_str<E: de::Error>(self, v: &str) -> Result<Key, E> {
+                    Ok(match v {
+                        "id" => Key::Id,
+                        "conversation" => Key::Conversation,
+                        "version" => Key::Version,
+                        "time" => Key::Time,
+                        "type" => Key::Type,
+                        "payload" => Key::Payload,
+                        _ => Key::Other,
+                    })
+                }
+                fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Key, E> {
+                    match std::str::from_utf8(v) {
+                        Ok(s) => self.visit_str(s),
+                        Err(_) => Ok(Key::Other),
+                    }
+                }
+            }
+            d.deserialize_identifier(KeyVisitor)
+        }
+    }
+
+    /// The body of a known type, read from the map's next value.
+    fn payload<'de, A: MapAccess<'de>>(map: &mut A, kind: &str) -> Result<EventBody, A::Error> {
+        Ok(match kind {
+            "turn_appended" => EventBody::TurnAppended(map.next_value()?),
+            "provider_error_observed" => EventBody::ProviderErrorObserved(map.next_value()?),
+            "compaction_requested" => EventBody::CompactionRequested(map.next_value()?),
+            "model_declared" => EventBody::ModelDeclared(map.next_value()?),
+            "conversation_reset" => EventBody::ConversationReset(map.next_value()?),
+            "debt_recorded" => EventBody::DebtRecorded(map.next_value()?),
+            "debt_updated" => EventBody::DebtUpdated(map.next_value()?),
+            "debt_cleared" => EventBody::DebtCleared(map.next_value()?),
+            "job_issued" => EventBody::JobIssued(map.next_value()?),
+            "summary_rejected" => EventBody::SummaryRejected(map.next_value()?),
+            "event_rejected" => EventBody::EventRejected(map.next_value()?),
+            "memory_flush_requested" => EventBody::MemoryFlushRequested(map.next_value()?),
+            "summary_recorded" => EventBody::SummaryRecorded(map.next_value()?),
+            "sweep_ended" => EventBody::SweepEnded(map.next_value()?),
+            "rolling_state_updated" => EventBody::RollingStateUpdated(map.next_value()?),
+            other => return Err(de::Error::custom(format!("unknown type {other:?}"))),
+        })
+    }
+
+    fn once<T, E: de::Error>(slot: &mut Option<T>, value: T, name: &str) -> Result<(), E> {
+        if slot.replace(value).is_some() {
+            return Err(E::custom(format!("duplicate field {name}")));
+        }
+        Ok(())
+    }
+
+    impl<'de> Deserialize<'de> for Direct {
+        fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Direct, D::Error> {
+            struct EnvelopeVisitor;
+            impl<'de> Visitor<'de> for EnvelopeVisitor {
+                type Value = Direct;
+                fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                    f.write_str("an event envelope")
+                }
+                fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Direct, A::Error> {
+                    let mut id = None;
+                    let mut conversation = None;
+                    let mut version = None;
+                    let mut time = None;
+                    let mut kind: Option<String> = None;
+                    let mut body = None;
+                    while let Some(key) = map.next_key::<Key>()? {
+                        match key {
+                            Key::Id => once(&mut id, map.next_value::<String>()?, "id")?,
+                            Key::Conversation => once(
+                                &mut conversation,
+                                map.next_value::<String>()?,
+                                "conversation",
+                            )?,
+                            Key::Version => {
+                                once(&mut version, map.next_value::<u16>()?, "version")?
+                            }
+                            Key::Time => once(&mut time, map.next_value::<u64>()?, "time")?,
+                            Key::Type => once(&mut kind, map.next_value::<String>()?, "type")?,
+                            Key::Payload => {
+                                let Some(kind) = kind.as_deref() else {
+                                    return Err(de::Error::custom("payload before type"));
+                                };
+                                let value = payload(&mut map, kind)?;
+                                once(&mut body, value, "payload")?;
+                            }
+                            Key::Other => {
+                                map.next_value::<IgnoredAny>()?;
+                            }
+                        }
+                    }
+                    let missing = |name| de::Error::custom(format!("missing field {name}"));
+                    Ok(Direct(Envelope {
+                        id: id.ok_or_else(|| missing("id"))?,
+                        conversation: conversation.ok_or_else(|| missing("conversation"))?,
+                        version: version.unwrap_or_else(default_version),
+                        time: time.unwrap_or_default(),
+                        body: body.ok_or_else(|| missing("payload"))?,
+                    }))
+                }
+            }
+            d.deserialize_map(EnvelopeVisitor)
         }
     }
 }
@@ -567,6 +711,83 @@ mod tests {
             Envelope::decode(&e.to_msgpack(), Encoding::Msgpack),
             Err(DecodeError::UnsupportedVersion { .. })
         ));
+    }
+
+    /// The derived decoder alone, which the direct one must agree with.
+    fn derived(bytes: &[u8], enc: Encoding) -> Result<Envelope, String> {
+        match enc {
+            Encoding::Json => serde_json::from_slice(bytes).map_err(|e| e.to_string()),
+            Encoding::Msgpack => rmp_serde::from_slice(bytes).map_err(|e| e.to_string()),
+        }
+    }
+
+    #[test]
+    fn the_direct_decoder_agrees_with_the_derived_one() {
+        let mut events = vec![turn()];
+        let mut bare = turn();
+        bare.version = 0;
+        bare.time = 0;
+        events.push(bare);
+        events.push(Envelope::new(
+            "e2",
+            "agent:alpha",
+            7,
+            EventBody::ModelDeclared(ModelDeclared {
+                model: "gpt-4.1".into(),
+                context_window: Some(1_000_000),
+            }),
+        ));
+        for e in &events {
+            for enc in [Encoding::Msgpack, Encoding::Json] {
+                let bytes = e.encode(enc);
+                let direct = match enc {
+                    Encoding::Json => serde_json::from_slice::<direct::Direct>(&bytes).ok(),
+                    Encoding::Msgpack => rmp_serde::from_slice::<direct::Direct>(&bytes).ok(),
+                };
+                let direct = direct.expect("type before payload: decoded directly").0;
+                assert_eq!(direct, *e);
+                assert_eq!(Ok(direct), derived(&bytes, enc));
+            }
+        }
+    }
+
+    #[test]
+    fn the_direct_decoder_knows_every_event_type() {
+        for name in EventBody::TYPE_NAMES {
+            // A payload no type accepts: the error must come from the type.
+            let json = format!(r#"{{"id":"a","conversation":"c","type":"{name}","payload":true}}"#);
+            let err = serde_json::from_str::<direct::Direct>(&json)
+                .err()
+                .expect("true is no payload")
+                .to_string();
+            assert!(!err.contains("unknown type"), "{name}: {err}");
+        }
+    }
+
+    #[test]
+    fn what_the_direct_decoder_refuses_decodes_as_before() {
+        let cases = [
+            // Payload first: the derived decoder buffers it.
+            r#"{"payload":{"message":{"role":"user","content":"hi"}},"type":"turn_appended","id":"a","conversation":"c"}"#,
+            // Unknown fields are ignored either way.
+            r#"{"id":"a","conversation":"c","type":"turn_appended","extra":[1,{"x":null}],"payload":{"message":{"role":"user","content":"hi"}}}"#,
+            // Errors keep the derived decoder's words.
+            r#"{"id":"a","conversation":"c","type":"turn_appended"}"#,
+            r#"{"id":"a","id":"b","conversation":"c","type":"turn_appended","payload":{"message":{"role":"user","content":"hi"}}}"#,
+            r#"{"id":"a","conversation":"c","time":-1,"type":"turn_appended","payload":{"message":{"role":"user","content":"hi"}}}"#,
+            r#"{"id":"a","conversation":"c","type":"turn_appended","payload":{"message":{"role":"robot","content":"hi"}}}"#,
+            r#"[1,2]"#,
+        ];
+        for case in cases {
+            let got = Envelope::decode(case.as_bytes(), Encoding::Json);
+            match derived(case.as_bytes(), Encoding::Json) {
+                Ok(want) => assert_eq!(got.unwrap(), want, "{case}"),
+                Err(want) => {
+                    let got = got.unwrap_err().to_string();
+                    assert!(got.contains(&want), "{case}: {got} vs {want}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -8,7 +8,9 @@
 //! 2. recreate the durable pull consumer `cf_fold_<p>` to start right after
 //!    that position (the previous owner's acknowledgements say nothing
 //!    about this process's store);
-//! 3. loop: take the messages that are ready (up to `batch`), fold them,
+//! 3. loop: take the messages that are ready (up to `batch`; while the
+//!    server reports more of the partition pending, wait briefly for them,
+//!    so a backlog goes in full batches), fold them,
 //!    publish the fold's decisions to `cf.in.<conv>` and its jobs to
 //!    `cf.job.<conv>` with deterministic message ids and wait for the
 //!    stream's acknowledgements, commit the state and position atomically,
@@ -40,7 +42,7 @@ use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::context::PublishAckFuture;
 use async_nats::jetstream::object_store::ObjectStore;
 use async_nats::jetstream::{self, stream, Context};
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
@@ -64,6 +66,10 @@ pub struct FolderSettings {
     pub max_inline_job_bytes: usize,
     /// First delay before retrying after an error; doubles up to 5 s.
     pub retry_backoff: Duration,
+    /// Longest a batch waits, from its first message, for more while it
+    /// is not full and the server reports more of the partition pending.
+    /// Default 5 ms.
+    pub gather_wait: Duration,
 }
 
 impl Default for FolderSettings {
@@ -73,6 +79,7 @@ impl Default for FolderSettings {
             max_ack_pending: 8192,
             max_inline_job_bytes: 256 * 1024,
             retry_backoff: Duration::from_millis(200),
+            gather_wait: Duration::from_millis(5),
         }
     }
 }
@@ -365,23 +372,41 @@ impl<B: KvBackend + 'static> FolderRole<B> {
             .messages()
             .await
             .map_err(|e| NatsError::js(format!("pulling partition {p}"), e))?;
-        let mut chunks = messages.ready_chunks(batch);
+        let mut messages = messages;
         loop {
-            let chunk = tokio::select! {
+            let first = tokio::select! {
                 _ = lease.lost() => return Ok(()),
                 _ = shutdown.changed() => return Ok(()),
-                chunk = chunks.next() => chunk,
+                m = messages.next() => m,
             };
-            let Some(chunk) = chunk else {
-                return Err(NatsError::js(
-                    format!("pulling partition {p}"),
-                    "the message stream ended",
-                )
-                .into());
-            };
-            let mut msgs = Vec::with_capacity(chunk.len());
-            for m in chunk {
-                msgs.push(m.map_err(|e| NatsError::js(format!("pulling partition {p}"), e))?);
+            let mut msgs = vec![pulled(p, first)?];
+            let gathered_by = tokio::time::Instant::now() + self.settings.gather_wait;
+            // What is ready now, then, while the server says more of the
+            // partition is pending and the batch is not full, what arrives
+            // next: a backlog is folded in full batches (one commit each)
+            // rather than in the small chunks the pull happens to deliver.
+            // Caught up, the batch goes at once.
+            loop {
+                while msgs.len() < batch {
+                    match messages.next().now_or_never() {
+                        Some(m) => msgs.push(pulled(p, m)?),
+                        None => break,
+                    }
+                }
+                let pending = msgs
+                    .last()
+                    .and_then(|m| m.info().ok())
+                    .map_or(0, |info| info.pending);
+                if msgs.len() >= batch || pending == 0 {
+                    break;
+                }
+                let next = tokio::select! {
+                    _ = lease.lost() => return Ok(()),
+                    _ = shutdown.changed() => return Ok(()),
+                    _ = tokio::time::sleep_until(gathered_by) => break,
+                    m = messages.next() => m,
+                };
+                msgs.push(pulled(p, next)?);
             }
             match self.fold_batch(lease, engine, msgs).await? {
                 BatchEnd::Committed => {}
@@ -525,6 +550,22 @@ impl<B: KvBackend + 'static> FolderRole<B> {
                 .map_err(|e| NatsError::js("waiting for the stream to store a decision", e))?;
         }
         Ok(())
+    }
+}
+
+/// A message the pull stream yielded, or why there is none.
+fn pulled<E: std::fmt::Display>(
+    partition: u32,
+    next: Option<Result<jetstream::Message, E>>,
+) -> Result<jetstream::Message, FolderError> {
+    match next {
+        Some(Ok(m)) => Ok(m),
+        Some(Err(e)) => Err(NatsError::js(format!("pulling partition {partition}"), e).into()),
+        None => Err(NatsError::js(
+            format!("pulling partition {partition}"),
+            "the message stream ended",
+        )
+        .into()),
     }
 }
 

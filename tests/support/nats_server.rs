@@ -28,10 +28,14 @@ const START_TIMEOUT: Duration = Duration::from_secs(15);
 /// The nats-server binary, checked once per test binary.
 pub fn nats_server_binary() -> PathBuf {
     static BINARY: OnceLock<PathBuf> = OnceLock::new();
-    BINARY.get_or_init(locate_binary).clone()
+    BINARY
+        .get_or_init(|| find_binary().unwrap_or_else(|e| panic!("{e}")))
+        .clone()
 }
 
-fn locate_binary() -> PathBuf {
+/// The nats-server binary, or why there is none usable (for a caller that
+/// skips instead of failing, as the benchmarks do).
+pub fn find_binary() -> Result<PathBuf, String> {
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut candidates = Vec::new();
     if let Some(path) = std::env::var_os("CONTEXTFOLD_NATS_SERVER") {
@@ -42,27 +46,28 @@ fn locate_binary() -> PathBuf {
     }
     candidates.push(manifest.join(".venv/bin/nats-server"));
     let Some(binary) = candidates.iter().find(|p| p.is_file()) else {
-        panic!(
+        return Err(format!(
             "no nats-server binary found (looked at {candidates:?}); run scripts/install-nats.sh \
              (CI installs it), or set CONTEXTFOLD_NATS_SERVER to a nats-server >= 2.10"
-        );
+        ));
     };
     let output = Command::new(binary)
         .arg("--version")
         .output()
-        .unwrap_or_else(|e| panic!("cannot run {}: {e}", binary.display()));
+        .map_err(|e| format!("cannot run {}: {e}", binary.display()))?;
     let text = String::from_utf8_lossy(&output.stdout);
     let version = text
         .trim()
         .strip_prefix("nats-server: v")
         .and_then(parse_version)
-        .unwrap_or_else(|| panic!("unexpected `{} --version` output: {text}", binary.display()));
-    assert!(
-        version >= MIN_VERSION,
-        "{} is nats-server {version:?}, older than {MIN_VERSION:?}; run scripts/install-nats.sh",
-        binary.display()
-    );
-    binary.clone()
+        .ok_or_else(|| format!("unexpected `{} --version` output: {text}", binary.display()))?;
+    if version < MIN_VERSION {
+        return Err(format!(
+            "{} is nats-server {version:?}, older than {MIN_VERSION:?}; run scripts/install-nats.sh",
+            binary.display()
+        ));
+    }
+    Ok(binary.clone())
 }
 
 fn parse_version(s: &str) -> Option<(u64, u64, u64)> {
@@ -190,6 +195,11 @@ impl NatsServer {
     /// `nats://127.0.0.1:<port>`.
     pub fn url(&self) -> String {
         format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// The server's process id while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
     }
 
     pub fn is_running(&self) -> bool {

@@ -1,0 +1,292 @@
+//! `assemble` request latency over NATS request/reply for a conversation of
+//! 26,500 turns (goal: p99 under 2 ms).
+//!
+//! The bench starts its own nats-server and serves the API
+//! (`api::nats_service::start`, default settings) over a `LocalState`
+//! holding one of the 26,500-turn shapes of `support/shapes.rs`
+//! (`compacted`: summaries plus raw turns, about 125k tokens, assembled
+//! whole; `raw_newest_155k`: uncompacted, a 155k-token budget;
+//! `raw_all_155k`: 26,500 short turns all sent). A client in the same
+//! process (same tokio runtime, another connection) sends
+//! `{"conversation": …, "budget": …}` to `cf.api.assemble`, one request at
+//! a time, and times each round trip from sending until the whole reply
+//! is received: request routing, the handler on a blocking thread (the
+//! state lock, assembly, JSON encoding), the reply's publish and its
+//! delivery. The first requests warm up and are not counted.
+//!
+//! A reply over the server's `max_payload` (1 MB by default) is answered
+//! with a `bad_request` and not timed: so far the two raw shapes (about
+//! 1.95 MB each: 26,027 `left_out` entries, or 26,500 messages), whose
+//! handler time alone is reported.
+//!
+//! For comparison, in the same run: the handler alone (`api::answer_view`,
+//! what the service runs per request) timed in-process over the same
+//! state, and the floor: round trips to a responder that answers with a
+//! ready-made reply of the same size (what NATS and this machine cost for
+//! moving it, whatever the service does).
+//!
+//! ```text
+//! cargo bench --bench nats_assemble [-- SHAPE...]
+//! CONTEXTFOLD_BENCH_REQUESTS=2000  # timed requests per shape (default 2000)
+//! ```
+//!
+//! The `compacted` and `raw_newest_155k` shapes need the transcripts of
+//! `../shared/data` (see `support/transcripts.rs`) and are skipped without
+//! them. nats-server is looked up as the integration tests do; without one
+//! the bench says so and exits successfully.
+
+#[path = "support/transcripts.rs"]
+mod transcripts;
+
+#[path = "support/shapes.rs"]
+mod shapes;
+
+// The integration tests' nats-server harness; not all of it is used here.
+#[allow(dead_code)]
+#[path = "../tests/support/nats_server.rs"]
+mod nats_server;
+
+use bytes::Bytes;
+use contextfold::api::nats_service::{self, ServiceConfig};
+use contextfold::api::{answer_view, LocalState};
+use contextfold::core::state::State;
+use futures::StreamExt;
+use nats_server::NatsServer;
+use serde_json::json;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const WARMUP: usize = 200;
+/// The handler alone is timed this many times.
+const HANDLER_RUNS: usize = 500;
+const GOAL_P99: Duration = Duration::from_millis(2);
+
+type Error = Box<dyn std::error::Error + Send + Sync>;
+
+struct Percentiles {
+    p50: Duration,
+    p90: Duration,
+    p99: Duration,
+    p999: Duration,
+    max: Duration,
+    mean: Duration,
+}
+
+fn percentiles(mut v: Vec<Duration>) -> Percentiles {
+    v.sort_unstable();
+    let at = |q: f64| v[((v.len() as f64 * q) as usize).min(v.len() - 1)];
+    Percentiles {
+        p50: at(0.50),
+        p90: at(0.90),
+        p99: at(0.99),
+        p999: at(0.999),
+        max: v[v.len() - 1],
+        mean: v.iter().sum::<Duration>() / v.len() as u32,
+    }
+}
+
+fn us(d: Duration) -> String {
+    format!("{:.0} us", d.as_secs_f64() * 1e6)
+}
+
+/// Round trips to a responder that answers every request with the same
+/// `bytes` bytes, built once: what NATS alone costs for a reply this size.
+async fn echo(
+    server: &NatsServer,
+    client: &async_nats::Client,
+    bytes: usize,
+    requests: usize,
+) -> Result<Vec<Duration>, Error> {
+    let responder = async_nats::connect(server.url()).await?;
+    let mut requests_in = responder.subscribe("bench.echo").await?;
+    // Until the server has the subscription (a flush only writes to the
+    // socket): a message to a fresh inbox, back through the connection.
+    let inbox = responder.new_inbox();
+    let mut back = responder.subscribe(inbox.clone()).await?;
+    responder.publish(inbox, Bytes::new()).await?;
+    back.next()
+        .await
+        .ok_or("the responder's connection closed")?;
+    drop(back);
+    let reply = Bytes::from(vec![b'x'; bytes]);
+    let task = tokio::spawn(async move {
+        while let Some(m) = requests_in.next().await {
+            if let Some(to) = m.reply {
+                if responder.publish(to, reply.clone()).await.is_err() {
+                    break;
+                }
+            }
+        }
+    });
+    let mut rtt = Vec::with_capacity(requests);
+    for i in 0..WARMUP + requests {
+        let t = Instant::now();
+        let got = client
+            .request("bench.echo", "{}".into())
+            .await
+            .map_err(|e| format!("echo request {i}: {e}"))?;
+        if i >= WARMUP {
+            rtt.push(t.elapsed());
+        }
+        if got.payload.len() != bytes {
+            return Err(format!("echo of {} bytes, expected {bytes}", got.payload.len()).into());
+        }
+    }
+    task.abort();
+    Ok(rtt)
+}
+
+async fn bench_shape(name: &str, server: &NatsServer, requests: usize) -> Result<(), Error> {
+    let Some(shape) = shapes::build(name) else {
+        println!("{name}: skipped: the shared transcripts are absent");
+        return Ok(());
+    };
+    let turns = shape.conv.turns.len();
+    let mut body = json!({"conversation": shapes::KEY});
+    if let Some(budget) = shape.request.budget {
+        body["budget"] = json!(budget);
+    }
+    if let Some(prompt) = &shape.request.prompt {
+        body["prompt"] = json!(prompt);
+    }
+    let body = body.to_string();
+    let mut state = State::default();
+    state
+        .conversations
+        .insert(shapes::KEY.to_string(), shape.conv);
+    let view = Arc::new(LocalState::new(state, shape.policy));
+
+    // The handler alone, on this thread.
+    let mut alone = Vec::with_capacity(HANDLER_RUNS);
+    let mut reply_bytes = 0;
+    for _ in 0..HANDLER_RUNS {
+        let t = Instant::now();
+        let reply = answer_view("assemble", body.as_bytes(), view.as_ref(), 0)
+            .map_err(|e| format!("{name}: the handler failed: {e}"))?;
+        alone.push(t.elapsed());
+        reply_bytes = reply.len();
+    }
+    let alone = percentiles(alone);
+
+    let client = async_nats::connect(server.url()).await?;
+    let max_payload = client.server_info().max_payload;
+    if reply_bytes >= max_payload {
+        // The service answers such a request with a bad_request saying
+        // so: nothing to time.
+        println!(
+            "{name}: {turns} turns, reply {reply_bytes} bytes: over the server's max_payload of \
+             {max_payload} bytes, so over NATS the answer is a bad_request; not timed\n  \
+             handler alone ({HANDLER_RUNS}): p50 {}, p99 {}, max {}",
+            us(alone.p50),
+            us(alone.p99),
+            us(alone.max),
+        );
+        return Ok(());
+    }
+    let floor = percentiles(echo(server, &client, reply_bytes, requests).await?);
+    let service = nats_service::start(
+        async_nats::connect(server.url()).await?,
+        view,
+        ServiceConfig {
+            // A bare state: there is no events stream here.
+            publish_compactions: false,
+            ..ServiceConfig::default()
+        },
+    )
+    .await?;
+    let mut rtt = Vec::with_capacity(requests);
+    for i in 0..WARMUP + requests {
+        let t = Instant::now();
+        let reply = client
+            .request("cf.api.assemble", body.clone().into())
+            .await
+            .map_err(|e| format!("{name}: assemble request {i}: {e}"))?;
+        let took = t.elapsed();
+        if let Some(error) = reply
+            .headers
+            .as_ref()
+            .and_then(|h| h.get("Nats-Service-Error"))
+        {
+            return Err(format!("{name}: error reply: {error}").into());
+        }
+        if reply.payload.len() != reply_bytes {
+            return Err(format!(
+                "{name}: reply of {} bytes, the handler's was {reply_bytes}",
+                reply.payload.len()
+            )
+            .into());
+        }
+        if i >= WARMUP {
+            rtt.push(took);
+        }
+    }
+    service.stop().await;
+    let over = percentiles(rtt);
+    let met = over.p99 < GOAL_P99;
+    println!(
+        "{name}: {turns} turns, reply {reply_bytes} bytes (max_payload {max_payload})\n  \
+         handler alone ({HANDLER_RUNS}): p50 {}, p99 {}, max {}\n  \
+         floor, a reply of {reply_bytes} bytes from a responder doing nothing ({requests}): \
+         p50 {}, p90 {}, p99 {}, max {}\n  \
+         over NATS ({requests} requests): p50 {}, p90 {}, p99 {}, p99.9 {}, max {}, mean {}; \
+         p99 < {GOAL_P99:?}: {}",
+        us(alone.p50),
+        us(alone.p99),
+        us(alone.max),
+        us(floor.p50),
+        us(floor.p90),
+        us(floor.p99),
+        us(floor.max),
+        us(over.p50),
+        us(over.p90),
+        us(over.p99),
+        us(over.p999),
+        us(over.max),
+        us(over.mean),
+        if met { "met" } else { "NOT met" },
+    );
+    Ok(())
+}
+
+async fn run(names: Vec<&'static str>) -> Result<(), Error> {
+    let requests = std::env::var("CONTEXTFOLD_BENCH_REQUESTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2000usize)
+        .max(1);
+    let server = NatsServer::start();
+    for name in names {
+        if let Err(e) = bench_shape(name, &server, requests).await {
+            return Err(format!("{e}; nats-server log:\n{}", server.log_tail(20)).into());
+        }
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    if let Err(e) = nats_server::find_binary() {
+        println!("nats_assemble skipped: {e}");
+        return ExitCode::SUCCESS;
+    }
+    // `cargo bench` passes `--bench`; other arguments pick shapes.
+    let wanted: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let names: Vec<&'static str> = shapes::NAMES
+        .into_iter()
+        .filter(|n| wanted.is_empty() || wanted.iter().any(|w| n.contains(w.as_str())))
+        .collect();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    match rt.block_on(run(names)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("nats_assemble failed: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
