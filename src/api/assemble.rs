@@ -3,7 +3,7 @@
 //! fit. A thin wrapper over [`crate::core::assembly::assemble`].
 
 use crate::api::{conversation, ApiError};
-use crate::core::assembly::{self, Assembled, AssembledRef, AssemblyRequest};
+use crate::core::assembly::{self, Assembled, AssembledRef, AssemblyRequest, LeftOut};
 use crate::core::policy::PolicyConfig;
 use crate::core::state::{Conversation, State};
 use serde::{Deserialize, Serialize};
@@ -28,8 +28,24 @@ pub struct AssembleResponse {
     /// `prompt_tokens`, `fresh_tail_tokens`, `over_budget`, `left_out`.
     #[serde(flatten)]
     pub assembled: Assembled,
-    /// Tokens of everything in `left_out`.
+    /// Tokens of everything left out (listed or not).
     pub left_out_tokens: u64,
+    /// Items left out; `left_out` lists the newest [`MAX_LEFT_OUT_LISTED`].
+    pub left_out_count: usize,
+}
+
+/// Most left-out items listed in a reply. A long uncompacted conversation
+/// leaves out tens of thousands of turns; listing them all made replies
+/// bigger than the server's max payload. The newest are the ones worth
+/// expanding, so they are kept.
+pub const MAX_LEFT_OUT_LISTED: usize = 500;
+
+/// Totals the left-out items, then keeps the newest listed.
+fn cap_left_out(left_out: &mut Vec<LeftOut>) -> (usize, u64) {
+    let count = left_out.len();
+    let tokens = left_out.iter().map(|l| l.tokens).sum();
+    left_out.drain(..count.saturating_sub(MAX_LEFT_OUT_LISTED));
+    (count, tokens)
 }
 
 pub fn assemble(
@@ -38,10 +54,12 @@ pub fn assemble(
     req: &AssembleRequest,
 ) -> Result<AssembleResponse, ApiError> {
     let (conv, assembled) = assemble_ref(state, policy, req)?;
-    let assembled = assembled.into_owned();
+    let mut assembled = assembled.into_owned();
+    let (left_out_count, left_out_tokens) = cap_left_out(&mut assembled.left_out);
     Ok(AssembleResponse {
         conversation: conv.key.clone(),
-        left_out_tokens: assembled.left_out.iter().map(|l| l.tokens).sum(),
+        left_out_tokens,
+        left_out_count,
         assembled,
     })
 }
@@ -78,6 +96,7 @@ pub struct AssembleResponseRef<'a> {
     #[serde(flatten)]
     pub assembled: AssembledRef<'a>,
     pub left_out_tokens: u64,
+    pub left_out_count: usize,
 }
 
 /// [`assemble`] without copying the stored turns.
@@ -86,10 +105,12 @@ pub fn assemble_borrowed<'a>(
     policy: &PolicyConfig,
     req: &AssembleRequest,
 ) -> Result<AssembleResponseRef<'a>, ApiError> {
-    let (conv, assembled) = assemble_ref(state, policy, req)?;
+    let (conv, mut assembled) = assemble_ref(state, policy, req)?;
+    let (left_out_count, left_out_tokens) = cap_left_out(&mut assembled.left_out);
     Ok(AssembleResponseRef {
         conversation: &conv.key,
-        left_out_tokens: assembled.left_out.iter().map(|l| l.tokens).sum(),
+        left_out_tokens,
+        left_out_count,
         assembled,
     })
 }
@@ -127,6 +148,24 @@ mod tests {
         assert_eq!(out.left_out_tokens, 0);
         let last = a.messages.last().unwrap();
         assert_eq!(last.text_content(), "What is left to do?");
+    }
+
+    #[test]
+    fn a_long_left_out_list_keeps_the_newest_and_counts_all() {
+        let mut left_out: Vec<LeftOut> = (0..MAX_LEFT_OUT_LISTED as u64 + 7)
+            .map(|seq| LeftOut {
+                source: Source::Turn { seq },
+                tokens: 2,
+            })
+            .collect();
+        let total = left_out.len();
+        let (count, tokens) = cap_left_out(&mut left_out);
+        assert_eq!((count, tokens), (total, 2 * total as u64));
+        assert_eq!(left_out.len(), MAX_LEFT_OUT_LISTED);
+        assert_eq!(left_out[0].source, Source::Turn { seq: 7 }, "the oldest go");
+        let mut short = left_out[..3].to_vec();
+        assert_eq!(cap_left_out(&mut short), (3, 6));
+        assert_eq!(short.len(), 3, "a short list is whole");
     }
 
     #[test]
