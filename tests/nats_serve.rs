@@ -28,6 +28,7 @@ use contextfold::nats::{NatsConfig, NatsOptions};
 use contextfold::runtime::engine::Engine;
 use contextfold::runtime::sweep::{Deterministic, PassError, PassSummarizer, Spend};
 use contextfold::store::memory_backend::MemoryBackend;
+use futures::StreamExt;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -804,6 +805,11 @@ async fn the_serve_binary_summarizes_with_the_configured_model() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let key = "agent:model/one";
+    // What the agent itself would watch to tell its user.
+    let mut watch = client
+        .subscribe(format!("cf.in.{}", token(key)))
+        .await
+        .unwrap();
     raw_publish(&client, &turns(key, 0..40, 60)).await;
     let body = serde_json::json!({ "conversation": key }).to_string();
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -830,6 +836,25 @@ async fn the_serve_binary_summarizes_with_the_configured_model() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     assert_eq!(status["summaries"]["fallback"], 0, "{status}");
+    let mut seen = BTreeSet::new();
+    while let Ok(Some(m)) = tokio::time::timeout(Duration::from_millis(200), watch.next()).await {
+        if let Ok(e) = Envelope::decode(&m.payload, contextfold::core::event::Encoding::Msgpack)
+            .or_else(|_| Envelope::decode(&m.payload, contextfold::core::event::Encoding::Json))
+        {
+            seen.insert(e.type_name().to_string());
+        }
+    }
+    for shown in [
+        "memory_flush_requested",
+        "job_issued",
+        "summary_recorded",
+        "sweep_ended",
+    ] {
+        assert!(
+            seen.contains(shown),
+            "{shown} not seen by the agent: {seen:?}"
+        );
+    }
     assert!(llm.total().await > 0, "the model was called");
     let log = std::fs::read_to_string(dir.path().join("serve.log")).unwrap();
     assert!(log.contains("summarizer good at"), "{log}");
