@@ -55,13 +55,7 @@ fn words(n: usize, seed: usize) -> String {
 }
 
 fn turn(m: ChatMessage) -> EventBody {
-    EventBody::TurnAppended(TurnAppended {
-        message: m,
-        model: None,
-        sender: None,
-        usage: None,
-        metadata: None,
-    })
+    EventBody::TurnAppended(TurnAppended::from(m))
 }
 
 /// A fixed conversation touching every kind of compaction decision:

@@ -14,13 +14,7 @@ fn turn(id: &str, role: Role, text: &str) -> Envelope {
         id,
         "c:bad",
         1_000 + id.len() as u64,
-        EventBody::TurnAppended(TurnAppended {
-            message: ChatMessage::text(role, text),
-            model: None,
-            sender: None,
-            usage: None,
-            metadata: None,
-        }),
+        EventBody::TurnAppended(TurnAppended::from(ChatMessage::text(role, text))),
     )
 }
 
@@ -45,13 +39,7 @@ fn every_kind_of_bad_input_is_rejected_with_a_reason_and_nothing_else_is_lost() 
         "orphan",
         "c:bad",
         1_500,
-        EventBody::TurnAppended(TurnAppended {
-            message: orphan,
-            model: None,
-            sender: None,
-            usage: None,
-            metadata: None,
-        }),
+        EventBody::TurnAppended(TurnAppended::from(orphan)),
     );
     let unknown_type = br#"{"id":"u1","conversation":"c:bad","version":1,"time":5,"type":"turn_exploded","payload":{}}"#.to_vec();
     let unknown_role =

@@ -23,13 +23,10 @@ fn local_compact_is_folded_once_per_request_id() {
                 format!("t{i}"),
                 key,
                 1_700_000_000_000 + i * 1_000,
-                EventBody::TurnAppended(TurnAppended {
-                    message: ChatMessage::text(role, format!("turn {i} about port 8080")),
-                    model: None,
-                    sender: None,
-                    usage: None,
-                    metadata: None,
-                }),
+                EventBody::TurnAppended(TurnAppended::from(ChatMessage::text(
+                    role,
+                    format!("turn {i} about port 8080"),
+                ))),
             )
             .to_json()
         })

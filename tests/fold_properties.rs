@@ -65,15 +65,7 @@ fn events(conv: &str, steps: &[Step]) -> Vec<Envelope> {
         *time += 1500;
         out.push(Envelope::new(format!("{conv}-e{n}"), conv, *time, body));
     };
-    let turn = |m: ChatMessage| {
-        EventBody::TurnAppended(TurnAppended {
-            message: m,
-            model: None,
-            sender: None,
-            usage: None,
-            metadata: None,
-        })
-    };
+    let turn = |m: ChatMessage| EventBody::TurnAppended(TurnAppended::from(m));
     for (i, s) in steps.iter().enumerate() {
         match s {
             Step::User(len) => push(
@@ -248,18 +240,7 @@ fn orphan_tool_result_is_rejected_and_the_rest_still_folds() {
     let mut orphan = ChatMessage::text(Role::Tool, "result");
     orphan.tool_call_id = Some("nope".into());
     let turn = |id: &str, m: ChatMessage| {
-        Envelope::new(
-            id,
-            "c:o",
-            1,
-            EventBody::TurnAppended(TurnAppended {
-                message: m,
-                model: None,
-                sender: None,
-                usage: None,
-                metadata: None,
-            }),
-        )
+        Envelope::new(id, "c:o", 1, EventBody::TurnAppended(TurnAppended::from(m)))
     };
     let out = fold::fold(&mut state, &policy, &turn("a", orphan));
     assert!(

@@ -78,19 +78,13 @@ fn turn(i: u64, time: u64) -> Envelope {
         format!("t{i}"),
         CONV,
         time,
-        EventBody::TurnAppended(TurnAppended {
-            message: ChatMessage::text(
-                role,
-                format!(
-                    "turn {i}: edited src/mod_{i}.rs; {}",
-                    "more words ".repeat(60)
-                ),
+        EventBody::TurnAppended(TurnAppended::from(ChatMessage::text(
+            role,
+            format!(
+                "turn {i}: edited src/mod_{i}.rs; {}",
+                "more words ".repeat(60)
             ),
-            model: None,
-            sender: None,
-            usage: None,
-            metadata: None,
-        }),
+        ))),
     )
 }
 

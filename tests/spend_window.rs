@@ -105,13 +105,7 @@ fn turn(conv: &str, i: usize, time: u64) -> Envelope {
         format!("{conv}-t{i}"),
         conv,
         time,
-        EventBody::TurnAppended(TurnAppended {
-            message: ChatMessage::text(role, prose(i)),
-            model: None,
-            sender: None,
-            usage: None,
-            metadata: None,
-        }),
+        EventBody::TurnAppended(TurnAppended::from(ChatMessage::text(role, prose(i)))),
     )
 }
 

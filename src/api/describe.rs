@@ -280,13 +280,9 @@ mod tests {
             "big",
             CONV,
             testing::T0 + 100_000,
-            crate::core::event::EventBody::TurnAppended(crate::core::event::TurnAppended {
-                message: ChatMessage::text(Role::User, big.clone()),
-                model: None,
-                sender: None,
-                usage: None,
-                metadata: None,
-            }),
+            crate::core::event::EventBody::TurnAppended(crate::core::event::TurnAppended::from(
+                ChatMessage::text(Role::User, big.clone()),
+            )),
         ));
         let folded = testing::fold_events(&small, &events);
         let _ = state;

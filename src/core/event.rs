@@ -144,6 +144,19 @@ pub struct TurnAppended {
     pub metadata: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
+impl From<ChatMessage> for TurnAppended {
+    /// A turn that is its message alone: no model, sender, usage or metadata.
+    fn from(message: ChatMessage) -> Self {
+        TurnAppended {
+            message,
+            model: None,
+            sender: None,
+            usage: None,
+            metadata: None,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ProviderErrorObserved {
     /// The raw error text as the provider returned it.

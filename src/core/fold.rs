@@ -73,19 +73,13 @@ pub fn fold_owned(
 
 /// What is left in an event whose turn was moved out; never read.
 fn empty_turn() -> TurnAppended {
-    TurnAppended {
-        message: ChatMessage {
-            role: Role::User,
-            content: None,
-            tool_calls: Vec::new(),
-            tool_call_id: None,
-            name: None,
-        },
-        model: None,
-        sender: None,
-        usage: None,
-        metadata: None,
-    }
+    TurnAppended::from(ChatMessage {
+        role: Role::User,
+        content: None,
+        tool_calls: Vec::new(),
+        tool_call_id: None,
+        name: None,
+    })
 }
 
 /// `turn` is the event's turn, already moved out of it when given.
@@ -1710,16 +1704,10 @@ mod tests {
             format!("{conv}-t{i}"),
             conv,
             time,
-            EventBody::TurnAppended(TurnAppended {
-                message: ChatMessage::text(
-                    role,
-                    format!("turn {i}: {}", "words of a turn ".repeat(40)),
-                ),
-                model: None,
-                sender: None,
-                usage: None,
-                metadata: None,
-            }),
+            EventBody::TurnAppended(TurnAppended::from(ChatMessage::text(
+                role,
+                format!("turn {i}: {}", "words of a turn ".repeat(40)),
+            ))),
         )
     }
 
@@ -1781,13 +1769,10 @@ mod tests {
             "big",
             "c",
             T0,
-            EventBody::TurnAppended(TurnAppended {
-                message: ChatMessage::text(Role::User, "a line of a long log\n".repeat(300)),
-                model: None,
-                sender: None,
-                usage: None,
-                metadata: None,
-            }),
+            EventBody::TurnAppended(TurnAppended::from(ChatMessage::text(
+                Role::User,
+                "a line of a long log\n".repeat(300),
+            ))),
         );
         fold(&mut state, &p, &big);
         let turn = &state.conversations["c"].turns[0];

@@ -649,13 +649,7 @@ mod tests {
             "e1",
             conversation,
             1,
-            EventBody::TurnAppended(TurnAppended {
-                message: ChatMessage::text(Role::User, "hi"),
-                model: None,
-                sender: None,
-                usage: None,
-                metadata: None,
-            }),
+            EventBody::TurnAppended(TurnAppended::from(ChatMessage::text(Role::User, "hi"))),
         )
     }
 

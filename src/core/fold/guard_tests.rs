@@ -253,13 +253,7 @@ proptest! {
                 format!("e{n}"),
                 "c:guard",
                 time,
-                EventBody::TurnAppended(TurnAppended {
-                    message: msg,
-                    model: None,
-                    sender: None,
-                    usage: None,
-                    metadata: None,
-                }),
+                EventBody::TurnAppended(TurnAppended::from(msg)),
             );
             let outcome = fold_counted(&mut state, &policy, &event, Some(10));
             let conv = &state.conversations["c:guard"];
