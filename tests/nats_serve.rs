@@ -25,6 +25,7 @@ use contextfold::nats::serve::{Roles, ServeOptions, Service};
 use contextfold::nats::setup::{ensure, Infrastructure};
 use contextfold::nats::subjects;
 use contextfold::nats::{NatsConfig, NatsOptions};
+use contextfold::runtime::embedded;
 use contextfold::runtime::engine::Engine;
 use contextfold::runtime::sweep::{Deterministic, PassError, PassSummarizer, Spend};
 use contextfold::store::memory_backend::MemoryBackend;
@@ -223,15 +224,9 @@ async fn replay_partition(
         .await
         .unwrap();
     let mut engine = Engine::open(MemoryBackend::default(), policy.clone()).unwrap();
-    loop {
-        let records = log.read_after(engine.position(), 1000).await.unwrap();
-        if records.is_empty() {
-            break;
-        }
-        for r in &records {
-            engine.apply(r);
-        }
-    }
+    embedded::replay(&mut log, &mut engine, None)
+        .await
+        .expect("replay the partition");
     (engine.position(), engine.state.hash())
 }
 

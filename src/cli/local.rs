@@ -9,13 +9,11 @@ use contextfold::core::overflow;
 use contextfold::import::{self, Format};
 use contextfold::log::memory::MemoryLog;
 use contextfold::log::segment::SegmentLog;
-use contextfold::log::EventLog;
-use contextfold::runtime::embedded::Pipeline;
+use contextfold::runtime::embedded::{self, Pipeline};
 use contextfold::runtime::engine::Engine;
 use contextfold::runtime::sweep::Deterministic;
 use contextfold::store::memory_backend::MemoryBackend;
 use contextfold::store::redb_backend::RedbBackend;
-use contextfold::store::KvBackend;
 use std::io::{BufRead, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -173,40 +171,11 @@ fn open_log(config: &Config) -> Result<SegmentLog> {
         .with_context(|| format!("opening the event log in {}", log_dir(config).display()))
 }
 
-/// Folds the log from its start into `engine`, committing after each batch
-/// read; stops after the event `until` when given. Returns whether `until`
-/// was found (true without one).
-async fn fold_log<B: KvBackend>(
-    config: &Config,
-    engine: &mut Engine<B>,
-    until: Option<&str>,
-) -> Result<bool> {
-    let mut log = open_log(config)?;
-    let mut after = 0;
-    loop {
-        let records = log.read_after(after, 4096).await?;
-        if records.is_empty() {
-            return Ok(until.is_none());
-        }
-        for r in &records {
-            after = r.position;
-            engine.apply(r);
-            if let Some(id) = until {
-                if Envelope::decode(&r.bytes, r.encoding).is_ok_and(|e| e.id == id) {
-                    engine.commit()?;
-                    return Ok(true);
-                }
-            }
-        }
-        engine.commit()?;
-    }
-}
-
 /// Folds the whole log into a fresh in-memory state, stopping after the
 /// event `until` when given.
 async fn replay_log(config: &Config, until: Option<&str>) -> Result<(Engine<MemoryBackend>, bool)> {
     let mut engine = Engine::open(MemoryBackend::default(), config.policy.clone())?;
-    let found = fold_log(config, &mut engine, until).await?;
+    let found = embedded::replay(&mut open_log(config)?, &mut engine, until).await?;
     Ok((engine, found))
 }
 
@@ -279,7 +248,7 @@ pub fn rebuild(config: &Config) -> Result<ExitCode> {
             .map_or(0, |d| d.as_secs());
         let fresh_path = config.data_dir.join(format!("state.rebuild-{stamp}.redb"));
         let mut engine = Engine::open(RedbBackend::open(&fresh_path)?, config.policy.clone())?;
-        fold_log(config, &mut engine, None).await?;
+        embedded::replay(&mut open_log(config)?, &mut engine, None).await?;
         engine.flush()?;
         let rebuilt = engine.state.hash();
         println!("current state  {current}");

@@ -20,6 +20,37 @@ pub enum PipelineError {
     Store(#[from] StoreError),
 }
 
+/// Records read from the log at a time when replaying it.
+const REPLAY_BATCH: usize = 4096;
+
+/// Folds the records `log` holds after `engine`'s position, with no
+/// summarizer (jobs stay pending, as the log recorded them), committing
+/// after each batch; stops after the event `until` when given. Returns
+/// whether `until` was found (true without one). What `replay`, `rebuild`
+/// and a check against a clean replay need.
+pub async fn replay<L: EventLog, B: KvBackend>(
+    log: &mut L,
+    engine: &mut Engine<B>,
+    until: Option<&str>,
+) -> Result<bool, PipelineError> {
+    loop {
+        let records = log.read_after(engine.position(), REPLAY_BATCH).await?;
+        if records.is_empty() {
+            return Ok(until.is_none());
+        }
+        for r in &records {
+            engine.apply(r);
+            if let Some(id) = until {
+                if Envelope::decode(&r.bytes, r.encoding).is_ok_and(|e| e.id == id) {
+                    engine.commit()?;
+                    return Ok(true);
+                }
+            }
+        }
+        engine.commit()?;
+    }
+}
+
 /// Counts of one catch-up.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct CatchUp {
@@ -151,5 +182,47 @@ impl<L: EventLog, B: KvBackend, S: PassSummarizer> Pipeline<L, B, S> {
     /// Catches up and runs every pending job.
     pub async fn settle(&mut self) -> Result<(), PipelineError> {
         self.catch_up().await.map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::event::{EventBody, TurnAppended};
+    use crate::core::message::{ChatMessage, Role};
+    use crate::core::policy::PolicyConfig;
+    use crate::log::memory::MemoryLog;
+    use crate::store::memory_backend::MemoryBackend;
+
+    fn engine() -> Engine<MemoryBackend> {
+        Engine::open(MemoryBackend::default(), PolicyConfig::default()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn replay_folds_the_log_or_stops_after_an_event() {
+        let mut log = MemoryLog::new();
+        for i in 0..3 {
+            let turn = ChatMessage::text(Role::User, format!("turn number {i}"));
+            let e = Envelope::new(
+                format!("t{i}"),
+                "c",
+                1_000 * i,
+                EventBody::TurnAppended(TurnAppended::from(turn)),
+            );
+            log.append(Encoding::Json, e.to_json().as_bytes())
+                .await
+                .unwrap();
+        }
+        let mut whole = engine();
+        assert!(replay(&mut log, &mut whole, None).await.unwrap());
+        assert_eq!(whole.state.conversations["c"].turns.len(), 3);
+
+        let mut upto = engine();
+        assert!(replay(&mut log, &mut upto, Some("t1")).await.unwrap());
+        assert_eq!(upto.state.conversations["c"].turns.len(), 2);
+
+        let mut missing = engine();
+        assert!(!replay(&mut log, &mut missing, Some("t9")).await.unwrap());
+        assert_eq!(missing.state.hash(), whole.state.hash());
     }
 }
