@@ -394,29 +394,7 @@ impl SweepSnapshot {
                 ids: slice.iter().filter_map(|i| i.summary_id.clone()).collect(),
             },
         };
-        let summary_id = summary_id(
-            &self.conversation,
-            kind,
-            depth,
-            &covers,
-            &draft.content,
-            &draft.prompt_version,
-        );
-        SummaryRecorded {
-            summary_id,
-            job_id: Some(self.job.job_id.clone()),
-            kind,
-            depth,
-            covers,
-            content: draft.content.clone(),
-            source_tokens: run.tokens,
-            tokens: tokens::count_text(self.encoding, &draft.content),
-            model: draft.model.clone(),
-            provider: draft.provider.clone(),
-            prompt_version: draft.prompt_version.clone(),
-            fallback: draft.fallback,
-            supersedes: None,
-        }
+        self.recorded(kind, depth, covers, run.tokens, draft, None)
     }
 
     /// The record of a re-summarization: the replaced summary's kind,
@@ -428,16 +406,29 @@ impl SweepSnapshot {
             (SummaryKind::Leaf, 0, Covers::Turns { first: 0, last: 0 }, 0),
             |r| (r.kind, r.depth, r.covers.clone(), r.source_tokens),
         );
-        let summary_id = summary_id(
-            &self.conversation,
-            kind,
-            depth,
-            &covers,
-            &draft.content,
-            &draft.prompt_version,
-        );
+        let supersedes = item.and_then(|item| item.summary_id.clone());
+        self.recorded(kind, depth, covers, source_tokens, draft, supersedes)
+    }
+
+    /// A draft as a content-addressed record of this job.
+    fn recorded(
+        &self,
+        kind: SummaryKind,
+        depth: u32,
+        covers: Covers,
+        source_tokens: u64,
+        draft: &SummaryDraft,
+        supersedes: Option<String>,
+    ) -> SummaryRecorded {
         SummaryRecorded {
-            summary_id,
+            summary_id: summary_id(
+                &self.conversation,
+                kind,
+                depth,
+                &covers,
+                &draft.content,
+                &draft.prompt_version,
+            ),
             job_id: Some(self.job.job_id.clone()),
             kind,
             depth,
@@ -449,7 +440,7 @@ impl SweepSnapshot {
             provider: draft.provider.clone(),
             prompt_version: draft.prompt_version.clone(),
             fallback: draft.fallback,
-            supersedes: item.and_then(|item| item.summary_id.clone()),
+            supersedes,
         }
     }
 
