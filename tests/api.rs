@@ -486,22 +486,14 @@ fn golden_history() {
 /// looks (`CONTEXTFOLD_NATS_SERVER`, `$CONTEXTFOLD_VENV/bin`, `.venv/bin`);
 /// without one the test prints why it skips, unless
 /// `CONTEXTFOLD_REQUIRE_NATS` is set, which makes it fail.
+/// Whether a nats-server is installed; without one these tests skip,
+/// unless `CONTEXTFOLD_REQUIRE_NATS` is set (as in CI).
 fn nats_available() -> bool {
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let mut candidates: Vec<PathBuf> = Vec::new();
-    if let Some(p) = std::env::var_os("CONTEXTFOLD_NATS_SERVER") {
-        candidates.push(PathBuf::from(p));
-    }
-    if let Some(v) = std::env::var_os("CONTEXTFOLD_VENV") {
-        candidates.push(PathBuf::from(v).join("bin/nats-server"));
-    }
-    candidates.push(manifest.join(".venv/bin/nats-server"));
-    if candidates.iter().any(|p| p.is_file()) {
+    let Err(msg) = support::nats_server::find_binary() else {
         return true;
-    }
-    let msg = "no nats-server binary: run scripts/install-nats.sh or set CONTEXTFOLD_NATS_SERVER";
+    };
     if std::env::var_os("CONTEXTFOLD_REQUIRE_NATS").is_some() {
-        panic!("CONTEXTFOLD_REQUIRE_NATS is set but there is {msg}");
+        panic!("CONTEXTFOLD_REQUIRE_NATS is set but: {msg}");
     }
     use std::io::Write;
     let _ = writeln!(std::io::stderr(), "SKIPPED: {msg}");
