@@ -33,8 +33,8 @@ use crate::core::summary::{RollingStateRequest, SummaryDraft, SummaryRequest};
 use crate::runtime::sweep::{Allowance, PassError, PassSummarizer, Spend};
 use crate::summarizer::external::{ExternalSummarizer, WithFallback};
 use crate::summarizer::{
-    CallLog, CallRecord, DeterministicSummarizer, EscalatingSummarizer, LlmSummarizer,
-    SummarizeError, Summarizer, SummarizerConfig, SummaryOutcome,
+    CallLog, CallRecord, EscalatingSummarizer, LlmSummarizer, SummarizeError, Summarizer,
+    SummarizerConfig, SummaryOutcome,
 };
 use std::sync::{Arc, Mutex};
 
@@ -229,15 +229,6 @@ impl ExternalPass {
     }
 }
 
-/// The deterministic path: no model, no spend.
-pub type DeterministicPass = SummarizerPass<DeterministicSummarizer>;
-
-impl DeterministicPass {
-    pub fn deterministic() -> Self {
-        SummarizerPass::new(DeterministicSummarizer, None, None)
-    }
-}
-
 impl LlmPass {
     /// The LLM path for `config`, with the API key from the environment
     /// variable the config names.
@@ -392,6 +383,7 @@ mod tests {
     use crate::core::message::Role;
     use crate::core::summary::{IdentifierPolicy, SourceItem};
     use crate::summarizer::CallOutcome;
+    use crate::summarizer::DeterministicSummarizer;
     use std::sync::atomic::{AtomicU32, Ordering};
 
     fn request() -> SummaryRequest {
@@ -553,8 +545,8 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn the_deterministic_pass_spends_nothing() {
-        let p = DeterministicPass::deterministic();
+    async fn the_deterministic_summarizer_through_a_pass_spends_nothing() {
+        let p = SummarizerPass::new(DeterministicSummarizer, None, None);
         let (draft, spend) = p.summarize(&request()).await.unwrap();
         assert!(draft.fallback);
         assert_eq!(spend, Spend::default());
