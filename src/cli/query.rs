@@ -161,7 +161,11 @@ async fn ask_over_nats(config: &Config, nats: &NatsArgs, query: &Query) -> Resul
             Err(ReplyError::Api(e))
                 if e.code == ErrorCode::NotOwner && tokio::time::Instant::now() < patience =>
             {
-                let pause = Duration::from_millis(e.retry_after_ms.unwrap_or(500).clamp(50, 5_000));
+                let pause = Duration::from_millis(
+                    e.retry_after_ms
+                        .unwrap_or(api::DEFAULT_NOT_OWNER_RETRY_MS)
+                        .clamp(50, 5_000),
+                );
                 tracing::debug!(%subject, ?pause, "not owner; asking again");
                 tokio::time::sleep(pause).await;
             }
