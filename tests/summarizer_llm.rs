@@ -18,6 +18,8 @@ use contextfold::core::summary::{
     IdentifierPolicy, RollingStateRequest, SourceItem, SummaryRequest, ROLLING_STATE_MAX_CHARS,
 };
 use contextfold::core::tokens::{count_text, Encoding};
+use contextfold::runtime::llm_pass::ExternalPass;
+use contextfold::runtime::sweep::PassSummarizer;
 use contextfold::summarizer::breaker::ManualClock;
 use contextfold::summarizer::config::ExternalConfig;
 use contextfold::summarizer::prompts::MISSING_IDENTIFIERS_PHRASE;
@@ -843,4 +845,21 @@ async fn external_summarizer_over_nats_falls_back_to_the_built_in_path() {
     assert_eq!(out.draft.model, "m-builtin");
     assert_eq!(out.calls[0].outcome, CallOutcome::Connect);
     assert_eq!(builtin.received().len(), expected_builtin_calls + 1);
+
+    // The pass `serve` runs with `[summarizer.external]`: the team first,
+    // the built-in path when the team fails.
+    let pass = ExternalPass::external(&external_cfg("summarize.team"), client.clone())
+        .expect("external pass");
+    let (draft, _) = PassSummarizer::summarize(&pass, &named("team:ok"))
+        .await
+        .unwrap();
+    assert_eq!(draft.model, "team-model");
+    assert_eq!(builtin.received().len(), expected_builtin_calls + 1);
+    let (draft, spend) = PassSummarizer::summarize(&pass, &named("team:error"))
+        .await
+        .unwrap();
+    assert_eq!(draft.model, "m-builtin");
+    assert!(!draft.fallback);
+    assert_eq!(builtin.received().len(), expected_builtin_calls + 2);
+    assert!(spend.calls >= 1, "the built-in call is spent: {spend:?}");
 }
