@@ -151,16 +151,6 @@ fn call(id: &str, name: &str, arguments: &str) -> ToolCall {
     }
 }
 
-fn turn(message: ChatMessage) -> TurnAppended {
-    TurnAppended {
-        message,
-        model: None,
-        sender: None,
-        usage: None,
-        metadata: None,
-    }
-}
-
 fn messages() -> Vec<ChatMessage> {
     let image = ContentPart {
         kind: "image_url".into(),
@@ -261,10 +251,10 @@ fn samples() -> Vec<Envelope> {
     push(EventBody::TurnAppended(TurnAppended {
         model: Some("gpt-4o".into()),
         sender: Some("airline-frontdesk".into()),
-        ..turn(ChatMessage::text(Role::User, "I'd like to book a flight."))
+        ..TurnAppended::from(ChatMessage::text(Role::User, "I'd like to book a flight."))
     }));
     for message in messages() {
-        push(EventBody::TurnAppended(turn(message)));
+        push(EventBody::TurnAppended(TurnAppended::from(message)));
     }
     let mut metadata = Map::new();
     metadata.insert("tool_latency_ms".into(), json!(74));
@@ -285,7 +275,7 @@ fn samples() -> Vec<Envelope> {
     push(EventBody::TurnAppended(TurnAppended {
         usage: Some(ProviderUsage::default()),
         metadata: Some(Map::new()),
-        ..turn(ChatMessage::text(Role::User, ""))
+        ..TurnAppended::from(ChatMessage::text(Role::User, ""))
     }));
 
     push(EventBody::ProviderErrorObserved(ProviderErrorObserved {

@@ -22,9 +22,10 @@
 //! Aider writes the session start in local time without a zone; it is read
 //! as UTC, and turns follow it one second apart.
 
-use super::draft::{self, Draft};
+use super::draft::Draft;
 use super::timestamp::parse_iso8601;
 use super::{ImportError, Source};
+use crate::core::event::TurnAppended;
 use crate::core::message::{ChatMessage, Role};
 
 /// True when the text has an aider session header, or both user (`#### `)
@@ -105,14 +106,14 @@ impl<'a> Session<'a> {
             return;
         }
         let turn = match block {
-            Block::User => draft::turn(ChatMessage::text(Role::User, text)),
+            Block::User => TurnAppended::from(ChatMessage::text(Role::User, text)),
             Block::Console => {
                 let mut m = ChatMessage::text(Role::User, text);
                 m.name = Some("console".to_string());
-                draft::turn(m)
+                TurnAppended::from(m)
             }
             Block::Assistant => {
-                let mut turn = draft::turn(ChatMessage::text(Role::Assistant, text));
+                let mut turn = TurnAppended::from(ChatMessage::text(Role::Assistant, text));
                 turn.model = self.model.clone();
                 turn
             }

@@ -26,7 +26,7 @@ use super::blocks::{piece, read_content, Block, Piece, TextOrBlocks};
 use super::draft::{self, content_from_parts, text_part, usage, Draft, Item, ItemKind};
 use super::timestamp::parse_iso8601;
 use super::{ImportError, Source};
-use crate::core::event::ProviderUsage;
+use crate::core::event::{ProviderUsage, TurnAppended};
 use crate::core::message::{ChatMessage, Content, ContentPart, Role, ToolCall};
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -224,7 +224,7 @@ pub(crate) fn parse(source: &Source<'_>) -> Result<Vec<Draft>, ImportError> {
                                 m.content = content_from_parts(result)
                                     .or(Some(Content::Text(String::new())));
                                 m.tool_call_id = Some(call_id);
-                                let mut turn = draft::turn(m);
+                                let mut turn = TurnAppended::from(m);
                                 if is_error == Some(true) {
                                     draft::set_metadata(&mut turn, "is_error", Value::Bool(true));
                                 }
@@ -240,7 +240,7 @@ pub(crate) fn parse(source: &Source<'_>) -> Result<Vec<Draft>, ImportError> {
                 }
             }
             if let Some(content) = content_from_parts(parts) {
-                let mut turn = draft::turn(ChatMessage {
+                let mut turn = TurnAppended::from(ChatMessage {
                     content: Some(content),
                     ..ChatMessage::text(Role::User, "")
                 });
@@ -262,7 +262,7 @@ pub(crate) fn parse(source: &Source<'_>) -> Result<Vec<Draft>, ImportError> {
                 if a.parts.is_empty() && a.calls.is_empty() {
                     continue;
                 }
-                let mut turn = draft::turn(ChatMessage {
+                let mut turn = TurnAppended::from(ChatMessage {
                     role: Role::Assistant,
                     content: content_from_parts(a.parts),
                     tool_calls: a.calls,

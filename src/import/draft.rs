@@ -31,7 +31,7 @@ use crate::core::event::Envelope;
 use crate::core::event::{
     EventBody, ModelDeclared, ProviderErrorObserved, ProviderUsage, TurnAppended,
 };
-use crate::core::message::{ChatMessage, Content, ContentPart, Role};
+use crate::core::message::{Content, ContentPart, Role};
 use serde_json::{Map, Value};
 use std::collections::HashSet;
 
@@ -109,17 +109,6 @@ impl Draft {
         self.items
             .iter()
             .any(|i| matches!(i.kind, ItemKind::Turn(_)))
-    }
-}
-
-/// A turn with nothing but a message.
-pub(crate) fn turn(message: ChatMessage) -> TurnAppended {
-    TurnAppended {
-        message,
-        model: None,
-        sender: None,
-        usage: None,
-        metadata: None,
     }
 }
 
@@ -349,7 +338,7 @@ pub(crate) fn repair_tool_pairing(items: &mut [Item]) -> PairingRepairs {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::message::{FunctionCall, ToolCall};
+    use crate::core::message::{ChatMessage, FunctionCall, ToolCall};
 
     fn call(id: &str) -> ToolCall {
         ToolCall {
@@ -368,7 +357,7 @@ mod tests {
         m.tool_calls = ids.iter().map(|id| call(id)).collect();
         Item {
             time: None,
-            kind: ItemKind::Turn(turn(m)),
+            kind: ItemKind::Turn(TurnAppended::from(m)),
         }
     }
 
@@ -377,14 +366,14 @@ mod tests {
         m.tool_call_id = Some(id.to_string());
         Item {
             time: None,
-            kind: ItemKind::Turn(turn(m)),
+            kind: ItemKind::Turn(TurnAppended::from(m)),
         }
     }
 
     fn user(text: &str) -> Item {
         Item {
             time: None,
-            kind: ItemKind::Turn(turn(ChatMessage::text(Role::User, text))),
+            kind: ItemKind::Turn(TurnAppended::from(ChatMessage::text(Role::User, text))),
         }
     }
 
@@ -436,13 +425,19 @@ mod tests {
     #[test]
     fn models_are_declared_first_and_on_change() {
         let mut d = Draft::new(None);
-        d.push_turn(Some(5_000), turn(ChatMessage::text(Role::User, "hi")));
-        let mut a = turn(ChatMessage::text(Role::Assistant, "hello"));
+        d.push_turn(
+            Some(5_000),
+            TurnAppended::from(ChatMessage::text(Role::User, "hi")),
+        );
+        let mut a = TurnAppended::from(ChatMessage::text(Role::Assistant, "hello"));
         a.model = Some("m1".into());
         d.push_turn(None, a);
         d.push_model(None, "m1");
         d.push_model(Some(1_000), "m2");
-        d.push_turn(None, turn(ChatMessage::text(Role::User, "again")));
+        d.push_turn(
+            None,
+            TurnAppended::from(ChatMessage::text(Role::User, "again")),
+        );
         let (conv, events) = finish(d, "stem").unwrap();
         assert_eq!(conv, "stem");
         let kinds: Vec<_> = events.iter().map(|e| e.type_name()).collect();

@@ -14,9 +14,10 @@
 //! assistant's `function_call` (given a call id `function_call_<n>`).
 
 use super::blocks::arguments_string;
-use super::draft::{self, Draft};
+use super::draft::Draft;
 use super::ImportError;
 use super::{JsonShape, Source};
+use crate::core::event::TurnAppended;
 use crate::core::message::{ChatMessage, Content, FunctionCall, Role, ToolCall};
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -277,7 +278,7 @@ fn add_messages<'a>(
             .convert(message)
             .map_err(|why| source.json_error_at(source.offset_of(raw), why))?;
         for m in converted {
-            d.push_turn(None, draft::turn(m));
+            d.push_turn(None, TurnAppended::from(m));
         }
     }
     Ok(())

@@ -19,6 +19,7 @@ use super::draft::{self, content_from_parts, image_part, text_part, usage, Draft
 use super::openai::RawToolCall;
 use super::timestamp::parse_iso8601;
 use super::{ImportError, JsonShape, Source};
+use crate::core::event::TurnAppended;
 use crate::core::message::{ChatMessage, Content, ContentPart, FunctionCall, Role, ToolCall};
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -130,7 +131,7 @@ pub(crate) fn parse(source: &Source<'_>) -> Result<Vec<Draft>, ImportError> {
                 tool_call_id: Some(call_id),
                 name: meta.function_name.clone(),
             };
-            d.push_turn(time, draft::turn(m));
+            d.push_turn(time, TurnAppended::from(m));
             continue;
         }
         let Some(action) = event.action.as_deref() else {
@@ -160,7 +161,7 @@ pub(crate) fn parse(source: &Source<'_>) -> Result<Vec<Draft>, ImportError> {
                 if let Some(content) = content_from_parts(parts) {
                     d.push_turn(
                         time,
-                        draft::turn(ChatMessage {
+                        TurnAppended::from(ChatMessage {
                             content: Some(content),
                             ..ChatMessage::text(role, "")
                         }),
@@ -169,7 +170,10 @@ pub(crate) fn parse(source: &Source<'_>) -> Result<Vec<Draft>, ImportError> {
             }
             ("system", None) => {
                 if let Some(text) = args.get("content").and_then(Value::as_str) {
-                    d.push_turn(time, draft::turn(ChatMessage::text(Role::System, text)));
+                    d.push_turn(
+                        time,
+                        TurnAppended::from(ChatMessage::text(Role::System, text)),
+                    );
                 }
             }
             (_, Some((call_id, meta))) => {
@@ -226,7 +230,7 @@ pub(crate) fn parse(source: &Source<'_>) -> Result<Vec<Draft>, ImportError> {
                             ),
                             None => (None, Vec::new()),
                         };
-                        let mut turn = draft::turn(ChatMessage {
+                        let mut turn = TurnAppended::from(ChatMessage {
                             role: Role::Assistant,
                             content,
                             tool_calls: calls,
@@ -248,7 +252,7 @@ pub(crate) fn parse(source: &Source<'_>) -> Result<Vec<Draft>, ImportError> {
                             .and_then(Value::as_str)
                             .filter(|t| !t.is_empty())
                             .map(|t| Content::Text(t.to_string()));
-                        draft::turn(ChatMessage {
+                        TurnAppended::from(ChatMessage {
                             role: Role::Assistant,
                             content: thought,
                             tool_calls: Vec::new(),

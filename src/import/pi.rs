@@ -20,6 +20,7 @@ use super::blocks::{piece, read_content, Piece, TextOrBlocks};
 use super::draft::{self, content_from_parts, text_part, usage, Draft};
 use super::timestamp::parse_iso8601;
 use super::{ImportError, Source};
+use crate::core::event::TurnAppended;
 use crate::core::message::{ChatMessage, Content, Role};
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -178,7 +179,7 @@ fn add_message(
             if parts.is_empty() && calls.is_empty() {
                 return Ok(());
             }
-            let mut turn = draft::turn(ChatMessage {
+            let mut turn = TurnAppended::from(ChatMessage {
                 role,
                 content: content_from_parts(parts),
                 tool_calls: calls,
@@ -212,7 +213,7 @@ fn add_message(
                     })
                     .collect(),
             };
-            let mut turn = draft::turn(ChatMessage {
+            let mut turn = TurnAppended::from(ChatMessage {
                 role: Role::Tool,
                 content: content_from_parts(parts).or(Some(Content::Text(String::new()))),
                 tool_calls: Vec::new(),
@@ -230,7 +231,7 @@ fn add_message(
             }
             let mut m = ChatMessage::text(Role::User, bash_execution_text(&message));
             m.name = Some("console".to_string());
-            d.push_turn(time, draft::turn(m));
+            d.push_turn(time, TurnAppended::from(m));
         }
         _ => {}
     }
