@@ -614,7 +614,7 @@ fn fold_records<B: KvBackend>(
         }
         let applied = match Envelope::decode(&record.bytes, record.encoding) {
             Ok(event) => match misrouted(subjects, partition, &subject, &event) {
-                None => engine.apply_at(record.position, &event),
+                None => engine.apply_at(record.position, event),
                 // Attributed to no conversation: folding it into this
                 // partition's state would split the conversation.
                 Some(reason) => engine.reject(&record, None, &reason),

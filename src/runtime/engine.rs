@@ -35,7 +35,8 @@ pub struct Engine<B: KvBackend> {
 /// shape: a store written by another layout is then rebuilt from the log,
 /// so its state (and hash) is always the one a clean replay gives.
 /// 2: the duplicate and flood guards keep sketches of the turns they saw.
-pub const STATE_LAYOUT: u32 = 2;
+/// 3: one chunk record per conversation per commit, not one per item.
+pub const STATE_LAYOUT: u32 = 3;
 
 /// A fingerprint of the policy and the state layout: state folded under
 /// another policy, or stored in another layout, is rebuilt from the log.
@@ -86,10 +87,11 @@ impl<B: KvBackend> Engine<B> {
     }
 
     /// Folds an event the caller already decoded from the record at
-    /// `position` (saves a second decode when the caller inspects it).
-    pub fn apply_at(&mut self, position: Position, event: &Envelope) -> Applied {
+    /// `position` (saves a second decode when the caller inspects it); its
+    /// turn moves into the state uncopied.
+    pub fn apply_at(&mut self, position: Position, event: Envelope) -> Applied {
         self.position = self.position.max(position);
-        self.apply_event(event, None)
+        self.apply_owned(event)
     }
 
     /// Rejects a record without folding it: undecodable bytes, or a record

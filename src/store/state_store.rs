@@ -1,6 +1,9 @@
 //! The state layout over a [`KvBackend`]: each conversation is a head (its
-//! small, changing fields) plus append-only records (turns, summaries,
-//! applied ids, history), so a commit writes only what changed. The log
+//! small, changing fields) plus append-only chunks, so a commit writes only
+//! what changed. A chunk holds what one commit appended to a conversation's
+//! turns, summaries, applied ids and history: one record per conversation
+//! per commit rather than one per item, because the store's cost is per
+//! record (a busy partition commits hundreds of turns at once). The log
 //! position the state reflects is written in the same atomic commit.
 
 use crate::core::state::{Conversation, HistoryEntry, IdDigest, State, Summary, Turn};
@@ -13,30 +16,49 @@ const POLICY_KEY: &[u8] = b"policy";
 const UNATTRIBUTED_KEY: &[u8] = b"unattributed_rejections";
 const GLOBAL_SPEND_KEY: &[u8] = b"global_spend";
 
-const KIND_TURN: u8 = 1;
-const KIND_SUMMARY: u8 = 2;
-const KIND_APPLIED: u8 = 3;
-const KIND_HISTORY: u8 = 4;
+/// Key kind of a conversation's chunks (after the conversation key and a 0).
+const KIND_CHUNK: u8 = 5;
 
-/// How much of each append-only vector is already on disk.
+/// How much of each append-only vector is already on disk, and how many
+/// chunks hold it.
 #[derive(Debug, Clone, Copy, Default)]
 struct Persisted {
     turns: usize,
     summaries: usize,
     applied: usize,
     history: usize,
+    chunks: u64,
 }
 
 impl Persisted {
-    /// All of `conv`'s records, as they are once it is committed.
-    fn of(conv: &Conversation) -> Persisted {
+    /// All of `conv`'s records, as they are once it is committed in `chunks`.
+    fn of(conv: &Conversation, chunks: u64) -> Persisted {
         Persisted {
             turns: conv.turns.len(),
             summaries: conv.summaries.len(),
             applied: conv.applied.len(),
             history: conv.history.len(),
+            chunks,
         }
     }
+}
+
+/// What one commit appended to a conversation (borrowed when written).
+#[derive(serde::Serialize)]
+struct ChunkRef<'a> {
+    turns: &'a [Turn],
+    summaries: &'a [Summary],
+    applied: &'a [IdDigest],
+    history: &'a [HistoryEntry],
+}
+
+/// A chunk as read back.
+#[derive(serde::Deserialize)]
+struct Chunk {
+    turns: Vec<Turn>,
+    summaries: Vec<Summary>,
+    applied: Vec<IdDigest>,
+    history: Vec<HistoryEntry>,
 }
 
 /// Durable, incrementally written state.
@@ -48,12 +70,13 @@ pub struct StateStore<B: KvBackend> {
     pub flush_every: u32,
 }
 
-fn record_key(conv: &str, kind: u8, index: usize) -> Vec<u8> {
+/// Big-endian sequence numbers: a prefix scan reads chunks in commit order.
+fn chunk_key(conv: &str, seq: u64) -> Vec<u8> {
     let mut key = Vec::with_capacity(conv.len() + 10);
     key.extend_from_slice(conv.as_bytes());
     key.push(0);
-    key.push(kind);
-    key.extend_from_slice(&(index as u64).to_be_bytes());
+    key.push(KIND_CHUNK);
+    key.extend_from_slice(&seq.to_be_bytes());
     key
 }
 
@@ -118,28 +141,24 @@ impl<B: KvBackend> StateStore<B> {
             let mut conv: Conversation = decode(&head, "conversation head")?;
             let mut prefix = key.as_bytes().to_vec();
             prefix.push(0);
+            let mut chunks = 0;
             for (rk, value) in self.backend.scan_prefix(Table::Records, &prefix)? {
-                match rk.get(prefix.len()) {
-                    Some(&KIND_TURN) => conv.turns.push(decode::<Turn>(&value, "turn")?),
-                    Some(&KIND_SUMMARY) => {
-                        conv.summaries.push(decode::<Summary>(&value, "summary")?)
-                    }
-                    Some(&KIND_APPLIED) => {
-                        conv.applied.push(decode::<IdDigest>(&value, "applied id")?)
-                    }
-                    Some(&KIND_HISTORY) => conv
-                        .history
-                        .push(decode::<HistoryEntry>(&value, "history")?),
-                    _ => {
-                        return Err(StoreError::Corrupt {
-                            what: "record key".into(),
-                            detail: format!("{rk:?}"),
-                        })
-                    }
+                if rk.get(prefix.len()) != Some(&KIND_CHUNK) {
+                    return Err(StoreError::Corrupt {
+                        what: "record key".into(),
+                        detail: format!("{rk:?}"),
+                    });
                 }
+                let chunk: Chunk = decode(&value, "conversation chunk")?;
+                conv.turns.extend(chunk.turns);
+                conv.summaries.extend(chunk.summaries);
+                conv.applied.extend(chunk.applied);
+                conv.history.extend(chunk.history);
+                chunks += 1;
             }
             conv.rebuild_indexes();
-            self.persisted.insert(key.clone(), Persisted::of(&conv));
+            self.persisted
+                .insert(key.clone(), Persisted::of(&conv, chunks));
             state.conversations.insert(key, conv);
         }
         Ok((state, position))
@@ -154,39 +173,33 @@ impl<B: KvBackend> StateStore<B> {
         policy_fingerprint: &str,
     ) -> Result<(), StoreError> {
         let mut writes = Vec::new();
+        let mut committed = Vec::with_capacity(dirty.len());
         for key in dirty {
             let Some(conv) = state.conversations.get_mut(key) else {
                 continue;
             };
             let p = self.persisted.get(key).copied().unwrap_or_default();
-            for (i, t) in conv.turns.iter().enumerate().skip(p.turns) {
+            let chunk = ChunkRef {
+                turns: conv.turns.get(p.turns..).unwrap_or_default(),
+                summaries: conv.summaries.get(p.summaries..).unwrap_or_default(),
+                applied: conv.applied.get(p.applied..).unwrap_or_default(),
+                history: conv.history.get(p.history..).unwrap_or_default(),
+            };
+            let appended = !(chunk.turns.is_empty()
+                && chunk.summaries.is_empty()
+                && chunk.applied.is_empty()
+                && chunk.history.is_empty());
+            let chunks = if appended {
                 writes.push(Write::Put {
                     table: Table::Records,
-                    key: record_key(key, KIND_TURN, i),
-                    value: encode(t),
+                    key: chunk_key(key, p.chunks),
+                    value: encode(&chunk),
                 });
-            }
-            for (i, s) in conv.summaries.iter().enumerate().skip(p.summaries) {
-                writes.push(Write::Put {
-                    table: Table::Records,
-                    key: record_key(key, KIND_SUMMARY, i),
-                    value: encode(s),
-                });
-            }
-            for (i, a) in conv.applied.iter().enumerate().skip(p.applied) {
-                writes.push(Write::Put {
-                    table: Table::Records,
-                    key: record_key(key, KIND_APPLIED, i),
-                    value: encode(a),
-                });
-            }
-            for (i, h) in conv.history.iter().enumerate().skip(p.history) {
-                writes.push(Write::Put {
-                    table: Table::Records,
-                    key: record_key(key, KIND_HISTORY, i),
-                    value: encode(h),
-                });
-            }
+                p.chunks + 1
+            } else {
+                p.chunks
+            };
+            committed.push((key, chunks));
             // The head is everything but the append-only vectors.
             let turns = std::mem::take(&mut conv.turns);
             let summaries = std::mem::take(&mut conv.summaries);
@@ -231,12 +244,18 @@ impl<B: KvBackend> StateStore<B> {
         if durable {
             self.commits_since_flush = 0;
         }
-        for key in dirty {
+        for (key, chunks) in committed {
             if let Some(conv) = state.conversations.get(key) {
-                self.persisted.insert(key.clone(), Persisted::of(conv));
+                self.persisted
+                    .insert(key.clone(), Persisted::of(conv, chunks));
             }
         }
         Ok(())
+    }
+
+    /// The backend under the layout (e.g. to reopen a copy of it).
+    pub fn backend(&self) -> &B {
+        &self.backend
     }
 
     pub fn flush(&mut self) -> Result<(), StoreError> {
