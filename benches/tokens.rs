@@ -1,5 +1,6 @@
-//! Token counting throughput: bpe-openai (`count_text`, what the fold uses)
-//! against tiktoken-rs (`count_text_tiktoken`, the reference), in o200k_base
+//! Token counting throughput: bpe-openai (`count_text`, what the fold uses,
+//! with its memo of short pieces; `count_text_unremembered`, bpe-openai
+//! alone) against tiktoken-rs (`count_text_tiktoken`, the reference), in o200k_base
 //! and cl100k_base, over real agent text counted per message as the fold
 //! counts it: the tau-bench airline transcripts and aider's chat history
 //! from `../shared/data` (set `CONTEXTFOLD_SHARED_DATA` to point elsewhere).
@@ -13,7 +14,9 @@
 #[path = "../tests/corpus/mod.rs"]
 mod corpus;
 
-use contextfold::core::tokens::{count_text, count_text_tiktoken, Encoding};
+use contextfold::core::tokens::{
+    count_text, count_text_tiktoken, count_text_unremembered, Encoding,
+};
 use corpus::Corpus;
 use divan::counter::BytesCount;
 use divan::Bencher;
@@ -91,6 +94,11 @@ fn run(bencher: Bencher, input: Input, count: Counter) {
 #[divan::bench(args = inputs(), sample_count = 10, sample_size = 1)]
 fn bpe_openai(bencher: Bencher, input: Input) {
     run(bencher, input, count_text);
+}
+
+#[divan::bench(args = inputs(), sample_count = 10, sample_size = 1)]
+fn bpe_openai_unremembered(bencher: Bencher, input: Input) {
+    run(bencher, input, count_text_unremembered);
 }
 
 #[divan::bench(args = inputs(), sample_count = 10, sample_size = 1)]
