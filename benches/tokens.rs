@@ -1,6 +1,7 @@
-//! Token counting throughput: bpe-openai (`count_text`, what the fold uses,
-//! with its memo of short pieces; `count_text_unremembered`, bpe-openai
-//! alone) against tiktoken-rs (`count_text_tiktoken`, the reference), in o200k_base
+//! Token counting throughput: `count_text` (what the fold uses: our
+//! pre-tokenizer, a memo of short pieces' counts, bpe-openai's BPE; the
+//! `bpe_openai` rows), bpe-openai alone (`count_text_unremembered`) and
+//! tiktoken-rs (`count_text_tiktoken`, the reference), in o200k_base
 //! and cl100k_base, over real agent text counted per message as the fold
 //! counts it: the tau-bench airline transcripts and aider's chat history
 //! from `../shared/data` (set `CONTEXTFOLD_SHARED_DATA` to point elsewhere).

@@ -6,8 +6,12 @@
 //! as well: a real BPE over the text is a better estimate for Claude, Llama
 //! or Qwen than characters / 4, and it keeps counts stable across models.
 //! The BPE engine is `bpe-openai` (same counts as tiktoken-rs, faster: see
-//! `benches/tokens.rs` and the README); tiktoken-rs stays available for the
+//! `benches/tokens.rs` and the README), fed by our own pre-tokenizer
+//! ([`pretokenizer`]: the same pieces, mostly without the regex) and a memo
+//! of the counts of short pieces; tiktoken-rs stays available for the
 //! comparison and as the reference in tests.
+
+mod pretokenizer;
 
 use crate::core::message::ChatMessage;
 use rustc_hash::FxHashMap;
@@ -94,15 +98,15 @@ pub fn count_text(encoding: Encoding, text: &str) -> u64 {
         let mut memo = memo.borrow_mut();
         let remembered = &mut memo.0[encoding as usize];
         let mut total = 0u64;
-        for piece in tokenizer.split(text) {
+        pretokenizer::for_each_piece(encoding, text, |piece| {
             let piece = piece.as_bytes();
             if piece.len() > REMEMBERED_PIECE_BYTES {
                 total += tokenizer.bpe.count(piece) as u64;
-                continue;
+                return;
             }
             if let Some(&n) = remembered.get(piece) {
                 total += u64::from(n);
-                continue;
+                return;
             }
             let n = tokenizer.bpe.count(piece) as u32;
             if remembered.len() >= REMEMBERED_PIECES {
@@ -110,7 +114,7 @@ pub fn count_text(encoding: Encoding, text: &str) -> u64 {
             }
             remembered.insert(piece.into(), n);
             total += u64::from(n);
-        }
+        });
         total
     })
 }

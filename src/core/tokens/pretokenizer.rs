@@ -1,0 +1,375 @@
+//! Pre-tokenization: the split of text into the pieces BPE encodes one by
+//! one, with the very patterns of `o200k_base` and `cl100k_base` as
+//! bpe-openai writes them (tiktoken's patterns, with the `\s+(?!\S)`
+//! look-ahead emulated by a second pattern whose last character is given
+//! back).
+//!
+//! Two paths give the same pieces:
+//! - ASCII text (most agent traffic: English, code, JSON, logs) is split by
+//!   hand-written rules that follow the patterns' leftmost-first semantics
+//!   for ASCII characters, at a fraction of the regex's cost per piece;
+//! - any other text goes through the regex. bpe-openai searches through
+//!   the regex's shared cache pool, which is a mutex for every thread but
+//!   the first one to use it (per piece, on the folder's blocking threads);
+//!   here each thread keeps its own search cache.
+//!
+//! The tests split random ASCII over the characters the rules tell apart
+//! both ways and compare with bpe-openai's own split.
+
+use super::Encoding;
+use regex_automata::meta::{Cache, Regex};
+use regex_automata::{Anchored, Input};
+use std::cell::RefCell;
+use std::sync::LazyLock;
+
+struct Patterns {
+    regex: Regex,
+    /// Per pattern: whether its last character is a look-ahead to give back.
+    lookahead: [bool; 3],
+}
+
+impl Patterns {
+    fn new(main: &str) -> Patterns {
+        let regex = Regex::new_many(&[main, r"\s+\s", r"\s+"])
+            .expect("the pre-tokenization patterns compile");
+        Patterns {
+            regex,
+            lookahead: [false, true, false],
+        }
+    }
+}
+
+static O200K: LazyLock<Patterns> = LazyLock::new(|| {
+    Patterns::new(
+        &[
+            r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+            r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+            r"\p{N}{1,3}",
+            r" ?[^\s\p{L}\p{N}]+[\r\n/]*",
+            r"\s*[\r\n]+",
+            r"\s+$",
+        ]
+        .join("|"),
+    )
+});
+
+static CL100K: LazyLock<Patterns> = LazyLock::new(|| {
+    Patterns::new(
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+$",
+    )
+});
+
+fn patterns(encoding: Encoding) -> &'static Patterns {
+    match encoding {
+        Encoding::O200kBase => &O200K,
+        Encoding::Cl100kBase => &CL100K,
+    }
+}
+
+thread_local! {
+    static CACHES: RefCell<[Option<Cache>; 2]> = const { RefCell::new([None, None]) };
+}
+
+/// Calls `piece` with each piece of `text`, in order.
+pub fn for_each_piece(encoding: Encoding, text: &str, mut piece: impl FnMut(&str)) {
+    if text.is_ascii() {
+        ascii::split(encoding, text, piece);
+        return;
+    }
+    // Mixed text: the ASCII rules wherever the bytes they look at (the
+    // piece and the three bytes after it) are ASCII, the regex elsewhere.
+    let t = text.as_bytes();
+    let patterns = patterns(encoding);
+    CACHES.with(|caches| {
+        let mut caches = caches.borrow_mut();
+        let cache = caches[encoding as usize].get_or_insert_with(|| patterns.regex.create_cache());
+        let mut i = 0;
+        let mut non_ascii = first_non_ascii(t, 0);
+        while i < t.len() {
+            if non_ascii < i {
+                non_ascii = first_non_ascii(t, i);
+            }
+            if i < non_ascii {
+                let end = ascii::piece_end(encoding, t, i);
+                if non_ascii == t.len() || end + LOOKS_PAST_PIECE < non_ascii {
+                    piece(&text[i..end]);
+                    i = end;
+                    continue;
+                }
+            }
+            let Some(end) = regex_piece_end(patterns, cache, text, i) else {
+                break;
+            };
+            piece(&text[i..end]);
+            i = end;
+        }
+    });
+}
+
+/// How far past a piece's end the ASCII rules may look (a contraction
+/// after a word: `'ll`).
+const LOOKS_PAST_PIECE: usize = 3;
+
+fn first_non_ascii(t: &[u8], from: usize) -> usize {
+    t[from..]
+        .iter()
+        .position(|b| !b.is_ascii())
+        .map_or(t.len(), |n| from + n)
+}
+
+/// The end of the piece at `start`, as the regex finds it.
+fn regex_piece_end(
+    patterns: &Patterns,
+    cache: &mut Cache,
+    text: &str,
+    start: usize,
+) -> Option<usize> {
+    let input = Input::new(&text[start..]).anchored(Anchored::Yes);
+    let m = patterns.regex.search_with(cache, &input)?;
+    let mut end = start + m.range().end;
+    if patterns.lookahead[m.pattern().as_usize()] {
+        // The look-ahead pattern always matches two or more whitespace
+        // characters, so one is left after giving one back.
+        end -= text[start..end]
+            .chars()
+            .next_back()
+            .map_or(0, char::len_utf8);
+    }
+    (end > start).then_some(end)
+}
+
+#[cfg(test)]
+fn split_by_regex(encoding: Encoding, text: &str, mut piece: impl FnMut(&str)) {
+    let patterns = patterns(encoding);
+    let mut cache = patterns.regex.create_cache();
+    let mut start = 0;
+    while let Some(end) = regex_piece_end(patterns, &mut cache, text, start) {
+        piece(&text[start..end]);
+        start = end;
+    }
+}
+
+/// The patterns restricted to ASCII, where `\p{L}` is `[A-Za-z]` (upper
+/// case `Lu`, lower case `Ll`, no `Lt`/`Lm`/`Lo`/`M`), `\p{N}` is `[0-9]`
+/// and `\s` is `[\t\n\x0B\x0C\r ]`. Each rule below is one alternative,
+/// tried in the patterns' order; the first that matches gives the piece.
+mod ascii {
+    use super::Encoding;
+
+    fn is_letter(b: u8) -> bool {
+        b.is_ascii_alphabetic()
+    }
+    fn is_digit(b: u8) -> bool {
+        b.is_ascii_digit()
+    }
+    fn is_space(b: u8) -> bool {
+        matches!(b, b'\t' | b'\n' | 0x0B | 0x0C | b'\r' | b' ')
+    }
+    fn is_newline(b: u8) -> bool {
+        matches!(b, b'\r' | b'\n')
+    }
+    /// `[^\s\p{L}\p{N}]`
+    fn is_other(b: u8) -> bool {
+        !is_space(b) && !is_letter(b) && !is_digit(b)
+    }
+    /// `[^\r\n\p{L}\p{N}]`: the optional character before a word.
+    fn is_word_prefix(b: u8) -> bool {
+        !is_newline(b) && !is_letter(b) && !is_digit(b)
+    }
+
+    fn run(t: &[u8], from: usize, class: impl Fn(u8) -> bool) -> usize {
+        t[from..]
+            .iter()
+            .position(|&b| !class(b))
+            .map_or(t.len(), |n| from + n)
+    }
+
+    /// `(?i:'s|'t|'re|'ve|'m|'ll|'d)` at `i`: its end.
+    fn contraction(t: &[u8], i: usize) -> Option<usize> {
+        if t.get(i) != Some(&b'\'') {
+            return None;
+        }
+        let lower = |k: usize| t.get(i + k).map(u8::to_ascii_lowercase);
+        match lower(1)? {
+            b's' | b't' | b'm' | b'd' => Some(i + 2),
+            b'r' | b'v' if lower(2) == Some(b'e') => Some(i + 3),
+            b'l' if lower(2) == Some(b'l') => Some(i + 3),
+            _ => None,
+        }
+    }
+
+    /// The optional word prefix at `i`, taken if it is one (a greedy `?`
+    /// that only matters when letters follow it).
+    fn after_prefix(t: &[u8], i: usize) -> usize {
+        if is_word_prefix(t[i]) {
+            i + 1
+        } else {
+            i
+        }
+    }
+
+    /// o200k: `P?[Lu]*[Ll]+C?` then `P?[Lu]+[Ll]*C?`.
+    fn o200k_word(t: &[u8], i: usize) -> Option<usize> {
+        let start = after_prefix(t, i);
+        let upper_end = run(t, start, |b| b.is_ascii_uppercase());
+        let lower_end = run(t, upper_end, |b| b.is_ascii_lowercase());
+        // The first form needs a lower-case letter after the upper-case
+        // run; the second an upper-case letter (the prefix, if any, was
+        // taken: without it the word would have to start at a non-letter).
+        if lower_end > upper_end || upper_end > start {
+            Some(contraction(t, lower_end).unwrap_or(lower_end))
+        } else {
+            None
+        }
+    }
+
+    /// cl100k: `P?\p{L}+`.
+    fn cl100k_word(t: &[u8], i: usize) -> Option<usize> {
+        let start = after_prefix(t, i);
+        let end = run(t, start, is_letter);
+        (end > start).then_some(end)
+    }
+
+    /// ` ?[^\s\p{L}\p{N}]+` followed by `[\r\n/]*` (o200k) or `[\r\n]*`.
+    fn punctuation(t: &[u8], i: usize, slash_too: bool) -> Option<usize> {
+        let start = if t[i] == b' ' { i + 1 } else { i };
+        let end = run(t, start, is_other);
+        if end == start {
+            return None;
+        }
+        Some(run(t, end, |b| is_newline(b) || (slash_too && b == b'/')))
+    }
+
+    /// The whitespace alternatives, in order: `\s*[\r\n]+`, `\s+$`,
+    /// `\s+(?!\S)` (`\s+\s` giving the last character back), `\s+`.
+    fn whitespace(t: &[u8], i: usize) -> usize {
+        let end = run(t, i, is_space);
+        if let Some(last_newline) = t[i..end].iter().rposition(|&b| is_newline(b)) {
+            return i + last_newline + 1;
+        }
+        if end == t.len() || end - i < 2 {
+            end
+        } else {
+            end - 1
+        }
+    }
+
+    /// The end of the piece at `i` (`t[i]` is ASCII).
+    pub(super) fn piece_end(encoding: Encoding, t: &[u8], i: usize) -> usize {
+        let (word, slash_too) = match encoding {
+            Encoding::O200kBase => (o200k_word(t, i), true),
+            Encoding::Cl100kBase => (contraction(t, i).or_else(|| cl100k_word(t, i)), false),
+        };
+        if let Some(end) = word {
+            return end;
+        }
+        if is_digit(t[i]) {
+            return run(t, i, is_digit).min(i + 3);
+        }
+        if let Some(end) = punctuation(t, i, slash_too) {
+            return end;
+        }
+        whitespace(t, i)
+    }
+
+    pub(super) fn split(encoding: Encoding, text: &str, mut piece: impl FnMut(&str)) {
+        let t = text.as_bytes();
+        let mut i = 0;
+        while i < t.len() {
+            let end = piece_end(encoding, t, i);
+            // Every rule consumes at least one byte of ASCII text, so the
+            // slices fall on character boundaries.
+            piece(&text[i..end]);
+            i = end;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::strategy::Strategy;
+
+    fn pieces(encoding: Encoding, text: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        for_each_piece(encoding, text, |p| out.push(p.to_string()));
+        out
+    }
+
+    fn regex_pieces(encoding: Encoding, text: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        split_by_regex(encoding, text, |p| out.push(p.to_string()));
+        out
+    }
+
+    /// Characters the rules tell apart, and non-ASCII ones next to which
+    /// they must leave the decision to the regex: letters and digits
+    /// outside ASCII, Unicode spaces, a combining mark, `ſ` (matches `s`
+    /// case-insensitively).
+    const MIXED: [&str; 12] = [
+        "é", "ſ", "٣", "\u{85}", "\u{a0}", "日", "\u{301}", "É", "\u{2028}", "ǅ", "ʰ", "😀",
+    ];
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(4000))]
+        #[test]
+        fn mixed_text_splits_as_the_patterns_do(
+            parts in proptest::collection::vec(proptest::prop_oneof![
+                4 => proptest::sample::select(b"aZbYsSTtmMdDrReEvVlLxQ0159 \t\n\r\x0B\x0C'/.,(\"-_\x00\x7F~".to_vec())
+                    .prop_map(|b| (b as char).to_string()),
+                1 => proptest::sample::select(MIXED.to_vec()).prop_map(str::to_string),
+            ], 0..40)
+        ) {
+            let text: String = parts.concat();
+            for (encoding, reference) in [
+                (Encoding::O200kBase, bpe_openai::o200k_base()),
+                (Encoding::Cl100kBase, bpe_openai::cl100k_base()),
+            ] {
+                let expected: Vec<String> = reference.split(&text).map(str::to_string).collect();
+                proptest::prop_assert_eq!(&pieces(encoding, &text), &expected, "{:?} {:?}", encoding, text);
+            }
+        }
+
+        #[test]
+        fn ascii_rules_split_as_the_patterns_do(
+            bytes in proptest::collection::vec(proptest::sample::select(
+                b"aZbYsSTtmMdDrReEvVlLxQ0159 \t\n\r\x0B\x0C'/.,(\"-_\x00\x7F~".to_vec()), 0..40)
+        ) {
+            let text = String::from_utf8(bytes).unwrap();
+            for (encoding, reference) in [
+                (Encoding::O200kBase, bpe_openai::o200k_base()),
+                (Encoding::Cl100kBase, bpe_openai::cl100k_base()),
+            ] {
+                let expected: Vec<String> = reference.split(&text).map(str::to_string).collect();
+                let mut got = Vec::new();
+                ascii::split(encoding, &text, |p| got.push(p.to_string()));
+                proptest::prop_assert_eq!(&got, &expected, "{:?} {:?}", encoding, text);
+                proptest::prop_assert_eq!(&regex_pieces(encoding, &text), &expected);
+            }
+        }
+    }
+
+    #[test]
+    fn splits_as_bpe_openai_does() {
+        let samples = [
+            "hello world",
+            "Hello, World! It's 2026; we've 12345 items.\n\n  indented\tline  \n",
+            "fn main() { println!(\"{}\", 42); } // ünïcödé ✓ 日本語 ÉCOLE Straße",
+            "/home/USER/src/lib.rs:120:5 error[E0308]: mismatched types\r\n",
+            "   many    spaces\n\n\ttabs\r\n   ",
+            "",
+            " ",
+            "x  ",
+            "CamelCaseWords andALLCAPS I'M YOU'LL",
+        ];
+        for (encoding, reference) in [
+            (Encoding::O200kBase, bpe_openai::o200k_base()),
+            (Encoding::Cl100kBase, bpe_openai::cl100k_base()),
+        ] {
+            for s in samples {
+                let expected: Vec<String> = reference.split(s).map(str::to_string).collect();
+                assert_eq!(pieces(encoding, s), expected, "{encoding:?} {s:?}");
+            }
+        }
+    }
+}
