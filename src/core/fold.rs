@@ -528,6 +528,7 @@ impl FoldContext<'_> {
         let c = &mut *self.conv;
         c.epoch += 1;
         c.context.clear();
+        c.context_edits.record();
         c.context_tokens = 0;
         c.context_bytes = 0;
         c.pending_job = None;
@@ -692,6 +693,7 @@ impl FoldContext<'_> {
                 self.conv
                     .context
                     .splice(start..end, [ContextItem::Summary(index)]);
+                self.conv.context_edits.record();
                 self.conv.context_tokens = self.conv.context_tokens - removed_tokens + tokens;
                 self.conv.context_bytes -= removed_bytes;
                 if let (Some(pending), Some(id)) = (&mut self.conv.pending_job, &s.job_id) {

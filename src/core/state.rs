@@ -200,7 +200,8 @@ pub struct Conversation {
     pub applied: Vec<IdDigest>,
     /// Append-only: compaction decisions and results, for `history`.
     pub history: Vec<HistoryEntry>,
-    /// What the agent would see now, oldest first.
+    /// What the agent would see now, oldest first. Anything but a push
+    /// must count itself in `context_edits`.
     pub context: Vec<ContextItem>,
     /// Sum of the context items' tokens.
     pub context_tokens: u64,
@@ -228,6 +229,26 @@ pub struct Conversation {
     pub last_overflow_tokens: Option<u64>,
     #[serde(skip)]
     pub applied_set: DigestSet,
+    #[serde(skip)]
+    pub context_edits: ContextEdits,
+}
+
+/// How many times `context` changed other than by appending: the store
+/// writes appended items only while this stays the same, the whole list
+/// otherwise. Bookkeeping, not state: not serialized, hashed or compared.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ContextEdits(pub u64);
+
+impl ContextEdits {
+    pub fn record(&mut self) {
+        self.0 = self.0.wrapping_add(1);
+    }
+}
+
+impl PartialEq for ContextEdits {
+    fn eq(&self, _: &ContextEdits) -> bool {
+        true
+    }
 }
 
 impl Conversation {
@@ -263,6 +284,7 @@ impl Conversation {
             stale_summaries: 0,
             last_overflow_tokens: None,
             applied_set: DigestSet::default(),
+            context_edits: ContextEdits::default(),
         }
     }
 

@@ -36,7 +36,8 @@ pub struct Engine<B: KvBackend> {
 /// so its state (and hash) is always the one a clean replay gives.
 /// 2: the duplicate and flood guards keep sketches of the turns they saw.
 /// 3: one chunk record per conversation per commit, not one per item.
-pub const STATE_LAYOUT: u32 = 3;
+/// 4: the context list lives in the chunks, not in the head.
+pub const STATE_LAYOUT: u32 = 4;
 
 /// A fingerprint of the policy and the state layout: state folded under
 /// another policy, or stored in another layout, is rebuilt from the log.

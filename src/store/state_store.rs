@@ -1,12 +1,14 @@
 //! The state layout over a [`KvBackend`]: each conversation is a head (its
 //! small, changing fields) plus append-only chunks, so a commit writes only
 //! what changed. A chunk holds what one commit appended to a conversation's
-//! turns, summaries, applied ids and history: one record per conversation
-//! per commit rather than one per item, because the store's cost is per
-//! record (a busy partition commits hundreds of turns at once). The log
+//! turns, summaries, applied ids, history and context (or the whole context
+//! when it was edited otherwise: a summary replaced turns, a reset): one
+//! record per conversation per commit rather than one per item, because the
+//! store's cost is per record (a busy partition commits hundreds of turns
+//! at once), and a head that does not grow with the conversation. The log
 //! position the state reflects is written in the same atomic commit.
 
-use crate::core::state::{Conversation, HistoryEntry, IdDigest, State, Summary, Turn};
+use crate::core::state::{ContextItem, Conversation, HistoryEntry, IdDigest, State, Summary, Turn};
 use crate::log::Position;
 use crate::store::{KvBackend, StoreError, Table, Write};
 use std::collections::{BTreeSet, HashMap};
@@ -27,6 +29,8 @@ struct Persisted {
     summaries: usize,
     applied: usize,
     history: usize,
+    context: usize,
+    context_edits: u64,
     chunks: u64,
 }
 
@@ -38,6 +42,8 @@ impl Persisted {
             summaries: conv.summaries.len(),
             applied: conv.applied.len(),
             history: conv.history.len(),
+            context: conv.context.len(),
+            context_edits: conv.context_edits.0,
             chunks,
         }
     }
@@ -50,6 +56,9 @@ struct ChunkRef<'a> {
     summaries: &'a [Summary],
     applied: &'a [IdDigest],
     history: &'a [HistoryEntry],
+    /// Appended context items, or the whole context when `context_replaced`.
+    context: &'a [ContextItem],
+    context_replaced: bool,
 }
 
 /// A chunk as read back.
@@ -59,12 +68,18 @@ struct Chunk {
     summaries: Vec<Summary>,
     applied: Vec<IdDigest>,
     history: Vec<HistoryEntry>,
+    context: Vec<ContextItem>,
+    context_replaced: bool,
 }
 
 /// Durable, incrementally written state.
 pub struct StateStore<B: KvBackend> {
     backend: B,
     persisted: HashMap<String, Persisted>,
+    /// Debug builds keep the committed contexts, to catch a fold edit that
+    /// did not count itself in `context_edits` (it would be lost on disk).
+    #[cfg(debug_assertions)]
+    committed_contexts: HashMap<String, Vec<ContextItem>>,
     commits_since_flush: u32,
     /// Make every N-th commit durable (1 = every commit).
     pub flush_every: u32,
@@ -96,6 +111,8 @@ impl<B: KvBackend> StateStore<B> {
         StateStore {
             backend,
             persisted: HashMap::new(),
+            #[cfg(debug_assertions)]
+            committed_contexts: HashMap::new(),
             commits_since_flush: 0,
             flush_every: 1,
         }
@@ -114,6 +131,8 @@ impl<B: KvBackend> StateStore<B> {
                 "state store was folded under another policy; replaying the log from the start"
             );
             self.persisted.clear();
+            #[cfg(debug_assertions)]
+            self.committed_contexts.clear();
             return Ok((State::default(), 0));
         }
         let position = match self.backend.get(Table::Meta, POSITION_KEY)? {
@@ -154,9 +173,16 @@ impl<B: KvBackend> StateStore<B> {
                 conv.summaries.extend(chunk.summaries);
                 conv.applied.extend(chunk.applied);
                 conv.history.extend(chunk.history);
+                if chunk.context_replaced {
+                    conv.context.clear();
+                }
+                conv.context.extend(chunk.context);
                 chunks += 1;
             }
             conv.rebuild_indexes();
+            #[cfg(debug_assertions)]
+            self.committed_contexts
+                .insert(key.clone(), conv.context.clone());
             self.persisted
                 .insert(key.clone(), Persisted::of(&conv, chunks));
             state.conversations.insert(key, conv);
@@ -179,16 +205,28 @@ impl<B: KvBackend> StateStore<B> {
                 continue;
             };
             let p = self.persisted.get(key).copied().unwrap_or_default();
+            let context_appended =
+                conv.context_edits.0 == p.context_edits && conv.context.len() >= p.context;
+            #[cfg(debug_assertions)]
+            self.check_context_edits_counted(key, conv, context_appended, p.context);
             let chunk = ChunkRef {
                 turns: conv.turns.get(p.turns..).unwrap_or_default(),
                 summaries: conv.summaries.get(p.summaries..).unwrap_or_default(),
                 applied: conv.applied.get(p.applied..).unwrap_or_default(),
                 history: conv.history.get(p.history..).unwrap_or_default(),
+                context: if context_appended {
+                    &conv.context[p.context..]
+                } else {
+                    &conv.context
+                },
+                context_replaced: !context_appended,
             };
             let appended = !(chunk.turns.is_empty()
                 && chunk.summaries.is_empty()
                 && chunk.applied.is_empty()
-                && chunk.history.is_empty());
+                && chunk.history.is_empty()
+                && chunk.context.is_empty()
+                && !chunk.context_replaced);
             let chunks = if appended {
                 writes.push(Write::Put {
                     table: Table::Records,
@@ -200,16 +238,18 @@ impl<B: KvBackend> StateStore<B> {
                 p.chunks
             };
             committed.push((key, chunks));
-            // The head is everything but the append-only vectors.
+            // The head is everything but what the chunks hold.
             let turns = std::mem::take(&mut conv.turns);
             let summaries = std::mem::take(&mut conv.summaries);
             let applied = std::mem::take(&mut conv.applied);
             let history = std::mem::take(&mut conv.history);
+            let context = std::mem::take(&mut conv.context);
             let head = encode(&*conv);
             conv.turns = turns;
             conv.summaries = summaries;
             conv.applied = applied;
             conv.history = history;
+            conv.context = context;
             writes.push(Write::Put {
                 table: Table::Conversations,
                 key: key.as_bytes().to_vec(),
@@ -251,6 +291,25 @@ impl<B: KvBackend> StateStore<B> {
             }
         }
         Ok(())
+    }
+
+    #[cfg(debug_assertions)]
+    fn check_context_edits_counted(
+        &mut self,
+        key: &str,
+        conv: &Conversation,
+        appended: bool,
+        persisted: usize,
+    ) {
+        let committed = self.committed_contexts.entry(key.to_string()).or_default();
+        if appended {
+            assert_eq!(
+                &conv.context[..persisted],
+                &committed[..],
+                "conversation {key}: context edited without counting it in context_edits"
+            );
+        }
+        committed.clone_from(&conv.context);
     }
 
     /// The backend under the layout (e.g. to reopen a copy of it).
