@@ -61,6 +61,14 @@ struct ChunkRef<'a> {
     context_replaced: bool,
 }
 
+impl ChunkRef<'_> {
+    /// About the encoded size: the turns' payloads plus their fields.
+    fn size_hint(&self) -> usize {
+        let turns: u64 = self.turns.iter().map(|t| t.bytes + 160).sum();
+        turns as usize + 32 * (self.applied.len() + self.context.len()) + 256
+    }
+}
+
 /// A chunk as read back.
 #[derive(serde::Deserialize)]
 struct Chunk {
@@ -96,7 +104,15 @@ fn chunk_key(conv: &str, seq: u64) -> Vec<u8> {
 }
 
 fn encode<T: serde::Serialize>(value: &T) -> Vec<u8> {
-    rmp_serde::to_vec_named(value).expect("state records serialize")
+    encode_sized(value, 0)
+}
+
+/// Encodes into a buffer of `capacity` bytes to start with (a chunk of
+/// hundreds of turns would otherwise grow and copy its buffer many times).
+fn encode_sized<T: serde::Serialize>(value: &T, capacity: usize) -> Vec<u8> {
+    let mut buf = Vec::with_capacity(capacity);
+    rmp_serde::encode::write_named(&mut buf, value).expect("state records serialize");
+    buf
 }
 
 fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8], what: &str) -> Result<T, StoreError> {
@@ -231,7 +247,7 @@ impl<B: KvBackend> StateStore<B> {
                 writes.push(Write::Put {
                     table: Table::Records,
                     key: chunk_key(key, p.chunks),
-                    value: encode(&chunk),
+                    value: encode_sized(&chunk, chunk.size_hint()),
                 });
                 p.chunks + 1
             } else {
