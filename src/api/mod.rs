@@ -220,10 +220,14 @@ pub fn decode_reply<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ReplyError> 
     serde_json::from_slice(bytes).map_err(|e| ReplyError::Malformed(e.to_string()))
 }
 
+/// Encodes a response. sonic-rs rather than serde_json: an `assemble`
+/// reply is hundreds of KB of message text, and escaping it byte by byte
+/// was most of the handler's time (SIMD escaping halves it; see
+/// `benches/nats_assemble.rs`). Same JSON (tested against serde_json).
 fn encode<T: Serialize>(value: &T) -> Vec<u8> {
     // Response types hold only strings, numbers, maps with string keys and
     // JSON values: serializing them to a Vec cannot fail.
-    serde_json::to_vec(value).expect("API responses serialize to JSON")
+    sonic_rs::to_vec(value).expect("API responses serialize to JSON")
 }
 
 /// Reads a request body; an empty body is `{}`.
@@ -443,6 +447,36 @@ mod tests {
             );
         }
         assert_eq!(Op::parse("Assemble"), None);
+    }
+
+    #[test]
+    fn responses_encode_as_serde_json_encodes_them() {
+        let mut every_char: String = (0u8..0x80).map(char::from).collect();
+        every_char.push_str("é日本😀\u{2028}\u{2029}\u{85}\u{a0}\u{feff}\"\\/");
+        let long = every_char.repeat(300);
+        let value = serde_json::json!({
+            "text": every_char,
+            "long": long,
+            "numbers": [0, 1, -1, u64::MAX, i64::MIN, 0.1, 1e-7, 123456.789, 1e300, -0.0, 2.5e-308],
+            "not_finite": [f64::NAN, f64::INFINITY],
+            "nested": {"empty": [], "map": {}, "null": null, "bools": [true, false]},
+        });
+        let ours = encode(&value);
+        let reference = serde_json::to_vec(&value).unwrap();
+        assert_eq!(
+            String::from_utf8(ours).unwrap(),
+            String::from_utf8(reference).unwrap()
+        );
+        // A real response type, with its flattened fields.
+        let (state, policy) = testing::folded();
+        let request = assemble::AssembleRequest {
+            conversation: testing::CONV.into(),
+            budget: Some(2_000),
+            prompt: None,
+        };
+        let reply = assemble::assemble_borrowed(state, policy, &request).unwrap();
+        assert!(!reply.assembled.sources.is_empty());
+        assert_eq!(encode(&reply), serde_json::to_vec(&reply).unwrap());
     }
 
     #[test]
