@@ -436,12 +436,10 @@ impl<B: KvBackend + 'static> FolderRole<B> {
                 last_ack = Some(acker);
             }
             inbound.push(Inbound {
-                subject: m.subject.to_string(),
-                record: LogRecord {
-                    position,
-                    encoding: encoding_of(m.headers.as_ref(), &m.payload),
-                    bytes: m.payload.to_vec(),
-                },
+                position,
+                encoding: encoding_of(m.headers.as_ref(), &m.payload),
+                subject: m.subject,
+                payload: m.payload,
             });
         }
         let Some(last_ack) = last_ack else {
@@ -569,10 +567,24 @@ fn pulled<E: std::fmt::Display>(
     }
 }
 
-/// A pulled message, as the fold needs it.
+/// A pulled message, as the fold needs it (its subject and payload are
+/// the message's own buffers, not copies).
 struct Inbound {
-    subject: String,
-    record: LogRecord,
+    position: u64,
+    encoding: Encoding,
+    subject: async_nats::Subject,
+    payload: bytes::Bytes,
+}
+
+impl Inbound {
+    /// The log record of a message the fold refuses (rare: copied then).
+    fn record(&self) -> LogRecord {
+        LogRecord {
+            position: self.position,
+            encoding: self.encoding,
+            bytes: self.payload.to_vec(),
+        }
+    }
 }
 
 /// Why an event may not be folded in this partition, if so.
@@ -607,19 +619,19 @@ fn fold_records<B: KvBackend>(
 ) -> (Vec<Envelope>, Vec<SweepSnapshot>) {
     let mut decisions = Vec::new();
     let mut issued = Vec::new();
-    for Inbound { subject, record } in inbound {
+    for message in inbound {
         // Redelivered, or folded before the last restart.
-        if record.position <= engine.position() {
+        if message.position <= engine.position() {
             continue;
         }
-        let applied = match Envelope::decode(&record.bytes, record.encoding) {
-            Ok(event) => match misrouted(subjects, partition, &subject, &event) {
-                None => engine.apply_at(record.position, event),
+        let applied = match Envelope::decode(&message.payload, message.encoding) {
+            Ok(event) => match misrouted(subjects, partition, &message.subject, &event) {
+                None => engine.apply_at(message.position, event),
                 // Attributed to no conversation: folding it into this
                 // partition's state would split the conversation.
-                Some(reason) => engine.reject(&record, None, &reason),
+                Some(reason) => engine.reject(&message.record(), None, &reason),
             },
-            Err(_) => engine.apply(&record),
+            Err(_) => engine.apply(&message.record()),
         };
         decisions.extend(applied.decisions);
         issued.extend(applied.jobs);
