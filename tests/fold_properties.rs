@@ -16,18 +16,8 @@ use contextfold::runtime::sweep::Deterministic;
 use contextfold::store::memory_backend::MemoryBackend;
 use proptest::prelude::*;
 
-fn small_policy() -> PolicyConfig {
-    PolicyConfig {
-        default_context_window: 6000,
-        fresh_tail_count: 6,
-        leaf_chunk_tokens: 1200,
-        leaf_target_tokens: 200,
-        condensed_target_tokens: 200,
-        leaf_fanout: 3,
-        condensed_fanout: 2,
-        ..PolicyConfig::default()
-    }
-}
+mod support;
+use support::policy::small_policy;
 
 #[derive(Debug, Clone)]
 enum Step {

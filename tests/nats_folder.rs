@@ -8,6 +8,7 @@
 //! Needs the pinned nats-server: run `scripts/install-nats.sh` first.
 
 mod support;
+use support::policy::small_policy;
 
 use async_nats::jetstream::{self, consumer::DeliverPolicy};
 use contextfold::core::assembly::{self, AssemblyRequest};
@@ -239,19 +240,6 @@ async fn assert_matches_replay<B: KvBackend>(
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-    }
-}
-
-fn small_policy() -> PolicyConfig {
-    PolicyConfig {
-        default_context_window: 6000,
-        fresh_tail_count: 6,
-        leaf_chunk_tokens: 1200,
-        leaf_target_tokens: 200,
-        condensed_target_tokens: 200,
-        leaf_fanout: 3,
-        condensed_fanout: 2,
-        ..PolicyConfig::default()
     }
 }
 

@@ -10,6 +10,7 @@
 #[path = "support/llm_server.rs"]
 mod llm_server;
 mod support;
+use support::policy::small_policy;
 
 use async_nats::jetstream;
 use base64::Engine as _;
@@ -46,19 +47,6 @@ fn nats_config(url: &str) -> NatsConfig {
         job_ack_wait_ms: 1_000,
         storage: StorageKind::Memory,
         ..NatsConfig::default()
-    }
-}
-
-fn small_policy() -> PolicyConfig {
-    PolicyConfig {
-        default_context_window: 6000,
-        fresh_tail_count: 6,
-        leaf_chunk_tokens: 1200,
-        leaf_target_tokens: 200,
-        condensed_target_tokens: 200,
-        leaf_fanout: 3,
-        condensed_fanout: 2,
-        ..PolicyConfig::default()
     }
 }
 

@@ -3,3 +3,4 @@
 
 pub mod cli;
 pub mod nats_server;
+pub mod policy;
