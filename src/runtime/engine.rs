@@ -123,14 +123,6 @@ impl<B: KvBackend> Engine<B> {
         }
     }
 
-    /// Folds one decoded event.
-    pub fn apply_event(&mut self, event: &Envelope, turn_tokens: Option<u64>) -> Applied {
-        let span = tracing::trace_span!("fold", conversation = %event.conversation, event = %event.id, kind = event.type_name());
-        let _guard = span.enter();
-        let outcome = fold::fold_counted(&mut self.state, &self.policy, event, turn_tokens);
-        self.folded(&event.conversation, outcome)
-    }
-
     /// Folds an event just decoded: its turn moves into the state uncopied.
     fn apply_owned(&mut self, event: Envelope) -> Applied {
         let span = tracing::trace_span!("fold", conversation = %event.conversation, event = %event.id, kind = event.type_name());
