@@ -9,6 +9,7 @@
 
 mod support;
 use support::policy::small_policy;
+use support::replay::replay_partition;
 
 use async_nats::jetstream::{self, consumer::DeliverPolicy};
 use contextfold::core::assembly::{self, AssemblyRequest};
@@ -24,7 +25,6 @@ use contextfold::nats::leases::{LeaseRunner, LeaseSettings, PartitionLeases};
 use contextfold::nats::setup::{ensure, Infrastructure};
 use contextfold::nats::subjects::{encode_conversation, partition_of_token};
 use contextfold::nats::{NatsConfig, NatsOptions};
-use contextfold::runtime::embedded;
 use contextfold::runtime::engine::Engine;
 use contextfold::store::memory_backend::MemoryBackend;
 use contextfold::store::redb_backend::RedbBackend;
@@ -194,23 +194,6 @@ async fn raw_publish(client: &async_nats::Client, events: &[Envelope], with_msg_
         }
     }
     client.flush().await.unwrap();
-}
-
-/// State hash of a clean replay of one partition from the stream.
-async fn replay_partition(
-    js: &jetstream::Context,
-    infra: &Infrastructure,
-    partition: u32,
-    policy: &PolicyConfig,
-) -> (u64, String) {
-    let mut log = NatsEventLog::open_partition(js.clone(), infra.subjects.clone(), partition)
-        .await
-        .unwrap();
-    let mut engine = Engine::open(MemoryBackend::default(), policy.clone()).unwrap();
-    embedded::replay(&mut log, &mut engine, None)
-        .await
-        .expect("replay the partition");
-    (engine.position(), engine.state.hash())
 }
 
 /// Waits until `process` folded every partition up to the stream's end,

@@ -11,6 +11,7 @@
 mod llm_server;
 mod support;
 use support::policy::small_policy;
+use support::replay::replay_partition;
 
 use async_nats::jetstream;
 use base64::Engine as _;
@@ -26,10 +27,7 @@ use contextfold::nats::serve::{Roles, ServeOptions, Service};
 use contextfold::nats::setup::{ensure, Infrastructure};
 use contextfold::nats::subjects;
 use contextfold::nats::{NatsConfig, NatsOptions};
-use contextfold::runtime::embedded;
-use contextfold::runtime::engine::Engine;
 use contextfold::runtime::sweep::{Deterministic, PassError, PassSummarizer, Spend};
-use contextfold::store::memory_backend::MemoryBackend;
 use futures::StreamExt;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -199,23 +197,6 @@ async fn partition_events(
             }
         }
     }
-}
-
-/// Position and state hash of a clean replay of one partition.
-async fn replay_partition(
-    js: &jetstream::Context,
-    infra: &Infrastructure,
-    p: u32,
-    policy: &PolicyConfig,
-) -> (u64, String) {
-    let mut log = NatsEventLog::open_partition(js.clone(), infra.subjects.clone(), p)
-        .await
-        .unwrap();
-    let mut engine = Engine::open(MemoryBackend::default(), policy.clone()).unwrap();
-    embedded::replay(&mut log, &mut engine, None)
-        .await
-        .expect("replay the partition");
-    (engine.position(), engine.state.hash())
 }
 
 /// Waits until `service` folded each partition to the stream's end with

@@ -4,3 +4,4 @@
 pub mod cli;
 pub mod nats_server;
 pub mod policy;
+pub mod replay;
