@@ -10,11 +10,11 @@
 mod support;
 use support::policy::small_policy;
 use support::replay::replay_partition;
+use support::turns::turns;
 
 use async_nats::jetstream::{self, consumer::DeliverPolicy};
 use contextfold::core::assembly::{self, AssemblyRequest};
-use contextfold::core::event::{Encoding, Envelope, EventBody, TurnAppended};
-use contextfold::core::message::{ChatMessage, Role};
+use contextfold::core::event::{Encoding, Envelope, EventBody};
 use contextfold::core::policy::PolicyConfig;
 use contextfold::log::EventLog;
 use contextfold::nats::config::StorageKind;
@@ -141,43 +141,6 @@ async fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool)
     }
 }
 
-fn turn(id: &str, conversation: &str, role: Role, text: String, time: u64) -> Envelope {
-    Envelope::new(
-        id,
-        conversation,
-        time,
-        EventBody::TurnAppended(TurnAppended {
-            message: ChatMessage::text(role, text),
-            model: None,
-            sender: Some("agent".into()),
-            usage: None,
-            metadata: None,
-        }),
-    )
-}
-
-fn conversation_turns(conv: &str, n: usize, words: usize) -> Vec<Envelope> {
-    (0..n)
-        .map(|i| {
-            let role = if i % 2 == 0 {
-                Role::User
-            } else {
-                Role::Assistant
-            };
-            let text: String = (0..words)
-                .map(|w| format!("{conv}-w{}-{} ", (w * 7 + i) % 89, i % 5))
-                .collect();
-            turn(
-                &format!("{conv}#{i}"),
-                conv,
-                role,
-                format!("turn {i}: {text}"),
-                1_700_000_000_000 + i as u64 * 2_000,
-            )
-        })
-        .collect()
-}
-
 /// As an agent in any language would: core NATS, JSON, the event id as
 /// `Nats-Msg-Id`, on the conversation's inbound subject.
 async fn raw_publish(client: &async_nats::Client, events: &[Envelope], with_msg_id: bool) {
@@ -239,10 +202,7 @@ async fn raw_published_turns_are_folded_assembled_and_duplicates_change_nothing(
     .await;
 
     let convs = ["agent:alpha/main", "agent beta", "gamma-7"];
-    let events: Vec<Envelope> = convs
-        .iter()
-        .flat_map(|c| conversation_turns(c, 20, 12))
-        .collect();
+    let events: Vec<Envelope> = convs.iter().flat_map(|c| turns(c, 0..20, 12)).collect();
     raw_publish(&client, &events, true).await;
     wait_until("60 turns folded", Duration::from_secs(20), || {
         let c = p1.conversations();
@@ -309,10 +269,7 @@ async fn a_crashed_folder_resumes_from_its_checkpoint() {
     })
     .await;
     let convs: Vec<String> = (0..12).map(|i| format!("crash:{i}")).collect();
-    let early: Vec<Envelope> = convs
-        .iter()
-        .flat_map(|c| conversation_turns(c, 10, 8))
-        .collect();
+    let early: Vec<Envelope> = convs.iter().flat_map(|c| turns(c, 0..10, 8)).collect();
     raw_publish(&client, &early, true).await;
     wait_until("first batch folded", Duration::from_secs(20), || {
         first
@@ -337,10 +294,7 @@ async fn a_crashed_folder_resumes_from_its_checkpoint() {
     first.crash();
 
     // Turns keep coming while nobody folds.
-    let late: Vec<Envelope> = convs
-        .iter()
-        .flat_map(|c| conversation_turns(c, 16, 8).split_off(10))
-        .collect();
+    let late: Vec<Envelope> = convs.iter().flat_map(|c| turns(c, 10..16, 8)).collect();
     raw_publish(&client, &late, true).await;
 
     let second = start_process(
@@ -398,10 +352,7 @@ async fn two_processes_fold_each_conversation_once_and_a_kill_moves_partitions()
     assert!(a.partitions().is_disjoint(&b.partitions()));
 
     let convs: Vec<String> = (0..40).map(|i| format!("team/{i}:chat")).collect();
-    let events: Vec<Envelope> = convs
-        .iter()
-        .flat_map(|c| conversation_turns(c, 10, 10))
-        .collect();
+    let events: Vec<Envelope> = convs.iter().flat_map(|c| turns(c, 0..10, 10)).collect();
     raw_publish(&client, &events, true).await;
     wait_until("every conversation folded", Duration::from_secs(30), || {
         let (ca, cb) = (a.conversations(), b.conversations());
@@ -420,10 +371,7 @@ async fn two_processes_fold_each_conversation_once_and_a_kill_moves_partitions()
     // Kill B; A takes its partitions, replays them, and keeps folding.
     let b_partitions = b.partitions();
     b.crash();
-    let more: Vec<Envelope> = convs
-        .iter()
-        .flat_map(|c| conversation_turns(c, 14, 10).split_off(10))
-        .collect();
+    let more: Vec<Envelope> = convs.iter().flat_map(|c| turns(c, 10..14, 10)).collect();
     raw_publish(&client, &more, true).await;
     wait_until("A holds everything", Duration::from_secs(10), || {
         a.partitions().len() == 16
@@ -451,7 +399,7 @@ async fn one_compaction_job_per_conversation_however_many_triggers() {
     .await;
     // Far past the threshold: every later turn would trigger again.
     let conv = "agent:compact";
-    let events = conversation_turns(conv, 40, 120);
+    let events = turns(conv, 0..40, 120);
     raw_publish(&client, &events, true).await;
     wait_until("40 turns folded", Duration::from_secs(20), || {
         p.conversations().get(conv).map(|(n, _)| *n) == Some(40)

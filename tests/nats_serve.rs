@@ -12,12 +12,12 @@ mod llm_server;
 mod support;
 use support::policy::small_policy;
 use support::replay::replay_partition;
+use support::turns::turns;
 
 use async_nats::jetstream;
 use base64::Engine as _;
 use contextfold::core::assembly::{self, AssemblyRequest};
-use contextfold::core::event::{Envelope, EventBody, RollingState, TurnAppended};
-use contextfold::core::message::{ChatMessage, Role};
+use contextfold::core::event::{Envelope, EventBody, RollingState};
 use contextfold::core::policy::PolicyConfig;
 use contextfold::core::summary::{RollingStateRequest, SummaryDraft, SummaryRequest};
 use contextfold::log::EventLog;
@@ -102,33 +102,6 @@ fn conversations(s: &Service) -> BTreeMap<String, (usize, usize, String)> {
         }
     }
     out
-}
-
-fn turns(conv: &str, range: std::ops::Range<usize>, words: usize) -> Vec<Envelope> {
-    range
-        .map(|i| {
-            let role = if i % 2 == 0 {
-                Role::User
-            } else {
-                Role::Assistant
-            };
-            let text: String = (0..words)
-                .map(|w| format!("{conv}-w{}-{} ", (w * 7 + i) % 89, i % 5))
-                .collect();
-            Envelope::new(
-                format!("{conv}#{i}"),
-                conv,
-                1_700_000_000_000 + i as u64 * 2_000,
-                EventBody::TurnAppended(TurnAppended {
-                    message: ChatMessage::text(role, format!("turn {i}: {text}")),
-                    model: None,
-                    sender: Some("agent".into()),
-                    usage: None,
-                    metadata: None,
-                }),
-            )
-        })
-        .collect()
 }
 
 /// The subject token as a client in any language computes it (see

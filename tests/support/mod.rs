@@ -5,3 +5,4 @@ pub mod cli;
 pub mod nats_server;
 pub mod policy;
 pub mod replay;
+pub mod turns;
