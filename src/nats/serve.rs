@@ -349,16 +349,9 @@ impl Service {
 
     /// Stops at once without releasing anything, as `kill -9` would (for
     /// tests): leases expire, unacked jobs and events are redelivered.
-    pub fn abort(mut self) {
-        for task in [self.summarizer.take(), self.api.take(), self.folder.take()]
-            .into_iter()
-            .flatten()
-        {
-            task.abort();
-        }
-        if let Some(leases) = self.leases.take() {
-            leases.abort();
-        }
+    /// Dropping the service does exactly that.
+    pub fn abort(self) {
+        drop(self);
     }
 }
 
