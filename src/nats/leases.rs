@@ -346,6 +346,20 @@ impl PartitionLeases {
         tracing::warn!(member = %self.member, "lease {what} failed: {err}");
     }
 
+    /// Stops holding `lease` (its holder sees it revoked) and says why.
+    fn lose(&self, events: &mut Vec<LeaseEvent>, lease: &Lease, reason: &str) {
+        let partition = lease.partition();
+        lock(&self.held).remove(&partition);
+        lease.revoke();
+        self.emit(
+            events,
+            LeaseEvent::Lost {
+                partition,
+                reason: reason.to_string(),
+            },
+        );
+    }
+
     fn emit(&self, events: &mut Vec<LeaseEvent>, event: LeaseEvent) {
         match &self.sink {
             Some(sink) => {
@@ -409,15 +423,7 @@ impl PartitionLeases {
             .collect();
         for lease in overdue {
             let p = lease.partition();
-            lock(&self.held).remove(&p);
-            lease.revoke();
-            self.emit(
-                events,
-                LeaseEvent::Lost {
-                    partition: p,
-                    reason: "not renewed in time".to_string(),
-                },
-            );
+            self.lose(events, &lease, "not renewed in time");
             // Only removes our own value: the revision check fails if
             // anyone else has written the key since.
             let _ = self
@@ -440,14 +446,7 @@ impl PartitionLeases {
             {
                 Ok(revision) => {
                     if !lease.renewed(revision, sent + self.settings.usable_for()) {
-                        lock(&self.held).remove(&p);
-                        self.emit(
-                            events,
-                            LeaseEvent::Lost {
-                                partition: p,
-                                reason: "renewal came after the lease ran out".to_string(),
-                            },
-                        );
+                        self.lose(events, &lease, "renewal came after the lease ran out");
                         let _ = self
                             .kv
                             .delete_expect_revision(partition_key(p), Some(revision))
@@ -455,15 +454,7 @@ impl PartitionLeases {
                     }
                 }
                 Err(e) if e.kind() == UpdateErrorKind::WrongLastRevision => {
-                    lock(&self.held).remove(&p);
-                    lease.revoke();
-                    self.emit(
-                        events,
-                        LeaseEvent::Lost {
-                            partition: p,
-                            reason: "the lease key expired or changed hands".to_string(),
-                        },
-                    );
+                    self.lose(events, &lease, "the lease key expired or changed hands");
                 }
                 // Timeouts and disconnects: try again next round; the lease
                 // runs out by time if they persist.
