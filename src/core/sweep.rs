@@ -313,24 +313,46 @@ impl SweepSnapshot {
 
     /// What to ask the summarizer for this pass.
     pub fn request(&self, pass: Pass, aggressive: bool) -> SummaryRequest {
-        let (run, kind, depth) = match pass {
-            Pass::Leaf(run) => (run, SummaryKind::Leaf, 0),
-            Pass::Condense(run, depth) => (run, SummaryKind::Condensed, depth),
-            Pass::Resummarize(i) => return self.resummarize_request(i, aggressive),
+        let run_sources = |run: Run| -> Vec<SourceItem> {
+            self.items[run.start..run.end]
+                .iter()
+                .filter_map(|i| i.source.clone())
+                .collect()
         };
-        let sources: Vec<SourceItem> = self.items[run.start..run.end]
-            .iter()
-            .filter_map(|i| i.source.clone())
-            .collect();
-        let previous_summary = self.previous_summary(run.start);
+        let (kind, depth, sources, source_tokens, at) = match pass {
+            Pass::Leaf(run) => (
+                SummaryKind::Leaf,
+                0,
+                run_sources(run),
+                run.tokens,
+                run.start,
+            ),
+            Pass::Condense(run, depth) => (
+                SummaryKind::Condensed,
+                depth,
+                run_sources(run),
+                run.tokens,
+                run.start,
+            ),
+            // The same kind and depth over exactly the fallback's sources.
+            Pass::Resummarize(i) => {
+                let r = self.items.get(i).and_then(|item| item.resummarize.as_ref());
+                let (kind, depth, sources, source_tokens) = r
+                    .map_or((SummaryKind::Leaf, 0, Vec::new(), 0), |r| {
+                        (r.kind, r.depth, r.sources.clone(), r.source_tokens)
+                    });
+                (kind, depth, sources, source_tokens, i)
+            }
+        };
         SummaryRequest {
             conversation: self.conversation.clone(),
             kind,
             depth,
-            target_tokens: policy::summary_target(&self.policy, depth, run.tokens, aggressive),
+            target_tokens: policy::summary_target(&self.policy, depth, source_tokens, aggressive),
             sources,
+            // Continuity: the summary in context before the pass's items.
             previous_summary: if kind == SummaryKind::Leaf {
-                previous_summary
+                self.previous_summary(at)
             } else {
                 None
             },
@@ -349,32 +371,6 @@ impl SweepSnapshot {
                 .and(i.source.as_ref())
                 .map(|s| s.text.clone())
         })
-    }
-
-    /// The request that writes the fallback summary at item `i` again: the
-    /// same kind and depth over exactly its sources.
-    fn resummarize_request(&self, i: usize, aggressive: bool) -> SummaryRequest {
-        let r = self.items.get(i).and_then(|item| item.resummarize.as_ref());
-        let (kind, depth, sources, source_tokens) = r
-            .map_or((SummaryKind::Leaf, 0, Vec::new(), 0), |r| {
-                (r.kind, r.depth, r.sources.clone(), r.source_tokens)
-            });
-        SummaryRequest {
-            conversation: self.conversation.clone(),
-            kind,
-            depth,
-            target_tokens: policy::summary_target(&self.policy, depth, source_tokens, aggressive),
-            sources,
-            previous_summary: if kind == SummaryKind::Leaf {
-                self.previous_summary(i)
-            } else {
-                None
-            },
-            instructions: self.job.instructions.clone(),
-            custom_instructions: self.policy.custom_instructions.clone(),
-            identifier_policy: IdentifierPolicy::Strict,
-            aggressive,
-        }
     }
 
     /// The `summary_recorded` payload for a draft, content-addressed.
