@@ -217,7 +217,7 @@ mod tests {
         .unwrap();
         assert_eq!(c.policy.context_threshold, 0.8);
         assert_eq!(c.data_dir, PathBuf::from("/tmp/x"));
-        assert_eq!(c.policy.ignore_sessions, vec!["cron:**".to_string()]);
+        assert_eq!(c.policy.ignore_sessions, vec!["cron:**".parse().unwrap()]);
         assert_eq!(c.policy.fresh_tail_count, 64);
     }
 
@@ -242,6 +242,23 @@ mod tests {
         let err = Config::load_with_env(None, env(&[("CONTEXTFOLD_POLICY__NO_SUCH_KNOB", "1")]))
             .unwrap_err();
         assert!(err.to_string().contains("no_such_knob"), "{err}");
+    }
+
+    #[test]
+    fn a_bad_session_glob_is_reported_when_the_configuration_is_read() {
+        for (var, value) in [
+            ("CONTEXTFOLD_POLICY__IGNORE_SESSIONS", r#"["cron:a**"]"#),
+            ("CONTEXTFOLD_POLICY__STATELESS_SESSIONS", r#"[""]"#),
+            (
+                "CONTEXTFOLD_POLICY__THRESHOLD_OVERRIDES",
+                r#"[{session = "**x", context_threshold = 0.5}]"#,
+            ),
+        ] {
+            let err = Config::load_with_env(None, env(&[(var, value)])).unwrap_err();
+            let message = err.to_string();
+            assert!(message.contains("session glob"), "{var}: {message}");
+            assert!(message.contains(var), "{var}: {message}");
+        }
     }
 
     #[test]

@@ -314,7 +314,7 @@ mod tests {
             }
         }
         let stateless = PolicyConfig {
-            stateless_sessions: vec!["team:*".into()],
+            stateless_sessions: vec!["team:*".parse().unwrap()],
             ..policy.clone()
         };
         assert!(matches!(

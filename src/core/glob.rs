@@ -33,8 +33,11 @@ enum Segment {
     Pieces(Vec<String>),
 }
 
-/// A parsed session-key glob.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A parsed session-key glob. In configuration it is its text: it is
+/// parsed once, when the configuration is read (a bad glob is reported
+/// there), and written back as written.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "String", into = "String")]
 pub struct SessionGlob {
     source: String,
     segments: Vec<Segment>,
@@ -133,6 +136,19 @@ impl SessionGlob {
 impl fmt::Display for SessionGlob {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.source)
+    }
+}
+
+impl TryFrom<String> for SessionGlob {
+    type Error = GlobError;
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        SessionGlob::parse(&s)
+    }
+}
+
+impl From<SessionGlob> for String {
+    fn from(glob: SessionGlob) -> String {
+        glob.source
     }
 }
 

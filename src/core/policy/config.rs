@@ -2,6 +2,7 @@
 //! the pure core: the fold's decisions are a function of the events and of
 //! this struct, so replaying with the same policy gives the same state.
 
+use crate::core::glob::SessionGlob;
 use serde::{Deserialize, Serialize};
 
 /// Every knob of the compaction policy (TOML section `[policy]`).
@@ -69,9 +70,9 @@ pub struct PolicyConfig {
     pub flood_max_other_per_second: u32,
 
     /// Conversations matching these globs are not folded at all.
-    pub ignore_sessions: Vec<String>,
+    pub ignore_sessions: Vec<SessionGlob>,
     /// Conversations matching these globs are folded but never compacted.
-    pub stateless_sessions: Vec<String>,
+    pub stateless_sessions: Vec<SessionGlob>,
     /// Tags whose content is stripped from summarizer input.
     pub strip_injected_context_tags: Vec<String>,
     /// Extra instructions for every summary.
@@ -163,7 +164,7 @@ pub struct ThresholdOverride {
     pub min_context_window: Option<u64>,
     pub max_context_window: Option<u64>,
     /// Session-key glob (`*` one colon-separated segment, `**` any number).
-    pub session: Option<String>,
+    pub session: Option<SessionGlob>,
     /// The threshold to use.
     pub context_threshold: Option<f64>,
     /// The target to use.
@@ -216,24 +217,6 @@ impl PolicyConfig {
             }
             if let Some(t) = o.context_target {
                 share(&format!("threshold_overrides[{i}].context_target"), t)?;
-            }
-            if let Some(g) = &o.session {
-                crate::core::glob::SessionGlob::parse(g).map_err(|e| {
-                    invalid(
-                        &format!("threshold_overrides[{i}].session"),
-                        g,
-                        &e.to_string(),
-                    )
-                })?;
-            }
-        }
-        for (name, globs) in [
-            ("ignore_sessions", &self.ignore_sessions),
-            ("stateless_sessions", &self.stateless_sessions),
-        ] {
-            for g in globs {
-                crate::core::glob::SessionGlob::parse(g)
-                    .map_err(|e| invalid(name, g, &e.to_string()))?;
             }
         }
         let positive = |field: &str, v: u64| {

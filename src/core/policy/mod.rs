@@ -61,11 +61,11 @@ pub fn levels(conv: &Conversation, cfg: &PolicyConfig) -> Levels {
             }
             score += 10;
         }
-        if let Some(g) = &rule.session {
-            match SessionGlob::parse(g) {
-                Ok(glob) if glob.matches(&conv.key) => score += 100 + glob.specificity().0.min(99),
-                _ => continue,
+        if let Some(glob) = &rule.session {
+            if !glob.matches(&conv.key) {
+                continue;
             }
+            score += 100 + glob.specificity().0.min(99);
         }
         // Strictly greater: ties go to the earliest rule.
         if best.is_none_or(|(s, _)| score > s) {
@@ -92,10 +92,8 @@ pub fn levels(conv: &Conversation, cfg: &PolicyConfig) -> Levels {
     }
 }
 
-pub fn session_matches(globs: &[String], key: &str) -> bool {
-    globs
-        .iter()
-        .any(|g| SessionGlob::parse(g).is_ok_and(|glob| glob.matches(key)))
+pub fn session_matches(globs: &[SessionGlob], key: &str) -> bool {
+    globs.iter().any(|glob| glob.matches(key))
 }
 
 /// What the policy needs to know of one context item.
