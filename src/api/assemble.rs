@@ -3,7 +3,8 @@
 //! fit. A thin wrapper over [`crate::core::assembly::assemble`].
 
 use crate::api::{conversation, ApiError};
-use crate::core::assembly::{self, Assembled, AssembledRef, AssemblyRequest, LeftOut};
+use crate::core::assembly::{self, Assembled, AssembledRef, AssemblyRequest, LeftOut, SentMessage};
+use crate::core::message::ChatMessage;
 use crate::core::policy::PolicyConfig;
 use crate::core::state::{Conversation, State};
 use serde::{Deserialize, Serialize};
@@ -22,12 +23,12 @@ pub struct AssembleRequest {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct AssembleResponse {
+pub struct AssembleResponse<M = ChatMessage> {
     pub conversation: String,
     /// `messages`, `sources` (one per message), `tokens`, `budget`,
     /// `prompt_tokens`, `fresh_tail_tokens`, `over_budget`, `left_out`.
     #[serde(flatten)]
-    pub assembled: Assembled,
+    pub assembled: Assembled<M>,
     /// Tokens of everything left out (listed or not).
     pub left_out_tokens: u64,
     /// Items left out; `left_out` lists the newest [`MAX_LEFT_OUT_LISTED`].
@@ -90,14 +91,7 @@ fn assemble_ref<'a>(
 /// [`AssembleResponse`] with the stored turns borrowed from the state:
 /// what a server serializes (the same JSON), without copying the context
 /// first.
-#[derive(Debug, Serialize)]
-pub struct AssembleResponseRef<'a> {
-    pub conversation: &'a str,
-    #[serde(flatten)]
-    pub assembled: AssembledRef<'a>,
-    pub left_out_tokens: u64,
-    pub left_out_count: usize,
-}
+pub type AssembleResponseRef<'a> = AssembleResponse<SentMessage<'a>>;
 
 /// [`assemble`] without copying the stored turns.
 pub fn assemble_borrowed<'a>(
@@ -108,7 +102,7 @@ pub fn assemble_borrowed<'a>(
     let (conv, mut assembled) = assemble_ref(state, policy, req)?;
     let (left_out_count, left_out_tokens) = cap_left_out(&mut assembled.left_out);
     Ok(AssembleResponseRef {
-        conversation: &conv.key,
+        conversation: conv.key.clone(),
         left_out_tokens,
         left_out_count,
         assembled,

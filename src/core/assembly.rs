@@ -45,10 +45,11 @@ pub struct LeftOut {
     pub tokens: u64,
 }
 
-/// The assembled context.
+/// The assembled context: owned messages by default, or stored turns
+/// borrowed from the state ([`AssembledRef`]); both serialize the same.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Assembled {
-    pub messages: Vec<ChatMessage>,
+pub struct Assembled<M = ChatMessage> {
+    pub messages: Vec<M>,
     pub sources: Vec<Source>,
     pub tokens: u64,
     pub budget: u64,
@@ -144,18 +145,7 @@ impl Serialize for SentMessage<'_> {
 
 /// [`Assembled`] with stored turns borrowed from the state: what a server
 /// answering from state serializes without copying the context first.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct AssembledRef<'a> {
-    pub messages: Vec<SentMessage<'a>>,
-    pub sources: Vec<Source>,
-    pub tokens: u64,
-    pub budget: u64,
-    pub prompt_tokens: u64,
-    pub fresh_tail_tokens: u64,
-    /// The fresh tail alone does not fit the budget: it is sent whole anyway.
-    pub over_budget: bool,
-    pub left_out: Vec<LeftOut>,
-}
+pub type AssembledRef<'a> = Assembled<SentMessage<'a>>;
 
 impl AssembledRef<'_> {
     pub fn into_owned(self) -> Assembled {
