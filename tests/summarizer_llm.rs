@@ -22,8 +22,8 @@ use contextfold::runtime::llm_pass::ExternalPass;
 use contextfold::runtime::sweep::PassSummarizer;
 use contextfold::summarizer::breaker::ManualClock;
 use contextfold::summarizer::config::ExternalConfig;
+use contextfold::summarizer::external::{ExternalSummarizer, WithFallback};
 use contextfold::summarizer::prompts::MISSING_IDENTIFIERS_PHRASE;
-use contextfold::summarizer::ConfiguredSummarizer;
 use contextfold::summarizer::{
     CallLog, CallOutcome, EscalatingSummarizer, LlmSummarizer, ModelPrice, SummarizeError,
     Summarizer, SummarizerConfig,
@@ -33,6 +33,22 @@ use llm_server::{completion, FakeLlm, Llmock, NatsForTests, Scripted, ScriptedSe
 use serde_json::json;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// The team's summarizer on NATS first, the built-in model client when it
+/// fails, validated and escalated: the chain `ExternalPass` wraps.
+fn team_then_builtin(
+    config: &SummarizerConfig,
+    client: &async_nats::Client,
+) -> EscalatingSummarizer<WithFallback<ExternalSummarizer<async_nats::Client>, LlmSummarizer>> {
+    let external = config.external.as_ref().expect("an external subject");
+    let team = ExternalSummarizer::new(
+        client.clone(),
+        external.subject.clone(),
+        Duration::from_millis(external.timeout_ms),
+    );
+    let builtin = LlmSummarizer::new(config.clone()).expect("model client");
+    EscalatingSummarizer::new(WithFallback::new(team, builtin), config)
+}
 
 const GOOD: &str = "The user traced the failing deploy of build \
 9fceb02d0ae598e95dc970b74767f19372d61af8 to an expired certificate, renewed it and redeployed; \
@@ -784,12 +800,7 @@ async fn external_summarizer_over_nats_falls_back_to_the_built_in_path() {
         }),
         ..config(&builtin.base_url(), "m-builtin", &[])
     };
-    let team = ConfiguredSummarizer::from_config(
-        &external_cfg("summarize.team"),
-        Some(client.clone()),
-        None,
-    )
-    .expect("configured");
+    let team = team_then_builtin(&external_cfg("summarize.team"), &client);
     let named = |conversation: &str| SummaryRequest {
         conversation: conversation.into(),
         identifier_policy: IdentifierPolicy::Off,
@@ -835,12 +846,7 @@ async fn external_summarizer_over_nats_falls_back_to_the_built_in_path() {
     }
 
     // Nobody listening on the subject: straight to the built-in path.
-    let nobody = ConfiguredSummarizer::from_config(
-        &external_cfg("summarize.nobody"),
-        Some(client.clone()),
-        None,
-    )
-    .expect("configured");
+    let nobody = team_then_builtin(&external_cfg("summarize.nobody"), &client);
     let out = nobody.summarize(&named("team:ok")).await.unwrap();
     assert_eq!(out.draft.model, "m-builtin");
     assert_eq!(out.calls[0].outcome, CallOutcome::Connect);
