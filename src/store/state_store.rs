@@ -11,6 +11,7 @@
 use crate::core::state::{ContextItem, Conversation, HistoryEntry, IdDigest, State, Summary, Turn};
 use crate::log::Position;
 use crate::store::{KvBackend, StoreError, Table, Write};
+use std::borrow::Cow;
 use std::collections::{BTreeSet, HashMap};
 
 const POSITION_KEY: &[u8] = b"position";
@@ -49,35 +50,25 @@ impl Persisted {
     }
 }
 
-/// What one commit appended to a conversation (borrowed when written).
-#[derive(serde::Serialize)]
-struct ChunkRef<'a> {
-    turns: &'a [Turn],
-    summaries: &'a [Summary],
-    applied: &'a [IdDigest],
-    history: &'a [HistoryEntry],
+/// What one commit appended to a conversation: borrowed from the state
+/// when written, owned when read back.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Chunk<'a> {
+    turns: Cow<'a, [Turn]>,
+    summaries: Cow<'a, [Summary]>,
+    applied: Cow<'a, [IdDigest]>,
+    history: Cow<'a, [HistoryEntry]>,
     /// Appended context items, or the whole context when `context_replaced`.
-    context: &'a [ContextItem],
+    context: Cow<'a, [ContextItem]>,
     context_replaced: bool,
 }
 
-impl ChunkRef<'_> {
+impl Chunk<'_> {
     /// About the encoded size: the turns' payloads plus their fields.
     fn size_hint(&self) -> usize {
         let turns: u64 = self.turns.iter().map(|t| t.bytes + 160).sum();
         turns as usize + 32 * (self.applied.len() + self.context.len()) + 256
     }
-}
-
-/// A chunk as read back.
-#[derive(serde::Deserialize)]
-struct Chunk {
-    turns: Vec<Turn>,
-    summaries: Vec<Summary>,
-    applied: Vec<IdDigest>,
-    history: Vec<HistoryEntry>,
-    context: Vec<ContextItem>,
-    context_replaced: bool,
 }
 
 /// Durable, incrementally written state.
@@ -185,14 +176,14 @@ impl<B: KvBackend> StateStore<B> {
                     });
                 }
                 let chunk: Chunk = decode(&value, "conversation chunk")?;
-                conv.turns.extend(chunk.turns);
-                conv.summaries.extend(chunk.summaries);
-                conv.applied.extend(chunk.applied);
-                conv.history.extend(chunk.history);
+                conv.turns.extend(chunk.turns.into_owned());
+                conv.summaries.extend(chunk.summaries.into_owned());
+                conv.applied.extend(chunk.applied.into_owned());
+                conv.history.extend(chunk.history.into_owned());
                 if chunk.context_replaced {
                     conv.context.clear();
                 }
-                conv.context.extend(chunk.context);
+                conv.context.extend(chunk.context.into_owned());
                 chunks += 1;
             }
             conv.rebuild_indexes();
@@ -225,16 +216,16 @@ impl<B: KvBackend> StateStore<B> {
                 conv.context_edits.0 == p.context_edits && conv.context.len() >= p.context;
             #[cfg(debug_assertions)]
             self.check_context_edits_counted(key, conv, context_appended, p.context);
-            let chunk = ChunkRef {
-                turns: conv.turns.get(p.turns..).unwrap_or_default(),
-                summaries: conv.summaries.get(p.summaries..).unwrap_or_default(),
-                applied: conv.applied.get(p.applied..).unwrap_or_default(),
-                history: conv.history.get(p.history..).unwrap_or_default(),
-                context: if context_appended {
+            let chunk = Chunk {
+                turns: Cow::Borrowed(conv.turns.get(p.turns..).unwrap_or_default()),
+                summaries: Cow::Borrowed(conv.summaries.get(p.summaries..).unwrap_or_default()),
+                applied: Cow::Borrowed(conv.applied.get(p.applied..).unwrap_or_default()),
+                history: Cow::Borrowed(conv.history.get(p.history..).unwrap_or_default()),
+                context: Cow::Borrowed(if context_appended {
                     &conv.context[p.context..]
                 } else {
                     &conv.context
-                },
+                }),
                 context_replaced: !context_appended,
             };
             let appended = !(chunk.turns.is_empty()
