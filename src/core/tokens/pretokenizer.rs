@@ -13,8 +13,8 @@
 //!   the first one to use it (per piece, on the folder's blocking threads);
 //!   here each thread keeps its own search cache.
 //!
-//! The tests split random ASCII over the characters the rules tell apart
-//! both ways and compare with bpe-openai's own split.
+//! The tests split random ASCII over the characters the rules tell apart,
+//! and random mixed text, and compare with bpe-openai's own split.
 
 use super::Encoding;
 use regex_automata::meta::{Cache, Regex};
