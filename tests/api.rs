@@ -482,12 +482,20 @@ fn golden_history() {
 
 // ---------------------------------------------------------------- NATS --
 
-/// Whether a nats-server binary is installed where the shared harness
-/// looks (`CONTEXTFOLD_NATS_SERVER`, `$CONTEXTFOLD_VENV/bin`, `.venv/bin`);
-/// without one the test prints why it skips, unless
-/// `CONTEXTFOLD_REQUIRE_NATS` is set, which makes it fail.
-/// Whether a nats-server is installed; without one these tests skip,
-/// unless `CONTEXTFOLD_REQUIRE_NATS` is set (as in CI).
+/// A nats-server of this test's own and a client of it, when a binary is
+/// installed where the shared harness looks (`CONTEXTFOLD_NATS_SERVER`,
+/// `$CONTEXTFOLD_VENV/bin`, `.venv/bin`). Without one the test prints why
+/// it skips, unless `CONTEXTFOLD_REQUIRE_NATS` is set (as in CI), which
+/// makes it fail.
+async fn nats() -> Option<(support::nats_server::NatsServer, async_nats::Client)> {
+    if !nats_available() {
+        return None;
+    }
+    let server = support::nats_server::NatsServer::start();
+    let client = async_nats::connect(server.url()).await.unwrap();
+    Some((server, client))
+}
+
 fn nats_available() -> bool {
     let Err(msg) = support::nats_server::find_binary() else {
         return true;
@@ -524,11 +532,9 @@ fn header<'a>(m: &'a async_nats::Message, name: &str) -> Option<&'a str> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_serves_every_operation_and_structured_errors() {
-    if !nats_available() {
+    let Some((_server, client)) = nats().await else {
         return;
-    }
-    let server = support::nats_server::NatsServer::start();
-    let client = async_nats::connect(server.url()).await.unwrap();
+    };
     let view = Arc::new(LocalState::new(state().clone(), policy()));
     let service = nats_service::start(client.clone(), view, service_config())
         .await
@@ -599,11 +605,9 @@ async fn nats_serves_every_operation_and_structured_errors() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_forwards_to_the_partition_owner_or_says_not_owner() {
-    if !nats_available() {
+    let Some((server, client)) = nats().await else {
         return;
-    }
-    let server = support::nats_server::NatsServer::start();
-    let client = async_nats::connect(server.url()).await.unwrap();
+    };
     let partitions = 16;
     let partition = contextfold::nats::subjects::partition_of(CONV, partitions).unwrap();
 
@@ -689,11 +693,9 @@ async fn nats_forwards_to_the_partition_owner_or_says_not_owner() {
 /// connection's request can overtake the subscription on a busy server.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_a_started_service_answers_the_next_request() {
-    if !nats_available() {
+    let Some((server, client)) = nats().await else {
         return;
-    }
-    let server = support::nats_server::NatsServer::start();
-    let client = async_nats::connect(server.url()).await.unwrap();
+    };
     let view = Arc::new(LocalState::new(state().clone(), policy()));
     for attempt in 0..40 {
         let service = nats_service::start(
@@ -717,11 +719,9 @@ async fn nats_a_started_service_answers_the_next_request() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_queue_group_answers_each_request_once() {
-    if !nats_available() {
+    let Some((server, client)) = nats().await else {
         return;
-    }
-    let server = support::nats_server::NatsServer::start();
-    let client = async_nats::connect(server.url()).await.unwrap();
+    };
     let mut services = Vec::new();
     for _ in 0..2 {
         let c = async_nats::connect(server.url()).await.unwrap();
@@ -784,11 +784,9 @@ async fn nats_queue_group_answers_each_request_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_reply_over_max_payload_becomes_an_error_reply() {
-    if !nats_available() {
+    let Some((_server, client)) = nats().await else {
         return;
-    }
-    let server = support::nats_server::NatsServer::start();
-    let client = async_nats::connect(server.url()).await.unwrap();
+    };
     let max = client.server_info().max_payload;
     // One turn bigger than the server's max_payload: describe returns it whole.
     let big = "ledger row 42 balanced ok\n".repeat(max / 26 + 100);
@@ -827,11 +825,9 @@ async fn nats_reply_over_max_payload_becomes_an_error_reply() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_run_follows_the_held_partitions_and_stops_on_shutdown() {
-    if !nats_available() {
+    let Some((server, client)) = nats().await else {
         return;
-    }
-    let server = support::nats_server::NatsServer::start();
-    let client = async_nats::connect(server.url()).await.unwrap();
+    };
     let partition = contextfold::nats::subjects::partition_of(CONV, 16).unwrap();
     let held = Arc::new(std::sync::Mutex::new(Vec::<u32>::new()));
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
