@@ -68,7 +68,11 @@ pub struct FolderSettings {
     pub retry_backoff: Duration,
     /// Longest a batch waits, from its first message, for more while it
     /// is not full and the server reports more of the partition pending.
-    /// Default 5 ms.
+    /// Default 50 ms. A caught-up partition never waits (nothing is
+    /// pending); in a backlog the server delivers a partition's pull in
+    /// bursts of about 128 messages interleaved with the other partitions',
+    /// and at 5 ms most batches were committed a quarter full (four times
+    /// the commits, each rewriting the conversations' heads).
     pub gather_wait: Duration,
 }
 
@@ -79,7 +83,7 @@ impl Default for FolderSettings {
             max_ack_pending: 8192,
             max_inline_job_bytes: 256 * 1024,
             retry_backoff: Duration::from_millis(200),
-            gather_wait: Duration::from_millis(5),
+            gather_wait: Duration::from_millis(50),
         }
     }
 }
