@@ -383,7 +383,8 @@ impl<B: KvBackend + 'static> FolderRole<B> {
                 _ = shutdown.changed() => return Ok(()),
                 m = messages.next() => m,
             };
-            let mut msgs = vec![pulled(p, first)?];
+            let mut msgs = Batch::with_capacity(batch);
+            msgs.push(pulled(p, first)?)?;
             let gathered_by = tokio::time::Instant::now() + self.settings.gather_wait;
             // What is ready now, then, while the server says more of the
             // partition is pending and the batch is not full, what arrives
@@ -393,15 +394,11 @@ impl<B: KvBackend + 'static> FolderRole<B> {
             loop {
                 while msgs.len() < batch {
                     match messages.next().now_or_never() {
-                        Some(m) => msgs.push(pulled(p, m)?),
+                        Some(m) => msgs.push(pulled(p, m)?)?,
                         None => break,
                     }
                 }
-                let pending = msgs
-                    .last()
-                    .and_then(|m| m.info().ok())
-                    .map_or(0, |info| info.pending);
-                if msgs.len() >= batch || pending == 0 {
+                if msgs.len() >= batch || msgs.pending == 0 {
                     break;
                 }
                 let next = tokio::select! {
@@ -410,7 +407,7 @@ impl<B: KvBackend + 'static> FolderRole<B> {
                     _ = tokio::time::sleep_until(gathered_by) => break,
                     m = messages.next() => m,
                 };
-                msgs.push(pulled(p, next)?);
+                msgs.push(pulled(p, next)?)?;
             }
             match self.fold_batch(lease, engine, msgs).await? {
                 BatchEnd::Committed => {}
@@ -424,28 +421,12 @@ impl<B: KvBackend + 'static> FolderRole<B> {
         &self,
         lease: &Lease,
         engine: &SharedEngine<B>,
-        messages: Vec<jetstream::Message>,
+        batch: Batch,
     ) -> Result<BatchEnd, FolderError> {
         let p = lease.partition();
-        let count = messages.len();
-        let mut last_ack = None;
-        let mut inbound = Vec::with_capacity(count);
-        for (i, m) in messages.into_iter().enumerate() {
-            let position = m
-                .info()
-                .map_err(|e| NatsError::js("reading message metadata", e))?
-                .stream_sequence;
-            let (m, acker) = m.split();
-            if i + 1 == count {
-                last_ack = Some(acker);
-            }
-            inbound.push(Inbound {
-                position,
-                encoding: encoding_of(m.headers.as_ref(), &m.payload),
-                subject: m.subject,
-                payload: m.payload,
-            });
-        }
+        let Batch {
+            inbound, last_ack, ..
+        } = batch;
         let Some(last_ack) = last_ack else {
             return Ok(BatchEnd::Committed);
         };
@@ -568,6 +549,48 @@ fn pulled<E: std::fmt::Display>(
             "the message stream ended",
         )
         .into()),
+    }
+}
+
+/// The messages gathered for one fold and commit, taken apart as they
+/// arrive: a pulled message is large (it carries its own client handle),
+/// and only the last one's acknowledgement is needed (ack-all).
+struct Batch {
+    inbound: Vec<Inbound>,
+    last_ack: Option<jetstream::message::Acker>,
+    /// Messages of the partition the server had not delivered yet, as of
+    /// the last message.
+    pending: u64,
+}
+
+impl Batch {
+    fn with_capacity(n: usize) -> Batch {
+        Batch {
+            inbound: Vec::with_capacity(n),
+            last_ack: None,
+            pending: 0,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.inbound.len()
+    }
+
+    fn push(&mut self, m: jetstream::Message) -> Result<(), FolderError> {
+        let info = m
+            .info()
+            .map_err(|e| NatsError::js("reading message metadata", e))?;
+        let (position, pending) = (info.stream_sequence, info.pending);
+        let (m, acker) = m.split();
+        self.inbound.push(Inbound {
+            position,
+            encoding: encoding_of(m.headers.as_ref(), &m.payload),
+            subject: m.subject,
+            payload: m.payload,
+        });
+        self.last_ack = Some(acker);
+        self.pending = pending;
+        Ok(())
     }
 }
 
