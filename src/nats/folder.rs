@@ -206,12 +206,14 @@ enum BatchEnd {
 }
 
 impl<B: KvBackend + 'static> FolderRole<B> {
+    /// Also loads the tokenizers, so the first batch does not wait for them.
     pub fn new(
         js: Context,
         infra: &Infrastructure,
         open_engine: EngineFactory<B>,
         settings: FolderSettings,
     ) -> Self {
+        crate::core::tokens::load_tokenizers();
         FolderRole {
             js,
             subjects: infra.subjects.clone(),
