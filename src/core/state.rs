@@ -170,18 +170,82 @@ pub struct FloodWindow {
 /// is computed only when a later turn has the same sketch, a cheap value
 /// identical turns always share (see `fold::turn_sketch`), itself computed
 /// only once a later turn is compared with it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SeenTurn {
     pub sketch: Option<u64>,
     pub digest: SeenDigest,
 }
 
 /// A [`SeenTurn`]'s digest.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SeenDigest {
     /// Not computed yet: it is that of turn `seq`'s message.
     Of(u64),
     Known(IdDigest),
+}
+
+// Seen turns are stored as a pair `[sketch, digest]`, the digest as an
+// integer (`Of`) or 16 bytes (`Known`). Every conversation head written
+// carries the lists of them, and the derived form (a map of field names,
+// a one-entry map per digest, a digest as 16 integers) cost several times
+// as much to encode.
+impl Serialize for SeenTurn {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        (self.sketch, self.digest).serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for SeenTurn {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<SeenTurn, D::Error> {
+        let (sketch, digest) = <(Option<u64>, SeenDigest)>::deserialize(d)?;
+        Ok(SeenTurn { sketch, digest })
+    }
+}
+
+impl Serialize for SeenDigest {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            SeenDigest::Of(seq) => s.serialize_u64(*seq),
+            SeenDigest::Known(digest) => s.serialize_bytes(digest),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for SeenDigest {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<SeenDigest, D::Error> {
+        struct DigestVisitor;
+        impl<'de> serde::de::Visitor<'de> for DigestVisitor {
+            type Value = SeenDigest;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a turn sequence number or a 16-byte digest")
+            }
+            fn visit_u64<E: serde::de::Error>(self, seq: u64) -> Result<SeenDigest, E> {
+                Ok(SeenDigest::Of(seq))
+            }
+            fn visit_bytes<E: serde::de::Error>(self, v: &[u8]) -> Result<SeenDigest, E> {
+                let digest = IdDigest::try_from(v)
+                    .map_err(|_| E::invalid_length(v.len(), &"a 16-byte digest"))?;
+                Ok(SeenDigest::Known(digest))
+            }
+            // Formats without a byte string (JSON) write the bytes as a list.
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<SeenDigest, A::Error> {
+                let mut digest = IdDigest::default();
+                for (i, byte) in digest.iter_mut().enumerate() {
+                    *byte = seq
+                        .next_element()?
+                        .ok_or_else(|| serde::de::Error::invalid_length(i, &"16 bytes"))?;
+                }
+                if seq.next_element::<u8>()?.is_some() {
+                    return Err(serde::de::Error::invalid_length(17, &"16 bytes"));
+                }
+                Ok(SeenDigest::Known(digest))
+            }
+        }
+        d.deserialize_any(DigestVisitor)
+    }
 }
 
 /// One conversation.
@@ -451,4 +515,73 @@ pub fn summary_id(
 pub fn derived_event_id(cause: &str, what: &str) -> String {
     let h = blake3::hash(format!("{cause}\u{0}{what}").as_bytes());
     format!("d_{}_{}", what, &h.to_hex()[..20])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seen() -> Vec<SeenTurn> {
+        vec![
+            SeenTurn {
+                sketch: None,
+                digest: SeenDigest::Of(7),
+            },
+            SeenTurn {
+                sketch: Some(u64::MAX),
+                digest: SeenDigest::Known([0xa5; 16]),
+            },
+            SeenTurn {
+                sketch: Some(0),
+                digest: SeenDigest::Of(u64::MAX),
+            },
+        ]
+    }
+
+    #[test]
+    fn seen_turns_round_trip_in_every_encoding() {
+        let turns = seen();
+        let named = rmp_serde::to_vec_named(&turns).unwrap();
+        assert_eq!(
+            rmp_serde::from_slice::<Vec<SeenTurn>>(&named).unwrap(),
+            turns
+        );
+        let positional = rmp_serde::to_vec(&turns).unwrap();
+        assert_eq!(
+            rmp_serde::from_slice::<Vec<SeenTurn>>(&positional).unwrap(),
+            turns
+        );
+        let json = serde_json::to_string(&turns).unwrap();
+        assert_eq!(serde_json::from_str::<Vec<SeenTurn>>(&json).unwrap(), turns);
+    }
+
+    #[test]
+    fn a_known_digest_is_stored_as_sixteen_bytes() {
+        let known = SeenTurn {
+            sketch: Some(1),
+            digest: SeenDigest::Known([9; 16]),
+        };
+        // fixarray(2), positive fixint 1, bin8 of 16 bytes.
+        let mut expected = vec![0x92, 0x01, 0xc4, 16];
+        expected.extend([9; 16]);
+        assert_eq!(rmp_serde::to_vec_named(&known).unwrap(), expected);
+    }
+
+    #[test]
+    fn a_digest_of_another_length_is_an_error() {
+        let bad = rmp_serde::to_vec(&(Some(1u64), serde_bytes_of(&[1, 2, 3]))).unwrap();
+        let err = rmp_serde::from_slice::<SeenTurn>(&bad).unwrap_err();
+        assert!(err.to_string().contains("16-byte digest"), "{err}");
+    }
+
+    /// Three bytes as a msgpack byte string.
+    fn serde_bytes_of(bytes: &[u8]) -> impl Serialize + '_ {
+        struct Bytes<'a>(&'a [u8]);
+        impl Serialize for Bytes<'_> {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.serialize_bytes(self.0)
+            }
+        }
+        Bytes(bytes)
+    }
 }

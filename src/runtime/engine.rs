@@ -37,7 +37,8 @@ pub struct Engine<B: KvBackend> {
 /// 2: the duplicate and flood guards keep sketches of the turns they saw.
 /// 3: one chunk record per conversation per commit, not one per item.
 /// 4: the context list lives in the chunks, not in the head.
-pub const STATE_LAYOUT: u32 = 4;
+/// 5: seen turns are pairs, their digests byte strings.
+pub const STATE_LAYOUT: u32 = 5;
 
 /// A fingerprint of the policy and the state layout: state folded under
 /// another policy, or stored in another layout, is rebuilt from the log.
