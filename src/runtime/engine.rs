@@ -38,7 +38,8 @@ pub struct Engine<B: KvBackend> {
 /// 3: one chunk record per conversation per commit, not one per item.
 /// 4: the context list lives in the chunks, not in the head.
 /// 5: seen turns are pairs, their digests byte strings.
-pub const STATE_LAYOUT: u32 = 5;
+/// 6: turns are rows of their fields, not maps of their names.
+pub const STATE_LAYOUT: u32 = 6;
 
 /// A fingerprint of the policy and the state layout: state folded under
 /// another policy, or stored in another layout, is rebuilt from the log.

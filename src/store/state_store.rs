@@ -66,7 +66,7 @@ struct Chunk<'a> {
 impl Chunk<'_> {
     /// About the encoded size: the turns' payloads plus their fields.
     fn size_hint(&self) -> usize {
-        let turns: u64 = self.turns.iter().map(|t| t.bytes + 160).sum();
+        let turns: u64 = self.turns.iter().map(|t| t.bytes + 96).sum();
         turns as usize + 32 * (self.applied.len() + self.context.len()) + 256
     }
 }
