@@ -25,8 +25,11 @@
 //! ready-made reply of the same size (what NATS and this machine cost for
 //! moving it, whatever the service does).
 //!
+//! Before the shapes, the floor alone at reply sizes from 16 KiB to the
+//! `compacted` reply's (`floor`): where NATS itself crosses the goal here.
+//!
 //! ```text
-//! cargo bench --bench nats_assemble [-- SHAPE...]
+//! cargo bench --bench nats_assemble [-- SHAPE... | floor]
 //! CONTEXTFOLD_BENCH_REQUESTS=2000  # timed requests per shape (default 2000)
 //! ```
 //!
@@ -249,13 +252,42 @@ async fn bench_shape(name: &str, server: &NatsServer, requests: usize) -> Result
     Ok(())
 }
 
-async fn run(names: Vec<&'static str>) -> Result<(), Error> {
+/// Reply sizes of the floor by size: from a small context to the
+/// `compacted` shape's reply.
+const FLOOR_SIZES: [usize; 6] = [16 << 10, 64 << 10, 128 << 10, 192 << 10, 256 << 10, 451_425];
+
+/// The floor alone at several reply sizes: the largest reply whose round
+/// trip NATS itself completes within the goal on this machine.
+async fn floor_by_size(server: &NatsServer, requests: usize) -> Result<(), Error> {
+    let client = async_nats::connect(server.url()).await?;
+    println!("floor by reply size (a responder doing nothing, {requests} requests each):");
+    for bytes in FLOOR_SIZES {
+        let p = percentiles(echo(server, &client, bytes, requests).await?);
+        println!(
+            "  {:>7} bytes: p50 {}, p90 {}, p99 {}, max {}; p99 < {GOAL_P99:?}: {}",
+            bytes,
+            us(p.p50),
+            us(p.p90),
+            us(p.p99),
+            us(p.max),
+            if p.p99 < GOAL_P99 { "yes" } else { "no" },
+        );
+    }
+    Ok(())
+}
+
+async fn run(names: Vec<&'static str>, floor: bool) -> Result<(), Error> {
     let requests = std::env::var("CONTEXTFOLD_BENCH_REQUESTS")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(2000usize)
         .max(1);
     let server = NatsServer::start();
+    if floor {
+        if let Err(e) = floor_by_size(&server, requests).await {
+            return Err(format!("{e}; nats-server log:\n{}", server.log_tail(20)).into());
+        }
+    }
     for name in names {
         if let Err(e) = bench_shape(name, &server, requests).await {
             return Err(format!("{e}; nats-server log:\n{}", server.log_tail(20)).into());
@@ -278,11 +310,12 @@ fn main() -> ExitCode {
         .into_iter()
         .filter(|n| wanted.is_empty() || wanted.iter().any(|w| n.contains(w.as_str())))
         .collect();
+    let floor = wanted.is_empty() || wanted.iter().any(|w| w == "floor");
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .expect("tokio runtime");
-    match rt.block_on(run(names)) {
+    match rt.block_on(run(names, floor)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("nats_assemble failed: {e}");
