@@ -286,7 +286,9 @@ async fn a_raw_published_turn_is_folded_and_assembles() {
     let server = NatsServer::start();
     let dir = tempfile::tempdir().unwrap();
     let policy = PolicyConfig::default();
-    let service = start_alone(options(&server.url(), dir.path(), &policy, "solo")).await;
+    let mut opts = options(&server.url(), dir.path(), &policy, "solo");
+    opts.roles = "all".parse::<Roles>().unwrap();
+    let service = start_alone(opts).await;
     let (client, js, infra) = client_for(&server.url()).await;
 
     let key = "agent:alpha/main thread.ü";
@@ -308,6 +310,39 @@ async fn a_raw_published_turn_is_folded_and_assembles() {
         assert!(last.contains("turn 2:"), "{last}");
     }
     drop(engine);
+
+    // An agent that keeps its context asks for what is new only.
+    let ask = |since: serde_json::Value| {
+        let client = client.clone();
+        let body = serde_json::json!({"conversation": key, "since": since}).to_string();
+        async move {
+            let reply = client
+                .request("cf.api.assemble", body.into())
+                .await
+                .unwrap();
+            serde_json::from_slice::<serde_json::Value>(&reply.payload).unwrap()
+        }
+    };
+    let first = ask(serde_json::json!({"messages": 0})).await;
+    assert_eq!(first["delta"]["from"], 0, "{first}");
+    assert_eq!(first["delta"]["messages"], 3);
+    assert_eq!(first["messages"].as_array().unwrap().len(), 3);
+    raw_publish(&client, &turns(key, 3..4, 8)).await;
+    wait_until("the 4th turn folded", Duration::from_secs(20), || {
+        conversations(&service).get(key).map(|c| c.0) == Some(4)
+    })
+    .await;
+    let held = serde_json::json!({"messages": 3, "fingerprint": first["delta"]["fingerprint"]});
+    let next = ask(held).await;
+    assert_eq!(next["delta"]["from"], 3, "{next}");
+    assert_eq!(next["delta"]["messages"], 4);
+    let new = next["messages"].as_array().unwrap();
+    assert_eq!(new.len(), 1);
+    assert!(new[0].to_string().contains("turn 3:"), "{}", new[0]);
+    // A fingerprint that is not this context's start: all of it.
+    let stale = ask(serde_json::json!({"messages": 3, "fingerprint": "0123"})).await;
+    assert_eq!(stale["delta"]["from"], 0);
+    assert_eq!(stale["messages"].as_array().unwrap().len(), 4);
 
     // Republished: the server drops the copies, nothing changes.
     let before = conversations(&service);

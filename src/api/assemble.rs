@@ -8,6 +8,7 @@ use crate::core::message::ChatMessage;
 use crate::core::policy::PolicyConfig;
 use crate::core::state::{Conversation, State};
 use serde::{Deserialize, Serialize};
+use std::borrow::Borrow;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -20,6 +21,36 @@ pub struct AssembleRequest {
     /// The prompt about to be sent; its tokens are reserved from the budget.
     #[serde(default)]
     pub prompt: Option<String>,
+    /// The context the agent already holds (from an earlier reply's
+    /// `delta`): when it is still the start of the context, only the
+    /// messages after it are sent. The reply then carries a `delta`.
+    #[serde(default)]
+    pub since: Option<Since>,
+}
+
+/// The first `messages` messages of an earlier reply, by fingerprint.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Since {
+    pub messages: usize,
+    /// The earlier reply's `delta.fingerprint`; may be left out (or empty)
+    /// with `messages: 0`, to ask for a first reply with a `delta`.
+    #[serde(default)]
+    pub fingerprint: String,
+}
+
+/// Which part of the context a reply to a request with `since` holds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Delta {
+    /// Index in the context of the reply's first message: the `since`
+    /// count when the agent's messages are still the start of the context,
+    /// else 0 (the context changed before that point: all of it is sent).
+    pub from: usize,
+    /// Messages in the whole context.
+    pub messages: usize,
+    /// Fingerprint of the whole context: send it back as
+    /// `since.fingerprint`, with `since.messages` = `messages`.
+    pub fingerprint: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -33,6 +64,28 @@ pub struct AssembleResponse<M = ChatMessage> {
     pub left_out_tokens: u64,
     /// Items left out; `left_out` lists the newest [`MAX_LEFT_OUT_LISTED`].
     pub left_out_count: usize,
+    /// Present when the request had `since`: `messages` and `sources` then
+    /// start at `delta.from`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delta: Option<Delta>,
+}
+
+/// Keeps only what follows `since` when it still starts the context.
+fn apply_since<M: Borrow<ChatMessage>>(
+    assembled: &mut Assembled<M>,
+    since: Option<&Since>,
+) -> Option<Delta> {
+    let since = since?;
+    let (prefix, fingerprint) = assembly::fingerprints(&assembled.messages, since.messages);
+    let unchanged = prefix.is_some_and(|p| since.messages == 0 || p == since.fingerprint);
+    let from = if unchanged { since.messages } else { 0 };
+    assembled.messages.drain(..from);
+    assembled.sources.drain(..from);
+    Some(Delta {
+        from,
+        messages: from + assembled.messages.len(),
+        fingerprint,
+    })
 }
 
 /// Most left-out items listed in a reply. A long uncompacted conversation
@@ -57,11 +110,13 @@ pub fn assemble(
     let (conv, assembled) = assemble_ref(state, policy, req)?;
     let mut assembled = assembled.into_owned();
     let (left_out_count, left_out_tokens) = cap_left_out(&mut assembled.left_out);
+    let delta = apply_since(&mut assembled, req.since.as_ref());
     Ok(AssembleResponse {
         conversation: conv.key.clone(),
         left_out_tokens,
         left_out_count,
         assembled,
+        delta,
     })
 }
 
@@ -101,11 +156,13 @@ pub fn assemble_borrowed<'a>(
 ) -> Result<AssembleResponseRef<'a>, ApiError> {
     let (conv, mut assembled) = assemble_ref(state, policy, req)?;
     let (left_out_count, left_out_tokens) = cap_left_out(&mut assembled.left_out);
+    let delta = apply_since(&mut assembled, req.since.as_ref());
     Ok(AssembleResponseRef {
         conversation: conv.key.clone(),
         left_out_tokens,
         left_out_count,
         assembled,
+        delta,
     })
 }
 
@@ -120,7 +177,98 @@ mod tests {
             conversation: CONV.into(),
             budget,
             prompt: None,
+            since: None,
         }
+    }
+
+    fn since(messages: usize, fingerprint: &str) -> AssembleRequest {
+        AssembleRequest {
+            since: Some(Since {
+                messages,
+                fingerprint: fingerprint.into(),
+            }),
+            ..req(None)
+        }
+    }
+
+    #[test]
+    fn since_sends_only_what_follows_an_unchanged_start() {
+        let (state, policy) = testing::folded();
+        let full = assemble(state, policy, &req(None)).unwrap();
+        assert_eq!(full.delta, None);
+        let n = full.assembled.messages.len();
+        assert!(n > 3);
+
+        // A first reply with a delta: everything, and its fingerprint.
+        let first = assemble(state, policy, &since(0, "")).unwrap();
+        let delta = first.delta.clone().unwrap();
+        assert_eq!((delta.from, delta.messages), (0, n));
+        assert_eq!(first.assembled.messages, full.assembled.messages);
+
+        // An agent holding all but the last two messages gets those two.
+        assert_eq!(prefix_of(&full, n), delta.fingerprint);
+        let tail = assemble(state, policy, &since(n - 2, &prefix_of(&full, n - 2))).unwrap();
+        assert_eq!(tail.delta.as_ref().unwrap().from, n - 2);
+        assert_eq!(tail.delta.as_ref().unwrap().messages, n);
+        assert_eq!(tail.assembled.messages, full.assembled.messages[n - 2..]);
+        assert_eq!(tail.assembled.sources, full.assembled.sources[n - 2..]);
+        // Token counts and what was left out still describe the whole context.
+        assert_eq!(tail.assembled.tokens, full.assembled.tokens);
+        assert_eq!(tail.left_out_count, full.left_out_count);
+
+        // Holding it all: nothing to send.
+        let none = assemble(state, policy, &since(n, &delta.fingerprint)).unwrap();
+        assert!(none.assembled.messages.is_empty());
+        assert_eq!(none.delta.unwrap().from, n);
+
+        // The borrowed form (what the service encodes) agrees.
+        let borrowed =
+            assemble_borrowed(state, policy, &since(n - 2, &prefix_of(&full, n - 2))).unwrap();
+        assert_eq!(
+            serde_json::to_value(&borrowed).unwrap(),
+            serde_json::to_value(&tail).unwrap()
+        );
+    }
+
+    /// The fingerprint of `full`'s first `n` messages.
+    fn prefix_of(full: &AssembleResponse, n: usize) -> String {
+        assembly::fingerprints(&full.assembled.messages, n)
+            .0
+            .unwrap()
+    }
+
+    #[test]
+    fn since_a_changed_or_unknown_start_sends_everything() {
+        let (state, policy) = testing::folded();
+        let full = assemble(state, policy, &req(None)).unwrap();
+        let n = full.assembled.messages.len();
+        for request in [
+            // Another fingerprint: the agent's messages are not this start.
+            since(n - 2, &prefix_of(&full, n - 1)),
+            since(n - 2, "not a fingerprint"),
+            // More messages than the context has.
+            since(
+                n + 1,
+                &assembly::fingerprints(&full.assembled.messages, 0).1,
+            ),
+        ] {
+            let out = assemble(state, policy, &request).unwrap();
+            let delta = out.delta.unwrap();
+            assert_eq!((delta.from, delta.messages), (0, n));
+            assert_eq!(out.assembled.messages, full.assembled.messages);
+        }
+    }
+
+    #[test]
+    fn since_is_checked_like_the_rest_of_the_request() {
+        let err = serde_json::from_str::<AssembleRequest>(
+            r#"{"conversation": "c", "since": {"messages": 1, "fingerprnt": "x"}}"#,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("fingerprnt"), "{err}");
+        let ok: AssembleRequest =
+            serde_json::from_str(r#"{"conversation": "c", "since": {"messages": 0}}"#).unwrap();
+        assert_eq!(ok.since.unwrap().fingerprint, "");
     }
 
     #[test]

@@ -473,8 +473,14 @@ mod tests {
             conversation: testing::CONV.into(),
             budget: Some(2_000),
             prompt: None,
+            // With the `delta` field.
+            since: Some(assemble::Since {
+                messages: 0,
+                fingerprint: String::new(),
+            }),
         };
         let reply = assemble::assemble_borrowed(state, policy, &request).unwrap();
+        assert!(reply.delta.is_some());
         assert!(!reply.assembled.sources.is_empty());
         assert_eq!(encode(&reply), serde_json::to_vec(&reply).unwrap());
     }

@@ -246,6 +246,7 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
                     conversation,
                     budget,
                     prompt,
+                    since: None,
                 };
                 query::run(&config, &nats, Query::Assemble(request), output)
             }

@@ -390,6 +390,39 @@ fn excerpt(text: &str, event_id: &str) -> String {
     )
 }
 
+/// Fingerprints of a message list: of its first `prefix` messages (`None`
+/// when it has fewer) and of all of them. Each message is hashed as its
+/// MessagePack encoding, which is self-delimiting, so two lists share a
+/// fingerprint exactly when they hold the same messages in the same order
+/// (up to a blake3 collision). An agent that holds the first messages of a
+/// context can thus ask for the rest only (`assemble`'s `since`).
+pub fn fingerprints<M: Borrow<ChatMessage>>(
+    messages: &[M],
+    prefix: usize,
+) -> (Option<String>, String) {
+    fn hex(h: &blake3::Hasher) -> String {
+        h.finalize().to_hex()[..32].to_string()
+    }
+    let mut hasher = blake3::Hasher::new();
+    let mut at_prefix = (prefix == 0).then(|| hex(&hasher));
+    // The encodings are gathered and hashed in (at most) two inputs: the
+    // hasher works on many 1 KiB chunks at once only when it is given
+    // them at once, which made this several times faster than hashing
+    // message by message. Where the input is split does not change a
+    // blake3 hash.
+    let mut encoded = Vec::new();
+    for (i, m) in messages.iter().enumerate() {
+        rmp_serde::encode::write_named(&mut encoded, m.borrow()).expect("messages serialize");
+        if i + 1 == prefix {
+            hasher.update(&encoded);
+            encoded.clear();
+            at_prefix = Some(hex(&hasher));
+        }
+    }
+    hasher.update(&encoded);
+    (at_prefix, hex(&hasher))
+}
+
 /// Checks provider validity: every tool result follows the assistant turn
 /// that called it (with only tool results between), and every call of a
 /// non-final assistant turn has its result.
@@ -429,6 +462,29 @@ pub fn check_tool_pairing<M: Borrow<ChatMessage>>(messages: &[M]) -> Result<(), 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fingerprints_tell_prefixes_apart() {
+        let a = ChatMessage::text(Role::User, "one");
+        let b = ChatMessage::text(Role::Assistant, "two");
+        let c = ChatMessage::text(Role::User, "three");
+        let list = [a.clone(), b.clone(), c.clone()];
+        let (p2, all) = fingerprints(&list, 2);
+        assert_eq!(fingerprints(&list[..2], 0).1, p2.clone().unwrap());
+        assert_eq!(fingerprints(&list, 3).0.unwrap(), all);
+        assert_eq!(fingerprints(&list, 4).0, None);
+        assert_eq!(
+            fingerprints(&list, 0).0,
+            Some(fingerprints::<ChatMessage>(&[], 0).1)
+        );
+        // Order, content and boundaries all count.
+        assert_ne!(fingerprints(&[b.clone(), a.clone(), c.clone()], 0).1, all);
+        let merged = ChatMessage::text(Role::User, "onetwo");
+        assert_ne!(fingerprints(&[merged], 0).1, fingerprints(&list[..2], 0).1);
+        let mut renamed = c.clone();
+        renamed.name = Some("x".into());
+        assert_ne!(fingerprints(&[a, b, renamed], 0).1, all);
+    }
     use crate::core::event::{
         Covers, Envelope, EventBody, SummaryKind, SummaryRecorded, TurnAppended,
     };
