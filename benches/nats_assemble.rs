@@ -51,7 +51,8 @@ mod nats_server;
 
 use bytes::Bytes;
 use contextfold::api::nats_service::{self, ServiceConfig};
-use contextfold::api::{answer_view, LocalState};
+use contextfold::api::{answer_view, assemble as assemble_api, LocalState};
+use contextfold::core::assembly;
 use contextfold::core::state::State;
 use futures::StreamExt;
 use nats_server::NatsServer;
@@ -158,6 +159,12 @@ async fn bench_shape(name: &str, server: &NatsServer, requests: usize) -> Result
     state
         .conversations
         .insert(shapes::KEY.to_string(), shape.conv);
+    // What the reply holds, for the fingerprint of its start.
+    let request: assemble_api::AssembleRequest = serde_json::from_str(&body)?;
+    let shape_messages = assemble_api::assemble(&state, &shape.policy, &request)
+        .map_err(|e| format!("{name}: assembling: {e}"))?
+        .assembled
+        .messages;
     let view = Arc::new(LocalState::new(state, shape.policy));
 
     // The handler alone, on this thread.
@@ -190,7 +197,7 @@ async fn bench_shape(name: &str, server: &NatsServer, requests: usize) -> Result
     let floor = percentiles(echo(server, &client, reply_bytes, requests).await?);
     let service = nats_service::start(
         async_nats::connect(server.url()).await?,
-        view,
+        view.clone(),
         ServiceConfig {
             // A bare state: there is no events stream here.
             publish_compactions: false,
@@ -224,7 +231,48 @@ async fn bench_shape(name: &str, server: &NatsServer, requests: usize) -> Result
             rtt.push(took);
         }
     }
+    // The same conversation asked with `since` by an agent that holds all
+    // but the newest message (as after one new turn): the reply carries one
+    // message and the whole context's counts.
+    let held = shape_messages.len().saturating_sub(1);
+    let (prefix, _) = assembly::fingerprints(&shape_messages, held);
+    let mut delta_body: serde_json::Value = serde_json::from_str(&body)?;
+    delta_body["since"] = json!({"messages": held, "fingerprint": prefix});
+    let delta_body = delta_body.to_string();
+    let mut delta_alone = Vec::with_capacity(HANDLER_RUNS);
+    for _ in 0..HANDLER_RUNS {
+        let t = Instant::now();
+        answer_view("assemble", delta_body.as_bytes(), view.as_ref(), 0)
+            .map_err(|e| format!("{name}: the handler failed: {e}"))?;
+        delta_alone.push(t.elapsed());
+    }
+    let delta_alone = percentiles(delta_alone);
+    let mut delta_rtt = Vec::with_capacity(requests);
+    let mut delta_bytes = 0;
+    for i in 0..WARMUP + requests {
+        let t = Instant::now();
+        let reply = client
+            .request("cf.api.assemble", delta_body.clone().into())
+            .await
+            .map_err(|e| format!("{name}: delta request {i}: {e}"))?;
+        let took = t.elapsed();
+        let parsed: serde_json::Value = serde_json::from_slice(&reply.payload)?;
+        if parsed["delta"]["from"] != json!(held)
+            || parsed["messages"].as_array().map(Vec::len) != Some(1)
+        {
+            return Err(format!(
+                "{name}: the delta reply is not the newest message: {}",
+                parsed["delta"]
+            )
+            .into());
+        }
+        delta_bytes = reply.payload.len();
+        if i >= WARMUP {
+            delta_rtt.push(took);
+        }
+    }
     service.stop().await;
+    let delta = percentiles(delta_rtt);
     let over = percentiles(rtt);
     let met = over.p99 < GOAL_P99;
     println!(
@@ -233,7 +281,10 @@ async fn bench_shape(name: &str, server: &NatsServer, requests: usize) -> Result
          floor, a reply of {reply_bytes} bytes from a responder doing nothing ({requests}): \
          p50 {}, p90 {}, p99 {}, max {}\n  \
          over NATS ({requests} requests): p50 {}, p90 {}, p99 {}, p99.9 {}, max {}, mean {}; \
-         p99 < {GOAL_P99:?}: {}",
+         p99 < {GOAL_P99:?}: {}\n  \
+         with `since` (all but the newest message held; reply {delta_bytes} bytes): handler \
+         alone p50 {}, p99 {}; over NATS ({requests} requests) p50 {}, p90 {}, p99 {}, \
+         p99.9 {}, max {}; p99 < {GOAL_P99:?}: {}",
         us(alone.p50),
         us(alone.p99),
         us(alone.max),
@@ -248,6 +299,18 @@ async fn bench_shape(name: &str, server: &NatsServer, requests: usize) -> Result
         us(over.max),
         us(over.mean),
         if met { "met" } else { "NOT met" },
+        us(delta_alone.p50),
+        us(delta_alone.p99),
+        us(delta.p50),
+        us(delta.p90),
+        us(delta.p99),
+        us(delta.p999),
+        us(delta.max),
+        if delta.p99 < GOAL_P99 {
+            "met"
+        } else {
+            "NOT met"
+        },
     );
     Ok(())
 }
