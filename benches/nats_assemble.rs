@@ -25,6 +25,10 @@
 //! ready-made reply of the same size (what NATS and this machine cost for
 //! moving it, whatever the service does).
 //!
+//! Each shape is also asked with `since` by an agent holding all but the
+//! newest message (a reply of one message and the whole context's counts),
+//! handler alone and over NATS.
+//!
 //! Before the shapes, the floor alone at reply sizes from 16 KiB to the
 //! `compacted` reply's (`floor`): where NATS itself crosses the goal here.
 //!
