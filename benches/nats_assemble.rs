@@ -145,6 +145,53 @@ async fn echo(
     Ok(rtt)
 }
 
+/// The handler alone, on this thread ([`HANDLER_RUNS`] times): its
+/// percentiles and the size of its reply.
+fn handler_alone(name: &str, view: &LocalState, body: &str) -> Result<(Percentiles, usize), Error> {
+    let mut alone = Vec::with_capacity(HANDLER_RUNS);
+    let mut reply_bytes = 0;
+    for _ in 0..HANDLER_RUNS {
+        let t = Instant::now();
+        let reply = answer_view("assemble", body.as_bytes(), view, 0)
+            .map_err(|e| format!("{name}: the handler failed: {e}"))?;
+        alone.push(t.elapsed());
+        reply_bytes = reply.len();
+    }
+    Ok((percentiles(alone), reply_bytes))
+}
+
+/// `requests` timed `assemble` round trips with `body` after the warm-up;
+/// every reply must be free of errors and pass `check`.
+async fn round_trips(
+    client: &async_nats::Client,
+    name: &str,
+    body: &str,
+    requests: usize,
+    check: impl Fn(&async_nats::Message) -> Result<(), String>,
+) -> Result<Vec<Duration>, Error> {
+    let mut rtt = Vec::with_capacity(requests);
+    for i in 0..WARMUP + requests {
+        let t = Instant::now();
+        let reply = client
+            .request("cf.api.assemble", body.to_string().into())
+            .await
+            .map_err(|e| format!("{name}: assemble request {i}: {e}"))?;
+        let took = t.elapsed();
+        if let Some(error) = reply
+            .headers
+            .as_ref()
+            .and_then(|h| h.get("Nats-Service-Error"))
+        {
+            return Err(format!("{name}: error reply: {error}").into());
+        }
+        check(&reply).map_err(|e| format!("{name}: request {i}: {e}"))?;
+        if i >= WARMUP {
+            rtt.push(took);
+        }
+    }
+    Ok(rtt)
+}
+
 async fn bench_shape(name: &str, server: &NatsServer, requests: usize) -> Result<(), Error> {
     let Some(shape) = shapes::build(name) else {
         println!("{name}: skipped: the shared transcripts are absent");
@@ -171,17 +218,7 @@ async fn bench_shape(name: &str, server: &NatsServer, requests: usize) -> Result
         .messages;
     let view = Arc::new(LocalState::new(state, shape.policy));
 
-    // The handler alone, on this thread.
-    let mut alone = Vec::with_capacity(HANDLER_RUNS);
-    let mut reply_bytes = 0;
-    for _ in 0..HANDLER_RUNS {
-        let t = Instant::now();
-        let reply = answer_view("assemble", body.as_bytes(), view.as_ref(), 0)
-            .map_err(|e| format!("{name}: the handler failed: {e}"))?;
-        alone.push(t.elapsed());
-        reply_bytes = reply.len();
-    }
-    let alone = percentiles(alone);
+    let (alone, reply_bytes) = handler_alone(name, view.as_ref(), &body)?;
 
     let client = async_nats::connect(server.url()).await?;
     let max_payload = client.server_info().max_payload;
@@ -209,32 +246,17 @@ async fn bench_shape(name: &str, server: &NatsServer, requests: usize) -> Result
         },
     )
     .await?;
-    let mut rtt = Vec::with_capacity(requests);
-    for i in 0..WARMUP + requests {
-        let t = Instant::now();
-        let reply = client
-            .request("cf.api.assemble", body.clone().into())
-            .await
-            .map_err(|e| format!("{name}: assemble request {i}: {e}"))?;
-        let took = t.elapsed();
-        if let Some(error) = reply
-            .headers
-            .as_ref()
-            .and_then(|h| h.get("Nats-Service-Error"))
-        {
-            return Err(format!("{name}: error reply: {error}").into());
-        }
-        if reply.payload.len() != reply_bytes {
-            return Err(format!(
-                "{name}: reply of {} bytes, the handler's was {reply_bytes}",
+    let rtt = round_trips(&client, name, &body, requests, |reply| {
+        if reply.payload.len() == reply_bytes {
+            Ok(())
+        } else {
+            Err(format!(
+                "a reply of {} bytes, the handler's was {reply_bytes}",
                 reply.payload.len()
-            )
-            .into());
+            ))
         }
-        if i >= WARMUP {
-            rtt.push(took);
-        }
-    }
+    })
+    .await?;
     // The same conversation asked with `since` by an agent that holds all
     // but the newest message (as after one new turn): the reply carries one
     // message and the whole context's counts.
@@ -243,38 +265,19 @@ async fn bench_shape(name: &str, server: &NatsServer, requests: usize) -> Result
     let mut delta_body: serde_json::Value = serde_json::from_str(&body)?;
     delta_body["since"] = json!({"messages": held, "fingerprint": prefix});
     let delta_body = delta_body.to_string();
-    let mut delta_alone = Vec::with_capacity(HANDLER_RUNS);
-    for _ in 0..HANDLER_RUNS {
-        let t = Instant::now();
-        answer_view("assemble", delta_body.as_bytes(), view.as_ref(), 0)
-            .map_err(|e| format!("{name}: the handler failed: {e}"))?;
-        delta_alone.push(t.elapsed());
-    }
-    let delta_alone = percentiles(delta_alone);
-    let mut delta_rtt = Vec::with_capacity(requests);
-    let mut delta_bytes = 0;
-    for i in 0..WARMUP + requests {
-        let t = Instant::now();
-        let reply = client
-            .request("cf.api.assemble", delta_body.clone().into())
-            .await
-            .map_err(|e| format!("{name}: delta request {i}: {e}"))?;
-        let took = t.elapsed();
-        let parsed: serde_json::Value = serde_json::from_slice(&reply.payload)?;
-        if parsed["delta"]["from"] != json!(held)
-            || parsed["messages"].as_array().map(Vec::len) != Some(1)
+    let (delta_alone, delta_bytes) = handler_alone(name, view.as_ref(), &delta_body)?;
+    let delta_rtt = round_trips(&client, name, &delta_body, requests, |reply| {
+        let parsed: serde_json::Value =
+            serde_json::from_slice(&reply.payload).map_err(|e| e.to_string())?;
+        if parsed["delta"]["from"] == json!(held)
+            && parsed["messages"].as_array().map(Vec::len) == Some(1)
         {
-            return Err(format!(
-                "{name}: the delta reply is not the newest message: {}",
-                parsed["delta"]
-            )
-            .into());
+            Ok(())
+        } else {
+            Err(format!("not the newest message alone: {}", parsed["delta"]))
         }
-        delta_bytes = reply.payload.len();
-        if i >= WARMUP {
-            delta_rtt.push(took);
-        }
-    }
+    })
+    .await?;
     service.stop().await;
     let delta = percentiles(delta_rtt);
     let over = percentiles(rtt);
