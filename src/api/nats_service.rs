@@ -487,7 +487,7 @@ async fn publish(
     // carry becomes an error reply that says what to ask instead.
     let fallback = if e.kind() == PublishErrorKind::MaxPayloadExceeded && error.is_none() {
         ApiError::BadRequest(format!(
-            "the reply of {size} bytes exceeds the NATS server's max_payload of {} bytes; ask for less (a lower grep `limit`, expand `max_tokens`, history `limit`)",
+            "the reply of {size} bytes exceeds the NATS server's max_payload of {} bytes; ask for less (a lower assemble `budget`, grep `limit`, expand `max_tokens` or history `limit`) or raise the server's `max_payload`",
             client.server_info().max_payload
         ))
     } else {
