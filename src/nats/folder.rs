@@ -623,6 +623,9 @@ fn misrouted(
     subject: &str,
     event: &Envelope,
 ) -> Option<String> {
+    if subjects.is_event_subject_of(subject, partition, &event.conversation) {
+        return None;
+    }
     match subjects.parse_event_subject(subject) {
         Ok((p, conversation)) if p == partition && conversation == event.conversation => None,
         Ok((p, conversation)) if p == partition => Some(format!(

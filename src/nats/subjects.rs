@@ -120,6 +120,26 @@ pub fn decode_conversation(token: &str) -> Result<String, SubjectError> {
     Ok(key)
 }
 
+/// Whether `token` is `encode_conversation(conversation)`. The engine
+/// decodes only canonical base64 (see [`decode_conversation`]), so a token
+/// that decodes to the key is its one encoding.
+fn is_token_of(token: &str, conversation: &str) -> bool {
+    if conversation.is_empty() || conversation.len() > MAX_CONVERSATION_KEY_BYTES {
+        return false;
+    }
+    if conversation.bytes().all(is_plain_byte) {
+        return token == conversation;
+    }
+    let Some(encoded) = token.strip_prefix(ENCODED_MARKER) else {
+        return false;
+    };
+    let mut key = [0u8; MAX_CONVERSATION_KEY_BYTES];
+    matches!(
+        URL_SAFE_NO_PAD.decode_slice(encoded, &mut key),
+        Ok(n) if &key[..n] == conversation.as_bytes()
+    )
+}
+
 /// The partition of a conversation token: FNV-1a (32-bit) of the token's
 /// bytes modulo `partitions`, exactly what the server's
 /// `{{partition(N,1)}}` mapping computes, so any client can tell which
@@ -231,6 +251,22 @@ impl Subjects {
         let (partition, token) = rest.split_once('.').ok_or_else(not_event)?;
         let partition: u32 = partition.parse().map_err(|_| not_event())?;
         Ok((partition, decode_conversation(token)?))
+    }
+
+    /// Whether `subject` is the events subject of `conversation` in
+    /// `partition`: what [`Self::parse_event_subject`] would confirm, without
+    /// decoding the token or allocating (the folder asks it of every event).
+    pub fn is_event_subject_of(&self, subject: &str, partition: u32, conversation: &str) -> bool {
+        let Some(rest) = subject
+            .strip_prefix(self.prefix.as_str())
+            .and_then(|r| r.strip_prefix(".ev."))
+        else {
+            return false;
+        };
+        let Some((p, token)) = rest.split_once('.') else {
+            return false;
+        };
+        p.parse::<u32>() == Ok(partition) && is_token_of(token, conversation)
     }
 
     /// `cf.job.<conv>`: a conversation's compaction job.
@@ -486,6 +522,39 @@ mod tests {
             if let Ok(key) = decode_conversation(&token) {
                 prop_assert_eq!(encode_conversation(&key).unwrap(), token);
             }
+        }
+
+        #[test]
+        fn the_subject_check_agrees_with_parsing(
+            key in "\\PC{1,12}|[A-Za-z0-9_-]{1,8}|[.:/ ~]{1,4}",
+            other in "\\PC{1,12}|[A-Za-z0-9_-]{1,8}",
+            token in "~?[A-Za-z0-9_=+/.-]{0,16}",
+            p in 0u32..4,
+            q in 0u32..4,
+        ) {
+            let s = Subjects::new("cf").unwrap();
+            let parsed_as = |subject: &str, conversation: &str, partition: u32| {
+                s.parse_event_subject(subject).ok() == Some((partition, conversation.to_string()))
+            };
+            let own = s.event(p, &key).unwrap();
+            let candidates = [
+                own.clone(),
+                s.event(p, &other).unwrap(),
+                format!("cf.ev.{p}.{token}"),
+                format!("cf.ev.{p}.{key}"),
+                own.replace("cf.ev.", "cf.in."),
+                format!("{own}.x"),
+            ];
+            for subject in &candidates {
+                for (conversation, partition) in [(&key, p), (&key, q), (&other, p)] {
+                    prop_assert_eq!(
+                        s.is_event_subject_of(subject, partition, conversation),
+                        parsed_as(subject, conversation, partition),
+                        "{:?} {:?} {}", subject, conversation, partition
+                    );
+                }
+            }
+            prop_assert!(s.is_event_subject_of(&own, p, &key));
         }
 
         #[test]
