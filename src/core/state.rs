@@ -9,6 +9,7 @@ use crate::core::event::{Covers, Debt, RollingState, SummaryKind, TurnAppended};
 use crate::core::message::Role;
 use crate::core::tokens;
 use serde::{Deserialize, Serialize};
+use serde_tuple::{Deserialize_tuple, Serialize_tuple};
 use std::collections::{BTreeMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
@@ -65,7 +66,14 @@ pub struct State {
 }
 
 /// One turn as folded.
-#[derive(Debug, Clone, PartialEq)]
+///
+/// Stored as a list of its fields (`Serialize_tuple`; its body stays a map,
+/// whose optional fields are left out when empty). The store writes every
+/// turn, and the names of these fields were 87 bytes of each (a sixth of a
+/// 500-byte turn) and much of the time spent encoding it. In the
+/// positional form the state hash uses, a struct already is that list, so
+/// hashes do not change (`rows_hash_as_the_derived_struct_did`).
+#[derive(Debug, Clone, PartialEq, Serialize_tuple, Deserialize_tuple)]
 pub struct Turn {
     pub seq: u64,
     pub event_id: String,
@@ -84,77 +92,6 @@ pub struct Turn {
     pub epoch: u32,
     /// The turn exactly as published.
     pub body: Arc<TurnAppended>,
-}
-
-/// The fields of a [`Turn`] in order, as stored.
-type TurnRow = (
-    u64,
-    String,
-    u64,
-    Role,
-    u64,
-    u64,
-    u64,
-    bool,
-    bool,
-    u32,
-    Arc<TurnAppended>,
-);
-
-// A turn is stored as a list of its fields (its body stays a map, whose
-// optional fields are left out when empty). The store writes every turn,
-// and the names of these fields were 87 bytes of each (a sixth of a
-// 500-byte turn) and much of the time spent encoding it. In the
-// positional form the state hash uses, a struct already is that list, so
-// hashes do not change (`rows_hash_as_the_derived_struct_did`).
-impl Serialize for Turn {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        use serde::ser::SerializeTuple;
-        let mut row = s.serialize_tuple(11)?;
-        row.serialize_element(&self.seq)?;
-        row.serialize_element(&self.event_id)?;
-        row.serialize_element(&self.time)?;
-        row.serialize_element(&self.role)?;
-        row.serialize_element(&self.tokens)?;
-        row.serialize_element(&self.context_tokens)?;
-        row.serialize_element(&self.bytes)?;
-        row.serialize_element(&self.in_context)?;
-        row.serialize_element(&self.large_payload)?;
-        row.serialize_element(&self.epoch)?;
-        row.serialize_element(&self.body)?;
-        row.end()
-    }
-}
-
-impl<'de> Deserialize<'de> for Turn {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Turn, D::Error> {
-        let (
-            seq,
-            event_id,
-            time,
-            role,
-            tokens,
-            context_tokens,
-            bytes,
-            in_context,
-            large_payload,
-            epoch,
-            body,
-        ) = TurnRow::deserialize(d)?;
-        Ok(Turn {
-            seq,
-            event_id,
-            time,
-            role,
-            tokens,
-            context_tokens,
-            bytes,
-            in_context,
-            large_payload,
-            epoch,
-            body,
-        })
-    }
 }
 
 impl Turn {
@@ -241,7 +178,13 @@ pub struct FloodWindow {
 /// is computed only when a later turn has the same sketch, a cheap value
 /// identical turns always share (see `fold::turn_sketch`), itself computed
 /// only once a later turn is compared with it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+///
+/// Stored as a pair `[sketch, digest]`, the digest as an integer (`Of`) or
+/// 16 bytes (`Known`). Every conversation head written carries the lists
+/// of them, and the derived form (a map of field names, a one-entry map
+/// per digest, a digest as 16 integers) cost several times as much to
+/// encode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize_tuple, Deserialize_tuple)]
 pub struct SeenTurn {
     pub sketch: Option<u64>,
     pub digest: SeenDigest,
@@ -253,24 +196,6 @@ pub enum SeenDigest {
     /// Not computed yet: it is that of turn `seq`'s message.
     Of(u64),
     Known(IdDigest),
-}
-
-// Seen turns are stored as a pair `[sketch, digest]`, the digest as an
-// integer (`Of`) or 16 bytes (`Known`). Every conversation head written
-// carries the lists of them, and the derived form (a map of field names,
-// a one-entry map per digest, a digest as 16 integers) cost several times
-// as much to encode.
-impl Serialize for SeenTurn {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        (self.sketch, self.digest).serialize(s)
-    }
-}
-
-impl<'de> Deserialize<'de> for SeenTurn {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<SeenTurn, D::Error> {
-        let (sketch, digest) = <(Option<u64>, SeenDigest)>::deserialize(d)?;
-        Ok(SeenTurn { sketch, digest })
-    }
 }
 
 impl Serialize for SeenDigest {
