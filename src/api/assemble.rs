@@ -3,10 +3,10 @@
 //! fit. A thin wrapper over [`crate::core::assembly::assemble`].
 
 use crate::api::{conversation, ApiError};
-use crate::core::assembly::{self, Assembled, AssembledRef, AssemblyRequest, LeftOut, SentMessage};
+use crate::core::assembly::{self, Assembled, AssemblyRequest, LeftOut, SentMessage};
 use crate::core::message::ChatMessage;
 use crate::core::policy::PolicyConfig;
-use crate::core::state::{Conversation, State};
+use crate::core::state::State;
 use serde::{Deserialize, Serialize};
 use std::borrow::Borrow;
 
@@ -102,45 +102,13 @@ fn cap_left_out(left_out: &mut Vec<LeftOut>) -> (usize, u64) {
     (count, tokens)
 }
 
+/// [`assemble_borrowed`], with the stored turns copied into the reply.
 pub fn assemble(
     state: &State,
     policy: &PolicyConfig,
     req: &AssembleRequest,
 ) -> Result<AssembleResponse, ApiError> {
-    let (conv, assembled) = assemble_ref(state, policy, req)?;
-    let mut assembled = assembled.into_owned();
-    let (left_out_count, left_out_tokens) = cap_left_out(&mut assembled.left_out);
-    let delta = apply_since(&mut assembled, req.since.as_ref());
-    Ok(AssembleResponse {
-        conversation: conv.key.clone(),
-        left_out_tokens,
-        left_out_count,
-        assembled,
-        delta,
-    })
-}
-
-/// The conversation and its assembly, stored turns borrowed.
-fn assemble_ref<'a>(
-    state: &'a State,
-    policy: &PolicyConfig,
-    req: &AssembleRequest,
-) -> Result<(&'a Conversation, AssembledRef<'a>), ApiError> {
-    let conv = conversation(state, &req.conversation)?;
-    if req.budget == Some(0) {
-        return Err(ApiError::BadRequest(
-            "`budget` must be at least 1 token (omit it for the conversation's budget)".into(),
-        ));
-    }
-    let assembled = assembly::assemble_borrowed(
-        conv,
-        policy,
-        &AssemblyRequest {
-            budget: req.budget,
-            prompt: req.prompt.clone(),
-        },
-    );
-    Ok((conv, assembled))
+    Ok(assemble_borrowed(state, policy, req)?.into_owned())
 }
 
 /// [`AssembleResponse`] with the stored turns borrowed from the state:
@@ -148,13 +116,39 @@ fn assemble_ref<'a>(
 /// first.
 pub type AssembleResponseRef<'a> = AssembleResponse<SentMessage<'a>>;
 
-/// [`assemble`] without copying the stored turns.
+impl AssembleResponseRef<'_> {
+    pub fn into_owned(self) -> AssembleResponse {
+        AssembleResponse {
+            conversation: self.conversation,
+            assembled: self.assembled.into_owned(),
+            left_out_tokens: self.left_out_tokens,
+            left_out_count: self.left_out_count,
+            delta: self.delta,
+        }
+    }
+}
+
+/// Assembles a conversation's context, stored turns borrowed from the
+/// state.
 pub fn assemble_borrowed<'a>(
     state: &'a State,
     policy: &PolicyConfig,
     req: &AssembleRequest,
 ) -> Result<AssembleResponseRef<'a>, ApiError> {
-    let (conv, mut assembled) = assemble_ref(state, policy, req)?;
+    let conv = conversation(state, &req.conversation)?;
+    if req.budget == Some(0) {
+        return Err(ApiError::BadRequest(
+            "`budget` must be at least 1 token (omit it for the conversation's budget)".into(),
+        ));
+    }
+    let mut assembled = assembly::assemble_borrowed(
+        conv,
+        policy,
+        &AssemblyRequest {
+            budget: req.budget,
+            prompt: req.prompt.clone(),
+        },
+    );
     let (left_out_count, left_out_tokens) = cap_left_out(&mut assembled.left_out);
     let delta = apply_since(&mut assembled, req.since.as_ref());
     Ok(AssembleResponseRef {
