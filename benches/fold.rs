@@ -94,13 +94,7 @@ fn short_turns() -> Vec<Envelope> {
                 format!("{key}-{n}"),
                 key.as_str(),
                 1_700_000_000_000 + n * 1000,
-                EventBody::TurnAppended(TurnAppended {
-                    message,
-                    model: None,
-                    sender: None,
-                    usage: None,
-                    metadata: None,
-                }),
+                EventBody::TurnAppended(TurnAppended::from(message)),
             ));
         }
     }

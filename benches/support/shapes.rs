@@ -167,13 +167,7 @@ fn turn(n: usize, message: ChatMessage) -> Envelope {
         format!("{KEY}-s{n}"),
         KEY,
         1_700_000_000_000 + n as u64 * 1000,
-        EventBody::TurnAppended(TurnAppended {
-            message,
-            model: None,
-            sender: None,
-            usage: None,
-            metadata: None,
-        }),
+        EventBody::TurnAppended(TurnAppended::from(message)),
     )
 }
 

@@ -497,13 +497,7 @@ mod tests {
             format!("imp-00000000000000{n:02}"),
             "c:acct",
             1_700_000_000_000 + n * 1000,
-            EventBody::TurnAppended(TurnAppended {
-                message,
-                model: None,
-                sender: None,
-                usage: None,
-                metadata: None,
-            }),
+            EventBody::TurnAppended(TurnAppended::from(message)),
         )
     }
 

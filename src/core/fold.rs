@@ -2099,13 +2099,7 @@ mod tests {
                 format!("e{n}"),
                 "c:owned",
                 1_700_000_000_000 + n as u64 * 1000,
-                EventBody::TurnAppended(TurnAppended {
-                    message,
-                    model: None,
-                    sender: None,
-                    usage: None,
-                    metadata: None,
-                }),
+                EventBody::TurnAppended(TurnAppended::from(message)),
             )
         })
         .collect();
