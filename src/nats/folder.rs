@@ -385,9 +385,10 @@ impl<B: KvBackend + 'static> FolderRole<B> {
                 _ = shutdown.changed() => return Ok(()),
                 m = messages.next() => m,
             };
-            let mut msgs = Batch::with_capacity(batch);
+            let mut msgs = Batch::default();
             msgs.push(pulled(p, first)?)?;
-            let gathered_by = tokio::time::Instant::now() + self.settings.gather_wait;
+            let gathered = tokio::time::sleep(self.settings.gather_wait);
+            tokio::pin!(gathered);
             // What is ready now, then, while the server says more of the
             // partition is pending and the batch is not full, what arrives
             // next: a backlog is folded in full batches (one commit each)
@@ -406,7 +407,7 @@ impl<B: KvBackend + 'static> FolderRole<B> {
                 let next = tokio::select! {
                     _ = lease.lost() => return Ok(()),
                     _ = shutdown.changed() => return Ok(()),
-                    _ = tokio::time::sleep_until(gathered_by) => break,
+                    _ = &mut gathered => break,
                     m = messages.next() => m,
                 };
                 msgs.push(pulled(p, next)?)?;
@@ -556,7 +557,9 @@ fn pulled<E: std::fmt::Display>(
 
 /// The messages gathered for one fold and commit, taken apart as they
 /// arrive: a pulled message is large (it carries its own client handle),
-/// and only the last one's acknowledgement is needed (ack-all).
+/// and only the last one's acknowledgement is needed (ack-all). It grows
+/// as messages come: a caught-up partition folds batches of one.
+#[derive(Default)]
 struct Batch {
     inbound: Vec<Inbound>,
     last_ack: Option<jetstream::message::Acker>,
@@ -566,14 +569,6 @@ struct Batch {
 }
 
 impl Batch {
-    fn with_capacity(n: usize) -> Batch {
-        Batch {
-            inbound: Vec::with_capacity(n),
-            last_ack: None,
-            pending: 0,
-        }
-    }
-
     fn len(&self) -> usize {
         self.inbound.len()
     }
