@@ -33,11 +33,13 @@
 //! CONTEXTFOLD_BENCH_ROUNDS=3       # raw / end-to-end pairs (default 3)
 //! CONTEXTFOLD_BENCH_BATCH=1024     # folder batch and raw pull batch (default: the folder's)
 //! CONTEXTFOLD_BENCH_FLUSH_EVERY=1  # every N-th state commit durable (default: serve's, 1)
+//! CONTEXTFOLD_BENCH_GATHER_MS=50   # folder's wait for a backlog batch to fill (default: the folder's)
 //! ```
 //!
 //! Each phase also reports the CPU time the bench process (client and
 //! folder) and the nats-server process used during it (Linux `/proc`), to
-//! tell a CPU-bound phase from one waiting on I/O or round trips.
+//! tell a CPU-bound phase from one waiting on I/O or round trips, and the
+//! end-to-end phase the state commits it made (one per folded batch).
 //!
 //! nats-server is looked up as the integration tests do
 //! (`CONTEXTFOLD_NATS_SERVER`, `$CONTEXTFOLD_VENV/bin`, `.venv/bin`);
@@ -254,6 +256,8 @@ struct EndToEnd {
     /// Until every engine committed its last message (acks not yet seen).
     committed_secs: f64,
     turns: usize,
+    /// State commits over all partitions (one per folded batch).
+    commits: u64,
     cpu: String,
 }
 
@@ -332,19 +336,21 @@ async fn end_to_end(bench: &Bench, round: usize, last: &[u64]) -> Result<EndToEn
     wait_acked(infra, &names, last, started).await?;
     let secs = started.elapsed().as_secs_f64();
     let cpu = cpu.used();
-    let turns = engines
+    let (mut turns, mut commits) = (0, 0);
+    for e in engines
         .partitions()
         .into_iter()
         .filter_map(|p| engines.get(p))
-        .map(|e| {
-            let e = e.lock().unwrap_or_else(|p| p.into_inner());
-            e.state
-                .conversations
-                .values()
-                .map(|c| c.turns.len())
-                .sum::<usize>()
-        })
-        .sum();
+    {
+        let e = e.lock().unwrap_or_else(|p| p.into_inner());
+        turns += e
+            .state
+            .conversations
+            .values()
+            .map(|c| c.turns.len())
+            .sum::<usize>();
+        commits += e.store().commits();
+    }
     let _ = stop.send(true);
     let _ = folder.await;
     runner.stop().await;
@@ -353,6 +359,7 @@ async fn end_to_end(bench: &Bench, round: usize, last: &[u64]) -> Result<EndToEn
         secs,
         committed_secs,
         turns,
+        commits,
         cpu,
     })
 }
@@ -425,6 +432,10 @@ async fn run() -> Result<(), Error> {
     let defaults = FolderSettings::default();
     let settings = FolderSettings {
         batch: env_usize("CONTEXTFOLD_BENCH_BATCH", defaults.batch).max(1),
+        gather_wait: Duration::from_millis(env_usize(
+            "CONTEXTFOLD_BENCH_GATHER_MS",
+            defaults.gather_wait.as_millis() as usize,
+        ) as u64),
         ..defaults
     };
     let flush_every =
@@ -437,8 +448,9 @@ async fn run() -> Result<(), Error> {
     println!(
         "nats_ingest: {n} turn events of about {size} bytes (JSON) over {CONVERSATIONS} \
          conversations, {} partitions, file storage; published at {publish_rate:.0} events/s; \
-         folder batch {}, max_ack_pending {}, state commits durable every {flush_every}",
-        cfg.partitions, settings.batch, settings.max_ack_pending
+         folder batch {} (gathered for up to {:?}), max_ack_pending {}, state commits durable \
+         every {flush_every}",
+        cfg.partitions, settings.batch, settings.gather_wait, settings.max_ack_pending
     );
     let bench = Bench {
         js,
@@ -465,8 +477,12 @@ async fn run() -> Result<(), Error> {
         println!(
             "round {round}: raw pull+ack {raw_rate:>6.0} events/s ({raw_secs:.3} s; {raw_cpu})\n  \
              end to end fold+publish+commit+ack {e2e_rate:>6.0} events/s ({:.3} s, committed at \
-             {:.3} s; {})\n  ratio {ratio:.2}",
-            e2e.secs, e2e.committed_secs, e2e.cpu
+             {:.3} s; {}; {} state commits, {:.0} events each)\n  ratio {ratio:.2}",
+            e2e.secs,
+            e2e.committed_secs,
+            e2e.cpu,
+            e2e.commits,
+            n as f64 / e2e.commits.max(1) as f64,
         );
         ratios.push(ratio);
         raw_rates.push(raw_rate);

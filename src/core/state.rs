@@ -69,10 +69,10 @@ pub struct State {
 ///
 /// Stored as a list of its fields (`Serialize_tuple`; its body stays a map,
 /// whose optional fields are left out when empty). The store writes every
-/// turn, and the names of these fields were 87 bytes of each (a sixth of a
-/// 500-byte turn) and much of the time spent encoding it. In the
-/// positional form the state hash uses, a struct already is that list, so
-/// hashes do not change (`rows_hash_as_the_derived_struct_did`).
+/// turn, and the names of these fields would be 87 more bytes of each (a
+/// sixth of a 500-byte turn). In the positional form the state hash uses,
+/// a struct already is that list, so hashes do not change
+/// (`rows_hash_as_the_derived_struct_did` checks both).
 #[derive(Debug, Clone, PartialEq, Serialize_tuple, Deserialize_tuple)]
 pub struct Turn {
     pub seq: u64,
@@ -180,10 +180,9 @@ pub struct FloodWindow {
 /// only once a later turn is compared with it.
 ///
 /// Stored as a pair `[sketch, digest]`, the digest as an integer (`Of`) or
-/// 16 bytes (`Known`). Every conversation head written carries the lists
-/// of them, and the derived form (a map of field names, a one-entry map
-/// per digest, a digest as 16 integers) cost several times as much to
-/// encode.
+/// one 16-byte string (`Known`), not a map of field names holding a
+/// one-entry map of 16 integers: every conversation head written carries
+/// the lists of them (`a_known_digest_is_stored_as_sixteen_bytes`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize_tuple, Deserialize_tuple)]
 pub struct SeenTurn {
     pub sketch: Option<u64>,

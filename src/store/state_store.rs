@@ -80,6 +80,9 @@ pub struct StateStore<B: KvBackend> {
     #[cfg(debug_assertions)]
     committed_contexts: HashMap<String, Vec<ContextItem>>,
     commits_since_flush: u32,
+    /// Commits since this store was opened (what the ingest bench divides
+    /// its events by).
+    commits: u64,
     /// Make every N-th commit durable (1 = every commit).
     pub flush_every: u32,
 }
@@ -121,6 +124,7 @@ impl<B: KvBackend> StateStore<B> {
             #[cfg(debug_assertions)]
             committed_contexts: HashMap::new(),
             commits_since_flush: 0,
+            commits: 0,
             flush_every: 1,
         }
     }
@@ -288,6 +292,7 @@ impl<B: KvBackend> StateStore<B> {
         self.commits_since_flush += 1;
         let durable = self.commits_since_flush >= self.flush_every;
         self.backend.commit(&writes, durable)?;
+        self.commits += 1;
         if durable {
             self.commits_since_flush = 0;
         }
@@ -320,6 +325,11 @@ impl<B: KvBackend> StateStore<B> {
     }
 
     /// The backend under the layout (e.g. to reopen a copy of it).
+    /// Commits since this store was opened.
+    pub fn commits(&self) -> u64 {
+        self.commits
+    }
+
     pub fn backend(&self) -> &B {
         &self.backend
     }
