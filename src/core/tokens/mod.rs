@@ -69,9 +69,9 @@ fn tokenizer(encoding: Encoding) -> &'static bpe_openai::Tokenizer {
     }
 }
 
-/// Loads both encodings' tokenizers now (about 50 and 20 ms the first
-/// time; nothing after). A service calls this at start so that its first
-/// turn is not the one that waits.
+/// Loads both encodings' tokenizers now (the first use of each loads it;
+/// `cargo bench --bench tokens` prints how long both take). A service
+/// calls this at start so that its first turn is not the one that waits.
 pub fn load_tokenizers() {
     for encoding in [Encoding::O200kBase, Encoding::Cl100kBase] {
         tokenizer(encoding);
