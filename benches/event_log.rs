@@ -9,7 +9,7 @@
 //! CONTEXTFOLD_BENCH_DIR=/path   # where the log is written (default: a temp dir)
 //! ```
 
-use contextfold::core::event::Encoding;
+use contextfold::core::event::{Encoding, Origin};
 use contextfold::log::segment::{SegmentLog, RECORD_OVERHEAD};
 use std::process::ExitCode;
 use std::time::Instant;
@@ -64,7 +64,7 @@ fn run() -> Result<(), String> {
 
     let start = Instant::now();
     for i in 0..singles {
-        log.append_sync(Encoding::Msgpack, &record(i))
+        log.append_sync(Origin::Agent, Encoding::Msgpack, &record(i))
             .map_err(|e| e.to_string())?;
     }
     report(
@@ -73,10 +73,16 @@ fn run() -> Result<(), String> {
         start.elapsed().as_secs_f64(),
     );
 
-    let batches: Vec<Vec<(Encoding, Vec<u8>)>> = (0..batched / BATCH as u64)
+    let batches: Vec<Vec<(Origin, Encoding, Vec<u8>)>> = (0..batched / BATCH as u64)
         .map(|b| {
             (0..BATCH as u64)
-                .map(|j| (Encoding::Msgpack, record(singles + b * BATCH as u64 + j)))
+                .map(|j| {
+                    (
+                        Origin::Agent,
+                        Encoding::Msgpack,
+                        record(singles + b * BATCH as u64 + j),
+                    )
+                })
                 .collect()
         })
         .collect();

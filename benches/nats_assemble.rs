@@ -8,7 +8,7 @@
 //! whole; `raw_newest_155k`: uncompacted, a 155k-token budget;
 //! `raw_all_155k`: 26,500 short turns all sent). A client in the same
 //! process (same tokio runtime, another connection) sends
-//! `{"conversation": …, "budget": …}` to `cf.api.assemble`, one request at
+//! `{"conversation": …, "budget": …}` to `cf.api.assemble.<token>`, one request at
 //! a time, and times each round trip from sending until the whole reply
 //! is received: request routing, the handler on a blocking thread (the
 //! state lock, assembly, JSON encoding), the reply's publish and its
@@ -55,7 +55,7 @@ mod nats_server;
 
 use bytes::Bytes;
 use contextfold::api::nats_service::{self, ServiceConfig};
-use contextfold::api::{answer_view, assemble as assemble_api, LocalState};
+use contextfold::api::{answer_view, assemble as assemble_api, LocalState, Target};
 use contextfold::core::assembly;
 use contextfold::core::state::State;
 use futures::StreamExt;
@@ -152,8 +152,14 @@ fn handler_alone(name: &str, view: &LocalState, body: &str) -> Result<(Percentil
     let mut reply_bytes = 0;
     for _ in 0..HANDLER_RUNS {
         let t = Instant::now();
-        let reply = answer_view("assemble", body.as_bytes(), view, 0)
-            .map_err(|e| format!("{name}: the handler failed: {e}"))?;
+        let reply = answer_view(
+            "assemble",
+            Target::Conversation(shapes::KEY),
+            body.as_bytes(),
+            view,
+            0,
+        )
+        .map_err(|e| format!("{name}: the handler failed: {e}"))?;
         alone.push(t.elapsed());
         reply_bytes = reply.len();
     }
@@ -173,7 +179,13 @@ async fn round_trips(
     for i in 0..WARMUP + requests {
         let t = Instant::now();
         let reply = client
-            .request("cf.api.assemble", body.to_string().into())
+            .request(
+                format!(
+                    "cf.api.assemble.{}",
+                    contextfold::nats::subjects::encode_conversation(shapes::KEY)?
+                ),
+                body.to_string().into(),
+            )
             .await
             .map_err(|e| format!("{name}: assemble request {i}: {e}"))?;
         let took = t.elapsed();

@@ -16,13 +16,14 @@ use contextfold::api::nats_service::{self, ServiceConfig};
 use contextfold::api::status::{HealthStatus, StatusResponse};
 use contextfold::api::{
     decode_reply, handle, handle_view, AssembleResponse, ErrorBody, ErrorCode, LocalState, Op,
-    ReplyError, StateView,
+    ReplyError, StateView, Target,
 };
 use contextfold::core::event::*;
 use contextfold::core::message::{ChatMessage, FunctionCall, Role, ToolCall};
 use contextfold::core::policy::PolicyConfig;
 use contextfold::core::state::{ContextItem, State};
 use contextfold::log::memory::MemoryLog;
+use contextfold::nats::subjects::encode_conversation;
 use contextfold::runtime::embedded::Pipeline;
 use contextfold::runtime::engine::Engine;
 use contextfold::runtime::sweep::Deterministic;
@@ -389,6 +390,7 @@ fn every_error_code() {
     };
     let reply = handle_view(
         "assemble",
+        Target::Conversation(CONV),
         json!({"conversation": CONV}).to_string().as_bytes(),
         &view,
         750,
@@ -398,8 +400,35 @@ fn every_error_code() {
     assert_eq!(e.retry_after_ms, Some(750));
     assert_eq!(e.conversation.as_deref(), Some(CONV));
     // ...while the same view answers a global status.
-    let reply = handle_view("status", b"{}", &view, 750);
+    let reply = handle_view("status", Target::Global, b"{}", &view, 750);
     assert!(decode_reply::<StatusResponse>(&reply).is_ok());
+
+    // The body must name the conversation of its subject: a permission on
+    // the subject is a permission on the conversation.
+    let local = LocalState::new(state().clone(), policy());
+    for body in [json!({"conversation": "someone else"}), json!({})] {
+        let reply = handle_view(
+            "history",
+            Target::Conversation(CONV),
+            body.to_string().as_bytes(),
+            &local,
+            750,
+        );
+        let e = error_of(&reply);
+        assert_eq!(e.code, ErrorCode::BadRequest, "{body}");
+        assert!(e.message.contains("subject"), "{}", e.message);
+    }
+    // Only status answers globally, and only about the whole service.
+    let reply = handle_view("assemble", Target::Global, b"{}", &local, 750);
+    assert!(error_of(&reply).message.contains("one conversation"));
+    let reply = handle_view(
+        "status",
+        Target::Global,
+        json!({"conversation": CONV}).to_string().as_bytes(),
+        &local,
+        750,
+    );
+    assert_eq!(error_of(&reply).code, ErrorCode::BadRequest);
 
     // internal: a state whose context names a turn it does not hold.
     let mut broken = state().clone();
@@ -526,6 +555,24 @@ async fn request(client: &async_nats::Client, subject: &str, body: Value) -> asy
         .unwrap_or_else(|e| panic!("request on {subject}: {e}"))
 }
 
+/// The subject an operation with `body` is asked on: the conversation's
+/// (`cf.api.<op>.<token>`), or the admin subject without one.
+fn subject_of(op: impl std::fmt::Display, body: &Value) -> String {
+    match body.get("conversation").and_then(Value::as_str) {
+        Some(c) => format!("cf.api.{op}.{}", encode_conversation(c).unwrap()),
+        None => format!("cf.admin.{op}"),
+    }
+}
+
+/// Asks `op` on the subject its body's conversation gives.
+async fn ask(
+    client: &async_nats::Client,
+    op: impl std::fmt::Display,
+    body: Value,
+) -> async_nats::Message {
+    request(client, &subject_of(op, &body), body).await
+}
+
 fn header<'a>(m: &'a async_nats::Message, name: &str) -> Option<&'a str> {
     m.headers.as_ref()?.get(name).map(|v| v.as_str())
 }
@@ -539,7 +586,7 @@ async fn nats_serves_every_operation_and_structured_errors() {
     let service = nats_service::start(client.clone(), view, service_config())
         .await
         .unwrap();
-    assert_eq!(service.subject_filter(), "cf.api.*");
+    assert_eq!(service.subject_filter(), "cf.api.*.* cf.admin.*");
 
     // Every operation answers exactly what the JSON dispatch answers.
     let bodies = [
@@ -555,7 +602,7 @@ async fn nats_serves_every_operation_and_structured_errors() {
         (Op::History, json!({"conversation": CONV, "limit": 5})),
     ];
     for (op, body) in bodies {
-        let reply = request(&client, &format!("cf.api.{op}"), body.clone()).await;
+        let reply = ask(&client, op, body.clone()).await;
         assert_eq!(
             reply.payload.as_ref(),
             call(op.as_str(), body).as_slice(),
@@ -565,21 +612,21 @@ async fn nats_serves_every_operation_and_structured_errors() {
         assert_eq!(header(&reply, "Nats-Service-Error-Code"), None);
     }
     let summary = state().conversations[CONV].summaries[0].id.clone();
-    let reply = request(
+    let reply = ask(
         &client,
-        "cf.api.expand",
+        "expand",
         json!({"conversation": CONV, "summary_id": summary}),
     )
     .await;
     assert!(decode_reply::<ExpandResponse>(&reply.payload).is_ok());
 
     // Errors are replies with the service headers, never silence.
-    let reply = request(&client, "cf.api.summon", json!({})).await;
+    let reply = ask(&client, "summon", json!({})).await;
     assert_eq!(error_of(&reply.payload).code, ErrorCode::BadRequest);
     assert_eq!(header(&reply, "Nats-Service-Error-Code"), Some("400"));
-    let reply = request(
+    let reply = ask(
         &client,
-        "cf.api.grep",
+        "grep",
         json!({"conversation": "nobody", "pattern": "x"}),
     )
     .await;
@@ -590,14 +637,17 @@ async fn nats_serves_every_operation_and_structured_errors() {
     assert_eq!(header(&reply, "Nats-Service-Error-Code"), Some("404"));
 
     // A publish without a reply subject is dropped; the service goes on.
-    client.publish("cf.api.status", "{}".into()).await.unwrap();
-    let reply = request(&client, "cf.api.status", json!({})).await;
+    client
+        .publish("cf.admin.status", "{}".into())
+        .await
+        .unwrap();
+    let reply = ask(&client, "status", json!({})).await;
     assert!(decode_reply::<StatusResponse>(&reply.payload).is_ok());
 
     // Stopped: nobody answers any more.
     service.stop().await;
     let err = client
-        .request("cf.api.status", "{}".into())
+        .request("cf.admin.status", "{}".into())
         .await
         .unwrap_err();
     assert_eq!(err.kind(), async_nats::RequestErrorKind::NoResponders);
@@ -619,7 +669,7 @@ async fn nats_forwards_to_the_partition_owner_or_says_not_owner() {
     let plain = nats_service::start(client.clone(), stranger.clone(), service_config())
         .await
         .unwrap();
-    let reply = request(&client, "cf.api.assemble", json!({"conversation": CONV})).await;
+    let reply = ask(&client, "assemble", json!({"conversation": CONV})).await;
     let e = error_of(&reply.payload);
     assert_eq!(e.code, ErrorCode::NotOwner);
     assert_eq!(e.retry_after_ms, Some(300));
@@ -637,16 +687,14 @@ async fn nats_forwards_to_the_partition_owner_or_says_not_owner() {
     .await
     .unwrap();
     // No owner yet: not_owner once the forward budget (with retries) is spent.
-    let reply = request(&client, "cf.api.history", json!({"conversation": CONV})).await;
+    let reply = ask(&client, "history", json!({"conversation": CONV})).await;
     assert_eq!(error_of(&reply.payload).code, ErrorCode::NotOwner);
 
     // Process B takes the partition while a request is waiting: the
     // forwarder asks again and the request is answered, not bounced.
     let waiting = {
         let client = client.clone();
-        tokio::spawn(async move {
-            request(&client, "cf.api.history", json!({"conversation": CONV})).await
-        })
+        tokio::spawn(async move { ask(&client, "history", json!({"conversation": CONV})).await })
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
     let owner_client = async_nats::connect(server.url()).await.unwrap();
@@ -663,7 +711,7 @@ async fn nats_forwards_to_the_partition_owner_or_says_not_owner() {
         reply.payload.as_ref(),
         call("history", json!({"conversation": CONV})).as_slice()
     );
-    assert_eq!(owner.subject_filter(), format!("cf.api.p.{partition}.*"));
+    assert_eq!(owner.subject_filter(), format!("cf.api.p.{partition}.*.*"));
     for (op, body) in [
         ("assemble", json!({"conversation": CONV, "budget": 2000})),
         ("history", json!({"conversation": CONV})),
@@ -672,13 +720,13 @@ async fn nats_forwards_to_the_partition_owner_or_says_not_owner() {
             json!({"conversation": CONV, "pattern": "nobody", "limit": 0}),
         ),
     ] {
-        let reply = request(&client, &format!("cf.api.{op}"), body.clone()).await;
+        let reply = ask(&client, op, body.clone()).await;
         assert_eq!(reply.payload.as_ref(), call(op, body).as_slice(), "{op}");
     }
     // The owner's error headers are relayed too.
-    let reply = request(
+    let reply = ask(
         &client,
-        "cf.api.grep",
+        "grep",
         json!({"conversation": CONV, "pattern": ""}),
     )
     .await;
@@ -707,7 +755,7 @@ async fn nats_a_started_service_answers_the_next_request() {
         .unwrap();
         let reply = client
             .request(
-                "cf.api.status",
+                subject_of("status", &json!({"conversation": CONV})),
                 json!({"conversation": CONV}).to_string().into(),
             )
             .await
@@ -738,7 +786,7 @@ async fn nats_queue_group_answers_each_request_once() {
     for i in 0..n {
         client
             .publish_with_reply(
-                "cf.api.status",
+                subject_of("status", &json!({"conversation": CONV})),
                 format!("{inbox}.{i}"),
                 json!({"conversation": CONV}).to_string().into(),
             )
@@ -803,9 +851,9 @@ async fn nats_reply_over_max_payload_becomes_an_error_reply() {
     let service = nats_service::start(client.clone(), view, service_config())
         .await
         .unwrap();
-    let reply = request(
+    let reply = ask(
         &client,
-        "cf.api.describe",
+        "describe",
         json!({"conversation": "big", "id": "big#huge"}),
     )
     .await;
@@ -813,9 +861,9 @@ async fn nats_reply_over_max_payload_becomes_an_error_reply() {
     assert_eq!(e.code, ErrorCode::BadRequest);
     assert!(e.message.contains("max_payload"), "{}", e.message);
     // A smaller question about the same turn still works.
-    let reply = request(
+    let reply = ask(
         &client,
-        "cf.api.grep",
+        "grep",
         json!({"conversation": "big", "pattern": "row 42", "limit": 1}),
     )
     .await;
@@ -844,7 +892,10 @@ async fn nats_run_follows_the_held_partitions_and_stops_on_shutdown() {
         },
         stop_rx,
     ));
-    let owner_subject = format!("cf.api.p.{partition}.status");
+    let owner_subject = format!(
+        "cf.api.p.{partition}.status.{}",
+        encode_conversation(CONV).unwrap()
+    );
     let body = json!({"conversation": CONV}).to_string();
     // Polls until the owner subject is (or is not) answered.
     let answered = |want: bool| {
@@ -871,7 +922,7 @@ async fn nats_run_follows_the_held_partitions_and_stops_on_shutdown() {
     };
     answered(false).await;
     // The public subject answers from the start.
-    let reply = request(&client, "cf.api.status", json!({"conversation": CONV})).await;
+    let reply = ask(&client, "status", json!({"conversation": CONV})).await;
     assert!(decode_reply::<StatusResponse>(&reply.payload).is_ok());
     held.lock().unwrap().push(partition);
     answered(true).await;
@@ -880,7 +931,7 @@ async fn nats_run_follows_the_held_partitions_and_stops_on_shutdown() {
     stop.send(true).unwrap();
     role.await.unwrap().unwrap();
     let err = client
-        .request("cf.api.status", "{}".into())
+        .request("cf.admin.status", "{}".into())
         .await
         .unwrap_err();
     assert_eq!(err.kind(), async_nats::RequestErrorKind::NoResponders);

@@ -3,6 +3,7 @@
 //! UTF-8 are each rejected with a reason, and every other event is folded.
 
 use contextfold::core::event::*;
+use contextfold::core::intake::Address;
 use contextfold::core::message::{ChatMessage, Role};
 use contextfold::core::policy::PolicyConfig;
 use contextfold::log::LogRecord;
@@ -52,12 +53,18 @@ fn every_kind_of_bad_input_is_rejected_with_a_reason_and_nothing_else_is_lost() 
     let oversized = vec![b'{'; MAX_EVENT_BYTES + 10];
 
     let mut position = 0;
+    // As published by an agent on the conversation's own subject: the
+    // subject vouches for the conversation, so every refusal is counted
+    // there, whatever the bytes say.
     let mut record = |encoding: Encoding, bytes: Vec<u8>| {
         position += 1;
         LogRecord {
             position,
+            origin: Origin::Agent,
+            address: Address::Conversation("c:bad".into()),
+            stored_at_ms: None,
             encoding,
-            bytes,
+            bytes: bytes.into(),
         }
     };
     let records = vec![
@@ -113,7 +120,38 @@ fn every_kind_of_bad_input_is_rejected_with_a_reason_and_nothing_else_is_lost() 
         ]
     );
     // Rejections are counted where they can be attributed, never silently.
-    assert_eq!(conv.rejections + engine.state.unattributed_rejections, 7);
+    assert_eq!(conv.rejections, 7);
+    assert_eq!(engine.state.unattributed_rejections, 0);
+}
+
+#[test]
+fn without_a_subject_undecodable_bytes_are_dead_letters_not_anyones_rejection() {
+    let mut engine = Engine::open(MemoryBackend::default(), PolicyConfig::default()).unwrap();
+    let claims_victim = br#"{"id":"x","conversation":"victim","type":"nope"}"#.to_vec();
+    let effects = engine.apply(&LogRecord::unaddressed(
+        1,
+        Origin::Agent,
+        Encoding::Json,
+        claims_victim.clone(),
+    ));
+    assert!(effects.decisions.is_empty(), "{:?}", effects.decisions);
+    assert_eq!(effects.dead_letters.len(), 1);
+    assert_eq!(effects.dead_letters[0].kind, "undecodable");
+    assert_eq!(&effects.dead_letters[0].bytes[..], &claims_victim[..]);
+    assert!(
+        engine.state.conversations.is_empty(),
+        "no phantom conversation"
+    );
+    assert_eq!(engine.state.unattributed_rejections, 1);
+    // The same position again is a redelivery: nothing changes.
+    let again = engine.apply(&LogRecord::unaddressed(
+        1,
+        Origin::Agent,
+        Encoding::Json,
+        claims_victim,
+    ));
+    assert!(again.is_empty());
+    assert_eq!(engine.state.unattributed_rejections, 1);
 }
 
 #[test]
@@ -124,18 +162,17 @@ fn replaying_the_same_bad_log_rejects_the_same_way() {
     ]
     .into_iter()
     .enumerate()
-    .map(|(i, bytes)| LogRecord {
-        position: i as u64 + 1,
-        encoding: Encoding::Json,
-        bytes,
-    })
+    .map(|(i, bytes)| LogRecord::unaddressed(i as u64 + 1, Origin::Agent, Encoding::Json, bytes))
     .collect();
     let run = || {
         let mut engine = Engine::open(MemoryBackend::default(), PolicyConfig::default()).unwrap();
         let ids: Vec<String> = records
             .iter()
-            .flat_map(|r| engine.apply(r).decisions)
-            .map(|d| d.id)
+            .flat_map(|r| {
+                let effects = engine.apply(r);
+                let letters = effects.dead_letters.into_iter().map(|l| l.reason);
+                effects.decisions.into_iter().map(|d| d.id).chain(letters)
+            })
             .collect();
         (ids, engine.state.hash())
     };

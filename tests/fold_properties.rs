@@ -198,8 +198,10 @@ proptest! {
             let to = first + 1 + at.index(order.len() - first);
             order.insert(to, from);
         }
-        let with_dups: Vec<(Encoding, Vec<u8>)> =
-            order.iter().map(|&i| (records[i].encoding, records[i].bytes.clone())).collect();
+        let with_dups: Vec<(Origin, Encoding, Vec<u8>)> = order
+            .iter()
+            .map(|&i| (records[i].origin, records[i].encoding, records[i].bytes.to_vec()))
+            .collect();
         let mut dup_log = MemoryLog::new();
         rt.block_on(dup_log.append_batch(&with_dups)).unwrap();
         prop_assert_eq!(replay(&policy, &mut log).hash(), replay(&policy, &mut dup_log).hash());

@@ -7,7 +7,7 @@
 mod support;
 
 use async_nats::jetstream::{self, consumer::pull, stream::StorageType};
-use contextfold::core::event::{Encoding, Envelope, EventBody, TurnAppended};
+use contextfold::core::event::{Encoding, Envelope, EventBody, Origin, TurnAppended};
 use contextfold::core::message::{ChatMessage, Role};
 use contextfold::log::EventLog;
 use contextfold::nats::event_log::{event_headers, NatsEventLog};
@@ -163,17 +163,24 @@ async fn raw_publish_lands_in_the_partition_any_client_can_compute() {
         used.insert(p);
         let stored = infra
             .events
-            .direct_get_last_for_subject(format!("cf.ev.{p}.{token}"))
+            .direct_get_last_for_subject(format!("cf.ev.{p}.in.{token}"))
             .await
             .unwrap_or_else(|e| panic!("{key:?} not under partition {p}: {e}"));
         let env = Envelope::decode(&stored.payload, Encoding::Json).unwrap();
         assert_eq!(env.id, format!("raw-{i}"));
         assert_eq!(env.conversation, *key);
-        let (parsed_p, parsed_key) = infra
+        let parsed = infra
             .subjects
             .parse_event_subject(stored.subject.as_str())
             .unwrap();
-        assert_eq!((parsed_p, parsed_key.as_str()), (p, key.as_str()));
+        assert_eq!(
+            (
+                parsed.partition,
+                parsed.origin,
+                parsed.conversation.as_str()
+            ),
+            (p, Origin::Agent, key.as_str())
+        );
     }
     assert!(
         used.len() > 8,
@@ -198,11 +205,11 @@ async fn raw_publish_lands_in_the_partition_any_client_can_compute() {
     let mut seen = 0;
     while let Some(m) = batch.next().await {
         let m = m.unwrap();
-        let (p, _) = infra
+        let stored = infra
             .subjects
             .parse_event_subject(m.subject.as_str())
             .unwrap();
-        assert!(wanted.contains(&p));
+        assert!(wanted.contains(&stored.partition));
         seen += 1;
     }
     let expected = keys
@@ -276,26 +283,33 @@ async fn event_log_appends_reads_back_and_deduplicates() {
         .collect();
     let mut positions = Vec::new();
     for (env, enc) in &events[..4] {
-        let appended = log.append_event(env, *enc).await.unwrap();
+        let appended = log.append_event(Origin::Agent, env, *enc).await.unwrap();
         assert!(!appended.duplicate);
         positions.push(appended.position);
     }
     // Through the trait, bytes only: id and conversation come from them.
-    let batch: Vec<(Encoding, Vec<u8>)> = events[4..]
+    let batch: Vec<(Origin, Encoding, Vec<u8>)> = events[4..]
         .iter()
-        .map(|(e, enc)| (*enc, e.encode(*enc)))
+        .map(|(e, enc)| (Origin::Agent, *enc, e.encode(*enc)))
         .collect();
     let last = log.append_batch(&batch).await.unwrap();
     assert_eq!(last, 6);
     assert_eq!(positions, vec![1, 2, 3, 4]);
 
-    let again = log.append_event(&events[1].0, events[1].1).await.unwrap();
+    let again = log
+        .append_event(Origin::Agent, &events[1].0, events[1].1)
+        .await
+        .unwrap();
     assert!(again.duplicate);
     assert_eq!(again.position, 2);
     assert_eq!(
-        log.append(Encoding::Json, &events[2].0.encode(Encoding::Json))
-            .await
-            .unwrap(),
+        log.append(
+            Origin::Agent,
+            Encoding::Json,
+            &events[2].0.encode(Encoding::Json)
+        )
+        .await
+        .unwrap(),
         3
     );
     assert_eq!(log.last_position().await.unwrap(), 6);
@@ -344,7 +358,10 @@ async fn event_log_appends_reads_back_and_deduplicates() {
     );
 
     // Bytes without an id cannot be routed or deduplicated.
-    assert!(log.append(Encoding::Json, b"{\"x\":1}").await.is_err());
+    assert!(log
+        .append(Origin::Agent, Encoding::Json, b"{\"x\":1}")
+        .await
+        .is_err());
 }
 
 fn lease_config(url: &str) -> NatsConfig {
@@ -558,9 +575,13 @@ async fn three_node_cluster_replicates_and_survives_the_stream_leader() {
     let mut log = NatsEventLog::open(js.clone(), infra.subjects.clone())
         .await
         .unwrap();
-    log.append_event(&turn("c1", "conv:c", "before"), Encoding::Json)
-        .await
-        .unwrap();
+    log.append_event(
+        Origin::Agent,
+        &turn("c1", "conv:c", "before"),
+        Encoding::Json,
+    )
+    .await
+    .unwrap();
 
     // Kill the events stream's leader; the other two elect a new one and
     // the log keeps accepting and serving events.
@@ -570,7 +591,11 @@ async fn three_node_cluster_replicates_and_survives_the_stream_leader() {
     let deadline = Instant::now() + Duration::from_secs(30);
     let appended = loop {
         match log
-            .append_event(&turn("c2", "conv:c", "after"), Encoding::Json)
+            .append_event(
+                Origin::Agent,
+                &turn("c2", "conv:c", "after"),
+                Encoding::Json,
+            )
             .await
         {
             Ok(a) => break a,

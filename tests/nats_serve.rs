@@ -226,8 +226,8 @@ async fn serve_with_the_api_role_answers_requests_over_nats() {
     // from the folded state.
     let partition = partition_of(key);
     for subject in [
-        "cf.api.assemble".to_string(),
-        format!("cf.api.p.{partition}.assemble"),
+        format!("cf.api.assemble.{}", token(key)),
+        format!("cf.api.p.{partition}.assemble.{}", token(key)),
     ] {
         let body = serde_json::json!({ "conversation": key }).to_string();
         let reply = tokio::time::timeout(Duration::from_secs(10), async {
@@ -257,7 +257,10 @@ async fn serve_with_the_api_role_answers_requests_over_nats() {
     let mut event_id = String::new();
     for _ in 0..2 {
         let reply = client
-            .request("cf.api.compact", body.clone().into())
+            .request(
+                format!("cf.api.compact.{}", token(key)),
+                body.clone().into(),
+            )
             .await
             .expect("compact answers");
         let v: serde_json::Value = serde_json::from_slice(&reply.payload).unwrap();
@@ -317,7 +320,7 @@ async fn a_raw_published_turn_is_folded_and_assembles() {
         let body = serde_json::json!({"conversation": key, "since": since}).to_string();
         async move {
             let reply = client
-                .request("cf.api.assemble", body.into())
+                .request(format!("cf.api.assemble.{}", token(key)), body.into())
                 .await
                 .unwrap();
             serde_json::from_slice::<serde_json::Value>(&reply.payload).unwrap()
@@ -771,15 +774,20 @@ async fn the_serve_binary_summarizes_with_the_configured_model() {
     // Once the API answers, serve has set up the streams: publish then.
     let client = async_nats::connect(server.url()).await.unwrap();
     let up = Instant::now() + Duration::from_secs(30);
-    while client.request("cf.api.status", "{}".into()).await.is_err() {
+    while client
+        .request("cf.admin.status", "{}".into())
+        .await
+        .is_err()
+    {
         assert!(Instant::now() < up, "serve did not come up");
         assert!(child.try_wait().unwrap().is_none(), "serve exited");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let key = "agent:model/one";
-    // What the agent itself would watch to tell its user.
+    // What the agent itself would watch to tell its user: the service's
+    // events about its conversation.
     let mut watch = client
-        .subscribe(format!("cf.in.{}", token(key)))
+        .subscribe(format!("cf.svc.{}", token(key)))
         .await
         .unwrap();
     raw_publish(&client, &turns(key, 0..40, 60)).await;
@@ -787,7 +795,9 @@ async fn the_serve_binary_summarizes_with_the_configured_model() {
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut last = serde_json::Value::Null;
     let status = loop {
-        let reply = client.request("cf.api.status", body.clone().into()).await;
+        let reply = client
+            .request(format!("cf.api.status.{}", token(key)), body.clone().into())
+            .await;
         if let Ok(reply) = reply {
             let v: serde_json::Value = serde_json::from_slice(&reply.payload).unwrap();
             if v["summaries"]["total"].as_u64().unwrap_or(0) > 0 && v["pending_job"].is_null() {
@@ -800,7 +810,10 @@ async fn the_serve_binary_summarizes_with_the_configured_model() {
         assert!(exited.is_none(), "serve exited ({exited:?}):\n{log}");
         if Instant::now() >= deadline {
             let history = client
-                .request("cf.api.history", body.clone().into())
+                .request(
+                    format!("cf.api.history.{}", token(key)),
+                    body.clone().into(),
+                )
                 .await
                 .map(|m| String::from_utf8_lossy(&m.payload).into_owned());
             panic!("no summary in 60 s ({last}); history {history:?}; serve said:\n{log}");

@@ -354,6 +354,12 @@ pub trait StateView: Send + Sync + 'static {
         conversation: Option<&str>,
         f: impl FnOnce(Option<(&State, &PolicyConfig)>) -> R,
     ) -> R;
+
+    /// The health of the partitions this process folds, for global status
+    /// (none for a process without partitions).
+    fn partitions(&self) -> Vec<status::PartitionHealth> {
+        Vec::new()
+    }
 }
 
 /// A view over one state that owns every conversation (one process, or a
@@ -386,10 +392,23 @@ impl StateView for LocalState {
     }
 }
 
+/// What a request's subject addresses: one conversation
+/// (`<prefix>.api.<op>.<token>`) or the whole service
+/// (`<prefix>.admin.<op>`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target<'a> {
+    Conversation(&'a str),
+    Global,
+}
+
 /// Answers one request through a [`StateView`]: `not_owner` (with
 /// `retry_after_ms`) when this process does not hold the conversation.
+/// The body must name the conversation its subject names, so a NATS
+/// permission on the subject scopes what a client may read or compact;
+/// only `status` answers globally, and only on the admin subject.
 pub fn answer_view<V: StateView + ?Sized>(
     op: &str,
+    target: Target<'_>,
     body: &[u8],
     view: &V,
     retry_after_ms: u64,
@@ -402,24 +421,66 @@ pub fn answer_view<V: StateView + ?Sized>(
     }
     // Only the routing key here; the handler reads (and checks) the rest.
     let routing: Routing = parse_request(op, body)?;
-    let key = routing.conversation;
-    view.with_state(key.as_deref(), |held| match held {
-        Some((state, policy)) => answer(op, body, state, policy),
-        None => Err(ApiError::NotOwner {
-            conversation: key.clone().unwrap_or_default(),
-            retry_after_ms,
-        }),
-    })
+    match target {
+        Target::Conversation(key) => {
+            match routing.conversation.as_deref() {
+                Some(named) if named == key => {}
+                Some(named) => {
+                    return Err(ApiError::bad(format!(
+                        "the request names conversation {named:?} but was sent on the subject of \
+                         {key:?}: send it on its own conversation's subject"
+                    )))
+                }
+                None => {
+                    return Err(ApiError::bad(format!(
+                        "the request must name the conversation its subject names ({key:?})"
+                    )))
+                }
+            }
+            view.with_state(Some(key), |held| match held {
+                Some((state, policy)) => answer(op, body, state, policy),
+                None => Err(ApiError::NotOwner {
+                    conversation: key.to_string(),
+                    retry_after_ms,
+                }),
+            })
+        }
+        Target::Global => {
+            if op != Op::Status {
+                return Err(ApiError::bad(format!(
+                    "{op} works on one conversation: send it on `<prefix>.api.{op}.<conversation \
+                     token>` (docs/subjects.md)"
+                )));
+            }
+            if routing.conversation.is_some() {
+                return Err(ApiError::bad(
+                    "the admin subject answers for the whole service: ask about one conversation \
+                     on `<prefix>.api.status.<conversation token>`",
+                ));
+            }
+            let partitions = view.partitions();
+            view.with_state(None, |held| {
+                let Some((state, policy)) = held else {
+                    return Err(ApiError::Internal("no state to report on".into()));
+                };
+                let global = status::global_status(state, policy)?;
+                Ok(encode(&status::StatusResponse::Global(Box::new(
+                    status::with_partitions(global, partitions),
+                ))))
+            })
+        }
+    }
 }
 
 /// [`answer_view`] as JSON bytes either way.
 pub fn handle_view<V: StateView + ?Sized>(
     op: &str,
+    target: Target<'_>,
     body: &[u8],
     view: &V,
     retry_after_ms: u64,
 ) -> Vec<u8> {
-    match answer_view(op, body, view, retry_after_ms) {
+    match answer_view(op, target, body, view, retry_after_ms) {
         Ok(bytes) => bytes,
         Err(e) => e.to_json(),
     }

@@ -1,13 +1,18 @@
 //! The API over NATS request/reply (subjects as in [`crate::nats::subjects`]):
 //!
-//! - `<prefix>.api.<op>`: the public subjects. Every API process joins one
-//!   queue group on `<prefix>.api.*`, so each request is answered once. A
-//!   process that does not own the conversation forwards the request to
-//!   `<prefix>.api.p.<partition>.<op>` when it knows the partition count
+//! - `<prefix>.api.<op>.<conversation token>`: the public subjects, one per
+//!   operation and conversation, so NATS permissions can scope what a
+//!   client may read or compact (docs/subjects.md). The body must name the
+//!   subject's conversation. `<prefix>.admin.status` answers for the whole
+//!   service, for operators. Every API process joins one queue group on
+//!   `<prefix>.api.*.*` and `<prefix>.admin.*`, so each request is answered
+//!   once. A process that does not own the conversation forwards the
+//!   request to `<prefix>.api.p.<partition>.<op>.<token>` when it knows the
+//!   partition count
 //!   ([`ServiceConfig::forward_partitions`]) and relays the owner's reply;
 //!   otherwise, or when no owner answers, it replies `not_owner` with a
 //!   retry hint.
-//! - `<prefix>.api.p.<partition>.<op>`: answered by the partition's owner
+//! - `<prefix>.api.p.<partition>.<op>.<token>`: answered by the partition's owner
 //!   ([`start_partition`], started when a lease is won, stopped when it is
 //!   lost). These never forward, so a request cannot loop.
 //!
@@ -15,14 +20,14 @@
 //! one partition subscription per partition held, reconciled as leases
 //! move, over an [`EngineView`] of the folder's engines.
 //!
-//! The operation is the subject's last token; the JSON body goes to
+//! The operation and conversation come from the subject; the JSON body goes to
 //! [`crate::api::answer_view`] on a blocking thread (a regex over a long
 //! conversation must not stall the async workers). Error replies also carry
 //! the NATS service headers `Nats-Service-Error-Code` and
 //! `Nats-Service-Error`, so generic NATS tools see them as errors. A reply
 //! too large for the server becomes an error reply: never silence.
 
-use crate::api::{answer_view, ApiError, CompactResponse, Op};
+use crate::api::{answer_view, ApiError, CompactResponse, Op, Target};
 pub use crate::api::{LocalState, StateView};
 use crate::core::event::Encoding;
 use crate::core::policy::PolicyConfig;
@@ -154,7 +159,8 @@ pub async fn start<V: StateView>(
     view: Arc<V>,
     config: ServiceConfig,
 ) -> Result<ApiService, ServiceError> {
-    let filter = Subjects::new(&config.prefix)?.api_wildcard();
+    let subjects = Subjects::new(&config.prefix)?;
+    let filter = vec![subjects.api_wildcard(), subjects.admin_wildcard()];
     if config.forward_partitions == Some(0) {
         return Err(ServiceError::Partitions);
     }
@@ -174,39 +180,43 @@ pub async fn start_partition<V: StateView>(
     config: ServiceConfig,
     partition: u32,
 ) -> Result<ApiService, ServiceError> {
-    let filter = Subjects::new(&config.prefix)?.api_partition_wildcard(partition);
+    let filter = vec![Subjects::new(&config.prefix)?.api_partition_wildcard(partition)];
     serve(client, view, filter, Route::Partition, &config).await
 }
 
 async fn serve<V: StateView>(
     client: Client,
     view: Arc<V>,
-    filter: String,
+    filters: Vec<String>,
     route: Route,
     config: &ServiceConfig,
 ) -> Result<ApiService, ServiceError> {
     if config.queue_group.is_empty() || config.queue_group.contains(char::is_whitespace) {
         return Err(ServiceError::QueueGroup(config.queue_group.clone()));
     }
+    let filter = filters.join(" ");
     // Partition subjects join the group too: while a lease moves, old and
     // new owner may both be subscribed for a moment, and one answer is
     // enough.
-    let mut subscriber = client
-        .queue_subscribe(filter.clone(), config.queue_group.clone())
-        .await
-        .map_err(|e| ServiceError::Subscribe {
-            subject: filter.clone(),
-            detail: e.to_string(),
-        })?;
+    let mut subscribers = Vec::with_capacity(filters.len());
+    for f in &filters {
+        subscribers.push(
+            client
+                .queue_subscribe(f.clone(), config.queue_group.clone())
+                .await
+                .map_err(|e| ServiceError::Subscribe {
+                    subject: f.clone(),
+                    detail: e.to_string(),
+                })?,
+        );
+    }
+    let mut subscriber = futures::stream::select_all(subscribers);
     round_trip(&client).await.map_err(ServiceError::Flush)?;
     let (stop_tx, mut stop_rx) = oneshot::channel::<()>();
     let limit = Arc::new(Semaphore::new(config.max_in_flight.max(1)));
     let retry_ms = config.not_owner_retry_ms;
-    let compactions = if config.publish_compactions {
-        Some(Subjects::new(&config.prefix)?)
-    } else {
-        None
-    };
+    let subjects = Subjects::new(&config.prefix)?;
+    let compactions = config.publish_compactions.then(|| subjects.clone());
     tracing::info!(subject = %filter, group = %config.queue_group, "API service started");
     let task_filter = filter.clone();
     let task = tokio::spawn(async move {
@@ -218,8 +228,14 @@ async fn serve<V: StateView>(
                     draining = true;
                     // Drain: the server stops sending; what it already
                     // sent still arrives and is answered.
-                    if let Err(e) = subscriber.drain().await {
-                        tracing::warn!(error = %e, "cannot drain the API subscription");
+                    let mut drained = true;
+                    for s in subscriber.iter_mut() {
+                        if let Err(e) = s.drain().await {
+                            tracing::warn!(error = %e, "cannot drain the API subscription");
+                            drained = false;
+                        }
+                    }
+                    if !drained {
                         break;
                     }
                     continue;
@@ -235,23 +251,29 @@ async fn serve<V: StateView>(
             let view = view.clone();
             let route = route.clone();
             let compactions = compactions.clone();
+            let subjects = subjects.clone();
             in_flight.spawn(async move {
                 let _permit = permit;
                 let Some(reply) = message.reply else {
                     tracing::warn!(subject = %message.subject, "API request without a reply subject; nothing to answer to");
                     return;
                 };
-                let op = message
-                    .subject
-                    .as_str()
-                    .rsplit('.')
-                    .next()
-                    .unwrap_or_default()
-                    .to_string();
+                let addressed = match subjects.parse_api_subject(message.subject.as_str()) {
+                    Ok(a) => a,
+                    Err(e) => {
+                        send_reply(&client, reply, Err(ApiError::BadRequest(e.to_string()))).await;
+                        return;
+                    }
+                };
+                let op = addressed.op.clone();
                 let body = message.payload;
-                let (op_for_handler, body_for_handler) = (op.clone(), body.clone());
+                let body_for_handler = body.clone();
                 let result = tokio::task::spawn_blocking(move || {
-                    answer_view(&op_for_handler, &body_for_handler, view.as_ref(), retry_ms)
+                    let target = match &addressed.conversation {
+                        Some(c) => Target::Conversation(c),
+                        None => Target::Global,
+                    };
+                    answer_view(&addressed.op, target, &body_for_handler, view.as_ref(), retry_ms)
                 })
                 .await
                 .unwrap_or_else(|e| {
@@ -341,8 +363,10 @@ async fn publish_compaction(
     let mut response: CompactResponse = serde_json::from_slice(reply)
         .map_err(|e| ApiError::Internal(format!("cannot read the compact answer: {e}")))?;
     let event = &response.event;
+    // The service asks for it on its own subject: the caller's permission
+    // was on the request subject.
     let subject = subjects
-        .inbound(&event.conversation)
+        .service(&event.conversation)
         .map_err(|e| ApiError::BadRequest(format!("cannot route the conversation: {e}")))?;
     let stored = async {
         jetstream::new(client.clone())
@@ -389,7 +413,8 @@ async fn forward(
         .map_err(|e| ApiError::BadRequest(format!("cannot route the conversation: {e}")))?;
     let subject = Subjects::new(prefix)
         .map_err(|e| ApiError::Internal(e.to_string()))?
-        .api_for_partition(partition, op);
+        .api_for_partition(partition, op, conversation)
+        .map_err(|e| ApiError::BadRequest(format!("cannot route the conversation: {e}")))?;
     // A lease in handover leaves a moment with no owner, or with the old
     // owner still subscribed but no longer holding it: ask again, backing
     // off, within the forward budget, so clients rarely see it.
@@ -512,6 +537,10 @@ pub trait HeldEngines: Send + Sync + 'static {
     fn engine(&self, partition: u32) -> Option<SharedEngine<Self::Backend>>;
     /// Partitions held now, ascending.
     fn held(&self) -> Vec<u32>;
+    /// How a held partition is doing.
+    fn health(&self, _partition: u32) -> Option<crate::api::status::PartitionHealth> {
+        None
+    }
 }
 
 impl<B: KvBackend + Sync + 'static> HeldEngines for EngineMap<B> {
@@ -521,6 +550,9 @@ impl<B: KvBackend + Sync + 'static> HeldEngines for EngineMap<B> {
     }
     fn held(&self) -> Vec<u32> {
         self.partitions()
+    }
+    fn health(&self, partition: u32) -> Option<crate::api::status::PartitionHealth> {
+        EngineMap::health(self, partition)
     }
 }
 
@@ -549,6 +581,14 @@ impl<H: HeldEngines> EngineView<H> {
 }
 
 impl<H: HeldEngines> StateView for EngineView<H> {
+    fn partitions(&self) -> Vec<crate::api::status::PartitionHealth> {
+        self.engines
+            .held()
+            .into_iter()
+            .filter_map(|p| self.engines.health(p))
+            .collect()
+    }
+
     fn with_state<R>(
         &self,
         conversation: Option<&str>,
@@ -729,7 +769,13 @@ mod tests {
             .unwrap();
         assert_eq!(owned(&stranger), None);
         // An empty key belongs to no partition: answered (as a bad request).
-        let reply = crate::api::handle_view("status", br#"{"conversation":""}"#, &view, 100);
+        let reply = crate::api::handle_view(
+            "status",
+            crate::api::Target::Conversation(""),
+            br#"{"conversation":""}"#,
+            &view,
+            100,
+        );
         assert!(String::from_utf8_lossy(&reply).contains("bad_request"));
         // The global view merges every held partition.
         let (n, rejected) = view.with_state(None, |s| {

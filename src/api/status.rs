@@ -25,7 +25,7 @@ pub struct StatusRequest {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "scope", rename_all = "snake_case")]
 pub enum StatusResponse {
-    Global(GlobalStatus),
+    Global(Box<GlobalStatus>),
     Conversation(Box<ConversationStatus>),
 }
 
@@ -53,6 +53,9 @@ pub struct GlobalStatus {
     pub degraded_conversations: u64,
     /// Up to [`MAX_LISTED_DEGRADED`] degraded conversation keys.
     pub degraded: Vec<String>,
+    /// The partitions this process folds (over NATS; empty locally).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub partitions: Vec<PartitionHealth>,
     pub health: Health,
 }
 
@@ -275,6 +278,46 @@ pub enum HealthCode {
     OverdueJob,
     /// Degraded conversations (global status only).
     DegradedConversations,
+    /// A partition cannot fold or publish and is retrying (global only).
+    PartitionRetrying,
+    /// A partition dead-lettered records (global only): see `cf.dead.partition.<p>`.
+    DeadLetters,
+}
+
+/// How one partition this process folds is doing (global status over
+/// NATS). Wall-clock fields are the runtime's, never folded.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartitionHealth {
+    pub partition: u32,
+    /// Stream sequence of the last record folded and committed.
+    pub position: u64,
+    /// Still folding history that was in the stream when this process
+    /// took the partition.
+    pub catching_up: bool,
+    /// Folding or publishing failed and is being retried.
+    pub retrying: bool,
+    /// Since when (ms since the Unix epoch) it has been failing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failing_since_ms: Option<u64>,
+    /// The last failure, retried or not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+    /// Records dead-lettered by this process since it took the partition.
+    pub dead_letters: u64,
+}
+
+impl PartitionHealth {
+    pub fn new(partition: u32) -> Self {
+        PartitionHealth {
+            partition,
+            position: 0,
+            catching_up: false,
+            retrying: false,
+            failing_since_ms: None,
+            last_error: None,
+            dead_letters: 0,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -314,7 +357,9 @@ pub fn status(
                 state, conv, policy,
             )?)))
         }
-        None => Ok(StatusResponse::Global(global_status(state, policy)?)),
+        None => Ok(StatusResponse::Global(Box::new(global_status(
+            state, policy,
+        )?))),
     }
 }
 
@@ -337,6 +382,7 @@ pub fn global_status(state: &State, policy: &PolicyConfig) -> Result<GlobalStatu
         newest_event_time: 0,
         degraded_conversations: 0,
         degraded: Vec::new(),
+        partitions: Vec::new(),
         health: Health::from_reasons(Vec::new()),
     };
     let mut by_depth: BTreeMap<u32, u64> = BTreeMap::new();
@@ -382,13 +428,44 @@ pub fn global_status(state: &State, policy: &PolicyConfig) -> Result<GlobalStatu
         reasons.push(HealthReason {
             code: HealthCode::Rejections,
             message: format!(
-                "{} events were rejected before they could be attributed to a conversation",
+                "{} records were refused without a conversation to count them against \
+                 (dead-lettered on NATS: `<prefix>.dead.partition.<p>`)",
                 state.unattributed_rejections
             ),
         });
     }
     g.health = Health::from_reasons(reasons);
     Ok(g)
+}
+
+/// Adds partition health to a global status, and its reasons to the
+/// status's health.
+pub fn with_partitions(mut g: GlobalStatus, partitions: Vec<PartitionHealth>) -> GlobalStatus {
+    let mut reasons = std::mem::take(&mut g.health.reasons);
+    for p in &partitions {
+        if p.retrying {
+            reasons.push(HealthReason {
+                code: HealthCode::PartitionRetrying,
+                message: format!(
+                    "partition {} is retrying: {}",
+                    p.partition,
+                    p.last_error.as_deref().unwrap_or("unknown error")
+                ),
+            });
+        }
+        if p.dead_letters > 0 {
+            reasons.push(HealthReason {
+                code: HealthCode::DeadLetters,
+                message: format!(
+                    "partition {} dead-lettered {} records since this process took it",
+                    p.partition, p.dead_letters
+                ),
+            });
+        }
+    }
+    g.partitions = partitions;
+    g.health = Health::from_reasons(reasons);
+    g
 }
 
 /// The status of `conv`, held in `state` (whose partition-wide spend
@@ -895,7 +972,7 @@ mod tests {
         let json = serde_json::to_value(&g).unwrap();
         assert_eq!(json["summaries_by_depth"][0]["depth"], 0, "{json}");
         let back: GlobalStatus = serde_json::from_value(json).unwrap();
-        assert_eq!(back, g);
+        assert_eq!(back, *g);
     }
 
     #[test]

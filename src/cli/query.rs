@@ -50,6 +50,19 @@ impl Query {
         }
     }
 
+    /// The conversation it is about; `None`: the whole service.
+    pub fn conversation(&self) -> Option<&str> {
+        match self {
+            Query::Assemble(r) => Some(&r.conversation),
+            Query::Status(r) => r.conversation.as_deref(),
+            Query::Grep(r) => Some(&r.conversation),
+            Query::Describe(r) => Some(&r.conversation),
+            Query::Expand(r) => Some(&r.conversation),
+            Query::Compact(r) => Some(&r.conversation),
+            Query::History(r) => Some(&r.conversation),
+        }
+    }
+
     /// The request body, as any API client sends it.
     pub fn body(&self) -> Result<Vec<u8>> {
         let body = match self {
@@ -130,7 +143,15 @@ async fn ask_locally(config: &Config, query: &Query) -> Result<Vec<u8>> {
 async fn ask_over_nats(config: &Config, nats: &NatsArgs, query: &Query) -> Result<Vec<u8>> {
     let cfg = nats.apply(&config.nats);
     let servers = cfg.connection.servers.join(",");
-    let subject = cfg.subjects()?.api(query.op());
+    let subjects = cfg.subjects()?;
+    // Conversation-scoped requests go to that conversation's subject, so
+    // NATS permissions decide who may ask; global status to the admin one.
+    let subject = match query.conversation() {
+        Some(conversation) => subjects
+            .api(query.op(), conversation)
+            .with_context(|| format!("conversation {conversation:?}"))?,
+        None => subjects.admin(query.op()),
+    };
     let body = query.body()?;
     let (client, _version) = cfg
         .connection

@@ -102,6 +102,20 @@ impl EventBody {
         "rolling_state_updated",
     ];
 
+    /// The types an agent may write: everything else (decisions, summaries,
+    /// rolling state, sweep ends) only the service writes, and the fold
+    /// refuses it when the log says an agent published it.
+    pub fn is_agent_event(&self) -> bool {
+        matches!(
+            self,
+            EventBody::TurnAppended(_)
+                | EventBody::ProviderErrorObserved(_)
+                | EventBody::CompactionRequested(_)
+                | EventBody::ModelDeclared(_)
+                | EventBody::ConversationReset(_)
+        )
+    }
+
     /// Decisions are derived by the fold itself; seeing one again in the log
     /// must never change state.
     pub fn is_decision(&self) -> bool {
@@ -115,6 +129,44 @@ impl EventBody {
                 | EventBody::EventRejected(_)
                 | EventBody::MemoryFlushRequested(_)
         )
+    }
+}
+
+/// Who wrote a record, as the log's transport knows it: the subject a NATS
+/// message was published on (`<prefix>.in.*` for agents, `<prefix>.svc.*`
+/// for the service, kept in the stored subject), or the flag the embedded
+/// segment log stores beside each record. Never what the event says of
+/// itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Origin {
+    /// An agent: may write only the agent event types
+    /// ([`EventBody::is_agent_event`]).
+    Agent,
+    /// contextfold itself: its decisions, summaries, rolling state and
+    /// sweep ends, and the compactions its API was asked for.
+    Service,
+    /// A record of an embedded log written before origins were recorded.
+    /// Such a log was written only by the local `run` command, so it is
+    /// read as before, with the service's rights.
+    Legacy,
+}
+
+impl Origin {
+    /// Whether this origin may write events of `body`'s type.
+    pub fn may_write(self, body: &EventBody) -> bool {
+        match self {
+            Origin::Agent => body.is_agent_event(),
+            Origin::Service | Origin::Legacy => true,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Origin::Agent => "agent",
+            Origin::Service => "service",
+            Origin::Legacy => "legacy",
+        }
     }
 }
 
@@ -415,7 +467,7 @@ impl fmt::Display for Encoding {
 }
 
 /// Why bytes could not become an event.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum DecodeError {
     #[error("event of {size} bytes exceeds the {limit}-byte limit")]
     Oversized { size: usize, limit: usize },

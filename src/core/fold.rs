@@ -136,42 +136,48 @@ fn fold_with(
     }
 }
 
-/// Records bytes that never became an event (malformed, oversized, invalid
-/// UTF-8) as an `event_rejected` decision. The id is derived from the bytes,
-/// so replaying the same log rejects the same way.
-pub fn reject_undecodable(
+/// The id a rejection gives a record that has none of its own (bytes that
+/// never became an event, or an id too long to repeat): derived from the
+/// bytes, so replaying the same log rejects the same way.
+pub fn undecodable_id(bytes: &[u8]) -> String {
+    let digest = blake3::hash(bytes).to_hex();
+    format!("undecodable_{}", &digest[..20])
+}
+
+/// Records a record that intake refused (see [`crate::core::intake`]) in
+/// the conversation its transport vouches for, as an `event_rejected`
+/// decision; returns it. Refusing the same record again changes nothing.
+/// The refused event's own id is not consumed: a forged event must not
+/// keep the real one with that id out.
+pub fn reject_record(
     state: &mut State,
-    bytes: &[u8],
-    conversation: Option<&str>,
+    conversation: &str,
+    rejected_id: &str,
+    event_type: Option<&str>,
     reason: &str,
     time: u64,
 ) -> Envelope {
-    let digest = blake3::hash(bytes).to_hex();
-    let rejected_id = format!("undecodable_{}", &digest[..20]);
-    let conv_key = conversation.unwrap_or("_unattributed").to_string();
     let env = Envelope::new(
-        derived_event_id(&rejected_id, "event_rejected"),
-        conv_key.clone(),
+        derived_event_id(rejected_id, "event_rejected"),
+        conversation,
         time,
         EventBody::EventRejected(EventRejected {
-            rejected_id,
-            event_type: None,
+            rejected_id: rejected_id.to_string(),
+            event_type: event_type.map(str::to_string),
             reason: reason.to_string(),
         }),
     );
-    match conversation {
-        Some(key) => {
-            let conv = state
-                .conversations
-                .entry(key.to_string())
-                .or_insert_with(|| Conversation::new(key));
-            if !conv.has_applied(&env.id) {
-                conv.mark_applied(&env.id);
-                conv.rejections += 1;
-                conv.push_history(time, &env.id, "event_rejected", reason.to_string());
-            }
+    if !state.conversations.contains_key(conversation) {
+        state
+            .conversations
+            .insert(conversation.to_string(), Conversation::new(conversation));
+    }
+    if let Some(conv) = state.conversations.get_mut(conversation) {
+        if !conv.has_applied(&env.id) {
+            conv.mark_applied(&env.id);
+            conv.rejections += 1;
+            conv.push_history(time, &env.id, "event_rejected", reason.to_string());
         }
-        None => state.unattributed_rejections += 1,
     }
     env
 }

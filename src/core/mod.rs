@@ -8,6 +8,7 @@ pub mod fallback_summary;
 pub mod fold;
 pub mod glob;
 pub mod identifiers;
+pub mod intake;
 pub mod message;
 pub mod overflow;
 pub mod policy;

@@ -1,11 +1,11 @@
 //! An in-memory [`EventLog`] for tests, benchmarks and `assemble --at`.
 
-use crate::core::event::Encoding;
-use crate::log::{EventLog, LogError, LogRecord, Position};
+use crate::core::event::{Encoding, Origin};
+use crate::log::{Appended, EventLog, LogError, LogRecord, Position};
 
 #[derive(Debug, Default, Clone)]
 pub struct MemoryLog {
-    records: Vec<(Encoding, Vec<u8>)>,
+    records: Vec<(Origin, Encoding, bytes::Bytes)>,
 }
 
 impl MemoryLog {
@@ -21,15 +21,22 @@ impl MemoryLog {
 }
 
 impl EventLog for MemoryLog {
-    async fn append(&mut self, encoding: Encoding, bytes: &[u8]) -> Result<Position, LogError> {
-        self.records.push((encoding, bytes.to_vec()));
+    async fn append(
+        &mut self,
+        origin: Origin,
+        encoding: Encoding,
+        bytes: &[u8],
+    ) -> Result<Position, LogError> {
+        self.records
+            .push((origin, encoding, bytes::Bytes::copy_from_slice(bytes)));
         Ok(self.records.len() as Position)
     }
-    async fn append_batch(
-        &mut self,
-        records: &[(Encoding, Vec<u8>)],
-    ) -> Result<Position, LogError> {
-        self.records.extend_from_slice(records);
+    async fn append_batch(&mut self, records: &[Appended]) -> Result<Position, LogError> {
+        self.records.extend(
+            records
+                .iter()
+                .map(|(o, e, b)| (*o, *e, bytes::Bytes::copy_from_slice(b))),
+        );
         Ok(self.records.len() as Position)
     }
     async fn read_after(
@@ -43,10 +50,8 @@ impl EventLog for MemoryLog {
             .enumerate()
             .skip(after as usize)
             .take(max)
-            .map(|(i, (encoding, bytes))| LogRecord {
-                position: i as u64 + 1,
-                encoding: *encoding,
-                bytes: bytes.clone(),
+            .map(|(i, (origin, encoding, bytes))| {
+                LogRecord::unaddressed(i as u64 + 1, *origin, *encoding, bytes.clone())
             })
             .collect())
     }

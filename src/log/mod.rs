@@ -5,18 +5,61 @@
 pub mod memory;
 pub mod segment;
 
-use crate::core::event::Encoding;
+use crate::core::event::{Encoding, Origin};
+use crate::core::intake::{Address, Arrival};
 
 /// Position of a record in a log: 1-based, 0 means "before the first".
 pub type Position = u64;
 
-/// One stored event, as bytes in the encoding it arrived in.
+/// One stored event, as bytes in the encoding it arrived in, with what the
+/// log vouches for about it (see [`crate::core::intake`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LogRecord {
     pub position: Position,
+    /// Who wrote it, as the log knows it.
+    pub origin: Origin,
+    /// The conversation its subject named, for logs with subjects.
+    pub address: Address,
+    /// When the log stored it (ms since the Unix epoch), for logs that
+    /// record it.
+    pub stored_at_ms: Option<u64>,
     pub encoding: Encoding,
-    pub bytes: Vec<u8>,
+    pub bytes: bytes::Bytes,
 }
+
+impl LogRecord {
+    /// A record of a log that names no conversation and keeps no time
+    /// (the embedded logs).
+    pub fn unaddressed(
+        position: Position,
+        origin: Origin,
+        encoding: Encoding,
+        bytes: impl Into<bytes::Bytes>,
+    ) -> Self {
+        LogRecord {
+            position,
+            origin,
+            address: Address::Unaddressed,
+            stored_at_ms: None,
+            encoding,
+            bytes: bytes.into(),
+        }
+    }
+
+    /// What intake needs of it.
+    pub fn arrival(&self) -> Arrival<'_> {
+        Arrival {
+            origin: self.origin,
+            address: &self.address,
+            stored_at_ms: self.stored_at_ms,
+            encoding: self.encoding,
+            bytes: &self.bytes,
+        }
+    }
+}
+
+/// A record to append: who writes it, its encoding and its bytes.
+pub type Appended = (Origin, Encoding, Vec<u8>);
 
 #[derive(Debug, thiserror::Error)]
 pub enum LogError {
@@ -43,11 +86,15 @@ pub enum LogError {
 pub trait EventLog {
     /// Appends one record and returns its position. Durable when it returns
     /// (for the embedded log: written and fsync'd).
-    async fn append(&mut self, encoding: Encoding, bytes: &[u8]) -> Result<Position, LogError>;
+    async fn append(
+        &mut self,
+        origin: Origin,
+        encoding: Encoding,
+        bytes: &[u8],
+    ) -> Result<Position, LogError>;
 
     /// Appends many records with one sync; returns the last position.
-    async fn append_batch(&mut self, records: &[(Encoding, Vec<u8>)])
-        -> Result<Position, LogError>;
+    async fn append_batch(&mut self, records: &[Appended]) -> Result<Position, LogError>;
 
     /// Reads up to `max` records with position > `after`, in order.
     async fn read_after(&mut self, after: Position, max: usize)
@@ -60,10 +107,11 @@ pub trait EventLog {
     /// next [`EventLog::sync`]; logs without a cheaper path append durably.
     async fn append_deferred(
         &mut self,
+        origin: Origin,
         encoding: Encoding,
         bytes: &[u8],
     ) -> Result<Position, LogError> {
-        self.append(encoding, bytes).await
+        self.append(origin, encoding, bytes).await
     }
 
     /// Makes every deferred append durable.

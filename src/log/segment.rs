@@ -10,10 +10,16 @@
 //! records, each
 //!
 //! ```text
-//! magic "cfL1" | length u32 LE | crc32 u32 LE | encoding u8 | payload (length bytes)
+//! magic "cfL1" | length u32 LE | crc32 u32 LE | kind u8 | payload (length bytes)
 //! ```
 //!
-//! The CRC (crc32fast) covers the length field, the encoding byte and the
+//! The kind byte names the payload's encoding and who wrote the record
+//! (its [`Origin`]): 3 / 4 an agent's MessagePack / JSON, 5 / 6 the
+//! service's. Logs written before origins were recorded hold 1 / 2
+//! (MessagePack / JSON), read as [`Origin::Legacy`]. Any other value is
+//! reported as written by a newer version.
+//!
+//! The CRC (crc32fast) covers the length field, the kind byte and the
 //! payload, so a damaged length is caught as surely as a damaged payload.
 //! Appends go to the newest segment; when a record would push it past
 //! [`SegmentOptions::segment_bytes`] (256 MiB by default) a new segment is
@@ -40,8 +46,8 @@
 //! The file I/O is blocking: the log is a local file and each call is short.
 //! The async [`EventLog`] methods call the `*_sync` ones directly.
 
-use super::{EventLog, LogError, LogRecord, Position};
-use crate::core::event::Encoding;
+use super::{Appended, EventLog, LogError, LogRecord, Position};
+use crate::core::event::{Encoding, Origin};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufReader, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
@@ -50,7 +56,7 @@ use std::path::{Path, PathBuf};
 pub const RECORD_MAGIC: [u8; 4] = *b"cfL1";
 /// Magic, length and checksum.
 const HEADER_LEN: u64 = 12;
-/// Header plus the encoding byte: the size of a record with an empty payload.
+/// Header plus the kind byte: the size of a record with an empty payload.
 pub const RECORD_OVERHEAD: u64 = HEADER_LEN + 1;
 /// Default size at which a new segment is started.
 pub const DEFAULT_SEGMENT_BYTES: u64 = 256 * 1024 * 1024;
@@ -62,22 +68,31 @@ const FORMAT_MAX_RECORD_BYTES: usize = 1 << 30;
 const SEGMENT_SUFFIX: &str = ".seg";
 const LOCK_FILE: &str = "LOCK";
 
-const ENCODING_MSGPACK: u8 = 1;
-const ENCODING_JSON: u8 = 2;
-
-fn encoding_byte(encoding: Encoding) -> u8 {
+fn kind_byte(origin: Origin, encoding: Encoding) -> u8 {
+    let base = match origin {
+        Origin::Legacy => 1,
+        Origin::Agent => 3,
+        Origin::Service => 5,
+    };
     match encoding {
-        Encoding::Msgpack => ENCODING_MSGPACK,
-        Encoding::Json => ENCODING_JSON,
+        Encoding::Msgpack => base,
+        Encoding::Json => base + 1,
     }
 }
 
-fn encoding_from_byte(byte: u8) -> Option<Encoding> {
-    match byte {
-        ENCODING_MSGPACK => Some(Encoding::Msgpack),
-        ENCODING_JSON => Some(Encoding::Json),
-        _ => None,
-    }
+fn kind_from_byte(byte: u8) -> Option<(Origin, Encoding)> {
+    let origin = match byte {
+        1 | 2 => Origin::Legacy,
+        3 | 4 => Origin::Agent,
+        5 | 6 => Origin::Service,
+        _ => return None,
+    };
+    let encoding = if byte % 2 == 1 {
+        Encoding::Msgpack
+    } else {
+        Encoding::Json
+    };
+    Some((origin, encoding))
 }
 
 fn record_checksum(length: [u8; 4], encoding: u8, payload: &[u8]) -> u32 {
@@ -89,11 +104,11 @@ fn record_checksum(length: [u8; 4], encoding: u8, payload: &[u8]) -> u32 {
 }
 
 /// Appends one framed record to `out`. The caller has checked the size.
-fn frame_record(out: &mut Vec<u8>, encoding: Encoding, payload: &[u8]) {
+fn frame_record(out: &mut Vec<u8>, origin: Origin, encoding: Encoding, payload: &[u8]) {
     let length = u32::try_from(payload.len())
         .expect("payload length was checked against the record limit")
         .to_le_bytes();
-    let enc = encoding_byte(encoding);
+    let enc = kind_byte(origin, encoding);
     out.extend_from_slice(&RECORD_MAGIC);
     out.extend_from_slice(&length);
     out.extend_from_slice(&record_checksum(length, enc, payload).to_le_bytes());
@@ -256,9 +271,9 @@ fn check_record(
     if record_checksum(length, enc, payload) != crc {
         return Ok(Err(Damage::Invalid("checksum mismatch".into())));
     }
-    if encoding_from_byte(enc).is_none() {
+    if kind_from_byte(enc).is_none() {
         return Ok(Err(Damage::Unreadable(format!(
-            "unknown encoding byte {enc} (written by a newer version?)"
+            "unknown kind byte {enc} (written by a newer version?)"
         ))));
     }
     Ok(Ok(RECORD_OVERHEAD + size as u64))
@@ -540,10 +555,15 @@ impl SegmentLog {
     }
 
     /// Appends one record; it is on disk (fdatasync'd) when this returns.
-    pub fn append_sync(&mut self, encoding: Encoding, bytes: &[u8]) -> Result<Position, LogError> {
+    pub fn append_sync(
+        &mut self,
+        origin: Origin,
+        encoding: Encoding,
+        bytes: &[u8],
+    ) -> Result<Position, LogError> {
         self.check_size(bytes)?;
         let mut frame = Vec::with_capacity(RECORD_OVERHEAD as usize + bytes.len());
-        frame_record(&mut frame, encoding, bytes);
+        frame_record(&mut frame, origin, encoding, bytes);
         self.roll_if_full(frame.len() as u64)?;
         self.write_frames(&frame, &[0])?;
         Ok(self.last_position_sync())
@@ -556,16 +576,13 @@ impl SegmentLog {
     /// If an I/O error interrupts a batch that crosses a segment boundary,
     /// the records already synced into the earlier segment stay in the log
     /// (the caller sees the error and may re-append; events are idempotent).
-    pub fn append_batch_sync(
-        &mut self,
-        records: &[(Encoding, Vec<u8>)],
-    ) -> Result<Position, LogError> {
-        for (_, bytes) in records {
+    pub fn append_batch_sync(&mut self, records: &[Appended]) -> Result<Position, LogError> {
+        for (_, _, bytes) in records {
             self.check_size(bytes)?;
         }
         let mut frames = Vec::new();
         let mut starts = Vec::new();
-        for (encoding, bytes) in records {
+        for (origin, encoding, bytes) in records {
             let size = RECORD_OVERHEAD + bytes.len() as u64;
             let newest_len = self.segments[self.segments.len() - 1].len;
             let would_be = newest_len + frames.len() as u64 + size;
@@ -578,7 +595,7 @@ impl SegmentLog {
                 self.roll_if_full(size)?;
             }
             starts.push(frames.len() as u64);
-            frame_record(&mut frames, *encoding, bytes);
+            frame_record(&mut frames, *origin, *encoding, bytes);
         }
         if !frames.is_empty() {
             self.write_frames(&frames, &starts)?;
@@ -638,11 +655,12 @@ impl SegmentLog {
     /// before that loses it, and every later record, never a middle one).
     pub fn append_deferred(
         &mut self,
+        origin: Origin,
         encoding: Encoding,
         bytes: &[u8],
     ) -> Result<Position, LogError> {
         self.deferred = true;
-        let appended = self.append_sync(encoding, bytes);
+        let appended = self.append_sync(origin, encoding, bytes);
         self.deferred = false;
         appended
     }
@@ -691,11 +709,13 @@ impl SegmentLog {
                     offset,
                     detail,
                 })?;
-                out.push(LogRecord {
-                    position: segment.first + (from + i) as u64,
-                    encoding: record.0,
-                    bytes: record.1.to_vec(),
-                });
+                let (origin, encoding, bytes) = record;
+                out.push(LogRecord::unaddressed(
+                    segment.first + (from + i) as u64,
+                    origin,
+                    encoding,
+                    bytes.to_vec(),
+                ));
             }
             position = segment.first + to as u64;
         }
@@ -711,7 +731,7 @@ impl SegmentLog {
 
 /// Decodes the record at the start of `buf` (which the index says holds a
 /// whole record), re-verifying it: the file may have changed since open.
-fn decode_frame(buf: &[u8]) -> Result<(Encoding, &[u8]), String> {
+fn decode_frame(buf: &[u8]) -> Result<(Origin, Encoding, &[u8]), String> {
     if buf.len() < RECORD_OVERHEAD as usize || buf[0..4] != RECORD_MAGIC {
         return Err("record changed on disk since the log was opened (bad magic)".into());
     }
@@ -725,19 +745,21 @@ fn decode_frame(buf: &[u8]) -> Result<(Encoding, &[u8]), String> {
     if record_checksum(length, enc, payload) != crc {
         return Err("checksum mismatch on read".into());
     }
-    let encoding = encoding_from_byte(enc).ok_or(format!("unknown encoding byte {enc}"))?;
-    Ok((encoding, payload))
+    let (origin, encoding) = kind_from_byte(enc).ok_or(format!("unknown kind byte {enc}"))?;
+    Ok((origin, encoding, payload))
 }
 
 impl EventLog for SegmentLog {
-    async fn append(&mut self, encoding: Encoding, bytes: &[u8]) -> Result<Position, LogError> {
-        self.append_sync(encoding, bytes)
+    async fn append(
+        &mut self,
+        origin: Origin,
+        encoding: Encoding,
+        bytes: &[u8],
+    ) -> Result<Position, LogError> {
+        self.append_sync(origin, encoding, bytes)
     }
 
-    async fn append_batch(
-        &mut self,
-        records: &[(Encoding, Vec<u8>)],
-    ) -> Result<Position, LogError> {
+    async fn append_batch(&mut self, records: &[Appended]) -> Result<Position, LogError> {
         self.append_batch_sync(records)
     }
 
@@ -755,10 +777,11 @@ impl EventLog for SegmentLog {
 
     async fn append_deferred(
         &mut self,
+        origin: Origin,
         encoding: Encoding,
         bytes: &[u8],
     ) -> Result<Position, LogError> {
-        SegmentLog::append_deferred(self, encoding, bytes)
+        SegmentLog::append_deferred(self, origin, encoding, bytes)
     }
 
     async fn sync(&mut self) -> Result<(), LogError> {
@@ -784,7 +807,9 @@ mod tests {
 
     fn fill(log: &mut SegmentLog, n: usize) {
         for i in 0..n {
-            let pos = log.append_sync(encoding_of(i), &payload(i)).unwrap();
+            let pos = log
+                .append_sync(Origin::Agent, encoding_of(i), &payload(i))
+                .unwrap();
             assert_eq!(pos, i as u64 + 1);
         }
     }
@@ -840,14 +865,15 @@ mod tests {
     fn empty_payload_round_trips() {
         let dir = tempfile::tempdir().unwrap();
         let mut log = SegmentLog::open(dir.path()).unwrap();
-        log.append_sync(Encoding::Json, b"").unwrap();
-        log.append_sync(Encoding::Msgpack, b"after").unwrap();
+        log.append_sync(Origin::Agent, Encoding::Json, b"").unwrap();
+        log.append_sync(Origin::Agent, Encoding::Msgpack, b"after")
+            .unwrap();
         drop(log);
         let mut log = SegmentLog::open(dir.path()).unwrap();
         let all = log.read_all_sync().unwrap();
-        assert_eq!(all[0].bytes, b"");
+        assert_eq!(&all[0].bytes[..], b"");
         assert_eq!(all[0].encoding, Encoding::Json);
-        assert_eq!(all[1].bytes, b"after");
+        assert_eq!(&all[1].bytes[..], b"after");
     }
 
     #[test]
@@ -860,7 +886,11 @@ mod tests {
         assert_eq!(log.last_position_sync(), 20);
         assert_eq!(log.dropped_tail_bytes(), 0);
         check_all(&mut log, 20);
-        assert_eq!(log.append_sync(Encoding::Json, b"next").unwrap(), 21);
+        assert_eq!(
+            log.append_sync(Origin::Agent, Encoding::Json, b"next")
+                .unwrap(),
+            21
+        );
     }
 
     #[test]
@@ -891,8 +921,11 @@ mod tests {
     fn batch_appends_in_order_and_returns_last_position() {
         let dir = tempfile::tempdir().unwrap();
         let mut log = SegmentLog::open(dir.path()).unwrap();
-        log.append_sync(Encoding::Json, &payload(0)).unwrap();
-        let batch: Vec<_> = (1..100).map(|i| (encoding_of(i), payload(i))).collect();
+        log.append_sync(Origin::Agent, Encoding::Json, &payload(0))
+            .unwrap();
+        let batch: Vec<_> = (1..100)
+            .map(|i| (Origin::Agent, encoding_of(i), payload(i)))
+            .collect();
         assert_eq!(log.append_batch_sync(&batch).unwrap(), 100);
         assert_eq!(log.append_batch_sync(&[]).unwrap(), 100);
         check_all(&mut log, 100);
@@ -909,8 +942,12 @@ mod tests {
             ..SegmentOptions::default()
         };
         let mut log = SegmentLog::open_with(dir.path(), options).unwrap();
-        assert!(log.append_sync(Encoding::Json, &[b'a'; 100]).is_ok());
-        let err = log.append_sync(Encoding::Json, &[b'a'; 101]).unwrap_err();
+        assert!(log
+            .append_sync(Origin::Agent, Encoding::Json, &[b'a'; 100])
+            .is_ok());
+        let err = log
+            .append_sync(Origin::Agent, Encoding::Json, &[b'a'; 101])
+            .unwrap_err();
         assert!(matches!(
             err,
             LogError::TooLarge {
@@ -919,8 +956,8 @@ mod tests {
             }
         ));
         let batch = vec![
-            (Encoding::Json, vec![b'a'; 10]),
-            (Encoding::Json, vec![b'a'; 1000]),
+            (Origin::Agent, Encoding::Json, vec![b'a'; 10]),
+            (Origin::Agent, Encoding::Json, vec![b'a'; 1000]),
         ];
         assert!(matches!(
             log.append_batch_sync(&batch),
@@ -940,7 +977,7 @@ mod tests {
 
         // A record whose header made it to disk but whose payload did not.
         let mut frame = Vec::new();
-        frame_record(&mut frame, Encoding::Json, &[7u8; 300]);
+        frame_record(&mut frame, Origin::Agent, Encoding::Json, &[7u8; 300]);
         let mut f = OpenOptions::new().append(true).open(&path).unwrap();
         f.write_all(&frame[..100]).unwrap();
         drop(f);
@@ -949,11 +986,15 @@ mod tests {
         assert_eq!(log.dropped_tail_bytes(), 100);
         assert_eq!(fs::metadata(&path).unwrap().len(), clean_len);
         check_all(&mut log, 10);
-        assert_eq!(log.append_sync(Encoding::Json, b"after").unwrap(), 11);
+        assert_eq!(
+            log.append_sync(Origin::Agent, Encoding::Json, b"after")
+                .unwrap(),
+            11
+        );
         drop(log);
         let mut log = SegmentLog::open(dir.path()).unwrap();
         assert_eq!(log.dropped_tail_bytes(), 0);
-        assert_eq!(log.read_after_sync(10, 1).unwrap()[0].bytes, b"after");
+        assert_eq!(&log.read_after_sync(10, 1).unwrap()[0].bytes[..], b"after");
     }
 
     #[test]
@@ -1043,7 +1084,9 @@ mod tests {
         };
         let mut log = SegmentLog::open_with(dir.path(), options).unwrap();
         fill(&mut log, 30);
-        let batch: Vec<_> = (30..60).map(|i| (encoding_of(i), payload(i))).collect();
+        let batch: Vec<_> = (30..60)
+            .map(|i| (Origin::Agent, encoding_of(i), payload(i)))
+            .collect();
         assert_eq!(log.append_batch_sync(&batch).unwrap(), 60);
         assert!(log.segment_count() > 5, "{}", log.segment_count());
         check_all(&mut log, 60);
@@ -1058,7 +1101,11 @@ mod tests {
         check_all(&mut log, 60);
         // A single record larger than a segment still fits, alone.
         let big = vec![b'b'; 1000];
-        assert_eq!(log.append_sync(Encoding::Json, &big).unwrap(), 61);
+        assert_eq!(
+            log.append_sync(Origin::Agent, Encoding::Json, &big)
+                .unwrap(),
+            61
+        );
         assert_eq!(log.read_after_sync(60, 1).unwrap()[0].bytes, big);
     }
 
@@ -1106,19 +1153,56 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut log = SegmentLog::open(dir.path()).unwrap();
         assert_eq!(EventLog::last_position(&mut log).await.unwrap(), 0);
-        assert_eq!(log.append(Encoding::Json, b"{}").await.unwrap(), 1);
-        let batch = vec![(Encoding::Msgpack, vec![0x80]); 3];
+        assert_eq!(
+            log.append(Origin::Service, Encoding::Json, b"{}")
+                .await
+                .unwrap(),
+            1
+        );
+        let batch = vec![(Origin::Agent, Encoding::Msgpack, vec![0x80]); 3];
         assert_eq!(log.append_batch(&batch).await.unwrap(), 4);
         let read = log.read_after(1, 10).await.unwrap();
         assert_eq!(read.len(), 3);
         assert_eq!(
             read[2],
-            LogRecord {
-                position: 4,
-                encoding: Encoding::Msgpack,
-                bytes: vec![0x80]
-            }
+            LogRecord::unaddressed(4, Origin::Agent, Encoding::Msgpack, vec![0x80])
         );
         assert_eq!(EventLog::last_position(&mut log).await.unwrap(), 4);
+    }
+
+    #[test]
+    fn origins_survive_a_reopen_and_legacy_records_read_as_legacy() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = SegmentLog::open(dir.path()).unwrap();
+        for origin in [Origin::Agent, Origin::Service, Origin::Legacy] {
+            for encoding in [Encoding::Json, Encoding::Msgpack] {
+                log.append_sync(origin, encoding, b"x").unwrap();
+            }
+        }
+        drop(log);
+        let mut log = SegmentLog::open(dir.path()).unwrap();
+        let kinds: Vec<_> = log
+            .read_all_sync()
+            .unwrap()
+            .into_iter()
+            .map(|r| (r.origin, r.encoding))
+            .collect();
+        use Encoding::*;
+        use Origin::*;
+        assert_eq!(
+            kinds,
+            [
+                (Agent, Json),
+                (Agent, Msgpack),
+                (Service, Json),
+                (Service, Msgpack),
+                (Legacy, Json),
+                (Legacy, Msgpack)
+            ]
+        );
+        // The bytes older builds wrote: 1 MessagePack, 2 JSON.
+        assert_eq!(kind_byte(Legacy, Msgpack), 1);
+        assert_eq!(kind_byte(Legacy, Json), 2);
+        assert_eq!(kind_from_byte(7), None);
     }
 }

@@ -1,15 +1,17 @@
 //! [`EventLog`] over the JetStream events stream.
 //!
-//! Appending publishes to the conversation's inbound subject
-//! (`cf.in.<conv>`) with `Nats-Msg-Id` = the event id, so the server drops a
-//! republished event within the dedup window, and `Content-Type` naming the
-//! encoding. The stream stores it as `cf.ev.<partition>.<conv>`. Positions
+//! Appending publishes to the subject of the record's origin (`cf.in.<conv>`
+//! for an agent's, `cf.svc.<conv>` for the service's) with `Nats-Msg-Id` =
+//! the event id, so the server drops a republished event within the dedup
+//! window, and `Content-Type` naming the encoding. The stream stores it as
+//! `cf.ev.<partition>.<in|svc>.<conv>`; reading gives each record the
+//! origin and conversation its stored subject names. Positions
 //! are stream sequence numbers. A log opened for one partition reads only
 //! that partition's events (positions are still stream sequences, so they
 //! have gaps).
 
-use crate::core::event::{Encoding, Envelope, MAX_EVENT_BYTES};
-use crate::log::{EventLog, LogError, LogRecord, Position};
+use crate::core::event::{Encoding, Envelope, Origin, MAX_EVENT_BYTES};
+use crate::log::{Appended as AppendRecord, EventLog, LogError, LogRecord, Position};
 use crate::nats::subjects::Subjects;
 use crate::nats::NatsError;
 use async_nats::header::NATS_MESSAGE_ID;
@@ -122,6 +124,7 @@ impl NatsEventLog {
 
     async fn start_publish(
         &self,
+        origin: Origin,
         id: &str,
         conversation: &str,
         encoding: Encoding,
@@ -133,7 +136,10 @@ impl NatsEventLog {
                 limit: MAX_EVENT_BYTES,
             });
         }
-        let subject = self.subjects.inbound(conversation).map_err(backend)?;
+        let subject = self
+            .subjects
+            .publish(origin, conversation)
+            .map_err(backend)?;
         self.js
             .publish_with_headers(subject, event_headers(id, encoding), bytes.into())
             .await
@@ -144,11 +150,13 @@ impl NatsEventLog {
     /// encoding; waits for the stream's acknowledgement.
     pub async fn append_event(
         &mut self,
+        origin: Origin,
         event: &Envelope,
         encoding: Encoding,
     ) -> Result<Appended, LogError> {
         let ack = self
             .start_publish(
+                origin,
                 &event.id,
                 &event.conversation,
                 encoding,
@@ -165,13 +173,14 @@ impl NatsEventLog {
 
     async fn publish_encoded(
         &self,
+        origin: Origin,
         encoding: Encoding,
         bytes: &[u8],
     ) -> Result<PublishAckFuture, LogError> {
         let (id, conversation) = Envelope::salvage_id(bytes, encoding);
         match (id, conversation) {
             (Some(id), Some(conversation)) if !id.is_empty() && !conversation.is_empty() => {
-                self.start_publish(&id, &conversation, encoding, bytes.to_vec())
+                self.start_publish(origin, &id, &conversation, encoding, bytes.to_vec())
                     .await
             }
             _ => Err(LogError::Backend(
@@ -210,9 +219,14 @@ impl NatsEventLog {
 }
 
 impl EventLog for NatsEventLog {
-    async fn append(&mut self, encoding: Encoding, bytes: &[u8]) -> Result<Position, LogError> {
+    async fn append(
+        &mut self,
+        origin: Origin,
+        encoding: Encoding,
+        bytes: &[u8],
+    ) -> Result<Position, LogError> {
         let ack = self
-            .publish_encoded(encoding, bytes)
+            .publish_encoded(origin, encoding, bytes)
             .await?
             .await
             .map_err(backend)?;
@@ -220,13 +234,10 @@ impl EventLog for NatsEventLog {
     }
 
     /// Pipelines the publishes, then waits for every acknowledgement.
-    async fn append_batch(
-        &mut self,
-        records: &[(Encoding, Vec<u8>)],
-    ) -> Result<Position, LogError> {
+    async fn append_batch(&mut self, records: &[AppendRecord]) -> Result<Position, LogError> {
         let mut pending = Vec::with_capacity(records.len());
-        for (encoding, bytes) in records {
-            pending.push(self.publish_encoded(*encoding, bytes).await?);
+        for (origin, encoding, bytes) in records {
+            pending.push(self.publish_encoded(*origin, *encoding, bytes).await?);
         }
         let mut last = 0;
         for ack in pending {
@@ -246,6 +257,8 @@ impl EventLog for NatsEventLog {
         if max == 0 {
             return Ok(Vec::new());
         }
+        let subjects = self.subjects.clone();
+        let partition = self.partition;
         let cursor = self.reader(after).await?;
         let mut batch = cursor
             .consumer
@@ -259,10 +272,16 @@ impl EventLog for NatsEventLog {
             let message = message.map_err(backend)?;
             let info = message.info().map_err(backend)?;
             let position = info.stream_sequence;
+            let stored_at_ms =
+                u64::try_from(info.published.unix_timestamp_nanos() / 1_000_000).ok();
+            let (origin, address) = subjects.stored_routing(message.subject.as_str(), partition);
             records.push(LogRecord {
                 position,
+                origin,
+                address,
+                stored_at_ms,
                 encoding: encoding_of(message.headers.as_ref(), &message.payload),
-                bytes: message.payload.to_vec(),
+                bytes: message.payload.clone(),
             });
         }
         if let Some(last) = records.last() {

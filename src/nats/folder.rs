@@ -8,13 +8,32 @@
 //! 2. recreate the durable pull consumer `cf_fold_<p>` to start right after
 //!    that position (the previous owner's acknowledgements say nothing
 //!    about this process's store);
-//! 3. loop: take the messages that are ready (up to `batch`; while the
+//! 3. name the head of the stream as it is now: what lies between the
+//!    store's position and there is history, whose decisions the log may
+//!    hold already (the engine holds them back and drops the ones the log
+//!    shows; see `runtime::engine`), so a replay never re-issues a job the
+//!    log shows ended, whatever the dedup window;
+//! 4. loop: take the messages that are ready (up to `batch`; while the
 //!    server reports more of the partition pending, wait briefly for them,
-//!    so a backlog goes in full batches), fold them,
-//!    publish the fold's decisions to `cf.in.<conv>` and its jobs to
-//!    `cf.job.<conv>` with deterministic message ids and wait for the
-//!    stream's acknowledgements, commit the state and position atomically,
-//!    then acknowledge the batch (one ack-all of its last message).
+//!    so a backlog goes in full batches), hand them to the engine as log
+//!    records (origin and conversation read from the stored subject
+//!    `cf.ev.<p>.<in|svc>.<conv>`, the stream's timestamp as stored time),
+//!    publish its effects (decisions to `cf.svc.<conv>`, jobs to
+//!    `cf.job.<conv>`, refused records to `cf.dead.partition.<p>`) with
+//!    deterministic message ids and wait for the stream's
+//!    acknowledgements, commit the state and position atomically, then
+//!    acknowledge the batch (one ack-all of its last message).
+//!
+//! # No message stops a partition
+//!
+//! Every message ends folded, rejected with a reason (an `event_rejected`
+//! decision in the conversation its subject names), or dead-lettered (the
+//! subject names no conversation). An effect that cannot be published
+//! whatever the retries (larger than the stream takes) is dead-lettered in
+//! its place; one the server refuses for a while (no leader, no
+//! connection) is retried with backoff until the lease is lost or the
+//! process stops, and the partition's health (`status`) says it is
+//! retrying and why. Stopping never waits on a retry.
 //!
 //! Decisions are published before the commit, as in the embedded pipeline:
 //! after a crash between the two, the replay derives the same decisions
@@ -24,19 +43,18 @@
 //! committing: a process that lost it stops without either, so two
 //! processes never commit the same partition's effects.
 //!
-//! An event whose subject names another conversation than its envelope is
-//! rejected with that reason (its partition would be wrong).
 
-use crate::core::event::{Encoding, Envelope};
-use crate::core::sweep::{self, SweepSnapshot};
+use crate::api::status::PartitionHealth;
+use crate::core::event::Origin;
 use crate::log::LogRecord;
-use crate::nats::event_log::{encoding_of, event_headers};
+use crate::nats::event_log::encoding_of;
 use crate::nats::jobs::publish_job;
 use crate::nats::leases::{Lease, LeaseEvent};
+use crate::nats::publish::{stored, DeadLetterMessage, PublishFailure, Publisher};
 use crate::nats::setup::{folder_consumer_config, Infrastructure};
 use crate::nats::subjects::Subjects;
 use crate::nats::NatsError;
-use crate::runtime::engine::Engine;
+use crate::runtime::engine::{Effects, Engine};
 use crate::store::{KvBackend, StoreError};
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::context::PublishAckFuture;
@@ -105,8 +123,11 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// A partition's engine and the lease it is folded under.
-type Tenure<B> = (Lease, SharedEngine<B>);
+/// A partition's health, shared between its folder task and the API.
+pub type SharedHealth = Arc<Mutex<PartitionHealth>>;
+
+/// A partition's engine and health, and the lease it is folded under.
+type Tenure<B> = (Lease, SharedEngine<B>, SharedHealth);
 
 /// The engines of the partitions this process folds right now, with the
 /// lease each runs under.
@@ -133,22 +154,30 @@ impl<B: KvBackend> EngineMap<B> {
     pub fn get(&self, partition: u32) -> Option<SharedEngine<B>> {
         let map = self.inner.read().unwrap_or_else(|p| p.into_inner());
         map.get(&partition)
-            .filter(|(lease, _)| lease.still_held())
-            .map(|(_, e)| e.clone())
+            .filter(|(lease, _, _)| lease.still_held())
+            .map(|(_, e, _)| e.clone())
+    }
+
+    /// The health of `partition`, while its lease is held.
+    pub fn health(&self, partition: u32) -> Option<PartitionHealth> {
+        let map = self.inner.read().unwrap_or_else(|p| p.into_inner());
+        map.get(&partition)
+            .filter(|(lease, _, _)| lease.still_held())
+            .map(|(_, _, h)| lock(h).clone())
     }
 
     /// Partitions being folded here, ascending.
     pub fn partitions(&self) -> Vec<u32> {
         let map = self.inner.read().unwrap_or_else(|p| p.into_inner());
         map.iter()
-            .filter(|(_, (lease, _))| lease.still_held())
+            .filter(|(_, (lease, _, _))| lease.still_held())
             .map(|(p, _)| *p)
             .collect()
     }
 
-    fn insert(&self, lease: &Lease, engine: SharedEngine<B>) {
+    fn insert(&self, lease: &Lease, engine: SharedEngine<B>, health: SharedHealth) {
         let mut map = self.inner.write().unwrap_or_else(|p| p.into_inner());
-        map.insert(lease.partition(), (lease.clone(), engine));
+        map.insert(lease.partition(), (lease.clone(), engine, health));
     }
 
     /// Removes the entry of this tenure (not a later one).
@@ -156,7 +185,7 @@ impl<B: KvBackend> EngineMap<B> {
         let mut map = self.inner.write().unwrap_or_else(|p| p.into_inner());
         if map
             .get(&lease.partition())
-            .is_some_and(|(l, _)| l.fencing_token() == lease.fencing_token())
+            .is_some_and(|(l, _, _)| l.fencing_token() == lease.fencing_token())
         {
             map.remove(&lease.partition());
         }
@@ -165,7 +194,7 @@ impl<B: KvBackend> EngineMap<B> {
 
 /// The folder role of one process.
 pub struct FolderRole<B: KvBackend> {
-    js: Context,
+    publisher: Publisher,
     subjects: Subjects,
     events: stream::Stream,
     payloads: ObjectStore,
@@ -177,7 +206,7 @@ pub struct FolderRole<B: KvBackend> {
 impl<B: KvBackend> Clone for FolderRole<B> {
     fn clone(&self) -> Self {
         FolderRole {
-            js: self.js.clone(),
+            publisher: self.publisher.clone(),
             subjects: self.subjects.clone(),
             events: self.events.clone(),
             payloads: self.payloads.clone(),
@@ -202,8 +231,30 @@ impl Drop for Tasks {
 /// How one batch ended.
 enum BatchEnd {
     Committed,
-    /// The lease ran out: nothing was published or committed after that.
-    LeaseLost,
+    /// The lease ran out, or the process is stopping: nothing was
+    /// published or committed after that.
+    Stopped,
+}
+
+/// Milliseconds since the Unix epoch, for health reports only (never folded).
+fn wall_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Records a failure in a partition's health.
+fn note_failure(health: &SharedHealth, error: &dyn std::fmt::Display) {
+    let mut h = lock(health);
+    h.retrying = true;
+    h.failing_since_ms.get_or_insert_with(wall_ms);
+    h.last_error = Some(error.to_string().chars().take(500).collect());
+}
+
+fn note_recovered(health: &SharedHealth) {
+    let mut h = lock(health);
+    h.retrying = false;
+    h.failing_since_ms = None;
 }
 
 impl<B: KvBackend + 'static> FolderRole<B> {
@@ -215,8 +266,22 @@ impl<B: KvBackend + 'static> FolderRole<B> {
         settings: FolderSettings,
     ) -> Self {
         crate::core::tokens::load_tokenizers();
+        let stream_max = usize::try_from(infra.events.cached_info().config.max_message_size)
+            .ok()
+            .filter(|&m| m > 0)
+            .unwrap_or(crate::core::event::MAX_EVENT_BYTES);
+        let server_max = js.client().server_info().max_payload;
+        let max_message_bytes = if server_max > 0 {
+            stream_max.min(server_max)
+        } else {
+            stream_max
+        };
         FolderRole {
-            js,
+            publisher: Publisher {
+                js,
+                subjects: infra.subjects.clone(),
+                max_message_bytes,
+            },
             subjects: infra.subjects.clone(),
             events: infra.events.clone(),
             payloads: infra.payloads.clone(),
@@ -287,12 +352,14 @@ impl<B: KvBackend + 'static> FolderRole<B> {
             token = lease.fencing_token(),
             "folder started"
         );
+        let health: SharedHealth = Arc::new(Mutex::new(PartitionHealth::new(p)));
         let mut backoff = self.settings.retry_backoff;
         while lease.still_held() && !*shutdown.borrow() {
-            match self.fold_while_held(&lease, &mut shutdown).await {
+            match self.fold_while_held(&lease, &health, &mut shutdown).await {
                 Ok(()) => break,
                 Err(e) => {
-                    tracing::warn!(partition = p, "folder error, retrying: {e}");
+                    tracing::warn!(partition = p, error = %e, "folder error, retrying");
+                    note_failure(&health, &e);
                     tokio::select! {
                         _ = lease.lost() => {}
                         _ = shutdown.changed() => {}
@@ -327,7 +394,7 @@ impl<B: KvBackend + 'static> FolderRole<B> {
         let _ = tokio::task::spawn_blocking(move || {
             let mut e = lock(&engine);
             if let Err(err) = e.flush() {
-                tracing::warn!("flushing the state store on close failed: {err}");
+                tracing::warn!(error = %err, "flushing the state store on close failed");
             }
         })
         .await;
@@ -352,12 +419,13 @@ impl<B: KvBackend + 'static> FolderRole<B> {
     async fn fold_while_held(
         &self,
         lease: &Lease,
+        health: &SharedHealth,
         shutdown: &mut watch::Receiver<bool>,
     ) -> Result<(), FolderError> {
         let p = lease.partition();
         let engine = self.open_engine(p).await?;
-        self.engines.insert(lease, engine.clone());
-        let result = self.consume(lease, &engine, shutdown).await;
+        self.engines.insert(lease, engine.clone(), health.clone());
+        let result = self.consume(lease, &engine, health, shutdown).await;
         self.close_engine(lease, engine).await;
         result
     }
@@ -366,11 +434,27 @@ impl<B: KvBackend + 'static> FolderRole<B> {
         &self,
         lease: &Lease,
         engine: &SharedEngine<B>,
+        health: &SharedHealth,
         shutdown: &mut watch::Receiver<bool>,
     ) -> Result<(), FolderError> {
         let p = lease.partition();
         let after = lock(engine).position();
+        // Everything stored up to the head as it is now is history: its
+        // decisions may be in the log already.
+        let mut info = self.events.clone();
+        let head = info
+            .info()
+            .await
+            .map_err(|e| NatsError::js("reading the events stream's state", e))?
+            .state
+            .last_sequence;
+        lock(engine).hold_through(head);
         let consumer = self.reset_consumer(p, after).await?;
+        {
+            let mut h = lock(health);
+            h.position = after;
+            h.catching_up = head > after;
+        }
         let batch = self.settings.batch.max(1);
         let messages = consumer
             .stream()
@@ -386,7 +470,7 @@ impl<B: KvBackend + 'static> FolderRole<B> {
                 _ = shutdown.changed() => return Ok(()),
                 m = messages.next() => m,
             };
-            let mut msgs = Batch::default();
+            let mut msgs = Batch::new(&self.subjects, p);
             msgs.push(pulled(p, first)?)?;
             let gathered = tokio::time::sleep(self.settings.gather_wait);
             tokio::pin!(gathered);
@@ -413,9 +497,12 @@ impl<B: KvBackend + 'static> FolderRole<B> {
                 };
                 msgs.push(pulled(p, next)?)?;
             }
-            match self.fold_batch(lease, engine, msgs).await? {
+            match self
+                .fold_batch(lease, engine, health, msgs, shutdown)
+                .await?
+            {
                 BatchEnd::Committed => {}
-                BatchEnd::LeaseLost => return Ok(()),
+                BatchEnd::Stopped => return Ok(()),
             }
         }
     }
@@ -425,21 +512,41 @@ impl<B: KvBackend + 'static> FolderRole<B> {
         &self,
         lease: &Lease,
         engine: &SharedEngine<B>,
-        batch: Batch,
+        health: &SharedHealth,
+        batch: Batch<'_>,
+        shutdown: &mut watch::Receiver<bool>,
     ) -> Result<BatchEnd, FolderError> {
         let p = lease.partition();
         let Batch {
-            inbound, last_ack, ..
+            records,
+            last_ack,
+            pending,
+            ..
         } = batch;
         let Some(last_ack) = last_ack else {
             return Ok(BatchEnd::Committed);
         };
-
+        let span = tracing::debug_span!(
+            "folder_batch",
+            partition = p,
+            first_seq = records.first().map_or(0, |r| r.position),
+            last_seq = records.last().map_or(0, |r| r.position),
+            events = records.len()
+        );
         let folding = engine.clone();
-        let subjects = self.subjects.clone();
-        let (decisions, jobs) = tokio::task::spawn_blocking(move || {
+        let (effects, position, holding) = tokio::task::spawn_blocking(move || {
+            let _enter = span.enter();
             let mut e = lock(&folding);
-            fold_records(&mut e, &subjects, p, inbound)
+            let mut effects = Effects::default();
+            for r in &records {
+                e.apply_record(r, &mut effects);
+            }
+            // Caught up: whatever is still held was never published.
+            if pending == 0 {
+                e.end_history();
+            }
+            e.finish(&mut effects);
+            (effects, e.position(), e.holding())
         })
         .await
         .map_err(|e| FolderError::Task {
@@ -448,13 +555,16 @@ impl<B: KvBackend + 'static> FolderRole<B> {
         })?;
 
         if !lease.still_held() {
-            return Ok(BatchEnd::LeaseLost);
+            return Ok(BatchEnd::Stopped);
         }
-        if !self.publish_effects(lease, &decisions, jobs).await? {
-            return Ok(BatchEnd::LeaseLost);
+        if !self
+            .publish_effects(lease, health, &effects, shutdown)
+            .await
+        {
+            return Ok(BatchEnd::Stopped);
         }
         if !lease.still_held() {
-            return Ok(BatchEnd::LeaseLost);
+            return Ok(BatchEnd::Stopped);
         }
         let committing = engine.clone();
         tokio::task::spawn_blocking(move || lock(&committing).commit())
@@ -463,38 +573,56 @@ impl<B: KvBackend + 'static> FolderRole<B> {
                 partition: p,
                 detail: e.to_string(),
             })??;
+        {
+            let mut h = lock(health);
+            h.position = position;
+            h.catching_up = holding;
+            h.dead_letters += effects.dead_letters.len() as u64;
+        }
         // Ack-all: acknowledges every message of the batch. A lost ack only
         // means a redelivery, which the position check skips.
         if let Err(e) = last_ack.ack().await {
-            tracing::debug!(
-                partition = p,
-                "ack failed (redelivery will be skipped): {e}"
-            );
+            tracing::debug!(partition = p, error = %e, "ack failed (redelivery will be skipped)");
         }
         Ok(BatchEnd::Committed)
     }
 
-    /// Publishes decisions and jobs, retrying until the stream has them all
-    /// or the lease runs out (false).
+    /// Publishes a batch's effects, retrying what can succeed later until
+    /// the stream has them all (true), or the lease runs out or the process
+    /// stops (false). What can never be published is dead-lettered instead.
     async fn publish_effects(
         &self,
         lease: &Lease,
-        decisions: &[Envelope],
-        jobs: Vec<SweepSnapshot>,
-    ) -> Result<bool, FolderError> {
+        health: &SharedHealth,
+        effects: &Effects,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> bool {
+        if effects.is_empty() {
+            return true;
+        }
         let mut backoff = self.settings.retry_backoff;
+        // Effects already stored, by index, so a retry sends only the rest.
+        let mut done = Done::default();
         loop {
-            match self.try_publish(decisions, &jobs).await {
-                Ok(()) => return Ok(true),
+            match self
+                .try_publish(lease.partition(), effects, &mut done)
+                .await
+            {
+                Ok(()) => {
+                    note_recovered(health);
+                    return true;
+                }
                 Err(e) => {
-                    tracing::warn!(
-                        partition = lease.partition(),
-                        "publishing decisions failed, retrying: {e}"
-                    );
+                    tracing::warn!(partition = lease.partition(), error = %e, "publishing effects failed, retrying");
+                    note_failure(health, &e);
                 }
             }
+            if *shutdown.borrow() {
+                return false;
+            }
             tokio::select! {
-                _ = lease.lost() => return Ok(false),
+                _ = lease.lost() => return false,
+                _ = shutdown.changed() => return false,
                 _ = tokio::time::sleep(backoff) => {}
             }
             backoff = (backoff * 2).min(Duration::from_secs(5));
@@ -503,40 +631,140 @@ impl<B: KvBackend + 'static> FolderRole<B> {
 
     async fn try_publish(
         &self,
-        decisions: &[Envelope],
-        jobs: &[SweepSnapshot],
-    ) -> Result<(), NatsError> {
-        let mut pending: Vec<PublishAckFuture> = Vec::with_capacity(decisions.len() + jobs.len());
-        for d in decisions {
-            let subject = self.subjects.inbound(&d.conversation)?;
+        partition: u32,
+        effects: &Effects,
+        done: &mut Done,
+    ) -> Result<(), PublishFailure> {
+        let mut pending: Vec<(Effect, PublishAckFuture)> = Vec::new();
+        let mut unpublishable: Vec<(String, String, Vec<u8>)> = Vec::new();
+        for (i, d) in effects.decisions.iter().enumerate() {
+            if done.decisions.contains(&i) {
+                continue;
+            }
+            match self.publisher.event(Origin::Service, d).await {
+                Ok(ack) => pending.push((Effect::Decision(i), ack)),
+                Err(e) if e.is_permanent() => {
+                    done.decisions.insert(i);
+                    unpublishable.push((d.id.clone(), e.to_string(), d.to_msgpack()));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        for (i, snap) in effects.jobs.iter().enumerate() {
+            if done.jobs.contains(&i) {
+                continue;
+            }
+            let ack = publish_job(
+                &self.publisher.js,
+                &self.payloads,
+                &self.subjects,
+                snap.clone(),
+                self.settings.max_inline_job_bytes,
+            )
+            .await
+            .map_err(|e| PublishFailure::Nats {
+                what: format!("job {}", snap.job.job_id),
+                detail: e.to_string(),
+            })?;
+            pending.push((Effect::Job(i), ack));
+        }
+        let subject = self.subjects.partition_dead_letter(partition);
+        for (i, letter) in effects.dead_letters.iter().enumerate() {
+            if done.dead_letters.contains(&i) {
+                continue;
+            }
+            let msg_id = format!("dead_p{partition}_{}", letter.position);
             let ack = self
-                .js
-                .publish_with_headers(
-                    subject,
-                    event_headers(&d.id, Encoding::Msgpack),
-                    d.to_msgpack().into(),
-                )
-                .await
-                .map_err(|e| NatsError::js(format!("publishing decision {}", d.id), e))?;
-            pending.push(ack);
+                .publisher
+                .dead_letter(DeadLetterMessage {
+                    subject: &subject,
+                    msg_id: &msg_id,
+                    partition,
+                    position: Some(letter.position),
+                    kind: letter.kind,
+                    reason: &letter.reason,
+                    payload: &letter.bytes,
+                })
+                .await?;
+            pending.push((Effect::DeadLetter(i), ack));
         }
-        for snap in jobs {
-            pending.push(
-                publish_job(
-                    &self.js,
-                    &self.payloads,
-                    &self.subjects,
-                    snap.clone(),
-                    self.settings.max_inline_job_bytes,
-                )
-                .await?,
-            );
+        for (id, reason, bytes) in &unpublishable {
+            tracing::error!(partition, event_id = %id, error = %reason, "decision cannot be published; dead-lettering it");
+            let msg_id = format!("dead_{id}");
+            let ack = self
+                .publisher
+                .dead_letter(DeadLetterMessage {
+                    subject: &subject,
+                    msg_id: &msg_id,
+                    partition,
+                    position: None,
+                    kind: "unpublishable",
+                    reason,
+                    payload: bytes,
+                })
+                .await?;
+            // A dead letter that cannot be stored either is dropped with
+            // the error above: nothing is retried for ever.
+            if let Err(e) = stored(&msg_id, ack).await {
+                tracing::error!(partition, event_id = %id, error = %e, "dead letter not stored");
+            }
         }
-        for ack in pending {
-            ack.await
-                .map_err(|e| NatsError::js("waiting for the stream to store a decision", e))?;
+        let mut first_error = None;
+        for (effect, ack) in pending {
+            let what = effect.describe(effects);
+            match stored(&what, ack).await {
+                Ok(()) => done.insert(effect),
+                Err(e) if e.is_permanent() => {
+                    tracing::error!(partition, error = %e, "effect refused by the stream for good; dropped");
+                    done.insert(effect);
+                }
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
         }
-        Ok(())
+        match first_error {
+            None => Ok(()),
+            Some(e) => Err(e),
+        }
+    }
+}
+
+/// Which effect of a batch an acknowledgement is for.
+#[derive(Debug, Clone, Copy)]
+enum Effect {
+    Decision(usize),
+    Job(usize),
+    DeadLetter(usize),
+}
+
+impl Effect {
+    fn describe(self, effects: &Effects) -> String {
+        match self {
+            Effect::Decision(i) => format!("decision {}", effects.decisions[i].id),
+            Effect::Job(i) => format!("job {}", effects.jobs[i].job.job_id),
+            Effect::DeadLetter(i) => {
+                format!("dead letter of record {}", effects.dead_letters[i].position)
+            }
+        }
+    }
+}
+
+/// The effects of a batch the stream already has.
+#[derive(Debug, Default)]
+struct Done {
+    decisions: std::collections::BTreeSet<usize>,
+    jobs: std::collections::BTreeSet<usize>,
+    dead_letters: std::collections::BTreeSet<usize>,
+}
+
+impl Done {
+    fn insert(&mut self, effect: Effect) {
+        match effect {
+            Effect::Decision(i) => self.decisions.insert(i),
+            Effect::Job(i) => self.jobs.insert(i),
+            Effect::DeadLetter(i) => self.dead_letters.insert(i),
+        };
     }
 }
 
@@ -556,22 +784,34 @@ fn pulled<E: std::fmt::Display>(
     }
 }
 
-/// The messages gathered for one fold and commit, taken apart as they
-/// arrive: a pulled message is large (it carries its own client handle),
-/// and only the last one's acknowledgement is needed (ack-all). It grows
-/// as messages come: a caught-up partition folds batches of one.
-#[derive(Default)]
-struct Batch {
-    inbound: Vec<Inbound>,
+/// The messages gathered for one fold and commit, taken apart into log
+/// records as they arrive: a pulled message is large (it carries its own
+/// client handle), and only the last one's acknowledgement is needed
+/// (ack-all). It grows as messages come: a caught-up partition folds
+/// batches of one.
+struct Batch<'s> {
+    subjects: &'s Subjects,
+    partition: u32,
+    records: Vec<LogRecord>,
     last_ack: Option<jetstream::message::Acker>,
     /// Messages of the partition the server had not delivered yet, as of
     /// the last message.
     pending: u64,
 }
 
-impl Batch {
+impl<'s> Batch<'s> {
+    fn new(subjects: &'s Subjects, partition: u32) -> Self {
+        Batch {
+            subjects,
+            partition,
+            records: Vec::new(),
+            last_ack: None,
+            pending: 0,
+        }
+    }
+
     fn len(&self) -> usize {
-        self.inbound.len()
+        self.records.len()
     }
 
     fn push(&mut self, m: jetstream::Message) -> Result<(), FolderError> {
@@ -579,132 +819,21 @@ impl Batch {
             .info()
             .map_err(|e| NatsError::js("reading message metadata", e))?;
         let (position, pending) = (info.stream_sequence, info.pending);
+        let stored_at_ms = u64::try_from(info.published.unix_timestamp_nanos() / 1_000_000).ok();
         let (m, acker) = m.split();
-        self.inbound.push(Inbound {
+        let (origin, address) = self
+            .subjects
+            .stored_routing(&m.subject, Some(self.partition));
+        self.records.push(LogRecord {
             position,
+            origin,
+            address,
+            stored_at_ms,
             encoding: encoding_of(m.headers.as_ref(), &m.payload),
-            subject: m.subject,
-            payload: m.payload,
+            bytes: m.payload,
         });
         self.last_ack = Some(acker);
         self.pending = pending;
         Ok(())
-    }
-}
-
-/// A pulled message, as the fold needs it (its subject and payload are
-/// the message's own buffers, not copies).
-struct Inbound {
-    position: u64,
-    encoding: Encoding,
-    subject: async_nats::Subject,
-    payload: bytes::Bytes,
-}
-
-impl Inbound {
-    /// The log record of a message the fold refuses (rare: copied then).
-    fn record(&self) -> LogRecord {
-        LogRecord {
-            position: self.position,
-            encoding: self.encoding,
-            bytes: self.payload.to_vec(),
-        }
-    }
-}
-
-/// Why an event may not be folded in this partition, if so.
-fn misrouted(
-    subjects: &Subjects,
-    partition: u32,
-    subject: &str,
-    event: &Envelope,
-) -> Option<String> {
-    if subjects.is_event_subject_of(subject, partition, &event.conversation) {
-        return None;
-    }
-    match subjects.parse_event_subject(subject) {
-        Ok((p, conversation)) if p == partition && conversation == event.conversation => None,
-        Ok((p, conversation)) if p == partition => Some(format!(
-            "event {} names conversation {:?} but was published for {conversation:?}; publish \
-             to the subject of its own conversation",
-            event.id, event.conversation
-        )),
-        Ok((p, _)) => Some(format!(
-            "event {} is stored under partition {p}, not {partition}",
-            event.id
-        )),
-        Err(e) => Some(format!("event {} arrived on a bad subject: {e}", event.id)),
-    }
-}
-
-/// Folds the records not folded yet; returns the decisions to publish and
-/// the snapshots of jobs still pending.
-fn fold_records<B: KvBackend>(
-    engine: &mut Engine<B>,
-    subjects: &Subjects,
-    partition: u32,
-    inbound: Vec<Inbound>,
-) -> (Vec<Envelope>, Vec<SweepSnapshot>) {
-    let mut decisions = Vec::new();
-    let mut issued = Vec::new();
-    for message in inbound {
-        // Redelivered, or folded before the last restart.
-        if message.position <= engine.position() {
-            continue;
-        }
-        let applied = match Envelope::decode(&message.payload, message.encoding) {
-            Ok(event) => match misrouted(subjects, partition, &message.subject, &event) {
-                None => engine.apply_at(message.position, event),
-                // Attributed to no conversation: folding it into this
-                // partition's state would split the conversation.
-                Some(reason) => engine.reject(&message.record(), None, &reason),
-            },
-            Err(_) => engine.apply(&message.record()),
-        };
-        decisions.extend(applied.decisions);
-        issued.extend(applied.jobs);
-    }
-    // A job is handed out only while it is the conversation's pending one:
-    // one issued and superseded within the batch never reaches a worker.
-    let snapshots = issued
-        .into_iter()
-        .filter_map(|(conversation, job)| {
-            let conv = engine.state.conversations.get(&conversation)?;
-            let pending = conv.pending_job.as_ref()?;
-            (pending.job.job_id == job.job_id)
-                .then(|| sweep::snapshot(conv, &pending.job, &engine.policy))
-        })
-        .collect();
-    (decisions, snapshots)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::core::event::{EventBody, TurnAppended};
-    use crate::core::message::{ChatMessage, Role};
-
-    fn event(conversation: &str) -> Envelope {
-        Envelope::new(
-            "e1",
-            conversation,
-            1,
-            EventBody::TurnAppended(TurnAppended::from(ChatMessage::text(Role::User, "hi"))),
-        )
-    }
-
-    #[test]
-    fn events_on_another_conversations_subject_are_refused() {
-        let s = Subjects::new("cf").unwrap();
-        let e = event("agent:a");
-        assert_eq!(misrouted(&s, 3, &s.event(3, "agent:a").unwrap(), &e), None);
-        let wrong = misrouted(&s, 3, &s.event(3, "agent:b").unwrap(), &e).unwrap();
-        assert!(wrong.contains("agent:b"), "{wrong}");
-        assert!(misrouted(&s, 3, &s.event(4, "agent:a").unwrap(), &e).is_some());
-        // A non-canonical spelling of the same key is refused too: it
-        // hashes to another partition.
-        let plain = event("abc");
-        assert!(misrouted(&s, 3, "cf.ev.3.~YWJj", &plain).is_some());
-        assert_eq!(misrouted(&s, 3, "cf.ev.3.abc", &plain), None);
     }
 }

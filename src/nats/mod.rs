@@ -19,6 +19,7 @@ pub mod event_log;
 pub mod folder;
 pub mod jobs;
 pub mod leases;
+pub mod publish;
 pub mod serve;
 pub mod setup;
 pub mod subjects;

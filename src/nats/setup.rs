@@ -61,9 +61,12 @@ pub fn events_stream_config(cfg: &NatsConfig) -> Result<stream::Config, NatsErro
             "contextfold events, {} partitions by conversation",
             cfg.partitions
         )),
-        subjects: vec![s.inbound_wildcard()],
+        // Agents publish to `cf.in.*`, the service to `cf.svc.*`; the
+        // stored subject keeps which, so the fold (and every replay) knows
+        // who wrote each event.
+        subjects: s.events_stream_subjects(),
         subject_transform: Some(SubjectTransform {
-            source: s.inbound_wildcard(),
+            source: s.partition_transform_source(),
             destination: s.partition_transform_destination(cfg.partitions),
         }),
         retention: RetentionPolicy::Limits,
@@ -103,8 +106,12 @@ pub fn dead_letter_stream_config(cfg: &NatsConfig) -> Result<stream::Config, Nat
     let s = cfg.subjects()?;
     Ok(stream::Config {
         name: s.dead_letter_stream(),
-        description: Some("contextfold jobs that failed too often, with the reason".to_string()),
-        subjects: vec![s.dead_letters_wildcard()],
+        description: Some(
+            "contextfold jobs that failed too often, and records a partition refused, with the \
+             reason"
+                .to_string(),
+        ),
+        subjects: s.dead_letter_stream_subjects(),
         retention: RetentionPolicy::Limits,
         storage: storage(cfg.storage),
         num_replicas: cfg.replicas,
@@ -301,6 +308,7 @@ async fn reconcile_stream(
         return Ok(existing);
     }
     let mut updated = current.clone();
+    updated.subjects = desired.subjects.clone();
     updated.duplicate_window = desired.duplicate_window;
     updated.max_message_size = desired.max_message_size;
     updated.num_replicas = desired.num_replicas;
@@ -325,7 +333,23 @@ pub fn incompatibilities(current: &stream::Config, desired: &stream::Config) -> 
     let mut want = desired.subjects.clone();
     have.sort();
     want.sort();
-    if have != want {
+    // Subjects may be added in place (nothing stored moves); any other
+    // difference means another layout or another owner.
+    let only_added = have.iter().all(|h| want.contains(h));
+    let before_origins = desired.subject_transform.is_some()
+        && have.len() == 1
+        && want.len() == 2
+        && want.contains(&have[0]);
+    if before_origins {
+        problems.push(format!(
+            "it was created by an older contextfold, whose stored subjects do not say who \
+             published an event (it listens on {have:?}; this version needs {want:?}, agents on \
+             `in` and the service on `svc`): start this version on a new `[nats] prefix`, or \
+             delete the stream while no process runs (its history is lost)"
+        ));
+        return problems;
+    }
+    if !only_added {
         problems.push(format!(
             "subjects are {have:?}, expected {want:?} (another prefix or another application \
              owns this stream name)"
@@ -360,7 +384,12 @@ pub fn incompatibilities(current: &stream::Config, desired: &stream::Config) -> 
 }
 
 fn needs_update(current: &stream::Config, desired: &stream::Config) -> bool {
-    current.duplicate_window != desired.duplicate_window
+    let mut have = current.subjects.clone();
+    let mut want = desired.subjects.clone();
+    have.sort();
+    want.sort();
+    have != want
+        || current.duplicate_window != desired.duplicate_window
         || current.max_message_size != desired.max_message_size
         || current.num_replicas != desired.num_replicas
         || current.max_age != desired.max_age
@@ -448,10 +477,13 @@ mod tests {
         };
         let c = events_stream_config(&cfg).unwrap();
         assert_eq!(c.name, "CF_EVENTS");
-        assert_eq!(c.subjects, vec!["cf.in.*".to_string()]);
+        assert_eq!(c.subjects, ["cf.in.*", "cf.svc.*"]);
         let t = c.subject_transform.unwrap();
-        assert_eq!(t.source, "cf.in.*");
-        assert_eq!(t.destination, "cf.ev.{{partition(8,1)}}.{{wildcard(1)}}");
+        assert_eq!(t.source, "cf.*.*");
+        assert_eq!(
+            t.destination,
+            "cf.ev.{{partition(8,2)}}.{{wildcard(1)}}.{{wildcard(2)}}"
+        );
         assert_eq!(c.duplicate_window, Duration::from_secs(120));
         assert_eq!(c.max_message_size, 1024 * 1024);
     }
@@ -479,6 +511,30 @@ mod tests {
     }
 
     #[test]
+    fn a_stream_from_before_origins_is_refused_with_a_way_out_and_subjects_may_be_added() {
+        let new = events_stream_config(&NatsConfig::default()).unwrap();
+        let mut old = new.clone();
+        old.subjects = vec!["cf.in.*".into()];
+        old.subject_transform = Some(SubjectTransform {
+            source: "cf.in.*".into(),
+            destination: "cf.ev.{{partition(16,1)}}.{{wildcard(1)}}".into(),
+        });
+        let problems = incompatibilities(&old, &new);
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(problems[0].contains("older contextfold"), "{problems:?}");
+        assert!(problems[0].contains("prefix"), "{problems:?}");
+
+        let dead = dead_letter_stream_config(&NatsConfig::default()).unwrap();
+        let mut jobs_only = dead.clone();
+        jobs_only.subjects = vec!["cf.dead.*".into()];
+        assert!(incompatibilities(&jobs_only, &dead).is_empty());
+        assert!(needs_update(&jobs_only, &dead));
+        let mut foreign = dead.clone();
+        foreign.subjects = vec!["other.*".into()];
+        assert!(!incompatibilities(&foreign, &dead).is_empty());
+    }
+
+    #[test]
     fn jobs_are_a_work_queue_and_leases_expire_by_ttl() {
         let cfg = NatsConfig::default();
         let jobs = jobs_stream_config(&cfg).unwrap();
@@ -488,7 +544,7 @@ mod tests {
         assert_eq!(kv.max_age, Duration::from_secs(10));
         assert_eq!(kv.history, 1);
         let c = folder_consumer_config(&cfg.subjects().unwrap(), 3, 41, 5000);
-        assert_eq!(c.filter_subject, "cf.ev.3.*");
+        assert_eq!(c.filter_subject, "cf.ev.3.*.*");
         assert_eq!(
             c.deliver_policy,
             DeliverPolicy::ByStartSequence { start_sequence: 42 }

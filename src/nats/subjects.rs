@@ -24,21 +24,23 @@
 //!
 //! | subject | what |
 //! |---|---|
-//! | `cf.in.<conv>` | where agents (and the service itself) publish events |
-//! | `cf.ev.<partition>.<conv>` | the events stream's stored subject (a stream subject transform maps `cf.in.*` here) |
+//! | `cf.in.<conv>` | where agents publish a conversation's events |
+//! | `cf.svc.<conv>` | where the service publishes them (agents must not) |
+//! | `cf.ev.<partition>.<in\|svc>.<conv>` | the events stream's stored subject (a stream subject transform maps `cf.in.*` and `cf.svc.*` here, keeping who published) |
 //! | `cf.job.<conv>` | compaction jobs (work-queue stream) |
 //! | `cf.dead.<conv>` | jobs that failed too often, with the reason |
-//! | `cf.api.<op>` | request/reply API, any process answers or forwards |
-//! | `cf.api.p.<partition>.<op>` | the API served by the owner of a partition |
+//! | `cf.dead.partition.<p>` | records a partition refused with no conversation to count them against, and decisions it could not publish |
+//! | `cf.api.<op>.<conv>` | request/reply API on one conversation; any process answers or forwards |
+//! | `cf.admin.<op>` | operations on the whole service (global `status`) |
+//! | `cf.api.p.<partition>.<op>.<conv>` | the API served by the owner of a partition |
 
 use crate::api::Op;
+use crate::core::event::Origin;
+use crate::core::intake::Address;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine as _;
 
-/// Longest conversation key accepted, in UTF-8 bytes. Its encoded token
-/// (at most 1 + 4/3 of it) keeps a subject far below the server's default
-/// 4 KiB control-line limit.
-pub const MAX_CONVERSATION_KEY_BYTES: usize = 1024;
+pub use crate::core::intake::limits::MAX_CONVERSATION_KEY_BYTES;
 
 /// Marks a base64url token; never part of a plain token.
 pub const ENCODED_MARKER: char = '~';
@@ -60,6 +62,45 @@ pub enum SubjectError {
     BadPrefix(String),
     #[error("subject {subject:?} is not an events subject under prefix {prefix:?}")]
     NotAnEventSubject { subject: String, prefix: String },
+    #[error(
+        "subject {subject:?} is not a request subject under prefix {prefix:?}: use \
+         `{prefix}.api.<op>.<conversation token>` or `{prefix}.admin.status`"
+    )]
+    NotAnApiSubject { subject: String, prefix: String },
+}
+
+/// What a request subject says: the operation and, unless it is an admin
+/// subject, the conversation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiSubject {
+    pub op: String,
+    pub conversation: Option<String>,
+}
+
+/// What a stored event's subject `cf.ev.<partition>.<in|svc>.<conv>` says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredSubject {
+    pub partition: u32,
+    /// `in`: an agent published it; `svc`: the service did.
+    pub origin: Origin,
+    pub conversation: String,
+}
+
+/// The subject token of an origin: agents publish to `in`, the service to
+/// `svc`; the stream keeps the token in the stored subject.
+fn origin_token(origin: Origin) -> &'static str {
+    match origin {
+        Origin::Agent => "in",
+        Origin::Service | Origin::Legacy => "svc",
+    }
+}
+
+fn origin_of_token(token: &str) -> Option<Origin> {
+    match token {
+        "in" => Some(Origin::Agent),
+        "svc" => Some(Origin::Service),
+        _ => None,
+    }
 }
 
 fn is_plain_byte(b: u8) -> bool {
@@ -196,50 +237,87 @@ impl Subjects {
         &self.prefix
     }
 
-    /// `cf.in.<conv>`: where a conversation's events are published.
+    /// `cf.in.<conv>`: where agents publish a conversation's events.
     pub fn inbound(&self, conversation: &str) -> Result<String, SubjectError> {
+        self.publish(Origin::Agent, conversation)
+    }
+
+    /// `cf.svc.<conv>`: where the service publishes a conversation's events
+    /// (decisions, summaries, rolling state, sweep ends, compactions asked
+    /// through the API). Agents must not be permitted to publish here.
+    pub fn service(&self, conversation: &str) -> Result<String, SubjectError> {
+        self.publish(Origin::Service, conversation)
+    }
+
+    /// The subject `origin` publishes a conversation's events to.
+    pub fn publish(&self, origin: Origin, conversation: &str) -> Result<String, SubjectError> {
         Ok(format!(
-            "{}.in.{}",
+            "{}.{}.{}",
             self.prefix,
+            origin_token(origin),
             encode_conversation(conversation)?
         ))
     }
 
-    /// `cf.in.*`: the events stream's subjects (and the transform source).
+    /// `cf.in.*`: every agent's inbound subject.
     pub fn inbound_wildcard(&self) -> String {
         format!("{}.in.*", self.prefix)
     }
 
-    /// `cf.ev.{{partition(N,1)}}.{{wildcard(1)}}`: the events stream's
-    /// subject transform destination.
+    /// `cf.svc.*`: every service subject.
+    pub fn service_wildcard(&self) -> String {
+        format!("{}.svc.*", self.prefix)
+    }
+
+    /// The events stream's subjects: `cf.in.*` and `cf.svc.*`.
+    pub fn events_stream_subjects(&self) -> Vec<String> {
+        vec![self.inbound_wildcard(), self.service_wildcard()]
+    }
+
+    /// `cf.*.*`: the source of the events stream's subject transform (it
+    /// sees only what the stream's subjects capture).
+    pub fn partition_transform_source(&self) -> String {
+        format!("{}.*.*", self.prefix)
+    }
+
+    /// `cf.ev.{{partition(N,2)}}.{{wildcard(1)}}.{{wildcard(2)}}`: the events
+    /// stream's subject transform destination. The partition is the hash of
+    /// the conversation token alone, so agents' and the service's events of
+    /// a conversation share a partition and one order.
     pub fn partition_transform_destination(&self, partitions: u32) -> String {
         format!(
-            "{}.ev.{{{{partition({partitions},1)}}}}.{{{{wildcard(1)}}}}",
+            "{}.ev.{{{{partition({partitions},2)}}}}.{{{{wildcard(1)}}}}.{{{{wildcard(2)}}}}",
             self.prefix
         )
     }
 
-    /// `cf.ev.<partition>.<conv>`: the subject a stored event has.
-    pub fn event(&self, partition: u32, conversation: &str) -> Result<String, SubjectError> {
+    /// `cf.ev.<partition>.<in|svc>.<conv>`: the subject a stored event has.
+    pub fn event(
+        &self,
+        partition: u32,
+        origin: Origin,
+        conversation: &str,
+    ) -> Result<String, SubjectError> {
         Ok(format!(
-            "{}.ev.{partition}.{}",
+            "{}.ev.{partition}.{}.{}",
             self.prefix,
+            origin_token(origin),
             encode_conversation(conversation)?
         ))
     }
 
-    /// `cf.ev.<partition>.*`: a folder's consumer filter.
+    /// `cf.ev.<partition>.*.*`: a folder's consumer filter.
     pub fn partition_filter(&self, partition: u32) -> String {
-        format!("{}.ev.{partition}.*", self.prefix)
+        format!("{}.ev.{partition}.*.*", self.prefix)
     }
 
-    /// `cf.ev.*.*`: every stored event.
+    /// `cf.ev.*.*.*`: every stored event.
     pub fn events_wildcard(&self) -> String {
-        format!("{}.ev.*.*", self.prefix)
+        format!("{}.ev.*.*.*", self.prefix)
     }
 
-    /// Partition and conversation of a stored event's subject.
-    pub fn parse_event_subject(&self, subject: &str) -> Result<(u32, String), SubjectError> {
+    /// Partition, origin and conversation of a stored event's subject.
+    pub fn parse_event_subject(&self, subject: &str) -> Result<StoredSubject, SubjectError> {
         let not_event = || SubjectError::NotAnEventSubject {
             subject: subject.chars().take(200).collect(),
             prefix: self.prefix.clone(),
@@ -248,25 +326,58 @@ impl Subjects {
             .strip_prefix(self.prefix.as_str())
             .and_then(|r| r.strip_prefix(".ev."))
             .ok_or_else(not_event)?;
-        let (partition, token) = rest.split_once('.').ok_or_else(not_event)?;
+        let mut parts = rest.splitn(3, '.');
+        let (Some(partition), Some(origin), Some(token)) =
+            (parts.next(), parts.next(), parts.next())
+        else {
+            return Err(not_event());
+        };
         let partition: u32 = partition.parse().map_err(|_| not_event())?;
-        Ok((partition, decode_conversation(token)?))
+        let origin = origin_of_token(origin).ok_or_else(not_event)?;
+        Ok(StoredSubject {
+            partition,
+            origin,
+            conversation: decode_conversation(token)?,
+        })
     }
 
-    /// Whether `subject` is the events subject of `conversation` in
-    /// `partition`: what [`Self::parse_event_subject`] would confirm, without
-    /// decoding the token or allocating (the folder asks it of every event).
-    pub fn is_event_subject_of(&self, subject: &str, partition: u32, conversation: &str) -> bool {
-        let Some(rest) = subject
+    /// Who published a stored message and which conversation its subject
+    /// names, as intake needs them. A subject that is not a stored event
+    /// subject (of `partition`, when given) names no conversation, and
+    /// gives no more than an agent's rights.
+    pub fn stored_routing(&self, subject: &str, partition: Option<u32>) -> (Origin, Address) {
+        match self.parse_event_subject(subject) {
+            Ok(stored) if partition.is_none_or(|p| p == stored.partition) => {
+                (stored.origin, Address::Conversation(stored.conversation))
+            }
+            Ok(stored) => (
+                Origin::Agent,
+                Address::Unroutable(format!(
+                    "stored under partition {}, not {}",
+                    stored.partition,
+                    partition.unwrap_or_default()
+                )),
+            ),
+            Err(e) => (Origin::Agent, Address::Unroutable(e.to_string())),
+        }
+    }
+
+    /// The origin of `subject` when it is the events subject of
+    /// `conversation` in `partition`: what [`Self::parse_event_subject`]
+    /// would confirm, without decoding the token or allocating.
+    pub fn event_subject_origin(
+        &self,
+        subject: &str,
+        partition: u32,
+        conversation: &str,
+    ) -> Option<Origin> {
+        let rest = subject
             .strip_prefix(self.prefix.as_str())
-            .and_then(|r| r.strip_prefix(".ev."))
-        else {
-            return false;
-        };
-        let Some((p, token)) = rest.split_once('.') else {
-            return false;
-        };
-        p.parse::<u32>() == Ok(partition) && is_token_of(token, conversation)
+            .and_then(|r| r.strip_prefix(".ev."))?;
+        let mut parts = rest.splitn(3, '.');
+        let (p, origin, token) = (parts.next()?, parts.next()?, parts.next()?);
+        let origin = origin_of_token(origin)?;
+        (p.parse::<u32>() == Ok(partition) && is_token_of(token, conversation)).then_some(origin)
     }
 
     /// `cf.job.<conv>`: a conversation's compaction job.
@@ -292,29 +403,102 @@ impl Subjects {
         ))
     }
 
-    /// `cf.dead.*`: the dead-letter stream's subjects.
-    pub fn dead_letters_wildcard(&self) -> String {
-        format!("{}.dead.*", self.prefix)
+    /// `cf.dead.partition.<p>`: records partition `p` refused without a
+    /// conversation to count them against (a subject that names none),
+    /// and decisions it could not publish, with the reason.
+    pub fn partition_dead_letter(&self, partition: u32) -> String {
+        format!("{}.dead.partition.{partition}", self.prefix)
     }
 
-    /// `cf.api.<op>`: the public request/reply subject.
-    pub fn api(&self, op: Op) -> String {
-        format!("{}.api.{op}", self.prefix)
+    /// The dead-letter stream's subjects: `cf.dead.*` (jobs) and
+    /// `cf.dead.partition.*` (records).
+    pub fn dead_letter_stream_subjects(&self) -> Vec<String> {
+        vec![
+            format!("{}.dead.*", self.prefix),
+            format!("{}.dead.partition.*", self.prefix),
+        ]
     }
 
-    /// `cf.api.p.<partition>.<op>`: answered by the partition's owner.
-    pub fn api_for_partition(&self, partition: u32, op: Op) -> String {
-        format!("{}.api.p.{partition}.{op}", self.prefix)
+    /// `cf.api.<op>.<conv>`: the request/reply subject of an operation on
+    /// one conversation. Permissions on it (e.g. an agent may request only
+    /// `cf.api.*.<its token>`) scope reads and compactions.
+    pub fn api(&self, op: Op, conversation: &str) -> Result<String, SubjectError> {
+        Ok(format!(
+            "{}.api.{op}.{}",
+            self.prefix,
+            encode_conversation(conversation)?
+        ))
     }
 
-    /// `cf.api.*`: every public request/reply subject.
+    /// `cf.api.*.*`: every conversation-scoped request subject.
     pub fn api_wildcard(&self) -> String {
-        format!("{}.api.*", self.prefix)
+        format!("{}.api.*.*", self.prefix)
     }
 
-    /// `cf.api.p.<partition>.*`: every subject a partition's owner answers.
+    /// `cf.admin.<op>`: operations on the whole service (global `status`),
+    /// for operators only.
+    pub fn admin(&self, op: Op) -> String {
+        format!("{}.admin.{op}", self.prefix)
+    }
+
+    /// `cf.admin.*`: every admin subject.
+    pub fn admin_wildcard(&self) -> String {
+        format!("{}.admin.*", self.prefix)
+    }
+
+    /// `cf.api.p.<partition>.<op>.<conv>`: answered by the partition's
+    /// owner; only the service forwards here.
+    pub fn api_for_partition(
+        &self,
+        partition: u32,
+        op: Op,
+        conversation: &str,
+    ) -> Result<String, SubjectError> {
+        Ok(format!(
+            "{}.api.p.{partition}.{op}.{}",
+            self.prefix,
+            encode_conversation(conversation)?
+        ))
+    }
+
+    /// `cf.api.p.<partition>.*.*`: every subject a partition's owner answers.
     pub fn api_partition_wildcard(&self, partition: u32) -> String {
-        format!("{}.api.p.{partition}.*", self.prefix)
+        format!("{}.api.p.{partition}.*.*", self.prefix)
+    }
+
+    /// The operation and target of a request subject (any of the three
+    /// forms above).
+    pub fn parse_api_subject(&self, subject: &str) -> Result<ApiSubject, SubjectError> {
+        let not_api = || SubjectError::NotAnApiSubject {
+            subject: subject.chars().take(200).collect(),
+            prefix: self.prefix.clone(),
+        };
+        let rest = subject
+            .strip_prefix(self.prefix.as_str())
+            .and_then(|r| r.strip_prefix('.'))
+            .ok_or_else(not_api)?;
+        if let Some(op) = rest.strip_prefix("admin.") {
+            if op.contains('.') {
+                return Err(not_api());
+            }
+            return Ok(ApiSubject {
+                op: op.to_string(),
+                conversation: None,
+            });
+        }
+        let rest = rest.strip_prefix("api.").ok_or_else(not_api)?;
+        let rest = match rest.strip_prefix("p.") {
+            Some(forwarded) => forwarded.split_once('.').ok_or_else(not_api)?.1,
+            None => rest,
+        };
+        let (op, token) = rest.split_once('.').ok_or_else(not_api)?;
+        if token.contains('.') {
+            return Err(not_api());
+        }
+        Ok(ApiSubject {
+            op: op.to_string(),
+            conversation: Some(decode_conversation(token)?),
+        })
     }
 
     /// Events stream name (`CF_EVENTS`).
@@ -452,48 +636,120 @@ mod tests {
             s.inbound("agent:alpha").unwrap(),
             "acme.cf.in.~YWdlbnQ6YWxwaGE"
         );
-        assert_eq!(s.inbound_wildcard(), "acme.cf.in.*");
+        assert_eq!(s.service("x").unwrap(), "acme.cf.svc.x");
+        assert_eq!(
+            s.events_stream_subjects(),
+            ["acme.cf.in.*", "acme.cf.svc.*"]
+        );
+        assert_eq!(s.partition_transform_source(), "acme.cf.*.*");
         assert_eq!(
             s.partition_transform_destination(16),
-            "acme.cf.ev.{{partition(16,1)}}.{{wildcard(1)}}"
+            "acme.cf.ev.{{partition(16,2)}}.{{wildcard(1)}}.{{wildcard(2)}}"
         );
-        assert_eq!(s.event(3, "x").unwrap(), "acme.cf.ev.3.x");
-        assert_eq!(s.partition_filter(3), "acme.cf.ev.3.*");
-        assert_eq!(s.api(Op::Assemble), "acme.cf.api.assemble");
-        assert_eq!(s.api_for_partition(5, Op::Status), "acme.cf.api.p.5.status");
+        assert_eq!(s.event(3, Origin::Agent, "x").unwrap(), "acme.cf.ev.3.in.x");
+        assert_eq!(
+            s.event(3, Origin::Service, "x").unwrap(),
+            "acme.cf.ev.3.svc.x"
+        );
+        assert_eq!(s.partition_filter(3), "acme.cf.ev.3.*.*");
+        assert_eq!(
+            s.api(Op::Assemble, "a:b").unwrap(),
+            "acme.cf.api.assemble.~YTpi"
+        );
+        assert_eq!(s.admin(Op::Status), "acme.cf.admin.status");
+        assert_eq!(
+            s.api_for_partition(5, Op::Status, "x").unwrap(),
+            "acme.cf.api.p.5.status.x"
+        );
+        assert_eq!(s.partition_dead_letter(4), "acme.cf.dead.partition.4");
         assert_eq!(s.events_stream(), "ACME_CF_EVENTS");
         assert_eq!(s.lease_bucket(), "acme_cf_leases");
         assert_eq!(s.folder_consumer(2), "acme_cf_fold_2");
+        let covered = |subject: &str, wildcard: &str| {
+            let (a, b): (Vec<_>, Vec<_>) =
+                (subject.split('.').collect(), wildcard.split('.').collect());
+            a.len() == b.len() && a.iter().zip(&b).all(|(x, w)| w == &"*" || x == w)
+        };
         for op in Op::ALL {
             assert_eq!(Op::parse(op.as_str()), Some(op));
-            // The wildcards cover exactly the subjects they serve.
-            let public = s.api(op);
-            assert_eq!(
-                public.rsplit_once('.').unwrap().0,
-                s.api_wildcard().rsplit_once('.').unwrap().0
-            );
-            let owned = s.api_for_partition(7, op);
-            assert_eq!(
-                owned.rsplit_once('.').unwrap().0,
-                s.api_partition_wildcard(7).rsplit_once('.').unwrap().0
-            );
+            // The wildcards cover exactly the subjects they serve, and the
+            // subjects parse back.
+            let public = s.api(op, "agent:alpha").unwrap();
+            assert!(covered(&public, &s.api_wildcard()), "{public}");
+            let owned = s.api_for_partition(7, op, "agent:alpha").unwrap();
+            assert!(covered(&owned, &s.api_partition_wildcard(7)), "{owned}");
+            assert!(!covered(&owned, &s.api_wildcard()), "{owned}");
+            for subject in [public, owned] {
+                assert_eq!(
+                    s.parse_api_subject(&subject).unwrap(),
+                    ApiSubject {
+                        op: op.as_str().into(),
+                        conversation: Some("agent:alpha".into())
+                    }
+                );
+            }
+            let admin = s.admin(op);
+            assert!(covered(&admin, &s.admin_wildcard()));
+            assert_eq!(s.parse_api_subject(&admin).unwrap().conversation, None);
+        }
+        for bad in [
+            "acme.cf.api.status",
+            "acme.cf.api.status.~!",
+            "acme.cf.admin.status.x",
+            "acme.cf.api.p.3",
+            "other.api.status.x",
+        ] {
+            assert!(s.parse_api_subject(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_stored_subject_gives_origin_and_conversation() {
+        let s = Subjects::new("cf").unwrap();
+        assert_eq!(
+            s.stored_routing(&s.event(3, Origin::Agent, "agent:a").unwrap(), Some(3)),
+            (Origin::Agent, Address::Conversation("agent:a".into()))
+        );
+        assert_eq!(
+            s.stored_routing(&s.event(3, Origin::Service, "x").unwrap(), None),
+            (Origin::Service, Address::Conversation("x".into()))
+        );
+        // Another partition's, a malformed token, a non-canonical spelling:
+        // no conversation, and only an agent's rights.
+        for subject in [
+            s.event(4, Origin::Service, "x").unwrap(),
+            "cf.ev.3.svc.~!!".to_string(),
+            "cf.ev.3.svc.~YWJj".to_string(),
+            "cf.ev.3.abc".to_string(),
+        ] {
+            let (origin, address) = s.stored_routing(&subject, Some(3));
+            assert_eq!(origin, Origin::Agent, "{subject}");
+            assert!(matches!(address, Address::Unroutable(_)), "{subject}");
         }
     }
 
     #[test]
     fn event_subjects_parse_back() {
         let s = Subjects::new("cf").unwrap();
-        let subject = s.event(11, "user/42: chat").unwrap();
-        assert_eq!(
-            s.parse_event_subject(&subject).unwrap(),
-            (11, "user/42: chat".to_string())
-        );
+        for origin in [Origin::Agent, Origin::Service] {
+            let subject = s.event(11, origin, "user/42: chat").unwrap();
+            assert_eq!(
+                s.parse_event_subject(&subject).unwrap(),
+                StoredSubject {
+                    partition: 11,
+                    origin,
+                    conversation: "user/42: chat".to_string()
+                }
+            );
+        }
         for bad in [
             "cf.in.x",
             "cf.ev.x",
-            "cf.ev.one.x",
-            "other.ev.1.x",
-            "cf.ev.1.a.b",
+            "cf.ev.1.x",
+            "cf.ev.one.in.x",
+            "other.ev.1.in.x",
+            "cf.ev.1.in.a.b",
+            "cf.ev.1.out.a",
         ] {
             assert!(s.parse_event_subject(bad).is_err(), "{bad}");
         }
@@ -534,27 +790,33 @@ mod tests {
         ) {
             let s = Subjects::new("cf").unwrap();
             let parsed_as = |subject: &str, conversation: &str, partition: u32| {
-                s.parse_event_subject(subject).ok() == Some((partition, conversation.to_string()))
+                s.parse_event_subject(subject)
+                    .ok()
+                    .filter(|st| st.partition == partition && st.conversation == conversation)
+                    .map(|st| st.origin)
             };
-            let own = s.event(p, &key).unwrap();
+            let own = s.event(p, Origin::Agent, &key).unwrap();
             let candidates = [
                 own.clone(),
-                s.event(p, &other).unwrap(),
-                format!("cf.ev.{p}.{token}"),
+                s.event(p, Origin::Service, &key).unwrap(),
+                s.event(p, Origin::Agent, &other).unwrap(),
+                format!("cf.ev.{p}.in.{token}"),
+                format!("cf.ev.{p}.svc.{key}"),
                 format!("cf.ev.{p}.{key}"),
                 own.replace("cf.ev.", "cf.in."),
+                own.replace(".in.", ".xx."),
                 format!("{own}.x"),
             ];
             for subject in &candidates {
                 for (conversation, partition) in [(&key, p), (&key, q), (&other, p)] {
                     prop_assert_eq!(
-                        s.is_event_subject_of(subject, partition, conversation),
+                        s.event_subject_origin(subject, partition, conversation),
                         parsed_as(subject, conversation, partition),
                         "{:?} {:?} {}", subject, conversation, partition
                     );
                 }
             }
-            prop_assert!(s.is_event_subject_of(&own, p, &key));
+            prop_assert_eq!(s.event_subject_origin(&own, p, &key), Some(Origin::Agent));
         }
 
         #[test]

@@ -470,7 +470,7 @@ impl<S: PassSummarizer + 'static> SummarizerRole<S> {
     }
 
     async fn publish_event(&self, e: &Envelope) -> Result<PublishAckFuture, NatsError> {
-        let subject = self.subjects.inbound(&e.conversation)?;
+        let subject = self.subjects.service(&e.conversation)?;
         self.js
             .publish_with_headers(
                 subject,

@@ -3,13 +3,12 @@
 //! log; jobs run right here with a summarizer; their results go back into
 //! the log and are folded like any other event.
 
-use crate::core::event::{Encoding, Envelope};
-use crate::core::sweep;
+use crate::core::event::{Encoding, Envelope, Origin};
+use crate::core::sweep::{self, SweepSnapshot};
 use crate::log::{EventLog, LogError};
-use crate::runtime::engine::Engine;
+use crate::runtime::engine::{Effects, Engine};
 use crate::runtime::sweep::{run_sweep, PassSummarizer};
 use crate::store::{KvBackend, StoreError};
-use std::collections::HashSet;
 use std::time::Duration;
 
 #[derive(Debug, thiserror::Error)]
@@ -27,7 +26,8 @@ const REPLAY_BATCH: usize = 4096;
 /// summarizer (jobs stay pending, as the log recorded them), committing
 /// after each batch; stops after the event `until` when given. Returns
 /// whether `until` was found (true without one). What `replay`, `rebuild`
-/// and a check against a clean replay need.
+/// and a check against a clean replay need. Effects are dropped: the log
+/// already holds them.
 pub async fn replay<L: EventLog, B: KvBackend>(
     log: &mut L,
     engine: &mut Engine<B>,
@@ -38,13 +38,14 @@ pub async fn replay<L: EventLog, B: KvBackend>(
         if records.is_empty() {
             return Ok(until.is_none());
         }
+        let mut effects = Effects::default();
         for r in &records {
-            engine.apply(r);
-            if let Some(id) = until {
-                if Envelope::decode(&r.bytes, r.encoding).is_ok_and(|e| e.id == id) {
-                    engine.commit()?;
-                    return Ok(true);
-                }
+            let folded = engine.apply_record(r, &mut effects);
+            effects.decisions.clear();
+            effects.dead_letters.clear();
+            if until.is_some() && folded.as_deref() == until {
+                engine.commit()?;
+                return Ok(true);
             }
         }
         engine.commit()?;
@@ -56,6 +57,8 @@ pub async fn replay<L: EventLog, B: KvBackend>(
 pub struct CatchUp {
     pub records: u64,
     pub decisions: u64,
+    /// Records refused without a conversation to count them against.
+    pub dead_letters: u64,
 }
 
 pub struct Pipeline<L: EventLog, B: KvBackend, S: PassSummarizer> {
@@ -64,98 +67,121 @@ pub struct Pipeline<L: EventLog, B: KvBackend, S: PassSummarizer> {
     summarizer: S,
     /// Records folded between commits.
     pub read_batch: usize,
-    jobs_run: HashSet<String>,
 }
 
 impl<L: EventLog, B: KvBackend, S: PassSummarizer> Pipeline<L, B, S> {
-    /// Opens the pipeline and catches the state up with the log.
-    pub async fn open(log: L, engine: Engine<B>, summarizer: S) -> Result<Self, PipelineError> {
+    /// Opens the pipeline and catches the state up with the log: what the
+    /// log holds past the store is history (its decisions are in the log
+    /// already, see [`Engine::hold_through`]); jobs it left pending (their
+    /// runner stopped with the previous process) run now.
+    pub async fn open(
+        mut log: L,
+        mut engine: Engine<B>,
+        summarizer: S,
+    ) -> Result<Self, PipelineError> {
+        engine.hold_through(log.last_position().await?);
         let mut p = Pipeline {
             log,
             engine,
             summarizer,
             read_batch: 4096,
-            jobs_run: HashSet::new(),
         };
-        p.catch_up().await?;
+        let mut total = CatchUp::default();
+        // Every job the history left pending runs below, the ones its
+        // replay released among them.
+        p.fold_available(&mut total).await?;
+        let pending: Vec<SweepSnapshot> = p
+            .engine
+            .state
+            .conversations
+            .values()
+            .filter_map(|c| c.pending_job.as_ref().map(|j| (c, j)))
+            .map(|(c, j)| sweep::snapshot(c, &j.job, &p.engine.policy))
+            .collect();
+        p.settle_unsynced(pending, &mut total).await?;
+        p.log.sync().await?;
+        p.engine.commit()?;
         Ok(p)
     }
 
     /// Folds every record after the engine's position, runs every job
     /// issued on the way, makes the log durable, then commits the state.
     pub async fn catch_up(&mut self) -> Result<CatchUp, PipelineError> {
-        let total = self.settle_unsynced().await?;
+        let mut total = CatchUp::default();
+        let jobs = self.fold_available(&mut total).await?;
+        self.settle_unsynced(jobs, &mut total).await?;
         self.log.sync().await?;
         self.engine.commit()?;
         Ok(total)
     }
 
     /// Folds what the log holds after the engine's position, appending the
-    /// decisions (deferred: durable at the next sync).
-    async fn fold_available(&mut self, total: &mut CatchUp) -> Result<(), PipelineError> {
+    /// decisions (deferred: durable at the next sync); returns the jobs
+    /// they issued.
+    async fn fold_available(
+        &mut self,
+        total: &mut CatchUp,
+    ) -> Result<Vec<SweepSnapshot>, PipelineError> {
+        let mut jobs = Vec::new();
         loop {
             let records = self
                 .log
                 .read_after(self.engine.position(), self.read_batch)
                 .await?;
             if records.is_empty() {
-                return Ok(());
-            }
-            for record in &records {
-                let applied = self.engine.apply(record);
-                total.decisions += applied.decisions.len() as u64;
-                // Decisions reach the log before the state that took them is
-                // committed: after a crash, the replay derives them again with
-                // the same ids, and the fold drops the copies.
-                for d in applied.decisions {
-                    self.log
-                        .append_deferred(Encoding::Msgpack, &d.to_msgpack())
-                        .await?;
-                }
+                return Ok(jobs);
             }
             total.records += records.len() as u64;
+            let effects = self.engine.apply_batch(records);
+            total.decisions += effects.decisions.len() as u64;
+            // Dead letters of the embedded log stay where they are: the
+            // record is in the log, and its refusal is counted in the state
+            // (and logged) each time it is folded.
+            total.dead_letters += effects.dead_letters.len() as u64;
+            // Decisions reach the log before the state that took them is
+            // committed: after a crash, the replay derives them again with
+            // the same ids, and holds back the ones the log shows.
+            for d in &effects.decisions {
+                self.log
+                    .append_deferred(Origin::Service, Encoding::Msgpack, &d.to_msgpack())
+                    .await?;
+            }
+            jobs.extend(effects.jobs);
         }
     }
 
-    /// Folds and runs jobs until nothing is pending; nothing is synced or
-    /// committed here.
-    async fn settle_unsynced(&mut self) -> Result<CatchUp, PipelineError> {
-        let mut total = CatchUp::default();
+    /// Runs jobs and folds their results until nothing is pending; nothing
+    /// is synced or committed here.
+    async fn settle_unsynced(
+        &mut self,
+        mut jobs: Vec<SweepSnapshot>,
+        total: &mut CatchUp,
+    ) -> Result<(), PipelineError> {
         // Each round either commits summaries or ends jobs; the cap only
         // guards against a policy bug turning into a hang.
         for _ in 0..100_000 {
-            self.fold_available(&mut total).await?;
-            let jobs: Vec<_> = self
-                .engine
-                .state
-                .conversations
-                .values()
-                .filter_map(|c| c.pending_job.as_ref().map(|p| (c, p)))
-                .filter(|(_, p)| !self.jobs_run.contains(&p.job.job_id))
-                .map(|(c, p)| sweep::snapshot(c, &p.job, &self.engine.policy))
-                .collect();
             if jobs.is_empty() {
-                return Ok(total);
+                return Ok(());
             }
-            for snap in jobs {
-                self.jobs_run.insert(snap.job.job_id.clone());
+            for snap in std::mem::take(&mut jobs) {
                 let deadline = Duration::from_millis(snap.job.deadline_ms);
                 let mut out = Vec::new();
                 run_sweep(snap, &self.summarizer, deadline, |e| out.push(e)).await;
                 for e in out {
                     self.log
-                        .append_deferred(Encoding::Msgpack, &e.to_msgpack())
+                        .append_deferred(Origin::Service, Encoding::Msgpack, &e.to_msgpack())
                         .await?;
                 }
             }
+            jobs = self.fold_available(total).await?;
         }
         tracing::error!("compaction did not settle after 100000 rounds; stopping");
-        Ok(total)
+        Ok(())
     }
 
-    /// Appends events and folds each as it arrives, running jobs as soon as
-    /// they are issued (as live summarizers would); one sync and one state
-    /// commit for the whole batch.
+    /// Appends events (as an agent's) and folds each as it arrives, running
+    /// jobs as soon as they are issued (as live summarizers would); one
+    /// sync and one state commit for the whole batch.
     pub async fn ingest(&mut self, events: &[Envelope]) -> Result<(), PipelineError> {
         let records: Vec<(Encoding, Vec<u8>)> = events
             .iter()
@@ -165,14 +191,18 @@ impl<L: EventLog, B: KvBackend, S: PassSummarizer> Pipeline<L, B, S> {
     }
 
     /// Like [`Pipeline::ingest`] for bytes as they arrived (possibly
-    /// malformed: those are rejected with a reason by the fold).
+    /// malformed: those are refused with a reason by intake).
     pub async fn ingest_raw(
         &mut self,
         records: &[(Encoding, Vec<u8>)],
     ) -> Result<(), PipelineError> {
+        let mut total = CatchUp::default();
         for (encoding, bytes) in records {
-            self.log.append_deferred(*encoding, bytes).await?;
-            self.settle_unsynced().await?;
+            self.log
+                .append_deferred(Origin::Agent, *encoding, bytes)
+                .await?;
+            let jobs = self.fold_available(&mut total).await?;
+            self.settle_unsynced(jobs, &mut total).await?;
         }
         self.log.sync().await?;
         self.engine.commit()?;
@@ -209,7 +239,7 @@ mod tests {
                 1_000 * i,
                 EventBody::TurnAppended(TurnAppended::from(turn)),
             );
-            log.append(Encoding::Json, e.to_json().as_bytes())
+            log.append(Origin::Agent, Encoding::Json, e.to_json().as_bytes())
                 .await
                 .unwrap();
         }

@@ -1,25 +1,77 @@
-//! The engine: decodes log records, folds them into state, tracks which
-//! conversations changed and commits them with the log position atomically.
-//! The embedded pipeline and the NATS folder both drive one engine per
-//! partition.
+//! The engine: takes log records in through intake (decoded once, bounded,
+//! checked against the origin and subject the log vouches for), folds them
+//! into state, tracks which conversations changed and commits them with the
+//! log position atomically. It returns what folding produced as
+//! [`Effects`]: the decisions to append to the log, the snapshots of the
+//! jobs to hand to summarizers and the records to dead-letter. The embedded
+//! pipeline and the NATS folder both drive one engine per partition and
+//! only carry its effects out.
+//!
+//! # Replaying history that already has effects
+//!
+//! A process that folds records the log already holds beyond its store
+//! (a new owner of a partition whose store is behind, a fresh `serve` on
+//! an existing stream) derives decisions whose copies, published by the
+//! process that folded them first, may follow in the log. Publishing them
+//! again would store them twice and put finished jobs back on the work
+//! queue. So the runtime names the log's head when it starts
+//! ([`Engine::hold_through`]): decisions derived from records up to there
+//! are held back; each one whose copy the log then shows is dropped; what
+//! is left when the head is reached (decisions that a crash kept from the
+//! log) is released, and only then are jobs snapshotted, for the jobs still
+//! pending. While decisions are held the state is not committed, so a crash
+//! loses nothing: the next open replays the same records again.
 
-use crate::core::event::{Envelope, EventBody, JobIssued};
+use crate::core::event::{Encoding, Envelope, EventBody};
 use crate::core::fold::{self, FoldStatus};
+use crate::core::intake::{self, Refused};
 use crate::core::policy::PolicyConfig;
 use crate::core::state::State;
+use crate::core::sweep::{self, SweepSnapshot};
 use crate::log::{LogRecord, Position};
 use crate::metrics as m;
 use crate::store::state_store::StateStore;
 use crate::store::{KvBackend, StoreError};
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
 
-/// What folding one record produced.
+/// What folding records produced, for the runtime to carry out.
 #[derive(Debug, Default)]
-pub struct Applied {
-    /// Decisions to publish to the log.
+pub struct Effects {
+    /// Decisions to append to the log, in order.
     pub decisions: Vec<Envelope>,
-    /// Jobs among them, to hand to summarizers.
-    pub jobs: Vec<(String, JobIssued)>,
+    /// Jobs still pending once their decisions are appended.
+    pub jobs: Vec<SweepSnapshot>,
+    /// Records refused with no conversation to count them against.
+    pub dead_letters: Vec<DeadLetter>,
+}
+
+impl Effects {
+    pub fn is_empty(&self) -> bool {
+        self.decisions.is_empty() && self.jobs.is_empty() && self.dead_letters.is_empty()
+    }
+}
+
+/// A record the partition refused without a conversation to record the
+/// rejection in (its subject named none, or it named none a subject could
+/// vouch for): kept, with its reason, where an operator looks.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeadLetter {
+    pub position: Position,
+    /// [`intake::Refusal::kind`].
+    pub kind: &'static str,
+    pub reason: String,
+    pub encoding: Encoding,
+    pub bytes: bytes::Bytes,
+}
+
+/// Decisions derived from history, held until the log's head is reached.
+#[derive(Debug, Default)]
+struct Held {
+    /// Records up to here are history.
+    through: Position,
+    decisions: Vec<Envelope>,
+    /// Ids of the held decisions not seen in the log yet.
+    ids: HashSet<String>,
 }
 
 pub struct Engine<B: KvBackend> {
@@ -28,7 +80,10 @@ pub struct Engine<B: KvBackend> {
     store: StateStore<B>,
     position: Position,
     dirty: BTreeSet<String>,
+    /// The partition's own counts changed (a dead letter).
+    dirty_partition: bool,
     fingerprint: String,
+    held: Held,
 }
 
 /// The layout of the stored state. Raise it when a state record changes
@@ -39,7 +94,8 @@ pub struct Engine<B: KvBackend> {
 /// 4: the context list lives in the chunks, not in the head.
 /// 5: seen turns are pairs, their digests byte strings.
 /// 6: turns are rows of their fields, not maps of their names.
-pub const STATE_LAYOUT: u32 = 6;
+/// 7: records pass intake (origins, bounds, subject attribution).
+pub const STATE_LAYOUT: u32 = 7;
 
 /// A fingerprint of the policy and the state layout: state folded under
 /// another policy, or stored in another layout, is rebuilt from the log.
@@ -64,7 +120,9 @@ impl<B: KvBackend> Engine<B> {
             store,
             position,
             dirty: BTreeSet::new(),
+            dirty_partition: false,
             fingerprint,
+            held: Held::default(),
         })
     }
 
@@ -77,96 +135,221 @@ impl<B: KvBackend> Engine<B> {
         self.store.flush_every = n.max(1);
     }
 
-    /// Folds one log record (decoding it, or rejecting it with a reason).
-    pub fn apply(&mut self, record: &LogRecord) -> Applied {
-        self.position = self.position.max(record.position);
-        match Envelope::decode(&record.bytes, record.encoding) {
-            Ok(event) => self.apply_owned(event),
-            Err(err) => {
-                let (_, conv) = Envelope::salvage_id(&record.bytes, record.encoding);
-                self.reject(record, conv.as_deref(), &err.to_string())
+    /// Records up to `head` are history whose effects may already be in the
+    /// log: their decisions are held back (see the module doc).
+    pub fn hold_through(&mut self, head: Position) {
+        if head > self.position {
+            self.held.through = self.held.through.max(head);
+        }
+    }
+
+    /// The log has nothing more to deliver now: history ends here, and
+    /// the next [`Engine::finish`] releases what is still held (decisions
+    /// whose copies the log does not have).
+    pub fn end_history(&mut self) {
+        self.held.through = self.held.through.min(self.position);
+    }
+
+    /// Whether decisions derived from history are held back right now.
+    pub fn holding(&self) -> bool {
+        self.held.through > self.position || !self.held.decisions.is_empty()
+    }
+
+    /// Folds the records after [`Engine::position`] (earlier ones are
+    /// redeliveries and skipped) and returns their effects.
+    pub fn apply_batch(&mut self, records: impl IntoIterator<Item = LogRecord>) -> Effects {
+        let mut effects = Effects::default();
+        for record in records {
+            self.apply_record(&record, &mut effects);
+        }
+        self.finish(&mut effects);
+        effects
+    }
+
+    /// [`Engine::apply_batch`] of one record.
+    pub fn apply(&mut self, record: &LogRecord) -> Effects {
+        let mut effects = Effects::default();
+        self.apply_record(record, &mut effects);
+        self.finish(&mut effects);
+        effects
+    }
+
+    /// Folds one record into `effects` (without snapshotting jobs: see
+    /// [`Engine::finish`]); returns the id of the event it folded, if it
+    /// was admitted.
+    pub fn apply_record(&mut self, record: &LogRecord, effects: &mut Effects) -> Option<String> {
+        if record.position <= self.position {
+            return None;
+        }
+        self.position = record.position;
+        let history = self.position <= self.held.through;
+        let decisions_before = effects.decisions.len();
+        let folded = match intake::admit(record.arrival()) {
+            Ok(admitted) => Some(self.fold_admitted(admitted, history, effects)),
+            Err(refused) => {
+                self.refuse(record, *refused, effects);
+                None
+            }
+        };
+        if history {
+            let derived = effects.decisions.drain(decisions_before..);
+            for d in derived {
+                self.held.ids.insert(d.id.clone());
+                self.held.decisions.push(d);
             }
         }
+        folded
     }
 
-    /// Folds an event the caller already decoded from the record at
-    /// `position` (saves a second decode when the caller inspects it); its
-    /// turn moves into the state uncopied.
-    pub fn apply_at(&mut self, position: Position, event: Envelope) -> Applied {
-        self.position = self.position.max(position);
-        self.apply_owned(event)
+    /// Releases held decisions once the head is passed, and snapshots the
+    /// jobs among the decisions going out that are still pending.
+    pub fn finish(&mut self, effects: &mut Effects) {
+        if self.position >= self.held.through && !self.held.decisions.is_empty() {
+            let held = std::mem::take(&mut self.held);
+            let released = held
+                .decisions
+                .into_iter()
+                .filter(|d| held.ids.contains(&d.id));
+            let live = std::mem::take(&mut effects.decisions);
+            effects.decisions = released.chain(live).collect();
+        }
+        let mut seen = HashSet::new();
+        for d in &effects.decisions {
+            let EventBody::JobIssued(job) = &d.body else {
+                continue;
+            };
+            // A job is handed out only while it is the conversation's
+            // pending one: one issued and superseded within the batch never
+            // reaches a worker.
+            let Some(conv) = self.state.conversations.get(&d.conversation) else {
+                continue;
+            };
+            let Some(pending) = conv.pending_job.as_ref() else {
+                continue;
+            };
+            if pending.job.job_id == job.job_id && seen.insert(job.job_id.clone()) {
+                effects
+                    .jobs
+                    .push(sweep::snapshot(conv, &pending.job, &self.policy));
+            }
+        }
+        metrics::counter!(m::JOBS_ISSUED).increment(effects.jobs.len() as u64);
     }
 
-    /// Rejects a record without folding it: undecodable bytes, or a record
-    /// a runtime refuses before the fold (e.g. published on a subject that
-    /// names another conversation). Records an `event_rejected` decision.
-    pub fn reject(
+    fn fold_admitted(
         &mut self,
-        record: &LogRecord,
-        conversation: Option<&str>,
-        reason: &str,
-    ) -> Applied {
-        self.position = self.position.max(record.position);
-        let time = self
-            .state
-            .conversations
-            .get(conversation.unwrap_or(""))
-            .map_or(0, |c| c.last_time);
-        let env =
-            fold::reject_undecodable(&mut self.state, &record.bytes, conversation, reason, time);
-        tracing::warn!(position = record.position, %reason, "rejected event");
-        metrics::counter!(m::EVENTS_REJECTED).increment(1);
-        if let Some(c) = conversation {
-            self.dirty.insert(c.to_string());
-        }
-        Applied {
-            decisions: vec![env],
-            jobs: Vec::new(),
-        }
-    }
-
-    /// Folds an event just decoded: its turn moves into the state uncopied.
-    fn apply_owned(&mut self, event: Envelope) -> Applied {
-        let span = tracing::trace_span!("fold", conversation = %event.conversation, event = %event.id, kind = event.type_name());
+        admitted: intake::Admitted,
+        history: bool,
+        effects: &mut Effects,
+    ) -> String {
+        let intake::Admitted {
+            event,
+            clamped_from,
+        } = admitted;
+        let span = tracing::trace_span!("fold", conversation_id = %event.conversation, event_id = %event.id, stream_seq = self.position, kind = event.type_name());
         let _guard = span.enter();
+        let id = event.id.clone();
         let conversation = event.conversation.clone();
+        let time = event.time;
         let outcome = fold::fold_owned(&mut self.state, &self.policy, event, None);
-        self.folded(&conversation, outcome)
-    }
-
-    fn folded(&mut self, conversation: &str, outcome: fold::FoldOutcome) -> Applied {
         match &outcome.status {
             FoldStatus::Applied => metrics::counter!(m::EVENTS_FOLDED).increment(1),
-            FoldStatus::Duplicate => metrics::counter!(m::EVENTS_DUPLICATE).increment(1),
+            FoldStatus::Duplicate => {
+                metrics::counter!(m::EVENTS_DUPLICATE).increment(1);
+                if history {
+                    // The copy of a held decision: it reached the log.
+                    self.held.ids.remove(&id);
+                }
+            }
             FoldStatus::Rejected(reason) => {
-                tracing::info!(%reason, "event rejected");
-                metrics::counter!(m::EVENTS_REJECTED).increment(1);
+                tracing::warn!(conversation_id = %conversation, event_id = %id, stream_seq = self.position, %reason, "event rejected");
+                metrics::counter!(m::EVENTS_REJECTED, "kind" => "fold").increment(1);
             }
             FoldStatus::Ignored => metrics::counter!(m::EVENTS_IGNORED).increment(1),
         }
-        if outcome.status != FoldStatus::Duplicate
-            && outcome.status != FoldStatus::Ignored
-            && !self.dirty.contains(conversation)
-        {
-            self.dirty.insert(conversation.to_string());
+        if outcome.status != FoldStatus::Duplicate && outcome.status != FoldStatus::Ignored {
+            if let (Some(original), Some(conv)) = (
+                clamped_from,
+                self.state.conversations.get_mut(&conversation),
+            ) {
+                conv.push_history(
+                    time,
+                    &id,
+                    "time_clamped",
+                    format!(
+                        "event time {original} is more than {} ms ahead of the stream's; \
+                         folded at the stream's time {time}",
+                        intake::limits::MAX_TIME_AHEAD_MS
+                    ),
+                );
+            }
+            if !self.dirty.contains(&conversation) {
+                self.dirty.insert(conversation);
+            }
         }
-        let jobs: Vec<_> = outcome
-            .decisions
-            .iter()
-            .filter_map(|d| match &d.body {
-                EventBody::JobIssued(j) => Some((d.conversation.clone(), j.clone())),
-                _ => None,
-            })
-            .collect();
-        metrics::counter!(m::JOBS_ISSUED).increment(jobs.len() as u64);
-        Applied {
-            decisions: outcome.decisions,
-            jobs,
+        effects.decisions.extend(outcome.decisions);
+        id
+    }
+
+    /// Records a refusal: an `event_rejected` decision in the conversation
+    /// the transport vouches for, or a dead letter of the partition.
+    fn refuse(&mut self, record: &LogRecord, refused: Refused, effects: &mut Effects) {
+        let kind = refused.refusal.kind();
+        let reason = refused.to_string();
+        tracing::warn!(
+            stream_seq = record.position,
+            conversation_id = refused.conversation.as_deref().unwrap_or(""),
+            kind,
+            %reason,
+            "record refused"
+        );
+        metrics::counter!(m::EVENTS_REJECTED, "kind" => kind).increment(1);
+        match &refused.conversation {
+            Some(conversation) => {
+                let time = self
+                    .state
+                    .conversations
+                    .get(conversation)
+                    .map_or(0, |c| c.last_time);
+                let rejected_id = refused
+                    .event_id
+                    .clone()
+                    .unwrap_or_else(|| fold::undecodable_id(&record.bytes));
+                let decision = fold::reject_record(
+                    &mut self.state,
+                    conversation,
+                    &rejected_id,
+                    refused.event_type,
+                    &reason,
+                    time,
+                );
+                if !self.dirty.contains(conversation) {
+                    self.dirty.insert(conversation.clone());
+                }
+                effects.decisions.push(decision);
+            }
+            None => {
+                self.state.unattributed_rejections += 1;
+                self.dirty_partition = true;
+                effects.dead_letters.push(DeadLetter {
+                    position: record.position,
+                    kind,
+                    reason,
+                    encoding: record.encoding,
+                    bytes: record.bytes.clone(),
+                });
+            }
         }
     }
 
-    /// Commits the changed conversations together with the position.
+    /// Commits the changed conversations together with the position;
+    /// does nothing while decisions derived from history are held back
+    /// (see the module doc), which [`Engine::holding`] tells.
     pub fn commit(&mut self) -> Result<(), StoreError> {
+        if self.holding() {
+            return Ok(());
+        }
+        self.dirty_partition = false;
         let dirty = std::mem::take(&mut self.dirty);
         self.store
             .commit(&mut self.state, &dirty, self.position, &self.fingerprint)?;
@@ -179,7 +362,7 @@ impl<B: KvBackend> Engine<B> {
     }
 
     pub fn has_uncommitted(&self) -> bool {
-        !self.dirty.is_empty()
+        !self.dirty.is_empty() || self.dirty_partition
     }
 
     pub fn store(&self) -> &StateStore<B> {
