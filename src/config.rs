@@ -6,11 +6,18 @@
 //! `CONTEXTFOLD_POLICY__CONTEXT_THRESHOLD=0.8`,
 //! `CONTEXTFOLD_STORE__BACKEND=sled`, `CONTEXTFOLD_NATS__PARTITIONS=32`.
 //! A value is read as TOML (numbers, booleans, `["a","b"]`) and otherwise
-//! as a string. `CONTEXTFOLD_SUMMARIZER__BASE_URL=http://127.0.0.1:8080/v1`
-//! turns the model summarizer on.
+//! as a string; secrets (`password`, `token`, `nkey_seed`) are always
+//! taken verbatim, since a password may look like a number.
+//! `CONTEXTFOLD_SUMMARIZER__BASE_URL=http://127.0.0.1:8080/v1` turns the
+//! model summarizer on.
+//!
+//! Nothing here prints a secret: [`Config::to_toml`] shows secrets and URL
+//! credentials as `***`, and a file that is not valid TOML is reported by
+//! line and column, without quoting the line.
 
 use crate::core::policy::{PolicyConfig, PolicyError};
 use crate::nats::NatsConfig;
+use crate::secret::redact_url;
 use crate::summarizer::SummarizerConfig;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -20,6 +27,18 @@ pub const DEFAULT_DATA_DIR: &str = ".contextfold";
 
 /// Top-level sections an environment override may name.
 const SECTIONS: [&str; 5] = ["data_dir", "store", "policy", "summarizer", "nats"];
+
+/// Keys whose environment value is taken verbatim, never as TOML: the
+/// secrets (a password `0123` must not become the number 123).
+const VERBATIM_KEYS: [&str; 3] = ["password", "token", "nkey_seed"];
+
+/// "line L, column C" of a byte offset in `text`.
+fn line_and_column(text: &str, offset: usize) -> String {
+    let before = &text[..offset.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+    format!("line {line}, column {column}")
+}
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -113,10 +132,17 @@ impl Config {
                     path: p.display().to_string(),
                     source,
                 })?;
+                // Located by line and column, not quoted: the line may
+                // hold a password.
                 text.parse::<toml::Table>()
                     .map_err(|e| ConfigError::Parse {
                         path: p.display().to_string(),
-                        detail: e.to_string(),
+                        detail: match e.span() {
+                            Some(span) => {
+                                format!("{}: {}", line_and_column(&text, span.start), e.message())
+                            }
+                            None => e.message().to_string(),
+                        },
                     })?
             }
             None => toml::Table::new(),
@@ -130,11 +156,18 @@ impl Config {
             if !SECTIONS.contains(&path[0].as_str()) {
                 continue;
             }
-            let parsed = format!("v = {value}")
-                .parse::<toml::Table>()
-                .ok()
-                .and_then(|mut t| t.remove("v"))
-                .unwrap_or(toml::Value::String(value.clone()));
+            let verbatim = path
+                .last()
+                .is_some_and(|k| VERBATIM_KEYS.contains(&k.as_str()));
+            let parsed = if verbatim {
+                toml::Value::String(value.clone())
+            } else {
+                format!("v = {value}")
+                    .parse::<toml::Table>()
+                    .ok()
+                    .and_then(|mut t| t.remove("v"))
+                    .unwrap_or(toml::Value::String(value.clone()))
+            };
             let mut node = &mut table;
             for (i, key) in path.iter().enumerate() {
                 if i + 1 == path.len() {
@@ -186,9 +219,22 @@ impl Config {
         Ok(config)
     }
 
-    /// The default configuration as TOML, for `contextfold config`.
+    /// This configuration as it may be shown: secrets (already `***` when
+    /// serialized) and the credentials in URLs replaced by `***`.
+    pub fn redacted(&self) -> Config {
+        let mut shown = self.clone();
+        let servers = &mut shown.nats.connection.servers;
+        *servers = servers.iter().map(|s| redact_url(s)).collect();
+        if let Some(s) = &mut shown.summarizer {
+            s.base_url = redact_url(&s.base_url);
+        }
+        shown
+    }
+
+    /// The configuration as TOML, for `contextfold config`: secrets and URL
+    /// credentials appear as `***`.
     pub fn to_toml(&self) -> String {
-        toml::to_string_pretty(self).expect("config serializes")
+        toml::to_string_pretty(&self.redacted()).expect("config serializes")
     }
 }
 
@@ -281,6 +327,74 @@ mod tests {
             Config::load_with_env(None, env(&[("CONTEXTFOLD_SUMMARIZER__NO_SUCH_KNOB", "1")]))
                 .unwrap_err();
         assert!(err.to_string().contains("no_such_knob"), "{err}");
+    }
+
+    #[test]
+    fn secrets_from_the_environment_are_taken_verbatim() {
+        let c = Config::load_with_env(
+            None,
+            env(&[
+                ("CONTEXTFOLD_NATS__CONNECTION__USER", "alice"),
+                ("CONTEXTFOLD_NATS__CONNECTION__PASSWORD", "0123"),
+                ("CONTEXTFOLD_NATS__CONNECTION__TOKEN", "true"),
+            ]),
+        )
+        .unwrap();
+        let conn = &c.nats.connection;
+        assert_eq!(conn.user.as_deref(), Some("alice"));
+        assert_eq!(conn.password.as_ref().map(|p| p.expose()), Some("0123"));
+        assert_eq!(conn.token.as_ref().map(|t| t.expose()), Some("true"));
+    }
+
+    #[test]
+    fn the_printed_configuration_shows_no_secret() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(
+            &path,
+            "[nats.connection]\nservers = [\"nats://alice:pw-in-url@h:4222\"]\n\
+             token = \"tok-in-file\"\nnkey_seed = \"SU-seed-in-file\"\n",
+        )
+        .unwrap();
+        let c = Config::load_with_env(
+            Some(&path),
+            env(&[("CONTEXTFOLD_NATS__CONNECTION__PASSWORD", "pw-in-env")]),
+        )
+        .unwrap();
+        assert_eq!(
+            c.nats.connection.token.as_ref().unwrap().expose(),
+            "tok-in-file"
+        );
+        let mut c = c;
+        c.summarizer = Some(SummarizerConfig {
+            base_url: "https://u:pw-in-base-url@llm/v1".into(),
+            ..SummarizerConfig::default()
+        });
+        let shown = format!("{}\n{:?}", c.to_toml(), c.redacted());
+        for secret in [
+            "pw-in-url",
+            "tok-in-file",
+            "SU-seed-in-file",
+            "pw-in-env",
+            "pw-in-base-url",
+        ] {
+            assert!(!shown.contains(secret), "{secret} shown:\n{shown}");
+        }
+        assert!(shown.contains("nats://alice:***@h:4222"), "{shown}");
+        assert!(shown.contains("https://u:***@llm/v1"), "{shown}");
+        assert!(shown.contains("token = \"***\""), "{shown}");
+    }
+
+    #[test]
+    fn a_file_that_is_not_toml_is_located_not_quoted() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, "[nats.connection]\npassword = hunter#2\n").unwrap();
+        let err = Config::load_with_env(Some(&path), Vec::new())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("line 2, column"), "{err}");
+        assert!(!err.contains("hunter"), "{err}");
     }
 
     #[test]

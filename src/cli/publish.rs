@@ -33,7 +33,7 @@ pub fn publish(
     let cfg = nats.apply(&config.nats);
     let subjects = cfg.subjects()?;
     let input = super::local::read_input(file, format)?;
-    let servers = cfg.connection.servers.join(",");
+    let servers = cfg.connection.display_servers();
     runtime()?.block_on(async {
         let (client, _version) = cfg
             .connection

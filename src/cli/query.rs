@@ -129,7 +129,7 @@ async fn ask_locally(config: &Config, query: &Query) -> Result<Vec<u8>> {
 /// processes) is asked again after the hinted pause.
 async fn ask_over_nats(config: &Config, nats: &NatsArgs, query: &Query) -> Result<Vec<u8>> {
     let cfg = nats.apply(&config.nats);
-    let servers = cfg.connection.servers.join(",");
+    let servers = cfg.connection.display_servers();
     let subject = cfg.subjects()?.api(query.op());
     let body = query.body()?;
     let (client, _version) = cfg
