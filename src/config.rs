@@ -170,7 +170,9 @@ pub enum StoreBackend {
     /// redb (default): see README for the soak numbers behind the choice.
     #[default]
     Redb,
-    /// sled 0.34, when built with `--features sled-store`.
+    /// sled 0.34: refused by [`StoreConfig::validate`], since `run` and
+    /// `serve` open redb stores only (the `sled-store` feature builds the
+    /// backend for the conformance tests).
     Sled,
 }
 
@@ -354,12 +356,13 @@ impl Config {
             origin: String::new(),
             detail: format!("[nats] {e}"),
         })?;
-        if config.store.flush_every == 0 {
-            return Err(ConfigError::Invalid {
+        config
+            .store
+            .validate()
+            .map_err(|detail| ConfigError::Invalid {
                 origin: String::new(),
-                detail: "store.flush_every must be at least 1".into(),
-            });
-        }
+                detail,
+            })?;
         Ok(config)
     }
 
@@ -379,6 +382,28 @@ impl Config {
     /// credentials appear as `***`.
     pub fn to_toml(&self) -> String {
         toml::to_string_pretty(&self.redacted()).expect("config serializes")
+    }
+}
+
+impl StoreConfig {
+    /// Refuses what this build cannot honour; the message says what to do.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.flush_every == 0 {
+            return Err("store.flush_every must be at least 1".into());
+        }
+        if self.backend == StoreBackend::Sled {
+            return Err(if cfg!(feature = "sled-store") {
+                "store.backend = \"sled\": `run` and `serve` open redb stores only; the sled \
+                 backend is built for the conformance tests (cargo test --features sled-store \
+                 --test store_conformance). Remove the setting to use redb"
+                    .into()
+            } else {
+                "store.backend = \"sled\" needs contextfold built with `--features \
+                 sled-store`; this build has only redb. Remove the setting to use redb"
+                    .into()
+            });
+        }
+        Ok(())
     }
 }
 
@@ -619,6 +644,21 @@ mod tests {
             .to_string();
         assert!(err.contains("line 2, column"), "{err}");
         assert!(!err.contains("hunter"), "{err}");
+    }
+
+    #[test]
+    fn sled_is_refused_rather_than_replaced_by_redb() {
+        let err = Config::load_with_env(None, env(&[("CONTEXTFOLD_STORE__BACKEND", "sled")]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("store.backend"), "{err}");
+        if cfg!(feature = "sled-store") {
+            assert!(err.contains("redb stores only"), "{err}");
+        } else {
+            assert!(err.contains("--features sled-store"), "{err}");
+        }
+        let c = Config::load_with_env(None, env(&[("CONTEXTFOLD_STORE__BACKEND", "redb")]));
+        assert_eq!(c.unwrap().store.backend, StoreBackend::Redb);
     }
 
     #[test]
