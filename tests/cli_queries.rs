@@ -90,3 +90,93 @@ fn local_compact_is_folded_once_per_request_id() {
     let (ok, _, err) = cli(&data, &["grep", "agent:nobody", "x"]);
     assert!(!ok && err.contains("unknown conversation"), "{err}");
 }
+
+/// Writes `n` turns of `key` as event JSONL, one line each.
+fn turn_lines(key: &str, n: u64) -> Vec<String> {
+    (0..n)
+        .map(|i| {
+            Envelope::new(
+                format!("{key}-t{i}"),
+                key,
+                1_700_000_000_000 + i * 1_000,
+                EventBody::TurnAppended(TurnAppended::from(ChatMessage::text(
+                    Role::User,
+                    format!("turn {i}"),
+                ))),
+            )
+            .to_json()
+        })
+        .collect()
+}
+
+/// Every entry under `dir`, recursively, for "nothing was created" checks.
+fn tree(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for e in entries.flatten() {
+            out.push(e.path());
+            out.extend(tree(&e.path()));
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn read_only_commands_refuse_a_directory_without_data_and_create_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing");
+    let empty = dir.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let key = "agent:x";
+    let commands: Vec<Vec<&str>> = vec![
+        vec!["status"],
+        vec!["status", key],
+        vec!["assemble", key],
+        vec!["assemble", key, "--at", "e1"],
+        vec!["grep", key, "turn"],
+        vec!["describe", key, "1"],
+        vec!["expand", key, "s1"],
+        vec!["history", key],
+        vec!["replay"],
+        vec!["rebuild"],
+        vec!["compact", key],
+    ];
+    for data in [&missing, &empty] {
+        for args in &commands {
+            let (ok, _, err) = cli(data, args);
+            assert!(!ok, "{args:?} in {}: succeeded", data.display());
+            assert!(
+                err.contains(&format!("no contextfold data in {}", data.display()))
+                    && err.contains("contextfold run"),
+                "{args:?}: {err}"
+            );
+        }
+    }
+    assert!(!missing.exists(), "a read-only command created {missing:?}");
+    assert_eq!(tree(&empty), Vec::<std::path::PathBuf>::new());
+}
+
+#[test]
+fn without_a_store_the_queries_fold_the_log_in_memory_and_write_no_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = "agent:logonly";
+    let file = dir.path().join("events.jsonl");
+    std::fs::write(&file, turn_lines(key, 3).join("\n")).unwrap();
+    let data = dir.path().join("data");
+    let (ok, _, err) = cli(&data, &["run", file.to_str().unwrap()]);
+    assert!(ok, "run: {err}");
+    std::fs::remove_file(data.join("state.redb")).unwrap();
+    let before = tree(&data);
+    let (ok, out, err) = cli(&data, &["status", key]);
+    assert!(ok, "status: {err}");
+    assert_eq!(json_of(&out)["turns"]["total"], 3, "{out}");
+    let (ok, out, err) = cli(&data, &["assemble", key, "--json"]);
+    assert!(ok, "assemble: {err}");
+    assert_eq!(json_of(&out)["messages"].as_array().unwrap().len(), 3);
+    assert!(
+        !data.join("state.redb").exists(),
+        "a query created the store"
+    );
+    assert_eq!(tree(&data), before);
+}

@@ -1,4 +1,11 @@
 //! Subcommands over the embedded log and state in the data directory.
+//!
+//! Only `run` (and `compact`, which appends its request) may create a data
+//! directory. The read-only commands (`status`, `assemble`, `grep`,
+//! `describe`, `expand`, `history`, `replay`) and `rebuild` refuse a
+//! directory without a log ([`require_data`]), and the read-only ones
+//! never create a store: without `state.redb` they fold the log in memory
+//! ([`read_state`]).
 
 use super::report;
 use anyhow::{bail, Context, Result};
@@ -6,6 +13,7 @@ use contextfold::config::Config;
 use contextfold::core::assembly::{self, AssemblyRequest};
 use contextfold::core::event::{Encoding, Envelope};
 use contextfold::core::overflow;
+use contextfold::core::state::State;
 use contextfold::import::{self, Format};
 use contextfold::log::memory::MemoryLog;
 use contextfold::log::segment::SegmentLog;
@@ -35,6 +43,32 @@ fn state_path(config: &Config) -> PathBuf {
 }
 
 type LocalPipeline = Pipeline<SegmentLog, RedbBackend, Deterministic>;
+
+/// Refuses a data directory that holds no embedded log, before anything
+/// is created in it.
+pub(super) fn require_data(config: &Config) -> Result<()> {
+    if log_dir(config).is_dir() {
+        return Ok(());
+    }
+    bail!(
+        "no contextfold data in {}: run `contextfold run FILE` with this data directory \
+         first, or point --data (or data_dir) at one `run` wrote (a `serve` process is asked \
+         with --nats instead)",
+        config.data_dir.display()
+    )
+}
+
+/// The state for a read-only command: the store caught up with the log,
+/// or, when there is no store yet, the log folded in memory. Creates no
+/// data directory and no store.
+pub(super) async fn read_state(config: &Config) -> Result<State> {
+    require_data(config)?;
+    if state_path(config).exists() {
+        Ok(open_pipeline(config).await?.engine.state)
+    } else {
+        Ok(replay_log(config, None).await?.0.state)
+    }
+}
 
 pub(super) async fn open_pipeline(config: &Config) -> Result<LocalPipeline> {
     std::fs::create_dir_all(&config.data_dir)
@@ -180,6 +214,7 @@ async fn replay_log(config: &Config, until: Option<&str>) -> Result<(Engine<Memo
 }
 
 pub fn replay(config: &Config) -> Result<ExitCode> {
+    require_data(config)?;
     let rt = runtime()?;
     rt.block_on(async {
         let started = Instant::now();
@@ -209,6 +244,7 @@ pub fn assemble(
     request: AssemblyRequest,
     json: bool,
 ) -> Result<ExitCode> {
+    require_data(config)?;
     let rt = runtime()?;
     rt.block_on(async {
         let state = if at.is_some() {
@@ -222,7 +258,7 @@ pub fn assemble(
             }
             engine.state
         } else {
-            open_pipeline(config).await?.engine.state
+            read_state(config).await?
         };
         let Some(conv) = state.conversations.get(conversation) else {
             bail!(
@@ -240,6 +276,7 @@ pub fn assemble(
 }
 
 pub fn rebuild(config: &Config) -> Result<ExitCode> {
+    require_data(config)?;
     let rt = runtime()?;
     rt.block_on(async {
         let current = open_pipeline(config).await?.engine.state.hash();
