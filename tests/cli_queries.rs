@@ -180,3 +180,30 @@ fn without_a_store_the_queries_fold_the_log_in_memory_and_write_no_store() {
     );
     assert_eq!(tree(&data), before);
 }
+
+#[test]
+fn a_line_too_large_for_the_log_is_rejected_by_number_and_the_rest_folded() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = "agent:big";
+    let mut lines = turn_lines(key, 4);
+    // 17 MiB: more than a log record holds (16 MiB).
+    let huge = format!("{{\"junk\":\"{}\"}}", "x".repeat(17 * 1024 * 1024));
+    let huge_len = huge.len();
+    lines.insert(1, huge);
+    let file = dir.path().join("events.jsonl");
+    std::fs::write(&file, lines.join("\n")).unwrap();
+    let data = dir.path().join("data");
+    let (ok, _, err) = cli(&data, &["run", file.to_str().unwrap()]);
+    assert!(!ok, "a rejected line makes the exit status a failure");
+    assert!(
+        err.contains(&format!("line 2 rejected: {huge_len} bytes")),
+        "{err}"
+    );
+    let (ok, out, err) = cli(&data, &["status", key]);
+    assert!(ok, "status: {err}");
+    assert_eq!(
+        json_of(&out)["turns"]["total"],
+        4,
+        "the lines after it were folded: {out}"
+    );
+}

@@ -11,12 +11,12 @@ use super::report;
 use anyhow::{bail, Context, Result};
 use contextfold::config::Config;
 use contextfold::core::assembly::{self, AssemblyRequest};
-use contextfold::core::event::{Encoding, Envelope};
+use contextfold::core::event::{Encoding, Envelope, MAX_EVENT_BYTES};
 use contextfold::core::overflow;
 use contextfold::core::state::State;
 use contextfold::import::{self, Format};
 use contextfold::log::memory::MemoryLog;
-use contextfold::log::segment::SegmentLog;
+use contextfold::log::segment::{SegmentLog, DEFAULT_MAX_RECORD_BYTES};
 use contextfold::runtime::embedded::{self, Pipeline};
 use contextfold::runtime::engine::Engine;
 use contextfold::runtime::sweep::Deterministic;
@@ -121,10 +121,18 @@ pub fn classify_errors() -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// One input record and where it came from, for messages.
+pub(super) struct Input {
+    /// `line 12` of event JSONL, or `event 12` of an imported transcript.
+    pub at: String,
+    pub encoding: Encoding,
+    pub bytes: Vec<u8>,
+}
+
 /// Reads input as event JSONL when it looks like it, else as a transcript.
 /// Lines that are not valid events are kept as raw records so the engine
 /// rejects them with a reason and folds everything else.
-pub(super) fn read_input(file: Option<&Path>, format: &str) -> Result<Vec<(Encoding, Vec<u8>)>> {
+pub(super) fn read_input(file: Option<&Path>, format: &str) -> Result<Vec<Input>> {
     let bytes = match file {
         Some(p) if p != Path::new("-") => {
             std::fs::read(p).with_context(|| format!("reading {}", p.display()))?
@@ -150,8 +158,13 @@ pub(super) fn read_input(file: Option<&Path>, format: &str) -> Result<Vec<(Encod
     if is_events {
         return Ok(bytes
             .split(|&b| b == b'\n')
-            .filter(|l| !l.iter().all(u8::is_ascii_whitespace))
-            .map(|l| (Encoding::Json, l.to_vec()))
+            .enumerate()
+            .filter(|(_, l)| !l.iter().all(u8::is_ascii_whitespace))
+            .map(|(i, l)| Input {
+                at: format!("line {}", i + 1),
+                encoding: Encoding::Json,
+                bytes: l.to_vec(),
+            })
             .collect());
     }
     let format: Format = format.parse().map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -164,8 +177,43 @@ pub(super) fn read_input(file: Option<&Path>, format: &str) -> Result<Vec<(Encod
     let conversations = import::import_bytes(&bytes, format, &name)?;
     Ok(conversations
         .iter()
-        .flat_map(|c| c.events.iter().map(|e| (Encoding::Msgpack, e.to_msgpack())))
+        .flat_map(|c| c.events.iter())
+        .enumerate()
+        .map(|(i, e)| Input {
+            at: format!("event {}", i + 1),
+            encoding: Encoding::Msgpack,
+            bytes: e.to_msgpack(),
+        })
         .collect())
+}
+
+/// Splits off the records the log cannot store (over
+/// [`DEFAULT_MAX_RECORD_BYTES`]), each reported on stderr by its place and
+/// size; the rest go on. Records up to that size are stored even when the
+/// decoder refuses them (over `MAX_EVENT_BYTES`): the fold rejects those
+/// with a reason an operator can read back.
+fn drop_unstorable(input: Vec<Input>) -> (Vec<(Encoding, Vec<u8>)>, usize) {
+    let mut skipped = 0;
+    let records = input
+        .into_iter()
+        .filter_map(|r| {
+            if r.bytes.len() > DEFAULT_MAX_RECORD_BYTES {
+                skipped += 1;
+                eprintln!(
+                    "{} rejected: {} bytes, over the {} bytes a log record may hold (an event \
+                     may have {}); the lines after it are read",
+                    r.at,
+                    r.bytes.len(),
+                    DEFAULT_MAX_RECORD_BYTES,
+                    MAX_EVENT_BYTES
+                );
+                None
+            } else {
+                Some((r.encoding, r.bytes))
+            }
+        })
+        .collect();
+    (records, skipped)
 }
 
 pub fn run(
@@ -175,7 +223,7 @@ pub fn run(
     batch: usize,
     json: bool,
 ) -> Result<ExitCode> {
-    let records = read_input(file, format)?;
+    let (records, skipped) = drop_unstorable(read_input(file, format)?);
     let rt = runtime()?;
     rt.block_on(async {
         let mut p = open_pipeline(config).await?;
@@ -196,6 +244,10 @@ pub fn run(
         }
         p.engine.flush()?;
         report::print(&p.engine.state, &p.engine.policy, started.elapsed(), json);
+        if skipped > 0 {
+            eprintln!("{skipped} record(s) too large to store were rejected (see above)");
+            return Ok(ExitCode::FAILURE);
+        }
         Ok(ExitCode::SUCCESS)
     })
 }
