@@ -6,11 +6,24 @@
 //! `CONTEXTFOLD_POLICY__CONTEXT_THRESHOLD=0.8`,
 //! `CONTEXTFOLD_STORE__BACKEND=sled`, `CONTEXTFOLD_NATS__PARTITIONS=32`.
 //! A value is read as TOML (numbers, booleans, `["a","b"]`) and otherwise
-//! as a string. `CONTEXTFOLD_SUMMARIZER__BASE_URL=http://127.0.0.1:8080/v1`
-//! turns the model summarizer on.
+//! as a string; secrets (`password`, `token`, `nkey_seed`) are always
+//! taken verbatim, since a password may look like a number.
+//! `CONTEXTFOLD_SUMMARIZER__BASE_URL=http://127.0.0.1:8080/v1` turns the
+//! model summarizer on.
+//!
+//! Every other `CONTEXTFOLD_*` variable is an error naming the nearest
+//! known key, so a misspelled override is not silently ignored, except the
+//! variables in [`NON_CONFIG_VARS`] and [`NON_CONFIG_PREFIXES`] (read by
+//! the binary, the tests and the benchmarks, not by this loader) and the
+//! variable `summarizer.api_key_env` names.
+//!
+//! Nothing here prints a secret: [`Config::to_toml`] shows secrets and URL
+//! credentials as `***`, and a file that is not valid TOML is reported by
+//! line and column, without quoting the line.
 
 use crate::core::policy::{PolicyConfig, PolicyError};
 use crate::nats::NatsConfig;
+use crate::secret::redact_url;
 use crate::summarizer::SummarizerConfig;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -20,6 +33,106 @@ pub const DEFAULT_DATA_DIR: &str = ".contextfold";
 
 /// Top-level sections an environment override may name.
 const SECTIONS: [&str; 5] = ["data_dir", "store", "policy", "summarizer", "nats"];
+
+/// `CONTEXTFOLD_*` variables that are not configuration keys, skipped by
+/// the loader: the config file and log filter of the binary, where the
+/// tests find nats-server and the mock LLM servers and whether they must,
+/// golden-file blessing, shared test data and the store crash test's
+/// directory.
+pub const NON_CONFIG_VARS: [&str; 9] = [
+    "CONTEXTFOLD_CONFIG",
+    "CONTEXTFOLD_LOG",
+    "CONTEXTFOLD_VENV",
+    "CONTEXTFOLD_NATS_SERVER",
+    "CONTEXTFOLD_REQUIRE_NATS",
+    "CONTEXTFOLD_REQUIRE_LLM_SERVERS",
+    "CONTEXTFOLD_BLESS",
+    "CONTEXTFOLD_SHARED_DATA",
+    "CONTEXTFOLD_STORE_CRASH_DIR",
+];
+
+/// Prefixes of benchmark knobs (`CONTEXTFOLD_BENCH_SCALE`, ...), skipped
+/// by the loader too.
+pub const NON_CONFIG_PREFIXES: [&str; 2] = ["CONTEXTFOLD_BENCH_", "CONTEXTFOLD_SOAK_"];
+
+/// Keys whose environment value is taken verbatim, never as TOML: the
+/// secrets (a password `0123` must not become the number 123).
+const VERBATIM_KEYS: [&str; 3] = ["password", "token", "nkey_seed"];
+
+fn is_non_config_var(var: &str) -> bool {
+    NON_CONFIG_VARS.contains(&var) || NON_CONFIG_PREFIXES.iter().any(|p| var.starts_with(p))
+}
+
+/// The variable that sets `path` (`["policy", "fresh_tail_count"]` ->
+/// `CONTEXTFOLD_POLICY__FRESH_TAIL_COUNT`).
+fn env_var_of(path: &[String]) -> String {
+    format!("CONTEXTFOLD_{}", path.join("__").to_ascii_uppercase())
+}
+
+/// The candidate nearest to `word` by edit distance.
+fn nearest<'a>(word: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
+    candidates
+        .into_iter()
+        .min_by_key(|c| strsim::levenshtein(word, c))
+}
+
+/// For a variable whose first segment is no section: the nearest
+/// variable contextfold reads (a section with the same rest, or a
+/// non-config variable). `CONTEXTFOLD_NATS_PARTITIONS` (one underscore)
+/// gives `CONTEXTFOLD_NATS__PARTITIONS`.
+fn nearest_for_unknown_section(var: &str, path: &[String]) -> String {
+    let mut candidates: Vec<String> = NON_CONFIG_VARS.iter().map(|v| v.to_string()).collect();
+    for section in SECTIONS {
+        let mut guess: Vec<String> = match path[0].strip_prefix(&format!("{section}_")) {
+            Some(rest) if section != "data_dir" => vec![section.to_string(), rest.to_string()],
+            _ => vec![section.to_string()],
+        };
+        if section != "data_dir" {
+            guess.extend(path[1..].iter().filter(|k| !k.is_empty()).cloned());
+        }
+        candidates.push(env_var_of(&guess));
+    }
+    nearest(var, candidates.iter().map(String::as_str))
+        .unwrap_or("CONTEXTFOLD_DATA_DIR")
+        .to_string()
+}
+
+/// Deserializes `Config` from this one override alone: if its key is
+/// unknown, the unknown segment and the nearest known key (from the
+/// deserializer's list of expected fields), as a variable.
+fn probe_unknown_key(path: &[String], value: &toml::Value) -> Option<(String, String)> {
+    let mut leaf = value.clone();
+    for key in path.iter().rev() {
+        let mut t = toml::Table::new();
+        t.insert(key.clone(), leaf);
+        leaf = toml::Value::Table(t);
+    }
+    let err = leaf.try_into::<Config>().err()?;
+    let message = err.message();
+    let rest = message.split_once("unknown field `")?.1;
+    let (field, rest) = rest.split_once('`')?;
+    let expected: Vec<&str> = rest
+        .split_once("expected")
+        .map_or("", |(_, e)| e)
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .collect();
+    let at = path.iter().position(|k| k == field)?;
+    let mut suggestion = path.to_vec();
+    if let Some(best) = nearest(field, expected) {
+        suggestion[at] = best.to_string();
+    }
+    Some((path[..=at].join("."), env_var_of(&suggestion)))
+}
+
+/// "line L, column C" of a byte offset in `text`.
+fn line_and_column(text: &str, offset: usize) -> String {
+    let before = &text[..offset.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let column = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+    format!("line {line}, column {column}")
+}
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -57,7 +170,9 @@ pub enum StoreBackend {
     /// redb (default): see README for the soak numbers behind the choice.
     #[default]
     Redb,
-    /// sled 0.34, when built with `--features sled-store`.
+    /// sled 0.34: refused by [`StoreConfig::validate`], since `run` and
+    /// `serve` open redb stores only (the `sled-store` feature builds the
+    /// backend for the conformance tests).
     Sled,
 }
 
@@ -92,6 +207,17 @@ pub enum ConfigError {
     Invalid { origin: String, detail: String },
     #[error("environment variable {var}: {detail}")]
     Env { var: String, detail: String },
+    #[error(
+        "environment variable {var} is not a configuration key ({reason}); the nearest \
+         known one is {nearest}. Overrides are CONTEXTFOLD_<SECTION>__<KEY> with sections \
+         data_dir, store, policy, summarizer and nats; the variables that are not keys are \
+         listed in the README"
+    )]
+    UnknownEnv {
+        var: String,
+        reason: String,
+        nearest: String,
+    },
     #[error(transparent)]
     Policy(#[from] PolicyError),
 }
@@ -113,28 +239,49 @@ impl Config {
                     path: p.display().to_string(),
                     source,
                 })?;
+                // Located by line and column, not quoted: the line may
+                // hold a password.
                 text.parse::<toml::Table>()
                     .map_err(|e| ConfigError::Parse {
                         path: p.display().to_string(),
-                        detail: e.to_string(),
+                        detail: match e.span() {
+                            Some(span) => {
+                                format!("{}: {}", line_and_column(&text, span.start), e.message())
+                            }
+                            None => e.message().to_string(),
+                        },
                     })?
             }
             None => toml::Table::new(),
         };
         let mut applied = Vec::new();
+        let mut probes = Vec::new();
+        let mut unknown = Vec::new();
         for (var, value) in env {
             let Some(rest) = var.strip_prefix("CONTEXTFOLD_") else {
                 continue;
             };
-            let path: Vec<String> = rest.split("__").map(|s| s.to_ascii_lowercase()).collect();
-            if !SECTIONS.contains(&path[0].as_str()) {
+            if is_non_config_var(&var) {
                 continue;
             }
-            let parsed = format!("v = {value}")
-                .parse::<toml::Table>()
-                .ok()
-                .and_then(|mut t| t.remove("v"))
-                .unwrap_or(toml::Value::String(value.clone()));
+            let path: Vec<String> = rest.split("__").map(|s| s.to_ascii_lowercase()).collect();
+            if !SECTIONS.contains(&path[0].as_str()) || path.iter().any(String::is_empty) {
+                unknown.push((var, path));
+                continue;
+            }
+            let verbatim = path
+                .last()
+                .is_some_and(|k| VERBATIM_KEYS.contains(&k.as_str()));
+            let parsed = if verbatim {
+                toml::Value::String(value.clone())
+            } else {
+                format!("v = {value}")
+                    .parse::<toml::Table>()
+                    .ok()
+                    .and_then(|mut t| t.remove("v"))
+                    .unwrap_or(toml::Value::String(value.clone()))
+            };
+            probes.push((var.clone(), path.clone(), parsed.clone()));
             let mut node = &mut table;
             for (i, key) in path.iter().enumerate() {
                 if i + 1 == path.len() {
@@ -151,19 +298,51 @@ impl Config {
             }
             applied.push(var);
         }
+        // The variable holding the model's API key may be any name, ours
+        // included.
+        let api_key_env = table
+            .get("summarizer")
+            .and_then(|s| s.get("api_key_env"))
+            .and_then(toml::Value::as_str)
+            .map_or_else(|| SummarizerConfig::default().api_key_env, str::to_string);
+        if let Some((var, path)) = unknown.into_iter().find(|(var, _)| *var != api_key_env) {
+            let reason = if path.iter().any(String::is_empty) {
+                "an empty segment between `__`".to_string()
+            } else {
+                format!("no section `{}`", path[0])
+            };
+            return Err(ConfigError::UnknownEnv {
+                nearest: nearest_for_unknown_section(&var, &path),
+                var,
+                reason,
+            });
+        }
         let origin = match (path, applied.is_empty()) {
             (Some(p), true) => format!(" in {}", p.display()),
             (Some(p), false) => format!(" in {} or {}", p.display(), applied.join(", ")),
             (None, false) => format!(" in {}", applied.join(", ")),
             (None, true) => String::new(),
         };
-        let config: Config =
-            toml::Value::Table(table)
-                .try_into()
-                .map_err(|e: toml::de::Error| ConfigError::Invalid {
+        let config: Config = match toml::Value::Table(table).try_into() {
+            Ok(config) => config,
+            Err(e) => {
+                // A misspelled override: name it and the key it missed.
+                for (var, path, value) in &probes {
+                    if let Some((unknown, nearest)) = probe_unknown_key(path, value) {
+                        return Err(ConfigError::UnknownEnv {
+                            var: var.clone(),
+                            reason: format!("no key `{unknown}`"),
+                            nearest,
+                        });
+                    }
+                }
+                let e: toml::de::Error = e;
+                return Err(ConfigError::Invalid {
                     origin,
                     detail: e.to_string(),
-                })?;
+                });
+            }
+        };
         config.policy.validate()?;
         if let Some(summarizer) = &config.summarizer {
             summarizer
@@ -177,18 +356,54 @@ impl Config {
             origin: String::new(),
             detail: format!("[nats] {e}"),
         })?;
-        if config.store.flush_every == 0 {
-            return Err(ConfigError::Invalid {
+        config
+            .store
+            .validate()
+            .map_err(|detail| ConfigError::Invalid {
                 origin: String::new(),
-                detail: "store.flush_every must be at least 1".into(),
-            });
-        }
+                detail,
+            })?;
         Ok(config)
     }
 
-    /// The default configuration as TOML, for `contextfold config`.
+    /// This configuration as it may be shown: secrets (already `***` when
+    /// serialized) and the credentials in URLs replaced by `***`.
+    pub fn redacted(&self) -> Config {
+        let mut shown = self.clone();
+        let servers = &mut shown.nats.connection.servers;
+        *servers = servers.iter().map(|s| redact_url(s)).collect();
+        if let Some(s) = &mut shown.summarizer {
+            s.base_url = redact_url(&s.base_url);
+        }
+        shown
+    }
+
+    /// The configuration as TOML, for `contextfold config`: secrets and URL
+    /// credentials appear as `***`.
     pub fn to_toml(&self) -> String {
-        toml::to_string_pretty(self).expect("config serializes")
+        toml::to_string_pretty(&self.redacted()).expect("config serializes")
+    }
+}
+
+impl StoreConfig {
+    /// Refuses what this build cannot honour; the message says what to do.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.flush_every == 0 {
+            return Err("store.flush_every must be at least 1".into());
+        }
+        if self.backend == StoreBackend::Sled {
+            return Err(if cfg!(feature = "sled-store") {
+                "store.backend = \"sled\": `run` and `serve` open redb stores only; the sled \
+                 backend is built for the conformance tests (cargo test --features sled-store \
+                 --test store_conformance). Remove the setting to use redb"
+                    .into()
+            } else {
+                "store.backend = \"sled\" needs contextfold built with `--features \
+                 sled-store`; this build has only redb. Remove the setting to use redb"
+                    .into()
+            });
+        }
+        Ok(())
     }
 }
 
@@ -281,6 +496,169 @@ mod tests {
             Config::load_with_env(None, env(&[("CONTEXTFOLD_SUMMARIZER__NO_SUCH_KNOB", "1")]))
                 .unwrap_err();
         assert!(err.to_string().contains("no_such_knob"), "{err}");
+    }
+
+    fn unknown_env(vars: &[(&str, &str)]) -> (String, String, String) {
+        match Config::load_with_env(None, env(vars)) {
+            Err(ConfigError::UnknownEnv {
+                var,
+                reason,
+                nearest,
+            }) => (var, reason, nearest),
+            other => panic!("{vars:?}: expected an unknown variable, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_misspelled_override_names_itself_and_the_nearest_key() {
+        let (var, reason, nearest) =
+            unknown_env(&[("CONTEXTFOLD_POLICY__CONTEXT_THRESHOLDD", "0.8")]);
+        assert_eq!(var, "CONTEXTFOLD_POLICY__CONTEXT_THRESHOLDD");
+        assert!(reason.contains("policy.context_thresholdd"), "{reason}");
+        assert_eq!(nearest, "CONTEXTFOLD_POLICY__CONTEXT_THRESHOLD");
+        let cases = [
+            (
+                "CONTEXTFOLD_POLICYY__CONTEXT_THRESHOLD",
+                "CONTEXTFOLD_POLICY__CONTEXT_THRESHOLD",
+            ),
+            (
+                "CONTEXTFOLD_NATS_PARTITIONS",
+                "CONTEXTFOLD_NATS__PARTITIONS",
+            ),
+            (
+                "CONTEXTFOLD_NATS__CONECTION__SERVERS",
+                "CONTEXTFOLD_NATS__CONNECTION__SERVERS",
+            ),
+            (
+                "CONTEXTFOLD_NATS__CONNECTION__PASWORD",
+                "CONTEXTFOLD_NATS__CONNECTION__PASSWORD",
+            ),
+            ("CONTEXTFOLD_DATADIR", "CONTEXTFOLD_DATA_DIR"),
+            ("CONTEXTFOLD_LOGG", "CONTEXTFOLD_LOG"),
+            ("CONTEXTFOLD_STORE__BACKEN", "CONTEXTFOLD_STORE__BACKEND"),
+            ("CONTEXTFOLD_POLICY____X", "CONTEXTFOLD_POLICY__X"),
+        ];
+        for (var, want) in cases {
+            let (named, _, nearest) = unknown_env(&[(var, "1")]);
+            assert_eq!(named, var);
+            assert_eq!(nearest, want, "{var}");
+        }
+        // The message says all of it.
+        let err = Config::load_with_env(None, env(&[("CONTEXTFOLD_STORE__BACKEN", "redb")]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("CONTEXTFOLD_STORE__BACKEN ") && err.contains("BACKEND"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn variables_that_are_not_keys_are_left_alone() {
+        let mut vars: Vec<(&str, &str)> = NON_CONFIG_VARS.iter().map(|v| (*v, "x")).collect();
+        vars.extend([
+            ("CONTEXTFOLD_BENCH_EVENTS", "5"),
+            ("CONTEXTFOLD_SOAK_RUNS", "2"),
+            ("OTHER_TOOL_SETTING", "1"),
+        ]);
+        assert_eq!(
+            Config::load_with_env(None, env(&vars)).unwrap(),
+            Config::default()
+        );
+        // The API key's variable may have our prefix.
+        let c = Config::load_with_env(
+            None,
+            env(&[
+                ("CONTEXTFOLD_SUMMARIZER__API_KEY_ENV", "CONTEXTFOLD_LLM_KEY"),
+                ("CONTEXTFOLD_LLM_KEY", "sk-not-a-key"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(c.summarizer.unwrap().api_key_env, "CONTEXTFOLD_LLM_KEY");
+        unknown_env(&[("CONTEXTFOLD_LLM_KEY", "sk-not-a-key")]);
+    }
+
+    #[test]
+    fn secrets_from_the_environment_are_taken_verbatim() {
+        let c = Config::load_with_env(
+            None,
+            env(&[
+                ("CONTEXTFOLD_NATS__CONNECTION__USER", "alice"),
+                ("CONTEXTFOLD_NATS__CONNECTION__PASSWORD", "0123"),
+                ("CONTEXTFOLD_NATS__CONNECTION__TOKEN", "true"),
+            ]),
+        )
+        .unwrap();
+        let conn = &c.nats.connection;
+        assert_eq!(conn.user.as_deref(), Some("alice"));
+        assert_eq!(conn.password.as_ref().map(|p| p.expose()), Some("0123"));
+        assert_eq!(conn.token.as_ref().map(|t| t.expose()), Some("true"));
+    }
+
+    #[test]
+    fn the_printed_configuration_shows_no_secret() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(
+            &path,
+            "[nats.connection]\nservers = [\"nats://alice:pw-in-url@h:4222\"]\n\
+             token = \"tok-in-file\"\nnkey_seed = \"SU-seed-in-file\"\n",
+        )
+        .unwrap();
+        let c = Config::load_with_env(
+            Some(&path),
+            env(&[("CONTEXTFOLD_NATS__CONNECTION__PASSWORD", "pw-in-env")]),
+        )
+        .unwrap();
+        assert_eq!(
+            c.nats.connection.token.as_ref().unwrap().expose(),
+            "tok-in-file"
+        );
+        let mut c = c;
+        c.summarizer = Some(SummarizerConfig {
+            base_url: "https://u:pw-in-base-url@llm/v1".into(),
+            ..SummarizerConfig::default()
+        });
+        let shown = format!("{}\n{:?}", c.to_toml(), c.redacted());
+        for secret in [
+            "pw-in-url",
+            "tok-in-file",
+            "SU-seed-in-file",
+            "pw-in-env",
+            "pw-in-base-url",
+        ] {
+            assert!(!shown.contains(secret), "{secret} shown:\n{shown}");
+        }
+        assert!(shown.contains("nats://alice:***@h:4222"), "{shown}");
+        assert!(shown.contains("https://u:***@llm/v1"), "{shown}");
+        assert!(shown.contains("token = \"***\""), "{shown}");
+    }
+
+    #[test]
+    fn a_file_that_is_not_toml_is_located_not_quoted() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, "[nats.connection]\npassword = hunter#2\n").unwrap();
+        let err = Config::load_with_env(Some(&path), Vec::new())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("line 2, column"), "{err}");
+        assert!(!err.contains("hunter"), "{err}");
+    }
+
+    #[test]
+    fn sled_is_refused_rather_than_replaced_by_redb() {
+        let err = Config::load_with_env(None, env(&[("CONTEXTFOLD_STORE__BACKEND", "sled")]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("store.backend"), "{err}");
+        if cfg!(feature = "sled-store") {
+            assert!(err.contains("redb stores only"), "{err}");
+        } else {
+            assert!(err.contains("--features sled-store"), "{err}");
+        }
+        let c = Config::load_with_env(None, env(&[("CONTEXTFOLD_STORE__BACKEND", "redb")]));
+        assert_eq!(c.unwrap().store.backend, StoreBackend::Redb);
     }
 
     #[test]

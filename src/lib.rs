@@ -7,6 +7,8 @@
 //! - [`api`]: the request/reply API (pure handlers, JSON dispatch, NATS service).
 //! - [`summarizer`]: writing summaries (LLM, deterministic, external), with
 //!   deadlines, retries, validation and escalation (an adapter).
+//! - [`secret`]: secrets that are never printed, and URLs without their
+//!   credentials.
 
 pub mod api;
 pub mod config;
@@ -17,5 +19,6 @@ pub mod log;
 pub mod metrics;
 pub mod nats;
 pub mod runtime;
+pub mod secret;
 pub mod store;
 pub mod summarizer;

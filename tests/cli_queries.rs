@@ -90,3 +90,120 @@ fn local_compact_is_folded_once_per_request_id() {
     let (ok, _, err) = cli(&data, &["grep", "agent:nobody", "x"]);
     assert!(!ok && err.contains("unknown conversation"), "{err}");
 }
+
+/// Writes `n` turns of `key` as event JSONL, one line each.
+fn turn_lines(key: &str, n: u64) -> Vec<String> {
+    (0..n)
+        .map(|i| {
+            Envelope::new(
+                format!("{key}-t{i}"),
+                key,
+                1_700_000_000_000 + i * 1_000,
+                EventBody::TurnAppended(TurnAppended::from(ChatMessage::text(
+                    Role::User,
+                    format!("turn {i}"),
+                ))),
+            )
+            .to_json()
+        })
+        .collect()
+}
+
+/// Every entry under `dir`, recursively, for "nothing was created" checks.
+fn tree(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for e in entries.flatten() {
+            out.push(e.path());
+            out.extend(tree(&e.path()));
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn read_only_commands_refuse_a_directory_without_data_and_create_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing");
+    let empty = dir.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let key = "agent:x";
+    let commands: Vec<Vec<&str>> = vec![
+        vec!["status"],
+        vec!["status", key],
+        vec!["assemble", key],
+        vec!["assemble", key, "--at", "e1"],
+        vec!["grep", key, "turn"],
+        vec!["describe", key, "1"],
+        vec!["expand", key, "s1"],
+        vec!["history", key],
+        vec!["replay"],
+        vec!["rebuild"],
+        vec!["compact", key],
+    ];
+    for data in [&missing, &empty] {
+        for args in &commands {
+            let (ok, _, err) = cli(data, args);
+            assert!(!ok, "{args:?} in {}: succeeded", data.display());
+            assert!(
+                err.contains(&format!("no contextfold data in {}", data.display()))
+                    && err.contains("contextfold run"),
+                "{args:?}: {err}"
+            );
+        }
+    }
+    assert!(!missing.exists(), "a read-only command created {missing:?}");
+    assert_eq!(tree(&empty), Vec::<std::path::PathBuf>::new());
+}
+
+#[test]
+fn without_a_store_the_queries_fold_the_log_in_memory_and_write_no_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = "agent:logonly";
+    let file = dir.path().join("events.jsonl");
+    std::fs::write(&file, turn_lines(key, 3).join("\n")).unwrap();
+    let data = dir.path().join("data");
+    let (ok, _, err) = cli(&data, &["run", file.to_str().unwrap()]);
+    assert!(ok, "run: {err}");
+    std::fs::remove_file(data.join("state.redb")).unwrap();
+    let before = tree(&data);
+    let (ok, out, err) = cli(&data, &["status", key]);
+    assert!(ok, "status: {err}");
+    assert_eq!(json_of(&out)["turns"]["total"], 3, "{out}");
+    let (ok, out, err) = cli(&data, &["assemble", key, "--json"]);
+    assert!(ok, "assemble: {err}");
+    assert_eq!(json_of(&out)["messages"].as_array().unwrap().len(), 3);
+    assert!(
+        !data.join("state.redb").exists(),
+        "a query created the store"
+    );
+    assert_eq!(tree(&data), before);
+}
+
+#[test]
+fn a_line_too_large_for_the_log_is_rejected_by_number_and_the_rest_folded() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = "agent:big";
+    let mut lines = turn_lines(key, 4);
+    // 17 MiB: more than a log record holds (16 MiB).
+    let huge = format!("{{\"junk\":\"{}\"}}", "x".repeat(17 * 1024 * 1024));
+    let huge_len = huge.len();
+    lines.insert(1, huge);
+    let file = dir.path().join("events.jsonl");
+    std::fs::write(&file, lines.join("\n")).unwrap();
+    let data = dir.path().join("data");
+    let (ok, _, err) = cli(&data, &["run", file.to_str().unwrap()]);
+    assert!(!ok, "a rejected line makes the exit status a failure");
+    assert!(
+        err.contains(&format!("line 2 rejected: {huge_len} bytes")),
+        "{err}"
+    );
+    let (ok, out, err) = cli(&data, &["status", key]);
+    assert!(ok, "status: {err}");
+    assert_eq!(
+        json_of(&out)["turns"]["total"],
+        4,
+        "the lines after it were folded: {out}"
+    );
+}

@@ -20,6 +20,7 @@ use contextfold::runtime::embedded::Pipeline;
 use contextfold::runtime::engine::Engine;
 use contextfold::runtime::llm_pass::LlmPass;
 use contextfold::runtime::sweep::{Deterministic, PassSummarizer};
+use contextfold::secret::redact_url;
 use contextfold::store::memory_backend::MemoryBackend;
 use serde::Serialize;
 use std::collections::{BTreeMap, HashSet};
@@ -109,7 +110,7 @@ pub fn eval(config: &Config, files: &[PathBuf], budget: u64, json: bool) -> Resu
         .validate()
         .context("the policy cannot work with this budget")?;
     let summarizer_name = match &config.summarizer {
-        Some(s) => format!("llm {} at {}", s.model, s.base_url),
+        Some(s) => format!("llm {} at {}", s.model, redact_url(&s.base_url)),
         None => "deterministic".to_string(),
     };
     let rt = tokio::runtime::Builder::new_current_thread()

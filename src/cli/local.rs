@@ -1,14 +1,22 @@
 //! Subcommands over the embedded log and state in the data directory.
+//!
+//! Only `run` (and `compact`, which appends its request) may create a data
+//! directory. The read-only commands (`status`, `assemble`, `grep`,
+//! `describe`, `expand`, `history`, `replay`) and `rebuild` refuse a
+//! directory without a log ([`require_data`]), and the read-only ones
+//! never create a store: without `state.redb` they fold the log in memory
+//! ([`read_state`]).
 
 use super::report;
 use anyhow::{bail, Context, Result};
 use contextfold::config::Config;
 use contextfold::core::assembly::{self, AssemblyRequest};
-use contextfold::core::event::{Encoding, Envelope};
+use contextfold::core::event::{Encoding, Envelope, MAX_EVENT_BYTES};
 use contextfold::core::overflow;
+use contextfold::core::state::State;
 use contextfold::import::{self, Format};
 use contextfold::log::memory::MemoryLog;
-use contextfold::log::segment::SegmentLog;
+use contextfold::log::segment::{SegmentLog, DEFAULT_MAX_RECORD_BYTES};
 use contextfold::runtime::embedded::{self, Pipeline};
 use contextfold::runtime::engine::Engine;
 use contextfold::runtime::sweep::Deterministic;
@@ -35,6 +43,32 @@ fn state_path(config: &Config) -> PathBuf {
 }
 
 type LocalPipeline = Pipeline<SegmentLog, RedbBackend, Deterministic>;
+
+/// Refuses a data directory that holds no embedded log, before anything
+/// is created in it.
+pub(super) fn require_data(config: &Config) -> Result<()> {
+    if log_dir(config).is_dir() {
+        return Ok(());
+    }
+    bail!(
+        "no contextfold data in {}: run `contextfold run FILE` with this data directory \
+         first, or point --data (or data_dir) at one `run` wrote (a `serve` process is asked \
+         with --nats instead)",
+        config.data_dir.display()
+    )
+}
+
+/// The state for a read-only command: the store caught up with the log,
+/// or, when there is no store yet, the log folded in memory. Creates no
+/// data directory and no store.
+pub(super) async fn read_state(config: &Config) -> Result<State> {
+    require_data(config)?;
+    if state_path(config).exists() {
+        Ok(open_pipeline(config).await?.engine.state)
+    } else {
+        Ok(replay_log(config, None).await?.0.state)
+    }
+}
 
 pub(super) async fn open_pipeline(config: &Config) -> Result<LocalPipeline> {
     std::fs::create_dir_all(&config.data_dir)
@@ -87,10 +121,18 @@ pub fn classify_errors() -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// One input record and where it came from, for messages.
+pub(super) struct Input {
+    /// `line 12` of event JSONL, or `event 12` of an imported transcript.
+    pub at: String,
+    pub encoding: Encoding,
+    pub bytes: Vec<u8>,
+}
+
 /// Reads input as event JSONL when it looks like it, else as a transcript.
 /// Lines that are not valid events are kept as raw records so the engine
 /// rejects them with a reason and folds everything else.
-pub(super) fn read_input(file: Option<&Path>, format: &str) -> Result<Vec<(Encoding, Vec<u8>)>> {
+pub(super) fn read_input(file: Option<&Path>, format: &str) -> Result<Vec<Input>> {
     let bytes = match file {
         Some(p) if p != Path::new("-") => {
             std::fs::read(p).with_context(|| format!("reading {}", p.display()))?
@@ -116,8 +158,13 @@ pub(super) fn read_input(file: Option<&Path>, format: &str) -> Result<Vec<(Encod
     if is_events {
         return Ok(bytes
             .split(|&b| b == b'\n')
-            .filter(|l| !l.iter().all(u8::is_ascii_whitespace))
-            .map(|l| (Encoding::Json, l.to_vec()))
+            .enumerate()
+            .filter(|(_, l)| !l.iter().all(u8::is_ascii_whitespace))
+            .map(|(i, l)| Input {
+                at: format!("line {}", i + 1),
+                encoding: Encoding::Json,
+                bytes: l.to_vec(),
+            })
             .collect());
     }
     let format: Format = format.parse().map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -130,8 +177,43 @@ pub(super) fn read_input(file: Option<&Path>, format: &str) -> Result<Vec<(Encod
     let conversations = import::import_bytes(&bytes, format, &name)?;
     Ok(conversations
         .iter()
-        .flat_map(|c| c.events.iter().map(|e| (Encoding::Msgpack, e.to_msgpack())))
+        .flat_map(|c| c.events.iter())
+        .enumerate()
+        .map(|(i, e)| Input {
+            at: format!("event {}", i + 1),
+            encoding: Encoding::Msgpack,
+            bytes: e.to_msgpack(),
+        })
         .collect())
+}
+
+/// Splits off the records the log cannot store (over
+/// [`DEFAULT_MAX_RECORD_BYTES`]), each reported on stderr by its place and
+/// size; the rest go on. Records up to that size are stored even when the
+/// decoder refuses them (over `MAX_EVENT_BYTES`): the fold rejects those
+/// with a reason an operator can read back.
+fn drop_unstorable(input: Vec<Input>) -> (Vec<(Encoding, Vec<u8>)>, usize) {
+    let mut skipped = 0;
+    let records = input
+        .into_iter()
+        .filter_map(|r| {
+            if r.bytes.len() > DEFAULT_MAX_RECORD_BYTES {
+                skipped += 1;
+                eprintln!(
+                    "{} rejected: {} bytes, over the {} bytes a log record may hold (an event \
+                     may have {}); the lines after it are read",
+                    r.at,
+                    r.bytes.len(),
+                    DEFAULT_MAX_RECORD_BYTES,
+                    MAX_EVENT_BYTES
+                );
+                None
+            } else {
+                Some((r.encoding, r.bytes))
+            }
+        })
+        .collect();
+    (records, skipped)
 }
 
 pub fn run(
@@ -141,7 +223,7 @@ pub fn run(
     batch: usize,
     json: bool,
 ) -> Result<ExitCode> {
-    let records = read_input(file, format)?;
+    let (records, skipped) = drop_unstorable(read_input(file, format)?);
     let rt = runtime()?;
     rt.block_on(async {
         let mut p = open_pipeline(config).await?;
@@ -162,6 +244,10 @@ pub fn run(
         }
         p.engine.flush()?;
         report::print(&p.engine.state, &p.engine.policy, started.elapsed(), json);
+        if skipped > 0 {
+            eprintln!("{skipped} record(s) too large to store were rejected (see above)");
+            return Ok(ExitCode::FAILURE);
+        }
         Ok(ExitCode::SUCCESS)
     })
 }
@@ -180,6 +266,7 @@ async fn replay_log(config: &Config, until: Option<&str>) -> Result<(Engine<Memo
 }
 
 pub fn replay(config: &Config) -> Result<ExitCode> {
+    require_data(config)?;
     let rt = runtime()?;
     rt.block_on(async {
         let started = Instant::now();
@@ -209,6 +296,7 @@ pub fn assemble(
     request: AssemblyRequest,
     json: bool,
 ) -> Result<ExitCode> {
+    require_data(config)?;
     let rt = runtime()?;
     rt.block_on(async {
         let state = if at.is_some() {
@@ -222,7 +310,7 @@ pub fn assemble(
             }
             engine.state
         } else {
-            open_pipeline(config).await?.engine.state
+            read_state(config).await?
         };
         let Some(conv) = state.conversations.get(conversation) else {
             bail!(
@@ -240,6 +328,7 @@ pub fn assemble(
 }
 
 pub fn rebuild(config: &Config) -> Result<ExitCode> {
+    require_data(config)?;
     let rt = runtime()?;
     rt.block_on(async {
         let current = open_pipeline(config).await?.engine.state.hash();

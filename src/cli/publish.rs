@@ -33,7 +33,7 @@ pub fn publish(
     let cfg = nats.apply(&config.nats);
     let subjects = cfg.subjects()?;
     let input = super::local::read_input(file, format)?;
-    let servers = cfg.connection.servers.join(",");
+    let servers = cfg.connection.display_servers();
     runtime()?.block_on(async {
         let (client, _version) = cfg
             .connection
@@ -47,18 +47,23 @@ pub fn publish(
         let mut conversations = BTreeSet::new();
         let mut pending: VecDeque<PublishAckFuture> = VecDeque::with_capacity(IN_FLIGHT);
         let mut last_progress = Instant::now();
-        for (line, (encoding, bytes)) in input.into_iter().enumerate() {
+        for super::local::Input {
+            at,
+            encoding,
+            bytes,
+        } in input
+        {
             let event = match Envelope::decode(&bytes, encoding) {
                 Ok(e) => e,
                 Err(e) => {
                     tally.invalid += 1;
-                    eprintln!("\nevent {} skipped: {e}", line + 1);
+                    eprintln!("\n{at} skipped: {e}");
                     continue;
                 }
             };
             let subject = subjects
                 .inbound(&event.conversation)
-                .with_context(|| format!("event {} ({})", line + 1, event.id))?;
+                .with_context(|| format!("{at} ({})", event.id))?;
             conversations.insert(event.conversation.clone());
             if pending.len() >= IN_FLIGHT {
                 if let Some(ack) = pending.pop_front() {

@@ -5,7 +5,7 @@
 //! go through the same API handlers, so the output is the JSON a NATS
 //! client gets (pretty), and an API error is the command's error.
 
-use super::local::{open_pipeline, runtime};
+use super::local::{open_pipeline, read_state, require_data, runtime};
 use super::report;
 use super::serve::NatsArgs;
 use anyhow::{bail, Context, Result};
@@ -116,8 +116,19 @@ fn render(reply: &[u8], output: Output) -> Result<String> {
 }
 
 /// Answers from the local state. A `compact` request's event is appended
-/// to the local log and folded, and its jobs run, before the answer.
+/// to the local log and folded, and its jobs run, before the answer; the
+/// other queries create nothing (see `local::read_state`).
 async fn ask_locally(config: &Config, query: &Query) -> Result<Vec<u8>> {
+    if !matches!(query, Query::Compact(_)) {
+        let state = read_state(config).await?;
+        return Ok(api::handle(
+            query.op().as_str(),
+            &query.body()?,
+            &state,
+            &config.policy,
+        ));
+    }
+    require_data(config)?;
     let mut pipeline = open_pipeline(config).await?;
     let reply = api::handle(
         query.op().as_str(),
@@ -142,7 +153,7 @@ async fn ask_locally(config: &Config, query: &Query) -> Result<Vec<u8>> {
 /// processes) is asked again after the hinted pause.
 async fn ask_over_nats(config: &Config, nats: &NatsArgs, query: &Query) -> Result<Vec<u8>> {
     let cfg = nats.apply(&config.nats);
-    let servers = cfg.connection.servers.join(",");
+    let servers = cfg.connection.display_servers();
     let subjects = cfg.subjects()?;
     // Conversation-scoped requests go to that conversation's subject, so
     // NATS permissions decide who may ask; global status to the admin one.

@@ -8,6 +8,7 @@ use contextfold::nats::serve::{shutdown_signal, Roles, ServeOptions, Service};
 use contextfold::nats::NatsConfig;
 use contextfold::runtime::llm_pass::{ExternalPass, LlmPass};
 use contextfold::runtime::sweep::{Deterministic, PassSummarizer};
+use contextfold::secret::{redact_url, Secret};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -19,11 +20,23 @@ pub struct NatsArgs {
     /// (`nats://a:4222,nats://b:4222`).
     #[arg(long = "nats", value_name = "URL", value_delimiter = ',')]
     pub servers: Vec<String>,
+    /// User name, with --password or the configured password. A
+    /// credentials flag replaces the other ways `[nats.connection]`
+    /// configures.
+    #[arg(long, value_name = "USER")]
+    pub user: Option<String>,
+    /// Password of the user (other local users can read it in the process
+    /// list: prefer CONTEXTFOLD_NATS__CONNECTION__PASSWORD).
+    #[arg(long, value_name = "PASSWORD")]
+    pub password: Option<String>,
+    /// Authentication token (prefer CONTEXTFOLD_NATS__CONNECTION__TOKEN).
+    #[arg(long, value_name = "TOKEN", conflicts_with_all = ["user", "password", "creds", "nkey"])]
+    pub token: Option<String>,
     /// Credentials file (JWT + NKey seed).
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["user", "password", "nkey"])]
     pub creds: Option<PathBuf>,
     /// NKey seed file.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["user", "password"])]
     pub nkey: Option<PathBuf>,
     /// Require TLS.
     #[arg(long)]
@@ -54,11 +67,25 @@ impl NatsArgs {
         if !self.servers.is_empty() {
             c.servers = self.servers.clone();
         }
-        if let Some(p) = &self.creds {
-            c.credentials_file = Some(p.clone());
-        }
-        if let Some(p) = &self.nkey {
-            c.nkey_seed_file = Some(p.clone());
+        // A credentials flag names the way to authenticate: the other
+        // configured ways go (clap refuses two ways among the flags). The
+        // user and password may come one by flag, one from the config.
+        let user_password = self.user.is_some() || self.password.is_some();
+        if user_password || self.token.is_some() || self.creds.is_some() || self.nkey.is_some() {
+            if !user_password {
+                c.user = None;
+                c.password = None;
+            }
+            if let Some(user) = &self.user {
+                c.user = Some(user.clone());
+            }
+            if let Some(password) = &self.password {
+                c.password = Some(Secret::new(password.clone()));
+            }
+            c.token = self.token.clone().map(Secret::new);
+            c.nkey_seed = None;
+            c.credentials_file = self.creds.clone();
+            c.nkey_seed_file = self.nkey.clone();
         }
         if self.tls {
             c.tls.require_tls = true;
@@ -102,7 +129,7 @@ pub fn serve(
     if let Some(n) = concurrency {
         opts.summarizer.concurrency = n.max(1);
     }
-    let servers = opts.nats.connection.servers.join(",");
+    let servers = opts.nats.connection.display_servers();
     runtime()?.block_on(async {
         // The summarizer role uses the model when `[summarizer]` is
         // configured (behind the team's external summarizer when that is),
@@ -124,13 +151,13 @@ pub fn serve(
                         .map(|e| e.subject.as_str())
                         .unwrap_or_default(),
                     cfg.model,
-                    cfg.base_url
+                    redact_url(&cfg.base_url)
                 );
                 run_until_signal(opts, Arc::new(pass), &servers, &name).await
             }
             Some(cfg) => {
                 let pass = LlmPass::llm(cfg).context("building the model summarizer")?;
-                let name = format!("{} at {}", cfg.model, cfg.base_url);
+                let name = format!("{} at {}", cfg.model, redact_url(&cfg.base_url));
                 run_until_signal(opts, Arc::new(pass), &servers, &name).await
             }
         }

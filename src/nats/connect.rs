@@ -1,14 +1,30 @@
 //! Connection options for real deployments (`[nats.connection]`): several
-//! server URLs, a credentials file or an NKey seed file, TLS, a connection
-//! name and reconnect behaviour, turned into [`async_nats::ConnectOptions`].
+//! server URLs, credentials, TLS, a connection name and reconnect
+//! behaviour, turned into [`async_nats::ConnectOptions`].
 //!
-//! Secrets are only ever read from files named here, never written into the
-//! configuration itself.
+//! # Credentials
+//!
+//! A connection authenticates one way, given by exactly one of: `user` and
+//! `password`; `token`; `nkey_seed` or `nkey_seed_file` (an NKey user
+//! seed); `credentials_file` (a `.creds` file: user JWT and NKey seed); or
+//! the userinfo of the server URLs (`nats://user:password@host` gives a user
+//! and password, `nats://token@host` a token, as other NATS clients read
+//! them). async-nats itself ignores URL userinfo, so it is taken out of
+//! the URLs here and passed as the credentials it is. Two ways at once, or
+//! URLs carrying different credentials, are refused naming both: a client
+//! sends the same credentials to every server, and guessing which was meant
+//! would hide a mistake.
+//!
+//! Passwords, tokens and seeds are [`Secret`]s (printed and serialized as
+//! `***`), and every URL is printed through [`redact_url`]: the start line
+//! of `serve`, connect errors and `contextfold config` never show them.
 
 use crate::nats::version::{check_server, ServerVersion};
 use crate::nats::NatsError;
-use async_nats::{ConnectOptions, ServerAddr};
+use crate::secret::{redact_url, redact_urls, split_userinfo, Secret, UrlCredentials};
+use async_nats::{ConnectErrorKind, ConnectOptions, ServerAddr};
 use serde::{Deserialize, Serialize};
+use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -31,16 +47,29 @@ pub struct TlsOptions {
     pub handshake_first: bool,
 }
 
-/// How to reach and authenticate to the NATS servers.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// How to reach and authenticate to the NATS servers. `Debug` shows the
+/// URLs redacted and the secrets as `***`.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct NatsOptions {
     /// Server URLs (`nats://host:4222`, `tls://host:4222`); the client
     /// fails over between them and the servers the cluster advertises.
-    /// Default `["nats://127.0.0.1:4222"]`.
+    /// Userinfo (`nats://user:password@host`, `nats://token@host`) is used
+    /// as the credentials (see the module doc). Default
+    /// `["nats://127.0.0.1:4222"]`.
     pub servers: Vec<String>,
     /// Connection name shown in server monitoring. Default `contextfold`.
     pub name: Option<String>,
+    /// User for user/password authentication (with `password`).
+    pub user: Option<String>,
+    /// Password of `user`. Never printed.
+    pub password: Option<Secret>,
+    /// Authentication token (`authorization { token: ... }` on the
+    /// server). Never printed.
+    pub token: Option<Secret>,
+    /// An NKey user seed (`SU...`) itself, for deployments that pass
+    /// secrets as environment variables. Never printed.
+    pub nkey_seed: Option<Secret>,
     /// A `.creds` file (user JWT + NKey seed), as `nsc` generates.
     pub credentials_file: Option<PathBuf>,
     /// A file holding an NKey user seed (`SU...`).
@@ -73,6 +102,10 @@ impl Default for NatsOptions {
         NatsOptions {
             servers: vec!["nats://127.0.0.1:4222".to_string()],
             name: Some("contextfold".to_string()),
+            user: None,
+            password: None,
+            token: None,
+            nkey_seed: None,
             credentials_file: None,
             nkey_seed_file: None,
             tls: TlsOptions::default(),
@@ -105,6 +138,100 @@ fn require_file(path: &Path, what: &'static str) -> Result<(), NatsError> {
         })
 }
 
+impl fmt::Debug for NatsOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NatsOptions")
+            .field("servers", &self.display_servers())
+            .field("name", &self.name)
+            .field("user", &self.user)
+            .field("password", &self.password)
+            .field("token", &self.token)
+            .field("nkey_seed", &self.nkey_seed)
+            .field("credentials_file", &self.credentials_file)
+            .field("nkey_seed_file", &self.nkey_seed_file)
+            .field("tls", &self.tls)
+            .field("connect_timeout_ms", &self.connect_timeout_ms)
+            .field("request_timeout_ms", &self.request_timeout_ms)
+            .field("ping_interval_ms", &self.ping_interval_ms)
+            .field("max_reconnects", &self.max_reconnects)
+            .field("reconnect_delay_max_ms", &self.reconnect_delay_max_ms)
+            .field("retry_on_initial_connect", &self.retry_on_initial_connect)
+            .field("ignore_discovered_servers", &self.ignore_discovered_servers)
+            .finish()
+    }
+}
+
+/// The one way a connection authenticates (see the module doc). `Debug`
+/// names the way, never the secret.
+#[derive(Clone, PartialEq, Eq)]
+pub enum Auth {
+    None,
+    UserPassword { user: String, password: Secret },
+    Token(Secret),
+    NkeySeed(Secret),
+    NkeySeedFile(PathBuf),
+    CredentialsFile(PathBuf),
+}
+
+impl From<UrlCredentials> for Auth {
+    fn from(c: UrlCredentials) -> Auth {
+        match c {
+            UrlCredentials::UserPassword { user, password } => {
+                Auth::UserPassword { user, password }
+            }
+            UrlCredentials::Token(token) => Auth::Token(token),
+        }
+    }
+}
+
+impl fmt::Debug for Auth {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.describe())
+    }
+}
+
+impl Auth {
+    /// What was offered, for messages: never the secret itself.
+    pub fn describe(&self) -> String {
+        match self {
+            Auth::None => "no credentials".to_string(),
+            Auth::UserPassword { user, .. } => format!("user {user:?} and its password"),
+            Auth::Token(_) => "the token given".to_string(),
+            Auth::NkeySeed(_) => "the NKey seed given".to_string(),
+            Auth::NkeySeedFile(p) => format!("the NKey seed in {}", p.display()),
+            Auth::CredentialsFile(p) => format!("the credentials in {}", p.display()),
+        }
+    }
+}
+
+/// How to give credentials, for the message of a refused connection.
+const HOW_TO_AUTHENTICATE: &str = "give them with --user and --password, --token, --creds FILE \
+     or --nkey FILE, in [nats.connection] (user/password, token, nkey_seed, nkey_seed_file, \
+     credentials_file, or CONTEXTFOLD_NATS__CONNECTION__<KEY>), or in the URL \
+     (nats://user:password@host, nats://token@host)";
+
+/// A connect error in words that say what to fix, without any secret.
+fn connect_detail(err: &async_nats::ConnectError, auth: &Auth) -> String {
+    match err.kind() {
+        ConnectErrorKind::AuthorizationViolation => match auth {
+            Auth::None => format!(
+                "the server requires credentials (authorization violation) and none were \
+                 given: {HOW_TO_AUTHENTICATE}"
+            ),
+            other => format!(
+                "the server refused {} (authorization violation): check them, or {}",
+                other.describe(),
+                HOW_TO_AUTHENTICATE
+            ),
+        },
+        ConnectErrorKind::Authentication => format!(
+            "could not sign the server's challenge with {}: is it a valid NKey user seed (SU...)?",
+            auth.describe()
+        ),
+        _ => err.to_string(),
+    }
+}
+
 impl NatsOptions {
     /// Options for a plain connection to `servers` with defaults otherwise.
     pub fn with_servers<I, S>(servers: I) -> Self
@@ -118,51 +245,158 @@ impl NatsOptions {
         }
     }
 
-    /// The server list, parsed. Accepts comma-separated URLs inside one
-    /// entry, as the `--nats` flag and `NATS_URL` conventionally do.
+    /// The server URLs as they may be printed (credentials as `***`).
+    pub fn display_servers(&self) -> String {
+        redact_urls(&self.servers)
+    }
+
+    /// The server list, parsed and without userinfo. Accepts
+    /// comma-separated URLs inside one entry, as the `--nats` flag and
+    /// `NATS_URL` conventionally do.
     pub fn server_addrs(&self) -> Result<Vec<ServerAddr>, NatsError> {
-        let addrs: Vec<ServerAddr> = self
+        self.resolve().map(|(addrs, _)| addrs)
+    }
+
+    /// The servers (without userinfo) and the one way to authenticate:
+    /// the explicit options or the URLs' userinfo, refusing two at once.
+    pub fn resolve(&self) -> Result<(Vec<ServerAddr>, Auth), NatsError> {
+        let bad = |field: &'static str, reason: String| NatsError::Config { field, reason };
+        let mut addrs = Vec::new();
+        // The first URL with credentials, redacted, and what it carries.
+        let mut in_urls: Option<(String, UrlCredentials)> = None;
+        for entry in self
             .servers
             .iter()
             .flat_map(|s| s.split(','))
             .map(str::trim)
             .filter(|s| !s.is_empty())
-            .map(|s| {
-                s.parse::<ServerAddr>().map_err(|e| NatsError::Config {
-                    field: "connection.servers",
-                    reason: format!("{s:?} is not a NATS URL: {e}"),
-                })
-            })
-            .collect::<Result<_, _>>()?;
-        if addrs.is_empty() {
-            return Err(NatsError::Config {
-                field: "connection.servers",
-                reason: "no server URL given".to_string(),
-            });
+        {
+            let (credentials, bare) = split_userinfo(entry);
+            let addr = bare.parse::<ServerAddr>().map_err(|e| {
+                bad(
+                    "connection.servers",
+                    format!("{:?} is not a NATS URL: {e}", redact_url(entry)),
+                )
+            })?;
+            if let Some(c) = credentials {
+                match &in_urls {
+                    Some((first, seen)) if *seen != c => {
+                        return Err(bad(
+                            "connection.servers",
+                            format!(
+                                "{first} and {} carry different credentials; a client sends the \
+                                 same ones to every server: give them once",
+                                redact_url(entry)
+                            ),
+                        ))
+                    }
+                    Some(_) => {}
+                    None => in_urls = Some((redact_url(entry), c)),
+                }
+            }
+            addrs.push(addr);
         }
-        Ok(addrs)
+        if addrs.is_empty() {
+            return Err(bad("connection.servers", "no server URL given".to_string()));
+        }
+
+        let mut explicit: Vec<(&'static str, Auth)> = Vec::new();
+        match (&self.user, &self.password) {
+            (Some(user), Some(password)) => explicit.push((
+                "user/password",
+                Auth::UserPassword {
+                    user: user.clone(),
+                    password: password.clone(),
+                },
+            )),
+            (None, None) => {}
+            (Some(_), None) => {
+                return Err(bad(
+                    "connection.password",
+                    "`user` is set without `password` (--password, or \
+                     CONTEXTFOLD_NATS__CONNECTION__PASSWORD)"
+                        .to_string(),
+                ))
+            }
+            (None, Some(_)) => {
+                return Err(bad(
+                    "connection.user",
+                    "`password` is set without `user` (--user, or \
+                     CONTEXTFOLD_NATS__CONNECTION__USER)"
+                        .to_string(),
+                ))
+            }
+        }
+        if let Some(token) = &self.token {
+            explicit.push(("token", Auth::Token(token.clone())));
+        }
+        if let Some(seed) = &self.nkey_seed {
+            explicit.push(("nkey_seed", Auth::NkeySeed(seed.clone())));
+        }
+        if let Some(path) = &self.nkey_seed_file {
+            explicit.push(("nkey_seed_file", Auth::NkeySeedFile(path.clone())));
+        }
+        if let Some(path) = &self.credentials_file {
+            explicit.push(("credentials_file", Auth::CredentialsFile(path.clone())));
+        }
+        if explicit.len() > 1 {
+            let names: Vec<&str> = explicit.iter().map(|(name, _)| *name).collect();
+            return Err(bad(
+                "connection",
+                format!(
+                    "set one way to authenticate, not {} (a flag replaces the configured way, \
+                     but two flags or two keys conflict)",
+                    names.join(" and ")
+                ),
+            ));
+        }
+        let auth = match (in_urls, explicit.pop()) {
+            (None, None) => Auth::None,
+            (None, Some((_, auth))) => auth,
+            (Some((_, c)), None) => Auth::from(c),
+            (Some((url, c)), Some((name, auth))) => {
+                if Auth::from(c) != auth {
+                    return Err(bad(
+                        "connection.servers",
+                        format!(
+                            "{url} carries credentials and `{name}` is set too (by a flag or \
+                             [nats.connection]); give the credentials one way"
+                        ),
+                    ));
+                }
+                auth
+            }
+        };
+        Ok((addrs, auth))
     }
 
     /// The async-nats options these settings describe. Reads the
     /// credentials or seed file now, so a missing file fails here.
     pub fn to_connect_options(&self) -> Result<ConnectOptions, NatsError> {
-        if self.credentials_file.is_some() && self.nkey_seed_file.is_some() {
-            return Err(NatsError::Config {
-                field: "connection.credentials_file",
-                reason: "set either credentials_file or nkey_seed_file, not both".to_string(),
-            });
-        }
+        let (_, auth) = self.resolve()?;
+        self.connect_options(&auth)
+    }
+
+    fn connect_options(&self, auth: &Auth) -> Result<ConnectOptions, NatsError> {
         let mut options = ConnectOptions::new();
-        if let Some(path) = &self.credentials_file {
-            let creds = read_secret(path, "NATS credentials file")?;
-            options = options.credentials(&creds).map_err(|e| NatsError::Config {
-                field: "connection.credentials_file",
-                reason: format!("{}: {e}", path.display()),
-            })?;
-        }
-        if let Some(path) = &self.nkey_seed_file {
-            let seed = read_secret(path, "NKey seed file")?;
-            options = options.nkey(seed.trim().to_string());
+        match auth {
+            Auth::None => {}
+            Auth::UserPassword { user, password } => {
+                options = options.user_and_password(user.clone(), password.expose().to_string());
+            }
+            Auth::Token(token) => options = options.token(token.expose().to_string()),
+            Auth::NkeySeed(seed) => options = options.nkey(seed.expose().trim().to_string()),
+            Auth::NkeySeedFile(path) => {
+                let seed = read_secret(path, "NKey seed file")?;
+                options = options.nkey(seed.trim().to_string());
+            }
+            Auth::CredentialsFile(path) => {
+                let creds = read_secret(path, "NATS credentials file")?;
+                options = options.credentials(&creds).map_err(|e| NatsError::Config {
+                    field: "connection.credentials_file",
+                    reason: format!("{}: {e}", path.display()),
+                })?;
+            }
         }
         let tls = &self.tls;
         if tls.require_tls {
@@ -220,16 +454,16 @@ impl NatsOptions {
     }
 
     /// Connects, then refuses a server that is too old or has no JetStream.
+    /// URLs and errors name the servers with their credentials redacted.
     pub async fn connect(&self) -> Result<(async_nats::Client, ServerVersion), NatsError> {
-        let addrs = self.server_addrs()?;
-        let shown = self.servers.join(",");
+        let (addrs, auth) = self.resolve()?;
         let client = self
-            .to_connect_options()?
+            .connect_options(&auth)?
             .connect(addrs)
             .await
             .map_err(|e| NatsError::Connect {
-                servers: shown,
-                detail: e.to_string(),
+                servers: self.display_servers(),
+                detail: connect_detail(&e, &auth),
             })?;
         let version = check_server(&client)?;
         Ok((client, version))
@@ -310,6 +544,129 @@ mod tests {
             ..NatsOptions::default()
         };
         assert!(o.to_connect_options().is_ok());
+    }
+
+    fn user_password(user: &str, password: &str) -> Auth {
+        Auth::UserPassword {
+            user: user.into(),
+            password: Secret::new(password),
+        }
+    }
+
+    #[test]
+    fn url_userinfo_becomes_the_credentials_and_leaves_the_url() {
+        let o = NatsOptions::with_servers(["nats://alice:s3cret@127.0.0.1:4222,nats://b:4223"]);
+        let (addrs, auth) = o.resolve().unwrap();
+        assert_eq!(auth, user_password("alice", "s3cret"));
+        assert_eq!(addrs.len(), 2);
+        assert!(addrs.iter().all(|a| !a.has_user_pass()), "{addrs:?}");
+        let o = NatsOptions::with_servers(["nats://t0ken@127.0.0.1:4222"]);
+        assert_eq!(o.resolve().unwrap().1, Auth::Token(Secret::new("t0ken")));
+        // The same credentials on every URL are one way, not two.
+        let o = NatsOptions::with_servers(["nats://a:p@h1:4222", "nats://a:p@h2:4222"]);
+        assert_eq!(o.resolve().unwrap().1, user_password("a", "p"));
+        let o = NatsOptions::with_servers(["nats://h:4222"]);
+        assert_eq!(o.resolve().unwrap().1, Auth::None);
+    }
+
+    #[test]
+    fn explicit_options_give_the_credentials() {
+        let o = NatsOptions {
+            user: Some("alice".into()),
+            password: Some(Secret::new("s3cret")),
+            ..NatsOptions::default()
+        };
+        assert_eq!(o.resolve().unwrap().1, user_password("alice", "s3cret"));
+        assert!(o.to_connect_options().is_ok());
+        let o = NatsOptions {
+            token: Some(Secret::new("t")),
+            ..NatsOptions::default()
+        };
+        assert_eq!(o.resolve().unwrap().1, Auth::Token(Secret::new("t")));
+        let o = NatsOptions {
+            nkey_seed: Some(Secret::new(
+                "SUAMK2FG4MI6UE3ACF3FK3OIQBCEIEZV7NSWFFEW63UXMRLFM2XLAXK4GY",
+            )),
+            ..NatsOptions::default()
+        };
+        assert!(matches!(o.resolve().unwrap().1, Auth::NkeySeed(_)));
+        assert!(o.to_connect_options().is_ok());
+    }
+
+    #[test]
+    fn two_ways_to_authenticate_are_refused_without_showing_secrets() {
+        let field_and_message = |o: NatsOptions| match o.resolve() {
+            Err(e @ NatsError::Config { field, .. }) => (field, e.to_string()),
+            other => panic!("expected a config error, got {other:?}"),
+        };
+        let (field, msg) = field_and_message(NatsOptions {
+            servers: vec!["nats://alice:s3cret@h:4222".into()],
+            user: Some("bob".into()),
+            password: Some(Secret::new("hunter2")),
+            ..NatsOptions::default()
+        });
+        assert_eq!(field, "connection.servers");
+        assert!(
+            msg.contains("nats://alice:***@h:4222") && msg.contains("user/password"),
+            "{msg}"
+        );
+        assert!(!msg.contains("s3cret") && !msg.contains("hunter2"), "{msg}");
+        let (field, msg) = field_and_message(NatsOptions {
+            servers: vec!["nats://tok@h:4222".into()],
+            credentials_file: Some("/x.creds".into()),
+            ..NatsOptions::default()
+        });
+        assert_eq!(field, "connection.servers");
+        assert!(
+            msg.contains("credentials_file") && !msg.contains("tok@"),
+            "{msg}"
+        );
+        let (field, msg) = field_and_message(NatsOptions::with_servers([
+            "nats://a:pw1x@h1",
+            "nats://a:pw2x@h2",
+        ]));
+        assert_eq!(field, "connection.servers");
+        assert!(msg.contains("different credentials"), "{msg}");
+        assert!(!msg.contains("pw1x") && !msg.contains("pw2x"), "{msg}");
+        let (field, msg) = field_and_message(NatsOptions {
+            token: Some(Secret::new("t")),
+            user: Some("u".into()),
+            password: Some(Secret::new("p")),
+            ..NatsOptions::default()
+        });
+        assert_eq!(field, "connection");
+        assert!(msg.contains("user/password and token"), "{msg}");
+        let (field, _) = field_and_message(NatsOptions {
+            user: Some("u".into()),
+            ..NatsOptions::default()
+        });
+        assert_eq!(field, "connection.password");
+        let (field, _) = field_and_message(NatsOptions {
+            password: Some(Secret::new("p")),
+            ..NatsOptions::default()
+        });
+        assert_eq!(field, "connection.user");
+        let (_, msg) = field_and_message(NatsOptions::with_servers(["http://u:pw@[nope"]));
+        assert!(msg.contains("u:***@") && !msg.contains("pw"), "{msg}");
+    }
+
+    #[test]
+    fn debug_and_display_never_show_secrets() {
+        let o = NatsOptions {
+            servers: vec!["nats://alice:s3cret@h:4222".into(), "nats://t0k@h2".into()],
+            password: Some(Secret::new("hunter2")),
+            token: Some(Secret::new("t0ken")),
+            nkey_seed: Some(Secret::new("SUseed")),
+            ..NatsOptions::default()
+        };
+        let shown = format!("{o:?} {} {:?}", o.display_servers(), o.resolve());
+        for secret in ["s3cret", "t0k@", "hunter2", "t0ken", "SUseed"] {
+            assert!(!shown.contains(secret), "{secret} in {shown}");
+        }
+        assert!(
+            shown.contains("nats://alice:***@h:4222,nats://***@h2"),
+            "{shown}"
+        );
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! an empty `[summarizer]` table is a working configuration.
 
 use crate::core::summary::IdentifierPolicy;
+use crate::secret::{redact_url, split_userinfo};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -195,7 +196,16 @@ impl SummarizerConfig {
         if !(self.base_url.starts_with("http://") || self.base_url.starts_with("https://")) {
             return Err(format!(
                 "summarizer.base_url {:?} must start with http:// or https://",
-                self.base_url
+                redact_url(&self.base_url)
+            ));
+        }
+        if split_userinfo(&self.base_url).0.is_some() {
+            return Err(format!(
+                "summarizer.base_url {} carries credentials, which are never sent: remove them \
+                 and put the API key in the environment variable summarizer.api_key_env names \
+                 (now {})",
+                redact_url(&self.base_url),
+                self.api_key_env
             ));
         }
         if self.call_timeout_ms == 0 || self.connect_timeout_ms == 0 {
@@ -295,5 +305,30 @@ mod tests {
             ..Default::default()
         };
         assert!(cfg.validate().unwrap_err().contains("overage"));
+    }
+
+    #[test]
+    fn a_base_url_with_credentials_is_refused_without_showing_them() {
+        for url in [
+            "https://user:s3cret@llm.internal/v1",
+            "http://s3cret@127.0.0.1:8/v1",
+        ] {
+            let cfg = SummarizerConfig {
+                base_url: url.into(),
+                ..Default::default()
+            };
+            let err = cfg.validate().unwrap_err();
+            assert!(
+                err.contains("carries credentials") && err.contains("***@"),
+                "{err}"
+            );
+            assert!(err.contains("OPENAI_API_KEY"), "{err}");
+            assert!(!err.contains("s3cret"), "{err}");
+        }
+        let cfg = SummarizerConfig {
+            base_url: "ftp://u:s3cret@host".into(),
+            ..Default::default()
+        };
+        assert!(!cfg.validate().unwrap_err().contains("s3cret"));
     }
 }

@@ -349,7 +349,10 @@ impl fmt::Debug for LlmSummarizer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LlmSummarizer")
             .field("provider", &self.provider)
-            .field("base_url", &self.config.base_url)
+            .field(
+                "base_url",
+                &crate::secret::redact_url(&self.config.base_url),
+            )
             .field("chain", &self.chain)
             .field("api_key_env", &self.config.api_key_env)
             .field("key", &self.key)

@@ -145,6 +145,24 @@ impl NatsServer {
         panic!("could not start nats-server: {last_error}");
     }
 
+    /// Starts a standalone JetStream server that also reads `conf_text` as
+    /// its configuration file (e.g. an `authorization { ... }` block); the
+    /// port, store and log flags still come from here.
+    pub fn start_with_config(conf_text: &str) -> NatsServer {
+        let mut last_error = String::new();
+        for _ in 0..3 {
+            let dir = tempfile::tempdir().expect("temp dir for the nats store");
+            let conf = dir.path().join("nats-server.conf");
+            fs::write(&conf, conf_text).expect("write the nats-server config file");
+            let extra = ["-c".to_string(), conf.display().to_string()];
+            match NatsServer::spawn(dir, free_port(), &extra) {
+                Ok(server) => return server,
+                Err(e) => last_error = e,
+            }
+        }
+        panic!("could not start nats-server with config {conf_text:?}: {last_error}");
+    }
+
     fn spawn(dir: tempfile::TempDir, port: u16, extra: &[String]) -> Result<NatsServer, String> {
         let store = dir.path().join("store");
         let log = dir.path().join("nats-server.log");
