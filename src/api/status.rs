@@ -769,6 +769,7 @@ mod tests {
                 max_tokens: None,
             },
             committed: 2,
+            rolling_refreshed: false,
         });
         let s = conv_status(&state, policy);
         let d = s.debt.unwrap();

@@ -102,6 +102,20 @@ impl EventBody {
         "rolling_state_updated",
     ];
 
+    /// Published by an agent (on its inbound subject), not by the service:
+    /// what can make new compaction work, as opposed to the results of work
+    /// already asked for.
+    pub fn is_agent_input(&self) -> bool {
+        matches!(
+            self,
+            EventBody::TurnAppended(_)
+                | EventBody::ProviderErrorObserved(_)
+                | EventBody::CompactionRequested(_)
+                | EventBody::ModelDeclared(_)
+                | EventBody::ConversationReset(_)
+        )
+    }
+
     /// Decisions are derived by the fold itself; seeing one again in the log
     /// must never change state.
     pub fn is_decision(&self) -> bool {
@@ -348,7 +362,8 @@ pub enum SweepStop {
 pub struct SweepEnded {
     pub job_id: String,
     pub passes: u32,
-    /// Summaries committed by this sweep.
+    /// Summaries this sweep published. A claim, for the audit trail: the
+    /// fold counts the job's summaries it accepted and trusts only that.
     pub committed: u32,
     pub stop: SweepStop,
     #[serde(default, skip_serializing_if = "Option::is_none")]
