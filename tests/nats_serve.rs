@@ -3,7 +3,8 @@
 //! threshold gets one job at a time and its summaries come back and are
 //! folded; a job whose worker dies mid-sweep is finished by another; two
 //! instances split the partitions, a kill moves them, and the survivor ends
-//! with the state of a clean replay of the events stream.
+//! with the state of a clean replay of the events stream; a long transcript
+//! published at once settles without a job loop (issue 10, item 5).
 //!
 //! Needs the pinned nats-server: run `scripts/install-nats.sh` first.
 
@@ -894,5 +895,255 @@ async fn serve_reconnects_after_the_server_restarts_without_losing_work() {
     .await;
     let partitions: BTreeSet<u32> = keys.iter().map(|k| partition_of(k)).collect();
     assert_matches_replay(&service, &js, &infra, &partitions, &policy).await;
+    service.shutdown().await;
+}
+
+/// The shared data beside the crate, or beside the worktree's parent.
+const TRANSCRIPT: [&str; 2] = [
+    concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../shared/data/transcripts/claude-code_marot-spotter/fa812bfe-b295-4cca-9c2f-fdf01028cb46.jsonl"
+    ),
+    concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../shared/data/transcripts/claude-code_marot-spotter/fa812bfe-b295-4cca-9c2f-fdf01028cb46.jsonl"
+    ),
+];
+
+/// Jobs of `conv` issued after a job that made no progress the fold
+/// accepted (no summary, no rolling state) without agent input between the
+/// end of that job and the event that issued the next: the fold must issue
+/// none. Decisions reach the stream after whatever was queued before them,
+/// so the order is the fold's, read from its history: each `job_issued`,
+/// `sweep_ended` and `job_expired` line names the event that caused it,
+/// and the stream gives that event's position.
+fn jobs_without_progress_or_input(
+    events: &[(u64, Envelope)],
+    conv: &contextfold::core::state::Conversation,
+) -> Vec<String> {
+    let position: BTreeMap<&str, u64> = events
+        .iter()
+        .filter(|(_, e)| e.conversation == conv.key)
+        .map(|(pos, e)| (e.id.as_str(), *pos))
+        .collect();
+    let inputs: Vec<u64> = events
+        .iter()
+        .filter(|(_, e)| {
+            e.conversation == conv.key
+                && matches!(
+                    e.body,
+                    EventBody::TurnAppended(_)
+                        | EventBody::ProviderErrorObserved(_)
+                        | EventBody::CompactionRequested(_)
+                        | EventBody::ModelDeclared(_)
+                        | EventBody::ConversationReset(_)
+                )
+        })
+        .map(|(pos, _)| *pos)
+        .collect();
+    let progress = |job: &str| {
+        conv.summaries
+            .iter()
+            .any(|s| s.job_id.as_deref() == Some(job))
+            || events.iter().any(|(_, e)| {
+                matches!(&e.body, EventBody::RollingStateUpdated(r)
+                    if r.job_id.as_deref() == Some(job))
+            })
+    };
+    let job_of = |detail: &str| detail.split(':').next().unwrap_or_default().to_string();
+    let mut bad = Vec::new();
+    // The last job issued and where it ended (its sweep_ended or expiry).
+    let mut last: Option<(String, Option<u64>)> = None;
+    for h in &conv.history {
+        let at = position.get(h.event_id.as_str()).copied();
+        match h.event_type.as_str() {
+            "job_issued" => {
+                let job = job_of(&h.detail);
+                if let (Some((prev, ended)), Some(at)) = (&last, at) {
+                    let from = ended.unwrap_or(0);
+                    let spoke = inputs.iter().any(|&i| i > from && i <= at);
+                    if !progress(prev) && !spoke {
+                        bad.push(format!("{job} after barren {prev} with no input between"));
+                    }
+                }
+                last = Some((job, None));
+            }
+            "sweep_ended" | "job_expired" => {
+                let job = h.detail.split([':', ' ']).next().unwrap_or_default();
+                if let Some((prev, ended)) = &mut last {
+                    if prev == job && ended.is_none() {
+                        *ended = at;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    bad
+}
+
+/// Issue 10, item 5: one Claude Code session published at once to one
+/// `serve`, an 8,000-token budget and a fresh tail of 16. The transcript's
+/// own clock runs hours ahead of the fold's jobs, so turns expire jobs
+/// whose workers still run, and an expired job's summaries and its
+/// successor's arrive mixed. Before, that left raw turns between two
+/// summaries and an endless job loop (612 jobs in 4 s on the first try,
+/// the stream growing 133 events/s). It is a race: several copies of the
+/// session go at once, each its own conversation. For each: no raw turn
+/// between summaries, a bounded number of jobs, no job right after a job
+/// that made no progress unless the agent spoke in between, and once the
+/// input stops the stream stops growing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transcript_published_at_once_settles_without_a_job_loop() {
+    let Some(path) = TRANSCRIPT.iter().map(Path::new).find(|p| p.is_file()) else {
+        eprintln!("SKIPPED: no transcript at {TRANSCRIPT:?} (shared test data not mounted)");
+        return;
+    };
+    let imported = contextfold::import::import_file(path, contextfold::import::Format::ClaudeCode)
+        .expect("the transcript imports");
+    let session = imported.first().expect("one conversation");
+    let server = NatsServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let policy = PolicyConfig {
+        max_assembly_token_budget: Some(8_000),
+        fresh_tail_count: 16,
+        ..PolicyConfig::default()
+    };
+    let service = start_alone(options(&server.url(), dir.path(), &policy, "solo")).await;
+    let (client, js, infra) = client_for(&server.url()).await;
+    let turns_each = session
+        .events
+        .iter()
+        .filter(|e| matches!(e.body, EventBody::TurnAppended(_)))
+        .count();
+    let engines = service.engines().unwrap();
+    // Rounds of copies published at once, each copy its own conversation.
+    const ROUNDS: usize = 3;
+    const COPIES: usize = 4;
+    for round in 0..ROUNDS {
+        let keys: Vec<String> = (0..COPIES)
+            .map(|a| format!("agent:loop-{round}-{a}/{}", session.conversation))
+            .collect();
+        let copies: Vec<Vec<Envelope>> = keys
+            .iter()
+            .map(|key| {
+                session
+                    .events
+                    .iter()
+                    .map(|e| {
+                        let mut e = e.clone();
+                        e.id = format!("{key}#{}", e.id);
+                        e.conversation = key.clone();
+                        e
+                    })
+                    .collect()
+            })
+            .collect();
+        let started = Instant::now();
+        for copy in &copies {
+            raw_publish(&client, copy).await;
+        }
+        let partitions: BTreeSet<u32> = keys.iter().map(|k| partition_of(k)).collect();
+        // Every event folded, no job pending, and the stream still for 2 s.
+        let settled = |p: u32| {
+            engines.get(p).map(|e| {
+                let e = e.lock().unwrap();
+                let idle = keys.iter().filter(|k| partition_of(k) == p).all(|k| {
+                    e.state
+                        .conversations
+                        .get(k)
+                        .is_some_and(|c| c.pending_job.is_none())
+                });
+                (idle, e.position())
+            })
+        };
+        let mut last = BTreeMap::new();
+        let mut still_since = Instant::now();
+        loop {
+            let now: BTreeMap<u32, _> = partitions.iter().map(|&p| (p, settled(p))).collect();
+            // Every copy's last event applied (turns the fold rejects too).
+            let folded_all = copies.iter().all(|copy| {
+                copy.last().is_some_and(|e| {
+                    engines
+                        .get(partition_of(&e.conversation))
+                        .is_some_and(|en| {
+                            en.lock()
+                                .unwrap()
+                                .state
+                                .conversations
+                                .get(&e.conversation)
+                                .is_some_and(|c| c.has_applied(&e.id))
+                        })
+                })
+            });
+            if now != last || !folded_all || now.values().any(|s| s.is_none_or(|(idle, _)| !idle)) {
+                last = now;
+                still_since = Instant::now();
+            } else if still_since.elapsed() > Duration::from_secs(2) {
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(15),
+                "round {round}: did not settle in 15 s: {last:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        // The stream stopped growing: its end is where the folder is.
+        let mut total_jobs = 0;
+        for &p in &partitions {
+            let events = partition_events(&js, &infra, p).await;
+            let end = events.last().map_or(0, |(pos, _)| *pos);
+            let engine = engines.get(p).unwrap();
+            let e = engine.lock().unwrap();
+            assert_eq!(
+                e.position(),
+                end,
+                "partition {p}: the stream grew past the fold"
+            );
+            for key in keys.iter().filter(|k| partition_of(k) == p) {
+                let conv = &e.state.conversations[key];
+                let first_raw = conv
+                    .context
+                    .iter()
+                    .position(|i| matches!(i, contextfold::core::state::ContextItem::Turn(_)))
+                    .unwrap_or(conv.context.len());
+                assert!(
+                    conv.context[first_raw..]
+                        .iter()
+                        .all(|i| matches!(i, contextfold::core::state::ContextItem::Turn(_))),
+                    "{key}: raw turns between summaries: {:?}",
+                    conv.context
+                );
+                // Not one at a time: the transcript's clock expires jobs.
+                let jobs = events
+                    .iter()
+                    .filter(|(_, e)| &e.conversation == key)
+                    .filter(|(_, e)| matches!(e.body, EventBody::JobIssued(_)))
+                    .count();
+                total_jobs += jobs;
+                // A job follows progress or new input: never more jobs than
+                // accepted summaries and rolling states plus the agent's turns.
+                assert!(
+                    jobs <= conv.summaries.len() + turns_each,
+                    "{key}: {jobs} jobs for {} summaries and {turns_each} turns",
+                    conv.summaries.len()
+                );
+                let bad = jobs_without_progress_or_input(&events, conv);
+                assert!(bad.is_empty(), "{key}: {bad:?}");
+                assert!(!conv.summaries.is_empty(), "{key}: nothing was compacted");
+                // Compaction finished rather than stopped: nothing owed, within budget.
+                assert!(conv.debt.is_none(), "{key}: still owes {:?}", conv.debt);
+                assert!(
+                    conv.context_tokens <= 8_000,
+                    "{key}: {} tokens",
+                    conv.context_tokens
+                );
+            }
+        }
+        eprintln!(
+            "round {round}: {COPIES} copies of {turns_each} turns settled in {:?} with {total_jobs} jobs",
+            started.elapsed()
+        );
+    }
     service.shutdown().await;
 }

@@ -12,7 +12,10 @@
 //! - a 429 with Retry-After returns the job with that delay, without
 //!   sleeping and without holding up another conversation's job;
 //! - an auth failure writes no summary, not even a fallback;
-//! - the global (partition-wide) window holds across conversations.
+//! - the global (partition-wide) window holds across conversations;
+//! - a window smaller than an attempt's worst case still buys its calls,
+//!   each one progress the fold accepted, and no job is issued that does
+//!   nothing (issue 10, item 6).
 //!
 //! llmock and fakellm come from scripts/install-test-llm.sh; without them
 //! those tests print SKIPPED unless CONTEXTFOLD_REQUIRE_LLM_SERVERS is set.
@@ -741,4 +744,124 @@ async fn the_global_window_holds_across_conversations() {
     }
     let last = log.last().map_or(0, |e| e.time);
     assert!(p.engine.state.spend.totals(last, WINDOW_MS).calls <= GLOBAL);
+}
+
+/// Issue 10, item 6: a window of 2 calls, a model summarizer whose attempt
+/// could take 3 calls at worst (`max_retries = 2`), the rolling state on,
+/// a 4,000-token window and 400 turns. Before, every attempt was refused
+/// for its worst case: 340 rolling-only jobs of 0 calls, one a turn, and
+/// the context grew to 28k tokens while the model saw no call. Now each
+/// window's 2 calls are spent, every call is progress the fold accepted,
+/// and no job is issued that does nothing.
+#[tokio::test]
+async fn a_window_of_two_calls_buys_two_calls_of_progress_and_no_flood_of_jobs() {
+    let Some(server) = FakeLlm::start(&rules()).await else {
+        return;
+    };
+    const N: u32 = 2;
+    let defaults = PolicyConfig::default();
+    let policy = PolicyConfig {
+        rolling_every_turns: defaults.rolling_every_turns,
+        rolling_tool_loop: defaults.rolling_tool_loop,
+        rolling_threshold: defaults.rolling_threshold,
+        ..policy(N)
+    };
+    let cfg = SummarizerConfig {
+        max_retries: 2,
+        ..summarizer(&server.base_url())
+    };
+    assert!(
+        contextfold::runtime::llm_pass::calls_per_attempt(&cfg) > N,
+        "an attempt's worst case must be over the window for this test"
+    );
+    let mut p = memory_pipeline(policy, &cfg).await;
+    let key = "agent:small-window";
+    const TURNS: usize = 400;
+    for i in 0..TURNS {
+        let e = turn(key, i, T0 + i as u64 * STEP_MS);
+        p.ingest(std::slice::from_ref(&e)).await.expect("ingest");
+    }
+    let log = all_events(&mut p.log).await;
+    let seen = server.total().await;
+    // Calls by the time their job was granted them; the fold's count is
+    // the server's.
+    let per_event = calls_by_issue_time(&log);
+    assert_eq!(per_event.iter().map(|j| j.1).sum::<u64>(), seen);
+    let jobs: Vec<_> = log
+        .iter()
+        .filter_map(|e| match &e.body {
+            EventBody::JobIssued(j) => Some(j.clone()),
+            _ => None,
+        })
+        .collect();
+    let ended = sweeps(&log, key);
+    let c = conv(&p, key);
+    let summaries_of = |job: &str| {
+        c.summaries
+            .iter()
+            .filter(|s| s.job_id.as_deref() == Some(job))
+            .count() as u32
+    };
+    let rolling_of = |job: &str| {
+        log.iter()
+            .filter(|e| {
+                matches!(&e.body, EventBody::RollingStateUpdated(r)
+                    if r.job_id.as_deref() == Some(job))
+            })
+            .count() as u32
+    };
+    // Never over the window, and the window was used.
+    let max = max_in_any_window(&per_event);
+    assert!(max <= N as u64, "{max} calls in one window (limit {N})");
+    assert_eq!(max, N as u64, "no window ever got its {N} calls");
+    // Every call bought progress the fold accepted: a summary or a
+    // rolling state of the job that made it.
+    let mut barren = Vec::new();
+    for s in &ended {
+        let progress = summaries_of(&s.job_id) + rolling_of(&s.job_id);
+        assert!(
+            s.calls <= progress,
+            "{}: {} calls for {progress} accepted results ({:?})",
+            s.job_id,
+            s.calls,
+            s.stop
+        );
+        if progress == 0 {
+            barren.push(s.clone());
+        }
+    }
+    assert!(barren.is_empty(), "jobs that did nothing: {barren:#?}");
+    // Compaction got its calls: model summaries in the state, and in each
+    // window span after the first debt both calls (rolling refreshes take
+    // some), so well over one call a window on average.
+    let model_summaries = c
+        .summaries
+        .iter()
+        .filter(|s| !s.fallback && s.model == "m-summary")
+        .count();
+    let windows = (TURNS as u64 * STEP_MS / WINDOW_MS) as usize;
+    assert!(model_summaries > 0, "the model wrote no summary");
+    assert!(
+        seen as usize >= windows * N as usize * 3 / 4,
+        "{seen} calls over {windows} windows of {N}"
+    );
+    // No flood: a job is issued only when it can spend a call, so jobs are
+    // bounded by the calls made.
+    assert!(
+        jobs.len() as u64 <= seen,
+        "{} jobs for {seen} calls",
+        jobs.len()
+    );
+    // Each call is one accepted result: the window's N calls are N
+    // calls of progress (the window slides job by job, so a job may be
+    // granted one call of the two while the other is still counted).
+    let results: u32 = ended
+        .iter()
+        .map(|s| summaries_of(&s.job_id) + rolling_of(&s.job_id))
+        .sum();
+    assert_eq!(results as u64, seen, "calls that bought nothing");
+    assert!(
+        c.history.iter().any(|h| h.event_type == "debt_recorded"),
+        "compaction was owed"
+    );
 }

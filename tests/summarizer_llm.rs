@@ -25,8 +25,8 @@ use contextfold::summarizer::config::ExternalConfig;
 use contextfold::summarizer::external::{ExternalSummarizer, WithFallback};
 use contextfold::summarizer::prompts::MISSING_IDENTIFIERS_PHRASE;
 use contextfold::summarizer::{
-    CallLog, CallOutcome, EscalatingSummarizer, LlmSummarizer, ModelPrice, SummarizeError,
-    Summarizer, SummarizerConfig,
+    CallCapped, CallLog, CallOutcome, EscalatingSummarizer, LlmSummarizer, ModelPrice,
+    SummarizeError, Summarizer, SummarizerConfig,
 };
 use futures::StreamExt;
 use llm_server::{completion, FakeLlm, Llmock, NatsForTests, Scripted, ScriptedServer};
@@ -343,6 +343,51 @@ async fn server_errors_are_retried_with_backoff_then_the_fallback_is_marked() {
     for id in IDS {
         assert!(out.draft.content.contains(id), "{id} kept in the fallback");
     }
+}
+
+#[tokio::test]
+async fn a_call_cap_stops_retries_and_the_chain_where_it_falls() {
+    let Some(server) = Llmock::start().await else {
+        return;
+    };
+    // Two models, two retries each: six calls at worst.
+    let cfg = config(&server.base_url(), "m-main", &["m-second"]);
+    server
+        .script(json!([{"type": "fail", "status": 503, "times": null}]))
+        .await;
+    let client = llm(cfg.clone());
+    let err = client.summarize_capped(&request(200), 2).await.unwrap_err();
+    assert!(matches!(err, SummarizeError::Unavailable { .. }), "{err:?}");
+    assert!(
+        err.to_string().contains("spend allowance of 2 calls"),
+        "{err}"
+    );
+    assert_eq!(err.calls().len(), 2);
+    assert_eq!(server.requests().await.len(), 2, "held to 2 calls");
+    // A cap of one call on a healthy provider: that call is the summary.
+    server.reset().await;
+    server
+        .script(json!([{"type": "reply", "text": GOOD, "times": null}]))
+        .await;
+    let out = client.summarize_capped(&request(200), 1).await.unwrap();
+    assert_eq!(out.draft.content, GOOD);
+    assert_eq!(out.calls.len(), 1);
+    // The rolling state is held the same way.
+    server.reset().await;
+    server
+        .script(json!([{"type": "fail", "status": 500, "times": null}]))
+        .await;
+    let req = RollingStateRequest {
+        conversation: "agent:ops:deploy".into(),
+        previous: None,
+        sources: request(200).sources,
+    };
+    let err = client
+        .refresh_rolling_state_capped(&req, Some(1))
+        .await
+        .unwrap_err();
+    assert_eq!(err.calls().len(), 1, "{err}");
+    assert_eq!(server.requests().await.len(), 1);
 }
 
 // ------------------------------------------------------- scripted server --

@@ -166,6 +166,9 @@ pub enum DebtWait {
     SpendWindow,
     /// The provider asked to wait (Retry-After): no job before `retry_at`.
     RetryAfter,
+    /// The last job made no progress: no job until the agent sends
+    /// something new (a turn, an error, a request).
+    AgentInput,
     /// Nothing blocks it: the fold issues a job at the next event.
     NextEvent,
 }
@@ -600,6 +603,8 @@ pub fn conversation_status(
             DebtWait::Job
         } else if spend.waiting_retry_after {
             DebtWait::RetryAfter
+        } else if (d.urgent || spend.routine_allowed) && conv.awaiting_input {
+            DebtWait::AgentInput
         } else if d.urgent || spend.routine_allowed {
             DebtWait::NextEvent
         } else if spend.in_backoff {
@@ -846,6 +851,7 @@ mod tests {
                 max_tokens: None,
             },
             committed: 2,
+            rolling_refreshed: false,
         });
         let s = conv_status(&state, policy);
         let d = s.debt.unwrap();
@@ -877,6 +883,15 @@ mod tests {
         let s = conv_status(&state, policy);
         assert!(s.spend_window.in_backoff && !s.spend_window.routine_allowed);
         assert_eq!(s.debt.unwrap().waiting_on, DebtWait::SpendBackoff);
+        // An urgent debt ignores the backoff, not a barren round's wait
+        // for the agent.
+        let conv = state.conversations.get_mut(CONV).unwrap();
+        conv.awaiting_input = true;
+        if let Some(d) = &mut conv.debt {
+            d.urgent = true;
+        }
+        let s = conv_status(&state, policy);
+        assert_eq!(s.debt.unwrap().waiting_on, DebtWait::AgentInput);
     }
 
     #[test]

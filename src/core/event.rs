@@ -102,9 +102,11 @@ impl EventBody {
         "rolling_state_updated",
     ];
 
-    /// The types an agent may write: everything else (decisions, summaries,
-    /// rolling state, sweep ends) only the service writes, and the fold
-    /// refuses it when the log says an agent published it.
+    /// The types an agent may write, and the only ones that can make new
+    /// compaction work: everything else (decisions, summaries, rolling
+    /// state, sweep ends) is the service's, the results of work already
+    /// asked for, and the fold refuses it when the log says an agent
+    /// published it.
     pub fn is_agent_event(&self) -> bool {
         matches!(
             self,
@@ -400,7 +402,8 @@ pub enum SweepStop {
 pub struct SweepEnded {
     pub job_id: String,
     pub passes: u32,
-    /// Summaries committed by this sweep.
+    /// Summaries this sweep published. A claim, for the audit trail: the
+    /// fold counts the job's summaries it accepted and trusts only that.
     pub committed: u32,
     pub stop: SweepStop,
     #[serde(default, skip_serializing_if = "Option::is_none")]

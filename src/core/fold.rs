@@ -127,7 +127,6 @@ fn fold_with(
         turn_tokens,
         turn,
         decisions: Vec::new(),
-        idle_round_ended: false,
     };
     let status = cx.apply();
     FoldOutcome {
@@ -205,9 +204,6 @@ struct FoldContext<'a> {
     /// The turn, when the caller gave it up: it is kept without a copy.
     turn: Option<Arc<TurnAppended>>,
     decisions: Vec<Envelope>,
-    /// The event ends a round that was to compact and committed nothing:
-    /// no new job on its own end.
-    idle_round_ended: bool,
 }
 
 impl FoldContext<'_> {
@@ -235,6 +231,11 @@ impl FoldContext<'_> {
             EventBody::SummaryRecorded(s) => self.summary_recorded(s),
             EventBody::SweepEnded(s) => self.sweep_ended(s),
             EventBody::RollingStateUpdated(r) => {
+                if let (Some(pending), Some(id)) = (&mut self.conv.pending_job, &r.job_id) {
+                    if &pending.job.job_id == id {
+                        pending.rolling_refreshed = true;
+                    }
+                }
                 self.conv.rolling = Some(r.state.clone());
                 self.conv.rolling_through = Some(r.through_turn);
                 self.conv.rolling_due = false;
@@ -259,6 +260,9 @@ impl FoldContext<'_> {
             }
             _ => FoldStatus::Applied,
         };
+        if status == FoldStatus::Applied && event.body.is_agent_event() {
+            self.conv.awaiting_input = false;
+        }
         match &status {
             // A rejected summary already produced its `summary_rejected`.
             FoldStatus::Rejected(reason)
@@ -826,6 +830,23 @@ impl FoldContext<'_> {
                 let Some(start) = ctx.iter().position(|i| *i == ContextItem::Turn(*first)) else {
                     return Err(format!("stale: turn {first} is no longer raw in context"));
                 };
+                // Summaries stay a prefix of the context: a leaf that did not
+                // start at the oldest raw turn would leave raw turns between
+                // two summaries, which no later leaf could cover. A chunk
+                // planned on an old snapshot (an expired or superseded job)
+                // is refused here once another summary took its place.
+                let oldest = policy::raw_start(&*self.conv);
+                if start != oldest {
+                    let oldest_turn = match ctx.get(oldest) {
+                        Some(ContextItem::Turn(seq)) => seq.to_string(),
+                        _ => "none".into(),
+                    };
+                    return Err(format!(
+                        "stale or out of order: turn {first} is not the oldest raw turn in context \
+                         (turn {oldest_turn} is); a leaf summary must start there so no raw turn \
+                         is left between summaries"
+                    ));
+                }
                 let mut end = start;
                 let mut tokens = 0;
                 for seq in *first..=*last {
@@ -910,13 +931,14 @@ impl FoldContext<'_> {
     fn sweep_ended(&mut self, s: &SweepEnded) -> FoldStatus {
         let now = self.event.time;
         let window = self.policy.summary_call_window_ms;
-        let (pending, current) = match &self.conv.pending_job {
-            Some(p) if p.job.job_id == s.job_id => (self.conv.pending_job.take(), true),
-            Some(_) => (None, false),
-            // Its job expired or was reset away: its spend still counts, and
-            // nothing newer is running that its outcome could mislead.
-            None => (None, true),
+        // Only the pending job's end decides what comes next. The end of a
+        // job that expired (its progress was judged then) or was reset away
+        // still counts its spend and its Retry-After, nothing else.
+        let pending = match &self.conv.pending_job {
+            Some(p) if p.job.job_id == s.job_id => self.conv.pending_job.take(),
+            _ => None,
         };
+        let current = pending.is_some();
         // Spend counts from when the job was granted its allowance, so the
         // job's calls and the window that allowed them are the same window.
         let spent_at = pending.as_ref().map_or(now, |p| p.job.issued_at.min(now));
@@ -938,47 +960,47 @@ impl FoldContext<'_> {
             });
         }
         self.conv.spend.record(entry);
-        let committed = pending
-            .as_ref()
-            .map_or(s.committed, |j| j.committed.max(s.committed));
+        // What the fold accepted of this job, never what the sweep claims:
+        // a sweep cannot know which of its summaries a concurrent change
+        // made stale.
+        let committed = pending.as_ref().map_or(0, |p| p.committed);
+        let progress = pending.as_ref().is_some_and(PendingJob::made_progress);
         let urgent = pending.as_ref().is_some_and(|p| p.job.urgent);
-        // A rolling-state refresh that finished was not asked to compact: a
-        // debt recorded while it ran gets its job now, not on the next turn
-        // (which may never come).
-        let rolling_refreshed = s.stop == SweepStop::Done
-            && pending
-                .as_ref()
-                .is_some_and(|p| !p.job.compact && p.job.refresh_rolling_state);
-        self.idle_round_ended = s.committed == 0 && !rolling_refreshed;
         self.history(
             "sweep_ended",
             format!(
-                "{}: {:?} after {} passes, {committed} committed, {} calls{}",
+                "{}: {:?} after {} passes, {committed} committed{}, {} calls{}",
                 s.job_id,
                 s.stop,
                 s.passes,
+                if s.committed == committed {
+                    String::new()
+                } else {
+                    format!(" ({} published by the sweep)", s.committed)
+                },
                 s.calls,
                 s.retry_after_ms
                     .map_or(String::new(), |ms| format!(", retry after {ms} ms"))
             ),
         );
-        if !current {
-            return FoldStatus::Applied;
-        }
         if let Some(delay) = s.retry_after_ms {
             // The provider said when to come back: no job of any kind before
             // then, whatever the round achieved.
             self.conv.spend.retry_at = self.conv.spend.retry_at.max(now.saturating_add(delay));
-        } else if committed == 0 && s.stop != SweepStop::Done && !urgent {
-            // Backoff only after a round that made no progress.
-            self.conv.spend.backoff_until = now + self.policy.summary_spend_backoff_ms;
+        }
+        if !current {
+            return FoldStatus::Applied;
+        }
+        if !progress {
+            self.round_without_progress(urgent, s.retry_after_ms.is_some());
         }
         // An urgent round that found nothing to compact ends its debt; one
-        // that failed (auth, deadline, rate limit) keeps it for the next
-        // inbound event.
+        // that failed (auth, deadline, rate limit) or whose summaries were
+        // all stale keeps it for the next agent input.
         let nothing_to_do =
             matches!(s.stop, SweepStop::Done | SweepStop::NoProgress) && s.retry_after_ms.is_none();
-        if committed == 0
+        if !progress
+            && s.committed == 0
             && urgent
             && nothing_to_do
             && self.conv.debt.as_ref().is_some_and(|d| d.urgent)
@@ -992,6 +1014,22 @@ impl FoldContext<'_> {
             );
         }
         FoldStatus::Applied
+    }
+
+    /// The pending job ended or expired and the fold accepted nothing of
+    /// it: the next job waits for agent input that comes after it, and a
+    /// routine one also for the backoff (a Retry-After is its own delay).
+    /// Never the same job again at once: with no new input it would meet
+    /// the same state and fail the same way, for ever.
+    fn round_without_progress(&mut self, urgent: bool, retry_after: bool) {
+        self.conv.awaiting_input = true;
+        if !urgent && !retry_after {
+            let until = self
+                .event
+                .time
+                .saturating_add(self.policy.summary_spend_backoff_ms);
+            self.conv.spend.backoff_until = self.conv.spend.backoff_until.max(until);
+        }
     }
 
     /// Raises a re-summarization debt when fallback summaries are in
@@ -1073,14 +1111,22 @@ impl FoldContext<'_> {
         }
         let now = self.event.time;
         // A job whose worker vanished is given up after twice its deadline.
-        if let Some(pending) = &self.conv.pending_job {
-            if now > pending.job.issued_at + 2 * pending.job.deadline_ms + 60_000 {
-                let id = pending.job.job_id.clone();
-                self.conv.pending_job = None;
-                self.history(
-                    "job_expired",
-                    format!("{id} ended without a sweep_ended event"),
-                );
+        let expired = self.conv.pending_job.as_ref().is_some_and(|p| {
+            now > p
+                .job
+                .issued_at
+                .saturating_add(2 * p.job.deadline_ms + 60_000)
+        });
+        if let Some(pending) = self.conv.pending_job.take_if(|_| expired) {
+            self.history(
+                "job_expired",
+                format!(
+                    "{} ended without a sweep_ended event; {} of its summaries accepted",
+                    pending.job.job_id, pending.committed
+                ),
+            );
+            if !pending.made_progress() {
+                self.round_without_progress(pending.job.urgent, false);
             }
         }
         if self.conv.pending_job.is_some() {
@@ -1137,10 +1183,11 @@ impl FoldContext<'_> {
             }
         }
         self.maybe_owe_resummary(cleared, &levels);
-        // A round that committed nothing is not retried on its own end: the
-        // next job waits for something new (a turn, an error, a request),
-        // so a summarizer that keeps failing cannot make the worker spin.
-        if self.idle_round_ended {
+        // A round that made no progress is not followed by another until
+        // something new comes from the agent (a turn, an error, a request):
+        // the results of older jobs are no reason, so a summarizer that
+        // keeps failing, or a chunk that keeps being stale, cannot spin.
+        if self.conv.awaiting_input {
             return;
         }
         // The provider asked us to wait (Retry-After): no job of any kind.
@@ -1242,10 +1289,7 @@ impl FoldContext<'_> {
             max_calls: if urgent { None } else { Some(calls_left) },
             max_tokens: if urgent { None } else { tokens_left },
         };
-        self.conv.pending_job = Some(PendingJob {
-            job: job.clone(),
-            committed: 0,
-        });
+        self.conv.pending_job = Some(PendingJob::new(job.clone()));
         self.decide("job_issued", EventBody::JobIssued(job));
     }
 }
@@ -1760,6 +1804,32 @@ mod tests {
         }
     }
 
+    /// Runs up to `passes` passes of `job` as its worker would (the
+    /// deterministic summarizer on the job's snapshot) and folds each
+    /// summary at `time`; returns how many the fold accepted.
+    fn commit(
+        state: &mut State,
+        p: &PolicyConfig,
+        conv: &str,
+        job: &JobIssued,
+        passes: u32,
+        time: u64,
+    ) -> u32 {
+        let mut snap = crate::core::sweep::snapshot(&state.conversations[conv], job, p);
+        let mut accepted = 0;
+        for _ in 0..passes {
+            let Some(pass) = snap.next_pass() else { break };
+            let draft = crate::core::fallback_summary::summarize(&snap.request(pass, false));
+            let rec = snap.record(pass, &draft);
+            snap.apply(pass, &rec);
+            let e = crate::core::sweep::summary_event(conv, time, rec);
+            if fold(state, p, &e).status == FoldStatus::Applied {
+                accepted += 1;
+            }
+        }
+        accepted
+    }
+
     fn event(s: SweepEnded, conv: &str, time: u64) -> Envelope {
         Envelope::new(
             format!("se-{}-{time}", s.job_id),
@@ -1804,6 +1874,7 @@ mod tests {
         let p = policy();
         let mut state = State::default();
         let (job, next) = until_job(&mut state, &p, "c", 0, T0);
+        assert_eq!(commit(&mut state, &p, "c", &job, 1, job.issued_at + 5), 1);
         let mut s = ended(&job, 1, SweepStop::SpendLimit);
         s.retry_after_ms = Some(20_000);
         let out = fold(&mut state, &p, &event(s, "c", job.issued_at + 10));
@@ -1831,20 +1902,133 @@ mod tests {
     #[test]
     fn backoff_only_after_rounds_without_progress() {
         let p = policy();
-        for (committed, stop, backoff) in [
-            (2, SweepStop::Deadline, false),
-            (1, SweepStop::NoProgress, false),
-            (0, SweepStop::Deadline, true),
-            (0, SweepStop::Failed, true),
-            (0, SweepStop::Done, false),
+        // (summaries the fold accepts, what the sweep claims, its stop)
+        for (accepted, claimed, stop, backoff) in [
+            (2, 2, SweepStop::Deadline, false),
+            (1, 1, SweepStop::NoProgress, false),
+            (0, 0, SweepStop::Deadline, true),
+            (0, 0, SweepStop::Failed, true),
+            (0, 0, SweepStop::Done, true),
+            // A claim of work the fold never accepted is no progress.
+            (0, 1, SweepStop::Done, true),
+            (0, 3, SweepStop::IterationCap, true),
         ] {
             let mut state = State::default();
-            let (job, _) = until_job(&mut state, &p, "c", 0, T0);
-            let e = event(ended(&job, committed, stop), "c", job.issued_at + 10);
-            fold(&mut state, &p, &e);
-            let until = state.conversations["c"].spend.backoff_until;
-            assert_eq!(until > 0, backoff, "{committed} committed, {stop:?}");
+            let (job, next) = until_job(&mut state, &p, "c", 0, T0);
+            let done = commit(&mut state, &p, "c", &job, accepted, job.issued_at + 5);
+            assert_eq!(done, accepted);
+            let e = event(ended(&job, claimed, stop), "c", job.issued_at + 10);
+            let out = fold(&mut state, &p, &e);
+            let conv = &state.conversations["c"];
+            let why = format!("{accepted} accepted, {claimed} claimed, {stop:?}");
+            assert_eq!(conv.spend.backoff_until > 0, backoff, "{why}");
+            assert_eq!(conv.awaiting_input, backoff, "{why}");
+            let history = &conv.history;
+            let line = history.iter().rfind(|h| h.event_type == "sweep_ended");
+            let line = line.map(|h| h.detail.clone()).unwrap_or_default();
+            assert!(line.contains(&format!("{accepted} committed")), "{line}");
+            if backoff {
+                // No job on its end, nor on the next turn: the backoff holds.
+                assert!(jobs(&out.decisions).is_empty(), "{why}");
+                let out = fold(&mut state, &p, &turn("c", next, job.issued_at + 20));
+                assert!(jobs(&out.decisions).is_empty(), "{why}");
+            }
         }
+    }
+
+    #[test]
+    fn a_leaf_that_skips_the_oldest_raw_turn_is_refused() {
+        let p = policy();
+        let mut state = State::default();
+        let (job, _) = until_job(&mut state, &p, "c", 0, T0);
+        // The worker's second pass, planned after a first pass that never
+        // reached the fold (stale, or from an expired job's worker).
+        let mut snap = crate::core::sweep::snapshot(&state.conversations["c"], &job, &p);
+        let first = snap.next_pass().expect("a first pass");
+        let draft = crate::core::fallback_summary::summarize(&snap.request(first, false));
+        let rec = snap.record(first, &draft);
+        snap.apply(first, &rec);
+        let second = snap.next_pass().expect("a second pass");
+        let draft = crate::core::fallback_summary::summarize(&snap.request(second, false));
+        let rec = snap.record(second, &draft);
+        let e = crate::core::sweep::summary_event("c", job.issued_at + 1, rec);
+        let out = fold(&mut state, &p, &e);
+        let FoldStatus::Rejected(reason) = &out.status else {
+            panic!("accepted a leaf after raw turns: {:?}", out.status);
+        };
+        assert!(reason.contains("not the oldest raw turn"), "{reason}");
+        assert!(
+            out.decisions
+                .iter()
+                .any(|d| matches!(d.body, EventBody::SummaryRejected(_))),
+            "the refusal is recorded"
+        );
+        let conv = &state.conversations["c"];
+        assert!(conv.summaries.is_empty());
+        assert_eq!(conv.pending_job.as_ref().map(|j| j.committed), Some(0));
+    }
+
+    #[test]
+    fn an_expired_job_without_progress_backs_off_and_one_with_progress_does_not() {
+        let p = policy();
+        for progress in [false, true] {
+            let mut state = State::default();
+            let (job, next) = until_job(&mut state, &p, "c", 0, T0);
+            if progress {
+                assert_eq!(commit(&mut state, &p, "c", &job, 1, job.issued_at + 1), 1);
+            }
+            // The worker vanished: a turn long after its deadline expires it.
+            let late = job.issued_at + 2 * job.deadline_ms + 60_001;
+            let out = fold(&mut state, &p, &turn("c", next, late));
+            let conv = &state.conversations["c"];
+            assert!(conv.history.iter().any(|h| h.event_type == "job_expired"));
+            if progress {
+                assert_eq!(jobs(&out.decisions).len(), 1, "its successor at once");
+                assert!(!conv.awaiting_input);
+            } else {
+                assert!(jobs(&out.decisions).is_empty(), "re-issued at once");
+                assert!(conv.awaiting_input);
+                assert!(conv.spend.backoff_until > late);
+                // Its sweep_ended, arriving after all, changes nothing more.
+                let before = conv.spend.backoff_until;
+                let e = event(ended(&job, 1, SweepStop::Done), "c", late + 1);
+                let out = fold(&mut state, &p, &e);
+                assert!(jobs(&out.decisions).is_empty());
+                assert_eq!(state.conversations["c"].spend.backoff_until, before);
+            }
+        }
+    }
+
+    #[test]
+    fn results_of_old_jobs_issue_no_job_while_awaiting_input() {
+        let p = policy();
+        let mut state = State::default();
+        let (job, next) = until_job(&mut state, &p, "c", 0, T0);
+        let manual = Envelope::new(
+            "m1",
+            "c",
+            job.issued_at + 1,
+            EventBody::CompactionRequested(CompactionRequested::default()),
+        );
+        fold(&mut state, &p, &manual);
+        if let Some(pending) = &mut state.conversations.get_mut("c").unwrap().pending_job {
+            pending.job.urgent = true;
+        }
+        let e = event(ended(&job, 0, SweepStop::Failed), "c", job.issued_at + 2);
+        fold(&mut state, &p, &e);
+        // An urgent debt ignores the backoff; the late end of some older
+        // job is still no reason for a new one.
+        let stale = SweepEnded {
+            job_id: "job_older".into(),
+            ..ended(&job, 1, SweepStop::Done)
+        };
+        let out = fold(&mut state, &p, &event(stale, "c", job.issued_at + 3));
+        assert!(
+            jobs(&out.decisions).is_empty(),
+            "issued on an old job's end"
+        );
+        let out = fold(&mut state, &p, &turn("c", next, job.issued_at + 4));
+        assert_eq!(jobs(&out.decisions).len(), 1, "agent input brings it back");
     }
 
     #[test]
@@ -1899,10 +2083,23 @@ mod tests {
             assert!(jobs(&out.decisions).is_empty(), "one job at a time");
             next += 1;
         }
+        let state_of = |job: &JobIssued, time: u64| {
+            Envelope::new(
+                format!("rs_{}", job.job_id),
+                "c",
+                time,
+                EventBody::RollingStateUpdated(RollingStateUpdated {
+                    state: RollingState::default(),
+                    through_turn: next - 1,
+                    job_id: Some(job.job_id.clone()),
+                }),
+            )
+        };
         let refreshed = SweepEnded {
             passes: 0,
             ..ended(&rolling, 0, SweepStop::Done)
         };
+        fold(&mut state, &p, &state_of(&rolling, time + 1));
         let out = fold(&mut state, &p, &event(refreshed, "c", time + 1));
         let issued = jobs(&out.decisions);
         assert_eq!(
@@ -1914,12 +2111,38 @@ mod tests {
     }
 
     #[test]
+    fn a_rolling_refresh_that_wrote_nothing_is_no_progress() {
+        let p = PolicyConfig {
+            rolling_every_turns: 2,
+            ..policy()
+        };
+        let mut state = State::default();
+        let (rolling, next) = until_job(&mut state, &p, "c", 0, T0);
+        assert!(!rolling.compact && rolling.refresh_rolling_state);
+        // Done, but no rolling state came (the call was refused): the same
+        // job again at once would be refused the same way.
+        let barren = SweepStop::Done;
+        let out = fold(
+            &mut state,
+            &p,
+            &event(ended(&rolling, 0, barren), "c", rolling.issued_at + 5),
+        );
+        assert!(jobs(&out.decisions).is_empty(), "re-issued on its own end");
+        let conv = &state.conversations["c"];
+        assert!(conv.rolling_due && conv.awaiting_input);
+        assert!(conv.spend.backoff_until > rolling.issued_at);
+        let out = fold(&mut state, &p, &turn("c", next, rolling.issued_at + 10));
+        assert!(jobs(&out.decisions).is_empty(), "issued in backoff");
+    }
+
+    #[test]
     fn spend_counts_in_a_sliding_window_of_calls_tokens_and_money() {
         let p = policy();
         let mut state = State::default();
         let (job, mut next) = until_job(&mut state, &p, "c", 0, T0);
         assert_eq!(job.max_calls, Some(5));
         // A productive round that spent the whole money allowance.
+        assert_eq!(commit(&mut state, &p, "c", &job, 1, job.issued_at + 5), 1);
         let mut s = ended(&job, 1, SweepStop::Done);
         s.cost_micros = 1_000;
         fold(&mut state, &p, &event(s, "c", job.issued_at + 10));

@@ -154,6 +154,26 @@ pub struct PendingJob {
     pub job: crate::core::event::JobIssued,
     /// Summaries of this job accepted so far.
     pub committed: u32,
+    /// The fold took a rolling session state from this job.
+    #[serde(default)]
+    pub rolling_refreshed: bool,
+}
+
+impl PendingJob {
+    pub fn new(job: crate::core::event::JobIssued) -> Self {
+        PendingJob {
+            job,
+            committed: 0,
+            rolling_refreshed: false,
+        }
+    }
+
+    /// The job changed the state: a summary or a rolling state of it was
+    /// accepted. A job without progress is followed by backoff and waits
+    /// for agent input, never by the same job again at once.
+    pub fn made_progress(&self) -> bool {
+        self.committed > 0 || self.rolling_refreshed
+    }
 }
 
 /// One line of a conversation's compaction history (for audit).
@@ -277,6 +297,10 @@ pub struct Conversation {
     pub turns_since_rolling: u64,
     pub consecutive_tool_calls: u64,
     pub rolling_due: bool,
+    /// The last job ended (or expired) without progress: no job is issued
+    /// until agent input (a turn, an error, a request) comes after it.
+    #[serde(default)]
+    pub awaiting_input: bool,
     pub rolling: Option<RollingState>,
     pub rolling_through: Option<u64>,
     /// Recent long user turns (time, turn) for duplicate detection.
@@ -334,6 +358,7 @@ impl Conversation {
             turns_since_rolling: 0,
             consecutive_tool_calls: 0,
             rolling_due: false,
+            awaiting_input: false,
             rolling: None,
             rolling_through: None,
             recent_user_turns: Vec::new(),

@@ -15,10 +15,13 @@
 //! fallback cannot replace a fallback) and ends the job without progress.
 //!
 //! It also owns the two spend guarantees the fold cannot give alone:
-//! - [`Gated`] sits between the escalation and the model client and refuses
-//!   an attempt whose worst case (every model of the chain, every retry)
-//!   the pass's [`Allowance`] cannot pay for, so a job never exceeds its
-//!   spend-window allowance, even in the middle of a pass;
+//! - [`Gated`] sits between the escalation and the model client and holds
+//!   each attempt to the calls the pass's [`Allowance`] has left (every
+//!   model of the chain and every retry count), so a job never exceeds its
+//!   spend-window allowance, even in the middle of a pass, and an allowance
+//!   smaller than an attempt's worst case still buys its calls. It refuses
+//!   an attempt only when no call is left or the prompt alone is over the
+//!   tokens left;
 //! - the client's [`CallLog`] keeps the calls of a pass the deadline cut
 //!   short (their futures were dropped), which the sweep adds to the job's
 //!   spend: the provider saw them.
@@ -33,8 +36,8 @@ use crate::core::summary::{RollingStateRequest, SummaryDraft, SummaryRequest};
 use crate::runtime::sweep::{Allowance, PassError, PassSummarizer, Spend};
 use crate::summarizer::external::{ExternalSummarizer, WithFallback};
 use crate::summarizer::{
-    CallLog, CallRecord, EscalatingSummarizer, LlmSummarizer, SummarizeError, Summarizer,
-    SummarizerConfig, SummaryOutcome,
+    CallCapped, CallLog, CallRecord, EscalatingSummarizer, LlmSummarizer, SummarizeError,
+    Summarizer, SummarizerConfig, SummaryOutcome,
 };
 use std::sync::{Arc, Mutex};
 
@@ -59,13 +62,17 @@ impl Meter {
         }
     }
 
-    fn permits(&mut self, calls: u32, tokens: u64) -> bool {
-        let ok = self.calls_left.is_none_or(|left| left >= calls)
-            && self.tokens_left.is_none_or(|left| left >= tokens);
+    /// The calls an attempt of at most `calls` calls and a prompt of
+    /// `tokens` may make: all of them, or what is left when that is fewer.
+    /// `None` (and the refusal noted) when no call is left or the prompt
+    /// alone is over the tokens left.
+    fn grant(&mut self, calls: u32, tokens: u64) -> Option<u32> {
+        let calls = self.calls_left.map_or(calls, |left| left.min(calls));
+        let ok = calls > 0 && self.tokens_left.is_none_or(|left| left >= tokens);
         if !ok {
             self.refused = true;
         }
-        ok
+        ok.then_some(calls)
     }
 
     fn charge(&mut self, calls: &[CallRecord]) {
@@ -115,9 +122,10 @@ fn prompt_estimate(req: &SummaryRequest) -> u64 {
             .map_or(0, |p| p.len() as u64 / 4)
 }
 
-/// A summarizer that starts an attempt only when the running pass's
-/// allowance covers its worst case, and charges what the attempt spent.
-/// Outside a [`SummarizerPass`] (no allowance in scope) it never refuses.
+/// A summarizer that holds each attempt to the calls the running pass's
+/// allowance has left, refuses one only when nothing is left, and charges
+/// what the attempt spent. Outside a [`SummarizerPass`] (no allowance in
+/// scope) it never refuses nor caps.
 #[derive(Debug)]
 pub struct Gated<S> {
     inner: S,
@@ -125,7 +133,7 @@ pub struct Gated<S> {
     name: String,
 }
 
-impl<S: Summarizer> Gated<S> {
+impl<S: CallCapped> Gated<S> {
     /// `calls_per_attempt`: the most calls one `inner.summarize` can make.
     pub fn new(inner: S, calls_per_attempt: u32) -> Self {
         let name = format!("gated({})", inner.name());
@@ -157,13 +165,14 @@ fn refused() -> SummarizeError {
     }
 }
 
-impl<S: Summarizer> Summarizer for Gated<S> {
+impl<S: CallCapped> Summarizer for Gated<S> {
     async fn summarize(&self, req: &SummaryRequest) -> Result<SummaryOutcome, SummarizeError> {
         let estimate = prompt_estimate(req);
-        if with_meter(|m| m.permits(self.calls_per_attempt, estimate)) == Some(false) {
-            return Err(refused());
-        }
-        let result = self.inner.summarize(req).await;
+        let result = match with_meter(|m| m.grant(self.calls_per_attempt, estimate)) {
+            None => self.inner.summarize(req).await,
+            Some(None) => return Err(refused()),
+            Some(Some(calls)) => self.inner.summarize_capped(req, calls).await,
+        };
         let calls = match &result {
             Ok(outcome) => outcome.calls.as_slice(),
             Err(e) => e.calls(),
@@ -354,12 +363,12 @@ impl<S: Summarizer> PassSummarizer for SummarizerPass<S> {
         };
         self.start_pass();
         let estimate: u64 = req.sources.iter().map(|s| s.tokens).sum();
-        if !Meter::new(allowance).permits(self.rolling_calls, estimate) {
+        let Some(calls) = Meter::new(allowance).grant(self.rolling_calls, estimate) else {
             return Err(PassError::SpendLimit {
                 spend: Spend::default(),
             });
-        }
-        match llm.refresh_rolling_state(req).await {
+        };
+        match llm.refresh_rolling_state_capped(req, Some(calls)).await {
             Ok((state, calls)) => Ok((state, spend_of(&calls))),
             Err(e @ SummarizeError::RateLimited { .. }) => Err(Self::map_error(e, false)),
             Err(e) if e.is_auth() => Err(Self::map_error(e, false)),
@@ -422,15 +431,32 @@ mod tests {
         }
     }
 
-    /// Answers with a scripted result, counting attempts.
+    /// Answers with a scripted result, counting attempts and keeping the
+    /// call cap each was held to.
     struct Scripted {
         attempts: AtomicU32,
+        caps: Mutex<Vec<Option<u32>>>,
         answer: fn() -> Result<SummaryOutcome, SummarizeError>,
+    }
+
+    impl CallCapped for Scripted {
+        async fn summarize_capped(
+            &self,
+            req: &SummaryRequest,
+            max_calls: u32,
+        ) -> Result<SummaryOutcome, SummarizeError> {
+            let out = self.summarize(req).await;
+            if let Some(last) = self.caps.lock().unwrap().last_mut() {
+                *last = Some(max_calls);
+            }
+            out
+        }
     }
 
     impl Summarizer for Scripted {
         async fn summarize(&self, _: &SummaryRequest) -> Result<SummaryOutcome, SummarizeError> {
             self.attempts.fetch_add(1, Ordering::SeqCst);
+            self.caps.lock().unwrap().push(None);
             (self.answer)()
         }
         fn name(&self) -> &str {
@@ -456,6 +482,7 @@ mod tests {
     ) -> SummarizerPass<Gated<Scripted>> {
         let inner = Scripted {
             attempts: AtomicU32::new(0),
+            caps: Mutex::new(Vec::new()),
             answer,
         };
         SummarizerPass::new(Gated::new(inner, 2), None, None)
@@ -477,13 +504,15 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn the_gate_refuses_an_attempt_the_allowance_cannot_pay_for() {
+    async fn the_gate_holds_an_attempt_to_the_calls_left_and_refuses_only_at_none() {
+        // Two calls an attempt at worst (see `pass`).
         let p = pass(good);
-        let short = Allowance {
-            calls: Some(1),
-            tokens: None,
-        };
-        let err = p.summarize_within(&request(), short).await.unwrap_err();
+        let allow = |calls, tokens| Allowance { calls, tokens };
+        // No call left: refused before any attempt.
+        let err = p
+            .summarize_within(&request(), allow(Some(0), None))
+            .await
+            .unwrap_err();
         assert_eq!(
             err,
             PassError::SpendLimit {
@@ -491,20 +520,27 @@ mod tests {
             }
         );
         assert_eq!(p.summarizer().inner().attempts.load(Ordering::SeqCst), 0);
-        let enough = Allowance {
-            calls: Some(2),
-            tokens: Some(1_000),
-        };
-        assert!(p.summarize_within(&request(), enough).await.is_ok());
-        let few_tokens = Allowance {
-            calls: None,
-            tokens: Some(100),
-        };
+        // One call left, under the worst case: the attempt goes, held to it
+        // (a window of one call buys that call, issue 10 item 6).
+        assert!(p
+            .summarize_within(&request(), allow(Some(1), None))
+            .await
+            .is_ok());
+        // More than the worst case: held to the worst case.
+        assert!(p
+            .summarize_within(&request(), allow(Some(5), Some(1_000)))
+            .await
+            .is_ok());
+        // The prompt alone is over the tokens left: refused.
         assert!(matches!(
-            p.summarize_within(&request(), few_tokens).await,
+            p.summarize_within(&request(), allow(None, Some(100))).await,
             Err(PassError::SpendLimit { .. })
         ));
-        assert_eq!(p.summarizer().inner().attempts.load(Ordering::SeqCst), 1);
+        // Unlimited (an urgent job): held to the worst case, i.e. no cap.
+        assert!(p.summarize(&request()).await.is_ok());
+        let inner = p.summarizer().inner();
+        assert_eq!(inner.attempts.load(Ordering::SeqCst), 3);
+        assert_eq!(*inner.caps.lock().unwrap(), vec![Some(1), Some(2), Some(2)]);
     }
 
     #[tokio::test]

@@ -23,7 +23,8 @@ use super::breaker::{AuthBreakers, Clock, SystemClock};
 use super::prompts::{self, Prompt, PROMPT_VERSION};
 use super::validation::output_cap;
 use super::{
-    CallLog, CallOutcome, CallRecord, SummarizeError, Summarizer, SummarizerConfig, SummaryOutcome,
+    CallCapped, CallLog, CallOutcome, CallRecord, SummarizeError, Summarizer, SummarizerConfig,
+    SummaryOutcome,
 };
 use crate::core::event::RollingState;
 use crate::core::message::{ChatMessage, Role};
@@ -659,11 +660,15 @@ impl LlmSummarizer {
         (record, outcome)
     }
 
-    /// Runs the model chain for one prompt.
+    /// Runs the model chain for one prompt, making at most `max_calls`
+    /// calls when given: every model of the chain and every retry counts,
+    /// and the chain stops where the cap falls, as if the models left had
+    /// failed too (the caller's escalation then decides, as for any outage).
     async fn complete(
         &self,
         prompt: &Prompt,
         max_output: Option<u64>,
+        max_calls: Option<u32>,
     ) -> Result<(Answer, Vec<CallRecord>), SummarizeError> {
         if let Err(remaining) = self.breakers.check(&self.provider) {
             return Err(SummarizeError::BreakerOpen {
@@ -674,9 +679,17 @@ impl LlmSummarizer {
         let mut calls = Vec::new();
         let mut rate_limited: Option<u64> = None;
         let mut failures: Vec<String> = Vec::new();
-        for model in &self.chain {
+        let capped = |calls: &[CallRecord]| max_calls.is_some_and(|max| calls.len() as u32 >= max);
+        'chain: for model in &self.chain {
             let mut retry = 0u32;
             loop {
+                if capped(&calls) {
+                    failures.push(format!(
+                        "stopped at the spend allowance of {} calls",
+                        calls.len()
+                    ));
+                    break 'chain;
+                }
                 let (record, result) = self.call_model(model, prompt, max_output).await;
                 calls.push(record);
                 match result {
@@ -779,8 +792,17 @@ impl LlmSummarizer {
         &self,
         req: &RollingStateRequest,
     ) -> Result<(RollingState, Vec<CallRecord>), SummarizeError> {
+        self.refresh_rolling_state_capped(req, None).await
+    }
+
+    /// [`Self::refresh_rolling_state`] making at most `max_calls` calls.
+    pub async fn refresh_rolling_state_capped(
+        &self,
+        req: &RollingStateRequest,
+        max_calls: Option<u32>,
+    ) -> Result<(RollingState, Vec<CallRecord>), SummarizeError> {
         let prompt = prompts::render_rolling_state(req);
-        let (answer, mut calls) = self.complete(&prompt, Some(400)).await?;
+        let (answer, mut calls) = self.complete(&prompt, Some(400), max_calls).await?;
         let cleaned = super::validation::clean(&answer.content);
         match prompts::parse_rolling_state(&cleaned) {
             Some(state) => Ok((state, calls)),
@@ -795,11 +817,15 @@ impl LlmSummarizer {
     }
 }
 
-impl Summarizer for LlmSummarizer {
-    async fn summarize(&self, req: &SummaryRequest) -> Result<SummaryOutcome, SummarizeError> {
+impl LlmSummarizer {
+    async fn summarize_with(
+        &self,
+        req: &SummaryRequest,
+        max_calls: Option<u32>,
+    ) -> Result<SummaryOutcome, SummarizeError> {
         let prompt = prompts::render(req);
         let cap = output_cap(req.target_tokens, self.config.summary_max_overage_factor);
-        let (answer, calls) = self.complete(&prompt, Some(cap)).await?;
+        let (answer, calls) = self.complete(&prompt, Some(cap), max_calls).await?;
         Ok(SummaryOutcome {
             draft: SummaryDraft {
                 content: answer.content,
@@ -811,9 +837,25 @@ impl Summarizer for LlmSummarizer {
             calls,
         })
     }
+}
+
+impl Summarizer for LlmSummarizer {
+    async fn summarize(&self, req: &SummaryRequest) -> Result<SummaryOutcome, SummarizeError> {
+        self.summarize_with(req, None).await
+    }
 
     fn name(&self) -> &str {
         "llm"
+    }
+}
+
+impl CallCapped for LlmSummarizer {
+    async fn summarize_capped(
+        &self,
+        req: &SummaryRequest,
+        max_calls: u32,
+    ) -> Result<SummaryOutcome, SummarizeError> {
+        self.summarize_with(req, Some(max_calls)).await
     }
 }
 

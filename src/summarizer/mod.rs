@@ -50,6 +50,30 @@ pub trait Summarizer: Send + Sync {
     fn name(&self) -> &str;
 }
 
+/// A summarizer that can be held to a number of model calls for one
+/// summary, every model of its chain and every retry included. A spend
+/// allowance smaller than its worst case then still buys the calls it has,
+/// instead of none at all.
+pub trait CallCapped: Summarizer {
+    /// [`Summarizer::summarize`] with at most `max_calls` model calls
+    /// (at least one is made when `max_calls` is not 0).
+    fn summarize_capped(
+        &self,
+        req: &SummaryRequest,
+        max_calls: u32,
+    ) -> impl Future<Output = Result<SummaryOutcome, SummarizeError>> + Send;
+}
+
+impl<S: CallCapped> CallCapped for Arc<S> {
+    fn summarize_capped(
+        &self,
+        req: &SummaryRequest,
+        max_calls: u32,
+    ) -> impl Future<Output = Result<SummaryOutcome, SummarizeError>> + Send {
+        (**self).summarize_capped(req, max_calls)
+    }
+}
+
 impl<S: Summarizer> Summarizer for Arc<S> {
     fn summarize(
         &self,

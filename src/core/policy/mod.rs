@@ -320,7 +320,14 @@ pub fn next_leaf_chunk_with<V: PlanView + ?Sized>(
     let mut tokens = 0u64;
     let mut last_ok: Option<(usize, u64)> = None;
     while end < tail {
-        let t = items.item(end).tokens();
+        let item = items.item(end);
+        // A leaf covers raw turns only: a summary after them (a state an
+        // older fold let in) ends the run, so the chunk is one the fold
+        // can accept.
+        if !item.is_turn() {
+            break;
+        }
+        let t = item.tokens();
         // A chunk too small to be worth a summary takes the next group
         // whole, even when that group alone is over the chunk size.
         if tokens + t > cfg.leaf_chunk_tokens
@@ -447,6 +454,33 @@ mod tests {
         ];
         let run = next_leaf_chunk(&items, &cfg, true).unwrap();
         assert_eq!((run.start, run.end, run.tokens), (0, 1, 300));
+    }
+
+    #[test]
+    fn a_leaf_chunk_stops_at_a_summary() {
+        // A context an older fold left with raw turns between summaries:
+        // the chunk covers the raw run only, never across the summary.
+        let cfg = PolicyConfig {
+            fresh_tail_count: 1,
+            leaf_chunk_tokens: 1000,
+            ..PolicyConfig::default()
+        };
+        let items = vec![
+            PlanItem::Summary {
+                depth: 0,
+                tokens: 100,
+            },
+            turn(3, Role::User, 150),
+            turn(4, Role::Assistant, 150),
+            PlanItem::Summary {
+                depth: 0,
+                tokens: 100,
+            },
+            turn(9, Role::User, 300),
+            turn(10, Role::User, 10),
+        ];
+        let run = next_leaf_chunk(&items, &cfg, true).unwrap();
+        assert_eq!((run.start, run.end, run.tokens), (1, 3, 300));
     }
 
     #[test]
