@@ -12,22 +12,17 @@
 mod llm_server;
 mod support;
 use support::policy::small_policy;
-use support::replay::replay_partition;
+use support::serve::*;
 use support::turns::turns;
 
 use async_nats::jetstream;
-use base64::Engine as _;
 use contextfold::core::assembly::{self, AssemblyRequest};
 use contextfold::core::event::{Envelope, EventBody, RollingState};
 use contextfold::core::policy::PolicyConfig;
 use contextfold::core::summary::{RollingStateRequest, SummaryDraft, SummaryRequest};
-use contextfold::log::EventLog;
 use contextfold::nats::config::StorageKind;
-use contextfold::nats::event_log::NatsEventLog;
-use contextfold::nats::serve::{Roles, ServeOptions, Service};
-use contextfold::nats::setup::{ensure, Infrastructure};
-use contextfold::nats::subjects;
-use contextfold::nats::{NatsConfig, NatsOptions};
+use contextfold::nats::serve::{Roles, Service};
+use contextfold::nats::setup::ensure;
 use contextfold::runtime::sweep::{Deterministic, PassError, PassSummarizer, Spend};
 use futures::StreamExt;
 use std::collections::{BTreeMap, BTreeSet};
@@ -36,176 +31,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use support::nats_server::NatsServer;
-
-fn nats_config(url: &str) -> NatsConfig {
-    NatsConfig {
-        connection: NatsOptions::with_servers([url]),
-        lease_ttl_ms: 2_000,
-        lease_renew_ms: 250,
-        lease_margin_ms: 700,
-        job_ack_wait_ms: 1_000,
-        storage: StorageKind::Memory,
-        ..NatsConfig::default()
-    }
-}
-
-fn options(url: &str, data: &Path, policy: &PolicyConfig, name: &str) -> ServeOptions {
-    let mut o = ServeOptions::new(nats_config(url), data);
-    o.policy = policy.clone();
-    o.member_name = Some(name.to_string());
-    o.roles = "folder,summarizer".parse::<Roles>().unwrap();
-    o.summarizer.poll = Duration::from_millis(200);
-    o
-}
-
-async fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + limit;
-    while !done() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// Starts a serve process alone on the server and waits until it holds
-/// every partition.
-async fn start_alone(opts: ServeOptions) -> Service {
-    let service = Service::start(opts, Arc::new(Deterministic))
-        .await
-        .expect("serve starts");
-    wait_until("all partitions held", Duration::from_secs(10), || {
-        held(&service).len() == 16
-    })
-    .await;
-    service
-}
-
-fn held(s: &Service) -> BTreeSet<u32> {
-    s.engines()
-        .map(|e| e.partitions().into_iter().collect())
-        .unwrap_or_default()
-}
-
-/// Conversation -> (turns, summaries, state hash) over the partitions held.
-fn conversations(s: &Service) -> BTreeMap<String, (usize, usize, String)> {
-    let mut out = BTreeMap::new();
-    let Some(engines) = s.engines() else {
-        return out;
-    };
-    for p in engines.partitions() {
-        if let Some(engine) = engines.get(p) {
-            let e = engine.lock().unwrap();
-            for (key, conv) in &e.state.conversations {
-                out.insert(
-                    key.clone(),
-                    (conv.turns.len(), conv.summaries.len(), conv.hash()),
-                );
-            }
-        }
-    }
-    out
-}
-
-/// The subject token as a client in any language computes it (see
-/// docs/subjects.md): plain when safe, else `~` + unpadded base64url.
-fn token(key: &str) -> String {
-    let plain = !key.is_empty()
-        && key
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
-    if plain {
-        key.to_string()
-    } else {
-        format!(
-            "~{}",
-            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(key)
-        )
-    }
-}
-
-/// As an agent would: a plain NATS publish of the JSON bytes with
-/// hand-written headers.
-async fn raw_publish(client: &async_nats::Client, events: &[Envelope]) {
-    for e in events {
-        let mut headers = async_nats::HeaderMap::new();
-        headers.insert("Nats-Msg-Id", e.id.as_str());
-        headers.insert("Content-Type", "application/json");
-        client
-            .publish_with_headers(
-                format!("cf.in.{}", token(&e.conversation)),
-                headers,
-                e.to_json().into(),
-            )
-            .await
-            .unwrap();
-    }
-    client.flush().await.unwrap();
-}
-
-async fn client_for(url: &str) -> (async_nats::Client, jetstream::Context, Infrastructure) {
-    let cfg = nats_config(url);
-    let (client, _) = cfg.connection.connect().await.expect("connect");
-    let js = jetstream::new(client.clone());
-    let infra = ensure(&js, &cfg).await.expect("setup");
-    (client, js, infra)
-}
-
-async fn partition_events(
-    js: &jetstream::Context,
-    infra: &Infrastructure,
-    p: u32,
-) -> Vec<(u64, Envelope)> {
-    let mut log = NatsEventLog::open_partition(js.clone(), infra.subjects.clone(), p)
-        .await
-        .unwrap();
-    let mut out = Vec::new();
-    let mut after = 0;
-    loop {
-        let records = log.read_after(after, 1000).await.unwrap();
-        let Some(last) = records.last() else {
-            return out;
-        };
-        after = last.position;
-        for r in &records {
-            if let Ok(e) = Envelope::decode(&r.bytes, r.encoding) {
-                out.push((r.position, e));
-            }
-        }
-    }
-}
-
-/// Waits until `service` folded each partition to the stream's end with
-/// the state a clean replay gives.
-async fn assert_matches_replay(
-    service: &Service,
-    js: &jetstream::Context,
-    infra: &Infrastructure,
-    partitions: &BTreeSet<u32>,
-    policy: &PolicyConfig,
-) {
-    let engines = service.engines().unwrap();
-    for &p in partitions {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let replayed = replay_partition(js, infra, p, policy).await;
-            let live = engines.get(p).map(|e| {
-                let e = e.lock().unwrap();
-                (e.position(), e.state.hash())
-            });
-            if live.as_ref() == Some(&replayed) {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "partition {p}: live {live:?} vs replay {replayed:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-}
-
-fn partition_of(key: &str) -> u32 {
-    subjects::partition_of(key, 16).unwrap()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_with_the_api_role_answers_requests_over_nats() {

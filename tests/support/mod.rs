@@ -5,4 +5,5 @@ pub mod cli;
 pub mod nats_server;
 pub mod policy;
 pub mod replay;
+pub mod serve;
 pub mod turns;
