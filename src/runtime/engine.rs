@@ -373,3 +373,129 @@ impl<B: KvBackend> Engine<B> {
         &mut self.store
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::event::{Origin, TurnAppended};
+    use crate::core::message::{ChatMessage, Role};
+    use crate::store::memory_backend::MemoryBackend;
+    use std::sync::{Arc, Mutex};
+
+    /// A log writer for tests: everything written, in one buffer.
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn rejections_are_logged_at_warn_where_the_default_filter_shows_them() {
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::WARN)
+            .with_writer(move || writer.clone())
+            .finish();
+        let mut orphan = ChatMessage::text(Role::Tool, "result");
+        orphan.tool_call_id = Some("call_missing".into());
+        let event = Envelope::new(
+            "orphan",
+            "c",
+            1,
+            EventBody::TurnAppended(TurnAppended::from(orphan)),
+        );
+        tracing::subscriber::with_default(subscriber, || {
+            let mut engine =
+                Engine::open(MemoryBackend::default(), PolicyConfig::default()).unwrap();
+            engine.apply(&LogRecord::unaddressed(
+                1,
+                Origin::Agent,
+                Encoding::Json,
+                event.to_json().into_bytes(),
+            ));
+            engine.apply(&LogRecord::unaddressed(
+                2,
+                Origin::Agent,
+                Encoding::Json,
+                b"garbage".to_vec(),
+            ));
+        });
+        let text = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+        assert!(
+            text.contains("event rejected") && text.contains("orphan tool result"),
+            "{text}"
+        );
+        assert!(
+            text.contains("record refused") && text.contains("undecodable"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn held_decisions_are_dropped_when_the_log_shows_them_and_released_at_the_head() {
+        let turn = |i: u64| {
+            Envelope::new(
+                format!("t{i}"),
+                "c",
+                i,
+                EventBody::TurnAppended(TurnAppended::from(ChatMessage::text(
+                    Role::User,
+                    format!("turn {i} about the build: ").repeat(10),
+                ))),
+            )
+        };
+        let record = |p: u64, origin, e: &Envelope| {
+            LogRecord::unaddressed(p, origin, Encoding::Json, e.to_json().into_bytes())
+        };
+        let policy = PolicyConfig {
+            default_context_window: 200,
+            fresh_tail_count: 2,
+            ..PolicyConfig::default()
+        };
+        // What a first process folded and published.
+        let mut first = Engine::open(MemoryBackend::default(), policy.clone()).unwrap();
+        let mut log = Vec::new();
+        for i in 1..=12 {
+            log.push(record(log.len() as u64 + 1, Origin::Agent, &turn(i)));
+            let effects = first.apply(log.last().unwrap());
+            for d in effects.decisions {
+                log.push(record(log.len() as u64 + 1, Origin::Service, &d));
+            }
+        }
+        assert!(log.len() > 12, "the first process decided something");
+        // A crash kept the last decision out of the log.
+        let lost = log
+            .iter()
+            .rposition(|r| r.origin == Origin::Service)
+            .unwrap();
+        let missing = Envelope::decode(&log[lost].bytes, log[lost].encoding)
+            .unwrap()
+            .id;
+        let mut kept = log.clone();
+        kept.remove(lost);
+        let mut second = Engine::open(MemoryBackend::default(), policy).unwrap();
+        second.hold_through(log.len() as u64);
+        let mut released = Vec::new();
+        for r in &kept {
+            assert!(second.holding() || released.is_empty());
+            released.extend(second.apply(r).decisions);
+        }
+        second.end_history();
+        let mut tail = Effects::default();
+        second.finish(&mut tail);
+        released.extend(tail.decisions);
+        assert!(!second.holding());
+        // Only what the log lacks goes out again.
+        let ids: Vec<_> = released.iter().map(|d| d.id.clone()).collect();
+        assert_eq!(ids, [missing]);
+        assert_eq!(second.state.hash(), first.state.hash());
+    }
+}
