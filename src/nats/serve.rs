@@ -123,9 +123,16 @@ pub struct ServeOptions {
 
 impl ServeOptions {
     /// Defaults for everything but the NATS settings and data directory;
-    /// summarizer timing follows the job consumer of `nats`.
+    /// summarizer timing follows the job consumer of `nats`, and job
+    /// snapshots above `nats.max_inline_payload_bytes` go to the object
+    /// store.
     pub fn new(nats: NatsConfig, data_dir: impl Into<PathBuf>) -> Self {
         let summarizer = SummarizerSettings::from_config(&nats);
+        let folder = FolderSettings {
+            max_inline_job_bytes: usize::try_from(nats.max_inline_payload_bytes)
+                .unwrap_or(usize::MAX),
+            ..FolderSettings::default()
+        };
         ServeOptions {
             nats,
             roles: Roles::default(),
@@ -133,7 +140,7 @@ impl ServeOptions {
             policy: PolicyConfig::default(),
             flush_every: 1,
             member_name: None,
-            folder: FolderSettings::default(),
+            folder,
             summarizer,
         }
     }
@@ -406,5 +413,15 @@ mod tests {
         let err = "folder,sumarizer".parse::<Roles>().unwrap_err();
         assert!(err.contains("sumarizer"), "{err}");
         assert!("".parse::<Roles>().is_err());
+    }
+
+    #[test]
+    fn the_configured_inline_limit_reaches_the_folder() {
+        let nats = NatsConfig {
+            max_inline_payload_bytes: 4096,
+            ..NatsConfig::default()
+        };
+        let opts = ServeOptions::new(nats, "data");
+        assert_eq!(opts.folder.max_inline_job_bytes, 4096);
     }
 }
