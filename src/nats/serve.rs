@@ -9,7 +9,8 @@
 //! - `folder`: join the partition leases and fold every held partition into
 //!   its own state store under `<data>/nats/<prefix>/partition-<p>.redb`;
 //! - `summarizer`: run compaction jobs from the work queue;
-//! - `api`: answer requests (`<prefix>.api.<op>`) from the state of held
+//! - `api`: answer requests (`<prefix>.api.<op>.<conversation token>`,
+//!   `<prefix>.admin.status`) from the state of held
 //!   partitions and forward the rest to their owners (`crate::api`).
 //!
 //! Graceful stop ([`Service::shutdown`], on SIGTERM or SIGINT in the CLI):
