@@ -18,6 +18,18 @@
 //! Passwords, tokens and seeds are [`Secret`]s (printed and serialized as
 //! `***`), and every URL is printed through [`redact_url`]: the start line
 //! of `serve`, connect errors and `contextfold config` never show them.
+//!
+//! # Permissions
+//!
+//! Replies to requests (API answers, JetStream acknowledgements) come back
+//! on `<inbox_prefix>.<random>`, `_INBOX` by default. A user allowed to
+//! subscribe to `_INBOX.>` receives every other user's replies in its
+//! account, so an agent's user is given its own prefix (`_INBOX.<agent>`,
+//! set here as `inbox_prefix`) and may subscribe only below it
+//! (docs/subjects.md, "Permissions"). Anything the server refuses (a
+//! publish or subscription outside the user's permissions) is logged as a
+//! warning naming the subject: the server reports it only asynchronously,
+//! and the operation it broke shows up later as a timeout.
 
 use crate::nats::version::{check_server, ServerVersion};
 use crate::nats::NatsError;
@@ -74,6 +86,10 @@ pub struct NatsOptions {
     pub credentials_file: Option<PathBuf>,
     /// A file holding an NKey user seed (`SU...`).
     pub nkey_seed_file: Option<PathBuf>,
+    /// Prefix of the subjects replies come back on (`_INBOX` when unset),
+    /// e.g. `_INBOX.agent-7`, for a user permitted to subscribe only to
+    /// `_INBOX.agent-7.>`: see the module doc.
+    pub inbox_prefix: Option<String>,
     pub tls: TlsOptions,
     /// Time allowed to open one connection. Default 5000.
     pub connect_timeout_ms: u64,
@@ -108,6 +124,7 @@ impl Default for NatsOptions {
             nkey_seed: None,
             credentials_file: None,
             nkey_seed_file: None,
+            inbox_prefix: None,
             tls: TlsOptions::default(),
             connect_timeout_ms: 5_000,
             request_timeout_ms: 10_000,
@@ -149,6 +166,7 @@ impl fmt::Debug for NatsOptions {
             .field("nkey_seed", &self.nkey_seed)
             .field("credentials_file", &self.credentials_file)
             .field("nkey_seed_file", &self.nkey_seed_file)
+            .field("inbox_prefix", &self.inbox_prefix)
             .field("tls", &self.tls)
             .field("connect_timeout_ms", &self.connect_timeout_ms)
             .field("request_timeout_ms", &self.request_timeout_ms)
@@ -426,6 +444,10 @@ impl NatsOptions {
         if let Some(name) = &self.name {
             options = options.name(name);
         }
+        if let Some(prefix) = &self.inbox_prefix {
+            check_inbox_prefix(prefix)?;
+            options = options.custom_inbox_prefix(prefix);
+        }
         let max_delay = Duration::from_millis(self.reconnect_delay_max_ms);
         options = options
             .connection_timeout(Duration::from_millis(self.connect_timeout_ms.max(1)))
@@ -440,6 +462,15 @@ impl NatsOptions {
                     }
                     async_nats::Event::Disconnected => {
                         tracing::warn!("NATS connection lost; reconnecting")
+                    }
+                    async_nats::Event::ServerError(async_nats::ServerError::Other(error))
+                        if is_permission_error(&error) =>
+                    {
+                        tracing::warn!(
+                            %error,
+                            "the NATS server refused an operation: the user lacks a permission \
+                             (docs/subjects.md, \"Permissions\" lists what each role needs)"
+                        )
                     }
                     other => tracing::debug!(event = %other, "NATS client event"),
                 }
@@ -468,6 +499,33 @@ impl NatsOptions {
         let version = check_server(&client)?;
         Ok((client, version))
     }
+}
+
+/// Whether a server `-ERR` is a permission refusal (`Permissions Violation
+/// for Publish to "..."`, or for Subscription).
+fn is_permission_error(error: &str) -> bool {
+    error.to_ascii_lowercase().contains("permissions violation")
+}
+
+/// A reply-subject prefix: one or more `.`-separated tokens of printable
+/// ASCII, without the wildcards `*` and `>`.
+fn check_inbox_prefix(prefix: &str) -> Result<(), NatsError> {
+    let valid = prefix.split('.').all(|token| {
+        !token.is_empty()
+            && token
+                .bytes()
+                .all(|b| b.is_ascii_graphic() && b != b'*' && b != b'>')
+    });
+    if valid {
+        return Ok(());
+    }
+    Err(NatsError::Config {
+        field: "connection.inbox_prefix",
+        reason: format!(
+            "{prefix:?} is not a subject prefix: use `.`-separated tokens without spaces, `*` \
+             or `>` (e.g. `_INBOX.agent-7`)"
+        ),
+    })
 }
 
 /// Exponential backoff (0, 2, 4, 8 ... ms) capped at `max`.
@@ -667,6 +725,44 @@ mod tests {
             shown.contains("nats://alice:***@h:4222,nats://***@h2"),
             "{shown}"
         );
+    }
+
+    #[test]
+    fn inbox_prefix_is_checked_and_applied() {
+        for ok in ["_INBOX.agent-7", "_INBOX_a", "_I.~YTpi"] {
+            let o = NatsOptions {
+                inbox_prefix: Some(ok.into()),
+                ..NatsOptions::default()
+            };
+            assert!(o.to_connect_options().is_ok(), "{ok}");
+        }
+        for bad in ["", "_INBOX.", "_INBOX.*", "a.>", "a b", ".x", "a..b"] {
+            let o = NatsOptions {
+                inbox_prefix: Some(bad.into()),
+                ..NatsOptions::default()
+            };
+            match o.to_connect_options() {
+                Err(NatsError::Config { field, reason }) => {
+                    assert_eq!(field, "connection.inbox_prefix");
+                    assert!(reason.contains("_INBOX.agent-7"), "{reason}");
+                }
+                Err(other) => panic!("{bad:?}: {other}"),
+                Ok(_) => panic!("{bad:?} accepted"),
+            }
+        }
+        let o: NatsOptions = toml::from_str("inbox_prefix = \"_INBOX.a7\"\n").unwrap();
+        assert_eq!(o.inbox_prefix.as_deref(), Some("_INBOX.a7"));
+    }
+
+    #[test]
+    fn permission_errors_are_recognized() {
+        assert!(is_permission_error(
+            "Permissions Violation for Publish to \"cf.in.b\""
+        ));
+        assert!(is_permission_error(
+            "permissions violation for subscription to \"_INBOX.>\""
+        ));
+        assert!(!is_permission_error("maximum payload exceeded"));
     }
 
     #[test]

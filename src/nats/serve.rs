@@ -9,7 +9,8 @@
 //! - `folder`: join the partition leases and fold every held partition into
 //!   its own state store under `<data>/nats/<prefix>/partition-<p>.redb`;
 //! - `summarizer`: run compaction jobs from the work queue;
-//! - `api`: answer requests (`<prefix>.api.<op>`) from the state of held
+//! - `api`: answer requests (`<prefix>.api.<op>.<conversation token>`,
+//!   `<prefix>.admin.status`) from the state of held
 //!   partitions and forward the rest to their owners (`crate::api`).
 //!
 //! Graceful stop ([`Service::shutdown`], on SIGTERM or SIGINT in the CLI):
@@ -123,9 +124,16 @@ pub struct ServeOptions {
 
 impl ServeOptions {
     /// Defaults for everything but the NATS settings and data directory;
-    /// summarizer timing follows the job consumer of `nats`.
+    /// summarizer timing follows the job consumer of `nats`, and job
+    /// snapshots above `nats.max_inline_payload_bytes` go to the object
+    /// store.
     pub fn new(nats: NatsConfig, data_dir: impl Into<PathBuf>) -> Self {
         let summarizer = SummarizerSettings::from_config(&nats);
+        let folder = FolderSettings {
+            max_inline_job_bytes: usize::try_from(nats.max_inline_payload_bytes)
+                .unwrap_or(usize::MAX),
+            ..FolderSettings::default()
+        };
         ServeOptions {
             nats,
             roles: Roles::default(),
@@ -133,7 +141,7 @@ impl ServeOptions {
             policy: PolicyConfig::default(),
             flush_every: 1,
             member_name: None,
-            folder: FolderSettings::default(),
+            folder,
             summarizer,
         }
     }
@@ -406,5 +414,15 @@ mod tests {
         let err = "folder,sumarizer".parse::<Roles>().unwrap_err();
         assert!(err.contains("sumarizer"), "{err}");
         assert!("".parse::<Roles>().is_err());
+    }
+
+    #[test]
+    fn the_configured_inline_limit_reaches_the_folder() {
+        let nats = NatsConfig {
+            max_inline_payload_bytes: 4096,
+            ..NatsConfig::default()
+        };
+        let opts = ServeOptions::new(nats, "data");
+        assert_eq!(opts.folder.max_inline_job_bytes, 4096);
     }
 }
