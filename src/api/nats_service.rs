@@ -54,7 +54,8 @@ pub const DEFAULT_QUEUE_GROUP: &str = "contextfold-api";
 /// How the service subscribes and answers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServiceConfig {
-    /// Subjects are `<prefix>.api.<op>` and `<prefix>.api.p.<partition>.<op>`.
+    /// Subjects are `<prefix>.api.<op>.<token>`, `<prefix>.admin.<op>` and
+    /// `<prefix>.api.p.<partition>.<op>.<token>`.
     pub prefix: String,
     pub queue_group: String,
     /// `retry_after_ms` sent with `not_owner`.
@@ -68,7 +69,7 @@ pub struct ServiceConfig {
     /// included (a partition in handover has no owner for a moment).
     pub forward_timeout: Duration,
     /// `compact` stores its `compaction_requested` event in the events
-    /// stream (`<prefix>.in.<conversation>`) before answering. Off only
+    /// stream (`<prefix>.svc.<conversation>`, the service subject) before answering. Off only
     /// where no events stream exists (tests of the bare service).
     pub publish_compactions: bool,
 }
@@ -152,7 +153,8 @@ enum Route {
     Partition,
 }
 
-/// Serves the public subjects `<prefix>.api.<op>`. When this returns, the
+/// Serves the public subjects `<prefix>.api.<op>.<token>` and
+/// `<prefix>.admin.<op>`. When this returns, the
 /// server has the subscription: requests sent from now on are served.
 pub async fn start<V: StateView>(
     client: Client,

@@ -1,11 +1,13 @@
 //! Create-or-validate of everything contextfold keeps in JetStream:
 //!
-//! - the events stream (`CF_EVENTS`): subjects `cf.in.*`, stored as
-//!   `cf.ev.<partition>.<conv>` through a stream subject transform with
-//!   `{{partition(N,1)}}`, deduplicating `Nats-Msg-Id` within the window;
+//! - the events stream (`CF_EVENTS`): subjects `cf.in.*` (agents) and
+//!   `cf.svc.*` (the service), stored as `cf.ev.<partition>.<in|svc>.<conv>`
+//!   through a stream subject transform with `{{partition(N,2)}}`,
+//!   deduplicating `Nats-Msg-Id` within the window;
 //! - the compaction job work queue (`CF_JOBS`, subjects `cf.job.*`) and its
 //!   shared durable consumer for the summarizers;
-//! - the dead-letter stream (`CF_DEAD`, subjects `cf.dead.*`);
+//! - the dead-letter stream (`CF_DEAD`, subjects `cf.dead.*` and
+//!   `cf.dead.partition.*`);
 //! - the partition lease KV bucket (`cf_leases`, `max_age` = lease TTL);
 //! - the large-payload object store (`cf_payloads`).
 //!

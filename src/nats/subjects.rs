@@ -183,7 +183,8 @@ fn is_token_of(token: &str, conversation: &str) -> bool {
 
 /// The partition of a conversation token: FNV-1a (32-bit) of the token's
 /// bytes modulo `partitions`, exactly what the server's
-/// `{{partition(N,1)}}` mapping computes, so any client can tell which
+/// `{{partition(N,2)}}` mapping computes (over the token, its second
+/// wildcard), so any client can tell which
 /// partition (and so which owner) a conversation belongs to.
 pub fn partition_of_token(token: &str, partitions: u32) -> u32 {
     const OFFSET: u32 = 0x811c_9dc5;
