@@ -7,6 +7,8 @@
 //! - [`api`]: the request/reply API (pure handlers, JSON dispatch, NATS service).
 //! - [`summarizer`]: writing summaries (LLM, deterministic, external), with
 //!   deadlines, retries, validation and escalation (an adapter).
+//! - [`telemetry`]: every metric name, and the operational events that log
+//!   and count them.
 //! - [`secret`]: secrets that are never printed, and URLs without their
 //!   credentials.
 
@@ -16,9 +18,9 @@ pub mod core;
 pub mod demo;
 pub mod import;
 pub mod log;
-pub mod metrics;
 pub mod nats;
 pub mod runtime;
 pub mod secret;
 pub mod store;
 pub mod summarizer;
+pub mod telemetry;
