@@ -9,6 +9,7 @@
 //!   deadlines, retries, validation and escalation (an adapter).
 //! - [`telemetry`]: every metric name, and the operational events that log
 //!   and count them.
+//! - [`http`]: the operators' HTTP server (`/metrics`, `/healthz`, `/readyz`).
 //! - [`secret`]: secrets that are never printed, and URLs without their
 //!   credentials.
 
@@ -16,6 +17,7 @@ pub mod api;
 pub mod config;
 pub mod core;
 pub mod demo;
+pub mod http;
 pub mod import;
 pub mod log;
 pub mod nats;
