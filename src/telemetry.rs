@@ -89,7 +89,7 @@ pub const JOBS_RUNNING: &str = "contextfold_jobs_running";
 /// Jobs handed back to be retried after a delay (rate limit, spend window).
 pub const JOBS_RETRIED: &str = "contextfold_jobs_retried_total";
 /// Jobs dead-lettered; label `reason`: `undecodable`, `max_deliveries`,
-/// `payload_missing`.
+/// `deferred_too_often`, `unrunnable`.
 pub const JOBS_DEAD_LETTERED: &str = "contextfold_jobs_dead_lettered_total";
 
 // ---- sweeps and the summarizer ---------------------------------------------
@@ -111,8 +111,9 @@ pub const SUMMARIZER_TOKENS: &str = "contextfold_summarizer_tokens_total";
 /// Money the summarizer spent, in millionths of the configured currency
 /// unit; label `model`.
 pub const SUMMARIZER_COST_MICROS: &str = "contextfold_summarizer_cost_micros_total";
-/// Summaries refused by validation; label `kind` (`identifiers`,
-/// `reasoning`, `oversized`, `empty`, ...).
+/// Summaries refused by validation; label `kind` (`empty`,
+/// `reasoning_only`, `chain_of_thought`, `continuation`, `too_short`,
+/// `not_smaller`, `oversized`, `truncated`, `unusable`).
 pub const VALIDATION_REJECTIONS: &str = "contextfold_validation_rejections_total";
 /// Escalations after a refused or failed summary; label `kind`
 /// (`aggressive`, `fallback`).
@@ -592,20 +593,70 @@ impl JobRetried<'_> {
 
 /// A job was dead-lettered.
 pub struct JobDeadLettered<'a> {
+    pub conversation_id: &'a str,
     pub job_id: &'a str,
+    /// Deliveries so far.
+    pub delivered: i64,
+    /// A closed set: `undecodable`, `max_deliveries`, `deferred_too_often`,
+    /// `unrunnable`.
     pub reason: &'static str,
+    /// The full reason, for the log only.
     pub error: &'a str,
 }
 
 impl JobDeadLettered<'_> {
     pub fn emit(self) {
         tracing::warn!(
+            conversation_id = self.conversation_id,
             job_id = self.job_id,
+            delivered = self.delivered,
             reason = self.reason,
             error = self.error,
-            "job dead-lettered"
+            "dead-lettering job"
         );
         metrics::counter!(JOBS_DEAD_LETTERED, "reason" => self.reason).increment(1);
+    }
+}
+
+/// Validation refused a summary text.
+pub struct ValidationRejected {
+    /// A closed set: [`crate::summarizer::validation::Rejection::kind`],
+    /// or `unusable` for an answer that carried no text.
+    pub kind: &'static str,
+}
+
+impl ValidationRejected {
+    pub fn emit(self) {
+        metrics::counter!(VALIDATION_REJECTIONS, "kind" => self.kind).increment(1);
+    }
+}
+
+/// A summary escalated after a refusal or failure.
+pub struct Escalated {
+    /// `aggressive` (a retry with a tighter target) or `fallback` (the
+    /// deterministic summary, marked).
+    pub kind: &'static str,
+}
+
+impl Escalated {
+    pub fn emit(self) {
+        metrics::counter!(ESCALATIONS, "kind" => self.kind).increment(1);
+    }
+}
+
+/// A conversation's spend window closed: its allowance ran out and its
+/// compaction waits for the backoff.
+pub struct SpendWindowClosed<'a> {
+    pub conversation_id: &'a str,
+}
+
+impl SpendWindowClosed<'_> {
+    pub fn emit(self) {
+        tracing::info!(
+            conversation_id = self.conversation_id,
+            "spend window closed"
+        );
+        metrics::counter!(SPEND_WINDOWS_CLOSED).increment(1);
     }
 }
 

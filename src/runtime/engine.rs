@@ -255,7 +255,14 @@ impl<B: KvBackend> Engine<B> {
         let conversation = event.conversation.clone();
         let time = event.time;
         let decision = event.body.is_decision();
+        let backoff_before = self.backoff_until(&conversation);
         let outcome = fold::fold_owned(&mut self.state, &self.policy, event, None);
+        if self.backoff_until(&conversation) > backoff_before {
+            t::SpendWindowClosed {
+                conversation_id: &conversation,
+            }
+            .emit();
+        }
         match &outcome.status {
             FoldStatus::Applied => t::EventFolded.emit(),
             FoldStatus::Duplicate => {
@@ -308,6 +315,14 @@ impl<B: KvBackend> Engine<B> {
         }
         effects.decisions.extend(outcome.decisions);
         id
+    }
+
+    /// Until when the conversation's spend backoff runs (0: none).
+    fn backoff_until(&self, conversation: &str) -> u64 {
+        self.state
+            .conversations
+            .get(conversation)
+            .map_or(0, |c| c.spend.backoff_until)
     }
 
     /// Records a refusal: an `event_rejected` decision in the conversation

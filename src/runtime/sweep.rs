@@ -118,8 +118,7 @@ where
     S: PassSummarizer,
     F: FnMut(Envelope),
 {
-    let span =
-        tracing::info_span!("sweep", conversation = %snap.conversation, job = %snap.job.job_id);
+    let span = tracing::info_span!("sweep", conversation_id = %snap.conversation, job_id = %snap.job.job_id);
     // Instrumented rather than entered: an entered span guard held across
     // awaits makes the future !Send, and a NATS worker spawns it.
     sweep_in_span(snap, summarizer, deadline, &mut publish)
