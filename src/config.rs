@@ -485,6 +485,36 @@ mod tests {
     }
 
     #[test]
+    fn http_is_off_by_default_and_log_format_is_text() {
+        let c = Config::load_with_env(None, Vec::new()).unwrap();
+        assert_eq!(c.http.listen, None);
+        assert_eq!(c.log.format, LogFormat::Text);
+        let c = Config::load_with_env(
+            None,
+            env(&[
+                ("CONTEXTFOLD_HTTP__LISTEN", "127.0.0.1:9464"),
+                ("CONTEXTFOLD_LOG__FORMAT", "json"),
+                ("CONTEXTFOLD_LOG", "info"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(c.http.listen, Some("127.0.0.1:9464".parse().unwrap()));
+        assert_eq!(c.log.format, LogFormat::Json);
+        let err = Config::load_with_env(None, env(&[("CONTEXTFOLD_HTTP__LISTEN", "nowhere")]))
+            .unwrap_err();
+        assert!(err.to_string().contains("listen"), "{err}");
+        let err =
+            Config::load_with_env(None, env(&[("CONTEXTFOLD_HTTP__LISTENS", "x")])).unwrap_err();
+        assert!(
+            err.to_string().contains("CONTEXTFOLD_HTTP__LISTEN"),
+            "{err}"
+        );
+        let err =
+            Config::load_with_env(None, env(&[("CONTEXTFOLD_LOG__FORMAT", "xml")])).unwrap_err();
+        assert!(err.to_string().contains("format"), "{err}");
+    }
+
+    #[test]
     fn invalid_values_are_reported_not_replaced() {
         let err = Config::load_with_env(
             None,

@@ -84,7 +84,8 @@ pub const LEASE_HANDOVERS: &str = "contextfold_lease_handovers_total";
 pub const JOBS_ISSUED: &str = "contextfold_jobs_issued_total";
 /// Jobs waiting in the work queue, not yet taken (gauge).
 pub const JOBS_QUEUED: &str = "contextfold_jobs_queued";
-/// Jobs a summarizer of this process is working on (gauge).
+/// Jobs taken by a summarizer (of any process) and not yet acknowledged
+/// (gauge).
 pub const JOBS_RUNNING: &str = "contextfold_jobs_running";
 /// Jobs handed back to be retried after a delay (rate limit, spend window).
 pub const JOBS_RETRIED: &str = "contextfold_jobs_retried_total";
@@ -182,7 +183,11 @@ pub const FAMILIES: &[(&str, Kind, &str)] = &[
     ),
     (JOBS_ISSUED, Kind::Counter, "compaction jobs issued"),
     (JOBS_QUEUED, Kind::Gauge, "jobs waiting in the work queue"),
-    (JOBS_RUNNING, Kind::Gauge, "jobs being summarized here"),
+    (
+        JOBS_RUNNING,
+        Kind::Gauge,
+        "jobs taken by a summarizer, not yet acknowledged",
+    ),
     (
         JOBS_RETRIED,
         Kind::Counter,
@@ -718,6 +723,17 @@ mod tests {
                 ),
                 Kind::Gauge => assert!(!name.ends_with("_total"), "{name}"),
             }
+        }
+    }
+
+    #[test]
+    fn docs_operations_lists_every_family() {
+        let doc = include_str!("../docs/operations.md");
+        for &(name, _, _) in FAMILIES {
+            assert!(
+                doc.contains(&format!("`{name}`")),
+                "docs/operations.md does not list {name}"
+            );
         }
     }
 
