@@ -193,6 +193,64 @@ impl HttpListener {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use axum::body::Body;
+    use axum::http::Request;
+    use metrics_exporter_prometheus::PrometheusBuilder;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use tower::ServiceExt;
+
+    async fn call(router: &Router, path: &str) -> (StatusCode, String, String) {
+        let resp = router
+            .clone()
+            .oneshot(Request::get(path).body(Body::empty()).unwrap_or_default())
+            .await
+            .unwrap_or_else(|e| match e {});
+        let status = resp.status();
+        let ctype = resp
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string();
+        let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
+            .await
+            .unwrap_or_default();
+        (status, ctype, String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    #[tokio::test]
+    async fn readyz_follows_the_probe_and_healthz_always_answers() {
+        let ready = Arc::new(AtomicBool::new(false));
+        let probe: ReadyProbe = {
+            let ready = ready.clone();
+            Arc::new(move || {
+                ReadyReport::new(vec![if ready.load(Ordering::SeqCst) {
+                    Check::ok("leases")
+                } else {
+                    Check::failing("leases", "the first lease round has not completed")
+                }])
+            })
+        };
+        let router = router(OpsState {
+            metrics: PrometheusBuilder::new().build_recorder().handle(),
+            ready: probe,
+            refresh: None,
+        });
+        let (status, _, body) = call(&router, "/healthz").await;
+        assert_eq!((status, body.as_str()), (StatusCode::OK, "ok\n"));
+        let (status, ctype, body) = call(&router, "/readyz").await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+        assert_eq!(ctype, "application/json");
+        assert!(body.contains("first lease round"), "{body}");
+        ready.store(true, Ordering::SeqCst);
+        let (status, _, body) = call(&router, "/readyz").await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let (status, ctype, _) = call(&router, "/metrics").await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(ctype.starts_with("text/plain; version=0.0.4"), "{ctype}");
+        let (status, _, _) = call(&router, "/nope").await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+    }
 
     #[test]
     fn a_report_is_ready_only_when_every_check_passes() {

@@ -518,6 +518,15 @@ impl LeaseChanged<'_> {
             tracing::info!(partition = self.partition, change = ?self.change, reason = self.reason, "partition lease");
         }
         metrics::counter!(name).increment(1);
+        if self.change != LeaseChange::Acquired {
+            // The new holder reports the partition's lag: a stale value
+            // here would alert on a partition this process no longer reads.
+            ConsumerLag {
+                partition: self.partition,
+                pending: 0,
+            }
+            .emit();
+        }
     }
 }
 

@@ -131,6 +131,7 @@ async fn prometheus_scrapes_serve_and_readiness_follows_nats() {
     let mut serve = tokio::process::Command::new(env!("CARGO_BIN_EXE_contextfold"))
         .arg("--data")
         .arg(dir.path().join("serve"))
+        .args(["--log-format", "json"])
         .args(["serve", "--nats", &server.url(), "--http", &target])
         .env_remove("CONTEXTFOLD_CONFIG")
         .env(
@@ -225,5 +226,20 @@ async fn prometheus_scrapes_serve_and_readiness_follows_nats() {
 
     let _ = serve.start_kill();
     let _ = serve.wait().await;
+
+    // --log-format json: every log line is one JSON object; the banner
+    // lines of the command stay plain text.
+    let log = serve_log();
+    let events: Vec<serde_json::Value> = log
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    assert!(
+        events
+            .iter()
+            .any(|e| e["fields"]["message"] == "folder role started" && e["level"] == "INFO"),
+        "{log}"
+    );
     drop(prom);
 }

@@ -141,16 +141,22 @@ pub fn serve(
             Some(addr) => Some(OpsHttp::start(addr).await?),
             None => None,
         };
-        let opts = (opts, ops);
         // The summarizer role uses the model when `[summarizer]` is
         // configured (behind the team's external summarizer when that is),
         // else the deterministic summarizer.
         match &config.summarizer {
             None => {
-                run_until_signal(opts, Arc::new(Deterministic), &servers, "deterministic").await
+                run_until_signal(
+                    opts,
+                    ops,
+                    Arc::new(Deterministic),
+                    &servers,
+                    "deterministic",
+                )
+                .await
             }
             Some(cfg) if cfg.external.is_some() => {
-                let (client, _) = opts.0.nats.connection.connect().await.with_context(|| {
+                let (client, _) = opts.nats.connection.connect().await.with_context(|| {
                     format!("connecting to {servers} for the external summarizer")
                 })?;
                 let pass = ExternalPass::external(cfg, client)
@@ -164,12 +170,12 @@ pub fn serve(
                     cfg.model,
                     redact_url(&cfg.base_url)
                 );
-                run_until_signal(opts, Arc::new(pass), &servers, &name).await
+                run_until_signal(opts, ops, Arc::new(pass), &servers, &name).await
             }
             Some(cfg) => {
                 let pass = LlmPass::llm(cfg).context("building the model summarizer")?;
                 let name = format!("{} at {}", cfg.model, redact_url(&cfg.base_url));
-                run_until_signal(opts, Arc::new(pass), &servers, &name).await
+                run_until_signal(opts, ops, Arc::new(pass), &servers, &name).await
             }
         }
     })
@@ -255,7 +261,8 @@ impl OpsHttp {
 }
 
 async fn run_until_signal<S: PassSummarizer + 'static>(
-    (opts, ops): (ServeOptions, Option<OpsHttp>),
+    opts: ServeOptions,
+    ops: Option<OpsHttp>,
     summarizer: Arc<S>,
     servers: &str,
     name: &str,
