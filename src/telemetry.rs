@@ -31,8 +31,8 @@
 #![allow(clippy::disallowed_macros)]
 
 use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
-use metrics_exporter_prometheus::{BuildError, PrometheusBuilder, PrometheusHandle};
-use std::sync::OnceLock;
+use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, PrometheusHandle};
+use std::sync::Mutex;
 use std::time::Duration;
 
 /// The field names every operational log line uses for the same things.
@@ -277,53 +277,61 @@ pub enum TelemetryError {
          installed in this process; install contextfold's first)"
     )]
     Install(#[source] BuildError),
+    #[error("invalid histogram buckets for {family}: {source} (a bug: please report it)")]
+    Buckets {
+        family: &'static str,
+        #[source]
+        source: BuildError,
+    },
 }
 
-static PROMETHEUS: OnceLock<PrometheusHandle> = OnceLock::new();
+static PROMETHEUS: Mutex<Option<PrometheusHandle>> = Mutex::new(None);
+
+const SECONDS_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0, 120.0, 300.0,
+];
+const BYTES_BUCKETS: &[f64] = &[
+    256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0, 1048576.0, 4194304.0,
+];
+const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0];
 
 /// Installs the Prometheus recorder for the whole process (once; later
 /// calls return the same handle) and describes every family.
 pub fn install_prometheus() -> Result<PrometheusHandle, TelemetryError> {
-    if let Some(h) = PROMETHEUS.get() {
+    let mut slot = PROMETHEUS.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(h) = slot.as_ref() {
         return Ok(h.clone());
     }
-    let builder = PrometheusBuilder::new()
-        .set_buckets_for_metric(
-            metrics_exporter_prometheus::Matcher::Suffix("_seconds".into()),
-            &[
-                0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                10.0, 30.0, 60.0, 120.0, 300.0,
-            ],
-        )
-        .and_then(|b| {
-            b.set_buckets_for_metric(
-                metrics_exporter_prometheus::Matcher::Suffix("_bytes".into()),
-                &[
-                    256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0, 1048576.0, 4194304.0,
-                ],
-            )
-        })
-        .and_then(|b| {
-            b.set_buckets_for_metric(
-                metrics_exporter_prometheus::Matcher::Full(BATCH_SIZE.into()),
-                &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0],
-            )
-        })
+    let buckets = |b: PrometheusBuilder, family: &'static str, m: Matcher, v: &[f64]| {
+        b.set_buckets_for_metric(m, v)
+            .map_err(|source| TelemetryError::Buckets { family, source })
+    };
+    let builder = PrometheusBuilder::new();
+    let builder = buckets(
+        builder,
+        "*_seconds",
+        Matcher::Suffix("_seconds".into()),
+        SECONDS_BUCKETS,
+    )?;
+    let builder = buckets(
+        builder,
+        "*_bytes",
+        Matcher::Suffix("_bytes".into()),
+        BYTES_BUCKETS,
+    )?;
+    let builder = buckets(
+        builder,
+        BATCH_SIZE,
+        Matcher::Full(BATCH_SIZE.into()),
+        BATCH_BUCKETS,
+    )?;
+    let handle = builder
+        .install_recorder()
         .map_err(TelemetryError::Install)?;
-    let mut installed = None;
-    let handle = PROMETHEUS.get_or_init(|| match builder.install_recorder() {
-        Ok(h) => h,
-        Err(e) => {
-            installed = Some(e);
-            // A handle that renders an empty page: the caller gets the error.
-            PrometheusBuilder::new().build_recorder().handle()
-        }
-    });
-    if let Some(e) = installed {
-        return Err(TelemetryError::Install(e));
-    }
     describe();
-    Ok(handle.clone())
+    *slot = Some(handle.clone());
+    Ok(handle)
 }
 
 // ---- operational events ----------------------------------------------------

@@ -224,6 +224,17 @@ async fn prometheus_scrapes_serve_and_readiness_follows_nats() {
     let up = prom.query(&http, "up{job=\"contextfold\"}").await;
     assert_eq!(up, Some(1.0));
 
+    // Histograms are histograms (buckets a dashboard can take quantiles
+    // of), with the buckets src/telemetry.rs sets.
+    let (_, text) = get(&http, &format!("{base}/metrics")).await.unwrap();
+    for series in [
+        "contextfold_folder_batch_records_bucket{le=\"512\"}",
+        "contextfold_state_commit_seconds_bucket{le=\"0.0005\"}",
+        "contextfold_state_commits_total",
+    ] {
+        assert!(text.contains(series), "{series} missing:\n{text}");
+    }
+
     let _ = serve.start_kill();
     let _ = serve.wait().await;
 
