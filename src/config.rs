@@ -32,14 +32,22 @@ use std::path::{Path, PathBuf};
 pub const DEFAULT_DATA_DIR: &str = ".contextfold";
 
 /// Top-level sections an environment override may name.
-const SECTIONS: [&str; 5] = ["data_dir", "store", "policy", "summarizer", "nats"];
+const SECTIONS: [&str; 7] = [
+    "data_dir",
+    "store",
+    "policy",
+    "summarizer",
+    "nats",
+    "http",
+    "log",
+];
 
 /// `CONTEXTFOLD_*` variables that are not configuration keys, skipped by
 /// the loader: the config file and log filter of the binary, where the
 /// tests find nats-server and the mock LLM servers and whether they must,
-/// golden-file blessing, shared test data and the store crash test's
-/// directory.
-pub const NON_CONFIG_VARS: [&str; 9] = [
+/// golden-file blessing, shared test data, the store crash test's
+/// directory, and where the tests find Prometheus and whether they must.
+pub const NON_CONFIG_VARS: [&str; 11] = [
     "CONTEXTFOLD_CONFIG",
     "CONTEXTFOLD_LOG",
     "CONTEXTFOLD_VENV",
@@ -49,6 +57,8 @@ pub const NON_CONFIG_VARS: [&str; 9] = [
     "CONTEXTFOLD_BLESS",
     "CONTEXTFOLD_SHARED_DATA",
     "CONTEXTFOLD_STORE_CRASH_DIR",
+    "CONTEXTFOLD_PROMETHEUS",
+    "CONTEXTFOLD_REQUIRE_PROMETHEUS",
 ];
 
 /// Prefixes of benchmark knobs (`CONTEXTFOLD_BENCH_SCALE`, ...), skipped
@@ -149,6 +159,42 @@ pub struct Config {
     pub summarizer: Option<SummarizerConfig>,
     /// How `serve` and `publish` reach NATS, and the JetStream layout.
     pub nats: NatsConfig,
+    /// The operators' HTTP server of `serve` (`/metrics`, `/healthz`,
+    /// `/readyz`); off unless `listen` is set.
+    pub http: HttpConfig,
+    /// How the binary logs.
+    pub log: LogConfig,
+}
+
+/// `[http]`: the operators' HTTP server of `serve`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HttpConfig {
+    /// Address to listen on (`127.0.0.1:9464`); unset (the default): no
+    /// HTTP server. `serve --http ADDR` overrides it. The endpoints carry
+    /// no authentication: keep it on loopback or a private network.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub listen: Option<std::net::SocketAddr>,
+}
+
+/// `[log]`: the binary's log output (the filter is `CONTEXTFOLD_LOG`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogConfig {
+    /// `text` (default) or `json` (one object a line, for log pipelines);
+    /// `--log-format` overrides it.
+    pub format: LogFormat,
+}
+
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines on stderr.
+    #[default]
+    Text,
+    /// One JSON object a line on stderr, with the span fields.
+    Json,
 }
 
 impl Default for Config {
@@ -159,6 +205,8 @@ impl Default for Config {
             policy: PolicyConfig::default(),
             summarizer: None,
             nats: NatsConfig::default(),
+            http: HttpConfig::default(),
+            log: LogConfig::default(),
         }
     }
 }
@@ -210,7 +258,7 @@ pub enum ConfigError {
     #[error(
         "environment variable {var} is not a configuration key ({reason}); the nearest \
          known one is {nearest}. Overrides are CONTEXTFOLD_<SECTION>__<KEY> with sections \
-         data_dir, store, policy, summarizer and nats; the variables that are not keys are \
+         data_dir, store, policy, summarizer, nats, http and log; the variables that are not keys are \
          listed in the README"
     )]
     UnknownEnv {
@@ -434,6 +482,36 @@ mod tests {
         assert_eq!(c.data_dir, PathBuf::from("/tmp/x"));
         assert_eq!(c.policy.ignore_sessions, vec!["cron:**".parse().unwrap()]);
         assert_eq!(c.policy.fresh_tail_count, 64);
+    }
+
+    #[test]
+    fn http_is_off_by_default_and_log_format_is_text() {
+        let c = Config::load_with_env(None, Vec::new()).unwrap();
+        assert_eq!(c.http.listen, None);
+        assert_eq!(c.log.format, LogFormat::Text);
+        let c = Config::load_with_env(
+            None,
+            env(&[
+                ("CONTEXTFOLD_HTTP__LISTEN", "127.0.0.1:9464"),
+                ("CONTEXTFOLD_LOG__FORMAT", "json"),
+                ("CONTEXTFOLD_LOG", "info"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(c.http.listen, Some("127.0.0.1:9464".parse().unwrap()));
+        assert_eq!(c.log.format, LogFormat::Json);
+        let err = Config::load_with_env(None, env(&[("CONTEXTFOLD_HTTP__LISTEN", "nowhere")]))
+            .unwrap_err();
+        assert!(err.to_string().contains("listen"), "{err}");
+        let err =
+            Config::load_with_env(None, env(&[("CONTEXTFOLD_HTTP__LISTENS", "x")])).unwrap_err();
+        assert!(
+            err.to_string().contains("CONTEXTFOLD_HTTP__LISTEN"),
+            "{err}"
+        );
+        let err =
+            Config::load_with_env(None, env(&[("CONTEXTFOLD_LOG__FORMAT", "xml")])).unwrap_err();
+        assert!(err.to_string().contains("format"), "{err}");
     }
 
     #[test]

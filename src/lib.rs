@@ -7,6 +7,9 @@
 //! - [`api`]: the request/reply API (pure handlers, JSON dispatch, NATS service).
 //! - [`summarizer`]: writing summaries (LLM, deterministic, external), with
 //!   deadlines, retries, validation and escalation (an adapter).
+//! - [`telemetry`]: every metric name, and the operational events that log
+//!   and count them.
+//! - [`http`]: the operators' HTTP server (`/metrics`, `/healthz`, `/readyz`).
 //! - [`secret`]: secrets that are never printed, and URLs without their
 //!   credentials.
 
@@ -14,11 +17,12 @@ pub mod api;
 pub mod config;
 pub mod core;
 pub mod demo;
+pub mod http;
 pub mod import;
 pub mod log;
-pub mod metrics;
 pub mod nats;
 pub mod runtime;
 pub mod secret;
 pub mod store;
 pub mod summarizer;
+pub mod telemetry;

@@ -296,11 +296,20 @@ pub fn answer(
     // serving task down or leave the caller waiting.
     let run = AssertUnwindSafe(|| -> Result<Vec<u8>, ApiError> {
         Ok(match op {
-            Op::Assemble => encode(&assemble::assemble_borrowed(
-                state,
-                policy,
-                &parse_request(op, body)?,
-            )?),
+            Op::Assemble => {
+                let started = std::time::Instant::now();
+                let reply = encode(&assemble::assemble_borrowed(
+                    state,
+                    policy,
+                    &parse_request(op, body)?,
+                )?);
+                crate::telemetry::Assembled {
+                    elapsed: started.elapsed(),
+                    reply_bytes: reply.len(),
+                }
+                .emit();
+                reply
+            }
             Op::Status => encode(&status::status(state, policy, &parse_request(op, body)?)?),
             Op::Grep => encode(&grep::grep(state, &parse_request(op, body)?)?),
             Op::Describe => encode(&describe::describe(state, &parse_request(op, body)?)?),

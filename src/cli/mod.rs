@@ -15,7 +15,7 @@ use contextfold::api::{
     AssembleRequest, CompactRequest, DescribeRequest, ExpandRequest, GrepRequest, HistoryRequest,
     StatusRequest,
 };
-use contextfold::config::Config;
+use contextfold::config::{Config, LogFormat};
 use contextfold::core::assembly::AssemblyRequest;
 use query::{Output, Query};
 use std::path::PathBuf;
@@ -35,6 +35,11 @@ pub struct Cli {
     /// the same for every subcommand).
     #[arg(long, global = true)]
     pub data: Option<PathBuf>,
+    /// Log format on stderr: text or json (default `[log] format`, text).
+    /// The filter is `CONTEXTFOLD_LOG` (default `warn`, e.g.
+    /// `CONTEXTFOLD_LOG=contextfold=info`).
+    #[arg(long, global = true, value_name = "FORMAT")]
+    pub log_format: Option<LogFormat>,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -200,6 +205,11 @@ pub enum Command {
         /// Compaction jobs run at once by the summarizer role.
         #[arg(long)]
         concurrency: Option<usize>,
+        /// Serve /metrics, /healthz and /readyz on this address
+        /// (`127.0.0.1:9464`; overrides `[http] listen`). Unauthenticated:
+        /// keep it on loopback or a private network.
+        #[arg(long, value_name = "ADDR")]
+        http: Option<std::net::SocketAddr>,
     },
     /// Publish inbound events to NATS as an agent would (Nats-Msg-Id = event id).
     Publish {
@@ -214,11 +224,32 @@ pub enum Command {
     },
 }
 
+/// Logs to stderr, filtered by `CONTEXTFOLD_LOG` (default `warn`).
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("CONTEXTFOLD_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder
+            .json()
+            .with_current_span(true)
+            .with_span_list(false)
+            .init(),
+    }
+}
+
 pub fn run(cli: Cli) -> Result<ExitCode> {
     let mut config = Config::load(cli.config.as_deref()).context("loading configuration")?;
     if let Some(d) = cli.data {
         config.data_dir = d;
     }
+    if let Some(f) = cli.log_format {
+        config.log.format = f;
+    }
+    init_logging(config.log.format);
     match cli.command {
         Command::Import { format, file } => local::import(&format, &file),
         Command::ClassifyErrors => local::classify_errors(),
@@ -262,7 +293,13 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
             nats,
             roles,
             concurrency,
-        } => serve::serve(&config, &nats, roles, concurrency),
+            http,
+        } => {
+            if let Some(addr) = http {
+                config.http.listen = Some(addr);
+            }
+            serve::serve(&config, &nats, roles, concurrency)
+        }
         Command::Publish { nats, file, format } => {
             publish::publish(&config, &nats, file.as_deref(), &format)
         }

@@ -4,14 +4,19 @@
 use anyhow::{Context, Result};
 use clap::Args;
 use contextfold::config::Config;
+use contextfold::http::{Check, HttpListener, OpsState, ReadyProbe, ReadyReport, Refresh};
 use contextfold::nats::serve::{shutdown_signal, Roles, ServeOptions, Service};
 use contextfold::nats::NatsConfig;
 use contextfold::runtime::llm_pass::{ExternalPass, LlmPass};
 use contextfold::runtime::sweep::{Deterministic, PassSummarizer};
 use contextfold::secret::{redact_url, Secret};
+use contextfold::telemetry;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::sync::RwLock;
+use tokio::sync::watch;
 
 /// How to reach NATS; each flag overrides `[nats.connection]`.
 #[derive(Debug, Clone, Args)]
@@ -130,13 +135,25 @@ pub fn serve(
         opts.summarizer.concurrency = n.max(1);
     }
     let servers = opts.nats.connection.display_servers();
+    let http = config.http.listen;
     runtime()?.block_on(async {
+        let ops = match http {
+            Some(addr) => Some(OpsHttp::start(addr).await?),
+            None => None,
+        };
         // The summarizer role uses the model when `[summarizer]` is
         // configured (behind the team's external summarizer when that is),
         // else the deterministic summarizer.
         match &config.summarizer {
             None => {
-                run_until_signal(opts, Arc::new(Deterministic), &servers, "deterministic").await
+                run_until_signal(
+                    opts,
+                    ops,
+                    Arc::new(Deterministic),
+                    &servers,
+                    "deterministic",
+                )
+                .await
             }
             Some(cfg) if cfg.external.is_some() => {
                 let (client, _) = opts.nats.connection.connect().await.with_context(|| {
@@ -153,19 +170,99 @@ pub fn serve(
                     cfg.model,
                     redact_url(&cfg.base_url)
                 );
-                run_until_signal(opts, Arc::new(pass), &servers, &name).await
+                run_until_signal(opts, ops, Arc::new(pass), &servers, &name).await
             }
             Some(cfg) => {
                 let pass = LlmPass::llm(cfg).context("building the model summarizer")?;
                 let name = format!("{} at {}", cfg.model, redact_url(&cfg.base_url));
-                run_until_signal(opts, Arc::new(pass), &servers, &name).await
+                run_until_signal(opts, ops, Arc::new(pass), &servers, &name).await
             }
         }
     })
 }
 
+/// The operators' HTTP server, listening from before NATS is reached so
+/// `/healthz` answers and `/readyz` says 503 while `serve` starts.
+struct OpsHttp {
+    addr: SocketAddr,
+    /// The running service's readiness and gauge refresh, once started.
+    service: Arc<RwLock<Option<(ReadyProbe, Refresh)>>>,
+    stop: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl OpsHttp {
+    async fn start(addr: SocketAddr) -> Result<OpsHttp> {
+        let metrics = telemetry::install_prometheus()?;
+        let listener = HttpListener::bind(addr).await?;
+        let addr = listener.local_addr();
+        let service: Arc<RwLock<Option<(ReadyProbe, Refresh)>>> = Arc::default();
+        let ready: ReadyProbe = {
+            let service = service.clone();
+            Arc::new(move || {
+                let slot = service.read().unwrap_or_else(|p| p.into_inner());
+                match slot.as_ref() {
+                    Some((probe, _)) => probe(),
+                    None => ReadyReport::new(vec![Check::failing(
+                        "streams",
+                        "connecting to NATS and validating the JetStream streams",
+                    )]),
+                }
+            })
+        };
+        let refresh: Refresh = {
+            let service = service.clone();
+            Arc::new(move || {
+                let refresh = service
+                    .read()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .as_ref()
+                    .map(|(_, r)| r.clone());
+                Box::pin(async move {
+                    if let Some(r) = refresh {
+                        r().await;
+                    }
+                })
+            })
+        };
+        let (stop, mut stop_rx) = watch::channel(false);
+        let state = OpsState {
+            metrics,
+            ready,
+            refresh: Some(refresh),
+        };
+        let task = tokio::spawn(async move {
+            let shutdown = async move {
+                let _ = stop_rx.wait_for(|s| *s).await;
+            };
+            if let Err(e) = listener.serve(state, shutdown).await {
+                tracing::error!(error = %e, "HTTP server stopped");
+            }
+        });
+        eprintln!("contextfold serve: /metrics, /healthz, /readyz on http://{addr}");
+        Ok(OpsHttp {
+            addr,
+            service,
+            stop,
+            task,
+        })
+    }
+
+    fn attach(&self, service: &Service) {
+        let mut slot = self.service.write().unwrap_or_else(|p| p.into_inner());
+        *slot = Some((service.readiness(), service.metrics_refresh()));
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(true);
+        let _ = self.task.await;
+        tracing::debug!(addr = %self.addr, "HTTP server stopped");
+    }
+}
+
 async fn run_until_signal<S: PassSummarizer + 'static>(
     opts: ServeOptions,
+    ops: Option<OpsHttp>,
     summarizer: Arc<S>,
     servers: &str,
     name: &str,
@@ -173,6 +270,9 @@ async fn run_until_signal<S: PassSummarizer + 'static>(
     let service = Service::start(opts, summarizer)
         .await
         .with_context(|| format!("starting contextfold serve against {servers}"))?;
+    if let Some(ops) = &ops {
+        ops.attach(&service);
+    }
     eprintln!(
         "contextfold serve: roles {} on nats-server {} at {servers}{}, summarizer {name}; Ctrl-C or SIGTERM stops",
         service.roles(),
@@ -185,6 +285,9 @@ async fn run_until_signal<S: PassSummarizer + 'static>(
     shutdown_signal().await;
     eprintln!("contextfold serve: stopping (finishing in-flight work, releasing leases)");
     service.shutdown().await;
+    if let Some(ops) = ops {
+        ops.stop().await;
+    }
     eprintln!("contextfold serve: stopped");
     Ok(ExitCode::SUCCESS)
 }

@@ -496,6 +496,13 @@ impl NatsOptions {
                 servers: self.display_servers(),
                 detail: connect_detail(&e, &auth),
             })?;
+        if self.retry_on_initial_connect {
+            // The client is handed back before its first connection, and
+            // the server's version is known only once it is connected.
+            while client.connection_state() != async_nats::connection::State::Connected {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
         let version = check_server(&client)?;
         Ok((client, version))
     }

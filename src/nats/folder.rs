@@ -56,6 +56,7 @@ use crate::nats::subjects::Subjects;
 use crate::nats::NatsError;
 use crate::runtime::engine::{Effects, Engine};
 use crate::store::{KvBackend, StoreError};
+use crate::telemetry;
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::context::PublishAckFuture;
 use async_nats::jetstream::object_store::ObjectStore;
@@ -533,6 +534,16 @@ impl<B: KvBackend + 'static> FolderRole<B> {
             last_seq = records.last().map_or(0, |r| r.position),
             events = records.len()
         );
+        telemetry::BatchFolded {
+            partition: p,
+            records: records.len(),
+        }
+        .emit();
+        telemetry::ConsumerLag {
+            partition: p,
+            pending,
+        }
+        .emit();
         let folding = engine.clone();
         let (effects, position, holding) = tokio::task::spawn_blocking(move || {
             let _enter = span.enter();

@@ -29,11 +29,13 @@
 
 use crate::nats::config::NatsConfig;
 use crate::nats::NatsError;
+use crate::telemetry::{LeaseChange, LeaseChanged, PartitionsHeld};
 use async_nats::jetstream::kv::{self, Operation, UpdateErrorKind};
 use bytes::Bytes;
 use futures::TryStreamExt;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
@@ -276,6 +278,9 @@ pub struct PartitionLeases {
     member: String,
     settings: LeaseSettings,
     held: Arc<Mutex<BTreeMap<u32, Lease>>>,
+    /// Set after the first round that listed the members and claimed this
+    /// member's share: the process has joined (for `/readyz`).
+    joined: Arc<AtomicBool>,
     failures: u64,
     /// Where events go the moment they happen when running as a task (a
     /// release waits for the worker, which must hear of it first).
@@ -316,6 +321,7 @@ impl PartitionLeases {
             member,
             settings,
             held: Arc::new(Mutex::new(BTreeMap::new())),
+            joined: Arc::new(AtomicBool::new(false)),
             failures: 0,
             sink: None,
         })
@@ -338,6 +344,7 @@ impl PartitionLeases {
     pub fn table(&self) -> LeaseTable {
         LeaseTable {
             held: self.held.clone(),
+            joined: self.joined.clone(),
         }
     }
 
@@ -361,6 +368,25 @@ impl PartitionLeases {
     }
 
     fn emit(&self, events: &mut Vec<LeaseEvent>, event: LeaseEvent) {
+        let (partition, change, reason) = match &event {
+            LeaseEvent::Acquired(lease) => (lease.partition(), LeaseChange::Acquired, ""),
+            LeaseEvent::Released { partition } => {
+                (*partition, LeaseChange::HandedOver, "rebalance or leave")
+            }
+            LeaseEvent::Lost { partition, reason } => {
+                (*partition, LeaseChange::Lost, reason.as_str())
+            }
+        };
+        LeaseChanged {
+            partition,
+            change,
+            reason,
+        }
+        .emit();
+        PartitionsHeld {
+            count: lock(&self.held).len(),
+        }
+        .emit();
         match &self.sink {
             Some(sink) => {
                 let _ = sink.send(event);
@@ -410,6 +436,7 @@ impl PartitionLeases {
         } else if held_now < share {
             self.claim(share - held_now, &mut events).await;
         }
+        self.joined.store(true, Ordering::Release);
         events
     }
 
@@ -618,6 +645,7 @@ impl PartitionLeases {
 #[derive(Clone)]
 pub struct LeaseTable {
     held: Arc<Mutex<BTreeMap<u32, Lease>>>,
+    joined: Arc<AtomicBool>,
 }
 
 impl LeaseTable {
@@ -627,6 +655,12 @@ impl LeaseTable {
             .get(&partition)
             .filter(|l| l.still_held())
             .cloned()
+    }
+
+    /// Whether a renewal round has completed: the member is listed and has
+    /// claimed what it could of its share.
+    pub fn joined(&self) -> bool {
+        self.joined.load(Ordering::Acquire)
     }
 
     /// Partitions held and still valid, ascending.

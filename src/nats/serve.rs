@@ -20,6 +20,7 @@
 
 use crate::api::nats_service::{self, EngineView, HeldEngines, ServiceConfig};
 use crate::core::policy::PolicyConfig;
+use crate::http::{Check, ReadyProbe, ReadyReport, Refresh};
 use crate::nats::config::NatsConfig;
 use crate::nats::folder::{EngineFactory, EngineMap, FolderRole, FolderSettings};
 use crate::nats::leases::{generate_member_id, LeaseRunner, LeaseSettings, PartitionLeases};
@@ -31,6 +32,7 @@ use crate::runtime::engine::Engine;
 use crate::runtime::sweep::PassSummarizer;
 use crate::store::redb_backend::RedbBackend;
 use crate::store::StoreError;
+use crate::telemetry;
 use async_nats::jetstream;
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -319,6 +321,87 @@ impl Service {
 
     pub fn roles(&self) -> Roles {
         self.roles
+    }
+
+    /// The readiness of this process, for `/readyz` (see [`crate::http`]):
+    /// connected to NATS, partition leases joined (when folding or
+    /// answering), no held partition retrying a failed fold or publish.
+    /// The streams were validated by [`Service::start`] before this exists.
+    pub fn readiness(&self) -> ReadyProbe {
+        let client = self.client.clone();
+        let table = self.leases.as_ref().map(LeaseRunner::table);
+        let engines = self.engines.clone();
+        Arc::new(move || {
+            let mut checks = vec![Check::ok("streams")];
+            checks.push(match client.connection_state() {
+                async_nats::connection::State::Connected => Check::ok("connected"),
+                other => Check::failing("connected", format!("NATS connection is {other}")),
+            });
+            if let Some(table) = &table {
+                checks.push(if table.joined() {
+                    Check::ok("leases")
+                } else {
+                    Check::failing("leases", "the first lease round has not completed")
+                });
+            }
+            if let Some(engines) = &engines {
+                let stalled: Vec<String> = engines
+                    .partitions()
+                    .into_iter()
+                    .filter_map(|p| engines.health(p))
+                    .filter(|h| h.retrying)
+                    .map(|h| {
+                        format!(
+                            "partition {} retrying: {}",
+                            h.partition,
+                            h.last_error.as_deref().unwrap_or("unknown error")
+                        )
+                    })
+                    .collect();
+                checks.push(if stalled.is_empty() {
+                    Check::ok("partitions")
+                } else {
+                    Check::failing("partitions", stalled.join("; "))
+                });
+            }
+            ReadyReport::new(checks)
+        })
+    }
+
+    /// Reads the gauges that cost a JetStream request (consumer lag per
+    /// held partition, jobs queued and in flight), for each `/metrics`
+    /// scrape. A failed read leaves the gauge at its last value.
+    pub fn metrics_refresh(&self) -> Refresh {
+        let events = self.infra.events.clone();
+        let jobs = self.infra.jobs.clone();
+        let subjects = self.infra.subjects.clone();
+        let engines = self.engines.clone();
+        Arc::new(move || {
+            let events = events.clone();
+            let jobs = jobs.clone();
+            let subjects = subjects.clone();
+            let engines = engines.clone();
+            Box::pin(async move {
+                let held = engines.map(|e| e.partitions()).unwrap_or_default();
+                telemetry::PartitionsHeld { count: held.len() }.emit();
+                for p in held {
+                    if let Ok(info) = events.consumer_info(subjects.folder_consumer(p)).await {
+                        telemetry::ConsumerLag {
+                            partition: p,
+                            pending: info.num_pending,
+                        }
+                        .emit();
+                    }
+                }
+                if let Ok(info) = jobs.consumer_info(subjects.summarizer_consumer()).await {
+                    telemetry::JobQueue {
+                        queued: info.num_pending,
+                        running: info.num_ack_pending as u64,
+                    }
+                    .emit();
+                }
+            })
+        })
     }
 
     /// The lease member id, when folding.

@@ -37,6 +37,7 @@ use crate::nats::setup::Infrastructure;
 use crate::nats::subjects::Subjects;
 use crate::nats::NatsError;
 use crate::runtime::sweep::{run_sweep, PassSummarizer};
+use crate::telemetry;
 use async_nats::jetstream::consumer::{pull, PullConsumer};
 use async_nats::jetstream::context::PublishAckFuture;
 use async_nats::jetstream::message::AckKind;
@@ -48,6 +49,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
+use tracing::Instrument;
 
 /// Header naming why a job was dead-lettered.
 pub const DEAD_REASON_HEADER: &str = "Contextfold-Dead-Reason";
@@ -244,7 +246,13 @@ impl<S: PassSummarizer + 'static> SummarizerRole<S> {
             match self.next_job().await {
                 Ok(Some(message)) => {
                     backoff = self.settings.retry_backoff;
-                    let outcome = self.handle(message, &mut shutdown).await;
+                    let span = tracing::info_span!(
+                        "summarizer_job",
+                        stream_seq = message.info().map_or(0, |i| i.stream_sequence),
+                        job_id = tracing::field::Empty,
+                        conversation_id = tracing::field::Empty,
+                    );
+                    let outcome = self.handle(message, &mut shutdown).instrument(span).await;
                     self.record(outcome);
                 }
                 Ok(None) => {}
@@ -288,6 +296,13 @@ impl<S: PassSummarizer + 'static> SummarizerRole<S> {
                 return;
             }
         };
+        if let JobOutcome::Deferred { job_id, delay } = &outcome {
+            telemetry::JobRetried {
+                job_id,
+                delay: *delay,
+            }
+            .emit();
+        }
         let c = &self.counters;
         match &outcome {
             JobOutcome::Done { .. } => c.done.fetch_add(1, Ordering::Relaxed),
@@ -314,9 +329,14 @@ impl<S: PassSummarizer + 'static> SummarizerRole<S> {
             Err(e) => {
                 // Undecodable bytes never become runnable: dead-letter now.
                 let reason = format!("undecodable job: {e}");
-                return self.dead_letter(&message, None, delivered, reason).await;
+                return self
+                    .dead_letter(&message, None, delivered, "undecodable", reason)
+                    .await;
             }
         };
+        let span = tracing::Span::current();
+        span.record("job_id", job.job_id.as_str());
+        span.record("conversation_id", job.conversation.as_str());
         let max = self.settings.max_deliver;
         if max > 1 && delivered >= max {
             let reason = format!(
@@ -324,7 +344,7 @@ impl<S: PassSummarizer + 'static> SummarizerRole<S> {
                  were deferred each time)"
             );
             return self
-                .dead_letter(&message, Some(&job), delivered, reason)
+                .dead_letter(&message, Some(&job), delivered, "max_deliveries", reason)
                 .await;
         }
         let job_id = job.job_id.clone();
@@ -336,15 +356,21 @@ impl<S: PassSummarizer + 'static> SummarizerRole<S> {
                     "could not run by its last delivery (last: retry after {} ms)",
                     delay.as_millis()
                 );
-                self.dead_letter(&message, Some(&job), delivered, reason)
-                    .await
+                self.dead_letter(
+                    &message,
+                    Some(&job),
+                    delivered,
+                    "deferred_too_often",
+                    reason,
+                )
+                .await
             }
             Ok(Ran::Deferred(delay)) => {
                 let _ = message.ack_with(AckKind::Nak(Some(delay))).await;
                 Ok(JobOutcome::Deferred { job_id, delay })
             }
             Err(Unrunnable::Bad(reason)) if delivered >= max => {
-                self.dead_letter(&message, Some(&job), delivered, reason)
+                self.dead_letter(&message, Some(&job), delivered, "unrunnable", reason)
                     .await
             }
             Err(Unrunnable::Bad(reason)) => {
@@ -489,6 +515,7 @@ impl<S: PassSummarizer + 'static> SummarizerRole<S> {
         message: &jetstream::Message,
         job: Option<&JobMessage>,
         delivered: i64,
+        kind: &'static str,
         reason: String,
     ) -> Result<JobOutcome, NatsError> {
         let conversation = match job {
@@ -505,7 +532,14 @@ impl<S: PassSummarizer + 'static> SummarizerRole<S> {
             || format!("seq-{}", message.info().map_or(0, |i| i.stream_sequence)),
             |j| j.job_id.clone(),
         );
-        tracing::warn!(job = %job_id, %conversation, delivered, "dead-lettering job: {reason}");
+        telemetry::JobDeadLettered {
+            conversation_id: &conversation,
+            job_id: &job_id,
+            delivered,
+            reason: kind,
+            error: &reason,
+        }
+        .emit();
         let subject = if conversation.is_empty() {
             format!("{}.dead.unknown", self.subjects.prefix())
         } else {

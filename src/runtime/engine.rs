@@ -29,9 +29,9 @@ use crate::core::policy::PolicyConfig;
 use crate::core::state::State;
 use crate::core::sweep::{self, SweepSnapshot};
 use crate::log::{LogRecord, Position};
-use crate::metrics as m;
 use crate::store::state_store::StateStore;
 use crate::store::{KvBackend, StoreError};
+use crate::telemetry as t;
 use std::collections::{BTreeSet, HashSet};
 
 /// What folding records produced, for the runtime to carry out.
@@ -233,7 +233,10 @@ impl<B: KvBackend> Engine<B> {
                     .push(sweep::snapshot(conv, &pending.job, &self.policy));
             }
         }
-        metrics::counter!(m::JOBS_ISSUED).increment(effects.jobs.len() as u64);
+        t::JobsIssued {
+            count: effects.jobs.len(),
+        }
+        .emit();
     }
 
     fn fold_admitted(
@@ -251,21 +254,44 @@ impl<B: KvBackend> Engine<B> {
         let id = event.id.clone();
         let conversation = event.conversation.clone();
         let time = event.time;
+        let decision = event.body.is_decision();
+        let backoff_before = self.backoff_until(&conversation);
         let outcome = fold::fold_owned(&mut self.state, &self.policy, event, None);
+        if self.backoff_until(&conversation) > backoff_before {
+            t::SpendWindowClosed {
+                conversation_id: &conversation,
+            }
+            .emit();
+        }
         match &outcome.status {
-            FoldStatus::Applied => metrics::counter!(m::EVENTS_FOLDED).increment(1),
+            FoldStatus::Applied => t::EventFolded.emit(),
             FoldStatus::Duplicate => {
-                metrics::counter!(m::EVENTS_DUPLICATE).increment(1);
                 if history {
                     // The copy of a held decision: it reached the log.
                     self.held.ids.remove(&id);
                 }
+                // Decisions are the fold's own: their copy in the log is
+                // expected; any other duplicate was delivered again.
+                t::EventDuplicate {
+                    origin: if decision {
+                        t::DuplicateOrigin::OwnDecision
+                    } else {
+                        t::DuplicateOrigin::Redelivery
+                    },
+                }
+                .emit();
             }
             FoldStatus::Rejected(reason) => {
-                tracing::warn!(conversation_id = %conversation, event_id = %id, stream_seq = self.position, %reason, "event rejected");
-                metrics::counter!(m::EVENTS_REJECTED, "kind" => "fold").increment(1);
+                t::EventRejected {
+                    conversation_id: &conversation,
+                    event_id: &id,
+                    stream_seq: self.position,
+                    kind: "fold",
+                    reason,
+                }
+                .emit();
             }
-            FoldStatus::Ignored => metrics::counter!(m::EVENTS_IGNORED).increment(1),
+            FoldStatus::Ignored => t::EventIgnored.emit(),
         }
         if outcome.status != FoldStatus::Duplicate && outcome.status != FoldStatus::Ignored {
             if let (Some(original), Some(conv)) = (
@@ -291,19 +317,26 @@ impl<B: KvBackend> Engine<B> {
         id
     }
 
+    /// Until when the conversation's spend backoff runs (0: none).
+    fn backoff_until(&self, conversation: &str) -> u64 {
+        self.state
+            .conversations
+            .get(conversation)
+            .map_or(0, |c| c.spend.backoff_until)
+    }
+
     /// Records a refusal: an `event_rejected` decision in the conversation
     /// the transport vouches for, or a dead letter of the partition.
     fn refuse(&mut self, record: &LogRecord, refused: Refused, effects: &mut Effects) {
         let kind = refused.refusal.kind();
         let reason = refused.to_string();
-        tracing::warn!(
-            stream_seq = record.position,
-            conversation_id = refused.conversation.as_deref().unwrap_or(""),
+        t::RecordRefused {
+            conversation_id: refused.conversation.as_deref().unwrap_or(""),
+            stream_seq: record.position,
             kind,
-            %reason,
-            "record refused"
-        );
-        metrics::counter!(m::EVENTS_REJECTED, "kind" => kind).increment(1);
+            reason: &reason,
+        }
+        .emit();
         match &refused.conversation {
             Some(conversation) => {
                 let time = self
@@ -351,9 +384,13 @@ impl<B: KvBackend> Engine<B> {
         }
         self.dirty_partition = false;
         let dirty = std::mem::take(&mut self.dirty);
+        let started = std::time::Instant::now();
         self.store
             .commit(&mut self.state, &dirty, self.position, &self.fingerprint)?;
-        metrics::counter!(m::STATE_COMMITS).increment(1);
+        t::StateCommitted {
+            elapsed: started.elapsed(),
+        }
+        .emit();
         Ok(())
     }
 

@@ -8,7 +8,7 @@ use crate::core::event::{
 };
 use crate::core::summary::{RollingStateRequest, SummaryDraft, SummaryRequest};
 use crate::core::sweep::{summary_event, Pass, SweepSnapshot};
-use crate::metrics as m;
+use crate::telemetry as t;
 use std::future::Future;
 use std::time::{Duration, Instant};
 use tracing::Instrument;
@@ -118,8 +118,7 @@ where
     S: PassSummarizer,
     F: FnMut(Envelope),
 {
-    let span =
-        tracing::info_span!("sweep", conversation = %snap.conversation, job = %snap.job.job_id);
+    let span = tracing::info_span!("sweep", conversation_id = %snap.conversation, job_id = %snap.job.job_id);
     // Instrumented rather than entered: an entered span guard held across
     // awaits makes the future !Send, and a NATS worker spawns it.
     sweep_in_span(snap, summarizer, deadline, &mut publish)
@@ -188,12 +187,14 @@ where
             break SweepStop::Deadline;
         };
         let request = snap.request(pass, false);
+        let pass_started = Instant::now();
         let result = tokio::time::timeout(
             remaining,
             summarizer.summarize_within(&request, allowance(&spent, &snap)),
         )
         .await;
         passes += 1;
+        pass_telemetry(&result, pass_started.elapsed());
         match result {
             Err(_) => {
                 // The timeout has dropped the pass: its calls are reported
@@ -227,7 +228,6 @@ where
             }
             Ok(Ok((draft, spend))) => {
                 add(&mut spent, spend);
-                metrics::counter!(m::SUMMARIZER_CALLS).increment(spend.calls as u64);
                 if draft.fallback && matches!(pass, Pass::Resummarize(_)) {
                     // The model failed again and the escalation fell back:
                     // a fallback in place of a fallback is no progress, and
@@ -248,7 +248,7 @@ where
                 }
                 snap.apply(pass, &record);
                 committed += 1;
-                metrics::counter!(m::SUMMARIES_WRITTEN).increment(1);
+                t::SummaryWritten.emit();
                 publish(summary_event(&conversation, logical_time(started), record));
             }
         }
@@ -298,8 +298,14 @@ where
             }
         }
     }
-    metrics::counter!(m::SWEEPS_ENDED).increment(1);
-    metrics::histogram!(m::SWEEP_SECONDS).record(started.elapsed().as_secs_f64());
+    t::SweepFinished {
+        conversation_id: &conversation,
+        job_id: &job_id,
+        outcome: stop_name(stop),
+        elapsed: started.elapsed(),
+        summaries: committed,
+    }
+    .emit();
     let ended = SweepEnded {
         job_id: job_id.clone(),
         passes,
@@ -319,6 +325,47 @@ where
         EventBody::SweepEnded(ended.clone()),
     ));
     ended
+}
+
+/// The bounded label of a sweep's stop reason.
+fn stop_name(stop: SweepStop) -> &'static str {
+    match stop {
+        SweepStop::Done => "done",
+        SweepStop::Deadline => "deadline",
+        SweepStop::IterationCap => "iteration_cap",
+        SweepStop::SpendLimit => "spend_limit",
+        SweepStop::NoProgress => "no_progress",
+        SweepStop::Failed => "failed",
+    }
+}
+
+/// Counts one summarizer pass: its calls, tokens, cost and latency, by the
+/// model that answered (from the configuration) and outcome.
+fn pass_telemetry(
+    result: &Result<Result<(SummaryDraft, Spend), PassError>, tokio::time::error::Elapsed>,
+    elapsed: Duration,
+) {
+    let (model, outcome, spend) = match result {
+        Ok(Ok((draft, spend))) => (
+            draft.model.as_str(),
+            if draft.fallback { "fallback" } else { "ok" },
+            *spend,
+        ),
+        Ok(Err(PassError::RateLimited { spend, .. })) => ("unknown", "rate_limited", *spend),
+        Ok(Err(PassError::SpendLimit { spend })) => ("unknown", "spend_limit", *spend),
+        Ok(Err(PassError::Failed { spend, .. })) => ("unknown", "failed", *spend),
+        // The cut-short spend is taken (and counted in the sweep) later.
+        Err(_) => ("unknown", "deadline", Spend::default()),
+    };
+    t::SummarizerPass {
+        model,
+        outcome,
+        calls: u64::from(spend.calls),
+        tokens: spend.tokens,
+        cost_micros: spend.cost_micros,
+        elapsed,
+    }
+    .emit();
 }
 
 fn add(total: &mut Spend, s: Spend) {

@@ -19,6 +19,7 @@ use super::{
 use crate::core::identifiers;
 use crate::core::summary::{IdentifierPolicy, SummaryRequest};
 use crate::core::tokens::{count_text, Encoding};
+use crate::telemetry;
 use regex::Regex;
 use std::fmt;
 use std::sync::OnceLock;
@@ -49,6 +50,22 @@ pub enum Rejection {
     },
     /// Cut off by the output cap (finish_reason `length`).
     Truncated,
+}
+
+impl Rejection {
+    /// The bounded metric label of this rejection.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Rejection::Empty => "empty",
+            Rejection::ReasoningOnly => "reasoning_only",
+            Rejection::ChainOfThought(_) => "chain_of_thought",
+            Rejection::Continuation(_) => "continuation",
+            Rejection::TooShort { .. } => "too_short",
+            Rejection::NotSmaller { .. } => "not_smaller",
+            Rejection::Oversized { .. } => "oversized",
+            Rejection::Truncated => "truncated",
+        }
+    }
 }
 
 impl fmt::Display for Rejection {
@@ -379,6 +396,10 @@ impl<S: Summarizer> EscalatingSummarizer<S> {
                         mark_invalid(&mut outcome.calls, &reason);
                         calls.append(&mut outcome.calls);
                         tracing::warn!(summarizer = %self.inner.name(), %reason, "summary rejected");
+                        telemetry::ValidationRejected {
+                            kind: rejection.kind(),
+                        }
+                        .emit();
                         Ok(Stage::Rejected(reason))
                     }
                 }
@@ -388,6 +409,7 @@ impl<S: Summarizer> EscalatingSummarizer<S> {
                 calls: mut c,
             }) => {
                 calls.append(&mut c);
+                telemetry::ValidationRejected { kind: "unusable" }.emit();
                 Ok(Stage::Rejected(reason))
             }
             Err(SummarizeError::Unavailable {
@@ -439,7 +461,10 @@ impl<S: Summarizer> Summarizer for EscalatingSummarizer<S> {
         };
         let mut calls: Vec<CallRecord> = Vec::new();
         let mut why_fallback = String::new();
-        for stage_req in [req.clone(), self.aggressive(req)] {
+        for (i, stage_req) in [req.clone(), self.aggressive(req)].into_iter().enumerate() {
+            if i > 0 {
+                telemetry::Escalated { kind: "aggressive" }.emit();
+            }
             let stage = match self.attempt(&stage_req, &mut calls).await {
                 Ok(stage) => stage,
                 Err(e) => return Err(e.prepend_calls(calls)),
@@ -463,10 +488,11 @@ impl<S: Summarizer> Summarizer for EscalatingSummarizer<S> {
             }
         }
         tracing::warn!(
-            conversation = %req.conversation,
+            conversation_id = %req.conversation,
             reason = %why_fallback,
             "writing the deterministic fallback summary"
         );
+        telemetry::Escalated { kind: "fallback" }.emit();
         let mut draft = DeterministicSummarizer::draft(req);
         if strict {
             let still = missing_identifiers(&ids, &draft.content);

@@ -1,0 +1,776 @@
+//! Telemetry in one place: every metric contextfold exports, and one struct
+//! per operational event whose `emit()` logs with fixed field names and
+//! counts (the pattern of vector's `internal_events`).
+//!
+//! # Metric names are an interface
+//!
+//! Dashboards and alert rules (`deploy/`) are written against the names
+//! below: renaming one breaks them, so names only ever get added. Every
+//! name carries its unit (`_total`, `_seconds`, `_bytes`, `_micros`).
+//!
+//! # Labels are bounded
+//!
+//! A label value comes from a closed set known at build time (a rejection
+//! kind, an outcome, a reason), from the configuration (a model name, a
+//! partition number below `[nats] partitions`), never from input: no
+//! conversation key, event id or job id ever becomes a label. Those go to
+//! the log, under the fixed field names [`fields`] lists.
+//!
+//! # Where the numbers go
+//!
+//! The macros of the `metrics` crate record into whatever recorder is
+//! installed; [`install_prometheus`] installs the Prometheus one (once per
+//! process) and its handle renders the text format for `/metrics`. Without
+//! a recorder (the library in tests, `contextfold local`) every emit is a
+//! no-op beside its log line.
+//!
+//! `clippy.toml` forbids the raw `metrics::counter!`/`histogram!`/`gauge!`
+//! macros outside this module, so a new metric is added here, with its
+//! name, description and label set, or not at all.
+
+#![allow(clippy::disallowed_macros)]
+
+use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, PrometheusHandle};
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// The field names every operational log line uses for the same things.
+pub mod fields {
+    pub const CONVERSATION_ID: &str = "conversation_id";
+    pub const STREAM_SEQ: &str = "stream_seq";
+    pub const PARTITION: &str = "partition";
+    pub const JOB_ID: &str = "job_id";
+    pub const ERROR: &str = "error";
+}
+
+// ---- folder: intake and the fold -------------------------------------------
+
+/// Events the fold applied.
+pub const EVENTS_FOLDED: &str = "contextfold_events_folded_total";
+/// Events that changed nothing because their id was already folded;
+/// label `origin`: `redelivery` (the transport delivered it again) or
+/// `own_decision` (the copy of a decision this process published itself).
+pub const EVENTS_DUPLICATE: &str = "contextfold_events_duplicate_total";
+/// Events or records refused; label `kind`: the refusal kind (`fold`,
+/// `undecodable`, `oversized`, `forged`, ...).
+pub const EVENTS_REJECTED: &str = "contextfold_events_rejected_total";
+/// Events the policy ignores (ignored or stateless sessions).
+pub const EVENTS_IGNORED: &str = "contextfold_events_ignored_total";
+/// State-store commits (state and stream position written together).
+pub const STATE_COMMITS: &str = "contextfold_state_commits_total";
+/// Records per folder batch (histogram).
+pub const BATCH_SIZE: &str = "contextfold_folder_batch_records";
+/// Time to commit a folder batch to the state store (histogram).
+pub const COMMIT_SECONDS: &str = "contextfold_state_commit_seconds";
+/// Messages of a partition's event consumer not yet delivered (gauge);
+/// label `partition`.
+pub const CONSUMER_PENDING: &str = "contextfold_consumer_pending_messages";
+/// Partitions this process folds right now (gauge).
+pub const PARTITIONS_HELD: &str = "contextfold_partitions_held";
+
+// ---- leases ----------------------------------------------------------------
+
+/// Partition leases acquired.
+pub const LEASE_ACQUISITIONS: &str = "contextfold_lease_acquisitions_total";
+/// Partition leases lost (not renewed in time, taken over).
+pub const LEASE_LOSSES: &str = "contextfold_lease_losses_total";
+/// Partition leases handed over on purpose (rebalance, graceful leave).
+pub const LEASE_HANDOVERS: &str = "contextfold_lease_handovers_total";
+
+// ---- jobs ------------------------------------------------------------------
+
+/// Compaction jobs the fold issued.
+pub const JOBS_ISSUED: &str = "contextfold_jobs_issued_total";
+/// Jobs waiting in the work queue, not yet taken (gauge).
+pub const JOBS_QUEUED: &str = "contextfold_jobs_queued";
+/// Jobs taken by a summarizer (of any process) and not yet acknowledged
+/// (gauge).
+pub const JOBS_RUNNING: &str = "contextfold_jobs_running";
+/// Jobs handed back to be retried after a delay (rate limit, spend window).
+pub const JOBS_RETRIED: &str = "contextfold_jobs_retried_total";
+/// Jobs dead-lettered; label `reason`: `undecodable`, `max_deliveries`,
+/// `deferred_too_often`, `unrunnable`.
+pub const JOBS_DEAD_LETTERED: &str = "contextfold_jobs_dead_lettered_total";
+
+// ---- sweeps and the summarizer ---------------------------------------------
+
+/// Sweeps ended; label `outcome`: how the sweep stopped (`done`,
+/// `deadline`, `spend_limit`, `rate_limited`, `failed`, `no_progress`, ...).
+pub const SWEEPS_ENDED: &str = "contextfold_sweeps_ended_total";
+/// Sweep duration (histogram); label `outcome` as above.
+pub const SWEEP_SECONDS: &str = "contextfold_sweep_seconds";
+/// Summaries a sweep wrote.
+pub const SUMMARIES_WRITTEN: &str = "contextfold_summaries_written_total";
+/// Summarizer (model) calls; labels `model`, `outcome` (`ok`, `fallback`,
+/// `rate_limited`, `failed`, `spend_limit`, `deadline`).
+pub const SUMMARIZER_CALLS: &str = "contextfold_summarizer_calls_total";
+/// Summarizer pass latency (histogram); labels `model`, `outcome`.
+pub const SUMMARIZER_SECONDS: &str = "contextfold_summarizer_call_seconds";
+/// Tokens the summarizer spent (prompt and completion); label `model`.
+pub const SUMMARIZER_TOKENS: &str = "contextfold_summarizer_tokens_total";
+/// Money the summarizer spent, in millionths of the configured currency
+/// unit; label `model`.
+pub const SUMMARIZER_COST_MICROS: &str = "contextfold_summarizer_cost_micros_total";
+/// Summaries refused by validation; label `kind` (`empty`,
+/// `reasoning_only`, `chain_of_thought`, `continuation`, `too_short`,
+/// `not_smaller`, `oversized`, `truncated`, `unusable`).
+pub const VALIDATION_REJECTIONS: &str = "contextfold_validation_rejections_total";
+/// Escalations after a refused or failed summary; label `kind`
+/// (`aggressive`, `fallback`).
+pub const ESCALATIONS: &str = "contextfold_escalations_total";
+/// Spend windows closed (the allowance of a conversation ran out).
+pub const SPEND_WINDOWS_CLOSED: &str = "contextfold_spend_windows_closed_total";
+
+// ---- API -------------------------------------------------------------------
+
+/// Assemble latency, request to reply (histogram).
+pub const ASSEMBLE_SECONDS: &str = "contextfold_assemble_seconds";
+/// Assembled reply size in bytes (histogram).
+pub const ASSEMBLE_REPLY_BYTES: &str = "contextfold_assemble_reply_bytes";
+
+// ---- HTTP ------------------------------------------------------------------
+
+/// Whether this process is ready (`/readyz`), 1 or 0 (gauge).
+pub const READY: &str = "contextfold_ready";
+
+/// Every metric with its kind, unit and description, for `describe_*` and
+/// docs/operations.md.
+pub const FAMILIES: &[(&str, Kind, &str)] = &[
+    (EVENTS_FOLDED, Kind::Counter, "events the fold applied"),
+    (
+        EVENTS_DUPLICATE,
+        Kind::Counter,
+        "events already folded, by origin (redelivery, own_decision)",
+    ),
+    (
+        EVENTS_REJECTED,
+        Kind::Counter,
+        "events or records refused, by kind",
+    ),
+    (
+        EVENTS_IGNORED,
+        Kind::Counter,
+        "events of ignored or stateless sessions",
+    ),
+    (STATE_COMMITS, Kind::Counter, "state-store commits"),
+    (BATCH_SIZE, Kind::Histogram, "records per folder batch"),
+    (
+        COMMIT_SECONDS,
+        Kind::Histogram,
+        "time to commit a batch to the state store",
+    ),
+    (
+        CONSUMER_PENDING,
+        Kind::Gauge,
+        "undelivered messages of a partition's event consumer, by partition",
+    ),
+    (
+        PARTITIONS_HELD,
+        Kind::Gauge,
+        "partitions this process folds",
+    ),
+    (
+        LEASE_ACQUISITIONS,
+        Kind::Counter,
+        "partition leases acquired",
+    ),
+    (LEASE_LOSSES, Kind::Counter, "partition leases lost"),
+    (
+        LEASE_HANDOVERS,
+        Kind::Counter,
+        "partition leases released on purpose",
+    ),
+    (JOBS_ISSUED, Kind::Counter, "compaction jobs issued"),
+    (JOBS_QUEUED, Kind::Gauge, "jobs waiting in the work queue"),
+    (
+        JOBS_RUNNING,
+        Kind::Gauge,
+        "jobs taken by a summarizer, not yet acknowledged",
+    ),
+    (
+        JOBS_RETRIED,
+        Kind::Counter,
+        "jobs handed back for a retry after a delay",
+    ),
+    (
+        JOBS_DEAD_LETTERED,
+        Kind::Counter,
+        "jobs dead-lettered, by reason",
+    ),
+    (SWEEPS_ENDED, Kind::Counter, "sweeps ended, by outcome"),
+    (SWEEP_SECONDS, Kind::Histogram, "sweep duration, by outcome"),
+    (SUMMARIES_WRITTEN, Kind::Counter, "summaries written"),
+    (
+        SUMMARIZER_CALLS,
+        Kind::Counter,
+        "summarizer calls, by model and outcome",
+    ),
+    (
+        SUMMARIZER_SECONDS,
+        Kind::Histogram,
+        "summarizer pass latency, by model and outcome",
+    ),
+    (
+        SUMMARIZER_TOKENS,
+        Kind::Counter,
+        "summarizer tokens, by model",
+    ),
+    (
+        SUMMARIZER_COST_MICROS,
+        Kind::Counter,
+        "summarizer cost in micro-units, by model",
+    ),
+    (
+        VALIDATION_REJECTIONS,
+        Kind::Counter,
+        "summaries refused by validation, by kind",
+    ),
+    (ESCALATIONS, Kind::Counter, "summary escalations, by kind"),
+    (SPEND_WINDOWS_CLOSED, Kind::Counter, "spend windows closed"),
+    (ASSEMBLE_SECONDS, Kind::Histogram, "assemble latency"),
+    (
+        ASSEMBLE_REPLY_BYTES,
+        Kind::Histogram,
+        "assembled reply size in bytes",
+    ),
+    (READY, Kind::Gauge, "1 when /readyz answers 200, else 0"),
+];
+
+/// What kind of metric a family is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+fn unit_of(name: &str) -> Option<Unit> {
+    if name.ends_with("_seconds") {
+        Some(Unit::Seconds)
+    } else if name.ends_with("_bytes") {
+        Some(Unit::Bytes)
+    } else {
+        None
+    }
+}
+
+/// Describes every family to the installed recorder (help text and unit).
+pub fn describe() {
+    for &(name, kind, help) in FAMILIES {
+        match (kind, unit_of(name)) {
+            (Kind::Counter, Some(u)) => describe_counter!(name, u, help),
+            (Kind::Counter, None) => describe_counter!(name, help),
+            (Kind::Gauge, Some(u)) => describe_gauge!(name, u, help),
+            (Kind::Gauge, None) => describe_gauge!(name, help),
+            (Kind::Histogram, Some(u)) => describe_histogram!(name, u, help),
+            (Kind::Histogram, None) => describe_histogram!(name, help),
+        }
+    }
+}
+
+/// Why the Prometheus recorder could not be installed.
+#[derive(Debug, thiserror::Error)]
+pub enum TelemetryError {
+    #[error(
+        "cannot install the Prometheus recorder: {0} (another metrics recorder is already \
+         installed in this process; install contextfold's first)"
+    )]
+    Install(#[source] BuildError),
+    #[error("invalid histogram buckets for {family}: {source} (a bug: please report it)")]
+    Buckets {
+        family: &'static str,
+        #[source]
+        source: BuildError,
+    },
+}
+
+static PROMETHEUS: Mutex<Option<PrometheusHandle>> = Mutex::new(None);
+
+const SECONDS_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0, 120.0, 300.0,
+];
+const BYTES_BUCKETS: &[f64] = &[
+    256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0, 1048576.0, 4194304.0,
+];
+const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0];
+
+/// Installs the Prometheus recorder for the whole process (once; later
+/// calls return the same handle) and describes every family.
+pub fn install_prometheus() -> Result<PrometheusHandle, TelemetryError> {
+    let mut slot = PROMETHEUS.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(h) = slot.as_ref() {
+        return Ok(h.clone());
+    }
+    let buckets = |b: PrometheusBuilder, family: &'static str, m: Matcher, v: &[f64]| {
+        b.set_buckets_for_metric(m, v)
+            .map_err(|source| TelemetryError::Buckets { family, source })
+    };
+    let builder = PrometheusBuilder::new();
+    let builder = buckets(
+        builder,
+        "*_seconds",
+        Matcher::Suffix("_seconds".into()),
+        SECONDS_BUCKETS,
+    )?;
+    let builder = buckets(
+        builder,
+        "*_bytes",
+        Matcher::Suffix("_bytes".into()),
+        BYTES_BUCKETS,
+    )?;
+    let builder = buckets(
+        builder,
+        BATCH_SIZE,
+        Matcher::Full(BATCH_SIZE.into()),
+        BATCH_BUCKETS,
+    )?;
+    let handle = builder
+        .install_recorder()
+        .map_err(TelemetryError::Install)?;
+    describe();
+    *slot = Some(handle.clone());
+    Ok(handle)
+}
+
+// ---- operational events ----------------------------------------------------
+
+/// An event was folded.
+pub struct EventFolded;
+
+impl EventFolded {
+    pub fn emit(self) {
+        metrics::counter!(EVENTS_FOLDED).increment(1);
+    }
+}
+
+/// Where a duplicate came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DuplicateOrigin {
+    /// The transport delivered an event already folded.
+    Redelivery,
+    /// The log's copy of a decision this process published itself.
+    OwnDecision,
+}
+
+impl DuplicateOrigin {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DuplicateOrigin::Redelivery => "redelivery",
+            DuplicateOrigin::OwnDecision => "own_decision",
+        }
+    }
+}
+
+/// An event changed nothing: its id was already folded.
+pub struct EventDuplicate {
+    pub origin: DuplicateOrigin,
+}
+
+impl EventDuplicate {
+    pub fn emit(self) {
+        metrics::counter!(EVENTS_DUPLICATE, "origin" => self.origin.as_str()).increment(1);
+    }
+}
+
+/// The fold rejected an event (the caller logs it at WARN with its reason).
+pub struct EventRejected<'a> {
+    pub conversation_id: &'a str,
+    pub event_id: &'a str,
+    pub stream_seq: u64,
+    /// A closed set: the refusal kind, or `fold` for a fold rejection.
+    pub kind: &'static str,
+    pub reason: &'a str,
+}
+
+impl EventRejected<'_> {
+    pub fn emit(self) {
+        tracing::warn!(
+            conversation_id = self.conversation_id,
+            event_id = self.event_id,
+            stream_seq = self.stream_seq,
+            kind = self.kind,
+            reason = self.reason,
+            "event rejected"
+        );
+        metrics::counter!(EVENTS_REJECTED, "kind" => self.kind).increment(1);
+    }
+}
+
+/// A record was refused before the fold (undecodable, forged, oversized).
+pub struct RecordRefused<'a> {
+    pub conversation_id: &'a str,
+    pub stream_seq: u64,
+    pub kind: &'static str,
+    pub reason: &'a str,
+}
+
+impl RecordRefused<'_> {
+    pub fn emit(self) {
+        tracing::warn!(
+            stream_seq = self.stream_seq,
+            conversation_id = self.conversation_id,
+            kind = self.kind,
+            reason = self.reason,
+            "record refused"
+        );
+        metrics::counter!(EVENTS_REJECTED, "kind" => self.kind).increment(1);
+    }
+}
+
+/// The policy ignores the event's session.
+pub struct EventIgnored;
+
+impl EventIgnored {
+    pub fn emit(self) {
+        metrics::counter!(EVENTS_IGNORED).increment(1);
+    }
+}
+
+/// The fold issued compaction jobs.
+pub struct JobsIssued {
+    pub count: usize,
+}
+
+impl JobsIssued {
+    pub fn emit(self) {
+        if self.count > 0 {
+            metrics::counter!(JOBS_ISSUED).increment(self.count as u64);
+        }
+    }
+}
+
+/// State and position were committed to the store.
+pub struct StateCommitted {
+    pub elapsed: Duration,
+}
+
+impl StateCommitted {
+    pub fn emit(self) {
+        metrics::counter!(STATE_COMMITS).increment(1);
+        metrics::histogram!(COMMIT_SECONDS).record(self.elapsed.as_secs_f64());
+    }
+}
+
+/// A folder batch was folded.
+pub struct BatchFolded {
+    pub partition: u32,
+    pub records: usize,
+}
+
+impl BatchFolded {
+    pub fn emit(self) {
+        tracing::debug!(
+            partition = self.partition,
+            records = self.records,
+            "batch folded"
+        );
+        metrics::histogram!(BATCH_SIZE).record(self.records as f64);
+    }
+}
+
+/// The pending count of a partition's consumer was read.
+pub struct ConsumerLag {
+    pub partition: u32,
+    pub pending: u64,
+}
+
+impl ConsumerLag {
+    pub fn emit(self) {
+        metrics::gauge!(CONSUMER_PENDING, "partition" => self.partition.to_string())
+            .set(self.pending as f64);
+    }
+}
+
+/// How many partitions this process holds.
+pub struct PartitionsHeld {
+    pub count: usize,
+}
+
+impl PartitionsHeld {
+    pub fn emit(self) {
+        metrics::gauge!(PARTITIONS_HELD).set(self.count as f64);
+    }
+}
+
+/// What happened to a partition lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseChange {
+    Acquired,
+    Lost,
+    HandedOver,
+}
+
+/// A partition lease changed hands.
+pub struct LeaseChanged<'a> {
+    pub partition: u32,
+    pub change: LeaseChange,
+    pub reason: &'a str,
+}
+
+impl LeaseChanged<'_> {
+    pub fn emit(self) {
+        let name = match self.change {
+            LeaseChange::Acquired => LEASE_ACQUISITIONS,
+            LeaseChange::Lost => LEASE_LOSSES,
+            LeaseChange::HandedOver => LEASE_HANDOVERS,
+        };
+        if self.change == LeaseChange::Lost {
+            tracing::warn!(
+                partition = self.partition,
+                reason = self.reason,
+                "partition lease lost"
+            );
+        } else {
+            tracing::info!(partition = self.partition, change = ?self.change, reason = self.reason, "partition lease");
+        }
+        metrics::counter!(name).increment(1);
+        if self.change != LeaseChange::Acquired {
+            // The new holder reports the partition's lag: a stale value
+            // here would alert on a partition this process no longer reads.
+            ConsumerLag {
+                partition: self.partition,
+                pending: 0,
+            }
+            .emit();
+        }
+    }
+}
+
+/// A sweep (one job) ended.
+pub struct SweepFinished<'a> {
+    pub conversation_id: &'a str,
+    pub job_id: &'a str,
+    /// A closed set: the stop reason's name.
+    pub outcome: &'static str,
+    pub elapsed: Duration,
+    pub summaries: u32,
+}
+
+impl SweepFinished<'_> {
+    pub fn emit(self) {
+        tracing::debug!(
+            conversation_id = self.conversation_id,
+            job_id = self.job_id,
+            outcome = self.outcome,
+            summaries = self.summaries,
+            elapsed_ms = self.elapsed.as_millis() as u64,
+            "sweep ended"
+        );
+        metrics::counter!(SWEEPS_ENDED, "outcome" => self.outcome).increment(1);
+        metrics::histogram!(SWEEP_SECONDS, "outcome" => self.outcome)
+            .record(self.elapsed.as_secs_f64());
+    }
+}
+
+/// A summary was written.
+pub struct SummaryWritten;
+
+impl SummaryWritten {
+    pub fn emit(self) {
+        metrics::counter!(SUMMARIES_WRITTEN).increment(1);
+    }
+}
+
+/// A summarizer pass returned (its calls, tokens and cost).
+pub struct SummarizerPass<'a> {
+    /// Configured model name (bounded by the configuration).
+    pub model: &'a str,
+    pub outcome: &'static str,
+    pub calls: u64,
+    pub tokens: u64,
+    pub cost_micros: u64,
+    pub elapsed: Duration,
+}
+
+impl SummarizerPass<'_> {
+    pub fn emit(self) {
+        let model = self.model.to_string();
+        metrics::counter!(SUMMARIZER_CALLS, "model" => model.clone(), "outcome" => self.outcome)
+            .increment(self.calls);
+        metrics::histogram!(SUMMARIZER_SECONDS, "model" => model.clone(), "outcome" => self.outcome)
+            .record(self.elapsed.as_secs_f64());
+        metrics::counter!(SUMMARIZER_TOKENS, "model" => model.clone()).increment(self.tokens);
+        metrics::counter!(SUMMARIZER_COST_MICROS, "model" => model).increment(self.cost_micros);
+    }
+}
+
+/// A job was handed back to be retried after a delay.
+pub struct JobRetried<'a> {
+    pub job_id: &'a str,
+    pub delay: Duration,
+}
+
+impl JobRetried<'_> {
+    pub fn emit(self) {
+        tracing::info!(
+            job_id = self.job_id,
+            delay_ms = self.delay.as_millis() as u64,
+            "job retried after a delay"
+        );
+        metrics::counter!(JOBS_RETRIED).increment(1);
+    }
+}
+
+/// A job was dead-lettered.
+pub struct JobDeadLettered<'a> {
+    pub conversation_id: &'a str,
+    pub job_id: &'a str,
+    /// Deliveries so far.
+    pub delivered: i64,
+    /// A closed set: `undecodable`, `max_deliveries`, `deferred_too_often`,
+    /// `unrunnable`.
+    pub reason: &'static str,
+    /// The full reason, for the log only.
+    pub error: &'a str,
+}
+
+impl JobDeadLettered<'_> {
+    pub fn emit(self) {
+        tracing::warn!(
+            conversation_id = self.conversation_id,
+            job_id = self.job_id,
+            delivered = self.delivered,
+            reason = self.reason,
+            error = self.error,
+            "dead-lettering job"
+        );
+        metrics::counter!(JOBS_DEAD_LETTERED, "reason" => self.reason).increment(1);
+    }
+}
+
+/// Validation refused a summary text.
+pub struct ValidationRejected {
+    /// A closed set: [`crate::summarizer::validation::Rejection::kind`],
+    /// or `unusable` for an answer that carried no text.
+    pub kind: &'static str,
+}
+
+impl ValidationRejected {
+    pub fn emit(self) {
+        metrics::counter!(VALIDATION_REJECTIONS, "kind" => self.kind).increment(1);
+    }
+}
+
+/// A summary escalated after a refusal or failure.
+pub struct Escalated {
+    /// `aggressive` (a retry with a tighter target) or `fallback` (the
+    /// deterministic summary, marked).
+    pub kind: &'static str,
+}
+
+impl Escalated {
+    pub fn emit(self) {
+        metrics::counter!(ESCALATIONS, "kind" => self.kind).increment(1);
+    }
+}
+
+/// A conversation's spend window closed: its allowance ran out and its
+/// compaction waits for the backoff.
+pub struct SpendWindowClosed<'a> {
+    pub conversation_id: &'a str,
+}
+
+impl SpendWindowClosed<'_> {
+    pub fn emit(self) {
+        tracing::info!(
+            conversation_id = self.conversation_id,
+            "spend window closed"
+        );
+        metrics::counter!(SPEND_WINDOWS_CLOSED).increment(1);
+    }
+}
+
+/// Jobs waiting and running.
+pub struct JobQueue {
+    pub queued: u64,
+    pub running: u64,
+}
+
+impl JobQueue {
+    pub fn emit(self) {
+        metrics::gauge!(JOBS_QUEUED).set(self.queued as f64);
+        metrics::gauge!(JOBS_RUNNING).set(self.running as f64);
+    }
+}
+
+/// An assemble request was answered.
+pub struct Assembled {
+    pub elapsed: Duration,
+    pub reply_bytes: usize,
+}
+
+impl Assembled {
+    pub fn emit(self) {
+        metrics::histogram!(ASSEMBLE_SECONDS).record(self.elapsed.as_secs_f64());
+        metrics::histogram!(ASSEMBLE_REPLY_BYTES).record(self.reply_bytes as f64);
+    }
+}
+
+/// Readiness changed (or was recomputed).
+pub struct Readiness {
+    pub ready: bool,
+}
+
+impl Readiness {
+    pub fn emit(self) {
+        metrics::gauge!(READY).set(if self.ready { 1.0 } else { 0.0 });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_unique_prefixed_and_carry_their_unit() {
+        let mut seen = std::collections::BTreeSet::new();
+        for &(name, kind, help) in FAMILIES {
+            assert!(seen.insert(name), "{name} listed twice");
+            assert!(name.starts_with("contextfold_"), "{name}");
+            assert!(!help.is_empty());
+            match kind {
+                Kind::Counter => assert!(name.ends_with("_total"), "{name}"),
+                Kind::Histogram => assert!(
+                    name.ends_with("_seconds")
+                        || name.ends_with("_bytes")
+                        || name.ends_with("_records"),
+                    "{name}"
+                ),
+                Kind::Gauge => assert!(!name.ends_with("_total"), "{name}"),
+            }
+        }
+    }
+
+    #[test]
+    fn docs_operations_lists_every_family() {
+        let doc = include_str!("../docs/operations.md");
+        for &(name, _, _) in FAMILIES {
+            assert!(
+                doc.contains(&format!("`{name}`")),
+                "docs/operations.md does not list {name}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_recorder_renders_what_emits_count() {
+        let recorder = PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || {
+            EventFolded.emit();
+            EventFolded.emit();
+            EventDuplicate {
+                origin: DuplicateOrigin::OwnDecision,
+            }
+            .emit();
+        });
+        let text = handle.render();
+        assert!(text.contains("contextfold_events_folded_total 2"), "{text}");
+        assert!(
+            text.contains("contextfold_events_duplicate_total{origin=\"own_decision\"} 1"),
+            "{text}"
+        );
+    }
+}
