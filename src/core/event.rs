@@ -15,6 +15,13 @@ pub const EVENT_VERSION: u16 = 1;
 /// Hard cap on one encoded event; larger ones are rejected, not truncated.
 pub const MAX_EVENT_BYTES: usize = 8 * 1024 * 1024;
 
+/// Deepest nesting of arrays and maps an encoded event may have (the
+/// envelope's own levels included), in either encoding: serde_json's
+/// limit, which MessagePack now shares (rmp-serde allows 1,024). Deeper
+/// input is refused as malformed before its decoding exhausts the stack of
+/// the thread that decodes it (a tokio worker has 2 MiB).
+pub const MAX_NESTING_DEPTH: usize = 128;
+
 /// One event in the log.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Envelope {
@@ -530,13 +537,13 @@ impl Envelope {
         // before type, unknown type, duplicate or malformed fields) goes
         // through the derived one, which decides and words the error.
         let fast = match encoding {
-            Encoding::Msgpack => rmp_serde::from_slice::<direct::Direct>(bytes).ok(),
+            Encoding::Msgpack => from_msgpack::<direct::Direct>(bytes).ok(),
             Encoding::Json => serde_json::from_slice::<direct::Direct>(bytes).ok(),
         };
         let env: Envelope = match (fast, encoding) {
             (Some(direct::Direct(env)), _) => env,
             (None, Encoding::Msgpack) => {
-                rmp_serde::from_slice(bytes).map_err(|e| DecodeError::Malformed {
+                from_msgpack(bytes).map_err(|e| DecodeError::Malformed {
                     encoding,
                     detail: e.to_string(),
                 })?
@@ -579,7 +586,7 @@ impl Envelope {
             conversation: Option<String>,
         }
         let partial: Option<Partial> = match encoding {
-            Encoding::Msgpack => rmp_serde::from_slice(bytes).ok(),
+            Encoding::Msgpack => from_msgpack(bytes).ok(),
             Encoding::Json => serde_json::from_slice(bytes).ok(),
         };
         match partial {
@@ -587,6 +594,13 @@ impl Envelope {
             None => (None, None),
         }
     }
+}
+
+/// `rmp_serde::from_slice` within [`MAX_NESTING_DEPTH`].
+fn from_msgpack<'de, T: Deserialize<'de>>(bytes: &'de [u8]) -> Result<T, rmp_serde::decode::Error> {
+    let mut de = rmp_serde::Deserializer::from_read_ref(bytes);
+    de.set_max_depth(MAX_NESTING_DEPTH);
+    T::deserialize(&mut de)
 }
 
 /// An envelope decoded without buffering: the derived `Deserialize` of
@@ -856,6 +870,86 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A turn whose metadata holds `depth` nested arrays, in `enc`, type
+    /// before payload or (`payload_first`) after it.
+    fn deeply_nested(depth: usize, enc: Encoding, payload_first: bool) -> Vec<u8> {
+        fn str_(out: &mut Vec<u8>, s: &str) {
+            out.push(0xa0 | s.len() as u8);
+            out.extend_from_slice(s.as_bytes());
+        }
+        let mut out = Vec::new();
+        match enc {
+            Encoding::Json => {
+                let payload = format!(
+                    r#""payload":{{"message":{{"role":"user","content":"x"}},"metadata":{{"m":{}{}}}}}"#,
+                    "[".repeat(depth),
+                    "]".repeat(depth)
+                );
+                let head = r#""id":"deep","conversation":"c","type":"turn_appended""#;
+                let body = if payload_first {
+                    format!("{{{payload},{head}}}")
+                } else {
+                    format!("{{{head},{payload}}}")
+                };
+                out.extend_from_slice(body.as_bytes());
+            }
+            Encoding::Msgpack => {
+                let mut payload = vec![0x82];
+                str_(&mut payload, "message");
+                payload.push(0x82);
+                for s in ["role", "user", "content", "x", "metadata"] {
+                    str_(&mut payload, s);
+                }
+                payload.push(0x81);
+                str_(&mut payload, "m");
+                payload.extend(std::iter::repeat_n(0x91, depth));
+                payload.push(0xc0);
+                out.push(0x84);
+                if payload_first {
+                    str_(&mut out, "payload");
+                    out.extend_from_slice(&payload);
+                }
+                for s in ["id", "deep", "conversation", "c", "type", "turn_appended"] {
+                    str_(&mut out, s);
+                }
+                if !payload_first {
+                    str_(&mut out, "payload");
+                    out.extend_from_slice(&payload);
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn deep_nesting_is_refused_within_a_worker_stack() {
+        // A tokio worker's stack: the NATS folder decodes on one.
+        let run = std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn(|| {
+                for enc in [Encoding::Json, Encoding::Msgpack] {
+                    for payload_first in [false, true] {
+                        // The deepest metadata within the limit (the
+                        // envelope, payload and metadata maps are 3 more).
+                        let depth = MAX_NESTING_DEPTH - 4;
+                        let ok = Envelope::decode(&deeply_nested(depth, enc, payload_first), enc);
+                        assert!(ok.is_ok(), "{enc} depth {depth}: {ok:?}");
+                        for depth in [MAX_NESTING_DEPTH, 1_000, 100_000] {
+                            let bytes = deeply_nested(depth, enc, payload_first);
+                            let err = Envelope::decode(&bytes, enc).unwrap_err();
+                            assert!(
+                                matches!(err, DecodeError::Malformed { .. }),
+                                "{enc} depth {depth}: {err}"
+                            );
+                        }
+                    }
+                }
+            })
+            .unwrap()
+            .join();
+        assert!(run.is_ok(), "decoding panicked");
     }
 
     #[test]

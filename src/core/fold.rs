@@ -893,11 +893,12 @@ impl FoldContext<'_> {
                     };
                     let child = &self.conv.summaries[index as usize];
                     if child.depth + 1 != s.depth {
-                        return Err(format!(
-                            "child {id} has depth {}, expected {}",
-                            child.depth,
-                            s.depth - 1
-                        ));
+                        return Err(match s.depth.checked_sub(1) {
+                            Some(expected) => {
+                                format!("child {id} has depth {}, expected {expected}", child.depth)
+                            }
+                            None => "a condensed summary has depth 1 or more".into(),
+                        });
                     }
                     let Some(pos) = ctx.iter().position(|i| *i == ContextItem::Summary(index))
                     else {
@@ -2713,6 +2714,40 @@ mod tests {
             assert_eq!(conv.context_tokens, before.context_tokens);
             assert_eq!(conv.summaries.len(), before.summaries.len());
         }
+    }
+
+    #[test]
+    fn a_condensed_summary_of_depth_zero_is_rejected() {
+        // Its children's expected depth was depth - 1: an overflow.
+        let p = policy();
+        let mut state = State::default();
+        with_fallbacks(&mut state, &p, "c");
+        let mut ids: Vec<String> = state.conversations["c"]
+            .summaries
+            .iter()
+            .map(|s| s.id.clone())
+            .collect();
+        ids.extend(ids.clone());
+        let (_, leaf) = resummary_of(&state, "c");
+        let rec = readdress(
+            "c",
+            SummaryRecorded {
+                kind: SummaryKind::Condensed,
+                depth: 0,
+                covers: Covers::Summaries { ids },
+                supersedes: None,
+                ..leaf
+            },
+        );
+        let out = fold(
+            &mut state,
+            &p,
+            &sweep::summary_event("c", T0 + 9_100_000, rec),
+        );
+        let FoldStatus::Rejected(reason) = &out.status else {
+            panic!("accepted: {:?}", out.decisions);
+        };
+        assert!(reason.contains("depth 1 or more"), "{reason}");
     }
 
     #[test]

@@ -49,7 +49,7 @@ pub mod limits {
     pub const MAX_TIME_AHEAD_MS: u64 = 5 * 60 * 1000;
     /// The latest event time accepted at all (9999-12-31T23:59:59.999Z).
     pub const MAX_EVENT_TIME_MS: u64 = 253_402_300_799_999;
-    pub use crate::core::event::MAX_EVENT_BYTES;
+    pub use crate::core::event::{MAX_EVENT_BYTES, MAX_NESTING_DEPTH};
 }
 
 /// Which conversation a record's transport addressed it to.

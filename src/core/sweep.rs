@@ -230,7 +230,7 @@ pub fn snapshot(conv: &Conversation, job: &JobIssued, cfg: &PolicyConfig) -> Swe
             }
         })
         .collect();
-    let from = conv.rolling_through.map_or(0, |t| t + 1);
+    let from = conv.rolling_through.map_or(0, |t| t.saturating_add(1));
     let rolling_sources = if job.refresh_rolling_state {
         conv.context
             .iter()
@@ -507,4 +507,62 @@ pub fn summary_event(conversation: &str, time: u64, rec: SummaryRecorded) -> Env
         time,
         EventBody::SummaryRecorded(rec),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::event::{RollingStateUpdated, TurnAppended};
+    use crate::core::fold::fold;
+    use crate::core::message::ChatMessage;
+    use crate::core::state::State;
+
+    #[test]
+    fn a_rolling_state_through_the_last_possible_turn_leaves_nothing_to_read() {
+        // `through_turn` is what a summarizer wrote: any number.
+        let policy = PolicyConfig::default();
+        let mut state = State::default();
+        let turn = ChatMessage::text(Role::User, "rotate the key");
+        let events = [
+            Envelope::new(
+                "t1",
+                "c",
+                1,
+                EventBody::TurnAppended(TurnAppended::from(turn)),
+            ),
+            Envelope::new(
+                "r1",
+                "c",
+                2,
+                EventBody::RollingStateUpdated(RollingStateUpdated {
+                    state: RollingState::default(),
+                    through_turn: u64::MAX,
+                    job_id: None,
+                }),
+            ),
+        ];
+        for e in &events {
+            fold(&mut state, &policy, e);
+        }
+        let job = JobIssued {
+            job_id: "j".into(),
+            reason: DebtReason::Manual,
+            urgent: true,
+            context_tokens: 0,
+            target_tokens: 0,
+            deadline_ms: 1000,
+            issued_at: 2,
+            instructions: None,
+            compact: true,
+            refresh_rolling_state: true,
+            max_calls: None,
+            max_tokens: None,
+        };
+        let snap = snapshot(&state.conversations["c"], &job, &policy);
+        assert!(
+            snap.rolling_sources.is_empty(),
+            "{:?}",
+            snap.rolling_sources
+        );
+    }
 }

@@ -95,7 +95,8 @@ pub struct Engine<B: KvBackend> {
 /// 5: seen turns are pairs, their digests byte strings.
 /// 6: turns are rows of their fields, not maps of their names.
 /// 7: records pass intake (origins, bounds, subject attribution).
-pub const STATE_LAYOUT: u32 = 7;
+/// 8: chunk keys escape 0 bytes of conversation keys.
+pub const STATE_LAYOUT: u32 = 8;
 
 /// A fingerprint of the policy and the state layout: state folded under
 /// another policy, or stored in another layout, is rebuilt from the log.

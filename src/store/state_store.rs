@@ -87,12 +87,26 @@ pub struct StateStore<B: KvBackend> {
     pub flush_every: u32,
 }
 
-/// Big-endian sequence numbers: a prefix scan reads chunks in commit order.
-fn chunk_key(conv: &str, seq: u64) -> Vec<u8> {
+/// The prefix of a conversation's chunk keys: its key with each 0 byte
+/// written as 0, 0xff (a byte UTF-8 never holds), then 0 and the kind. So
+/// no conversation's prefix begins another's: a key may hold any byte,
+/// and `a` never reads the records of `a\0...` as its own.
+fn chunk_prefix(conv: &str) -> Vec<u8> {
     let mut key = Vec::with_capacity(conv.len() + 10);
-    key.extend_from_slice(conv.as_bytes());
+    for &b in conv.as_bytes() {
+        key.push(b);
+        if b == 0 {
+            key.push(0xff);
+        }
+    }
     key.push(0);
     key.push(KIND_CHUNK);
+    key
+}
+
+/// Big-endian sequence numbers: a prefix scan reads chunks in commit order.
+fn chunk_key(conv: &str, seq: u64) -> Vec<u8> {
+    let mut key = chunk_prefix(conv);
     key.extend_from_slice(&seq.to_be_bytes());
     key
 }
@@ -169,11 +183,10 @@ impl<B: KvBackend> StateStore<B> {
                 detail: e.to_string(),
             })?;
             let mut conv: Conversation = decode(&head, "conversation head")?;
-            let mut prefix = key.as_bytes().to_vec();
-            prefix.push(0);
+            let prefix = chunk_prefix(&key);
             let mut chunks = 0;
             for (rk, value) in self.backend.scan_prefix(Table::Records, &prefix)? {
-                if rk.get(prefix.len()) != Some(&KIND_CHUNK) {
+                if rk.len() != prefix.len() + 8 {
                     return Err(StoreError::Corrupt {
                         what: "record key".into(),
                         detail: format!("{rk:?}"),
@@ -353,5 +366,43 @@ impl<B: KvBackend> StateStore<B> {
 
     pub fn blob(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
         self.backend.get(Table::Blobs, key.as_bytes())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::event::{Envelope, EventBody, TurnAppended};
+    use crate::core::fold::fold;
+    use crate::core::message::{ChatMessage, Role};
+    use crate::core::policy::PolicyConfig;
+    use crate::store::memory_backend::MemoryBackend;
+
+    #[test]
+    fn keys_that_differ_after_a_zero_byte_keep_their_records_apart() {
+        // Before record keys escaped 0 bytes, "a" scanned the records of
+        // "a\0" (and refused them as corrupt) and took those of the last
+        // key, crafted to look like its own chunk, into its state.
+        let keys = ["a", "a\0", "a\0\x05\0\0\0\0\0\0\0\0", "\0", ""];
+        let policy = PolicyConfig::default();
+        let mut state = State::default();
+        let mut store = StateStore::new(MemoryBackend::default());
+        let dirty: BTreeSet<String> = keys.iter().map(|k| k.to_string()).collect();
+        for round in 0..2u64 {
+            for (i, key) in keys.iter().enumerate() {
+                let text = format!("turn {round} of conversation {i}");
+                let turn = TurnAppended::from(ChatMessage::text(Role::User, text));
+                let id = format!("{i}-{round}");
+                let e = Envelope::new(id, *key, 1 + round, EventBody::TurnAppended(turn));
+                fold(&mut state, &policy, &e);
+            }
+            store.commit(&mut state, &dirty, round + 1, "fp").unwrap();
+        }
+        let (loaded, position) = StateStore::new(store.backend().clone()).load("fp").unwrap();
+        assert_eq!(position, 2);
+        for key in keys {
+            assert_eq!(loaded.conversations[key].turns.len(), 2, "{key:?}");
+        }
+        assert_eq!(loaded.hash(), state.hash());
     }
 }
