@@ -37,9 +37,9 @@ const SECTIONS: [&str; 5] = ["data_dir", "store", "policy", "summarizer", "nats"
 /// `CONTEXTFOLD_*` variables that are not configuration keys, skipped by
 /// the loader: the config file and log filter of the binary, where the
 /// tests find nats-server and the mock LLM servers and whether they must,
-/// golden-file blessing, shared test data and the store crash test's
-/// directory.
-pub const NON_CONFIG_VARS: [&str; 9] = [
+/// golden-file blessing, shared test data, the store crash test's
+/// directory and whether the deploy/ checks must find their tools.
+pub const NON_CONFIG_VARS: [&str; 10] = [
     "CONTEXTFOLD_CONFIG",
     "CONTEXTFOLD_LOG",
     "CONTEXTFOLD_VENV",
@@ -49,6 +49,7 @@ pub const NON_CONFIG_VARS: [&str; 9] = [
     "CONTEXTFOLD_BLESS",
     "CONTEXTFOLD_SHARED_DATA",
     "CONTEXTFOLD_STORE_CRASH_DIR",
+    "CONTEXTFOLD_REQUIRE_DEPLOY_TOOLS",
 ];
 
 /// Prefixes of benchmark knobs (`CONTEXTFOLD_BENCH_SCALE`, ...), skipped
