@@ -18,6 +18,19 @@ fi
 scripts/install-test-llm.sh
 export CONTEXTFOLD_REQUIRE_LLM_SERVERS=1
 
+# tests/deploy.rs checks deploy/ with promtool (Debian `prometheus`),
+# docker-compose and PyYAML (Debian `python3-yaml`); no Docker engine.
+missing=()
+command -v promtool >/dev/null || missing+=(prometheus)
+command -v docker-compose >/dev/null || missing+=(docker-compose)
+python3 -c 'import yaml' 2>/dev/null || /usr/bin/python3 -c 'import yaml' 2>/dev/null \
+    || missing+=(python3-yaml)
+if [ "${#missing[@]}" -gt 0 ]; then
+    apt-get update
+    DEBIAN_FRONTEND=noninteractive apt-get install -y "${missing[@]}"
+fi
+export CONTEXTFOLD_REQUIRE_DEPLOY_TOOLS=1
+
 # Tests never call a hosted API.
 unset OPENAI_API_KEY OPENAI_BASE_URL || true
 
