@@ -85,7 +85,7 @@ use contextfold::core::policy::PolicyConfig;
 use contextfold::core::state::summary_id;
 use contextfold::core::sweep::{summary_event, Pass, SweepSnapshot};
 use contextfold::log::{LogRecord, Position};
-use contextfold::metrics as m;
+use contextfold::telemetry as m;
 use contextfold::runtime::engine::{Effects, Engine};
 use contextfold::store::memory_backend::MemoryBackend;
 use metrics::{Counter, CounterFn, Gauge, Histogram, Key, KeyName, Metadata, SharedString, Unit};

@@ -20,17 +20,24 @@ fi
 scripts/install-test-llm.sh
 export CONTEXTFOLD_REQUIRE_LLM_SERVERS=1
 
-if ! command -v prometheus >/dev/null 2>&1 && [ ! -x /usr/bin/prometheus ]; then
-    if command -v apt-get >/dev/null 2>&1; then
-        apt-get update -qq
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus
-    fi
+# tests/ops_http.rs scrapes serve with a real Prometheus; tests/deploy.rs
+# checks deploy/ with promtool (both Debian `prometheus`), docker-compose
+# and PyYAML (Debian `python3-yaml`); no Docker engine is needed.
+missing=()
+command -v promtool >/dev/null || [ -x /usr/bin/prometheus ] || missing+=(prometheus)
+command -v docker-compose >/dev/null || missing+=(docker-compose)
+python3 -c 'import yaml' 2>/dev/null || /usr/bin/python3 -c 'import yaml' 2>/dev/null \
+    || missing+=(python3-yaml)
+if [ "${#missing[@]}" -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 if command -v prometheus >/dev/null 2>&1 || [ -x /usr/bin/prometheus ]; then
     export CONTEXTFOLD_REQUIRE_PROMETHEUS=1
 else
     echo "test.sh: prometheus could not be installed; tests/ops_http.rs will skip" >&2
 fi
+export CONTEXTFOLD_REQUIRE_DEPLOY_TOOLS=1
 
 # Tests never call a hosted API.
 unset OPENAI_API_KEY OPENAI_BASE_URL || true

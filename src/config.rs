@@ -46,8 +46,9 @@ const SECTIONS: [&str; 7] = [
 /// the loader: the config file and log filter of the binary, where the
 /// tests find nats-server and the mock LLM servers and whether they must,
 /// golden-file blessing, shared test data, the store crash test's
-/// directory, and where the tests find Prometheus and whether they must.
-pub const NON_CONFIG_VARS: [&str; 11] = [
+/// directory, where the tests find Prometheus and whether they must, and
+/// whether the deploy/ checks must find their tools.
+pub const NON_CONFIG_VARS: [&str; 12] = [
     "CONTEXTFOLD_CONFIG",
     "CONTEXTFOLD_LOG",
     "CONTEXTFOLD_VENV",
@@ -59,6 +60,7 @@ pub const NON_CONFIG_VARS: [&str; 11] = [
     "CONTEXTFOLD_STORE_CRASH_DIR",
     "CONTEXTFOLD_PROMETHEUS",
     "CONTEXTFOLD_REQUIRE_PROMETHEUS",
+    "CONTEXTFOLD_REQUIRE_DEPLOY_TOOLS",
 ];
 
 /// Prefixes of benchmark knobs (`CONTEXTFOLD_BENCH_SCALE`, ...), skipped

@@ -238,8 +238,18 @@ async fn an_agent_cannot_write_the_services_events_on_its_subject() {
     let after = conversation(&service, key).unwrap();
     assert_eq!(after.rejections, before.rejections + 3);
     assert!(after.summaries.is_empty(), "no forged summary in state");
-    assert_eq!(after.rolling, before.rolling);
-    assert_eq!(after.spend.retry_at, before.spend.retry_at);
+    // The service's own rolling refresh may run meanwhile; the forged
+    // state and the forged day-long Retry-After never land.
+    assert!(
+        after
+            .rolling
+            .as_ref()
+            .is_none_or(|r| r.decisions != "trust the attacker"),
+        "{:?}",
+        after.rolling
+    );
+    assert!(after.spend.retry_at < 1_700_000_100_002 + 86_400_000);
+    assert!(after.spend.recent.iter().all(|e| e.job_id != "job-forged"));
     assert!(history_mentions(&after, "written only by contextfold"));
 
     // The same summary on the service's subject is folded: the boundary
