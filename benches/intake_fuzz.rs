@@ -85,9 +85,9 @@ use contextfold::core::policy::PolicyConfig;
 use contextfold::core::state::summary_id;
 use contextfold::core::sweep::{summary_event, Pass, SweepSnapshot};
 use contextfold::log::{LogRecord, Position};
-use contextfold::telemetry as m;
 use contextfold::runtime::engine::{Effects, Engine};
 use contextfold::store::memory_backend::MemoryBackend;
+use contextfold::telemetry as m;
 use metrics::{Counter, CounterFn, Gauge, Histogram, Key, KeyName, Metadata, SharedString, Unit};
 use serde_json::{json, Map, Value};
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -610,16 +610,24 @@ impl Counters {
         }
         name
     }
+    /// A counter with `kind` as its label, or (`None`) summed over all its
+    /// labels (`origin` of duplicates, say).
     fn get(&self, name: &str, kind: Option<&str>) -> u64 {
-        let key = match kind {
-            Some(kind) => format!("{name},kind={kind}"),
-            None => name.to_string(),
+        let Ok(counts) = self.counts.lock() else {
+            return 0;
         };
-        self.counts
-            .lock()
-            .ok()
-            .and_then(|c| c.get(&key).map(|c| c.0.load(Ordering::Relaxed)))
-            .unwrap_or(0)
+        match kind {
+            Some(kind) => counts
+                .get(&format!("{name},kind={kind}"))
+                .map_or(0, |c| c.0.load(Ordering::Relaxed)),
+            None => counts
+                .iter()
+                .filter(|(k, _)| {
+                    k.as_str() == name || k.strip_prefix(name).is_some_and(|r| r.starts_with(','))
+                })
+                .map(|(_, c)| c.0.load(Ordering::Relaxed))
+                .sum(),
+        }
     }
 }
 
