@@ -1,6 +1,7 @@
 //! Subcommands. Each reads the configuration, opens what it needs under the
 //! data directory and reports in plain text (or JSON where asked).
 
+mod doctor;
 mod eval;
 mod local;
 mod publish;
@@ -211,6 +212,17 @@ pub enum Command {
         #[arg(long, value_name = "ADDR")]
         http: Option<std::net::SocketAddr>,
     },
+    /// Check a NATS deployment as an operator would (server, JetStream,
+    /// streams, consumers and lag, jobs, dead letters, leases): one line
+    /// per check, `ok`, `warn` or `FAIL` with what to do; exit 1 on a FAIL.
+    /// Reads only.
+    Doctor {
+        #[command(flatten)]
+        nats: serve::NatsArgs,
+        /// Print one JSON object instead of lines.
+        #[arg(long)]
+        json: bool,
+    },
     /// Publish inbound events to NATS as an agent would (Nats-Msg-Id = event id).
     Publish {
         #[command(flatten)]
@@ -300,6 +312,7 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
             }
             serve::serve(&config, &nats, roles, concurrency)
         }
+        Command::Doctor { nats, json } => doctor::doctor(&config, &nats, json),
         Command::Publish { nats, file, format } => {
             publish::publish(&config, &nats, file.as_deref(), &format)
         }

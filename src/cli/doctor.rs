@@ -1,0 +1,407 @@
+//! `contextfold doctor`: what an operator would check by hand on a NATS
+//! deployment, one line per check (`ok`, `warn` or `FAIL` and what to do).
+//! It only reads: nothing is created, updated or deleted (no stream,
+//! consumer or lease), so it is safe beside a running `serve`. The exit code
+//! is 1 when any check fails.
+
+use super::local::runtime;
+use super::serve::NatsArgs;
+use anyhow::Result;
+use async_nats::jetstream::{self, stream};
+use contextfold::config::Config;
+use contextfold::nats::leases::owner_of;
+use contextfold::nats::setup::{
+    dead_letter_stream_config, events_stream_config, incompatibilities, jobs_stream_config,
+};
+use contextfold::nats::NatsConfig;
+use std::io::Write;
+use std::process::ExitCode;
+
+/// How a check came out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Level {
+    Ok,
+    Warn,
+    Fail,
+}
+
+impl Level {
+    fn label(self) -> &'static str {
+        match self {
+            Level::Ok => "ok",
+            Level::Warn => "warn",
+            Level::Fail => "FAIL",
+        }
+    }
+}
+
+/// One check: what was looked at and what was found (with what to do when
+/// it is not ok).
+#[derive(Debug, Clone)]
+pub struct Finding {
+    pub level: Level,
+    pub check: String,
+    pub detail: String,
+}
+
+impl Finding {
+    fn new(level: Level, check: impl Into<String>, detail: impl Into<String>) -> Self {
+        Finding {
+            level,
+            check: check.into(),
+            detail: detail.into(),
+        }
+    }
+
+    fn line(&self) -> String {
+        format!("{:<4} {}: {}", self.level.label(), self.check, self.detail)
+    }
+
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "level": self.level.label().to_ascii_lowercase(),
+            "check": self.check,
+            "detail": self.detail,
+        })
+    }
+}
+
+/// Looks a stream up; `Ok(None)` when it does not exist.
+async fn stream_info(js: &jetstream::Context, name: &str) -> Result<Option<stream::Info>, String> {
+    match js.get_stream(name).await {
+        Ok(mut s) => s
+            .info()
+            .await
+            .map(|i| Some(i.clone()))
+            .map_err(|e| e.to_string()),
+        Err(e) => match e.kind() {
+            jetstream::context::GetStreamErrorKind::JetStream(inner)
+                if inner.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND =>
+            {
+                Ok(None)
+            }
+            _ => Err(e.to_string()),
+        },
+    }
+}
+
+/// The stream `desired` names exists with settings this version can use.
+async fn check_stream(
+    js: &jetstream::Context,
+    desired: &stream::Config,
+) -> (Finding, Option<stream::Info>) {
+    let check = format!("stream {}", desired.name);
+    match stream_info(js, &desired.name).await {
+        Ok(Some(info)) => {
+            let problems = incompatibilities(&info.config, desired);
+            let finding = if problems.is_empty() {
+                Finding::new(
+                    Level::Ok,
+                    check,
+                    format!(
+                        "{} messages, settings as this version needs",
+                        info.state.messages
+                    ),
+                )
+            } else {
+                Finding::new(Level::Fail, check, problems.join("; "))
+            };
+            (finding, Some(info))
+        }
+        Ok(None) => (
+            Finding::new(
+                Level::Fail,
+                check,
+                "missing: start `contextfold serve` once (it creates it), with the same \
+                 [nats] prefix as here",
+            ),
+            None,
+        ),
+        Err(e) => (
+            Finding::new(
+                Level::Fail,
+                check,
+                format!("cannot read it ({e}): check this user's JetStream permissions"),
+            ),
+            None,
+        ),
+    }
+}
+
+/// A durable consumer's info; `Ok(None)` when it does not exist.
+async fn consumer_info(
+    js: &jetstream::Context,
+    stream: &str,
+    name: &str,
+) -> Result<Option<jetstream::consumer::Info>, String> {
+    let s = js.get_stream(stream).await.map_err(|e| e.to_string())?;
+    match s.consumer_info(name).await {
+        Ok(info) => Ok(Some(info)),
+        Err(e) => {
+            let text = e.to_string();
+            if text.contains("10014") || text.to_ascii_lowercase().contains("consumer not found") {
+                Ok(None)
+            } else {
+                Err(text)
+            }
+        }
+    }
+}
+
+/// Every check against the servers `cfg` names.
+pub async fn diagnose(cfg: &NatsConfig) -> Vec<Finding> {
+    let mut out = Vec::new();
+    let servers = cfg.connection.display_servers();
+    if let Err(e) = cfg.validate() {
+        out.push(Finding::new(
+            Level::Fail,
+            "configuration",
+            format!("{e}: fix it in the configuration file or CONTEXTFOLD_NATS__* variables"),
+        ));
+        return out;
+    }
+    let subjects = match cfg.subjects() {
+        Ok(s) => s,
+        Err(e) => {
+            out.push(Finding::new(Level::Fail, "configuration", e.to_string()));
+            return out;
+        }
+    };
+    // Connecting checks the server version and that JetStream is enabled.
+    let client = match cfg.connection.connect().await {
+        Ok((client, version)) => {
+            out.push(Finding::new(
+                Level::Ok,
+                "server",
+                format!("nats-server {version} at {servers}, JetStream enabled"),
+            ));
+            client
+        }
+        Err(e) => {
+            out.push(Finding::new(Level::Fail, "server", e.to_string()));
+            return out;
+        }
+    };
+    let js = jetstream::new(client);
+
+    let desired = [
+        events_stream_config(cfg),
+        jobs_stream_config(cfg),
+        dead_letter_stream_config(cfg),
+    ];
+    let mut infos = Vec::new();
+    for d in desired {
+        match d {
+            Ok(d) => {
+                let (finding, info) = check_stream(&js, &d).await;
+                out.push(finding);
+                infos.push(info);
+            }
+            Err(e) => {
+                out.push(Finding::new(Level::Fail, "configuration", e.to_string()));
+                return out;
+            }
+        }
+    }
+    let (events, jobs, dead) = (&infos[0], &infos[1], &infos[2]);
+
+    if events.is_some() {
+        let events_name = subjects.events_stream();
+        let mut missing = Vec::new();
+        let mut lag = 0u64;
+        let mut unreadable = Vec::new();
+        for p in 0..cfg.partitions {
+            let name = subjects.folder_consumer(p);
+            match consumer_info(&js, &events_name, &name).await {
+                Ok(Some(info)) => lag += info.num_pending + info.num_ack_pending as u64,
+                Ok(None) => missing.push(p),
+                Err(e) => unreadable.push(format!("{name}: {e}")),
+            }
+        }
+        let check = "folder consumers";
+        if !missing.is_empty() {
+            out.push(Finding::new(
+                Level::Fail,
+                check,
+                format!(
+                    "missing for partition(s) {missing:?} ({}): restart `contextfold serve` with \
+                     role folder; it recreates them from its store's position (the state is not \
+                     lost)",
+                    missing
+                        .iter()
+                        .map(|p| subjects.folder_consumer(*p))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            ));
+        } else if !unreadable.is_empty() {
+            out.push(Finding::new(
+                Level::Fail,
+                check,
+                format!("cannot read {}", unreadable.join("; ")),
+            ));
+        } else {
+            out.push(Finding::new(
+                Level::Ok,
+                check,
+                format!("{} present", cfg.partitions),
+            ));
+        }
+        let level = if lag == 0 { Level::Ok } else { Level::Warn };
+        let detail = if lag == 0 {
+            "0 events not yet folded".to_string()
+        } else {
+            format!(
+                "{lag} events not yet folded: fine while turns arrive; if it does not fall, \
+                 check that a folder holds every partition (leases) and its logs"
+            )
+        };
+        out.push(Finding::new(level, "consumer lag", detail));
+    }
+
+    if jobs.is_some() {
+        let name = subjects.summarizer_consumer();
+        let check = format!("summarizer consumer {name}");
+        match consumer_info(&js, &subjects.jobs_stream(), &name).await {
+            Ok(Some(info)) => {
+                let (level, detail) = if info.num_redelivered > 0 {
+                    (
+                        Level::Warn,
+                        format!(
+                            "{} job(s) redelivered, {} in flight, {} waiting: a summarizer \
+                             timed out or failed; see its logs (LLM endpoint, job_ack_wait_ms)",
+                            info.num_redelivered, info.num_ack_pending, info.num_pending
+                        ),
+                    )
+                } else {
+                    (
+                        Level::Ok,
+                        format!(
+                            "{} in flight, {} waiting, none redelivered",
+                            info.num_ack_pending, info.num_pending
+                        ),
+                    )
+                };
+                out.push(Finding::new(level, check, detail));
+            }
+            Ok(None) => out.push(Finding::new(
+                Level::Fail,
+                check,
+                "missing: restart `contextfold serve` (it recreates it); jobs wait meanwhile",
+            )),
+            Err(e) => out.push(Finding::new(
+                Level::Fail,
+                check,
+                format!("cannot read: {e}"),
+            )),
+        }
+    }
+
+    if let Some(dead) = dead {
+        let n = dead.state.messages;
+        let check = "dead letters";
+        if n == 0 {
+            out.push(Finding::new(Level::Ok, check, "none"));
+        } else {
+            out.push(Finding::new(
+                Level::Fail,
+                check,
+                format!(
+                    "{n} in stream {}: read them (`nats stream view {}`), fix the cause, then \
+                     purge the stream",
+                    subjects.dead_letter_stream(),
+                    subjects.dead_letter_stream()
+                ),
+            ));
+        }
+    }
+
+    let bucket = subjects.lease_bucket();
+    let check = format!("leases ({bucket})");
+    match js.get_key_value(&bucket).await {
+        Ok(kv) => {
+            let mut owners = std::collections::BTreeMap::<String, u32>::new();
+            let mut unowned = Vec::new();
+            for p in 0..cfg.partitions {
+                match owner_of(&kv, p).await {
+                    Ok(Some(owner)) => *owners.entry(owner).or_default() += 1,
+                    Ok(None) => unowned.push(p),
+                    Err(e) => {
+                        out.push(Finding::new(Level::Fail, check.clone(), e.to_string()));
+                        return out;
+                    }
+                }
+            }
+            let held = owners
+                .iter()
+                .map(|(o, n)| format!("{o} holds {n}"))
+                .collect::<Vec<_>>()
+                .join(", ");
+            if unowned.is_empty() {
+                out.push(Finding::new(Level::Ok, check, held));
+            } else {
+                out.push(Finding::new(
+                    Level::Warn,
+                    check,
+                    format!(
+                        "no folder holds partition(s) {unowned:?}{}: their turns wait; start \
+                         `contextfold serve` with role folder",
+                        if held.is_empty() {
+                            String::new()
+                        } else {
+                            format!(" ({held})")
+                        }
+                    ),
+                ));
+            }
+        }
+        Err(e) => out.push(Finding::new(
+            Level::Fail,
+            check,
+            format!("cannot open the bucket ({e}): start `contextfold serve` once (it creates it)"),
+        )),
+    }
+    out
+}
+
+/// Runs every check, prints one line each (or one JSON object) and fails
+/// when any check fails.
+pub fn doctor(config: &Config, nats: &NatsArgs, json: bool) -> Result<ExitCode> {
+    let cfg = nats.apply(&config.nats);
+    let findings = runtime()?.block_on(diagnose(&cfg));
+    let failed = findings.iter().any(|f| f.level == Level::Fail);
+    let mut out = std::io::stdout().lock();
+    let written = if json {
+        let v = serde_json::json!({
+            "ok": !failed,
+            "checks": findings.iter().map(Finding::json).collect::<Vec<_>>(),
+        });
+        writeln!(out, "{v}")
+    } else {
+        findings
+            .iter()
+            .try_for_each(|f| writeln!(out, "{}", f.line()))
+    };
+    match written {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
+        other => other?,
+    }
+    Ok(if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lines_name_level_check_and_what_to_do() {
+        let f = Finding::new(Level::Fail, "dead letters", "3 in stream CF_DEAD: purge");
+        assert_eq!(f.line(), "FAIL dead letters: 3 in stream CF_DEAD: purge");
+        assert_eq!(f.json()["level"], "fail");
+        assert_eq!(Finding::new(Level::Ok, "x", "y").line(), "ok   x: y");
+    }
+}
