@@ -72,7 +72,6 @@ async fn healthy_setup_is_all_ok_and_a_broken_one_fails_saying_what_to_do() {
         let (code, out, err) = doctor(dir.path(), &server.url(), &[]).await;
         assert_eq!(code, Some(0), "healthy setup fails:\n{out}\n{err}");
         if out.lines().all(|l| l.starts_with("ok ")) {
-            eprintln!("healthy:\n{out}");
             break out;
         }
         assert!(Instant::now() < deadline, "never all ok:\n{out}");
@@ -88,6 +87,7 @@ async fn healthy_setup_is_all_ok_and_a_broken_one_fails_saying_what_to_do() {
         "summarizer consumer",
         "dead letters",
         "leases",
+        "stalled partitions",
     ] {
         assert!(line(&out, check).starts_with("ok "), "{check}:\n{out}");
     }
@@ -98,9 +98,15 @@ async fn healthy_setup_is_all_ok_and_a_broken_one_fails_saying_what_to_do() {
     assert_eq!(v["ok"], true, "{json}");
     assert!(v["checks"].as_array().unwrap().len() >= 9, "{json}");
 
-    // Broken: serve stopped, a folder consumer deleted by hand, a record
-    // dead-lettered.
+    // Broken: serve stopped with turns arriving after it (a stalled
+    // partition), a folder consumer deleted by hand, a record dead-lettered.
     service.shutdown().await;
+    let late = (0..)
+        .map(|i| format!("doctor-late-{i}"))
+        .find(|k| partition_of(k) != 5)
+        .unwrap();
+    let stalled_partition = partition_of(&late);
+    raw_publish(&client, &turns(&late, 0..3, 10)).await;
     let subjects = Subjects::new("cf").unwrap();
     let victim = subjects.folder_consumer(5);
     js.get_stream(subjects.events_stream())
@@ -117,7 +123,6 @@ async fn healthy_setup_is_all_ok_and_a_broken_one_fails_saying_what_to_do() {
 
     let (code, out, err) = doctor(dir.path(), &server.url(), &[]).await;
     assert_eq!(code, Some(1), "broken setup passes:\n{out}\n{err}");
-    eprintln!("broken:\n{out}");
     let consumers = line(&out, "folder consumers");
     assert!(consumers.starts_with("FAIL "), "{out}");
     assert!(consumers.contains(&victim), "{out}");
@@ -129,6 +134,12 @@ async fn healthy_setup_is_all_ok_and_a_broken_one_fails_saying_what_to_do() {
         "{out}"
     );
     assert!(dead.contains("purge"), "{out}");
+    let stalled = line(&out, "stalled partitions");
+    assert!(stalled.starts_with("FAIL "), "{out}");
+    assert!(
+        stalled.contains(&format!("{stalled_partition} (3 waiting)")),
+        "{out}"
+    );
     // What is still right stays ok.
     assert!(line(&out, "server").starts_with("ok "), "{out}");
     assert!(line(&out, "stream CF_EVENTS").starts_with("ok "), "{out}");

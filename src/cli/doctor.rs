@@ -148,6 +148,31 @@ async fn consumer_info(
     }
 }
 
+/// A partition with events waiting and no folder holding it makes no
+/// progress: that is a failure, not lag.
+fn stalled(lags: &std::collections::BTreeMap<u32, u64>, unowned: &[u32]) -> Finding {
+    let stuck: Vec<String> = unowned
+        .iter()
+        .filter_map(|p| match lags.get(p) {
+            Some(&n) if n > 0 => Some(format!("{p} ({n} waiting)")),
+            _ => None,
+        })
+        .collect();
+    if stuck.is_empty() {
+        Finding::new(Level::Ok, "stalled partitions", "none")
+    } else {
+        Finding::new(
+            Level::Fail,
+            "stalled partitions",
+            format!(
+                "{}: events wait and no folder holds them; start `contextfold serve` with role \
+                 folder, or check why running folders do not take these leases (their logs)",
+                stuck.join(", ")
+            ),
+        )
+    }
+}
+
 /// Every check against the servers `cfg` names.
 pub async fn diagnose(cfg: &NatsConfig) -> Vec<Finding> {
     let mut out = Vec::new();
@@ -205,6 +230,8 @@ pub async fn diagnose(cfg: &NatsConfig) -> Vec<Finding> {
     }
     let (events, jobs, dead) = (&infos[0], &infos[1], &infos[2]);
 
+    // Events waiting per partition, for the stalled-partition check.
+    let mut lags = std::collections::BTreeMap::<u32, u64>::new();
     if events.is_some() {
         let events_name = subjects.events_stream();
         let mut missing = Vec::new();
@@ -213,7 +240,11 @@ pub async fn diagnose(cfg: &NatsConfig) -> Vec<Finding> {
         for p in 0..cfg.partitions {
             let name = subjects.folder_consumer(p);
             match consumer_info(&js, &events_name, &name).await {
-                Ok(Some(info)) => lag += info.num_pending + info.num_ack_pending as u64,
+                Ok(Some(info)) => {
+                    let waiting = info.num_pending + info.num_ack_pending as u64;
+                    lags.insert(p, waiting);
+                    lag += waiting;
+                }
                 Ok(None) => missing.push(p),
                 Err(e) => unreadable.push(format!("{name}: {e}")),
             }
@@ -321,7 +352,7 @@ pub async fn diagnose(cfg: &NatsConfig) -> Vec<Finding> {
     match js.get_key_value(&bucket).await {
         Ok(kv) => {
             let mut owners = std::collections::BTreeMap::<String, u32>::new();
-            let mut unowned = Vec::new();
+            let mut unowned: Vec<u32> = Vec::new();
             for p in 0..cfg.partitions {
                 match owner_of(&kv, p).await {
                     Ok(Some(owner)) => *owners.entry(owner).or_default() += 1,
@@ -337,6 +368,7 @@ pub async fn diagnose(cfg: &NatsConfig) -> Vec<Finding> {
                 .map(|(o, n)| format!("{o} holds {n}"))
                 .collect::<Vec<_>>()
                 .join(", ");
+            out.push(stalled(&lags, &unowned));
             if unowned.is_empty() {
                 out.push(Finding::new(Level::Ok, check, held));
             } else {
@@ -403,5 +435,16 @@ mod tests {
         assert_eq!(f.line(), "FAIL dead letters: 3 in stream CF_DEAD: purge");
         assert_eq!(f.json()["level"], "fail");
         assert_eq!(Finding::new(Level::Ok, "x", "y").line(), "ok   x: y");
+    }
+
+    #[test]
+    fn only_unowned_partitions_with_waiting_events_are_stalled() {
+        let lags = [(0, 3), (1, 0), (2, 7)].into_iter().collect();
+        assert_eq!(stalled(&lags, &[1]).level, Level::Ok);
+        assert_eq!(stalled(&lags, &[]).level, Level::Ok);
+        let f = stalled(&lags, &[1, 2]);
+        assert_eq!(f.level, Level::Fail);
+        assert!(f.detail.starts_with("2 (7 waiting):"), "{}", f.detail);
+        assert!(!f.detail.contains("0 (3"), "{}", f.detail);
     }
 }
