@@ -11,6 +11,7 @@ use support::serve::*;
 use support::turns::turns;
 
 use contextfold::core::policy::PolicyConfig;
+use contextfold::nats::serve::Roles;
 use contextfold::nats::Subjects;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -54,7 +55,8 @@ fn line<'a>(out: &'a str, check: &str) -> &'a str {
 async fn healthy_setup_is_all_ok_and_a_broken_one_fails_saying_what_to_do() {
     let server = NatsServer::start();
     let dir = tempfile::tempdir().unwrap();
-    let opts = options(&server.url(), dir.path(), &PolicyConfig::default(), "doc");
+    let mut opts = options(&server.url(), dir.path(), &PolicyConfig::default(), "doc");
+    opts.roles = "all".parse::<Roles>().unwrap();
     let service = start_alone(opts).await;
     let (client, js, _infra) = client_for(&server.url()).await;
     raw_publish(&client, &turns("doctor-a", 0..6, 20)).await;
@@ -88,15 +90,22 @@ async fn healthy_setup_is_all_ok_and_a_broken_one_fails_saying_what_to_do() {
         "dead letters",
         "leases",
         "stalled partitions",
+        "serve status",
+        "partition health",
+        "stuck jobs",
     ] {
         assert!(line(&out, check).starts_with("ok "), "{check}:\n{out}");
     }
     assert!(line(&out, "leases").contains("holds 16"), "{out}");
+    assert!(
+        line(&out, "partition health").contains("16 partitions"),
+        "{out}"
+    );
     let (code, json, _) = doctor(dir.path(), &server.url(), &["--json"]).await;
     assert_eq!(code, Some(0));
     let v: serde_json::Value = serde_json::from_str(json.trim()).unwrap();
     assert_eq!(v["ok"], true, "{json}");
-    assert!(v["checks"].as_array().unwrap().len() >= 9, "{json}");
+    assert!(v["checks"].as_array().unwrap().len() >= 12, "{json}");
 
     // Broken: serve stopped with turns arriving after it (a stalled
     // partition), a folder consumer deleted by hand, a record dead-lettered.
@@ -140,6 +149,8 @@ async fn healthy_setup_is_all_ok_and_a_broken_one_fails_saying_what_to_do() {
         stalled.contains(&format!("{stalled_partition} (3 waiting)")),
         "{out}"
     );
+    // No serve answers now: said, but not a failure by itself.
+    assert!(line(&out, "serve status").starts_with("warn "), "{out}");
     // What is still right stays ok.
     assert!(line(&out, "server").starts_with("ok "), "{out}");
     assert!(line(&out, "stream CF_EVENTS").starts_with("ok "), "{out}");

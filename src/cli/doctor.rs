@@ -8,14 +8,21 @@ use super::local::runtime;
 use super::serve::NatsArgs;
 use anyhow::Result;
 use async_nats::jetstream::{self, stream};
+use contextfold::api::status::{GlobalStatus, HealthCode};
+use contextfold::api::{decode_reply, Op, ReplyError, StatusRequest, StatusResponse};
 use contextfold::config::Config;
 use contextfold::nats::leases::owner_of;
 use contextfold::nats::setup::{
     dead_letter_stream_config, events_stream_config, incompatibilities, jobs_stream_config,
 };
 use contextfold::nats::NatsConfig;
+use contextfold::nats::Subjects;
 use std::io::Write;
 use std::process::ExitCode;
+use std::time::Duration;
+
+/// How long a running serve may take to answer the status request.
+const STATUS_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How a check came out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -207,7 +214,7 @@ pub async fn diagnose(cfg: &NatsConfig) -> Vec<Finding> {
             return out;
         }
     };
-    let js = jetstream::new(client);
+    let js = jetstream::new(client.clone());
 
     let desired = [
         events_stream_config(cfg),
@@ -393,6 +400,138 @@ pub async fn diagnose(cfg: &NatsConfig) -> Vec<Finding> {
             format!("cannot open the bucket ({e}): start `contextfold serve` once (it creates it)"),
         )),
     }
+    out.extend(serve_status(&client, &subjects).await);
+    out
+}
+
+/// What a running serve (role api) says of the partitions it folds and of
+/// its jobs, through the global status any client can ask for.
+async fn serve_status(client: &async_nats::Client, subjects: &Subjects) -> Vec<Finding> {
+    let subject = subjects.admin(Op::Status);
+    let check = "serve status";
+    let body = match serde_json::to_vec(&StatusRequest { conversation: None }) {
+        Ok(b) => b,
+        Err(e) => return vec![Finding::new(Level::Fail, check, e.to_string())],
+    };
+    let request = async_nats::Request::new()
+        .payload(body.into())
+        .timeout(Some(STATUS_TIMEOUT));
+    let reply = match client.send_request(subject.clone(), request).await {
+        Ok(m) => m.payload.to_vec(),
+        Err(e) => {
+            let why = match e.kind() {
+                async_nats::client::RequestErrorKind::NoResponders => {
+                    "no serve with role api answers".to_string()
+                }
+                _ => e.to_string(),
+            };
+            return vec![Finding::new(
+                Level::Warn,
+                check,
+                format!(
+                    "{why} on {subject}: partition and job health not checked; run \
+                     `contextfold serve` with role api (the default roles include it)"
+                ),
+            )];
+        }
+    };
+    match decode_reply::<StatusResponse>(&reply) {
+        Ok(StatusResponse::Global(g)) => {
+            let mut out = vec![Finding::new(
+                Level::Ok,
+                check,
+                format!("a serve answers on {subject}"),
+            )];
+            out.extend(judge_status(&g));
+            out
+        }
+        Ok(StatusResponse::Conversation(_)) => vec![Finding::new(
+            Level::Warn,
+            check,
+            format!("{subject} answered with a conversation's status: is it a contextfold API?"),
+        )],
+        Err(ReplyError::Api(e)) => vec![Finding::new(
+            Level::Warn,
+            check,
+            format!("{} ({})", e.message, e.code.as_str()),
+        )],
+        Err(ReplyError::Malformed(m)) => vec![Finding::new(
+            Level::Warn,
+            check,
+            format!("malformed reply on {subject}: {m}; is serve of another version?"),
+        )],
+    }
+}
+
+/// Partitions and jobs as one serve reports them.
+fn judge_status(g: &GlobalStatus) -> Vec<Finding> {
+    let mut out = Vec::new();
+    let retrying: Vec<String> = g
+        .partitions
+        .iter()
+        .filter(|p| p.retrying)
+        .map(|p| {
+            format!(
+                "{} ({})",
+                p.partition,
+                p.last_error.as_deref().unwrap_or("unknown error")
+            )
+        })
+        .collect();
+    let catching_up = g.partitions.iter().filter(|p| p.catching_up).count();
+    if !retrying.is_empty() {
+        out.push(Finding::new(
+            Level::Fail,
+            "partition health",
+            format!(
+                "retrying: {}; fix the cause the error names (state store, disk, permissions), \
+                 the folder retries by itself",
+                retrying.join(", ")
+            ),
+        ));
+    } else if catching_up > 0 {
+        out.push(Finding::new(
+            Level::Warn,
+            "partition health",
+            format!(
+                "{catching_up} of {} partitions still folding history; wait",
+                g.partitions.len()
+            ),
+        ));
+    } else {
+        out.push(Finding::new(
+            Level::Ok,
+            "partition health",
+            format!(
+                "{} partitions folding, none retrying, {} conversations",
+                g.partitions.len(),
+                g.conversations
+            ),
+        ));
+    }
+    let stuck: Vec<&str> = g
+        .health
+        .reasons
+        .iter()
+        .filter(|r| matches!(r.code, HealthCode::OverdueJob | HealthCode::StalledDebt))
+        .map(|r| r.message.as_str())
+        .collect();
+    if stuck.is_empty() {
+        out.push(Finding::new(
+            Level::Ok,
+            "stuck jobs",
+            format!("none ({} pending)", g.pending_jobs),
+        ));
+    } else {
+        out.push(Finding::new(
+            Level::Warn,
+            "stuck jobs",
+            format!(
+                "{}: check that a summarizer runs and reaches its model (its logs)",
+                stuck.join("; ")
+            ),
+        ));
+    }
     out
 }
 
@@ -435,6 +574,24 @@ mod tests {
         assert_eq!(f.line(), "FAIL dead letters: 3 in stream CF_DEAD: purge");
         assert_eq!(f.json()["level"], "fail");
         assert_eq!(Finding::new(Level::Ok, "x", "y").line(), "ok   x: y");
+    }
+
+    #[test]
+    fn a_retrying_partition_fails_and_catching_up_warns() {
+        use contextfold::api::status::{global_status, with_partitions, PartitionHealth};
+        let g = global_status(&Default::default(), &Default::default()).unwrap();
+        let mut bad = PartitionHealth::new(3);
+        bad.retrying = true;
+        bad.last_error = Some("disk full".into());
+        let mut busy = PartitionHealth::new(4);
+        busy.catching_up = true;
+        let healthy = judge_status(&with_partitions(g.clone(), vec![PartitionHealth::new(0)]));
+        assert!(healthy.iter().all(|f| f.level == Level::Ok), "{healthy:?}");
+        let failing = judge_status(&with_partitions(g.clone(), vec![bad, busy.clone()]));
+        assert_eq!(failing[0].level, Level::Fail);
+        assert!(failing[0].detail.contains("3 (disk full)"), "{failing:?}");
+        let waiting = judge_status(&with_partitions(g, vec![busy]));
+        assert_eq!(waiting[0].level, Level::Warn);
     }
 
     #[test]
