@@ -144,14 +144,8 @@ async fn consumer_info(
     let s = js.get_stream(stream).await.map_err(|e| e.to_string())?;
     match s.consumer_info(name).await {
         Ok(info) => Ok(Some(info)),
-        Err(e) => {
-            let text = e.to_string();
-            if text.contains("10014") || text.to_ascii_lowercase().contains("consumer not found") {
-                Ok(None)
-            } else {
-                Err(text)
-            }
-        }
+        Err(e) if e.kind() == jetstream::context::ConsumerInfoErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e.to_string()),
     }
 }
 
