@@ -21,7 +21,8 @@ use std::time::{Duration, Instant};
 async fn doctor(dir: &Path, url: &str, extra: &[&str]) -> (Option<i32>, String, String) {
     let config = dir.join("doctor.toml");
     std::fs::write(&config, "[nats]\nstorage = \"memory\"\n").unwrap();
-    let data = dir.join("doctor-data");
+    // The serve's data directory: its state stores are checked too.
+    let data = dir.to_path_buf();
     let mut args = vec![
         "--config".to_string(),
         config.display().to_string(),
@@ -90,6 +91,7 @@ async fn healthy_setup_is_all_ok_and_a_broken_one_fails_saying_what_to_do() {
         "dead letters",
         "leases",
         "stalled partitions",
+        "state stores",
         "serve status",
         "partition health",
         "stuck jobs",
@@ -151,6 +153,12 @@ async fn healthy_setup_is_all_ok_and_a_broken_one_fails_saying_what_to_do() {
     );
     // No serve answers now: said, but not a failure by itself.
     assert!(line(&out, "serve status").starts_with("warn "), "{out}");
+    // Serve stopped: its stores are read, within the stream, this policy.
+    let stores = line(&out, "state stores");
+    assert!(
+        stores.starts_with("ok ") && stores.contains("16 read"),
+        "{out}"
+    );
     // What is still right stays ok.
     assert!(line(&out, "server").starts_with("ok "), "{out}");
     assert!(line(&out, "stream CF_EVENTS").starts_with("ok "), "{out}");

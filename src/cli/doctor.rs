@@ -17,7 +17,10 @@ use contextfold::nats::setup::{
 };
 use contextfold::nats::NatsConfig;
 use contextfold::nats::Subjects;
+use contextfold::runtime::engine::policy_fingerprint;
+use contextfold::store::redb_backend::{inspect, InspectError};
 use std::io::Write;
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -174,8 +177,91 @@ fn stalled(lags: &std::collections::BTreeMap<u32, u64>, unowned: &[u32]) -> Find
     }
 }
 
+/// Where this host's serve keeps the partition state stores, and the
+/// policy fingerprint this configuration folds under.
+pub struct Stores {
+    pub dir: PathBuf,
+    pub fingerprint: String,
+}
+
+/// The partition state stores under `stores.dir`, read without writing:
+/// readable, not ahead of the events stream, folded under this policy.
+fn check_stores(stores: &Stores, partitions: u32, last_sequence: Option<u64>) -> Finding {
+    let check = format!("state stores ({})", stores.dir.display());
+    if !stores.dir.is_dir() {
+        return Finding::new(
+            Level::Warn,
+            check,
+            "none on this host: run doctor with the --data (and [nats] prefix) of a serve to \
+             check its stores",
+        );
+    }
+    let (mut read, mut in_use, mut absent) = (0, 0, 0);
+    let (mut broken, mut ahead, mut other_policy) = (Vec::new(), Vec::new(), Vec::new());
+    for p in 0..partitions {
+        let path = stores.dir.join(format!("partition-{p}.redb"));
+        if !path.is_file() {
+            absent += 1;
+            continue;
+        }
+        match inspect(&path) {
+            Ok(summary) => {
+                read += 1;
+                if last_sequence.is_some_and(|last| summary.position > last) {
+                    ahead.push(format!("{p} (at {})", summary.position));
+                }
+                if summary
+                    .policy_fingerprint
+                    .as_deref()
+                    .is_some_and(|f| f != stores.fingerprint)
+                {
+                    other_policy.push(p);
+                }
+            }
+            Err(InspectError::InUse(_)) => in_use += 1,
+            Err(InspectError::Store(e)) => broken.push(format!("{p}: {e}")),
+        }
+    }
+    let counts = format!("{read} read, {in_use} in use by a running serve, {absent} absent");
+    if !broken.is_empty() {
+        Finding::new(
+            Level::Fail,
+            check,
+            format!(
+                "{counts}; unreadable: {}; stop that partition's serve, move the file away and \
+                 restart it (it refolds from the stream)",
+                broken.join("; ")
+            ),
+        )
+    } else if !ahead.is_empty() {
+        Finding::new(
+            Level::Fail,
+            check,
+            format!(
+                "{counts}; ahead of the events stream (last sequence {}): partition(s) {}; the \
+                 stream was recreated or purged under them: restore the stream, or stop serve \
+                 and move these stores away so they refold",
+                last_sequence.unwrap_or_default(),
+                ahead.join(", ")
+            ),
+        )
+    } else if !other_policy.is_empty() {
+        Finding::new(
+            Level::Warn,
+            check,
+            format!(
+                "{counts}; partition(s) {other_policy:?} were folded under another policy than \
+                 this configuration's: make every process's [policy] agree (a folder with \
+                 another policy refolds the partition from the start)"
+            ),
+        )
+    } else {
+        Finding::new(Level::Ok, check, counts)
+    }
+}
+
 /// Every check against the servers `cfg` names.
-pub async fn diagnose(cfg: &NatsConfig) -> Vec<Finding> {
+pub async fn diagnose(cfg: &NatsConfig, stores: &Stores) -> Vec<Finding> {
     let mut out = Vec::new();
     let servers = cfg.connection.display_servers();
     if let Err(e) = cfg.validate() {
@@ -230,6 +316,8 @@ pub async fn diagnose(cfg: &NatsConfig) -> Vec<Finding> {
         }
     }
     let (events, jobs, dead) = (&infos[0], &infos[1], &infos[2]);
+    let last_sequence = events.as_ref().map(|i| i.state.last_sequence);
+    out.push(check_stores(stores, cfg.partitions, last_sequence));
 
     // Events waiting per partition, for the stalled-partition check.
     let mut lags = std::collections::BTreeMap::<u32, u64>::new();
@@ -533,7 +621,11 @@ fn judge_status(g: &GlobalStatus) -> Vec<Finding> {
 /// when any check fails.
 pub fn doctor(config: &Config, nats: &NatsArgs, json: bool) -> Result<ExitCode> {
     let cfg = nats.apply(&config.nats);
-    let findings = runtime()?.block_on(diagnose(&cfg));
+    let stores = Stores {
+        dir: config.data_dir.join("nats").join(&cfg.prefix),
+        fingerprint: policy_fingerprint(&config.policy),
+    };
+    let findings = runtime()?.block_on(diagnose(&cfg, &stores));
     let failed = findings.iter().any(|f| f.level == Level::Fail);
     let mut out = std::io::stdout().lock();
     let written = if json {
@@ -586,6 +678,57 @@ mod tests {
         assert!(failing[0].detail.contains("3 (disk full)"), "{failing:?}");
         let waiting = judge_status(&with_partitions(g, vec![busy]));
         assert_eq!(waiting[0].level, Level::Warn);
+    }
+
+    #[test]
+    fn stores_ahead_of_the_stream_fail_and_another_policy_warns() {
+        use contextfold::store::redb_backend::RedbBackend;
+        use contextfold::store::{KvBackend, Table, Write};
+        let dir = tempfile::tempdir().unwrap();
+        let stores = Stores {
+            dir: dir.path().to_path_buf(),
+            fingerprint: "this-policy".into(),
+        };
+        // Nothing stored yet: position 0, no policy.
+        drop(RedbBackend::open(&dir.path().join("partition-0.redb")).unwrap());
+        let f = check_stores(&stores, 2, Some(0));
+        assert_eq!(f.level, Level::Ok, "{f:?}");
+        assert!(
+            f.detail.contains("1 read") && f.detail.contains("1 absent"),
+            "{f:?}"
+        );
+        let missing = Stores {
+            dir: dir.path().join("nowhere"),
+            fingerprint: String::new(),
+        };
+        assert_eq!(check_stores(&missing, 2, Some(0)).level, Level::Warn);
+
+        // Partition 1 at position 9 under another policy (the state store's
+        // own meta keys, as `StateStore::commit` writes them).
+        let mut b = RedbBackend::open(&dir.path().join("partition-1.redb")).unwrap();
+        let put = |key: &[u8], value: &[u8]| Write::Put {
+            table: Table::Meta,
+            key: key.to_vec(),
+            value: value.to_vec(),
+        };
+        b.commit(
+            &[
+                put(b"position", &9u64.to_be_bytes()),
+                put(b"policy", b"other-policy"),
+            ],
+            true,
+        )
+        .unwrap();
+        drop(b);
+        let f = check_stores(&stores, 2, Some(9));
+        assert_eq!(f.level, Level::Warn, "{f:?}");
+        assert!(
+            f.detail.contains("[1]") && f.detail.contains("another policy"),
+            "{f:?}"
+        );
+        let f = check_stores(&stores, 2, Some(5));
+        assert_eq!(f.level, Level::Fail, "{f:?}");
+        assert!(f.detail.contains("1 (at 9)"), "{f:?}");
     }
 
     #[test]

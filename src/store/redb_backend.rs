@@ -7,7 +7,7 @@
 //! and every earlier commit durable.
 
 use super::{KvBackend, StoreError, Table, Write};
-use redb::{Database, Durability, ReadableDatabase, TableDefinition};
+use redb::{Database, Durability, ReadableDatabase, ReadableTableMetadata, TableDefinition};
 use std::path::{Path, PathBuf};
 
 fn definition(table: Table) -> TableDefinition<'static, &'static [u8], &'static [u8]> {
@@ -16,6 +16,73 @@ fn definition(table: Table) -> TableDefinition<'static, &'static [u8], &'static 
 
 fn backend_error(what: &str) -> impl FnOnce(redb::Error) -> StoreError + '_ {
     move |e| StoreError::Backend(format!("redb {what}: {e}"))
+}
+
+/// What a state store file says of itself, read without writing to it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreSummary {
+    /// Log (stream) position the stored state reflects; 0 when none.
+    pub position: u64,
+    /// Policy fingerprint the state was folded under, if any was stored.
+    pub policy_fingerprint: Option<String>,
+    pub conversations: usize,
+}
+
+/// Why [`inspect`] could not read a store.
+#[derive(Debug, thiserror::Error)]
+pub enum InspectError {
+    /// Another process (a running serve) has it open: normal.
+    #[error("{0} is in use by another process")]
+    InUse(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Reads a store's position, policy fingerprint and conversation count
+/// through a read-only open: nothing is created or written, and a store a
+/// running process holds is reported as in use.
+pub fn inspect(path: &Path) -> Result<StoreSummary, InspectError> {
+    let open_error = |detail: String| StoreError::Open {
+        path: path.display().to_string(),
+        detail,
+    };
+    let db = redb::ReadOnlyDatabase::open(path).map_err(|e| match e {
+        redb::DatabaseError::DatabaseAlreadyOpen => InspectError::InUse(path.display().to_string()),
+        other => open_error(other.to_string()).into(),
+    })?;
+    let txn = db
+        .begin_read()
+        .map_err(|e| backend_error("begin read")(e.into()))?;
+    let meta = txn
+        .open_table(definition(Table::Meta))
+        .map_err(|e| backend_error("open table")(e.into()))?;
+    let get = |key: &[u8]| -> Result<Option<Vec<u8>>, StoreError> {
+        Ok(meta
+            .get(key)
+            .map_err(|e| backend_error("get")(e.into()))?
+            .map(|v| v.value().to_vec()))
+    };
+    let position = match get(super::state_store::POSITION_KEY)? {
+        Some(b) => <[u8; 8]>::try_from(b.as_slice())
+            .map(u64::from_be_bytes)
+            .map_err(|_| StoreError::Corrupt {
+                what: "checkpoint".into(),
+                detail: "not 8 bytes".into(),
+            })?,
+        None => 0,
+    };
+    let policy_fingerprint =
+        get(super::state_store::POLICY_KEY)?.map(|b| String::from_utf8_lossy(&b).into_owned());
+    let conversations = txn
+        .open_table(definition(Table::Conversations))
+        .map_err(|e| backend_error("open table")(e.into()))?
+        .len()
+        .map_err(|e| backend_error("count")(e.into()))?;
+    Ok(StoreSummary {
+        position,
+        policy_fingerprint,
+        conversations: usize::try_from(conversations).unwrap_or(usize::MAX),
+    })
 }
 
 /// State store tables in a single redb file.
@@ -173,5 +240,51 @@ impl KvBackend for RedbBackend {
 
     fn flush(&mut self) -> Result<(), StoreError> {
         self.durable_commit_of_nothing()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn put(key: &[u8], value: &[u8]) -> Write {
+        Write::Put {
+            table: Table::Meta,
+            key: key.to_vec(),
+            value: value.to_vec(),
+        }
+    }
+
+    #[test]
+    fn inspect_reads_position_and_policy_and_sees_a_store_in_use() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.redb");
+        let mut backend = RedbBackend::open(&path).unwrap();
+        backend
+            .commit(
+                &[
+                    put(
+                        super::super::state_store::POSITION_KEY,
+                        &42u64.to_be_bytes(),
+                    ),
+                    put(super::super::state_store::POLICY_KEY, b"fp-1"),
+                ],
+                true,
+            )
+            .unwrap();
+        assert!(matches!(inspect(&path), Err(InspectError::InUse(_))));
+        drop(backend);
+        let summary = inspect(&path).unwrap();
+        assert_eq!(summary.position, 42);
+        assert_eq!(summary.policy_fingerprint.as_deref(), Some("fp-1"));
+        assert_eq!(summary.conversations, 0);
+        // Read-only: opening it again for writing still works and sees the same.
+        let backend = RedbBackend::open(&path).unwrap();
+        assert_eq!(
+            backend
+                .get(Table::Meta, super::super::state_store::POSITION_KEY)
+                .unwrap(),
+            Some(42u64.to_be_bytes().to_vec())
+        );
     }
 }

@@ -14,8 +14,8 @@ use crate::store::{KvBackend, StoreError, Table, Write};
 use std::borrow::Cow;
 use std::collections::{BTreeSet, HashMap};
 
-const POSITION_KEY: &[u8] = b"position";
-const POLICY_KEY: &[u8] = b"policy";
+pub(crate) const POSITION_KEY: &[u8] = b"position";
+pub(crate) const POLICY_KEY: &[u8] = b"policy";
 const UNATTRIBUTED_KEY: &[u8] = b"unattributed_rejections";
 const GLOBAL_SPEND_KEY: &[u8] = b"global_spend";
 
