@@ -197,6 +197,7 @@ fn check_stores(stores: &Stores, partitions: u32, last_sequence: Option<u64>) ->
         );
     }
     let (mut read, mut in_use, mut absent) = (0, 0, 0);
+    let mut unclean = Vec::new();
     let (mut broken, mut ahead, mut other_policy) = (Vec::new(), Vec::new(), Vec::new());
     for p in 0..partitions {
         let path = stores.dir.join(format!("partition-{p}.redb"));
@@ -219,6 +220,7 @@ fn check_stores(stores: &Stores, partitions: u32, last_sequence: Option<u64>) ->
                 }
             }
             Err(InspectError::InUse(_)) => in_use += 1,
+            Err(InspectError::NeedsRepair(_)) => unclean.push(p),
             Err(InspectError::Store(e)) => broken.push(format!("{p}: {e}")),
         }
     }
@@ -243,6 +245,15 @@ fn check_stores(stores: &Stores, partitions: u32, last_sequence: Option<u64>) ->
                  and move these stores away so they refold",
                 last_sequence.unwrap_or_default(),
                 ahead.join(", ")
+            ),
+        )
+    } else if !unclean.is_empty() {
+        Finding::new(
+            Level::Warn,
+            check,
+            format!(
+                "{counts}; partition(s) {unclean:?} were not closed cleanly: the next serve \
+                 repairs them on open (nothing to do unless it fails to start)"
             ),
         )
     } else if !other_policy.is_empty() {

@@ -34,6 +34,9 @@ pub enum InspectError {
     /// Another process (a running serve) has it open: normal.
     #[error("{0} is in use by another process")]
     InUse(String),
+    /// Not closed cleanly: the next read-write open repairs it.
+    #[error("{0} needs recovery after an unclean stop; the next serve repairs it on open")]
+    NeedsRepair(String),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -48,6 +51,7 @@ pub fn inspect(path: &Path) -> Result<StoreSummary, InspectError> {
     };
     let db = redb::ReadOnlyDatabase::open(path).map_err(|e| match e {
         redb::DatabaseError::DatabaseAlreadyOpen => InspectError::InUse(path.display().to_string()),
+        redb::DatabaseError::RepairAborted => InspectError::NeedsRepair(path.display().to_string()),
         other => open_error(other.to_string()).into(),
     })?;
     let txn = db
