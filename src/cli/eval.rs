@@ -9,7 +9,7 @@
 use anyhow::{Context, Result};
 use contextfold::config::Config;
 use contextfold::core::assembly::{self, Assembled, AssemblyRequest};
-use contextfold::core::event::{EventBody, SweepStop};
+use contextfold::core::event::EventBody;
 use contextfold::core::identifiers;
 use contextfold::core::policy::PolicyConfig;
 use contextfold::core::state::{ContextItem, Conversation};
@@ -324,20 +324,9 @@ async fn spend(log: &mut MemoryLog) -> Result<SweepSpend> {
                 out.calls += s.calls as u64;
                 out.tokens += s.tokens_spent;
                 out.cost_micros += s.cost_micros;
-                *out.stops.entry(stop_name(s.stop).to_string()).or_default() += 1;
+                *out.stops.entry(s.stop.as_str().to_string()).or_default() += 1;
             }
         }
-    }
-}
-
-fn stop_name(stop: SweepStop) -> &'static str {
-    match stop {
-        SweepStop::Done => "done",
-        SweepStop::Deadline => "deadline",
-        SweepStop::IterationCap => "iteration_cap",
-        SweepStop::SpendLimit => "spend_limit",
-        SweepStop::NoProgress => "no_progress",
-        SweepStop::Failed => "failed",
     }
 }
 

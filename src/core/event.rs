@@ -405,6 +405,20 @@ pub enum SweepStop {
     Failed,
 }
 
+impl SweepStop {
+    /// The wire name (`done`, `deadline`, ...), also a bounded metrics label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SweepStop::Done => "done",
+            SweepStop::Deadline => "deadline",
+            SweepStop::IterationCap => "iteration_cap",
+            SweepStop::SpendLimit => "spend_limit",
+            SweepStop::NoProgress => "no_progress",
+            SweepStop::Failed => "failed",
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SweepEnded {
     pub job_id: String,
@@ -743,6 +757,15 @@ mod direct {
 mod tests {
     use super::*;
     use crate::core::message::Role;
+
+    #[test]
+    fn sweep_stop_names_are_the_wire_names() {
+        use SweepStop::*;
+        for stop in [Done, Deadline, IterationCap, SpendLimit, NoProgress, Failed] {
+            let wire = serde_json::to_string(&stop).unwrap();
+            assert_eq!(wire, format!("\"{}\"", stop.as_str()));
+        }
+    }
 
     fn turn() -> Envelope {
         Envelope::new(

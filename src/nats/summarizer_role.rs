@@ -51,8 +51,8 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 use tracing::Instrument;
 
-/// Header naming why a job was dead-lettered.
-pub const DEAD_REASON_HEADER: &str = "Contextfold-Dead-Reason";
+/// Header naming why a job was dead-lettered (the one all dead letters use).
+pub use crate::nats::publish::DEAD_REASON_HEADER;
 /// Header with the number of deliveries a dead-lettered job had.
 pub const DEAD_DELIVERIES_HEADER: &str = "Contextfold-Deliveries";
 /// Header with the id of a dead-lettered job.

@@ -301,7 +301,7 @@ where
     t::SweepFinished {
         conversation_id: &conversation,
         job_id: &job_id,
-        outcome: stop_name(stop),
+        outcome: stop.as_str(),
         elapsed: started.elapsed(),
         summaries: committed,
     }
@@ -325,18 +325,6 @@ where
         EventBody::SweepEnded(ended.clone()),
     ));
     ended
-}
-
-/// The bounded label of a sweep's stop reason.
-fn stop_name(stop: SweepStop) -> &'static str {
-    match stop {
-        SweepStop::Done => "done",
-        SweepStop::Deadline => "deadline",
-        SweepStop::IterationCap => "iteration_cap",
-        SweepStop::SpendLimit => "spend_limit",
-        SweepStop::NoProgress => "no_progress",
-        SweepStop::Failed => "failed",
-    }
 }
 
 /// Counts one summarizer pass: its calls, tokens, cost and latency, by the
