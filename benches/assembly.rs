@@ -17,7 +17,8 @@ mod transcripts;
 #[path = "support/shapes.rs"]
 mod shapes;
 
-use contextfold::core::assembly::{assemble, assemble_borrowed};
+use contextfold::core::assembly::{assemble, assemble_from};
+use contextfold::core::state::Resident;
 use divan::Bencher;
 use shapes::Shape;
 use std::sync::OnceLock;
@@ -43,7 +44,7 @@ fn borrowed(bencher: Bencher, name: &str) {
         eprintln!("{name} skipped: shared transcripts absent");
         return;
     };
-    bencher.bench(|| assemble_borrowed(&s.conv, &s.policy, &s.request));
+    bencher.bench(|| assemble_from(&s.conv, &Resident, &s.policy, &s.request));
 }
 
 /// The same with every message copied out of the state (`assemble`).

@@ -218,7 +218,11 @@ fn run(n: u64, seed: u64) -> bool {
         tally.inputs += want;
         batches += 1;
         let records: Vec<LogRecord> = batch.iter().map(|(_, r)| r.clone()).collect();
-        let (effects, folded) = match guarded(|| engine.apply_batch(records.clone())) {
+        let (effects, folded) = match guarded(|| {
+            engine
+                .apply_batch(records.clone())
+                .expect("a memory store never fails")
+        }) {
             Ok(effects) => (effects, vec![records]),
             Err(message) => {
                 match diagnose(seed, &mut engine, &policy, &since_commit, batch, message) {
@@ -308,7 +312,11 @@ fn diagnose(
     let first = batch.first().map_or(0, |(_, r)| r.position);
     let last = batch.last().map_or(0, |(_, r)| r.position);
     for (input, record) in batch {
-        match guarded(|| engine.apply_batch([record.clone()])) {
+        match guarded(|| {
+            engine
+                .apply_batch([record.clone()])
+                .expect("a memory store never fails")
+        }) {
             Ok(e) => {
                 effects.decisions.extend(e.decisions);
                 effects.jobs.extend(e.jobs);
@@ -344,7 +352,9 @@ fn reopen(
     let mut fresh = Engine::open(backend, policy.clone()).map_err(|e| e.to_string())?;
     for batch in replay {
         let batch = batch.clone();
-        guarded(|| fresh.apply_batch(batch)).map_err(|m| format!("replay panicked: {m}"))?;
+        guarded(|| fresh.apply_batch(batch))
+            .map_err(|m| format!("replay panicked: {m}"))?
+            .map_err(|e| e.to_string())?;
     }
     Ok(fresh)
 }

@@ -57,7 +57,7 @@ use bytes::Bytes;
 use contextfold::api::nats_service::{self, ServiceConfig};
 use contextfold::api::{answer_view, assemble as assemble_api, LocalState, Target};
 use contextfold::core::assembly;
-use contextfold::core::state::State;
+use contextfold::core::state::{Resident, State};
 use futures::StreamExt;
 use nats_server::NatsServer;
 use serde_json::json;
@@ -224,7 +224,7 @@ async fn bench_shape(name: &str, server: &NatsServer, requests: usize) -> Result
         .insert(shapes::KEY.to_string(), shape.conv);
     // What the reply holds, for the fingerprint of its start.
     let request: assemble_api::AssembleRequest = serde_json::from_str(&body)?;
-    let shape_messages = assemble_api::assemble(&state, &shape.policy, &request)
+    let shape_messages = assemble_api::assemble(&state, &Resident, &shape.policy, &request)
         .map_err(|e| format!("{name}: assembling: {e}"))?
         .assembled
         .messages;

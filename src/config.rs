@@ -232,6 +232,17 @@ pub struct StoreConfig {
     pub backend: StoreBackend,
     /// Make every N-th state commit durable (1 = every commit).
     pub flush_every: u32,
+    /// Bytes of turn bodies kept in memory per state store for assembly
+    /// and summarization to read again (default 128 MiB; 0 turns the cache
+    /// off: every body is read from the store).
+    pub body_cache_bytes: u64,
+    /// Conversations kept in memory per state store; beyond it the least
+    /// recently touched are dropped after a commit (their state stays on
+    /// disk and is read again when touched). Default 10,000.
+    pub resident_conversations: usize,
+    /// A conversation untouched this long is dropped from memory at the
+    /// next commit (default 600,000 ms).
+    pub conversation_idle_ms: u64,
 }
 
 impl Default for StoreConfig {
@@ -239,6 +250,19 @@ impl Default for StoreConfig {
         StoreConfig {
             backend: StoreBackend::Redb,
             flush_every: 1,
+            body_cache_bytes: crate::store::state_store::DEFAULT_BODY_CACHE_BYTES,
+            resident_conversations: 10_000,
+            conversation_idle_ms: 600_000,
+        }
+    }
+}
+
+impl StoreConfig {
+    /// What the engine keeps in memory.
+    pub fn residency(&self) -> crate::runtime::engine::Residency {
+        crate::runtime::engine::Residency {
+            conversations: self.resident_conversations,
+            idle: std::time::Duration::from_millis(self.conversation_idle_ms),
         }
     }
 }
@@ -438,6 +462,9 @@ impl Config {
 impl StoreConfig {
     /// Refuses what this build cannot honour; the message says what to do.
     pub fn validate(&self) -> Result<(), String> {
+        if self.resident_conversations == 0 {
+            return Err("store.resident_conversations must be at least 1".into());
+        }
         if self.flush_every == 0 {
             return Err("store.flush_every must be at least 1".into());
         }

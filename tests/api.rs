@@ -15,8 +15,8 @@ use contextfold::api::history::HistoryResponse;
 use contextfold::api::nats_service::{self, ServiceConfig};
 use contextfold::api::status::{HealthStatus, StatusResponse};
 use contextfold::api::{
-    decode_reply, handle, handle_view, AssembleResponse, ErrorBody, ErrorCode, LocalState, Op,
-    ReplyError, StateView, Target,
+    decode_reply, handle, handle_view, AssembleResponse, ErrorBody, ErrorCode, Held, LocalState,
+    Op, ReplyError, StateView, Target,
 };
 use contextfold::core::event::*;
 use contextfold::core::message::{ChatMessage, FunctionCall, Role, ToolCall};
@@ -158,7 +158,7 @@ fn fold_here(policy: &PolicyConfig, events: &[Envelope]) -> State {
         for e in events {
             p.ingest(std::slice::from_ref(e)).await.unwrap();
         }
-        p.engine.state
+        p.engine.materialized().unwrap()
     })
 }
 
@@ -456,7 +456,7 @@ impl StateView for Owning {
     fn with_state<R>(
         &self,
         conversation: Option<&str>,
-        f: impl FnOnce(Option<(&State, &PolicyConfig)>) -> R,
+        f: impl FnOnce(Option<Held<'_>>) -> R,
     ) -> R {
         match conversation {
             Some(c) if !(self.owns)(c) => f(None),

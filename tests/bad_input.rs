@@ -81,7 +81,7 @@ fn every_kind_of_bad_input_is_rejected_with_a_reason_and_nothing_else_is_lost() 
     ];
     let mut reasons = Vec::new();
     for r in &records {
-        let applied = engine.apply(r);
+        let applied = engine.apply(r).unwrap();
         if let Some(reason) = rejection_reason(&applied.decisions) {
             reasons.push(reason);
         }
@@ -109,7 +109,7 @@ fn every_kind_of_bad_input_is_rejected_with_a_reason_and_nothing_else_is_lost() 
     let texts: Vec<String> = conv
         .turns
         .iter()
-        .map(|t| t.body.message.text_content())
+        .map(|t| conv.bodies.get(t.seq).unwrap().message.text_content())
         .collect();
     assert_eq!(
         texts,
@@ -128,12 +128,14 @@ fn every_kind_of_bad_input_is_rejected_with_a_reason_and_nothing_else_is_lost() 
 fn without_a_subject_undecodable_bytes_are_dead_letters_not_anyones_rejection() {
     let mut engine = Engine::open(MemoryBackend::default(), PolicyConfig::default()).unwrap();
     let claims_victim = br#"{"id":"x","conversation":"victim","type":"nope"}"#.to_vec();
-    let effects = engine.apply(&LogRecord::unaddressed(
-        1,
-        Origin::Agent,
-        Encoding::Json,
-        claims_victim.clone(),
-    ));
+    let effects = engine
+        .apply(&LogRecord::unaddressed(
+            1,
+            Origin::Agent,
+            Encoding::Json,
+            claims_victim.clone(),
+        ))
+        .unwrap();
     assert!(effects.decisions.is_empty(), "{:?}", effects.decisions);
     assert_eq!(effects.dead_letters.len(), 1);
     assert_eq!(effects.dead_letters[0].kind, "undecodable");
@@ -144,12 +146,14 @@ fn without_a_subject_undecodable_bytes_are_dead_letters_not_anyones_rejection() 
     );
     assert_eq!(engine.state.unattributed_rejections, 1);
     // The same position again is a redelivery: nothing changes.
-    let again = engine.apply(&LogRecord::unaddressed(
-        1,
-        Origin::Agent,
-        Encoding::Json,
-        claims_victim,
-    ));
+    let again = engine
+        .apply(&LogRecord::unaddressed(
+            1,
+            Origin::Agent,
+            Encoding::Json,
+            claims_victim,
+        ))
+        .unwrap();
     assert!(again.is_empty());
     assert_eq!(engine.state.unattributed_rejections, 1);
 }
@@ -169,12 +173,12 @@ fn replaying_the_same_bad_log_rejects_the_same_way() {
         let ids: Vec<String> = records
             .iter()
             .flat_map(|r| {
-                let effects = engine.apply(r);
+                let effects = engine.apply(r).unwrap();
                 let letters = effects.dead_letters.into_iter().map(|l| l.reason);
                 effects.decisions.into_iter().map(|d| d.id).chain(letters)
             })
             .collect();
-        (ids, engine.state.hash())
+        (ids, engine.state_hash().unwrap())
     };
     assert_eq!(run(), run());
 }

@@ -11,7 +11,7 @@ use contextfold::core::state::State;
 use contextfold::log::memory::MemoryLog;
 use contextfold::log::EventLog;
 use contextfold::runtime::embedded::Pipeline;
-use contextfold::runtime::engine::Engine;
+use contextfold::runtime::engine::{Engine, Residency};
 use contextfold::runtime::sweep::Deterministic;
 use contextfold::store::memory_backend::MemoryBackend;
 use proptest::prelude::*;
@@ -140,8 +140,11 @@ fn run_pipeline_and_reload(
             p.ingest(c).await.unwrap();
         }
         let stored = p.engine.store().backend().clone();
-        let reloaded = Engine::open(stored, policy.clone()).unwrap().state;
-        (p.engine.state.clone(), p.log.clone(), reloaded)
+        let reloaded = Engine::open(stored, policy.clone())
+            .unwrap()
+            .materialized()
+            .unwrap();
+        (p.engine.materialized().unwrap(), p.log.clone(), reloaded)
     })
 }
 
@@ -157,9 +160,9 @@ fn replay(policy: &PolicyConfig, log: &mut MemoryLog) -> State {
     rt.block_on(async {
         let mut engine = Engine::open(MemoryBackend::default(), policy.clone()).unwrap();
         for r in log.read_after(0, usize::MAX).await.unwrap() {
-            engine.apply(&r);
+            engine.apply(&r).unwrap();
         }
-        engine.state
+        engine.materialized().unwrap()
     })
 }
 
@@ -213,7 +216,7 @@ proptest! {
         let input = events("c:asm", &steps);
         let (state, _) = run_pipeline(&policy, &input, 5);
         let conv = &state.conversations["c:asm"];
-        let out = assembly::assemble(conv, &policy, &AssemblyRequest { budget: Some(budget), prompt: None });
+        let out = assembly::assemble(conv, &policy, &AssemblyRequest { budget: Some(budget), prompt: None }).unwrap();
         prop_assert!(assembly::check_tool_pairing(&out.messages).is_ok(), "{:?}", assembly::check_tool_pairing(&out.messages));
         if !out.over_budget {
             prop_assert!(out.tokens <= budget, "{} > {}", out.tokens, budget);
@@ -307,6 +310,117 @@ fn compaction_happens_and_debt_is_single() {
             _ => {}
         }
     }
-    let out = assembly::assemble(conv, &policy, &AssemblyRequest::default());
+    let out = assembly::assemble(conv, &policy, &AssemblyRequest::default()).unwrap();
     assert!(out.tokens <= 6000);
+}
+
+/// Events of three conversations interleaved as `picks` says (each pick
+/// takes the next event of conversation `pick % 3`).
+fn interleaved(steps: &[Vec<Step>; 3], picks: &[usize]) -> Vec<Envelope> {
+    let mut queues: Vec<std::collections::VecDeque<Envelope>> = ["c:one", "c:two", "c:three"]
+        .iter()
+        .zip(steps)
+        .map(|(key, s)| events(key, s).into())
+        .collect();
+    let mut out = Vec::new();
+    for pick in picks.iter().cycle() {
+        if queues.iter().all(|q| q.is_empty()) {
+            break;
+        }
+        let q = (0..3)
+            .map(|k| (pick + k) % 3)
+            .find(|&k| !queues[k].is_empty())
+            .unwrap();
+        out.extend(queues[q].pop_front());
+    }
+    out
+}
+
+/// Folds through the embedded pipeline in chunks (a commit each), the
+/// engine keeping at most `resident` conversations in memory (0: the
+/// default) and dropping the idle ones at every commit when `drop_idle`.
+fn pipeline_with_residency(
+    policy: &PolicyConfig,
+    input: &[Envelope],
+    chunk: usize,
+    resident: usize,
+    drop_idle: bool,
+) -> (String, MemoryLog, usize) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut engine = Engine::open(MemoryBackend::default(), policy.clone()).unwrap();
+        if resident > 0 || drop_idle {
+            engine.set_residency(Residency {
+                conversations: if resident > 0 { resident } else { usize::MAX },
+                idle: if drop_idle {
+                    std::time::Duration::ZERO
+                } else {
+                    std::time::Duration::from_secs(3600)
+                },
+            });
+        }
+        let mut p = Pipeline::open(MemoryLog::new(), engine, Deterministic)
+            .await
+            .unwrap();
+        let mut most = 0;
+        for c in input.chunks(chunk.max(1)) {
+            p.ingest(c).await.unwrap();
+            most = most.max(p.engine.resident());
+        }
+        (p.engine.state_hash().unwrap(), p.log.clone(), most)
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+
+    /// A conversation dropped from memory and loaded again folds exactly
+    /// as one that stayed resident: live (the pipeline deciding and
+    /// summarizing with evictions) and in replay (random evictions between
+    /// commits), the hashes equal the all-resident fold's.
+    #[test]
+    fn evictions_change_no_hash(
+        a in prop::collection::vec(step(), 1..60),
+        b in prop::collection::vec(step(), 1..60),
+        c in prop::collection::vec(step(), 1..60),
+        picks in prop::collection::vec(0usize..3, 1..50),
+        chunk in 1usize..12,
+        resident in 1usize..3,
+        evict_at in prop::collection::vec(any::<bool>(), 1..40),
+    ) {
+        let policy = small_policy();
+        let input = interleaved(&[a, b, c], &picks);
+        let (resident_hash, mut log, _) = pipeline_with_residency(&policy, &input, chunk, 0, false);
+        prop_assert_eq!(replay(&policy, &mut log).hash(), resident_hash.clone());
+        // Live folding with evictions (the summarizer stamps its events
+        // with the time it took, so each run has its own log): the state
+        // is the one its log folds to with every conversation resident.
+        // At most `resident` conversations after each commit:
+        let (capped_hash, mut capped_log, most) =
+            pipeline_with_residency(&policy, &input, chunk, resident, false);
+        prop_assert!(most <= resident, "{} resident, cap {}", most, resident);
+        prop_assert_eq!(replay(&policy, &mut capped_log).hash(), capped_hash);
+        // Every conversation dropped at every commit:
+        let (idle_hash, mut idle_log, none) = pipeline_with_residency(&policy, &input, chunk, 0, true);
+        prop_assert_eq!(none, 0);
+        prop_assert_eq!(replay(&policy, &mut idle_log).hash(), idle_hash);
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let records = rt.block_on(log.read_after(0, usize::MAX)).unwrap();
+        // Replay with evictions at random commits.
+        let mut engine = Engine::open(MemoryBackend::default(), policy.clone()).unwrap();
+        for (i, r) in records.iter().enumerate() {
+            engine.apply(r).unwrap();
+            if evict_at[i % evict_at.len()] {
+                engine.commit().unwrap();
+                engine.evict_all();
+                prop_assert_eq!(engine.resident(), 0);
+            }
+        }
+        engine.commit().unwrap();
+        prop_assert_eq!(engine.state_hash().unwrap(), resident_hash.clone());
+        prop_assert_eq!(engine.materialized().unwrap().hash(), resident_hash);
+    }
 }

@@ -154,7 +154,7 @@ impl World {
             if let EventBody::JobIssued(job) = &d.body {
                 self.jobs_issued += 1;
                 let conv = self.conv().expect("a job has a conversation");
-                let snap = sweep::snapshot(conv, job, &self.policy);
+                let snap = sweep::snapshot(conv, job, &self.policy).unwrap();
                 let mut events = Vec::new();
                 self.rt.block_on(run_sweep(
                     snap,

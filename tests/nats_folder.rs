@@ -114,7 +114,10 @@ impl<B: KvBackend> Process<B> {
             if let Some(engine) = self.engines.get(p) {
                 let e = engine.lock().unwrap();
                 for (key, conv) in &e.state.conversations {
-                    out.insert(key.clone(), (conv.turns.len(), conv.hash()));
+                    out.insert(
+                        key.clone(),
+                        (conv.turns.len(), conv.hash_with(&e.bodies()).unwrap()),
+                    );
                 }
             }
         }
@@ -174,7 +177,7 @@ async fn assert_matches_replay<B: KvBackend>(
             let (end, replayed) = replay_partition(js, infra, p, policy).await;
             let live = process.engines.get(p).map(|e| {
                 let e = e.lock().unwrap();
-                (e.position(), e.state.hash())
+                (e.position(), e.state_hash().unwrap())
             });
             if live == Some((end, replayed.clone())) {
                 break;
@@ -217,7 +220,9 @@ async fn raw_published_turns_are_folded_assembled_and_duplicates_change_nothing(
     {
         let e = engine.lock().unwrap();
         let conv = &e.state.conversations[key];
-        let assembled = assembly::assemble(conv, &e.policy, &AssemblyRequest::default());
+        let assembled =
+            assembly::assemble_from(conv, &e.bodies(), &e.policy, &AssemblyRequest::default())
+                .unwrap();
         let last = serde_json::to_string(&assembled.messages.last().unwrap()).unwrap();
         assert!(last.contains("turn 19:"), "{last}");
     }

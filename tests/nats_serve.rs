@@ -130,11 +130,13 @@ async fn a_raw_published_turn_is_folded_and_assembles() {
     let engine = service.engines().unwrap().get(partition_of(key)).unwrap();
     {
         let e = engine.lock().unwrap();
-        let assembled = assembly::assemble(
+        let assembled = assembly::assemble_from(
             &e.state.conversations[key],
+            &e.bodies(),
             &e.policy,
             &AssemblyRequest::default(),
-        );
+        )
+        .unwrap();
         let last = serde_json::to_string(assembled.messages.last().unwrap()).unwrap();
         assert!(last.contains("turn 2:"), "{last}");
     }
@@ -272,7 +274,9 @@ async fn an_overflowing_conversation_gets_one_job_at_a_time_and_its_summaries_ar
     {
         let e = engine.lock().unwrap();
         let c = &e.state.conversations[conv];
-        let assembled = assembly::assemble(c, &e.policy, &AssemblyRequest::default());
+        let assembled =
+            assembly::assemble_from(c, &e.bodies(), &e.policy, &AssemblyRequest::default())
+                .unwrap();
         let text = serde_json::to_string(&assembled.messages).unwrap();
         assert!(text.contains("turn 59:"));
         assert!(c.summaries.len() as u64 >= 1);

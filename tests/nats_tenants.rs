@@ -163,7 +163,11 @@ fn folded(service: &Service, key: &str) -> Option<(usize, usize, String)> {
     let engine = engines.get(partition_of(key, PARTITIONS).ok()?)?;
     let e = engine.lock().unwrap();
     let conv = e.state.conversations.get(key)?;
-    Some((conv.turns.len(), conv.summaries.len(), conv.hash()))
+    Some((
+        conv.turns.len(),
+        conv.summaries.len(),
+        conv.hash_with(&e.bodies()).unwrap(),
+    ))
 }
 
 fn turns_of(service: &Service, key: &str) -> usize {

@@ -35,7 +35,7 @@ fn conversation(service: &Service, key: &str) -> Option<Conversation> {
     let engines = service.engines()?;
     let engine = engines.get(partition_of(key))?;
     let e = engine.lock().unwrap();
-    e.state.conversations.get(key).cloned()
+    e.materialized_conversation(key).ok().flatten()
 }
 
 fn history_mentions(conv: &Conversation, needle: &str) -> bool {

@@ -9,7 +9,7 @@ use contextfold::core::fallback_summary;
 use contextfold::core::fold::{fold, FoldStatus};
 use contextfold::core::message::{ChatMessage, Role};
 use contextfold::core::policy::PolicyConfig;
-use contextfold::core::state::{ContextItem, State, Summary};
+use contextfold::core::state::{ContextItem, Resident, State, Summary};
 use contextfold::core::summary::{RollingStateRequest, SummaryDraft, SummaryRequest};
 use contextfold::core::sweep;
 use contextfold::runtime::sweep::{run_sweep, Deterministic, PassError, PassSummarizer, Spend};
@@ -137,7 +137,7 @@ impl Harness {
                 return;
             }
             self.ran.insert(p.job.job_id.clone());
-            let snap = sweep::snapshot(conv, &p.job, &self.policy);
+            let snap = sweep::snapshot(conv, &p.job, &self.policy).unwrap();
             let mut out = Vec::new();
             run_sweep(snap, summarizer, Duration::from_secs(60), |e| out.push(e)).await;
             for e in out {
@@ -209,7 +209,7 @@ impl Harness {
                 conversation: CONV.into(),
                 id: NodeRef::Id(x.id.clone()),
             };
-            let Ok(DescribeResponse::Summary(d)) = describe(&self.state, &req) else {
+            let Ok(DescribeResponse::Summary(d)) = describe(&self.state, &Resident, &req) else {
                 panic!("{} is not described as a summary", x.id);
             };
             let by = d.superseded_by.clone().expect("superseded_by");
@@ -219,7 +219,7 @@ impl Harness {
                 conversation: CONV.into(),
                 id: NodeRef::Id(by),
             };
-            let Ok(DescribeResponse::Summary(n)) = describe(&self.state, &req) else {
+            let Ok(DescribeResponse::Summary(n)) = describe(&self.state, &Resident, &req) else {
                 panic!("the replacement is not described");
             };
             assert_eq!(n.supersedes.as_deref(), Some(x.id.as_str()));

@@ -204,11 +204,13 @@ fn summaries_recorded(events: &[Envelope], conv: &str) -> usize {
         .count()
 }
 
-fn conv<'a, L: EventLog, B: KvBackend>(
-    p: &'a Pipeline<L, B, LlmPass>,
-    key: &str,
-) -> &'a Conversation {
-    p.engine.state.conversations.get(key).expect("conversation")
+/// A copy of a conversation's state, resident or (after a restart) read
+/// from the store.
+fn conv<L: EventLog, B: KvBackend>(p: &Pipeline<L, B, LlmPass>, key: &str) -> Conversation {
+    p.engine
+        .materialized_conversation(key)
+        .expect("the store reads")
+        .expect("conversation")
 }
 
 fn rules() -> String {

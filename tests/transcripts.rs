@@ -294,7 +294,7 @@ fn check_assembly(
     policy: &PolicyConfig,
     recount: &mut Recount,
 ) -> Result<bool, String> {
-    let out = assembly::assemble(conv, policy, &AssemblyRequest::default());
+    let out = assembly::assemble(conv, policy, &AssemblyRequest::default()).unwrap();
     if out.budget != BUDGET {
         return Err(format!("budget {} instead of {BUDGET}", out.budget));
     }
@@ -369,7 +369,7 @@ fn check_turns_retrievable(
         match by_id.get(e.id.as_str()) {
             Some(&i) => {
                 found += 1;
-                let stored = &conv.turns[i].body;
+                let stored = conv.bodies.get(i as u64).ok_or("body not resident")?;
                 let want = serde_json::to_vec(&t.message).map_err(|e| e.to_string())?;
                 let got = serde_json::to_vec(&stored.message).map_err(|e| e.to_string())?;
                 if want != got {
@@ -426,7 +426,11 @@ fn run_file(path: &Path, rt: &tokio::runtime::Runtime) -> Result<Tally, String> 
                 if !matches!(event.body, EventBody::TurnAppended(_)) {
                     continue;
                 }
-                let conv = &pipeline.engine.state.conversations[key];
+                let conv = &pipeline
+                    .engine
+                    .materialized_conversation(key)
+                    .map_err(|e| e.to_string())?
+                    .ok_or("the conversation was folded")?;
                 let at = format!(
                     "{key}, after event {} ({} turns)",
                     event.id,
@@ -439,7 +443,11 @@ fn run_file(path: &Path, rt: &tokio::runtime::Runtime) -> Result<Tally, String> 
                 }
                 tally.checks += 1;
             }
-            let conv = &pipeline.engine.state.conversations[key];
+            let conv = &pipeline
+                .engine
+                .materialized_conversation(key)
+                .map_err(|e| e.to_string())?
+                .ok_or("the conversation was folded")?;
             check_turns_retrievable(conv, &imported.events, &mut tally)
                 .map_err(|e| format!("{key}: {e}"))?;
             tally.turns += conv.turns.len();
@@ -459,9 +467,11 @@ fn run_file(path: &Path, rt: &tokio::runtime::Runtime) -> Result<Tally, String> 
             .await
             .map_err(|e| e.to_string())?
         {
-            replay.apply(&record);
+            replay.apply(&record).unwrap();
         }
-        if replay.state.hash() != pipeline.engine.state.hash() {
+        if replay.state_hash().map_err(|e| e.to_string())?
+            != pipeline.engine.state_hash().map_err(|e| e.to_string())?
+        {
             return Err("replaying the log gives another state hash".to_string());
         }
         Ok(tally)

@@ -66,7 +66,7 @@ pub fn build(name: &str) -> Option<Shape> {
 }
 
 fn describe(name: &str, s: &Shape, built: std::time::Duration) {
-    let out = assemble(&s.conv, &s.policy, &s.request);
+    let out = assemble(&s.conv, &s.policy, &s.request).expect("a shape holds its bodies");
     let summaries = s
         .conv
         .context

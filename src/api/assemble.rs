@@ -6,7 +6,7 @@ use crate::api::{conversation, ApiError};
 use crate::core::assembly::{self, Assembled, AssemblyRequest, LeftOut, SentMessage};
 use crate::core::message::ChatMessage;
 use crate::core::policy::PolicyConfig;
-use crate::core::state::State;
+use crate::core::state::{State, TurnBodies};
 use serde::{Deserialize, Serialize};
 use std::borrow::Borrow;
 
@@ -105,18 +105,19 @@ fn cap_left_out(left_out: &mut Vec<LeftOut>) -> (usize, u64) {
 /// [`assemble_borrowed`], with the stored turns copied into the reply.
 pub fn assemble(
     state: &State,
+    bodies: &dyn TurnBodies,
     policy: &PolicyConfig,
     req: &AssembleRequest,
 ) -> Result<AssembleResponse, ApiError> {
-    Ok(assemble_borrowed(state, policy, req)?.into_owned())
+    Ok(assemble_borrowed(state, bodies, policy, req)?.into_owned())
 }
 
 /// [`AssembleResponse`] with the stored turns borrowed from the state:
 /// what a server serializes (the same JSON), without copying the context
 /// first.
-pub type AssembleResponseRef<'a> = AssembleResponse<SentMessage<'a>>;
+pub type AssembleResponseRef = AssembleResponse<SentMessage>;
 
-impl AssembleResponseRef<'_> {
+impl AssembleResponseRef {
     pub fn into_owned(self) -> AssembleResponse {
         AssembleResponse {
             conversation: self.conversation,
@@ -128,27 +129,29 @@ impl AssembleResponseRef<'_> {
     }
 }
 
-/// Assembles a conversation's context, stored turns borrowed from the
-/// state.
-pub fn assemble_borrowed<'a>(
-    state: &'a State,
+/// Assembles a conversation's context, stored turns shared with the state
+/// and its body cache.
+pub fn assemble_borrowed(
+    state: &State,
+    bodies: &dyn TurnBodies,
     policy: &PolicyConfig,
     req: &AssembleRequest,
-) -> Result<AssembleResponseRef<'a>, ApiError> {
+) -> Result<AssembleResponseRef, ApiError> {
     let conv = conversation(state, &req.conversation)?;
     if req.budget == Some(0) {
         return Err(ApiError::BadRequest(
             "`budget` must be at least 1 token (omit it for the conversation's budget)".into(),
         ));
     }
-    let mut assembled = assembly::assemble_borrowed(
+    let mut assembled = assembly::assemble_from(
         conv,
+        bodies,
         policy,
         &AssemblyRequest {
             budget: req.budget,
             prompt: req.prompt.clone(),
         },
-    );
+    )?;
     let (left_out_count, left_out_tokens) = cap_left_out(&mut assembled.left_out);
     let delta = apply_since(&mut assembled, req.since.as_ref());
     Ok(AssembleResponseRef {
@@ -165,6 +168,7 @@ mod tests {
     use super::*;
     use crate::api::testing::{self, CONV};
     use crate::core::assembly::{check_tool_pairing, Source};
+    use crate::core::state::Resident;
 
     fn req(budget: Option<u64>) -> AssembleRequest {
         AssembleRequest {
@@ -188,20 +192,26 @@ mod tests {
     #[test]
     fn since_sends_only_what_follows_an_unchanged_start() {
         let (state, policy) = testing::folded();
-        let full = assemble(state, policy, &req(None)).unwrap();
+        let full = assemble(state, &Resident, policy, &req(None)).unwrap();
         assert_eq!(full.delta, None);
         let n = full.assembled.messages.len();
         assert!(n > 3);
 
         // A first reply with a delta: everything, and its fingerprint.
-        let first = assemble(state, policy, &since(0, "")).unwrap();
+        let first = assemble(state, &Resident, policy, &since(0, "")).unwrap();
         let delta = first.delta.clone().unwrap();
         assert_eq!((delta.from, delta.messages), (0, n));
         assert_eq!(first.assembled.messages, full.assembled.messages);
 
         // An agent holding all but the last two messages gets those two.
         assert_eq!(prefix_of(&full, n), delta.fingerprint);
-        let tail = assemble(state, policy, &since(n - 2, &prefix_of(&full, n - 2))).unwrap();
+        let tail = assemble(
+            state,
+            &Resident,
+            policy,
+            &since(n - 2, &prefix_of(&full, n - 2)),
+        )
+        .unwrap();
         assert_eq!(tail.delta.as_ref().unwrap().from, n - 2);
         assert_eq!(tail.delta.as_ref().unwrap().messages, n);
         assert_eq!(tail.assembled.messages, full.assembled.messages[n - 2..]);
@@ -211,13 +221,18 @@ mod tests {
         assert_eq!(tail.left_out_count, full.left_out_count);
 
         // Holding it all: nothing to send.
-        let none = assemble(state, policy, &since(n, &delta.fingerprint)).unwrap();
+        let none = assemble(state, &Resident, policy, &since(n, &delta.fingerprint)).unwrap();
         assert!(none.assembled.messages.is_empty());
         assert_eq!(none.delta.unwrap().from, n);
 
         // The borrowed form (what the service encodes) agrees.
-        let borrowed =
-            assemble_borrowed(state, policy, &since(n - 2, &prefix_of(&full, n - 2))).unwrap();
+        let borrowed = assemble_borrowed(
+            state,
+            &Resident,
+            policy,
+            &since(n - 2, &prefix_of(&full, n - 2)),
+        )
+        .unwrap();
         assert_eq!(
             serde_json::to_value(&borrowed).unwrap(),
             serde_json::to_value(&tail).unwrap()
@@ -234,7 +249,7 @@ mod tests {
     #[test]
     fn since_a_changed_or_unknown_start_sends_everything() {
         let (state, policy) = testing::folded();
-        let full = assemble(state, policy, &req(None)).unwrap();
+        let full = assemble(state, &Resident, policy, &req(None)).unwrap();
         let n = full.assembled.messages.len();
         for request in [
             // Another fingerprint: the agent's messages are not this start.
@@ -246,7 +261,7 @@ mod tests {
                 &assembly::fingerprints(&full.assembled.messages, 0).1,
             ),
         ] {
-            let out = assemble(state, policy, &request).unwrap();
+            let out = assemble(state, &Resident, policy, &request).unwrap();
             let delta = out.delta.unwrap();
             assert_eq!((delta.from, delta.messages), (0, n));
             assert_eq!(out.assembled.messages, full.assembled.messages);
@@ -268,7 +283,7 @@ mod tests {
     #[test]
     fn assembles_summaries_then_the_fresh_tail() {
         let (state, policy) = testing::folded();
-        let out = assemble(state, policy, &req(None)).unwrap();
+        let out = assemble(state, &Resident, policy, &req(None)).unwrap();
         let a = &out.assembled;
         assert_eq!(a.messages.len(), a.sources.len());
         assert!(check_tool_pairing(&a.messages).is_ok());
@@ -307,9 +322,9 @@ mod tests {
     #[test]
     fn a_small_budget_leaves_out_the_oldest_and_says_so() {
         let (state, policy) = testing::folded();
-        let full = assemble(state, policy, &req(None)).unwrap();
+        let full = assemble(state, &Resident, policy, &req(None)).unwrap();
         let budget = full.assembled.fresh_tail_tokens + 1;
-        let out = assemble(state, policy, &req(Some(budget))).unwrap();
+        let out = assemble(state, &Resident, policy, &req(Some(budget))).unwrap();
         assert!(!out.assembled.left_out.is_empty());
         assert_eq!(
             out.left_out_tokens,
@@ -327,26 +342,28 @@ mod tests {
         let (state, policy) = testing::folded();
         let mut r = req(None);
         r.prompt = Some("Summarize the billing work so far.".into());
-        let out = assemble(state, policy, &r).unwrap();
+        let out = assemble(state, &Resident, policy, &r).unwrap();
         assert!(out.assembled.prompt_tokens > 0);
     }
 
     #[test]
     fn the_borrowed_response_serializes_as_the_owned_one() {
         let (state, policy) = testing::folded();
-        let full = assemble(state, policy, &req(None)).unwrap();
+        let full = assemble(state, &Resident, policy, &req(None)).unwrap();
         let mut prompted = req(Some(full.assembled.fresh_tail_tokens + 1));
         prompted.prompt = Some("What \"next\"?\n".into());
         for r in [req(None), req(Some(1)), prompted] {
-            let owned = serde_json::to_string(&assemble(state, policy, &r).unwrap()).unwrap();
+            let owned =
+                serde_json::to_string(&assemble(state, &Resident, policy, &r).unwrap()).unwrap();
             let borrowed =
-                serde_json::to_string(&assemble_borrowed(state, policy, &r).unwrap()).unwrap();
+                serde_json::to_string(&assemble_borrowed(state, &Resident, policy, &r).unwrap())
+                    .unwrap();
             assert_eq!(borrowed, owned);
         }
         let mut r = req(None);
         r.conversation = "nobody".into();
         assert!(matches!(
-            assemble_borrowed(state, policy, &r),
+            assemble_borrowed(state, &Resident, policy, &r),
             Err(ApiError::UnknownConversation { .. })
         ));
     }
@@ -355,13 +372,13 @@ mod tests {
     fn zero_budget_and_unknown_conversation_are_errors() {
         let (state, policy) = testing::folded();
         assert!(matches!(
-            assemble(state, policy, &req(Some(0))),
+            assemble(state, &Resident, policy, &req(Some(0))),
             Err(ApiError::BadRequest(_))
         ));
         let mut r = req(None);
         r.conversation = "nobody".into();
         assert!(matches!(
-            assemble(state, policy, &r),
+            assemble(state, &Resident, policy, &r),
             Err(ApiError::UnknownConversation { .. })
         ));
     }

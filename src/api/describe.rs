@@ -8,7 +8,7 @@ use crate::api::coverage::{Coverage, TurnPlacement};
 use crate::api::{conversation, turn, ApiError};
 use crate::core::event::{Covers, ProviderUsage, SummaryKind};
 use crate::core::message::{ChatMessage, Role};
-use crate::core::state::{Conversation, State, Summary, Turn};
+use crate::core::state::{Conversation, State, Summary, Turn, TurnBodies};
 use serde::{Deserialize, Serialize};
 
 /// What to describe: a summary id, a turn's event id, or a turn sequence
@@ -130,8 +130,14 @@ pub(crate) fn describe_summary(
     }
 }
 
-fn describe_turn(conv: &Conversation, coverage: &Coverage<'_>, t: &Turn) -> TurnDescription {
-    TurnDescription {
+fn describe_turn(
+    conv: &Conversation,
+    bodies: &dyn TurnBodies,
+    coverage: &Coverage<'_>,
+    t: &Turn,
+) -> Result<TurnDescription, ApiError> {
+    let body = bodies.turn_body(conv, t.seq)?;
+    Ok(TurnDescription {
         conversation: conv.key.clone(),
         seq: t.seq,
         event_id: t.event_id.clone(),
@@ -143,15 +149,19 @@ fn describe_turn(conv: &Conversation, coverage: &Coverage<'_>, t: &Turn) -> Turn
         large_payload: t.large_payload,
         epoch: t.epoch,
         placement: coverage.turn(t),
-        message: t.body.message.clone(),
-        model: t.body.model.clone(),
-        sender: t.body.sender.clone(),
-        usage: t.body.usage,
-        metadata: t.body.metadata.clone(),
-    }
+        message: body.message.clone(),
+        model: body.model.clone(),
+        sender: body.sender.clone(),
+        usage: body.usage,
+        metadata: body.metadata.clone(),
+    })
 }
 
-pub fn describe(state: &State, req: &DescribeRequest) -> Result<DescribeResponse, ApiError> {
+pub fn describe(
+    state: &State,
+    bodies: &dyn TurnBodies,
+    req: &DescribeRequest,
+) -> Result<DescribeResponse, ApiError> {
     let conv = conversation(state, &req.conversation)?;
     let coverage = Coverage::new(conv)?;
     let seq = match &req.id {
@@ -169,8 +179,8 @@ pub fn describe(state: &State, req: &DescribeRequest) -> Result<DescribeResponse
             // Newest first: ids are looked up mostly for recent turns.
             if let Some(t) = conv.turns.iter().rev().find(|t| &t.event_id == id) {
                 return Ok(DescribeResponse::Turn(Box::new(describe_turn(
-                    conv, &coverage, t,
-                ))));
+                    conv, bodies, &coverage, t,
+                )?)));
             }
             id.parse::<u64>().ok()
         }
@@ -179,8 +189,8 @@ pub fn describe(state: &State, req: &DescribeRequest) -> Result<DescribeResponse
         Some(seq) if seq < conv.turns.len() as u64 => {
             let t = turn(conv, seq)?;
             Ok(DescribeResponse::Turn(Box::new(describe_turn(
-                conv, &coverage, t,
-            ))))
+                conv, bodies, &coverage, t,
+            )?)))
         }
         Some(seq) => Err(ApiError::BadRequest(format!(
             "no turn {seq} in {:?}: it has {} turns (0..={})",
@@ -203,6 +213,7 @@ pub fn describe(state: &State, req: &DescribeRequest) -> Result<DescribeResponse
 mod tests {
     use super::*;
     use crate::api::testing::{self, CONV, NEEDLE};
+    use crate::core::state::Resident;
 
     fn req(id: NodeRef) -> DescribeRequest {
         DescribeRequest {
@@ -221,7 +232,7 @@ mod tests {
             .find(|s| s.depth == 0 && conv.parent_of(&s.id).is_some())
             .expect("a condensed leaf");
         let DescribeResponse::Summary(d) =
-            describe(state, &req(NodeRef::Id(leaf.id.clone()))).unwrap()
+            describe(state, &Resident, &req(NodeRef::Id(leaf.id.clone()))).unwrap()
         else {
             panic!("expected a summary");
         };
@@ -245,9 +256,14 @@ mod tests {
     fn a_turn_by_seq_by_event_id_and_by_digits() {
         let (state, _) = testing::folded();
         let conv = testing::conv(state);
-        let by_seq = describe(state, &req(NodeRef::Seq(0))).unwrap();
-        let by_id = describe(state, &req(NodeRef::Id(conv.turns[0].event_id.clone()))).unwrap();
-        let by_digits = describe(state, &req(NodeRef::Id("0".into()))).unwrap();
+        let by_seq = describe(state, &Resident, &req(NodeRef::Seq(0))).unwrap();
+        let by_id = describe(
+            state,
+            &Resident,
+            &req(NodeRef::Id(conv.turns[0].event_id.clone())),
+        )
+        .unwrap();
+        let by_digits = describe(state, &Resident, &req(NodeRef::Id("0".into()))).unwrap();
         assert_eq!(by_seq, by_id);
         assert_eq!(by_seq, by_digits);
         let DescribeResponse::Turn(t) = by_seq else {
@@ -257,7 +273,9 @@ mod tests {
         assert_eq!(t.sender.as_deref(), Some("agent-7"));
         assert!(!t.placement.in_context && t.placement.covered_by.is_some());
         let last = conv.turns.len() as u64 - 1;
-        let DescribeResponse::Turn(t) = describe(state, &req(NodeRef::Seq(last))).unwrap() else {
+        let DescribeResponse::Turn(t) =
+            describe(state, &Resident, &req(NodeRef::Seq(last))).unwrap()
+        else {
             panic!("expected a turn");
         };
         assert!(
@@ -286,7 +304,8 @@ mod tests {
         ));
         let folded = testing::fold_events(&small, &events);
         let _ = state;
-        let DescribeResponse::Turn(t) = describe(&folded, &req(NodeRef::Id("big".into()))).unwrap()
+        let DescribeResponse::Turn(t) =
+            describe(&folded, &Resident, &req(NodeRef::Id("big".into()))).unwrap()
         else {
             panic!("expected a turn");
         };
@@ -305,7 +324,7 @@ mod tests {
         ] {
             assert!(
                 matches!(
-                    describe(state, &req(id.clone())),
+                    describe(state, &Resident, &req(id.clone())),
                     Err(ApiError::BadRequest(_))
                 ),
                 "{id:?}"

@@ -8,7 +8,7 @@ use crate::api::{conversation, turn, ApiError};
 use crate::core::assembly::payload_stub;
 use crate::core::event::Covers;
 use crate::core::message::{ChatMessage, Content, Role};
-use crate::core::state::State;
+use crate::core::state::{State, TurnBodies};
 use serde::{Deserialize, Serialize};
 
 pub const DEFAULT_MAX_TOKENS: u64 = 4000;
@@ -80,7 +80,11 @@ pub enum ChildKind {
     Turns,
 }
 
-pub fn expand(state: &State, req: &ExpandRequest) -> Result<ExpandResponse, ApiError> {
+pub fn expand(
+    state: &State,
+    bodies: &dyn TurnBodies,
+    req: &ExpandRequest,
+) -> Result<ExpandResponse, ApiError> {
     let conv = conversation(state, &req.conversation)?;
     let max_tokens = req.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
     if max_tokens == 0 || max_tokens > MAX_MAX_TOKENS {
@@ -125,7 +129,7 @@ pub fn expand(state: &State, req: &ExpandRequest) -> Result<ExpandResponse, ApiE
                     excluded_turns.push(seq);
                     continue;
                 }
-                let mut message = t.body.message.clone();
+                let mut message = bodies.turn_body(conv, seq)?.message.clone();
                 if t.large_payload {
                     message.content = Some(Content::Text(payload_stub(&t.event_id, t.tokens)));
                     message.tool_calls.iter_mut().for_each(|c| {
@@ -193,6 +197,7 @@ pub fn expand(state: &State, req: &ExpandRequest) -> Result<ExpandResponse, ApiE
 mod tests {
     use super::*;
     use crate::api::testing::{self, CONV};
+    use crate::core::state::Resident;
 
     fn req(id: &str, max_tokens: Option<u64>, skip: usize) -> ExpandRequest {
         ExpandRequest {
@@ -211,7 +216,7 @@ mod tests {
         let Covers::Summaries { ids } = &top.covers else {
             panic!("condensed covers summaries");
         };
-        let out = expand(state, &req(&top.id, Some(100_000), 0)).unwrap();
+        let out = expand(state, &Resident, &req(&top.id, Some(100_000), 0)).unwrap();
         assert_eq!(out.children, ChildKind::Summaries);
         let got: Vec<&str> = out
             .items
@@ -231,7 +236,7 @@ mod tests {
         let (state, _) = testing::folded();
         let conv = testing::conv(state);
         let leaf = conv.summaries.iter().find(|s| s.depth == 0).unwrap();
-        let full = expand(state, &req(&leaf.id, Some(100_000), 0)).unwrap();
+        let full = expand(state, &Resident, &req(&leaf.id, Some(100_000), 0)).unwrap();
         assert_eq!(full.children, ChildKind::Turns);
         let seqs: Vec<u64> = full
             .items
@@ -251,12 +256,17 @@ mod tests {
             ExpandedItem::Turn { tokens, .. } => *tokens,
             ExpandedItem::Summary(_) => unreachable!(),
         };
-        let part = expand(state, &req(&leaf.id, Some(first_tokens), 0)).unwrap();
+        let part = expand(state, &Resident, &req(&leaf.id, Some(first_tokens), 0)).unwrap();
         assert_eq!(part.items.len(), 1);
         let cut = part.cut.clone().expect("the cap cut it");
         assert_eq!(cut.items, full.total_items - 1);
         assert_eq!(cut.tokens, full.total_tokens - first_tokens);
-        let rest = expand(state, &req(&leaf.id, Some(100_000), cut.next_skip)).unwrap();
+        let rest = expand(
+            state,
+            &Resident,
+            &req(&leaf.id, Some(100_000), cut.next_skip),
+        )
+        .unwrap();
         assert_eq!(rest.items, full.items[1..].to_vec());
         assert!(rest.cut.is_none());
     }
@@ -272,7 +282,7 @@ mod tests {
             req(&id, Some(MAX_MAX_TOKENS + 1), 0),
         ] {
             assert!(
-                matches!(expand(state, &r), Err(ApiError::BadRequest(_))),
+                matches!(expand(state, &Resident, &r), Err(ApiError::BadRequest(_))),
                 "{r:?}"
             );
         }

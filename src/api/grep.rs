@@ -8,7 +8,7 @@ use crate::api::coverage::{Coverage, TurnPlacement};
 use crate::api::{clip, conversation, ApiError};
 use crate::core::event::SummaryKind;
 use crate::core::message::Role;
-use crate::core::state::State;
+use crate::core::state::{State, TurnBodies};
 use regex::{Regex, RegexBuilder};
 use serde::{Deserialize, Serialize};
 
@@ -181,7 +181,11 @@ fn first_match(re: &Regex, text: &str) -> Option<(usize, usize, String, String)>
     ))
 }
 
-pub fn grep(state: &State, req: &GrepRequest) -> Result<GrepResponse, ApiError> {
+pub fn grep(
+    state: &State,
+    bodies: &dyn TurnBodies,
+    req: &GrepRequest,
+) -> Result<GrepResponse, ApiError> {
     let conv = conversation(state, &req.conversation)?;
     let limit = req.limit.unwrap_or(DEFAULT_LIMIT);
     if limit == 0 || limit > MAX_LIMIT {
@@ -253,7 +257,7 @@ pub fn grep(state: &State, req: &GrepRequest) -> Result<GrepResponse, ApiError> 
             continue;
         };
         turns_searched += 1;
-        let text = t.body.message.searchable_text();
+        let text = bodies.turn_body(conv, t.seq)?.message.searchable_text();
         if let Some((occurrences, offset, snippet, matched)) = first_match(&re, &text) {
             let m = GrepMatch {
                 source: MatchSource::Turn {
@@ -290,6 +294,7 @@ pub fn grep(state: &State, req: &GrepRequest) -> Result<GrepResponse, ApiError> 
 mod tests {
     use super::*;
     use crate::api::testing::{self, CONV, NEEDLE};
+    use crate::core::state::Resident;
 
     fn req(pattern: &str) -> GrepRequest {
         GrepRequest {
@@ -305,7 +310,7 @@ mod tests {
     #[test]
     fn finds_an_early_turn_and_the_summary_that_covers_it() {
         let (state, _) = testing::folded();
-        let out = grep(state, &req(NEEDLE)).unwrap();
+        let out = grep(state, &Resident, &req(NEEDLE)).unwrap();
         let turn = out
             .matches
             .iter()
@@ -328,7 +333,7 @@ mod tests {
     fn summaries_come_before_the_turns_they_cover() {
         let (state, _) = testing::folded();
         // File paths are identifiers: the deterministic summaries keep them.
-        let out = grep(state, &req("src/billing/invoice.rs")).unwrap();
+        let out = grep(state, &Resident, &req("src/billing/invoice.rs")).unwrap();
         assert!(
             matches!(out.matches[0].source, MatchSource::Summary { depth, .. } if depth >= 1),
             "{:#?}",
@@ -349,7 +354,7 @@ mod tests {
     #[test]
     fn tool_call_arguments_are_searched() {
         let (state, _) = testing::folded();
-        let out = grep(state, &req("src/billing/f37.rs")).unwrap();
+        let out = grep(state, &Resident, &req("src/billing/f37.rs")).unwrap();
         let roles: Vec<Role> = out
             .matches
             .iter()
@@ -367,7 +372,7 @@ mod tests {
         let mut r = req(r"step \d+:");
         r.regex = true;
         r.scope = GrepScope::Turns;
-        let all = grep(state, &r).unwrap();
+        let all = grep(state, &Resident, &r).unwrap();
         assert!(!all.truncated);
         assert_eq!(all.matches.len(), 20, "10 user steps and 10 answers");
         assert!(all
@@ -375,12 +380,12 @@ mod tests {
             .iter()
             .all(|m| matches!(m.source, MatchSource::Turn { .. })));
         r.limit = Some(3);
-        let few = grep(state, &r).unwrap();
+        let few = grep(state, &Resident, &r).unwrap();
         assert!(few.truncated);
         assert_eq!(few.matches, all.matches[..3].to_vec());
         r.scope = GrepScope::Summaries;
         r.limit = None;
-        let sums = grep(state, &r).unwrap();
+        let sums = grep(state, &Resident, &r).unwrap();
         assert_eq!(sums.turns_searched, 0);
         assert!(sums
             .matches
@@ -392,18 +397,27 @@ mod tests {
     fn plain_text_is_literal_and_case_can_be_ignored() {
         let (state, _) = testing::folded();
         // `.` is literal in plain mode.
-        assert!(!grep(state, &req("invoice.rs")).unwrap().matches.is_empty());
-        assert!(grep(state, &req("invoiceXrs")).unwrap().matches.is_empty());
-        assert!(grep(state, &req("ROTATE THE")).unwrap().matches.is_empty());
+        assert!(!grep(state, &Resident, &req("invoice.rs"))
+            .unwrap()
+            .matches
+            .is_empty());
+        assert!(grep(state, &Resident, &req("invoiceXrs"))
+            .unwrap()
+            .matches
+            .is_empty());
+        assert!(grep(state, &Resident, &req("ROTATE THE"))
+            .unwrap()
+            .matches
+            .is_empty());
         let mut r = req("ROTATE THE");
         r.ignore_case = true;
-        assert!(!grep(state, &r).unwrap().matches.is_empty());
+        assert!(!grep(state, &Resident, &r).unwrap().matches.is_empty());
     }
 
     #[test]
     fn bad_patterns_and_limits_are_refused_clearly() {
         let (state, _) = testing::folded();
-        let err = |r: GrepRequest| match grep(state, &r) {
+        let err = |r: GrepRequest| match grep(state, &Resident, &r) {
             Err(ApiError::BadRequest(m)) => m,
             other => panic!("expected bad_request, got {other:?}"),
         };

@@ -23,7 +23,7 @@ pub mod status;
 pub(crate) mod testing;
 
 use crate::core::policy::PolicyConfig;
-use crate::core::state::{Conversation, State, Summary, Turn};
+use crate::core::state::{BodyError, Conversation, Resident, State, Summary, Turn, TurnBodies};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -107,6 +107,21 @@ pub enum ApiError {
     },
     #[error("internal error: {0}")]
     Internal(String),
+}
+
+impl From<BodyError> for ApiError {
+    /// A body the state refers to and the store cannot give: the store is
+    /// damaged (the message names `rebuild`) or unreachable, not the
+    /// request at fault.
+    fn from(e: BodyError) -> ApiError {
+        ApiError::Internal(e.to_string())
+    }
+}
+
+impl From<crate::store::StoreError> for ApiError {
+    fn from(e: crate::store::StoreError) -> ApiError {
+        ApiError::Internal(e.to_string())
+    }
 }
 
 /// The machine-readable kind of an [`ApiError`].
@@ -285,13 +300,34 @@ pub(crate) fn summary_at(conv: &Conversation, index: u32) -> Result<&Summary, Ap
     })
 }
 
+/// What a request is answered from: the state holding its conversation,
+/// where that state's turn bodies are read, and the policy it was folded
+/// under.
+#[derive(Clone, Copy)]
+pub struct Held<'a> {
+    pub state: &'a State,
+    pub bodies: &'a dyn TurnBodies,
+    pub policy: &'a PolicyConfig,
+}
+
+impl<'a> Held<'a> {
+    /// A state folded in memory (every body resident).
+    pub fn resident(state: &'a State, policy: &'a PolicyConfig) -> Held<'a> {
+        Held {
+            state,
+            bodies: &Resident,
+            policy,
+        }
+    }
+}
+
 /// Answers one request from a state, as JSON bytes or a structured error.
-pub fn answer(
-    op: Op,
-    body: &[u8],
-    state: &State,
-    policy: &PolicyConfig,
-) -> Result<Vec<u8>, ApiError> {
+pub fn answer(op: Op, body: &[u8], held: Held<'_>) -> Result<Vec<u8>, ApiError> {
+    let Held {
+        state,
+        bodies,
+        policy,
+    } = held;
     // A handler bug must come back as an `internal` reply, not take the
     // serving task down or leave the caller waiting.
     let run = AssertUnwindSafe(|| -> Result<Vec<u8>, ApiError> {
@@ -300,6 +336,7 @@ pub fn answer(
                 let started = std::time::Instant::now();
                 let reply = encode(&assemble::assemble_borrowed(
                     state,
+                    bodies,
                     policy,
                     &parse_request(op, body)?,
                 )?);
@@ -311,9 +348,13 @@ pub fn answer(
                 reply
             }
             Op::Status => encode(&status::status(state, policy, &parse_request(op, body)?)?),
-            Op::Grep => encode(&grep::grep(state, &parse_request(op, body)?)?),
-            Op::Describe => encode(&describe::describe(state, &parse_request(op, body)?)?),
-            Op::Expand => encode(&expand::expand(state, &parse_request(op, body)?)?),
+            Op::Grep => encode(&grep::grep(state, bodies, &parse_request(op, body)?)?),
+            Op::Describe => encode(&describe::describe(
+                state,
+                bodies,
+                &parse_request(op, body)?,
+            )?),
+            Op::Expand => encode(&expand::expand(state, bodies, &parse_request(op, body)?)?),
             Op::Compact => encode(&compact::compact(state, policy, &parse_request(op, body)?)?),
             Op::History => encode(&history::history(state, &parse_request(op, body)?)?),
         })
@@ -345,9 +386,14 @@ fn parse_op(op: &str) -> Result<Op, ApiError> {
 }
 
 /// The single JSON dispatch: operation name and request body in, response
-/// or error reply out.
+/// or error reply out, over a state folded in memory.
 pub fn handle(op: &str, body: &[u8], state: &State, policy: &PolicyConfig) -> Vec<u8> {
-    match parse_op(op).and_then(|op| answer(op, body, state, policy)) {
+    handle_held(op, body, Held::resident(state, policy))
+}
+
+/// [`handle`] over any [`Held`] state.
+pub fn handle_held(op: &str, body: &[u8], held: Held<'_>) -> Vec<u8> {
+    match parse_op(op).and_then(|op| answer(op, body, held)) {
         Ok(bytes) => bytes,
         Err(e) => e.to_json(),
     }
@@ -358,11 +404,26 @@ pub trait StateView: Send + Sync + 'static {
     /// Runs `f` over the state that holds `conversation` (or, for `None`,
     /// the state to report globally on). `f` gets `None` when this process
     /// does not own that conversation's partition.
-    fn with_state<R>(
+    fn with_state<R>(&self, conversation: Option<&str>, f: impl FnOnce(Option<Held<'_>>) -> R)
+        -> R;
+
+    /// Calls `f` with every conversation this process holds, resident or
+    /// stored, one at a time (with the state of its partition), for global
+    /// status: memory stays that of one conversation, whatever their number.
+    fn each_conversation(
         &self,
-        conversation: Option<&str>,
-        f: impl FnOnce(Option<(&State, &PolicyConfig)>) -> R,
-    ) -> R;
+        f: &mut dyn FnMut(&State, &Conversation) -> Result<(), ApiError>,
+    ) -> Result<(), ApiError> {
+        self.with_state(None, |held| {
+            let Some(held) = held else {
+                return Ok(());
+            };
+            for conv in held.state.conversations.values() {
+                f(held.state, conv)?;
+            }
+            Ok(())
+        })
+    }
 
     /// The health of the partitions this process folds, for global status
     /// (none for a process without partitions).
@@ -392,12 +453,12 @@ impl StateView for LocalState {
     fn with_state<R>(
         &self,
         _conversation: Option<&str>,
-        f: impl FnOnce(Option<(&State, &PolicyConfig)>) -> R,
+        f: impl FnOnce(Option<Held<'_>>) -> R,
     ) -> R {
         // A writer that panicked left a state the fold had fully applied
         // up to its last event; reading it is still sound.
         let guard = self.state.read().unwrap_or_else(|e| e.into_inner());
-        f(Some((&guard, &self.policy)))
+        f(Some(Held::resident(&guard, &self.policy)))
     }
 }
 
@@ -447,7 +508,7 @@ pub fn answer_view<V: StateView + ?Sized>(
                 }
             }
             view.with_state(Some(key), |held| match held {
-                Some((state, policy)) => answer(op, body, state, policy),
+                Some(held) => answer(op, body, held),
                 None => Err(ApiError::NotOwner {
                     conversation: key.to_string(),
                     retry_after_ms,
@@ -468,15 +529,17 @@ pub fn answer_view<V: StateView + ?Sized>(
                 ));
             }
             let partitions = view.partitions();
-            view.with_state(None, |held| {
-                let Some((state, policy)) = held else {
+            let global = view.with_state(None, |held| {
+                let Some(held) = held else {
                     return Err(ApiError::Internal("no state to report on".into()));
                 };
-                let global = status::global_status(state, policy)?;
-                Ok(encode(&status::StatusResponse::Global(Box::new(
-                    status::with_partitions(global, partitions),
-                ))))
-            })
+                status::global_status_with(held.state, held.policy, |each| {
+                    view.each_conversation(each)
+                })
+            })?;
+            Ok(encode(&status::StatusResponse::Global(Box::new(
+                status::with_partitions(global, partitions),
+            ))))
         }
     }
 }
@@ -549,7 +612,7 @@ mod tests {
                 fingerprint: String::new(),
             }),
         };
-        let reply = assemble::assemble_borrowed(state, policy, &request).unwrap();
+        let reply = assemble::assemble_borrowed(state, &Resident, policy, &request).unwrap();
         assert!(reply.delta.is_some());
         assert!(!reply.assembled.sources.is_empty());
         assert_eq!(encode(&reply), serde_json::to_vec(&reply).unwrap());

@@ -27,7 +27,7 @@
 //! `Nats-Service-Error`, so generic NATS tools see them as errors. A reply
 //! too large for the server becomes an error reply: never silence.
 
-use crate::api::{answer_view, ApiError, CompactResponse, Op, Target};
+use crate::api::{answer_view, ApiError, CompactResponse, Held, Op, Target};
 pub use crate::api::{LocalState, StateView};
 use crate::core::event::Encoding;
 use crate::core::policy::PolicyConfig;
@@ -594,26 +594,46 @@ impl<H: HeldEngines> StateView for EngineView<H> {
     fn with_state<R>(
         &self,
         conversation: Option<&str>,
-        f: impl FnOnce(Option<(&State, &PolicyConfig)>) -> R,
+        f: impl FnOnce(Option<Held<'_>>) -> R,
     ) -> R {
         match conversation {
             Some(key) => {
                 let Ok(partition) = partition_of(key, self.partitions) else {
-                    return f(Some((&State::default(), &self.policy)));
+                    return f(Some(Held::resident(&State::default(), &self.policy)));
                 };
                 match self.engines.engine(partition) {
                     Some(engine) => {
-                        // The folder holds this lock for one batch at most.
+                        // The folder holds this lock for one batch at most;
+                        // a conversation not resident is read for this
+                        // request only (one head, its chunks).
                         let engine = engine.lock().unwrap_or_else(|p| p.into_inner());
-                        f(Some((&engine.state, &engine.policy)))
+                        let policy = &engine.policy;
+                        let mut f = Some(f);
+                        let answered = engine.with_conversation(key, |state, bodies| {
+                            let f = f.take().expect("called once");
+                            f(Some(Held {
+                                state,
+                                bodies,
+                                policy,
+                            }))
+                        });
+                        match answered {
+                            Ok(r) => r,
+                            Err(e) => {
+                                // The store failed to read it: answer from an
+                                // empty state, and say why in the log.
+                                tracing::error!(conversation_id = key, error = %e, "cannot read a conversation for the API");
+                                let f = f.take().expect("not called on error");
+                                f(Some(Held::resident(&State::default(), &self.policy)))
+                            }
+                        }
                     }
                     None => f(None),
                 }
             }
             None => {
-                // The global view: every held partition's conversations in
-                // one state. A copy, taken one partition lock at a time, so
-                // no folder waits on another's; global status is rare.
+                // The global view: every held partition's own counts in one
+                // state; conversations come through `each_conversation`.
                 let mut merged = State::default();
                 let mut policy = self.policy.clone();
                 for partition in self.engines.held() {
@@ -623,17 +643,26 @@ impl<H: HeldEngines> StateView for EngineView<H> {
                     let engine = engine.lock().unwrap_or_else(|p| p.into_inner());
                     policy = engine.policy.clone();
                     merged.unattributed_rejections += engine.state.unattributed_rejections;
-                    merged.conversations.extend(
-                        engine
-                            .state
-                            .conversations
-                            .iter()
-                            .map(|(k, c)| (k.clone(), Conversation::clone(c))),
-                    );
                 }
-                f(Some((&merged, &policy)))
+                f(Some(Held::resident(&merged, &policy)))
             }
         }
+    }
+
+    fn each_conversation(
+        &self,
+        f: &mut dyn FnMut(&State, &Conversation) -> Result<(), ApiError>,
+    ) -> Result<(), ApiError> {
+        // One partition lock at a time, so no folder waits on another's;
+        // global status is rare.
+        for partition in self.engines.held() {
+            let Some(engine) = self.engines.engine(partition) else {
+                continue;
+            };
+            let engine = engine.lock().unwrap_or_else(|p| p.into_inner());
+            engine.each_conversation(|state, conv| f(state, conv))?;
+        }
+        Ok(())
     }
 }
 
@@ -759,7 +788,7 @@ mod tests {
         assert_eq!(view.held().len(), 2);
         let owned = |key: &str| {
             view.with_state(Some(key), |s| {
-                s.map(|(s, _)| s.conversations.contains_key(key))
+                s.map(|h| h.state.conversations.contains_key(key))
             })
         };
         assert_eq!(owned(CONV), Some(true));
@@ -780,10 +809,13 @@ mod tests {
         );
         assert!(String::from_utf8_lossy(&reply).contains("bad_request"));
         // The global view merges every held partition.
-        let (n, rejected) = view.with_state(None, |s| {
-            let (s, _) = s.unwrap();
-            (s.conversations.len(), s.unattributed_rejections)
-        });
+        let rejected = view.with_state(None, |s| s.unwrap().state.unattributed_rejections);
+        let mut n = 0;
+        view.each_conversation(&mut |_, _| {
+            n += 1;
+            Ok(())
+        })
+        .unwrap();
         assert_eq!((n, rejected), (2, 1));
     }
 

@@ -366,9 +366,28 @@ pub fn status(
     }
 }
 
+/// The global status of a state folded in memory.
 pub fn global_status(state: &State, policy: &PolicyConfig) -> Result<GlobalStatus, ApiError> {
+    global_status_with(state, policy, |each| {
+        for conv in state.conversations.values() {
+            each(state, conv)?;
+        }
+        Ok(())
+    })
+}
+
+/// The global status over `state`'s partition counts and the conversations
+/// `conversations` hands its callback one at a time (with the state of
+/// their partition).
+pub fn global_status_with(
+    state: &State,
+    policy: &PolicyConfig,
+    conversations: impl FnOnce(
+        &mut dyn FnMut(&State, &Conversation) -> Result<(), ApiError>,
+    ) -> Result<(), ApiError>,
+) -> Result<GlobalStatus, ApiError> {
     let mut g = GlobalStatus {
-        conversations: state.conversations.len(),
+        conversations: 0,
         turns: 0,
         raw_tokens: 0,
         context_tokens: 0,
@@ -389,8 +408,9 @@ pub fn global_status(state: &State, policy: &PolicyConfig) -> Result<GlobalStatu
         health: Health::from_reasons(Vec::new()),
     };
     let mut by_depth: BTreeMap<u32, u64> = BTreeMap::new();
-    for conv in state.conversations.values() {
+    conversations(&mut |state, conv| {
         let s = conversation_status(state, conv, policy)?;
+        g.conversations += 1;
         g.turns += s.turns.total;
         g.raw_tokens += s.tokens.raw;
         g.context_tokens += s.tokens.context;
@@ -412,7 +432,8 @@ pub fn global_status(state: &State, policy: &PolicyConfig) -> Result<GlobalStatu
                 g.degraded.push(s.conversation);
             }
         }
-    }
+        Ok(())
+    })?;
     g.summaries_by_depth = by_depth
         .into_iter()
         .map(|(depth, total)| DepthTotal { depth, total })

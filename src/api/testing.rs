@@ -123,7 +123,7 @@ pub fn fold_events(policy: &PolicyConfig, events: &[Envelope]) -> State {
         for e in events {
             p.ingest(std::slice::from_ref(e)).await.expect("ingest");
         }
-        p.engine.state
+        p.engine.materialized().expect("a memory store reads back")
     })
 }
 

@@ -12,7 +12,7 @@ use contextfold::core::assembly::{self, Assembled, AssemblyRequest};
 use contextfold::core::event::EventBody;
 use contextfold::core::identifiers;
 use contextfold::core::policy::PolicyConfig;
-use contextfold::core::state::{ContextItem, Conversation};
+use contextfold::core::state::{ContextItem, Conversation, TurnBodies};
 use contextfold::import::{self, Format};
 use contextfold::log::memory::MemoryLog;
 use contextfold::log::EventLog;
@@ -203,7 +203,7 @@ async fn eval_file<S: PassSummarizer>(
         let Some(conv) = p.engine.state.conversations.get(&event.conversation) else {
             continue;
         };
-        let out = assembly::assemble(conv, policy, &request);
+        let out = assembly::assemble_from(conv, &p.engine.bodies(), policy, &request)?;
         report.assemblies += 1;
         report.max_assembled_tokens = report.max_assembled_tokens.max(out.tokens);
         if out.tokens > budget {
@@ -214,13 +214,14 @@ async fn eval_file<S: PassSummarizer>(
         let Some(conv) = p.engine.state.conversations.get(&imported.conversation) else {
             continue;
         };
-        let out = assembly::assemble(conv, policy, &request);
+        let bodies = p.engine.bodies();
+        let out = assembly::assemble_from(conv, &bodies, policy, &request)?.into_owned();
         report.final_assembled_tokens += out.tokens;
         report.turns += conv.turns.len() as u64;
         report.raw_tokens += conv.raw_tokens();
         report.context_tokens += conv.context_tokens;
         report.fallback_summaries += conv.summaries.iter().filter(|s| s.fallback).count() as u64;
-        let (ids, kept) = identifier_retention(conv, &out);
+        let (ids, kept) = identifier_retention(conv, &bodies, &out)?;
         report.identifiers += ids;
         report.identifiers_retained += kept;
         for (depth, c) in compression_by_depth(conv) {
@@ -284,11 +285,16 @@ pub fn compression_by_depth(conv: &Conversation) -> BTreeMap<u32, DepthCompressi
 
 /// The source's opaque identifiers (over every raw turn), and how many of
 /// them appear verbatim in the assembled context.
-pub fn identifier_retention(conv: &Conversation, assembled: &Assembled) -> (u64, u64) {
+pub fn identifier_retention(
+    conv: &Conversation,
+    bodies: &dyn TurnBodies,
+    assembled: &Assembled,
+) -> Result<(u64, u64)> {
     let mut ids: Vec<String> = Vec::new();
     let mut seen = HashSet::new();
     for turn in &conv.turns {
-        for id in identifiers::extract(&turn.body.message.searchable_text()) {
+        let body = bodies.turn_body(conv, turn.seq)?;
+        for id in identifiers::extract(&body.message.searchable_text()) {
             if seen.insert(id.clone()) {
                 ids.push(id);
             }
@@ -303,7 +309,7 @@ pub fn identifier_retention(conv: &Conversation, assembled: &Assembled) -> (u64,
         .iter()
         .filter(|id| context.contains(id.as_str()))
         .count();
-    (ids.len() as u64, kept as u64)
+    Ok((ids.len() as u64, kept as u64))
 }
 
 async fn spend(log: &mut MemoryLog) -> Result<SweepSpend> {

@@ -5,15 +5,17 @@
 //! `describe`, `expand`, `history`, `replay`) and `rebuild` refuse a
 //! directory without a log ([`require_data`]), and the read-only ones
 //! never create a store: without `state.redb` they fold the log in memory
-//! ([`read_state`]).
+//! ([`read_engine`]). They read only the conversation they are asked
+//! about (global status reads them one at a time).
 
 use super::report;
 use anyhow::{bail, Context, Result};
+use contextfold::api::{self, status, Held};
 use contextfold::config::Config;
 use contextfold::core::assembly::{self, AssemblyRequest};
 use contextfold::core::event::{Encoding, Envelope, MAX_EVENT_BYTES};
 use contextfold::core::overflow;
-use contextfold::core::state::State;
+use contextfold::core::policy::PolicyConfig;
 use contextfold::import::{self, Format};
 use contextfold::log::memory::MemoryLog;
 use contextfold::log::segment::{SegmentLog, DEFAULT_MAX_RECORD_BYTES};
@@ -22,6 +24,8 @@ use contextfold::runtime::engine::Engine;
 use contextfold::runtime::sweep::Deterministic;
 use contextfold::store::memory_backend::MemoryBackend;
 use contextfold::store::redb_backend::RedbBackend;
+use contextfold::store::state_store::{BodyCache, StateStore};
+use contextfold::store::KvBackend;
 use std::io::{BufRead, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -58,15 +62,79 @@ pub(super) fn require_data(config: &Config) -> Result<()> {
     )
 }
 
-/// The state for a read-only command: the store caught up with the log,
+/// The engine a read-only command answers from.
+pub(super) enum LocalEngine {
+    /// The store, caught up with the log.
+    Stored(Engine<RedbBackend>),
+    /// No store yet: the log folded in memory.
+    Memory(Engine<MemoryBackend>),
+}
+
+impl LocalEngine {
+    /// Answers one API request (JSON bytes, or an error reply) reading only
+    /// `conversation` (or, for global status, every conversation one at a
+    /// time).
+    pub(super) fn answer(
+        &self,
+        op: &str,
+        conversation: Option<&str>,
+        body: &[u8],
+        policy: &PolicyConfig,
+    ) -> Vec<u8> {
+        match self {
+            LocalEngine::Stored(e) => answer_from(e, op, conversation, body, policy),
+            LocalEngine::Memory(e) => answer_from(e, op, conversation, body, policy),
+        }
+    }
+}
+
+/// [`LocalEngine::answer`] for one engine.
+pub(super) fn answer_from<B: KvBackend>(
+    engine: &Engine<B>,
+    op: &str,
+    conversation: Option<&str>,
+    body: &[u8],
+    policy: &PolicyConfig,
+) -> Vec<u8> {
+    let reply = match conversation {
+        Some(key) => engine.with_conversation(key, |state, bodies| {
+            api::handle_held(
+                op,
+                body,
+                Held {
+                    state,
+                    bodies,
+                    policy,
+                },
+            )
+        }),
+        None if op == api::Op::Status.as_str() => Ok(
+            match status::global_status_with(&engine.state, policy, |each| {
+                engine.each_conversation(|state, conv| each(state, conv))
+            }) {
+                Ok(g) => serde_json::to_vec(&status::StatusResponse::Global(Box::new(g)))
+                    .unwrap_or_else(|e| api::ApiError::Internal(e.to_string()).to_json()),
+                Err(e) => e.to_json(),
+            },
+        ),
+        None => Ok(api::handle_held(
+            op,
+            body,
+            Held::resident(&engine.state, policy),
+        )),
+    };
+    reply.unwrap_or_else(|e| api::ApiError::from(e).to_json())
+}
+
+/// The engine for a read-only command: the store caught up with the log,
 /// or, when there is no store yet, the log folded in memory. Creates no
 /// data directory and no store.
-pub(super) async fn read_state(config: &Config) -> Result<State> {
+pub(super) async fn read_engine(config: &Config) -> Result<LocalEngine> {
     require_data(config)?;
     if state_path(config).exists() {
-        Ok(open_pipeline(config).await?.engine.state)
+        Ok(LocalEngine::Stored(open_pipeline(config).await?.engine))
     } else {
-        Ok(replay_log(config, None).await?.0.state)
+        Ok(LocalEngine::Memory(replay_log(config, None).await?.0))
     }
 }
 
@@ -76,9 +144,18 @@ pub(super) async fn open_pipeline(config: &Config) -> Result<LocalPipeline> {
     let log = open_log(config)?;
     let backend = RedbBackend::open(&state_path(config))
         .with_context(|| format!("opening the state store {}", state_path(config).display()))?;
-    let mut engine = Engine::open(backend, config.policy.clone())?;
+    let mut engine = Engine::open_with(store(backend, config), config.policy.clone())?;
     engine.set_flush_every(config.store.flush_every);
+    engine.set_residency(config.store.residency());
     Ok(Pipeline::open(log, engine, Deterministic).await?)
+}
+
+/// A state store with the configured body cache.
+fn store<B: KvBackend>(backend: B, config: &Config) -> StateStore<B> {
+    StateStore::with_cache(
+        backend,
+        std::sync::Arc::new(BodyCache::new(config.store.body_cache_bytes)),
+    )
 }
 
 pub fn import(format: &str, file: &Path) -> Result<ExitCode> {
@@ -243,7 +320,7 @@ pub fn run(
             }
         }
         p.engine.flush()?;
-        report::print(&p.engine.state, &p.engine.policy, started.elapsed(), json);
+        report::print(&p.engine, &p.engine.policy, started.elapsed(), json)?;
         if skipped > 0 {
             eprintln!("{skipped} record(s) too large to store were rejected (see above)");
             return Ok(ExitCode::FAILURE);
@@ -260,7 +337,11 @@ fn open_log(config: &Config) -> Result<SegmentLog> {
 /// Folds the whole log into a fresh in-memory state, stopping after the
 /// event `until` when given.
 async fn replay_log(config: &Config, until: Option<&str>) -> Result<(Engine<MemoryBackend>, bool)> {
-    let mut engine = Engine::open(MemoryBackend::default(), config.policy.clone())?;
+    let mut engine = Engine::open_with(
+        store(MemoryBackend::default(), config),
+        config.policy.clone(),
+    )?;
+    engine.set_residency(config.store.residency());
     let found = embedded::replay(&mut open_log(config)?, &mut engine, until).await?;
     Ok((engine, found))
 }
@@ -271,17 +352,20 @@ pub fn replay(config: &Config) -> Result<ExitCode> {
     rt.block_on(async {
         let started = Instant::now();
         let (engine, _) = replay_log(config, None).await?;
-        for (key, conv) in &engine.state.conversations {
+        let bodies = engine.bodies();
+        engine.each_conversation(|_, conv| -> Result<()> {
             println!(
-                "{}  {key}  ({} turns, {} summaries)",
-                conv.hash(),
+                "{}  {}  ({} turns, {} summaries)",
+                conv.hash_with(&bodies)?,
+                conv.key,
                 conv.turns.len(),
                 conv.summaries.len()
             );
-        }
+            Ok(())
+        })?;
         println!(
             "state {}  ({} records in {:.2}s)",
-            engine.state.hash(),
+            engine.state_hash()?,
             engine.position(),
             started.elapsed().as_secs_f64()
         );
@@ -299,7 +383,7 @@ pub fn assemble(
     require_data(config)?;
     let rt = runtime()?;
     rt.block_on(async {
-        let state = if at.is_some() {
+        let engine = if at.is_some() {
             let (engine, found) = replay_log(config, at).await?;
             if !found {
                 bail!(
@@ -308,16 +392,14 @@ pub fn assemble(
                     log_dir(config).display()
                 );
             }
-            engine.state
+            LocalEngine::Memory(engine)
         } else {
-            read_state(config).await?
+            read_engine(config).await?
         };
-        let Some(conv) = state.conversations.get(conversation) else {
-            bail!(
-                "unknown conversation {conversation:?}; `contextfold replay` lists the known ones"
-            );
+        let out = match &engine {
+            LocalEngine::Stored(e) => assemble_one(e, conversation, &config.policy, &request)?,
+            LocalEngine::Memory(e) => assemble_one(e, conversation, &config.policy, &request)?,
         };
-        let out = assembly::assemble(conv, &config.policy, &request);
         if json {
             println!("{}", serde_json::to_string_pretty(&out)?);
         } else {
@@ -327,19 +409,40 @@ pub fn assemble(
     })
 }
 
+/// Assembles one conversation of an engine, reading only its state.
+fn assemble_one<B: KvBackend>(
+    engine: &Engine<B>,
+    conversation: &str,
+    policy: &PolicyConfig,
+    request: &AssemblyRequest,
+) -> Result<assembly::Assembled> {
+    engine.with_conversation(conversation, |state, bodies| {
+        let Some(conv) = state.conversations.get(conversation) else {
+            bail!(
+                "unknown conversation {conversation:?}; `contextfold replay` lists the known ones"
+            );
+        };
+        Ok(assembly::assemble_from(conv, bodies, policy, request)?.into_owned())
+    })?
+}
+
 pub fn rebuild(config: &Config) -> Result<ExitCode> {
     require_data(config)?;
     let rt = runtime()?;
     rt.block_on(async {
-        let current = open_pipeline(config).await?.engine.state.hash();
+        let current = open_pipeline(config).await?.engine.state_hash()?;
         let stamp = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
         let fresh_path = config.data_dir.join(format!("state.rebuild-{stamp}.redb"));
-        let mut engine = Engine::open(RedbBackend::open(&fresh_path)?, config.policy.clone())?;
+        let mut engine = Engine::open_with(
+            store(RedbBackend::open(&fresh_path)?, config),
+            config.policy.clone(),
+        )?;
+        engine.set_residency(config.store.residency());
         embedded::replay(&mut open_log(config)?, &mut engine, None).await?;
         engine.flush()?;
-        let rebuilt = engine.state.hash();
+        let rebuilt = engine.state_hash()?;
         println!("current state  {current}");
         println!("rebuilt state  {rebuilt}  -> {}", fresh_path.display());
         if rebuilt == current {
@@ -375,19 +478,30 @@ pub fn demo(config: &Config, file: Option<&Path>, budget: u64) -> Result<ExitCod
         for (i, e) in events.iter().enumerate() {
             p.ingest(std::slice::from_ref(e)).await?;
             if let Some(conv) = p.engine.state.conversations.get(&e.conversation) {
-                let out = assembly::assemble(conv, &policy, &AssemblyRequest::default());
+                let out = assembly::assemble_from(
+                    conv,
+                    &p.engine.bodies(),
+                    &policy,
+                    &AssemblyRequest::default(),
+                )?;
                 max_assembled = max_assembled.max(out.tokens);
             }
             if (i + 1) % 100 == 0 || i + 1 == total {
                 eprintln!("  {}/{total} turns folded", i + 1);
             }
         }
-        report::print(&p.engine.state, &policy, started.elapsed(), false);
+        report::print(&p.engine, &policy, started.elapsed(), false)?;
         println!(
             "largest assembled context after any turn: {max_assembled} tokens (budget {budget})"
         );
         if let Some((key, conv)) = p.engine.state.conversations.iter().next() {
-            let out = assembly::assemble(conv, &policy, &AssemblyRequest::default());
+            let out = assembly::assemble_from(
+                conv,
+                &p.engine.bodies(),
+                &policy,
+                &AssemblyRequest::default(),
+            )?
+            .into_owned();
             println!("\n== what the model sees now for {key} ==");
             report::print_assembled_brief(&out);
         }

@@ -5,7 +5,7 @@
 //! go through the same API handlers, so the output is the JSON a NATS
 //! client gets (pretty), and an API error is the command's error.
 
-use super::local::{open_pipeline, read_state, require_data, runtime};
+use super::local::{answer_from, open_pipeline, read_engine, require_data, runtime};
 use super::report;
 use super::serve::NatsArgs;
 use anyhow::{bail, Context, Result};
@@ -117,23 +117,24 @@ fn render(reply: &[u8], output: Output) -> Result<String> {
 
 /// Answers from the local state. A `compact` request's event is appended
 /// to the local log and folded, and its jobs run, before the answer; the
-/// other queries create nothing (see `local::read_state`).
+/// other queries create nothing (see `local::read_engine`).
 async fn ask_locally(config: &Config, query: &Query) -> Result<Vec<u8>> {
     if !matches!(query, Query::Compact(_)) {
-        let state = read_state(config).await?;
-        return Ok(api::handle(
+        let engine = read_engine(config).await?;
+        return Ok(engine.answer(
             query.op().as_str(),
+            query.conversation(),
             &query.body()?,
-            &state,
             &config.policy,
         ));
     }
     require_data(config)?;
     let mut pipeline = open_pipeline(config).await?;
-    let reply = api::handle(
+    let reply = answer_from(
+        &pipeline.engine,
         query.op().as_str(),
+        query.conversation(),
         &query.body()?,
-        &pipeline.engine.state,
         &config.policy,
     );
     if let Query::Compact(_) = query {

@@ -2,7 +2,9 @@
 
 use contextfold::core::assembly::{Assembled, Source};
 use contextfold::core::policy::PolicyConfig;
-use contextfold::core::state::{ContextItem, Conversation, State};
+use contextfold::core::state::{ContextItem, Conversation, TurnBodies};
+use contextfold::runtime::engine::Engine;
+use contextfold::store::KvBackend;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -25,7 +27,10 @@ pub struct ConversationReport {
     pub state_hash: String,
 }
 
-pub fn conversation_report(conv: &Conversation) -> ConversationReport {
+pub fn conversation_report(
+    conv: &Conversation,
+    bodies: &dyn TurnBodies,
+) -> anyhow::Result<ConversationReport> {
     let mut by_depth = BTreeMap::new();
     for s in &conv.summaries {
         *by_depth.entry(s.depth).or_insert(0) += 1;
@@ -48,7 +53,7 @@ pub fn conversation_report(conv: &Conversation) -> ConversationReport {
         .filter(|t| t.in_context && t.epoch == conv.epoch)
         .map(|t| t.context_tokens)
         .sum();
-    ConversationReport {
+    Ok(ConversationReport {
         conversation: conv.key.clone(),
         turns: conv.turns.len(),
         raw_tokens: conv.raw_tokens(),
@@ -61,24 +66,33 @@ pub fn conversation_report(conv: &Conversation) -> ConversationReport {
             covered as f64 / summary_tokens as f64
         },
         rejections: conv.rejections,
-        state_hash: conv.hash(),
-    }
+        state_hash: conv.hash_with(bodies)?,
+    })
 }
 
-pub fn print(state: &State, _policy: &PolicyConfig, elapsed: Duration, json: bool) {
-    let reports: Vec<ConversationReport> = state
-        .conversations
-        .values()
-        .map(conversation_report)
-        .collect();
+/// Reports every conversation of an engine (read one at a time) and the
+/// state hash.
+pub fn print<B: KvBackend>(
+    engine: &Engine<B>,
+    _policy: &PolicyConfig,
+    elapsed: Duration,
+    json: bool,
+) -> anyhow::Result<()> {
+    let bodies = engine.bodies();
+    let mut reports = Vec::new();
+    engine.each_conversation(|_, conv| -> anyhow::Result<()> {
+        reports.push(conversation_report(conv, &bodies)?);
+        Ok(())
+    })?;
+    let state_hash = engine.state_hash()?;
     if json {
         let total = serde_json::json!({
             "conversations": reports,
-            "state_hash": state.hash(),
+            "state_hash": state_hash,
             "seconds": elapsed.as_secs_f64(),
         });
         println!("{total}");
-        return;
+        return Ok(());
     }
     for r in &reports {
         let depths: Vec<String> = r
@@ -109,9 +123,10 @@ pub fn print(state: &State, _policy: &PolicyConfig, elapsed: Duration, json: boo
     println!(
         "total: {} conversations, {turns} turns, {raw} raw tokens, {summaries} summaries; context {before} -> {after} tokens; state {} ({:.2}s)",
         reports.len(),
-        state.hash(),
+        state_hash,
         elapsed.as_secs_f64()
     );
+    Ok(())
 }
 
 fn label(s: &Source) -> String {

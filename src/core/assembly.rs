@@ -3,12 +3,14 @@
 //! call, no call without its result). Answers from state alone: the agent's
 //! hot path never waits on a summarizer.
 
+use crate::core::event::TurnAppended;
 use crate::core::message::{ChatMessage, Content, Role};
 use crate::core::policy::{self, PlanView, PolicyConfig};
-use crate::core::state::{ContextItem, Conversation};
+use crate::core::state::{BodyError, ContextItem, Conversation, Resident, TurnBodies};
 use crate::core::tokens;
 use serde::{Deserialize, Serialize};
 use std::borrow::Borrow;
+use std::sync::Arc;
 
 /// What to assemble.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -46,7 +48,8 @@ pub struct LeftOut {
 }
 
 /// The assembled context: owned messages by default, or stored turns
-/// borrowed from the state ([`AssembledRef`]); both serialize the same.
+/// shared with the state and its body cache ([`AssembledRef`]); both
+/// serialize the same.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Assembled<M = ChatMessage> {
     pub messages: Vec<M>,
@@ -97,57 +100,62 @@ pub fn summary_tokens(
     )
 }
 
-/// Assembles the context of a conversation (owned messages; see
-/// [`assemble_borrowed`] for the same without copying stored turns).
-pub fn assemble(conv: &Conversation, cfg: &PolicyConfig, req: &AssemblyRequest) -> Assembled {
-    assemble_borrowed(conv, cfg, req).into_owned()
+/// Assembles the context of a conversation folded in memory (every body
+/// resident), as owned messages; see [`assemble_from`] for a conversation
+/// whose bodies live in a store.
+pub fn assemble(
+    conv: &Conversation,
+    cfg: &PolicyConfig,
+    req: &AssemblyRequest,
+) -> Result<Assembled, BodyError> {
+    Ok(assemble_from(conv, &Resident, cfg, req)?.into_owned())
 }
 
-/// A message of an assembled context: a stored turn borrowed from the
-/// state, sent exactly as published, or a message assembly built (a
-/// summary, a stub, the rolling state).
+/// A message of an assembled context: a stored turn (shared, not copied),
+/// sent exactly as published, or a message assembly built (a summary, a
+/// stub, the rolling state).
 #[derive(Debug, Clone, PartialEq)]
-pub enum SentMessage<'a> {
-    Stored(&'a ChatMessage),
+pub enum SentMessage {
+    Stored(Arc<TurnAppended>),
     Built(Box<ChatMessage>),
 }
 
-impl SentMessage<'_> {
+impl SentMessage {
     pub fn into_owned(self) -> ChatMessage {
         match self {
-            SentMessage::Stored(m) => m.clone(),
+            SentMessage::Stored(t) => t.message.clone(),
             SentMessage::Built(m) => *m,
         }
     }
 }
 
-impl std::ops::Deref for SentMessage<'_> {
+impl std::ops::Deref for SentMessage {
     type Target = ChatMessage;
     fn deref(&self) -> &ChatMessage {
         match self {
-            SentMessage::Stored(m) => m,
+            SentMessage::Stored(t) => &t.message,
             SentMessage::Built(m) => m,
         }
     }
 }
 
-impl Borrow<ChatMessage> for SentMessage<'_> {
+impl Borrow<ChatMessage> for SentMessage {
     fn borrow(&self) -> &ChatMessage {
         self
     }
 }
 
-impl Serialize for SentMessage<'_> {
+impl Serialize for SentMessage {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         ChatMessage::serialize(self, serializer)
     }
 }
 
-/// [`Assembled`] with stored turns borrowed from the state: what a server
-/// answering from state serializes without copying the context first.
-pub type AssembledRef<'a> = Assembled<SentMessage<'a>>;
+/// [`Assembled`] with stored turns shared: what a server answering from
+/// state serializes without copying the context first.
+pub type AssembledRef = Assembled<SentMessage>;
 
-impl AssembledRef<'_> {
+impl AssembledRef {
     pub fn into_owned(self) -> Assembled {
         Assembled {
             messages: self
@@ -166,12 +174,14 @@ impl AssembledRef<'_> {
     }
 }
 
-/// Assembles the context of a conversation, borrowing stored turns.
-pub fn assemble_borrowed<'a>(
-    conv: &'a Conversation,
+/// Assembles the context of a conversation, its turns' bodies read from
+/// `bodies` (and shared, not copied).
+pub fn assemble_from(
+    conv: &Conversation,
+    bodies: &dyn TurnBodies,
     cfg: &PolicyConfig,
     req: &AssemblyRequest,
-) -> AssembledRef<'a> {
+) -> Result<AssembledRef, BodyError> {
     let budget = req.budget.unwrap_or_else(|| policy::budget(conv, cfg));
     let enc = conv.encoding;
     let prompt_tokens = req.prompt.as_deref().map_or(0, |p| {
@@ -204,7 +214,7 @@ pub fn assemble_borrowed<'a>(
         while start > 0 && !policy::is_boundary(conv, start) {
             start -= 1;
         }
-        let missing = missing_results(conv, start, end, end == n);
+        let missing = missing_results(conv, bodies, start, end, end == n)?;
         let mut t: u64 = (start..end).map(|i| conv.item(i).tokens()).sum();
         t += missing.iter().map(|id| stub_tokens(enc, id)).sum::<u64>();
         if start >= tail {
@@ -226,7 +236,7 @@ pub fn assemble_borrowed<'a>(
         }
         for i in (start..end).rev() {
             let item = conv.context[i];
-            messages.push(render(conv, cfg, item, i >= tail));
+            messages.push(render(conv, bodies, cfg, item, i >= tail)?);
             sources.push(source_of(conv, item));
         }
         end = start;
@@ -246,7 +256,7 @@ pub fn assemble_borrowed<'a>(
     }
     messages.reverse();
     sources.reverse();
-    AssembledRef {
+    Ok(AssembledRef {
         messages,
         sources,
         tokens: used - prompt_tokens,
@@ -255,7 +265,7 @@ pub fn assemble_borrowed<'a>(
         fresh_tail_tokens,
         over_budget,
         left_out,
-    }
+    })
 }
 
 /// Tokens of the stub result for `call_id`: exactly what `count_message`
@@ -268,29 +278,42 @@ fn stub_tokens(enc: tokens::Encoding, call_id: &str) -> u64 {
 
 /// Tool calls of a group's assistant turn that have no result in the group.
 /// The newest group may still be waiting for its results: it is left as is.
-fn missing_results(conv: &Conversation, start: usize, end: usize, newest: bool) -> Vec<String> {
+fn missing_results(
+    conv: &Conversation,
+    bodies: &dyn TurnBodies,
+    start: usize,
+    end: usize,
+    newest: bool,
+) -> Result<Vec<String>, BodyError> {
     if newest {
-        return Vec::new();
+        return Ok(Vec::new());
     }
     let ContextItem::Turn(seq) = conv.context[start] else {
-        return Vec::new();
+        return Ok(Vec::new());
     };
     let head = &conv.turns[seq as usize];
-    // The role is in the turn, the calls behind its body: read the body
-    // only for assistant turns (walking thousands of turns, it is a cache
-    // miss each).
     if head.role != Role::Assistant || !head.has_tool_calls() {
-        return Vec::new();
+        return Ok(Vec::new());
     }
-    head.tool_call_ids()
-        .filter(|id| {
-            !(start + 1..end).any(|i| match conv.context[i] {
-                ContextItem::Turn(s) => conv.turns[s as usize].tool_result_for() == Some(id),
-                ContextItem::Summary(_) => false,
-            })
+    let answered = |call: u64| {
+        (start + 1..end).any(|i| match conv.context[i] {
+            ContextItem::Turn(s) => conv.turns[s as usize].result_for() == Some(call),
+            ContextItem::Summary(_) => false,
         })
+    };
+    if head.call_digests().iter().all(|&call| answered(call)) {
+        return Ok(Vec::new());
+    }
+    // The turn keeps digests of its call ids; the stub names the id itself.
+    let body = bodies.turn_body(conv, seq)?;
+    Ok(body
+        .message
+        .tool_calls
+        .iter()
+        .map(|c| c.id.as_str())
+        .filter(|id| !answered(crate::core::state::call_digest(id)))
         .map(str::to_string)
-        .collect()
+        .collect())
 }
 
 fn source_of(conv: &Conversation, item: ContextItem) -> Source {
@@ -325,13 +348,14 @@ pub fn payload_stub_message(msg: &ChatMessage, event_id: &str, tokens: u64) -> C
     m
 }
 
-fn render<'a>(
-    conv: &'a Conversation,
+fn render(
+    conv: &Conversation,
+    bodies: &dyn TurnBodies,
     cfg: &PolicyConfig,
     item: ContextItem,
     fresh: bool,
-) -> SentMessage<'a> {
-    match item {
+) -> Result<SentMessage, BodyError> {
+    Ok(match item {
         ContextItem::Summary(i) => {
             let s = &conv.summaries[i as usize];
             SentMessage::Built(Box::new(summary_message(
@@ -345,24 +369,25 @@ fn render<'a>(
         }
         ContextItem::Turn(seq) => {
             let turn = &conv.turns[seq as usize];
-            let msg = &turn.body.message;
+            let body = bodies.turn_body(conv, seq)?;
+            let msg = &body.message;
             if turn.large_payload {
-                return SentMessage::Built(Box::new(payload_stub_message(
+                return Ok(SentMessage::Built(Box::new(payload_stub_message(
                     msg,
                     &turn.event_id,
                     turn.tokens,
-                )));
+                ))));
             }
             if let Some(limit) = cfg.prune_tool_results_over_tokens {
                 if !fresh && turn.role == Role::Tool && turn.tokens > limit {
                     let mut m = msg.clone();
                     m.content = Some(Content::Text(excerpt(&msg.text_content(), &turn.event_id)));
-                    return SentMessage::Built(Box::new(m));
+                    return Ok(SentMessage::Built(Box::new(m)));
                 }
             }
-            SentMessage::Stored(msg)
+            SentMessage::Stored(body)
         }
-    }
+    })
 }
 
 /// Head and tail of a long tool result.
@@ -565,7 +590,7 @@ mod tests {
         assert_eq!(fold(&mut state, &cfg, &summary).status, FoldStatus::Applied);
         let conv = &state.conversations["c:acct"];
         assert!(conv.turns[3].large_payload);
-        let out = assemble(conv, &cfg, &AssemblyRequest::default());
+        let out = assemble(conv, &cfg, &AssemblyRequest::default()).unwrap();
         assert!(
             matches!(out.sources[0], Source::Summary { .. }),
             "{:?}",
@@ -583,7 +608,7 @@ mod tests {
     /// What does not fit is listed oldest first, tool groups included, and
     /// what is sent is borrowed from the state.
     #[test]
-    fn left_out_is_chronological_and_sent_turns_are_borrowed() {
+    fn left_out_is_chronological_and_sent_turns_are_shared() {
         let cfg = PolicyConfig {
             fresh_tail_count: 2,
             ..PolicyConfig::default()
@@ -608,14 +633,16 @@ mod tests {
             }
         }
         let conv = &state.conversations["c:acct"];
-        let out = assemble_borrowed(
+        let out = assemble_from(
             conv,
+            &Resident,
             &cfg,
             &AssemblyRequest {
                 budget: Some(60),
                 prompt: None,
             },
-        );
+        )
+        .unwrap();
         let left: Vec<u64> = out
             .left_out
             .iter()
@@ -630,8 +657,8 @@ mod tests {
             let Source::Turn { seq } = source else {
                 continue;
             };
-            let stored = &conv.turns[*seq as usize].body.message;
-            assert!(matches!(m, SentMessage::Stored(r) if std::ptr::eq(*r, stored)));
+            let stored = conv.bodies.get(*seq).unwrap();
+            assert!(matches!(m, SentMessage::Stored(r) if Arc::ptr_eq(r, stored)));
         }
         check_tool_pairing(&out.messages).unwrap();
         assert_eq!(
@@ -644,6 +671,7 @@ mod tests {
                     prompt: None
                 }
             )
+            .unwrap()
         );
     }
 

@@ -12,8 +12,9 @@ use crate::core::overflow;
 use crate::core::policy::{self, PolicyConfig};
 use crate::core::spend;
 use crate::core::state::{
-    derived_event_id, id_digest, summary_id, ContextItem, Conversation, IdDigest, PendingJob,
-    SeenDigest, SeenTurn, SpendEntry, SpendWindow, State, Summary, Turn,
+    call_digest, derived_event_id, id_digest, summary_id, tool_ids_of, ContextItem, Conversation,
+    IdDigest, PendingJob, ResidentBodies, SeenDigest, SeenTurn, SpendEntry, SpendWindow, State,
+    Summary, Turn,
 };
 use crate::core::tokens;
 use std::cell::RefCell;
@@ -317,9 +318,13 @@ impl FoldContext<'_> {
             let Some(call_id) = msg.tool_call_id.as_deref() else {
                 return FoldStatus::Rejected("tool turn without tool_call_id".into());
             };
-            let known = self.conv.turns.iter().rev().any(|turn| {
-                turn.epoch == self.conv.epoch && turn.tool_call_ids().any(|c| c == call_id)
-            });
+            let call = call_digest(call_id);
+            let known = self
+                .conv
+                .turns
+                .iter()
+                .rev()
+                .any(|turn| turn.epoch == self.conv.epoch && turn.makes_call(call));
             if !known {
                 return FoldStatus::Rejected(format!(
                     "orphan tool result: no earlier assistant turn made tool call {call_id:?}"
@@ -334,7 +339,7 @@ impl FoldContext<'_> {
         let seq = self.conv.turns.len() as u64;
         let mut probe = Probe::new(msg);
         let Conversation {
-            turns,
+            bodies,
             flood,
             recent_user_turns,
             ..
@@ -348,7 +353,7 @@ impl FoldContext<'_> {
         let count = match flood
             .counts
             .iter_mut()
-            .find_map(|(seen, c)| probe.same_as(seen, turns).then_some(c))
+            .find_map(|(seen, c)| probe.same_as(seen, bodies).then_some(c))
         {
             Some(c) => {
                 *c += 1;
@@ -386,7 +391,7 @@ impl FoldContext<'_> {
             recent_user_turns.retain(|(t, _)| now.saturating_sub(*t) <= window);
             if recent_user_turns
                 .iter_mut()
-                .any(|(_, seen)| probe.same_as(seen, turns))
+                .any(|(_, seen)| probe.same_as(seen, bodies))
             {
                 in_context = false;
                 self.conv.duplicates_dropped += 1;
@@ -423,13 +428,14 @@ impl FoldContext<'_> {
         // tool pairing in context: it is kept, but out of context.
         if in_context && msg.role == Role::Tool {
             let call_id = msg.tool_call_id.as_deref().unwrap_or("");
+            let call = call_digest(call_id);
             let attached = self.conv.context.iter().rev().find_map(|item| match *item {
                 ContextItem::Turn(s) => {
                     let prev = &self.conv.turns[s as usize];
                     if prev.role == Role::Tool {
                         None
                     } else {
-                        Some(prev.tool_call_ids().any(|c| c == call_id))
+                        Some(prev.makes_call(call))
                     }
                 }
                 ContextItem::Summary(_) => Some(false),
@@ -472,8 +478,11 @@ impl FoldContext<'_> {
             in_context,
             large_payload: large,
             epoch: self.conv.epoch,
-            body: shared.map_or_else(|| Arc::new(t.clone()), Arc::clone),
+            tool_ids: tool_ids_of(msg),
         });
+        self.conv
+            .bodies
+            .insert(seq, shared.map_or_else(|| Arc::new(t.clone()), Arc::clone));
         if in_context {
             self.conv.context.push(ContextItem::Turn(seq));
             self.conv.context_tokens += context_tokens;
@@ -1330,17 +1339,18 @@ impl<'m> Probe<'m> {
         graphic_at_least(self.msg, min) || self.digest().1 >= min
     }
 
-    /// Whether it is identical to `seen` (same digest), one of `turns`.
+    /// Whether it is identical to `seen` (same digest), a turn whose body
+    /// is in `bodies` (they keep every body a seen turn needs).
     /// Computes (and keeps) `seen`'s sketch and digest only when needed.
-    fn same_as(&mut self, seen: &mut SeenTurn, turns: &[Turn]) -> bool {
+    fn same_as(&mut self, seen: &mut SeenTurn, bodies: &ResidentBodies) -> bool {
         let theirs = match seen.digest {
             SeenDigest::Known(d) => d,
             SeenDigest::Of(seq) => {
-                let Some(turn) = turns.get(seq as usize) else {
-                    // Never written so: a seen turn is kept or its digest is.
+                let Some(body) = bodies.get(seq) else {
+                    // Never so: a seen turn's body is kept or its digest is.
                     return false;
                 };
-                let msg = &turn.body.message;
+                let msg = &body.message;
                 let sketch = *seen.sketch.get_or_insert_with(|| turn_sketch(msg).value);
                 if sketch != self.sketch() {
                     return false;
@@ -1816,7 +1826,7 @@ mod tests {
         passes: u32,
         time: u64,
     ) -> u32 {
-        let mut snap = crate::core::sweep::snapshot(&state.conversations[conv], job, p);
+        let mut snap = crate::core::sweep::snapshot(&state.conversations[conv], job, p).unwrap();
         let mut accepted = 0;
         for _ in 0..passes {
             let Some(pass) = snap.next_pass() else { break };
@@ -1944,7 +1954,7 @@ mod tests {
         let (job, _) = until_job(&mut state, &p, "c", 0, T0);
         // The worker's second pass, planned after a first pass that never
         // reached the fold (stale, or from an expired job's worker).
-        let mut snap = crate::core::sweep::snapshot(&state.conversations["c"], &job, &p);
+        let mut snap = crate::core::sweep::snapshot(&state.conversations["c"], &job, &p).unwrap();
         let first = snap.next_pass().expect("a first pass");
         let draft = crate::core::fallback_summary::summarize(&snap.request(first, false));
         let rec = snap.record(first, &draft);
@@ -2366,7 +2376,7 @@ mod tests {
     fn run_job(state: &mut State, p: &PolicyConfig, conv: &str, model: bool) -> Vec<Envelope> {
         let c = &state.conversations[conv];
         let pending = c.pending_job.clone().expect("a pending job");
-        let mut snap = sweep::snapshot(c, &pending.job, p);
+        let mut snap = sweep::snapshot(c, &pending.job, p).unwrap();
         let time = c.last_time + 100;
         let mut decisions = Vec::new();
         let mut committed = 0;

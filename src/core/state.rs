@@ -1,9 +1,21 @@
-//! Per-conversation state: every turn's metadata and body, the summary DAG,
-//! the ordered context items an agent would see now, the one pending debt,
+//! Per-conversation state: every turn's metadata, the summary DAG, the
+//! ordered context items an agent would see now, the one pending debt,
 //! sweep and spend-window bookkeeping, and rolling-state counters.
 //!
 //! Turns, summaries, applied ids and history are append-only vectors so the
 //! state store can persist a conversation incrementally.
+//!
+//! # Bodies are not state held in memory
+//!
+//! A turn's body (the message exactly as published) is most of its bytes
+//! and is read only by assembly, summarization snapshots and recall, never
+//! by the fold's decisions. So a [`Turn`] holds what the fold decides on
+//! (sequence, role, token counts, flags, digests of its tool-call ids) and
+//! the body lives apart, read through [`TurnBodies`]: from the
+//! conversation's [`ResidentBodies`] (what was folded and not yet handed to
+//! a store, and what the duplicate and flood guards may still compare
+//! with), from a cache, or from the state store. A state folded in memory
+//! alone (tests, `eval`, what-if) simply keeps every body resident.
 
 use crate::core::event::{Covers, Debt, RollingState, SummaryKind, TurnAppended};
 use crate::core::message::Role;
@@ -65,14 +77,14 @@ pub struct State {
     pub spend: SpendWindow,
 }
 
-/// One turn as folded.
+/// One turn as folded: what the fold decides on, without its body
+/// (see the module doc).
 ///
-/// Stored as a list of its fields (`Serialize_tuple`; its body stays a map,
-/// whose optional fields are left out when empty). The store writes every
-/// turn, and the names of these fields would be 87 more bytes of each (a
-/// sixth of a 500-byte turn). In the positional form the state hash uses,
-/// a struct already is that list, so hashes do not change
-/// (`rows_hash_as_the_derived_struct_did` checks both).
+/// Stored as a list of its fields (`Serialize_tuple`). The store writes
+/// every turn, and the names of these fields would be 91 more bytes of each
+/// (a sixth of a 500-byte turn row). In the positional form the state hash
+/// uses, a struct already is that list (`rows_hash_as_the_derived_struct_did`
+/// checks both).
 #[derive(Debug, Clone, PartialEq, Serialize_tuple, Deserialize_tuple)]
 pub struct Turn {
     pub seq: u64,
@@ -90,23 +102,157 @@ pub struct Turn {
     pub large_payload: bool,
     /// Reset epoch the turn belongs to.
     pub epoch: u32,
-    /// The turn exactly as published.
-    pub body: Arc<TurnAppended>,
+    /// [`call_digest`]s of its tool-call ids: the calls an assistant turn
+    /// makes, or the one call a tool turn answers. Enough for the guards
+    /// and tool pairing, at 8 bytes an id instead of its text.
+    pub tool_ids: Box<[u64]>,
+}
+
+/// The digest a [`Turn`] keeps of a tool-call id. 64 bits: a collision
+/// within one conversation (pairing a result with the wrong call) needs
+/// billions of ids there, and it would be the same on every replay.
+pub fn call_digest(id: &str) -> u64 {
+    let hash = blake3::hash(id.as_bytes());
+    let mut head = [0u8; 8];
+    head.copy_from_slice(&hash.as_bytes()[..8]);
+    u64::from_le_bytes(head)
 }
 
 impl Turn {
-    pub fn tool_call_ids(&self) -> impl Iterator<Item = &str> {
-        self.body.message.tool_calls.iter().map(|c| c.id.as_str())
-    }
-    pub fn tool_result_for(&self) -> Option<&str> {
+    /// The digests of the calls it makes (none for a tool turn).
+    pub fn call_digests(&self) -> &[u64] {
         if self.role == Role::Tool {
-            self.body.message.tool_call_id.as_deref()
+            &[]
+        } else {
+            &self.tool_ids
+        }
+    }
+    /// It makes the call whose id has this digest.
+    pub fn makes_call(&self, call: u64) -> bool {
+        self.call_digests().contains(&call)
+    }
+    /// The digest of the call it answers (tool turns only).
+    pub fn result_for(&self) -> Option<u64> {
+        if self.role == Role::Tool {
+            self.tool_ids.first().copied()
         } else {
             None
         }
     }
     pub fn has_tool_calls(&self) -> bool {
-        !self.body.message.tool_calls.is_empty()
+        !self.call_digests().is_empty()
+    }
+}
+
+/// The [`Turn::tool_ids`] of a message.
+pub fn tool_ids_of(msg: &crate::core::message::ChatMessage) -> Box<[u64]> {
+    if msg.role == Role::Tool {
+        msg.tool_call_id
+            .as_deref()
+            .map(call_digest)
+            .into_iter()
+            .collect()
+    } else {
+        msg.tool_calls.iter().map(|c| call_digest(&c.id)).collect()
+    }
+}
+
+/// Turn bodies a conversation holds in memory, by sequence number: those
+/// folded and not yet handed to a store, and those its duplicate and flood
+/// guards may still compare a new turn with. Bookkeeping beside the state:
+/// not serialized, hashed or compared (the hash reads bodies through
+/// [`TurnBodies`]).
+#[derive(Debug, Clone, Default)]
+pub struct ResidentBodies {
+    map: BTreeMap<u64, Arc<TurnAppended>>,
+    bytes: u64,
+}
+
+impl PartialEq for ResidentBodies {
+    fn eq(&self, _: &ResidentBodies) -> bool {
+        true
+    }
+}
+
+impl ResidentBodies {
+    pub fn get(&self, seq: u64) -> Option<&Arc<TurnAppended>> {
+        self.map.get(&seq)
+    }
+    pub fn insert(&mut self, seq: u64, body: Arc<TurnAppended>) {
+        let size = body_size(&body);
+        if let Some(old) = self.map.insert(seq, body) {
+            self.bytes -= body_size(&old);
+        }
+        self.bytes += size;
+    }
+    /// Bodies of turns `from..`, in order (what a commit writes).
+    pub fn from(&self, from: u64) -> impl Iterator<Item = (u64, &Arc<TurnAppended>)> {
+        self.map.range(from..).map(|(s, b)| (*s, b))
+    }
+    /// Drops every body but those `keep` names; returns the dropped ones.
+    pub fn release(&mut self, keep: impl Fn(u64) -> bool) -> Vec<(u64, Arc<TurnAppended>)> {
+        let (kept, released): (BTreeMap<_, _>, BTreeMap<_, _>) = std::mem::take(&mut self.map)
+            .into_iter()
+            .partition(|(s, _)| keep(*s));
+        self.map = kept;
+        self.bytes = self.map.values().map(|b| body_size(b)).sum();
+        released.into_iter().collect()
+    }
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+    /// About the bytes they hold (their text).
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+}
+
+/// About the bytes a body holds in memory: its text plus a fixed overhead.
+pub fn body_size(body: &TurnAppended) -> u64 {
+    body.message.text_bytes() as u64 + 160
+}
+
+/// Why a turn body could not be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BodyError {
+    #[error(
+        "turn {seq} of conversation {conversation:?} has no body in memory and no store to read it from"
+    )]
+    NotResident { conversation: String, seq: u64 },
+    #[error(
+        "turn {seq} of conversation {conversation:?} has no body in the state store; run `contextfold rebuild`"
+    )]
+    Missing { conversation: String, seq: u64 },
+    #[error("turn {seq} of conversation {conversation:?} could not be read: {detail}")]
+    Unreadable {
+        conversation: String,
+        seq: u64,
+        detail: String,
+    },
+}
+
+/// Where turn bodies are read from.
+pub trait TurnBodies {
+    fn turn_body(&self, conv: &Conversation, seq: u64) -> Result<Arc<TurnAppended>, BodyError>;
+}
+
+/// Bodies from the conversation alone: for a state folded in memory,
+/// which keeps every body it folded.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Resident;
+
+impl TurnBodies for Resident {
+    fn turn_body(&self, conv: &Conversation, seq: u64) -> Result<Arc<TurnAppended>, BodyError> {
+        conv.bodies
+            .get(seq)
+            .cloned()
+            .ok_or_else(|| BodyError::NotResident {
+                conversation: conv.key.clone(),
+                seq,
+            })
     }
 }
 
@@ -314,6 +460,8 @@ pub struct Conversation {
     pub applied_set: DigestSet,
     #[serde(skip)]
     pub context_edits: ContextEdits,
+    #[serde(skip)]
+    pub bodies: ResidentBodies,
 }
 
 /// How many times `context` changed other than by appending: the store
@@ -369,7 +517,30 @@ impl Conversation {
             last_overflow_tokens: None,
             applied_set: DigestSet::default(),
             context_edits: ContextEdits::default(),
+            bodies: ResidentBodies::default(),
         }
+    }
+
+    /// Turns whose bodies the duplicate and flood guards may read (their
+    /// digests not computed yet): kept resident, reloaded with the
+    /// conversation.
+    pub fn guard_seqs(&self) -> impl Iterator<Item = u64> + '_ {
+        self.flood
+            .counts
+            .iter()
+            .map(|(seen, _)| seen)
+            .chain(self.recent_user_turns.iter().map(|(_, seen)| seen))
+            .filter_map(|seen| match seen.digest {
+                SeenDigest::Of(seq) => Some(seq),
+                SeenDigest::Known(_) => None,
+            })
+    }
+
+    /// Drops the bodies the guards no longer need from memory (once a
+    /// store holds them); returns them, for a cache.
+    pub fn release_bodies(&mut self) -> Vec<(u64, Arc<TurnAppended>)> {
+        let keep: Vec<u64> = self.guard_seqs().collect();
+        self.bodies.release(|seq| keep.contains(&seq))
     }
 
     /// Rebuilds the in-memory id set after loading from a store.
@@ -469,31 +640,64 @@ impl Conversation {
     }
 }
 
+/// Combines conversation hashes into a state hash: fed each
+/// conversation's key and hash in key order, then the partition's own.
+#[derive(Default)]
+pub struct StateHasher(blake3::Hasher);
+
+impl StateHasher {
+    pub fn conversation(&mut self, key: &str, hash: &str) {
+        self.0.update(key.as_bytes());
+        self.0.update(hash.as_bytes());
+    }
+    pub fn finish(mut self, unattributed_rejections: u64, spend: &SpendWindow) -> String {
+        self.0.update(&unattributed_rejections.to_le_bytes());
+        // Only when used, so states without a global window hash as before.
+        if *spend != SpendWindow::default() {
+            self.0
+                .update(&rmp_serde::to_vec(spend).expect("spend serializes"));
+        }
+        self.0.finalize().to_hex()[..32].to_string()
+    }
+}
+
 impl State {
     /// A stable hash of the whole state: the same events folded under the
-    /// same policy give the same hash on any machine.
+    /// same policy give the same hash on any machine. For a state folded in
+    /// memory, which holds every conversation and body; a store-backed
+    /// engine hashes through its store (`Engine::state_hash`).
     pub fn hash(&self) -> String {
-        let mut hasher = blake3::Hasher::new();
+        self.hash_with(&Resident)
+            .expect("a state folded in memory holds every body it folded")
+    }
+
+    pub fn hash_with(&self, bodies: &dyn TurnBodies) -> Result<String, BodyError> {
+        let mut hasher = StateHasher::default();
         for (key, conv) in &self.conversations {
-            hasher.update(key.as_bytes());
-            hasher.update(conv.hash().as_bytes());
+            hasher.conversation(key, &conv.hash_with(bodies)?);
         }
-        hasher.update(&self.unattributed_rejections.to_le_bytes());
-        // Only when used, so states without a global window hash as before.
-        if self.spend != SpendWindow::default() {
-            hasher.update(&rmp_serde::to_vec(&self.spend).expect("spend serializes"));
-        }
-        hasher.finalize().to_hex()[..32].to_string()
+        Ok(hasher.finish(self.unattributed_rejections, &self.spend))
     }
 }
 
 impl Conversation {
-    /// A stable hash of this conversation's state.
+    /// A stable hash of this conversation's state, bodies included: its
+    /// MessagePack form (field order fixed by the struct, maps are
+    /// BTreeMaps, the one HashSet is skipped), then every turn's body.
+    pub fn hash_with(&self, bodies: &dyn TurnBodies) -> Result<String, BodyError> {
+        let mut hasher = blake3::Hasher::new();
+        hasher.update(&rmp_serde::to_vec(self).expect("state serializes"));
+        for turn in &self.turns {
+            let body = bodies.turn_body(self, turn.seq)?;
+            hasher.update(&rmp_serde::to_vec(&*body).expect("turns serialize"));
+        }
+        Ok(hasher.finalize().to_hex()[..32].to_string())
+    }
+
+    /// [`Conversation::hash_with`] the bodies it holds (folded in memory).
     pub fn hash(&self) -> String {
-        // MessagePack of the serde form: field order is fixed by the struct,
-        // maps are BTreeMaps, and the one HashSet is skipped.
-        let bytes = rmp_serde::to_vec(self).expect("state serializes");
-        blake3::hash(&bytes).to_hex()[..32].to_string()
+        self.hash_with(&Resident)
+            .expect("a conversation folded in memory holds every body it folded")
     }
 }
 
@@ -570,13 +774,7 @@ mod tests {
             in_context: false,
             large_payload: true,
             epoch: 2,
-            body: Arc::new(TurnAppended {
-                message: crate::core::message::ChatMessage::text(Role::Tool, "ok"),
-                model: Some("m".into()),
-                sender: None,
-                usage: None,
-                metadata: None,
-            }),
+            tool_ids: Box::new([call_digest("call_1")]),
         }
     }
 
@@ -605,7 +803,7 @@ mod tests {
         in_context: bool,
         large_payload: bool,
         epoch: u32,
-        body: &'a TurnAppended,
+        tool_ids: &'a [u64],
     }
 
     #[test]
@@ -622,7 +820,7 @@ mod tests {
             in_context: t.in_context,
             large_payload: t.large_payload,
             epoch: t.epoch,
-            body: &t.body,
+            tool_ids: &t.tool_ids,
         };
         assert_eq!(
             rmp_serde::to_vec(&t).unwrap(),
@@ -632,7 +830,7 @@ mod tests {
             rmp_serde::to_vec_named(&derived).unwrap().len(),
             rmp_serde::to_vec_named(&t).unwrap().len(),
         );
-        assert_eq!(named - row, 87, "named {named}, row {row}");
+        assert_eq!(named - row, 91, "named {named}, row {row}");
     }
 
     #[test]

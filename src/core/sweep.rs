@@ -9,7 +9,7 @@ use crate::core::event::{
 };
 use crate::core::message::Role;
 use crate::core::policy::{self, PlanItem, PlanView, PolicyConfig, Run};
-use crate::core::state::{summary_id, ContextItem, Conversation};
+use crate::core::state::{summary_id, BodyError, ContextItem, Conversation, Resident, TurnBodies};
 use crate::core::summary::{
     IdentifierPolicy, RollingStateRequest, SourceItem, SummaryDraft, SummaryRequest,
 };
@@ -123,22 +123,28 @@ pub fn strip_injected(text: &str, tags: &[String]) -> String {
     out
 }
 
-fn turn_source(conv: &Conversation, seq: u64, tags: &[String]) -> SourceItem {
+fn turn_source(
+    conv: &Conversation,
+    bodies: &dyn TurnBodies,
+    seq: u64,
+    tags: &[String],
+) -> Result<SourceItem, BodyError> {
     let turn = &conv.turns[seq as usize];
-    let msg = &turn.body.message;
+    let body = bodies.turn_body(conv, seq)?;
+    let msg = &body.message;
     let tool = msg
         .tool_calls
         .first()
         .map(|c| c.function.name.clone())
         .or_else(|| msg.name.clone());
-    SourceItem {
+    Ok(SourceItem {
         label: format!("turn {seq}"),
         role: Some(turn.role),
         tool,
         text: strip_injected(&msg.searchable_text(), tags),
         tokens: turn.context_tokens,
         time: turn.time,
-    }
+    })
 }
 
 fn summary_source(s: &crate::core::state::Summary) -> SourceItem {
@@ -154,29 +160,40 @@ fn summary_source(s: &crate::core::state::Summary) -> SourceItem {
 
 /// What fallback summary `s` was written over, exactly as the fold will
 /// check it: the in-context turns of its span, or its child summaries.
-fn resummary(conv: &Conversation, s: &crate::core::state::Summary, tags: &[String]) -> Resummary {
+fn resummary(
+    conv: &Conversation,
+    bodies: &dyn TurnBodies,
+    s: &crate::core::state::Summary,
+    tags: &[String],
+) -> Result<Resummary, BodyError> {
     let sources = match &s.covers {
         Covers::Turns { first, last } => (*first..=*last)
             .filter(|seq| conv.turns.get(*seq as usize).is_some_and(|t| t.in_context))
-            .map(|seq| turn_source(conv, seq, tags))
-            .collect(),
+            .map(|seq| turn_source(conv, bodies, seq, tags))
+            .collect::<Result<_, _>>()?,
         Covers::Summaries { ids } => ids
             .iter()
             .filter_map(|id| conv.summary_index(id))
             .map(|k| summary_source(&conv.summaries[k as usize]))
             .collect(),
     };
-    Resummary {
+    Ok(Resummary {
         kind: s.kind,
         depth: s.depth,
         covers: s.covers.clone(),
         source_tokens: s.source_tokens,
         sources,
-    }
+    })
 }
 
-/// Takes the snapshot a job works on.
-pub fn snapshot(conv: &Conversation, job: &JobIssued, cfg: &PolicyConfig) -> SweepSnapshot {
+/// Takes the snapshot a job works on, the turns it sends read from
+/// `bodies`.
+pub fn snapshot_from(
+    conv: &Conversation,
+    bodies: &dyn TurnBodies,
+    job: &JobIssued,
+    cfg: &PolicyConfig,
+) -> Result<SweepSnapshot, BodyError> {
     let levels = policy::levels(conv, cfg);
     let tail = policy::fresh_tail_start_with(conv, cfg, false);
     let tags = &cfg.strip_injected_context_tags;
@@ -201,7 +218,7 @@ pub fn snapshot(conv: &Conversation, job: &JobIssued, cfg: &PolicyConfig) -> Swe
                     tokens,
                 },
             };
-            match item {
+            Ok(match item {
                 ContextItem::Turn(seq) => SnapshotItem {
                     plan: wire,
                     summary_id: None,
@@ -210,7 +227,8 @@ pub fn snapshot(conv: &Conversation, job: &JobIssued, cfg: &PolicyConfig) -> Swe
                     // A re-summarization never reads raw turns in context:
                     // they are left out of its (queued, maybe stored) snapshot.
                     source: (job.compact && !resummarizing && i < tail)
-                        .then(|| turn_source(conv, seq, tags)),
+                        .then(|| turn_source(conv, bodies, seq, tags))
+                        .transpose()?,
                     fallback: false,
                     resummarize: None,
                 },
@@ -224,30 +242,31 @@ pub fn snapshot(conv: &Conversation, job: &JobIssued, cfg: &PolicyConfig) -> Swe
                         source: job.compact.then(|| summary_source(s)),
                         fallback: s.fallback,
                         resummarize: (resummarizing && s.fallback)
-                            .then(|| resummary(conv, s, tags)),
+                            .then(|| resummary(conv, bodies, s, tags))
+                            .transpose()?,
                     }
                 }
-            }
+            })
         })
-        .collect();
+        .collect::<Result<_, BodyError>>()?;
     let from = conv.rolling_through.map_or(0, |t| t.saturating_add(1));
     let rolling_sources = if job.refresh_rolling_state {
-        conv.context
+        let seqs: Vec<u64> = conv
+            .context
             .iter()
             .filter_map(|item| match item {
-                ContextItem::Turn(seq) if *seq >= from => Some(turn_source(conv, *seq, tags)),
+                ContextItem::Turn(seq) if *seq >= from => Some(*seq),
                 _ => None,
             })
-            .collect::<Vec<_>>()
-            .into_iter()
-            .rev()
-            .take(60)
-            .rev()
-            .collect()
+            .collect();
+        seqs[seqs.len().saturating_sub(60)..]
+            .iter()
+            .map(|&seq| turn_source(conv, bodies, seq, tags))
+            .collect::<Result<_, _>>()?
     } else {
         Vec::new()
     };
-    SweepSnapshot {
+    Ok(SweepSnapshot {
         conversation: conv.key.clone(),
         job: job.clone(),
         encoding: conv.encoding,
@@ -260,7 +279,16 @@ pub fn snapshot(conv: &Conversation, job: &JobIssued, cfg: &PolicyConfig) -> Swe
         rolling_sources,
         through_turn: conv.turns.len().saturating_sub(1) as u64,
         fresh_tail_cap: Some(policy::fresh_tail_cap(conv, cfg)),
-    }
+    })
+}
+
+/// [`snapshot_from`] a conversation folded in memory (every body resident).
+pub fn snapshot(
+    conv: &Conversation,
+    job: &JobIssued,
+    cfg: &PolicyConfig,
+) -> Result<SweepSnapshot, BodyError> {
+    snapshot_from(conv, &Resident, job, cfg)
 }
 
 /// One step of a sweep.
@@ -558,7 +586,7 @@ mod tests {
             max_calls: None,
             max_tokens: None,
         };
-        let snap = snapshot(&state.conversations["c"], &job, &policy);
+        let snap = snapshot(&state.conversations["c"], &job, &policy).unwrap();
         assert!(
             snap.rolling_sources.is_empty(),
             "{:?}",

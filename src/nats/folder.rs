@@ -550,20 +550,20 @@ impl<B: KvBackend + 'static> FolderRole<B> {
             let mut e = lock(&folding);
             let mut effects = Effects::default();
             for r in &records {
-                e.apply_record(r, &mut effects);
+                e.apply_record(r, &mut effects)?;
             }
             // Caught up: whatever is still held was never published.
             if pending == 0 {
                 e.end_history();
             }
-            e.finish(&mut effects);
-            (effects, e.position(), e.holding())
+            e.finish(&mut effects)?;
+            Ok::<_, crate::store::StoreError>((effects, e.position(), e.holding()))
         })
         .await
         .map_err(|e| FolderError::Task {
             partition: p,
             detail: e.to_string(),
-        })?;
+        })??;
 
         if !lease.still_held() {
             return Ok(BatchEnd::Stopped);

@@ -4,7 +4,7 @@
 //! the log and are folded like any other event.
 
 use crate::core::event::{Encoding, Envelope, Origin};
-use crate::core::sweep::{self, SweepSnapshot};
+use crate::core::sweep::SweepSnapshot;
 use crate::log::{EventLog, LogError};
 use crate::runtime::engine::{Effects, Engine};
 use crate::runtime::sweep::{run_sweep, PassSummarizer};
@@ -40,7 +40,7 @@ pub async fn replay<L: EventLog, B: KvBackend>(
         }
         let mut effects = Effects::default();
         for r in &records {
-            let folded = engine.apply_record(r, &mut effects);
+            let folded = engine.apply_record(r, &mut effects)?;
             effects.decisions.clear();
             effects.dead_letters.clear();
             if until.is_some() && folded.as_deref() == until {
@@ -90,14 +90,7 @@ impl<L: EventLog, B: KvBackend, S: PassSummarizer> Pipeline<L, B, S> {
         // Every job the history left pending runs below, the ones its
         // replay released among them.
         p.fold_available(&mut total).await?;
-        let pending: Vec<SweepSnapshot> = p
-            .engine
-            .state
-            .conversations
-            .values()
-            .filter_map(|c| c.pending_job.as_ref().map(|j| (c, j)))
-            .map(|(c, j)| sweep::snapshot(c, &j.job, &p.engine.policy))
-            .collect();
+        let pending = p.engine.pending_snapshots()?;
         p.settle_unsynced(pending, &mut total).await?;
         p.log.sync().await?;
         p.engine.commit()?;
@@ -132,7 +125,7 @@ impl<L: EventLog, B: KvBackend, S: PassSummarizer> Pipeline<L, B, S> {
                 return Ok(jobs);
             }
             total.records += records.len() as u64;
-            let effects = self.engine.apply_batch(records);
+            let effects = self.engine.apply_batch(records)?;
             total.decisions += effects.decisions.len() as u64;
             // Dead letters of the embedded log stay where they are: the
             // record is in the log, and its refusal is counted in the state
@@ -253,6 +246,6 @@ mod tests {
 
         let mut missing = engine();
         assert!(!replay(&mut log, &mut missing, Some("t9")).await.unwrap());
-        assert_eq!(missing.state.hash(), whole.state.hash());
+        assert_eq!(missing.state_hash().unwrap(), whole.state_hash().unwrap());
     }
 }

@@ -21,6 +21,18 @@
 //! log) is released, and only then are jobs snapshotted, for the jobs still
 //! pending. While decisions are held the state is not committed, so a crash
 //! loses nothing: the next open replays the same records again.
+//!
+//! # Memory follows the working set
+//!
+//! Opening reads the position and the partition's counts, no conversation.
+//! A conversation is loaded from the store the first time a record
+//! touches it ([`Engine::ensure_resident`]); after a commit, conversations
+//! beyond [`Residency::conversations`] (least recently touched first) or
+//! idle for [`Residency::idle`] are dropped from memory, their state on
+//! disk. Loading one again gives exactly the conversation that was
+//! dropped, so eviction never changes what is folded (the fold properties
+//! test folds with random evictions). Turn bodies leave memory at commit,
+//! into the store's bounded body cache.
 
 use crate::core::event::{Encoding, Envelope, EventBody};
 use crate::core::fold::{self, FoldStatus};
@@ -32,7 +44,8 @@ use crate::log::{LogRecord, Position};
 use crate::store::state_store::StateStore;
 use crate::store::{KvBackend, StoreError};
 use crate::telemetry as t;
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::time::{Duration, Instant};
 
 /// What folding records produced, for the runtime to carry out.
 #[derive(Debug, Default)]
@@ -74,7 +87,28 @@ struct Held {
     ids: HashSet<String>,
 }
 
+/// How many conversations an engine keeps in memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Residency {
+    /// At most this many resident after a commit (the least recently
+    /// touched go first).
+    pub conversations: usize,
+    /// Conversations untouched this long are dropped at the next commit.
+    pub idle: Duration,
+}
+
+impl Default for Residency {
+    fn default() -> Self {
+        Residency {
+            conversations: 10_000,
+            idle: Duration::from_secs(600),
+        }
+    }
+}
+
 pub struct Engine<B: KvBackend> {
+    /// The partition's counts and its resident conversations (the others
+    /// are in the store: [`Engine::ensure_resident`]).
     pub state: State,
     pub policy: PolicyConfig,
     store: StateStore<B>,
@@ -84,6 +118,10 @@ pub struct Engine<B: KvBackend> {
     dirty_partition: bool,
     fingerprint: String,
     held: Held,
+    residency: Residency,
+    /// When each resident conversation was last touched (the runtime's
+    /// clock: eviction is outside the fold and never changes it).
+    touched: HashMap<String, Instant>,
 }
 
 /// The layout of the stored state. Raise it when a state record changes
@@ -96,7 +134,8 @@ pub struct Engine<B: KvBackend> {
 /// 6: turns are rows of their fields, not maps of their names.
 /// 7: records pass intake (origins, bounds, subject attribution).
 /// 8: chunk keys escape 0 bytes of conversation keys.
-pub const STATE_LAYOUT: u32 = 8;
+/// 9: turn bodies are records of their own; turns keep tool-call digests.
+pub const STATE_LAYOUT: u32 = 9;
 
 /// A fingerprint of the policy and the state layout: state folded under
 /// another policy, or stored in another layout, is rebuilt from the log.
@@ -112,19 +151,252 @@ impl<B: KvBackend> Engine<B> {
     /// Opens the engine on a store; the caller replays the log after
     /// [`Engine::position`].
     pub fn open(backend: B, policy: PolicyConfig) -> Result<Self, StoreError> {
-        let mut store = StateStore::new(backend);
+        Self::open_with(StateStore::new(backend), policy)
+    }
+
+    /// [`Engine::open`] on a store set up by the caller (its body cache).
+    pub fn open_with(mut store: StateStore<B>, policy: PolicyConfig) -> Result<Self, StoreError> {
         let fingerprint = policy_fingerprint(&policy);
-        let (state, position) = store.load(&fingerprint)?;
+        let opened = store.open(&fingerprint)?;
         Ok(Engine {
-            state,
+            state: opened.state,
             policy,
             store,
-            position,
+            position: opened.position,
             dirty: BTreeSet::new(),
             dirty_partition: false,
             fingerprint,
             held: Held::default(),
+            residency: Residency::default(),
+            touched: HashMap::new(),
         })
+    }
+
+    pub fn set_residency(&mut self, residency: Residency) {
+        self.residency = residency;
+    }
+
+    /// Loads `key` from the store unless it is resident (or new), and notes
+    /// it as touched now.
+    pub fn ensure_resident(&mut self, key: &str) -> Result<(), StoreError> {
+        match self.touched.get_mut(key) {
+            Some(at) => *at = Instant::now(),
+            None => {
+                self.touched.insert(key.to_string(), Instant::now());
+            }
+        }
+        if self.state.conversations.contains_key(key) || self.store.knows(key) {
+            return Ok(());
+        }
+        if let Some(conv) = self.store.load_conversation(key)? {
+            self.state.conversations.insert(key.to_string(), conv);
+        }
+        Ok(())
+    }
+
+    /// Drops committed conversations from memory: those idle too long,
+    /// then the least recently touched beyond the limit. Never while
+    /// decisions are held (nothing is committed then).
+    fn evict(&mut self) {
+        if self.holding() || !self.dirty.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let idle = self.residency.idle;
+        let mut gone: Vec<String> = self
+            .touched
+            .iter()
+            .filter(|(_, at)| now.duration_since(**at) >= idle)
+            .map(|(k, _)| k.clone())
+            .collect();
+        let over = self
+            .touched
+            .len()
+            .saturating_sub(gone.len())
+            .saturating_sub(self.residency.conversations);
+        if over > 0 {
+            let mut by_age: Vec<(&String, &Instant)> = self
+                .touched
+                .iter()
+                .filter(|(_, at)| now.duration_since(**at) < idle)
+                .collect();
+            by_age.sort_by_key(|(_, at)| **at);
+            gone.extend(by_age.into_iter().take(over).map(|(k, _)| k.clone()));
+        }
+        for key in gone {
+            self.evict_one(&key);
+        }
+    }
+
+    fn evict_one(&mut self, key: &str) {
+        self.touched.remove(key);
+        self.state.conversations.remove(key);
+        self.store.forget(key);
+    }
+
+    /// Drops every committed conversation from memory (tests, and a
+    /// process handing a partition over).
+    pub fn evict_all(&mut self) {
+        if self.holding() || !self.dirty.is_empty() {
+            return;
+        }
+        let keys: Vec<String> = self.state.conversations.keys().cloned().collect();
+        for key in keys {
+            self.evict_one(&key);
+        }
+        self.touched.clear();
+    }
+
+    /// Conversations in memory now.
+    pub fn resident(&self) -> usize {
+        self.state.conversations.len()
+    }
+
+    /// Runs `f` over a state holding conversation `key` (resident, or
+    /// read from the store for this call without making it resident) and
+    /// the bodies to read with it. `None` when there is no such
+    /// conversation.
+    pub fn with_conversation<R>(
+        &self,
+        key: &str,
+        f: impl FnOnce(&State, &dyn crate::core::state::TurnBodies) -> R,
+    ) -> Result<R, StoreError> {
+        let bodies = self.store.bodies();
+        if self.state.conversations.contains_key(key) {
+            return Ok(f(&self.state, &bodies));
+        }
+        let mut state = State {
+            conversations: Default::default(),
+            unattributed_rejections: self.state.unattributed_rejections,
+            spend: self.state.spend.clone(),
+        };
+        if !self.store.knows(key) {
+            if let Some(conv) = self.store.read_conversation(key)? {
+                state.conversations.insert(key.to_string(), conv);
+            }
+        }
+        Ok(f(&state, &bodies))
+    }
+
+    /// Calls `f` with every conversation, resident or stored, one at a
+    /// time, in key order.
+    pub fn each_conversation<E: From<StoreError>>(
+        &self,
+        mut f: impl FnMut(&State, &crate::core::state::Conversation) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let mut keys: BTreeSet<String> = self.store.conversation_keys()?.into_iter().collect();
+        keys.extend(self.state.conversations.keys().cloned());
+        for key in keys {
+            match self.state.conversations.get(&key) {
+                Some(conv) => f(&self.state, conv)?,
+                None if self.store.knows(&key) => {}
+                None => {
+                    if let Some(conv) = self.store.read_conversation(&key)? {
+                        f(&self.state, &conv)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Snapshots of every conversation's pending job (what a runner that
+    /// stopped left undone), read through the store's index of them: no
+    /// other conversation is read.
+    pub fn pending_snapshots(&mut self) -> Result<Vec<SweepSnapshot>, StoreError> {
+        let mut keys: BTreeSet<String> = self.store.pending_conversations().clone();
+        keys.extend(
+            self.state
+                .conversations
+                .iter()
+                .filter(|(_, c)| c.pending_job.is_some())
+                .map(|(k, _)| k.clone()),
+        );
+        let mut out = Vec::new();
+        for key in keys {
+            self.ensure_resident(&key)?;
+            let Some(conv) = self.state.conversations.get(&key) else {
+                continue;
+            };
+            let Some(pending) = &conv.pending_job else {
+                continue;
+            };
+            out.push(sweep::snapshot_from(
+                conv,
+                &self.store.bodies(),
+                &pending.job,
+                &self.policy,
+            )?);
+        }
+        Ok(out)
+    }
+
+    /// The whole state in memory, every conversation and turn body
+    /// resident: what folding the same log in memory gives (its
+    /// [`State::hash`] is [`Engine::state_hash`]). It reads everything:
+    /// for tests and small tools, not for a service.
+    pub fn materialized(&self) -> Result<State, StoreError> {
+        let mut state = State {
+            conversations: Default::default(),
+            unattributed_rejections: self.state.unattributed_rejections,
+            spend: self.state.spend.clone(),
+        };
+        let bodies = self.store.bodies();
+        self.each_conversation(|_, conv| -> Result<(), StoreError> {
+            let mut full = conv.clone();
+            for seq in 0..conv.turns.len() as u64 {
+                full.bodies.insert(
+                    seq,
+                    crate::core::state::TurnBodies::turn_body(&bodies, conv, seq)?,
+                );
+            }
+            state.conversations.insert(conv.key.clone(), full);
+            Ok(())
+        })?;
+        Ok(state)
+    }
+
+    /// One conversation with every body resident (see
+    /// [`Engine::materialized`]).
+    pub fn materialized_conversation(
+        &self,
+        key: &str,
+    ) -> Result<Option<crate::core::state::Conversation>, StoreError> {
+        let conv = match self.state.conversations.get(key) {
+            Some(conv) => conv.clone(),
+            None if self.store.knows(key) => return Ok(None),
+            None => match self.store.read_conversation(key)? {
+                Some(conv) => conv,
+                None => return Ok(None),
+            },
+        };
+        let bodies = self.store.bodies();
+        let mut full = conv.clone();
+        for seq in 0..conv.turns.len() as u64 {
+            full.bodies.insert(
+                seq,
+                crate::core::state::TurnBodies::turn_body(&bodies, &conv, seq)?,
+            );
+        }
+        Ok(Some(full))
+    }
+
+    /// Where this engine's turn bodies are read.
+    pub fn bodies(&self) -> crate::store::state_store::StoredBodies<'_, B> {
+        self.store.bodies()
+    }
+
+    /// The keys of every conversation, resident or stored.
+    pub fn conversation_keys(&self) -> Result<Vec<String>, StoreError> {
+        let mut keys: BTreeSet<String> = self.store.conversation_keys()?.into_iter().collect();
+        keys.extend(self.state.conversations.keys().cloned());
+        Ok(keys.into_iter().collect())
+    }
+
+    /// The hash of the whole state, stored conversations included: what
+    /// [`State::hash`] gives for the same log folded in memory.
+    pub fn state_hash(&self) -> Result<String, StoreError> {
+        self.store.state_hash(&self.state)
     }
 
     /// Position of the last record folded.
@@ -158,34 +430,50 @@ impl<B: KvBackend> Engine<B> {
 
     /// Folds the records after [`Engine::position`] (earlier ones are
     /// redeliveries and skipped) and returns their effects.
-    pub fn apply_batch(&mut self, records: impl IntoIterator<Item = LogRecord>) -> Effects {
+    pub fn apply_batch(
+        &mut self,
+        records: impl IntoIterator<Item = LogRecord>,
+    ) -> Result<Effects, StoreError> {
         let mut effects = Effects::default();
         for record in records {
-            self.apply_record(&record, &mut effects);
+            self.apply_record(&record, &mut effects)?;
         }
-        self.finish(&mut effects);
-        effects
+        self.finish(&mut effects)?;
+        Ok(effects)
     }
 
     /// [`Engine::apply_batch`] of one record.
-    pub fn apply(&mut self, record: &LogRecord) -> Effects {
+    pub fn apply(&mut self, record: &LogRecord) -> Result<Effects, StoreError> {
         let mut effects = Effects::default();
-        self.apply_record(record, &mut effects);
-        self.finish(&mut effects);
-        effects
+        self.apply_record(record, &mut effects)?;
+        self.finish(&mut effects)?;
+        Ok(effects)
     }
 
     /// Folds one record into `effects` (without snapshotting jobs: see
     /// [`Engine::finish`]); returns the id of the event it folded, if it
-    /// was admitted.
-    pub fn apply_record(&mut self, record: &LogRecord, effects: &mut Effects) -> Option<String> {
+    /// was admitted. Fails only when the store cannot give the state of
+    /// the record's conversation (nothing is folded then).
+    pub fn apply_record(
+        &mut self,
+        record: &LogRecord,
+        effects: &mut Effects,
+    ) -> Result<Option<String>, StoreError> {
         if record.position <= self.position {
-            return None;
+            return Ok(None);
+        }
+        let admitted = intake::admit(record.arrival());
+        let conversation = match &admitted {
+            Ok(a) => Some(a.event.conversation.as_str()),
+            Err(refused) => refused.conversation.as_deref(),
+        };
+        if let Some(key) = conversation {
+            self.ensure_resident(key)?;
         }
         self.position = record.position;
         let history = self.position <= self.held.through;
         let decisions_before = effects.decisions.len();
-        let folded = match intake::admit(record.arrival()) {
+        let folded = match admitted {
             Ok(admitted) => Some(self.fold_admitted(admitted, history, effects)),
             Err(refused) => {
                 self.refuse(record, *refused, effects);
@@ -199,12 +487,12 @@ impl<B: KvBackend> Engine<B> {
                 self.held.decisions.push(d);
             }
         }
-        folded
+        Ok(folded)
     }
 
     /// Releases held decisions once the head is passed, and snapshots the
     /// jobs among the decisions going out that are still pending.
-    pub fn finish(&mut self, effects: &mut Effects) {
+    pub fn finish(&mut self, effects: &mut Effects) -> Result<(), StoreError> {
         if self.position >= self.held.through && !self.held.decisions.is_empty() {
             let held = std::mem::take(&mut self.held);
             let released = held
@@ -229,15 +517,16 @@ impl<B: KvBackend> Engine<B> {
                 continue;
             };
             if pending.job.job_id == job.job_id && seen.insert(job.job_id.clone()) {
-                effects
-                    .jobs
-                    .push(sweep::snapshot(conv, &pending.job, &self.policy));
+                let snapshot =
+                    sweep::snapshot_from(conv, &self.store.bodies(), &pending.job, &self.policy)?;
+                effects.jobs.push(snapshot);
             }
         }
         t::JobsIssued {
             count: effects.jobs.len(),
         }
         .emit();
+        Ok(())
     }
 
     fn fold_admitted(
@@ -392,6 +681,7 @@ impl<B: KvBackend> Engine<B> {
             elapsed: started.elapsed(),
         }
         .emit();
+        self.evict();
         Ok(())
     }
 
@@ -453,18 +743,22 @@ mod tests {
         tracing::subscriber::with_default(subscriber, || {
             let mut engine =
                 Engine::open(MemoryBackend::default(), PolicyConfig::default()).unwrap();
-            engine.apply(&LogRecord::unaddressed(
-                1,
-                Origin::Agent,
-                Encoding::Json,
-                event.to_json().into_bytes(),
-            ));
-            engine.apply(&LogRecord::unaddressed(
-                2,
-                Origin::Agent,
-                Encoding::Json,
-                b"garbage".to_vec(),
-            ));
+            engine
+                .apply(&LogRecord::unaddressed(
+                    1,
+                    Origin::Agent,
+                    Encoding::Json,
+                    event.to_json().into_bytes(),
+                ))
+                .unwrap();
+            engine
+                .apply(&LogRecord::unaddressed(
+                    2,
+                    Origin::Agent,
+                    Encoding::Json,
+                    b"garbage".to_vec(),
+                ))
+                .unwrap();
         });
         let text = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
         assert!(
@@ -503,7 +797,7 @@ mod tests {
         let mut log = Vec::new();
         for i in 1..=12 {
             log.push(record(log.len() as u64 + 1, Origin::Agent, &turn(i)));
-            let effects = first.apply(log.last().unwrap());
+            let effects = first.apply(log.last().unwrap()).unwrap();
             for d in effects.decisions {
                 log.push(record(log.len() as u64 + 1, Origin::Service, &d));
             }
@@ -524,16 +818,16 @@ mod tests {
         let mut released = Vec::new();
         for r in &kept {
             assert!(second.holding() || released.is_empty());
-            released.extend(second.apply(r).decisions);
+            released.extend(second.apply(r).unwrap().decisions);
         }
         second.end_history();
         let mut tail = Effects::default();
-        second.finish(&mut tail);
+        second.finish(&mut tail).unwrap();
         released.extend(tail.decisions);
         assert!(!second.holding());
         // Only what the log lacks goes out again.
         let ids: Vec<_> = released.iter().map(|d| d.id.clone()).collect();
         assert_eq!(ids, [missing]);
-        assert_eq!(second.state.hash(), first.state.hash());
+        assert_eq!(second.state_hash().unwrap(), first.state_hash().unwrap());
     }
 }

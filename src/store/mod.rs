@@ -66,6 +66,16 @@ pub enum StoreError {
     Corrupt { what: String, detail: String },
 }
 
+impl From<crate::core::state::BodyError> for StoreError {
+    /// A body the state names and the store cannot give.
+    fn from(e: crate::core::state::BodyError) -> StoreError {
+        StoreError::Corrupt {
+            what: "turn body".into(),
+            detail: e.to_string(),
+        }
+    }
+}
+
 /// Key-value pairs in key order.
 pub type Entries = Vec<(Vec<u8>, Vec<u8>)>;
 

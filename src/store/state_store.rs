@@ -1,26 +1,52 @@
 //! The state layout over a [`KvBackend`]: each conversation is a head (its
 //! small, changing fields) plus append-only chunks, so a commit writes only
 //! what changed. A chunk holds what one commit appended to a conversation's
-//! turns, summaries, applied ids, history and context (or the whole context
-//! when it was edited otherwise: a summary replaced turns, a reset): one
-//! record per conversation per commit rather than one per item, because the
-//! store's cost is per record (a busy partition commits hundreds of turns
-//! at once), and a head that does not grow with the conversation. The log
-//! position the state reflects is written in the same atomic commit.
+//! turns (their metadata), summaries, applied ids, history and context (or
+//! the whole context when it was edited otherwise: a summary replaced
+//! turns, a reset): one record per conversation per commit rather than one
+//! per item, because the store's cost is per record (a busy partition
+//! commits hundreds of turns at once), and a head that does not grow with
+//! the conversation. The log position the state reflects is written in the
+//! same atomic commit.
+//!
+//! # Bodies apart, conversations on demand
+//!
+//! Each turn's body is a record of its own (key: the conversation's escaped
+//! key, 0, [`KIND_BODY`], the big-endian sequence number), written in the
+//! commit that first stores the turn, so one body is read without reading
+//! its conversation, and loading a conversation never reads a body (but the
+//! few its duplicate and flood guards still compare with). Opening a store
+//! reads the position and the partition's counts only; a conversation is
+//! read when [`StateStore::load_conversation`] asks for it, and forgotten
+//! with [`StateStore::forget`] (its records stay). Bodies read through
+//! [`StoredBodies`] go through a [`BodyCache`] bounded in bytes.
+//!
+//! Crash reasoning is unchanged: a commit is atomic, bodies included, so
+//! the state on disk is always that of one log position.
 
-use crate::core::state::{ContextItem, Conversation, HistoryEntry, IdDigest, State, Summary, Turn};
+use crate::core::event::TurnAppended;
+use crate::core::state::{
+    body_size, id_digest, BodyError, ContextItem, Conversation, HistoryEntry, IdDigest, State,
+    StateHasher, Summary, Turn, TurnBodies,
+};
 use crate::log::Position;
 use crate::store::{KvBackend, StoreError, Table, Write};
 use std::borrow::Cow;
 use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
 
 pub(crate) const POSITION_KEY: &[u8] = b"position";
 pub(crate) const POLICY_KEY: &[u8] = b"policy";
 const UNATTRIBUTED_KEY: &[u8] = b"unattributed_rejections";
 const GLOBAL_SPEND_KEY: &[u8] = b"global_spend";
+/// The keys of the conversations with a pending job (an index, derived
+/// from their heads: what a restarted runner must resume).
+const PENDING_KEY: &[u8] = b"pending_jobs";
 
 /// Key kind of a conversation's chunks (after the conversation key and a 0).
 const KIND_CHUNK: u8 = 5;
+/// Key kind of a conversation's turn bodies.
+const KIND_BODY: u8 = 6;
 
 /// How much of each append-only vector is already on disk, and how many
 /// chunks hold it.
@@ -64,21 +90,93 @@ struct Chunk<'a> {
 }
 
 impl Chunk<'_> {
-    /// About the encoded size: the turns' payloads plus their fields.
+    /// About the encoded size.
     fn size_hint(&self) -> usize {
-        let turns: u64 = self.turns.iter().map(|t| t.bytes + 96).sum();
-        turns as usize + 32 * (self.applied.len() + self.context.len()) + 256
+        64 * self.turns.len() + 32 * (self.applied.len() + self.context.len()) + 256
+    }
+}
+
+/// Where a body is cached: its conversation's key digest and its sequence.
+type BodyKey = (IdDigest, u64);
+
+#[derive(Clone)]
+struct BodyWeight;
+
+impl quick_cache::Weighter<BodyKey, Arc<TurnAppended>> for BodyWeight {
+    fn weight(&self, _: &BodyKey, body: &Arc<TurnAppended>) -> u64 {
+        body_size(body)
+    }
+}
+
+/// Turn bodies read again and again (the fresh tails assembly sends, what
+/// a commit just wrote), bounded in bytes; shared by the folder and the
+/// readers of one store (it locks internally).
+pub struct BodyCache {
+    cache: quick_cache::sync::Cache<BodyKey, Arc<TurnAppended>, BodyWeight>,
+    capacity_bytes: u64,
+}
+
+/// The body cache's default size per store.
+pub const DEFAULT_BODY_CACHE_BYTES: u64 = 128 << 20;
+
+impl BodyCache {
+    pub fn new(capacity_bytes: u64) -> BodyCache {
+        // The item estimate only sizes the table: ~2 KB a body.
+        let items = (capacity_bytes / 2048).clamp(16, 1 << 20) as usize;
+        BodyCache {
+            cache: quick_cache::sync::Cache::with_weighter(
+                items,
+                capacity_bytes.max(1),
+                BodyWeight,
+            ),
+            capacity_bytes,
+        }
+    }
+    fn get(&self, key: &BodyKey) -> Option<Arc<TurnAppended>> {
+        self.cache.get(key)
+    }
+    fn insert(&self, key: BodyKey, body: Arc<TurnAppended>) {
+        if self.capacity_bytes > 0 {
+            self.cache.insert(key, body);
+        }
+    }
+    /// Bytes the cached bodies hold now.
+    pub fn bytes(&self) -> u64 {
+        self.cache.weight()
+    }
+    pub fn len(&self) -> usize {
+        self.cache.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.cache.is_empty()
+    }
+    pub fn hits(&self) -> u64 {
+        self.cache.hits()
+    }
+    pub fn misses(&self) -> u64 {
+        self.cache.misses()
+    }
+}
+
+impl Default for BodyCache {
+    fn default() -> Self {
+        BodyCache::new(DEFAULT_BODY_CACHE_BYTES)
     }
 }
 
 /// Durable, incrementally written state.
 pub struct StateStore<B: KvBackend> {
     backend: B,
+    /// What is on disk of each conversation loaded (or created) since the
+    /// store was opened; a conversation not here has not been read.
     persisted: HashMap<String, Persisted>,
     /// Debug builds keep the committed contexts, to catch a fold edit that
     /// did not count itself in `context_edits` (it would be lost on disk).
     #[cfg(debug_assertions)]
     committed_contexts: HashMap<String, Vec<ContextItem>>,
+    cache: Arc<BodyCache>,
+    /// Conversations with a pending job, as committed.
+    pending: BTreeSet<String>,
     commits_since_flush: u32,
     /// Commits since this store was opened (what the ingest bench divides
     /// its events by).
@@ -87,11 +185,11 @@ pub struct StateStore<B: KvBackend> {
     pub flush_every: u32,
 }
 
-/// The prefix of a conversation's chunk keys: its key with each 0 byte
-/// written as 0, 0xff (a byte UTF-8 never holds), then 0 and the kind. So
-/// no conversation's prefix begins another's: a key may hold any byte,
-/// and `a` never reads the records of `a\0...` as its own.
-fn chunk_prefix(conv: &str) -> Vec<u8> {
+/// The prefix of a conversation's record keys of `kind`: its key with
+/// each 0 byte written as 0, 0xff (a byte UTF-8 never holds), then 0 and
+/// the kind. So no conversation's prefix begins another's: a key may hold
+/// any byte, and `a` never reads the records of `a\0...` as its own.
+fn record_prefix(conv: &str, kind: u8) -> Vec<u8> {
     let mut key = Vec::with_capacity(conv.len() + 10);
     for &b in conv.as_bytes() {
         key.push(b);
@@ -100,13 +198,13 @@ fn chunk_prefix(conv: &str) -> Vec<u8> {
         }
     }
     key.push(0);
-    key.push(KIND_CHUNK);
+    key.push(kind);
     key
 }
 
-/// Big-endian sequence numbers: a prefix scan reads chunks in commit order.
-fn chunk_key(conv: &str, seq: u64) -> Vec<u8> {
-    let mut key = chunk_prefix(conv);
+/// Big-endian sequence numbers: a prefix scan reads records in order.
+fn record_key(conv: &str, kind: u8, seq: u64) -> Vec<u8> {
+    let mut key = record_prefix(conv, kind);
     key.extend_from_slice(&seq.to_be_bytes());
     key
 }
@@ -130,23 +228,48 @@ fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8], what: &str) -> Result<T,
     })
 }
 
+/// The partition-wide part of a stored state and the position it reflects.
+pub struct Opened {
+    /// No conversations: they are read on demand.
+    pub state: State,
+    pub position: Position,
+    /// The store was folded under another policy or layout (and is read as
+    /// empty, to be replayed from the log).
+    pub other_policy: bool,
+}
+
 impl<B: KvBackend> StateStore<B> {
     pub fn new(backend: B) -> Self {
+        Self::with_cache(backend, Arc::new(BodyCache::default()))
+    }
+
+    pub fn with_cache(backend: B, cache: Arc<BodyCache>) -> Self {
         StateStore {
             backend,
             persisted: HashMap::new(),
             #[cfg(debug_assertions)]
             committed_contexts: HashMap::new(),
+            cache,
+            pending: BTreeSet::new(),
             commits_since_flush: 0,
             commits: 0,
             flush_every: 1,
         }
     }
 
-    /// Loads the state and the position it reflects. A store written under
-    /// another policy fingerprint is ignored (empty state, position 0) so the
+    pub fn cache(&self) -> &Arc<BodyCache> {
+        &self.cache
+    }
+
+    /// Opens the stored state: the position and the partition's own
+    /// counts, not one conversation. A store written under another policy
+    /// fingerprint reads as empty at position 0 (`other_policy`), so the
     /// caller replays the log: the fold's output depends on the policy.
-    pub fn load(&mut self, policy_fingerprint: &str) -> Result<(State, Position), StoreError> {
+    pub fn open(&mut self, policy_fingerprint: &str) -> Result<Opened, StoreError> {
+        self.persisted.clear();
+        self.pending.clear();
+        #[cfg(debug_assertions)]
+        self.committed_contexts.clear();
         let stored_policy = self.backend.get(Table::Meta, POLICY_KEY)?;
         if stored_policy
             .as_deref()
@@ -155,10 +278,11 @@ impl<B: KvBackend> StateStore<B> {
             tracing::warn!(
                 "state store was folded under another policy; replaying the log from the start"
             );
-            self.persisted.clear();
-            #[cfg(debug_assertions)]
-            self.committed_contexts.clear();
-            return Ok((State::default(), 0));
+            return Ok(Opened {
+                state: State::default(),
+                position: 0,
+                other_policy: true,
+            });
         }
         let position = match self.backend.get(Table::Meta, POSITION_KEY)? {
             Some(b) if b.len() == 8 => u64::from_be_bytes(b.try_into().expect("8 bytes")),
@@ -177,44 +301,165 @@ impl<B: KvBackend> StateStore<B> {
         if let Some(b) = self.backend.get(Table::Meta, GLOBAL_SPEND_KEY)? {
             state.spend = decode(&b, "global spend window")?;
         }
-        for (key, head) in self.backend.scan_prefix(Table::Conversations, b"")? {
-            let key = String::from_utf8(key).map_err(|e| StoreError::Corrupt {
-                what: "conversation key".into(),
-                detail: e.to_string(),
-            })?;
-            let mut conv: Conversation = decode(&head, "conversation head")?;
-            let prefix = chunk_prefix(&key);
-            let mut chunks = 0;
-            for (rk, value) in self.backend.scan_prefix(Table::Records, &prefix)? {
-                if rk.len() != prefix.len() + 8 {
-                    return Err(StoreError::Corrupt {
-                        what: "record key".into(),
-                        detail: format!("{rk:?}"),
-                    });
-                }
-                let chunk: Chunk = decode(&value, "conversation chunk")?;
-                conv.turns.extend(chunk.turns.into_owned());
-                conv.summaries.extend(chunk.summaries.into_owned());
-                conv.applied.extend(chunk.applied.into_owned());
-                conv.history.extend(chunk.history.into_owned());
-                if chunk.context_replaced {
-                    conv.context.clear();
-                }
-                conv.context.extend(chunk.context.into_owned());
-                chunks += 1;
-            }
-            conv.rebuild_indexes();
-            #[cfg(debug_assertions)]
-            self.committed_contexts
-                .insert(key.clone(), conv.context.clone());
-            self.persisted
-                .insert(key.clone(), Persisted::of(&conv, chunks));
-            state.conversations.insert(key, conv);
+        if let Some(b) = self.backend.get(Table::Meta, PENDING_KEY)? {
+            self.pending = decode(&b, "pending job index")?;
         }
-        Ok((state, position))
+        Ok(Opened {
+            state,
+            position,
+            other_policy: false,
+        })
     }
 
-    /// Writes the dirty conversations and the position in one atomic commit.
+    /// The keys of every stored conversation, in key order (the index: one
+    /// small head each, no chunk or body read).
+    pub fn conversation_keys(&self) -> Result<Vec<String>, StoreError> {
+        self.backend
+            .scan_prefix(Table::Conversations, b"")?
+            .into_iter()
+            .map(|(key, _)| {
+                String::from_utf8(key).map_err(|e| StoreError::Corrupt {
+                    what: "conversation key".into(),
+                    detail: e.to_string(),
+                })
+            })
+            .collect()
+    }
+
+    /// Reads one conversation (its head, its chunks, and the bodies its
+    /// guards need) without keeping note of it: for a reader.
+    pub fn read_conversation(&self, key: &str) -> Result<Option<Conversation>, StoreError> {
+        Ok(self.read(key)?.map(|(conv, _)| conv))
+    }
+
+    fn read(&self, key: &str) -> Result<Option<(Conversation, u64)>, StoreError> {
+        let Some(head) = self.backend.get(Table::Conversations, key.as_bytes())? else {
+            return Ok(None);
+        };
+        let mut conv: Conversation = decode(&head, "conversation head")?;
+        let prefix = record_prefix(key, KIND_CHUNK);
+        let mut chunks = 0;
+        for (rk, value) in self.backend.scan_prefix(Table::Records, &prefix)? {
+            if rk.len() != prefix.len() + 8 {
+                return Err(StoreError::Corrupt {
+                    what: "record key".into(),
+                    detail: format!("{rk:?}"),
+                });
+            }
+            let chunk: Chunk = decode(&value, "conversation chunk")?;
+            conv.turns.extend(chunk.turns.into_owned());
+            conv.summaries.extend(chunk.summaries.into_owned());
+            conv.applied.extend(chunk.applied.into_owned());
+            conv.history.extend(chunk.history.into_owned());
+            if chunk.context_replaced {
+                conv.context.clear();
+            }
+            conv.context.extend(chunk.context.into_owned());
+            chunks += 1;
+        }
+        conv.rebuild_indexes();
+        let guarded: Vec<u64> = conv.guard_seqs().collect();
+        for seq in guarded {
+            let body = self.stored_body(&conv, seq)?;
+            conv.bodies.insert(seq, body);
+        }
+        Ok(Some((conv, chunks)))
+    }
+
+    /// Loads one conversation for folding: later commits write what it
+    /// appends after what is on disk. `None` when the store has none.
+    pub fn load_conversation(&mut self, key: &str) -> Result<Option<Conversation>, StoreError> {
+        let Some((conv, chunks)) = self.read(key)? else {
+            return Ok(None);
+        };
+        #[cfg(debug_assertions)]
+        self.committed_contexts
+            .insert(key.to_string(), conv.context.clone());
+        self.persisted
+            .insert(key.to_string(), Persisted::of(&conv, chunks));
+        Ok(Some(conv))
+    }
+
+    /// The conversations whose committed state has a pending job.
+    pub fn pending_conversations(&self) -> &BTreeSet<String> {
+        &self.pending
+    }
+
+    /// Whether `key` was loaded or created since the store was opened.
+    pub fn knows(&self, key: &str) -> bool {
+        self.persisted.contains_key(key)
+    }
+
+    /// Forgets a committed conversation dropped from memory (an eviction);
+    /// its records stay, and [`StateStore::load_conversation`] reads it
+    /// again.
+    pub fn forget(&mut self, key: &str) {
+        self.persisted.remove(key);
+        #[cfg(debug_assertions)]
+        self.committed_contexts.remove(key);
+    }
+
+    /// A body from the cache or the backend (not from the conversation).
+    fn stored_body(&self, conv: &Conversation, seq: u64) -> Result<Arc<TurnAppended>, BodyError> {
+        let cache_key = (id_digest(&conv.key), seq);
+        if let Some(body) = self.cache.get(&cache_key) {
+            return Ok(body);
+        }
+        let unreadable = |detail: String| BodyError::Unreadable {
+            conversation: conv.key.clone(),
+            seq,
+            detail,
+        };
+        let bytes = self
+            .backend
+            .get(Table::Records, &record_key(&conv.key, KIND_BODY, seq))
+            .map_err(|e| unreadable(e.to_string()))?
+            .ok_or_else(|| BodyError::Missing {
+                conversation: conv.key.clone(),
+                seq,
+            })?;
+        let body: TurnAppended =
+            rmp_serde::from_slice(&bytes).map_err(|e| unreadable(e.to_string()))?;
+        let body = Arc::new(body);
+        self.cache.insert(cache_key, Arc::clone(&body));
+        Ok(body)
+    }
+
+    /// Reads bodies: the conversation's resident ones, then the cache,
+    /// then the store.
+    pub fn bodies(&self) -> StoredBodies<'_, B> {
+        StoredBodies { store: self }
+    }
+
+    /// The hash of the whole stored state with `resident`'s conversations
+    /// in place of their stored copies (what a clean fold of the same log
+    /// in memory gives as [`State::hash`]); reads one stored conversation
+    /// at a time.
+    pub fn state_hash(&self, resident: &State) -> Result<String, StoreError> {
+        let mut keys: BTreeSet<String> = self.conversation_keys()?.into_iter().collect();
+        keys.extend(resident.conversations.keys().cloned());
+        let mut hasher = StateHasher::default();
+        let bodies = self.bodies();
+        let corrupt = |e: BodyError| StoreError::Corrupt {
+            what: "turn body".into(),
+            detail: e.to_string(),
+        };
+        for key in keys {
+            let hash = match resident.conversations.get(&key) {
+                Some(conv) => conv.hash_with(&bodies).map_err(corrupt)?,
+                None => match self.read(&key)? {
+                    Some((conv, _)) => conv.hash_with(&bodies).map_err(corrupt)?,
+                    None => continue,
+                },
+            };
+            hasher.conversation(&key, &hash);
+        }
+        Ok(hasher.finish(resident.unattributed_rejections, &resident.spend))
+    }
+
+    /// Writes the dirty conversations and the position in one atomic
+    /// commit; then drops from memory the bodies it wrote (but those the
+    /// guards need), into the body cache.
     pub fn commit(
         &mut self,
         state: &mut State,
@@ -224,15 +469,26 @@ impl<B: KvBackend> StateStore<B> {
     ) -> Result<(), StoreError> {
         let mut writes = Vec::new();
         let mut committed = Vec::with_capacity(dirty.len());
+        let mut pending_changed = Vec::new();
         for key in dirty {
             let Some(conv) = state.conversations.get_mut(key) else {
                 continue;
             };
+            if conv.pending_job.is_some() != self.pending.contains(key) {
+                pending_changed.push(key);
+            }
             let p = self.persisted.get(key).copied().unwrap_or_default();
             let context_appended =
                 conv.context_edits.0 == p.context_edits && conv.context.len() >= p.context;
             #[cfg(debug_assertions)]
             self.check_context_edits_counted(key, conv, context_appended, p.context);
+            for (seq, body) in conv.bodies.from(p.turns as u64) {
+                writes.push(Write::Put {
+                    table: Table::Records,
+                    key: record_key(key, KIND_BODY, seq),
+                    value: encode_sized(&**body, body.message.text_bytes() + 64),
+                });
+            }
             let chunk = Chunk {
                 turns: Cow::Borrowed(conv.turns.get(p.turns..).unwrap_or_default()),
                 summaries: Cow::Borrowed(conv.summaries.get(p.summaries..).unwrap_or_default()),
@@ -254,7 +510,7 @@ impl<B: KvBackend> StateStore<B> {
             let chunks = if appended {
                 writes.push(Write::Put {
                     table: Table::Records,
-                    key: chunk_key(key, p.chunks),
+                    key: record_key(key, KIND_CHUNK, p.chunks),
                     value: encode_sized(&chunk, chunk.size_hint()),
                 });
                 p.chunks + 1
@@ -280,6 +536,20 @@ impl<B: KvBackend> StateStore<B> {
                 value: head,
             });
         }
+        let pending = (!pending_changed.is_empty()).then(|| {
+            let mut set = self.pending.clone();
+            for key in pending_changed {
+                if !set.remove(key) {
+                    set.insert(key.clone());
+                }
+            }
+            writes.push(Write::Put {
+                table: Table::Meta,
+                key: PENDING_KEY.to_vec(),
+                value: encode(&set),
+            });
+            set
+        });
         writes.push(Write::Put {
             table: Table::Meta,
             key: POSITION_KEY.to_vec(),
@@ -309,10 +579,18 @@ impl<B: KvBackend> StateStore<B> {
         if durable {
             self.commits_since_flush = 0;
         }
+        if let Some(changed) = pending {
+            self.pending = changed;
+        }
         for (key, chunks) in committed {
-            if let Some(conv) = state.conversations.get(key) {
+            if let Some(conv) = state.conversations.get_mut(key) {
                 self.persisted
                     .insert(key.clone(), Persisted::of(conv, chunks));
+                // On disk now: the newest turns, what assembly reads next.
+                let digest = id_digest(key);
+                for (seq, body) in conv.release_bodies() {
+                    self.cache.insert((digest, seq), body);
+                }
             }
         }
         Ok(())
@@ -337,12 +615,12 @@ impl<B: KvBackend> StateStore<B> {
         committed.clone_from(&conv.context);
     }
 
-    /// The backend under the layout (e.g. to reopen a copy of it).
     /// Commits since this store was opened.
     pub fn commits(&self) -> u64 {
         self.commits
     }
 
+    /// The backend under the layout (e.g. to reopen a copy of it).
     pub fn backend(&self) -> &B {
         &self.backend
     }
@@ -366,6 +644,20 @@ impl<B: KvBackend> StateStore<B> {
 
     pub fn blob(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
         self.backend.get(Table::Blobs, key.as_bytes())
+    }
+}
+
+/// [`TurnBodies`] of a store: resident, cached, then stored.
+pub struct StoredBodies<'a, B: KvBackend> {
+    store: &'a StateStore<B>,
+}
+
+impl<B: KvBackend> TurnBodies for StoredBodies<'_, B> {
+    fn turn_body(&self, conv: &Conversation, seq: u64) -> Result<Arc<TurnAppended>, BodyError> {
+        if let Some(body) = conv.bodies.get(seq) {
+            return Ok(Arc::clone(body));
+        }
+        self.store.stored_body(conv, seq)
     }
 }
 
@@ -398,11 +690,18 @@ mod tests {
             }
             store.commit(&mut state, &dirty, round + 1, "fp").unwrap();
         }
-        let (loaded, position) = StateStore::new(store.backend().clone()).load("fp").unwrap();
-        assert_eq!(position, 2);
+        let mut reopened = StateStore::new(store.backend().clone());
+        let opened = reopened.open("fp").unwrap();
+        assert_eq!(opened.position, 2);
+        assert_eq!(reopened.conversation_keys().unwrap().len(), keys.len());
         for key in keys {
-            assert_eq!(loaded.conversations[key].turns.len(), 2, "{key:?}");
+            let conv = reopened.load_conversation(key).unwrap().unwrap();
+            assert_eq!(conv.turns.len(), 2, "{key:?}");
+            assert_eq!(
+                conv.hash_with(&reopened.bodies()).unwrap(),
+                state.conversations[key].hash()
+            );
         }
-        assert_eq!(loaded.hash(), state.hash());
+        assert_eq!(reopened.state_hash(&opened.state).unwrap(), state.hash());
     }
 }

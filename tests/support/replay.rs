@@ -23,5 +23,5 @@ pub async fn replay_partition(
     embedded::replay(&mut log, &mut engine, None)
         .await
         .expect("replay the partition");
-    (engine.position(), engine.state.hash())
+    (engine.position(), engine.state_hash().unwrap())
 }

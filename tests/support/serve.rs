@@ -80,7 +80,11 @@ pub fn conversations(s: &Service) -> BTreeMap<String, (usize, usize, String)> {
             for (key, conv) in &e.state.conversations {
                 out.insert(
                     key.clone(),
-                    (conv.turns.len(), conv.summaries.len(), conv.hash()),
+                    (
+                        conv.turns.len(),
+                        conv.summaries.len(),
+                        conv.hash_with(&e.bodies()).unwrap(),
+                    ),
                 );
             }
         }
@@ -179,7 +183,7 @@ pub async fn assert_matches_replay(
             let replayed = replay_partition(js, infra, p, policy).await;
             let live = engines.get(p).map(|e| {
                 let e = e.lock().unwrap();
-                (e.position(), e.state.hash())
+                (e.position(), e.state_hash().unwrap())
             });
             if live.as_ref() == Some(&replayed) {
                 break;

@@ -233,11 +233,19 @@ proptest! {
         for (n, (msg, step, back)) in turns.into_iter().enumerate() {
             if n == half {
                 // As the store persists and loads it: digests not computed
-                // yet are computed from the kept turns after a reload too.
+                // yet are computed after a reload too, from the bodies the
+                // store reads back for the turns the guards name (and only
+                // those: no other body is resident then).
                 let bytes = rmp_serde::to_vec_named(&state).expect("state serializes");
+                let before = state.clone();
                 state = rmp_serde::from_slice(&bytes).expect("state deserializes");
-                for conv in state.conversations.values_mut() {
+                for (key, conv) in state.conversations.iter_mut() {
                     conv.rebuild_indexes();
+                    let old = &before.conversations[key];
+                    for seq in conv.guard_seqs().collect::<Vec<_>>() {
+                        let body = old.bodies.get(seq).expect("a guarded body").clone();
+                        conv.bodies.insert(seq, body);
+                    }
                 }
             }
             // Steps of nothing to a minute; now and then back in time.
