@@ -10,17 +10,37 @@ use support::nats_server::NatsServer;
 use support::serve::*;
 use support::turns::turns;
 
+use contextfold::core::event::RollingState;
+use contextfold::core::fallback_summary;
 use contextfold::core::policy::PolicyConfig;
-use contextfold::nats::serve::Roles;
+use contextfold::core::summary::{RollingStateRequest, SummaryDraft, SummaryRequest};
+use contextfold::nats::serve::{Roles, Service};
 use contextfold::nats::Subjects;
+use contextfold::runtime::engine::policy_fingerprint;
+use contextfold::runtime::sweep::{Allowance, Deterministic, PassError, PassSummarizer, Spend};
 use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Runs `contextfold doctor --nats URL` with the tests' NATS settings
 /// (memory storage): (exit code, stdout, stderr).
 async fn doctor(dir: &Path, url: &str, extra: &[&str]) -> (Option<i32>, String, String) {
+    doctor_with(dir, url, extra, "").await
+}
+
+/// [`doctor`] with more configuration (e.g. a `[policy]` table).
+async fn doctor_with(
+    dir: &Path,
+    url: &str,
+    extra: &[&str],
+    config_text: &str,
+) -> (Option<i32>, String, String) {
     let config = dir.join("doctor.toml");
-    std::fs::write(&config, "[nats]\nstorage = \"memory\"\n").unwrap();
+    std::fs::write(
+        &config,
+        format!("[nats]\nstorage = \"memory\"\n{config_text}"),
+    )
+    .unwrap();
     // The serve's data directory: its state stores are checked too.
     let data = dir.to_path_buf();
     let mut args = vec![
@@ -193,4 +213,213 @@ async fn no_server_fails_on_the_server_line() {
     let (code, out, _) = doctor(dir.path(), &url, &[]).await;
     assert_eq!(code, Some(1), "{out}");
     assert!(line(&out, "server").starts_with("FAIL "), "{out}");
+}
+
+/// Waits until `services` share the partitions between them, each holding
+/// some (so each has written its heartbeat).
+async fn wait_shared(services: &[&Service]) {
+    wait_until("partitions shared", Duration::from_secs(20), || {
+        let sets: Vec<_> = services.iter().map(|s| held(s)).collect();
+        sets.iter().all(|h| !h.is_empty()) && sets.iter().map(|h| h.len()).sum::<usize>() == 16
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serves_folding_under_different_policies_fail_naming_both_fingerprints() {
+    let server = NatsServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let same = PolicyConfig::default();
+    let other = PolicyConfig {
+        default_context_window: 64_000,
+        ..PolicyConfig::default()
+    };
+    let (fp_same, fp_other) = (policy_fingerprint(&same), policy_fingerprint(&other));
+    assert_ne!(fp_same, fp_other);
+    let start = |name: &str, policy: &PolicyConfig| {
+        let opts = options(&server.url(), &dir.path().join(name), policy, name);
+        Service::start(opts, Arc::new(Deterministic))
+    };
+
+    // Two serves under the same policy as this doctor's configuration.
+    let a = start("doc-a", &same).await.expect("serve a starts");
+    let b = start("doc-b", &same).await.expect("serve b starts");
+    wait_shared(&[&a, &b]).await;
+    let (code, out, err) = doctor(dir.path(), &server.url(), &[]).await;
+    let agreement = line(&out, "policy agreement");
+    assert!(agreement.starts_with("ok "), "{out}\n{err}");
+    assert!(
+        agreement.contains(&format!("2 live member(s) fold under {fp_same}")),
+        "{out}"
+    );
+    assert_eq!(code, Some(0), "{out}\n{err}");
+
+    // One of them replaced by a serve with another [policy].
+    b.shutdown().await;
+    let c = start("doc-c", &other).await.expect("serve c starts");
+    wait_shared(&[&a, &c]).await;
+    let (code, out, err) = doctor(dir.path(), &server.url(), &[]).await;
+    assert_eq!(code, Some(1), "different policies pass:\n{out}\n{err}");
+    let agreement = line(&out, "policy agreement");
+    assert!(agreement.starts_with("FAIL "), "{out}");
+    assert!(agreement.contains(&fp_same), "{out}");
+    assert!(agreement.contains(&fp_other), "{out}");
+    assert!(
+        agreement.contains("doc-a-") && agreement.contains("doc-c-"),
+        "{out}"
+    );
+    assert!(!agreement.contains("doc-b-"), "a member that left: {out}");
+    assert!(agreement.contains("same [policy]"), "{out}");
+
+    // A doctor whose own configuration folds under the other policy says
+    // so too once the cluster agrees again (only c left).
+    a.shutdown().await;
+    wait_until("c holds every partition", Duration::from_secs(20), || {
+        held(&c).len() == 16
+    })
+    .await;
+    let (_, out, _) = doctor(dir.path(), &server.url(), &[]).await;
+    let agreement = line(&out, "policy agreement");
+    assert!(agreement.starts_with("warn "), "{out}");
+    assert!(
+        agreement.contains(&format!(
+            "this config folds under {fp_same}, the cluster under {fp_other}"
+        )),
+        "{out}"
+    );
+    c.shutdown().await;
+}
+
+/// A summarizer that pays one call per pass and honours the job's
+/// allowance, as a model summarizer does: what closes a spend window.
+struct OneCallPerPass;
+
+impl PassSummarizer for OneCallPerPass {
+    async fn summarize(&self, req: &SummaryRequest) -> Result<(SummaryDraft, Spend), PassError> {
+        let spend = Spend {
+            calls: 1,
+            tokens: 100,
+            cost_micros: 0,
+        };
+        Ok((fallback_summary::summarize(req), spend))
+    }
+
+    async fn rolling_state(
+        &self,
+        req: &RollingStateRequest,
+    ) -> Result<(RollingState, Spend), PassError> {
+        let spend = Spend {
+            calls: 1,
+            tokens: 100,
+            cost_micros: 0,
+        };
+        Ok((fallback_summary::rolling_state(req), spend))
+    }
+
+    async fn summarize_within(
+        &self,
+        req: &SummaryRequest,
+        allowance: Allowance,
+    ) -> Result<(SummaryDraft, Spend), PassError> {
+        if allowance.calls == Some(0) {
+            return Err(PassError::SpendLimit {
+                spend: Spend::default(),
+            });
+        }
+        self.summarize(req).await
+    }
+
+    async fn rolling_state_within(
+        &self,
+        req: &RollingStateRequest,
+        allowance: Allowance,
+    ) -> Result<(RollingState, Spend), PassError> {
+        if allowance.calls == Some(0) {
+            return Err(PassError::SpendLimit {
+                spend: Spend::default(),
+            });
+        }
+        self.rolling_state(req).await
+    }
+}
+
+/// The `[policy]` of the spend-window test, as TOML and as the struct.
+const TINY_WINDOW: &str = "[policy]\n\
+    default_context_window = 4000\n\
+    fresh_tail_count = 4\n\
+    leaf_chunk_tokens = 600\n\
+    leaf_target_tokens = 120\n\
+    condensed_target_tokens = 120\n\
+    summary_max_calls_per_window = 1\n\
+    summary_call_window_ms = 600000\n";
+
+fn tiny_window() -> PolicyConfig {
+    PolicyConfig {
+        default_context_window: 4_000,
+        fresh_tail_count: 4,
+        leaf_chunk_tokens: 600,
+        leaf_target_tokens: 120,
+        condensed_target_tokens: 120,
+        summary_max_calls_per_window: 1,
+        summary_call_window_ms: 600_000,
+        ..PolicyConfig::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_spend_window_warns_saying_what_it_means() {
+    let server = NatsServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let policy = tiny_window();
+    let mut opts = options(&server.url(), dir.path(), &policy, "doc");
+    opts.roles = "all".parse::<Roles>().unwrap();
+    let service = Service::start(opts, Arc::new(OneCallPerPass))
+        .await
+        .expect("serve starts");
+    wait_until("all partitions held", Duration::from_secs(10), || {
+        held(&service).len() == 16
+    })
+    .await;
+    let (client, _js, _infra) = client_for(&server.url()).await;
+
+    // Before any turn: no window closed.
+    let (_, out, _) = doctor_with(dir.path(), &server.url(), &[], TINY_WINDOW).await;
+    assert!(line(&out, "spend windows").starts_with("ok "), "{out}");
+    assert!(line(&out, "policy agreement").starts_with("ok "), "{out}");
+
+    // Turns 2 s apart, all within one 10-minute window: the first job's
+    // one call uses the window up while the debt grows.
+    let key = "doctor-spend";
+    raw_publish(&client, &turns(key, 0..60, 40)).await;
+    wait_until("the window used up", Duration::from_secs(30), || {
+        let Some(engines) = service.engines() else {
+            return false;
+        };
+        let Some(engine) = engines.get(partition_of(key)) else {
+            return false;
+        };
+        let e = engine.lock().unwrap();
+        e.state.conversations.get(key).is_some_and(|c| {
+            c.turns.len() == 60
+                && c.pending_job.is_none()
+                && c.spend.totals(c.last_time, 600_000).calls >= 1
+        })
+    })
+    .await;
+
+    let (code, out, err) = doctor_with(dir.path(), &server.url(), &[], TINY_WINDOW).await;
+    let spend = line(&out, "spend windows");
+    assert!(spend.starts_with("warn "), "{out}\n{err}");
+    assert!(
+        spend.contains("1 conversation(s) used up their window"),
+        "{out}"
+    );
+    assert!(spend.contains("summary_max_calls_per_window"), "{out}");
+    assert!(spend.contains("paused until "), "{out}");
+    assert!(spend.contains("or wait"), "{out}");
+    // The same [policy] here and in serve: the fingerprints agree.
+    assert!(line(&out, "policy agreement").starts_with("ok "), "{out}");
+    // A closed window is a warning, not a failure.
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    service.shutdown().await;
 }

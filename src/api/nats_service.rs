@@ -587,7 +587,17 @@ impl<H: HeldEngines> StateView for EngineView<H> {
         self.engines
             .held()
             .into_iter()
-            .filter_map(|p| self.engines.health(p))
+            .filter_map(|p| {
+                let mut health = self.engines.health(p)?;
+                // The partition-wide spend window is the partition's own:
+                // the merged global view has none.
+                if let Some(engine) = self.engines.engine(p) {
+                    let engine = engine.lock().unwrap_or_else(|p| p.into_inner());
+                    health.spend_window =
+                        crate::api::status::partition_window(&engine.state, &engine.policy);
+                }
+                Some(health)
+            })
             .collect()
     }
 

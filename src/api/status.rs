@@ -53,6 +53,20 @@ pub struct GlobalStatus {
     pub degraded_conversations: u64,
     /// Up to [`MAX_LISTED_DEGRADED`] degraded conversation keys.
     pub degraded: Vec<String>,
+    /// Conversations whose spend window is closed at `newest_event_time`
+    /// (the fold's time, never the clock) because a round made no
+    /// progress: their routine summarization waits for the backoff
+    /// (`summary_spend_backoff_ms`).
+    #[serde(default)]
+    pub spend_backoff_conversations: u64,
+    /// Conversations whose spend window is used up at `newest_event_time`
+    /// (the calls, tokens or money of `summary_max_*_per_window`): their
+    /// routine summarization waits until older spend leaves the window.
+    #[serde(default)]
+    pub spend_exhausted_conversations: u64,
+    /// When the last of those windows opens again (event time, ms).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spend_paused_until: Option<u64>,
     /// The partitions this process folds (over NATS; empty locally).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub partitions: Vec<PartitionHealth>,
@@ -307,6 +321,112 @@ pub struct PartitionHealth {
     pub last_error: Option<String>,
     /// Records dead-lettered by this process since it took the partition.
     pub dead_letters: u64,
+    /// The partition-wide spend window, when a `*_global` limit is set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spend_window: Option<PartitionWindow>,
+}
+
+/// A partition's spend window (`summary_max_*_per_window_global`) at the
+/// newest event time of its conversations (the fold's time).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartitionWindow {
+    pub calls: u32,
+    pub tokens: u64,
+    pub cost_micros: u64,
+    pub max_calls: Option<u32>,
+    pub max_tokens: Option<u64>,
+    pub max_cost_micros: Option<u64>,
+    /// A limit is used up: no conversation of the partition gets a routine
+    /// job until older spend leaves the window.
+    pub closed: bool,
+    /// When the oldest spend that counts leaves the window (event time,
+    /// ms); `None` with nothing spent or only running jobs' reservations.
+    pub reopens_at: Option<u64>,
+    /// Conversations refused a job for want of the partition's allowance.
+    pub waiting_conversations: usize,
+}
+
+/// The partition-wide spend window of `state` (one partition's), or `None`
+/// when no `*_global` limit is set.
+pub fn partition_window(state: &State, policy: &PolicyConfig) -> Option<PartitionWindow> {
+    if !spend::has_partition_limits(policy) {
+        return None;
+    }
+    let now = newest_event_time(state);
+    let window_ms = policy.summary_call_window_ms;
+    let mut w = state.spend.clone();
+    w.prune(now, window_ms);
+    let t = w.totals(now, window_ms);
+    let used_up = |max: Option<u64>, used: u64| max.is_some_and(|m| used >= m);
+    Some(PartitionWindow {
+        calls: t.calls,
+        tokens: t.tokens,
+        cost_micros: t.cost_micros,
+        max_calls: policy.summary_max_calls_per_window_global,
+        max_tokens: policy.summary_max_tokens_per_window_global,
+        max_cost_micros: policy.summary_max_cost_micros_per_window_global,
+        closed: used_up(
+            policy.summary_max_calls_per_window_global.map(u64::from),
+            u64::from(t.calls),
+        ) || used_up(policy.summary_max_tokens_per_window_global, t.tokens)
+            || used_up(
+                policy.summary_max_cost_micros_per_window_global,
+                t.cost_micros,
+            ),
+        reopens_at: reopens_at(&w, window_ms),
+        waiting_conversations: w.waiting.len(),
+    })
+}
+
+/// The newest event time of any conversation in `state` (ms).
+fn newest_event_time(state: &State) -> u64 {
+    state
+        .conversations
+        .values()
+        .map(|c| c.last_time)
+        .max()
+        .unwrap_or(0)
+}
+
+/// When the first spend of a (pruned) window stops counting; reservations
+/// of running jobs end with their job, not by time.
+fn reopens_at(window: &spend::SpendWindow, window_ms: u64) -> Option<u64> {
+    window
+        .recent
+        .iter()
+        .filter(|e| e.reserved_until.is_none())
+        .map(|e| e.time.saturating_add(window_ms))
+        .min()
+}
+
+/// Whether `conv`'s spend window holds its routine summarization at `now`:
+/// `(in backoff, used up, open again at)`; `None` when it does not.
+fn spend_closed(
+    state: &State,
+    conv: &Conversation,
+    policy: &PolicyConfig,
+    now: u64,
+) -> Option<(bool, bool, u64)> {
+    let window_ms = policy.summary_call_window_ms;
+    let mut own = conv.spend.clone();
+    own.prune(now, window_ms);
+    let mut partition = state.spend.clone();
+    partition.prune(now, window_ms);
+    let a = spend::allowance(&own, &partition, &conv.key, policy, now);
+    let used_up = a.calls_left == 0 || a.tokens_left == Some(0) || a.cost_left == Some(0);
+    if !a.in_backoff && !used_up {
+        return None;
+    }
+    let mut until = 0;
+    if a.in_backoff {
+        until = own.backoff_until;
+    }
+    if used_up {
+        let own_open = reopens_at(&own, window_ms);
+        let partition_open = reopens_at(&partition, window_ms);
+        until = until.max(own_open.max(partition_open).unwrap_or(now));
+    }
+    Some((a.in_backoff, used_up, until))
 }
 
 impl PartitionHealth {
@@ -319,6 +439,7 @@ impl PartitionHealth {
             failing_since_ms: None,
             last_error: None,
             dead_letters: 0,
+            spend_window: None,
         }
     }
 }
@@ -404,6 +525,9 @@ pub fn global_status_with(
         newest_event_time: 0,
         degraded_conversations: 0,
         degraded: Vec::new(),
+        spend_backoff_conversations: 0,
+        spend_exhausted_conversations: 0,
+        spend_paused_until: None,
         partitions: Vec::new(),
         health: Health::from_reasons(Vec::new()),
     };
@@ -438,6 +562,18 @@ pub fn global_status_with(
         .into_iter()
         .map(|(depth, total)| DepthTotal { depth, total })
         .collect();
+    // Spend windows closed now, "now" being the newest event time: a
+    // conversation quiet since its window closed is not counted once the
+    // others have moved past its window.
+    for conv in state.conversations.values() {
+        if let Some((backoff, used_up, until)) =
+            spend_closed(state, conv, policy, g.newest_event_time)
+        {
+            g.spend_backoff_conversations += u64::from(backoff);
+            g.spend_exhausted_conversations += u64::from(used_up);
+            g.spend_paused_until = Some(g.spend_paused_until.unwrap_or(0).max(until));
+        }
+    }
     let mut reasons = Vec::new();
     if g.degraded_conversations > 0 {
         reasons.push(HealthReason {
@@ -1009,6 +1145,121 @@ mod tests {
         assert_eq!(json["summaries_by_depth"][0]["depth"], 0, "{json}");
         let back: GlobalStatus = serde_json::from_value(json).unwrap();
         assert_eq!(back, *g);
+    }
+
+    fn global(state: &State, policy: &PolicyConfig) -> GlobalStatus {
+        global_status(state, policy).unwrap()
+    }
+
+    #[test]
+    fn global_counts_spend_windows_closed_at_the_newest_event_time() {
+        let (state, policy) = testing::folded();
+        let mut state = state.clone();
+        let now = testing::conv(&state).last_time;
+        let conv = state.conversations.get_mut(CONV).unwrap();
+        conv.spend = crate::core::state::SpendWindow::default();
+        let open = global(&state, policy);
+        assert_eq!(
+            (
+                open.spend_backoff_conversations,
+                open.spend_exhausted_conversations,
+                open.spend_paused_until
+            ),
+            (0, 0, None)
+        );
+
+        // A round without progress: backoff in force.
+        let conv = state.conversations.get_mut(CONV).unwrap();
+        conv.spend.backoff_until = now + 10;
+        let g = global(&state, policy);
+        assert_eq!(g.spend_backoff_conversations, 1);
+        assert_eq!(g.spend_exhausted_conversations, 0);
+        assert_eq!(g.spend_paused_until, Some(now + 10));
+        // Once another conversation's events are past it, it is over.
+        let mut later = testing::conv(&state).clone();
+        later.key = "later".into();
+        later.spend = crate::core::state::SpendWindow::default();
+        later.last_time = now + 10;
+        state.conversations.insert("later".into(), later);
+        let g = global(&state, policy);
+        assert_eq!(
+            (g.spend_backoff_conversations, g.spend_paused_until),
+            (0, None)
+        );
+        state.conversations.remove("later");
+
+        // The window's calls used up: open again when the oldest leaves it.
+        let conv = state.conversations.get_mut(CONV).unwrap();
+        conv.spend.backoff_until = 0;
+        conv.spend.recent.push(crate::core::state::SpendEntry {
+            time: now - 10,
+            job_id: "job_spent".into(),
+            conversation: String::new(),
+            calls: policy.summary_max_calls_per_window,
+            tokens: 100,
+            cost_micros: 0,
+            reserved_until: None,
+        });
+        let g = global(&state, policy);
+        assert_eq!(g.spend_backoff_conversations, 0);
+        assert_eq!(g.spend_exhausted_conversations, 1);
+        assert_eq!(
+            g.spend_paused_until,
+            Some(now - 10 + policy.summary_call_window_ms)
+        );
+        let json = serde_json::to_value(&g).unwrap();
+        assert_eq!(json["spend_exhausted_conversations"], 1, "{json}");
+        // A reply of an older serve, without these fields, still decodes.
+        let mut old = json.clone();
+        for f in [
+            "spend_backoff_conversations",
+            "spend_exhausted_conversations",
+            "spend_paused_until",
+        ] {
+            old.as_object_mut().unwrap().remove(f);
+        }
+        let back: GlobalStatus = serde_json::from_value(old).unwrap();
+        assert_eq!(back.spend_exhausted_conversations, 0);
+    }
+
+    #[test]
+    fn the_partition_window_closes_when_a_global_limit_is_used_up() {
+        let (state, policy) = testing::folded();
+        assert_eq!(partition_window(state, policy), None, "no global limit");
+        let mut state = state.clone();
+        let now = testing::conv(&state).last_time;
+        let global_policy = PolicyConfig {
+            summary_max_calls_per_window_global: Some(4),
+            ..policy.clone()
+        };
+        let w = partition_window(&state, &global_policy).unwrap();
+        assert!(!w.closed, "{w:?}");
+        state.spend.recent.push(crate::core::state::SpendEntry {
+            time: now - 10,
+            job_id: "job_other".into(),
+            conversation: "other".into(),
+            calls: 4,
+            tokens: 100,
+            cost_micros: 0,
+            reserved_until: None,
+        });
+        let w = partition_window(&state, &global_policy).unwrap();
+        assert!(w.closed, "{w:?}");
+        assert_eq!((w.calls, w.max_calls), (4, Some(4)));
+        assert_eq!(
+            w.reopens_at,
+            Some(now - 10 + global_policy.summary_call_window_ms)
+        );
+        // The limit applies to every conversation of the partition.
+        let g = global(&state, &global_policy);
+        assert_eq!(g.spend_exhausted_conversations, 1, "{g:?}");
+        let h = PartitionHealth {
+            spend_window: Some(w),
+            ..PartitionHealth::new(2)
+        };
+        let json = serde_json::to_value(&h).unwrap();
+        assert_eq!(json["spend_window"]["closed"], true, "{json}");
+        assert!(serde_json::to_value(PartitionHealth::new(1)).unwrap()["spend_window"].is_null());
     }
 
     #[test]

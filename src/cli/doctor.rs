@@ -11,7 +11,7 @@ use async_nats::jetstream::{self, stream};
 use contextfold::api::status::{GlobalStatus, HealthCode};
 use contextfold::api::{decode_reply, Op, ReplyError, StatusRequest, StatusResponse};
 use contextfold::config::Config;
-use contextfold::nats::leases::owner_of;
+use contextfold::nats::leases::{live_member_records, owner_of, LiveMember};
 use contextfold::nats::setup::{
     dead_letter_stream_config, events_stream_config, incompatibilities, jobs_stream_config,
 };
@@ -463,6 +463,14 @@ pub async fn diagnose(cfg: &NatsConfig, stores: &Stores) -> Vec<Finding> {
                     }
                 }
             }
+            match live_member_records(&kv).await {
+                Ok(members) => out.push(judge_policies(&members, &stores.fingerprint)),
+                Err(e) => out.push(Finding::new(
+                    Level::Fail,
+                    "policy agreement",
+                    format!("cannot list the members in {bucket}: {e}"),
+                )),
+            }
             let held = owners
                 .iter()
                 .map(|(o, n)| format!("{o} holds {n}"))
@@ -495,6 +503,78 @@ pub async fn diagnose(cfg: &NatsConfig, stores: &Stores) -> Vec<Finding> {
     }
     out.extend(serve_status(&client, &subjects).await);
     out
+}
+
+/// Whether the live members (processes that fold: roles folder or api)
+/// fold under one policy, and this configuration's. Two policies fold the
+/// same conversation two ways: a partition moving between them is refolded
+/// from the start and answers differ with the member that holds it.
+fn judge_policies(members: &[LiveMember], own: &str) -> Finding {
+    let check = "policy agreement";
+    let mut by_policy = std::collections::BTreeMap::<&str, Vec<&str>>::new();
+    let mut unknown = Vec::new();
+    for m in members {
+        match m
+            .record
+            .as_ref()
+            .and_then(|r| r.policy_fingerprint.as_deref())
+        {
+            Some(fp) => by_policy.entry(fp).or_default().push(&m.member),
+            None => unknown.push(m.member.as_str()),
+        }
+    }
+    let listed = |by: &std::collections::BTreeMap<&str, Vec<&str>>| {
+        by.iter()
+            .map(|(fp, who)| format!("{} under {fp}", who.join(", ")))
+            .collect::<Vec<_>>()
+            .join("; ")
+    };
+    if by_policy.len() > 1 {
+        return Finding::new(
+            Level::Fail,
+            check,
+            format!(
+                "live members fold under different policies: {}; give every process the same \
+                 [policy] (this configuration's is {own}) and restart the ones that differ",
+                listed(&by_policy)
+            ),
+        );
+    }
+    let mut warnings = Vec::new();
+    if !unknown.is_empty() {
+        warnings.push(format!(
+            "member(s) {} publish no policy fingerprint (an older contextfold): upgrade them \
+             to have their policy checked",
+            unknown.join(", ")
+        ));
+    }
+    if let Some((fp, _)) = by_policy.iter().next() {
+        if *fp != own {
+            warnings.push(format!(
+                "this config folds under {own}, the cluster under {fp}: run doctor with the \
+                 serves' configuration (its state-store check compares with this one's policy), \
+                 or give the serves this [policy]"
+            ));
+        }
+    }
+    if !warnings.is_empty() {
+        let mut detail = warnings.join("; ");
+        if !by_policy.is_empty() {
+            detail = format!("{}; {detail}", listed(&by_policy));
+        }
+        return Finding::new(Level::Warn, check, detail);
+    }
+    if by_policy.is_empty() {
+        return Finding::new(Level::Ok, check, "no live member folds: nothing to compare");
+    }
+    Finding::new(
+        Level::Ok,
+        check,
+        format!(
+            "{} live member(s) fold under {own}, this configuration's policy",
+            members.len()
+        ),
+    )
 }
 
 /// What a running serve (role api) says of the partitions it folds and of
@@ -602,6 +682,7 @@ fn judge_status(g: &GlobalStatus) -> Vec<Finding> {
             ),
         ));
     }
+    out.push(judge_spend(g));
     let stuck: Vec<&str> = g
         .health
         .reasons
@@ -626,6 +707,62 @@ fn judge_status(g: &GlobalStatus) -> Vec<Finding> {
         ));
     }
     out
+}
+
+/// Spend windows closed now (at the newest event time the serve folded):
+/// conversations whose routine summarization waits, and partitions whose
+/// partition-wide window is used up.
+fn judge_spend(g: &GlobalStatus) -> Finding {
+    let check = "spend windows";
+    let mut closed = Vec::new();
+    if g.spend_backoff_conversations > 0 {
+        closed.push(format!(
+            "{} conversation(s) in backoff after a round without progress \
+             (summary_spend_backoff_ms)",
+            g.spend_backoff_conversations
+        ));
+    }
+    if g.spend_exhausted_conversations > 0 {
+        closed.push(format!(
+            "{} conversation(s) used up their window (summary_max_calls_per_window, \
+             summary_max_tokens_per_window, summary_max_cost_micros_per_window)",
+            g.spend_exhausted_conversations
+        ));
+    }
+    let partitions: Vec<String> = g
+        .partitions
+        .iter()
+        .filter_map(|p| {
+            let w = p.spend_window.as_ref().filter(|w| w.closed)?;
+            Some(match w.reopens_at {
+                Some(t) => format!("{} (until {t})", p.partition),
+                None => p.partition.to_string(),
+            })
+        })
+        .collect();
+    if !partitions.is_empty() {
+        closed.push(format!(
+            "partition-wide window used up (summary_max_*_per_window_global) in partition(s) {}",
+            partitions.join(", ")
+        ));
+    }
+    if closed.is_empty() {
+        return Finding::new(Level::Ok, check, "none closed");
+    }
+    let until = g
+        .spend_paused_until
+        .map(|t| format!(" until {t} (event time, ms)"))
+        .unwrap_or_default();
+    Finding::new(
+        Level::Warn,
+        check,
+        format!(
+            "{}: routine summarization is paused{until} (urgent compaction still runs); raise \
+             the limit named (or shorten summary_spend_backoff_ms) in every process's [policy], \
+             which refolds the partitions, or wait",
+            closed.join("; ")
+        ),
+    )
 }
 
 /// Runs every check, prints one line each (or one JSON object) and fails
@@ -689,6 +826,117 @@ mod tests {
         assert!(failing[0].detail.contains("3 (disk full)"), "{failing:?}");
         let waiting = judge_status(&with_partitions(g, vec![busy]));
         assert_eq!(waiting[0].level, Level::Warn);
+    }
+
+    #[test]
+    fn closed_spend_windows_warn_with_what_they_mean() {
+        use contextfold::api::status::PartitionWindow;
+        use contextfold::api::status::{global_status, with_partitions, PartitionHealth};
+        let g = global_status(&Default::default(), &Default::default()).unwrap();
+        let spend = |g: &GlobalStatus| {
+            judge_status(g)
+                .into_iter()
+                .find(|f| f.check == "spend windows")
+                .expect("a spend windows finding")
+        };
+        let open = spend(&g);
+        assert_eq!(open.level, Level::Ok, "{open:?}");
+
+        let mut closed = g.clone();
+        closed.spend_backoff_conversations = 2;
+        closed.spend_exhausted_conversations = 1;
+        closed.spend_paused_until = Some(1_700_000_600_000);
+        let f = spend(&closed);
+        assert_eq!(f.level, Level::Warn, "{f:?}");
+        for part in [
+            "2 conversation(s) in backoff",
+            "1 conversation(s) used up their window",
+            "summary_max_calls_per_window",
+            "paused until 1700000600000",
+            "or wait",
+        ] {
+            assert!(f.detail.contains(part), "{part:?} in {}", f.detail);
+        }
+        // A warning, not a failure: doctor still exits 0 on it alone.
+        assert!(judge_status(&closed).iter().all(|f| f.level != Level::Fail));
+
+        let window = |closed: bool| PartitionWindow {
+            calls: 4,
+            tokens: 0,
+            cost_micros: 0,
+            max_calls: Some(4),
+            max_tokens: None,
+            max_cost_micros: None,
+            closed,
+            reopens_at: Some(99),
+            waiting_conversations: 1,
+        };
+        let partitions = vec![
+            PartitionHealth {
+                spend_window: Some(window(true)),
+                ..PartitionHealth::new(7)
+            },
+            PartitionHealth {
+                spend_window: Some(window(false)),
+                ..PartitionHealth::new(8)
+            },
+        ];
+        let f = spend(&with_partitions(g, partitions));
+        assert_eq!(f.level, Level::Warn, "{f:?}");
+        assert!(f.detail.contains("partition(s) 7 (until 99)"), "{f:?}");
+        assert!(!f.detail.contains(" 8"), "{f:?}");
+    }
+
+    #[test]
+    fn members_under_different_policies_fail_and_unknown_ones_warn() {
+        use contextfold::nats::leases::MemberRecord;
+        let member = |id: &str, fp: Option<&str>| LiveMember {
+            member: id.into(),
+            record: Some(MemberRecord {
+                member: id.into(),
+                held: 8,
+                policy_fingerprint: fp.map(Into::into),
+            }),
+        };
+        let same = [member("a-1", Some("fp-a")), member("b-2", Some("fp-a"))];
+        let f = judge_policies(&same, "fp-a");
+        assert_eq!(f.level, Level::Ok, "{f:?}");
+        assert!(
+            f.detail.contains("2 live member(s) fold under fp-a"),
+            "{f:?}"
+        );
+
+        let split = [member("a-1", Some("fp-a")), member("b-2", Some("fp-b"))];
+        let f = judge_policies(&split, "fp-a");
+        assert_eq!(f.level, Level::Fail, "{f:?}");
+        assert!(
+            f.detail.contains("a-1 under fp-a") && f.detail.contains("b-2 under fp-b"),
+            "{f:?}"
+        );
+        assert!(f.detail.contains("same [policy]"), "{f:?}");
+
+        let f = judge_policies(&same, "fp-mine");
+        assert_eq!(f.level, Level::Warn, "{f:?}");
+        assert!(
+            f.detail
+                .contains("this config folds under fp-mine, the cluster under fp-a"),
+            "{f:?}"
+        );
+
+        let older = [
+            member("a-1", Some("fp-a")),
+            member("old-3", None),
+            LiveMember {
+                member: "odd-4".into(),
+                record: None,
+            },
+        ];
+        let f = judge_policies(&older, "fp-a");
+        assert_eq!(f.level, Level::Warn, "{f:?}");
+        assert!(f.detail.contains("old-3, odd-4"), "{f:?}");
+        assert!(f.detail.contains("older contextfold"), "{f:?}");
+
+        assert_eq!(judge_policies(&[], "fp-a").level, Level::Ok);
     }
 
     #[test]

@@ -88,6 +88,12 @@ pub struct MemberRecord {
     pub member: String,
     /// Partitions held when the heartbeat was written.
     pub held: usize,
+    /// The fingerprint of the policy this member folds under
+    /// (`runtime::engine::policy_fingerprint`), so that `doctor` can tell
+    /// members that fold under different `[policy]` apart. Absent in the
+    /// records of older versions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy_fingerprint: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -282,6 +288,8 @@ pub struct PartitionLeases {
     /// member's share: the process has joined (for `/readyz`).
     joined: Arc<AtomicBool>,
     failures: u64,
+    /// Published in the heartbeat (see [`MemberRecord::policy_fingerprint`]).
+    policy_fingerprint: Option<String>,
     /// Where events go the moment they happen when running as a task (a
     /// release waits for the worker, which must hear of it first).
     sink: Option<mpsc::UnboundedSender<LeaseEvent>>,
@@ -323,8 +331,16 @@ impl PartitionLeases {
             held: Arc::new(Mutex::new(BTreeMap::new())),
             joined: Arc::new(AtomicBool::new(false)),
             failures: 0,
+            policy_fingerprint: None,
             sink: None,
         })
+    }
+
+    /// Publishes `fingerprint` (the policy this member folds under) in
+    /// every heartbeat.
+    pub fn with_policy_fingerprint(mut self, fingerprint: impl Into<String>) -> Self {
+        self.policy_fingerprint = Some(fingerprint.into());
+        self
     }
 
     pub fn member_id(&self) -> &str {
@@ -413,6 +429,7 @@ impl PartitionLeases {
         let heartbeat = MemberRecord {
             member: self.member.clone(),
             held: held_count,
+            policy_fingerprint: self.policy_fingerprint.clone(),
         };
         let body = Bytes::from(serde_json::to_vec(&heartbeat).unwrap_or_default());
         if let Err(e) = self.kv.put(member_key(&self.member), body).await {
@@ -492,39 +509,11 @@ impl PartitionLeases {
 
     /// Ids of members whose heartbeat key is alive (this one included).
     pub async fn live_members(&self) -> Result<Vec<String>, NatsError> {
-        let filter = format!("{}members.>", self.kv.prefix);
-        let mut info = self
-            .kv
-            .stream
-            .info_with_subjects(&filter)
-            .await
-            .map_err(|e| NatsError::js("listing lease members", e))?;
-        let mut keys = Vec::new();
-        while let Some((subject, _count)) = info
-            .try_next()
-            .await
-            .map_err(|e| NatsError::js("listing lease members", e))?
-        {
-            if let Some(key) = subject.strip_prefix(self.kv.prefix.as_str()) {
-                keys.push(key.to_string());
-            }
-        }
-        let mut members = Vec::new();
-        for key in keys {
-            // A delete marker of a member that left is listed too.
-            let entry = self
-                .kv
-                .entry(key.clone())
-                .await
-                .map_err(|e| NatsError::js("reading a lease member", e))?;
-            if let Some(entry) = entry {
-                if entry.operation == Operation::Put {
-                    if let Some(id) = key.strip_prefix("members.") {
-                        members.push(id.to_string());
-                    }
-                }
-            }
-        }
+        let mut members: Vec<String> = member_entries(&self.kv)
+            .await?
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect();
         if !members.iter().any(|m| m == &self.member) {
             members.push(self.member.clone());
         }
@@ -718,6 +707,64 @@ impl LeaseRunner {
     }
 }
 
+/// The live member keys of the lease bucket and their values, by member id
+/// (a member that left leaves a delete marker, which is skipped).
+async fn member_entries(kv: &kv::Store) -> Result<Vec<(String, Bytes)>, NatsError> {
+    let filter = format!("{}members.>", kv.prefix);
+    let mut info = kv
+        .stream
+        .info_with_subjects(&filter)
+        .await
+        .map_err(|e| NatsError::js("listing lease members", e))?;
+    let mut keys = Vec::new();
+    while let Some((subject, _count)) = info
+        .try_next()
+        .await
+        .map_err(|e| NatsError::js("listing lease members", e))?
+    {
+        if let Some(key) = subject.strip_prefix(kv.prefix.as_str()) {
+            keys.push(key.to_string());
+        }
+    }
+    let mut members = Vec::new();
+    for key in keys {
+        let entry = kv
+            .entry(key.clone())
+            .await
+            .map_err(|e| NatsError::js("reading a lease member", e))?;
+        if let Some(entry) = entry {
+            if entry.operation == Operation::Put {
+                if let Some(id) = key.strip_prefix("members.") {
+                    members.push((id.to_string(), entry.value));
+                }
+            }
+        }
+    }
+    members.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(members)
+}
+
+/// A live member as its last heartbeat describes it; `record` is `None`
+/// when the value does not decode (written by another version).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveMember {
+    pub member: String,
+    pub record: Option<MemberRecord>,
+}
+
+/// Every live member of the lease bucket with its heartbeat record, by id
+/// (for `doctor`: who folds, and under which policy).
+pub async fn live_member_records(kv: &kv::Store) -> Result<Vec<LiveMember>, NatsError> {
+    Ok(member_entries(kv)
+        .await?
+        .into_iter()
+        .map(|(member, value)| LiveMember {
+            record: serde_json::from_slice::<MemberRecord>(&value).ok(),
+            member,
+        })
+        .collect())
+}
+
 /// Who holds `partition`, if anyone (for routing a request to the owner).
 pub async fn owner_of(kv: &kv::Store, partition: u32) -> Result<Option<String>, NatsError> {
     let entry = kv
@@ -743,6 +790,24 @@ mod tests {
         assert_eq!(fair_share(16, 3), 6);
         assert_eq!(fair_share(16, 17), 1);
         assert_eq!(fair_share(16, 0), 16);
+    }
+
+    #[test]
+    fn member_records_of_older_versions_still_decode() {
+        let old: MemberRecord = serde_json::from_str(r#"{"member":"a-1","held":3}"#).unwrap();
+        assert_eq!(old.policy_fingerprint, None);
+        assert_eq!(old.held, 3);
+        let new = MemberRecord {
+            member: "b-2".into(),
+            held: 1,
+            policy_fingerprint: Some("0123abcd".into()),
+        };
+        let json = serde_json::to_string(&new).unwrap();
+        assert!(
+            json.contains(r#""policy_fingerprint":"0123abcd""#),
+            "{json}"
+        );
+        assert_eq!(serde_json::from_str::<MemberRecord>(&json).unwrap(), new);
     }
 
     #[test]

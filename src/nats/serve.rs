@@ -28,7 +28,7 @@ use crate::nats::setup::{ensure, Infrastructure};
 use crate::nats::summarizer_role::{SummarizerCounters, SummarizerRole, SummarizerSettings};
 use crate::nats::version::ServerVersion;
 use crate::nats::NatsError;
-use crate::runtime::engine::Engine;
+use crate::runtime::engine::{policy_fingerprint, Engine};
 use crate::runtime::sweep::PassSummarizer;
 use crate::store::redb_backend::RedbBackend;
 use crate::store::StoreError;
@@ -238,6 +238,8 @@ impl Service {
                 generate_member_id(&name),
                 LeaseSettings::from_config(&opts.nats),
             )?
+            // Every member that folds says under which policy, for doctor.
+            .with_policy_fingerprint(policy_fingerprint(&opts.policy))
             .spawn();
             let events = runner.take_events();
             let role = FolderRole::new(
