@@ -18,7 +18,9 @@ mod transcripts;
 mod shapes;
 
 use contextfold::core::assembly::{assemble, assemble_from};
-use contextfold::core::state::Resident;
+use contextfold::core::state::{Conversation, Resident, State};
+use contextfold::store::redb_backend::RedbBackend;
+use contextfold::store::state_store::{BodyCache, StateStore};
 use divan::Bencher;
 use shapes::Shape;
 use std::sync::OnceLock;
@@ -55,6 +57,52 @@ fn owned(bencher: Bencher, name: &str) {
         return;
     };
     bencher.bench(|| assemble(&s.conv, &s.policy, &s.request));
+}
+
+/// A shape committed to a redb state store of its own: the conversation
+/// as the engine holds it after a commit (no body resident), and its store.
+struct Stored {
+    conv: Conversation,
+    store: StateStore<RedbBackend>,
+    _dir: tempfile::TempDir,
+}
+
+/// `cache_bytes` 0: every body is read from the store (cold).
+fn stored(s: &Shape, cache_bytes: u64) -> Stored {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let backend = RedbBackend::open(&dir.path().join("state.redb")).expect("redb");
+    let mut store = StateStore::with_cache(backend, std::sync::Arc::new(BodyCache::new(cache_bytes)));
+    let mut state = State::default();
+    state.conversations.insert(s.conv.key.clone(), s.conv.clone());
+    let dirty = [s.conv.key.clone()].into_iter().collect();
+    store.commit(&mut state, &dirty, 1, "bench").expect("commit");
+    let conv = state.conversations.remove(&s.conv.key).expect("the shape");
+    Stored { conv, store, _dir: dir }
+}
+
+static COLD: OnceLock<Option<Stored>> = OnceLock::new();
+static WARM: OnceLock<Option<Stored>> = OnceLock::new();
+
+/// The compacted shape with its bodies in a state store: `cold` reads every
+/// body the reply sends from the store (no cache), `warm` from the body
+/// cache (what the engine keeps of an active conversation).
+#[divan::bench(args = ["cold", "warm"], sample_count = 300)]
+fn compacted_from_store(bencher: Bencher, temperature: &str) {
+    let Some(s) = shape("compacted") else {
+        eprintln!("compacted skipped: shared transcripts absent");
+        return;
+    };
+    let cell = if temperature == "cold" { &COLD } else { &WARM };
+    let Some(st) = cell
+        .get_or_init(|| Some(stored(s, if temperature == "cold" { 0 } else { 128 << 20 })))
+        .as_ref()
+    else {
+        return;
+    };
+    let bodies = st.store.bodies();
+    // Warm: the first reply fills the cache.
+    assemble_from(&st.conv, &bodies, &s.policy, &s.request).expect("assembles");
+    bencher.bench(|| assemble_from(&st.conv, &bodies, &s.policy, &s.request).expect("assembles"));
 }
 
 fn main() {

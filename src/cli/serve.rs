@@ -131,6 +131,7 @@ pub fn serve(
     opts.roles = roles;
     opts.policy = config.policy.clone();
     opts.flush_every = config.store.flush_every;
+    opts.store = config.store.clone();
     if let Some(n) = concurrency {
         opts.summarizer.concurrency = n.max(1);
     }

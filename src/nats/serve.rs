@@ -117,6 +117,9 @@ pub struct ServeOptions {
     pub policy: PolicyConfig,
     /// Make every N-th state commit durable (the `[store]` setting).
     pub flush_every: u32,
+    /// What each partition's engine keeps in memory, and the process's
+    /// body cache (shared by its partitions).
+    pub store: crate::config::StoreConfig,
     /// Stem of the lease member id (`<name>-<pid>-<random>`); defaults to
     /// the connection name, else `contextfold`.
     pub member_name: Option<String>,
@@ -142,6 +145,7 @@ impl ServeOptions {
             data_dir: data_dir.into(),
             policy: PolicyConfig::default(),
             flush_every: 1,
+            store: crate::config::StoreConfig::default(),
             member_name: None,
             folder,
             summarizer,
@@ -169,17 +173,36 @@ pub enum ServeError {
     },
 }
 
-/// A redb state store per partition under `dir`.
+/// A redb state store per partition under `dir`, with the default memory
+/// limits.
 pub fn redb_engines(
     dir: &Path,
     policy: PolicyConfig,
     flush_every: u32,
 ) -> EngineFactory<RedbBackend> {
+    redb_engines_with(dir, policy, flush_every, &crate::config::StoreConfig::default())
+}
+
+/// [`redb_engines`] with `store`'s memory limits: one body cache of
+/// `store.body_cache_bytes` for the process, shared by its partitions.
+/// Opening an engine reads no conversation, so taking a partition over
+/// costs the same whatever its history.
+pub fn redb_engines_with(
+    dir: &Path,
+    policy: PolicyConfig,
+    flush_every: u32,
+    store: &crate::config::StoreConfig,
+) -> EngineFactory<RedbBackend> {
     let dir = dir.to_path_buf();
+    let cache = Arc::new(crate::store::state_store::BodyCache::new(store.body_cache_bytes));
+    let residency = store.residency();
     Arc::new(move |p| {
         let backend = RedbBackend::open(&dir.join(format!("partition-{p}.redb")))?;
-        let mut engine = Engine::open(backend, policy.clone())?;
+        let state_store =
+            crate::store::state_store::StateStore::with_cache(backend, Arc::clone(&cache));
+        let mut engine = Engine::open_with(state_store, policy.clone())?;
         engine.set_flush_every(flush_every);
+        engine.set_residency(residency);
         Ok(engine)
     })
 }
@@ -245,7 +268,7 @@ impl Service {
             let role = FolderRole::new(
                 js.clone(),
                 &infra,
-                redb_engines(&dir, opts.policy.clone(), opts.flush_every),
+                redb_engines_with(&dir, opts.policy.clone(), opts.flush_every, &opts.store),
                 opts.folder.clone(),
             );
             engines = Some(role.engines());
