@@ -71,13 +71,22 @@ struct Stored {
 fn stored(s: &Shape, cache_bytes: u64) -> Stored {
     let dir = tempfile::tempdir().expect("temp dir");
     let backend = RedbBackend::open(&dir.path().join("state.redb")).expect("redb");
-    let mut store = StateStore::with_cache(backend, std::sync::Arc::new(BodyCache::new(cache_bytes)));
+    let mut store =
+        StateStore::with_cache(backend, std::sync::Arc::new(BodyCache::new(cache_bytes)));
     let mut state = State::default();
-    state.conversations.insert(s.conv.key.clone(), s.conv.clone());
+    state
+        .conversations
+        .insert(s.conv.key.clone(), s.conv.clone());
     let dirty = [s.conv.key.clone()].into_iter().collect();
-    store.commit(&mut state, &dirty, 1, "bench").expect("commit");
+    store
+        .commit(&mut state, &dirty, 1, "bench")
+        .expect("commit");
     let conv = state.conversations.remove(&s.conv.key).expect("the shape");
-    Stored { conv, store, _dir: dir }
+    Stored {
+        conv,
+        store,
+        _dir: dir,
+    }
 }
 
 static COLD: OnceLock<Option<Stored>> = OnceLock::new();

@@ -129,6 +129,15 @@ pub const ASSEMBLE_SECONDS: &str = "contextfold_assemble_seconds";
 /// Assembled reply size in bytes (histogram).
 pub const ASSEMBLE_REPLY_BYTES: &str = "contextfold_assemble_reply_bytes";
 
+// ---- state store -----------------------------------------------------------
+
+/// Bytes of turn bodies in the body cache (gauge; one cache per process).
+pub const BODY_CACHE_BYTES: &str = "contextfold_body_cache_bytes";
+/// Body reads the cache answered.
+pub const BODY_CACHE_HITS: &str = "contextfold_body_cache_hits_total";
+/// Body reads that went to the state store.
+pub const BODY_CACHE_MISSES: &str = "contextfold_body_cache_misses_total";
+
 // ---- HTTP ------------------------------------------------------------------
 
 /// Whether this process is ready (`/readyz`), 1 or 0 (gauge).
@@ -233,6 +242,21 @@ pub const FAMILIES: &[(&str, Kind, &str)] = &[
         ASSEMBLE_REPLY_BYTES,
         Kind::Histogram,
         "assembled reply size in bytes",
+    ),
+    (
+        BODY_CACHE_BYTES,
+        Kind::Gauge,
+        "bytes of turn bodies in the body cache",
+    ),
+    (
+        BODY_CACHE_HITS,
+        Kind::Counter,
+        "body reads the cache answered",
+    ),
+    (
+        BODY_CACHE_MISSES,
+        Kind::Counter,
+        "body reads that went to the state store",
     ),
     (READY, Kind::Gauge, "1 when /readyz answers 200, else 0"),
 ];
@@ -450,6 +474,21 @@ impl StateCommitted {
     pub fn emit(self) {
         metrics::counter!(STATE_COMMITS).increment(1);
         metrics::histogram!(COMMIT_SECONDS).record(self.elapsed.as_secs_f64());
+    }
+}
+
+/// The body cache after a commit (its counts are the cache's own totals).
+pub struct BodyCacheState {
+    pub bytes: u64,
+    pub hits: u64,
+    pub misses: u64,
+}
+
+impl BodyCacheState {
+    pub fn emit(self) {
+        metrics::gauge!(BODY_CACHE_BYTES).set(self.bytes as f64);
+        metrics::counter!(BODY_CACHE_HITS).absolute(self.hits);
+        metrics::counter!(BODY_CACHE_MISSES).absolute(self.misses);
     }
 }
 

@@ -180,7 +180,12 @@ pub fn redb_engines(
     policy: PolicyConfig,
     flush_every: u32,
 ) -> EngineFactory<RedbBackend> {
-    redb_engines_with(dir, policy, flush_every, &crate::config::StoreConfig::default())
+    redb_engines_with(
+        dir,
+        policy,
+        flush_every,
+        &crate::config::StoreConfig::default(),
+    )
 }
 
 /// [`redb_engines`] with `store`'s memory limits: one body cache of
@@ -194,7 +199,9 @@ pub fn redb_engines_with(
     store: &crate::config::StoreConfig,
 ) -> EngineFactory<RedbBackend> {
     let dir = dir.to_path_buf();
-    let cache = Arc::new(crate::store::state_store::BodyCache::new(store.body_cache_bytes));
+    let cache = Arc::new(crate::store::state_store::BodyCache::new(
+        store.body_cache_bytes,
+    ));
     let residency = store.residency();
     Arc::new(move |p| {
         let backend = RedbBackend::open(&dir.join(format!("partition-{p}.redb")))?;

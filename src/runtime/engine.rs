@@ -681,6 +681,13 @@ impl<B: KvBackend> Engine<B> {
             elapsed: started.elapsed(),
         }
         .emit();
+        let cache = self.store.cache();
+        t::BodyCacheState {
+            bytes: cache.bytes(),
+            hits: cache.hits(),
+            misses: cache.misses(),
+        }
+        .emit();
         self.evict();
         Ok(())
     }

@@ -278,6 +278,7 @@ impl<B: KvBackend> StateStore<B> {
             tracing::warn!(
                 "state store was folded under another policy; replaying the log from the start"
             );
+            self.clear()?;
             return Ok(Opened {
                 state: State::default(),
                 position: 0,
@@ -309,6 +310,23 @@ impl<B: KvBackend> StateStore<B> {
             position,
             other_policy: false,
         })
+    }
+
+    /// Deletes every conversation, record and count in one commit (the
+    /// position and policy with them), so a replay from the start writes
+    /// into an empty store. Left in place, the records of the old fold
+    /// would be read back after the new one's and count its turns twice.
+    fn clear(&mut self) -> Result<(), StoreError> {
+        let mut writes = Vec::new();
+        for table in [Table::Conversations, Table::Records, Table::Meta] {
+            for (key, _) in self.backend.scan_prefix(table, b"")? {
+                writes.push(Write::Delete { table, key });
+            }
+        }
+        if !writes.is_empty() {
+            self.backend.commit(&writes, true)?;
+        }
+        Ok(())
     }
 
     /// The keys of every stored conversation, in key order (the index: one
@@ -669,6 +687,43 @@ mod tests {
     use crate::core::message::{ChatMessage, Role};
     use crate::core::policy::PolicyConfig;
     use crate::store::memory_backend::MemoryBackend;
+
+    /// Opens under one policy, another, then the first again, folding the
+    /// same events each time from the start as the engine does: the store
+    /// never counts a turn twice (it did when a policy switch left the old
+    /// fold's chunks behind the new one's).
+    #[test]
+    fn a_policy_switch_never_counts_a_turn_twice() {
+        let policy = PolicyConfig::default();
+        let mut store = StateStore::new(MemoryBackend::default());
+        for (round, fingerprint) in ["a", "b", "a", "a"].into_iter().enumerate() {
+            let opened = store.open(fingerprint).unwrap();
+            let mut state = opened.state;
+            let mut dirty = BTreeSet::new();
+            if opened.position == 0 {
+                // Folded from the start in commits of a few turns, more
+                // commits in some rounds than in others.
+                for i in 0..12u64 {
+                    let text = format!("turn {i} of the conversation about the build");
+                    let turn = TurnAppended::from(ChatMessage::text(Role::User, text));
+                    let e =
+                        Envelope::new(format!("t{i}"), "c", 1 + i, EventBody::TurnAppended(turn));
+                    fold(&mut state, &policy, &e);
+                    dirty.insert("c".to_string());
+                    if i % (round as u64 + 2) == 0 {
+                        store
+                            .commit(&mut state, &dirty, i + 1, fingerprint)
+                            .unwrap();
+                    }
+                }
+                store.commit(&mut state, &dirty, 12, fingerprint).unwrap();
+            }
+            let mut reopened = StateStore::new(store.backend().clone());
+            reopened.open(fingerprint).unwrap();
+            let conv = reopened.load_conversation("c").unwrap().unwrap();
+            assert_eq!(conv.turns.len(), 12, "round {round} ({fingerprint})");
+        }
+    }
 
     #[test]
     fn keys_that_differ_after_a_zero_byte_keep_their_records_apart() {
