@@ -243,6 +243,9 @@ pub struct StoreConfig {
     /// A conversation untouched this long is dropped from memory at the
     /// next commit (default 600,000 ms).
     pub conversation_idle_ms: u64,
+    /// Bytes of redb pages each state store keeps in memory (default
+    /// 64 MiB).
+    pub redb_cache_bytes: u64,
 }
 
 impl Default for StoreConfig {
@@ -253,6 +256,7 @@ impl Default for StoreConfig {
             body_cache_bytes: crate::store::state_store::DEFAULT_BODY_CACHE_BYTES,
             resident_conversations: 10_000,
             conversation_idle_ms: 600_000,
+            redb_cache_bytes: crate::store::redb_backend::DEFAULT_CACHE_BYTES as u64,
         }
     }
 }

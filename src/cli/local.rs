@@ -142,12 +142,16 @@ pub(super) async fn open_pipeline(config: &Config) -> Result<LocalPipeline> {
     std::fs::create_dir_all(&config.data_dir)
         .with_context(|| format!("creating data directory {}", config.data_dir.display()))?;
     let log = open_log(config)?;
-    let backend = RedbBackend::open(&state_path(config))
+    let backend = RedbBackend::open_with_cache(&state_path(config), redb_cache(config))
         .with_context(|| format!("opening the state store {}", state_path(config).display()))?;
     let mut engine = Engine::open_with(store(backend, config), config.policy.clone())?;
     engine.set_flush_every(config.store.flush_every);
     engine.set_residency(config.store.residency());
     Ok(Pipeline::open(log, engine, Deterministic).await?)
+}
+
+fn redb_cache(config: &Config) -> usize {
+    usize::try_from(config.store.redb_cache_bytes).unwrap_or(usize::MAX)
 }
 
 /// A state store with the configured body cache.
@@ -210,40 +214,112 @@ pub(super) struct Input {
 /// Lines that are not valid events are kept as raw records so the engine
 /// rejects them with a reason and folds everything else.
 pub(super) fn read_input(file: Option<&Path>, format: &str) -> Result<Vec<Input>> {
-    let bytes = match file {
-        Some(p) if p != Path::new("-") => {
-            std::fs::read(p).with_context(|| format!("reading {}", p.display()))?
+    input_records(file, format)?.collect()
+}
+
+/// Input records, read as they are needed: event JSONL line by line (a
+/// fleet's history need not fit in memory), a transcript imported whole
+/// (transcript formats are one document).
+pub(super) enum InputRecords {
+    Lines {
+        reader: Box<dyn BufRead>,
+        /// The first non-blank line, read to tell the format.
+        first: Option<(usize, Vec<u8>)>,
+        line: usize,
+    },
+    Imported(std::vec::IntoIter<Input>),
+}
+
+impl Iterator for InputRecords {
+    type Item = Result<Input>;
+
+    fn next(&mut self) -> Option<Result<Input>> {
+        match self {
+            InputRecords::Imported(records) => records.next().map(Ok),
+            InputRecords::Lines {
+                reader,
+                first,
+                line,
+            } => {
+                if let Some((at, bytes)) = first.take() {
+                    return Some(Ok(event_line(at, bytes)));
+                }
+                loop {
+                    let mut buf = Vec::new();
+                    match reader.read_until(b'\n', &mut buf) {
+                        Ok(0) => return None,
+                        Ok(_) => {
+                            *line += 1;
+                            if buf.iter().all(u8::is_ascii_whitespace) {
+                                continue;
+                            }
+                            while buf.last().is_some_and(|b| *b == b'\n' || *b == b'\r') {
+                                buf.pop();
+                            }
+                            return Some(Ok(event_line(*line, buf)));
+                        }
+                        Err(e) => return Some(Err(anyhow::Error::new(e).context("reading input"))),
+                    }
+                }
+            }
         }
-        _ => {
-            let mut b = Vec::new();
-            std::io::stdin()
-                .read_to_end(&mut b)
-                .context("reading stdin")?;
-            b
+    }
+}
+
+fn event_line(line: usize, bytes: Vec<u8>) -> Input {
+    Input {
+        at: format!("line {line}"),
+        encoding: Encoding::Json,
+        bytes,
+    }
+}
+
+/// Opens the input: event JSONL when `format` says so or (`auto`) its first
+/// non-blank line is an event, else a transcript of `format`.
+pub(super) fn input_records(file: Option<&Path>, format: &str) -> Result<InputRecords> {
+    let mut reader: Box<dyn BufRead> = match file {
+        Some(p) if p != Path::new("-") => Box::new(std::io::BufReader::with_capacity(
+            1 << 20,
+            std::fs::File::open(p).with_context(|| format!("reading {}", p.display()))?,
+        )),
+        _ => Box::new(std::io::BufReader::new(std::io::stdin())),
+    };
+    let mut head = Vec::new();
+    let mut line = 0;
+    let first = loop {
+        let mut buf = Vec::new();
+        if reader
+            .read_until(b'\n', &mut buf)
+            .context("reading input")?
+            == 0
+        {
+            break None;
+        }
+        line += 1;
+        head.extend_from_slice(&buf);
+        if !buf.iter().all(u8::is_ascii_whitespace) {
+            while buf.last().is_some_and(|b| *b == b'\n' || *b == b'\r') {
+                buf.pop();
+            }
+            break Some(buf);
         }
     };
-    let first = bytes
-        .split(|&b| b == b'\n')
-        .find(|l| !l.iter().all(u8::is_ascii_whitespace));
     let is_events = format == "events"
         || (format == "auto"
-            && first.is_some_and(|l| {
+            && first.as_ref().is_some_and(|l| {
                 serde_json::from_slice::<serde_json::Value>(l)
                     .ok()
                     .is_some_and(|v| v.get("conversation").is_some() && v.get("payload").is_some())
             }));
     if is_events {
-        return Ok(bytes
-            .split(|&b| b == b'\n')
-            .enumerate()
-            .filter(|(_, l)| !l.iter().all(u8::is_ascii_whitespace))
-            .map(|(i, l)| Input {
-                at: format!("line {}", i + 1),
-                encoding: Encoding::Json,
-                bytes: l.to_vec(),
-            })
-            .collect());
+        return Ok(InputRecords::Lines {
+            reader,
+            first: first.map(|f| (line, f)),
+            line,
+        });
     }
+    let mut bytes = head;
+    reader.read_to_end(&mut bytes).context("reading input")?;
     let format: Format = format.parse().map_err(|e| anyhow::anyhow!("{e}"))?;
     let name = file.map_or("stdin".to_string(), |p| {
         p.file_stem()
@@ -252,7 +328,7 @@ pub(super) fn read_input(file: Option<&Path>, format: &str) -> Result<Vec<Input>
             .into_owned()
     });
     let conversations = import::import_bytes(&bytes, format, &name)?;
-    Ok(conversations
+    let records: Vec<Input> = conversations
         .iter()
         .flat_map(|c| c.events.iter())
         .enumerate()
@@ -261,7 +337,8 @@ pub(super) fn read_input(file: Option<&Path>, format: &str) -> Result<Vec<Input>
             encoding: Encoding::Msgpack,
             bytes: e.to_msgpack(),
         })
-        .collect())
+        .collect();
+    Ok(InputRecords::Imported(records.into_iter()))
 }
 
 /// Splits off the records the log cannot store (over
@@ -300,25 +377,35 @@ pub fn run(
     batch: usize,
     json: bool,
 ) -> Result<ExitCode> {
-    let (records, skipped) = drop_unstorable(read_input(file, format)?);
+    let mut input = input_records(file, format)?;
     let rt = runtime()?;
     rt.block_on(async {
         let mut p = open_pipeline(config).await?;
         let started = Instant::now();
-        let total = records.len();
         let mut done = 0;
+        let mut skipped = 0;
         let mut last_report = Instant::now();
-        for chunk in records.chunks(batch.max(1)) {
-            p.ingest_raw(chunk).await?;
-            done += chunk.len();
-            if last_report.elapsed().as_millis() >= 500 || done == total {
+        loop {
+            let chunk: Vec<Input> = input.by_ref().take(batch.max(1)).collect::<Result<_>>()?;
+            if chunk.is_empty() {
+                break;
+            }
+            let (records, dropped) = drop_unstorable(chunk);
+            skipped += dropped;
+            p.ingest_raw(&records).await?;
+            done += records.len();
+            if last_report.elapsed().as_millis() >= 500 {
                 eprintln!(
-                    "  {done}/{total} events folded ({:.1}s)",
+                    "  {done} events folded ({:.1}s)",
                     started.elapsed().as_secs_f64()
                 );
                 last_report = Instant::now();
             }
         }
+        eprintln!(
+            "  {done} events folded ({:.1}s)",
+            started.elapsed().as_secs_f64()
+        );
         p.engine.flush()?;
         report::print(&p.engine, &p.engine.policy, started.elapsed(), json)?;
         if skipped > 0 {
@@ -436,7 +523,10 @@ pub fn rebuild(config: &Config) -> Result<ExitCode> {
             .map_or(0, |d| d.as_secs());
         let fresh_path = config.data_dir.join(format!("state.rebuild-{stamp}.redb"));
         let mut engine = Engine::open_with(
-            store(RedbBackend::open(&fresh_path)?, config),
+            store(
+                RedbBackend::open_with_cache(&fresh_path, redb_cache(config))?,
+                config,
+            ),
             config.policy.clone(),
         )?;
         engine.set_residency(config.store.residency());

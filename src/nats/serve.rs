@@ -203,8 +203,10 @@ pub fn redb_engines_with(
         store.body_cache_bytes,
     ));
     let residency = store.residency();
+    let redb_cache = usize::try_from(store.redb_cache_bytes).unwrap_or(usize::MAX);
     Arc::new(move |p| {
-        let backend = RedbBackend::open(&dir.join(format!("partition-{p}.redb")))?;
+        let backend =
+            RedbBackend::open_with_cache(&dir.join(format!("partition-{p}.redb")), redb_cache)?;
         let state_store =
             crate::store::state_store::StateStore::with_cache(backend, Arc::clone(&cache));
         let mut engine = Engine::open_with(state_store, policy.clone())?;

@@ -90,6 +90,9 @@ pub fn inspect(path: &Path) -> Result<StoreSummary, InspectError> {
 }
 
 /// State store tables in a single redb file.
+/// The page cache a redb store keeps by default.
+pub const DEFAULT_CACHE_BYTES: usize = 64 << 20;
+
 #[derive(Debug)]
 pub struct RedbBackend {
     db: Database,
@@ -97,10 +100,17 @@ pub struct RedbBackend {
 }
 
 impl RedbBackend {
+    /// [`RedbBackend::open_with_cache`] with [`DEFAULT_CACHE_BYTES`].
+    pub fn open(path: &Path) -> Result<Self, StoreError> {
+        Self::open_with_cache(path, DEFAULT_CACHE_BYTES)
+    }
+
     /// Opens the database file at `path`, creating it (and its parent
     /// directories) when missing, and makes sure every table exists so that
-    /// reads never meet a missing table.
-    pub fn open(path: &Path) -> Result<Self, StoreError> {
+    /// reads never meet a missing table. redb keeps up to `cache_bytes` of
+    /// its pages in memory (its own default, 1 GiB, would let a process grow
+    /// with its store: the bodies are read through the body cache instead).
+    pub fn open_with_cache(path: &Path, cache_bytes: usize) -> Result<Self, StoreError> {
         let open_error = |detail: String| StoreError::Open {
             path: path.display().to_string(),
             detail,
@@ -109,14 +119,17 @@ impl RedbBackend {
             std::fs::create_dir_all(parent)
                 .map_err(|e| open_error(format!("cannot create its directory: {e}")))?;
         }
-        let db = Database::create(path).map_err(|e| match e {
-            redb::DatabaseError::DatabaseAlreadyOpen => open_error(
-                "it is already open in another process; stop that process or choose \
+        let db = Database::builder()
+            .set_cache_size(cache_bytes)
+            .create(path)
+            .map_err(|e| match e {
+                redb::DatabaseError::DatabaseAlreadyOpen => open_error(
+                    "it is already open in another process; stop that process or choose \
                  another --data directory"
-                    .into(),
-            ),
-            other => open_error(other.to_string()),
-        })?;
+                        .into(),
+                ),
+                other => open_error(other.to_string()),
+            })?;
         let txn = db
             .begin_write()
             .map_err(|e| open_error(format!("cannot begin a transaction: {e}")))?;
