@@ -136,7 +136,11 @@ fn compacted() -> Option<Shape> {
                     for chunk in events.chunks(64) {
                         p.ingest(chunk).await.expect("memory log");
                     }
-                    p.engine.state.conversations.remove(KEY)
+                    // Every body resident, as the state held them before
+                    // bodies moved to the store.
+                    p.engine
+                        .materialized_conversation(KEY)
+                        .expect("the memory store reads back")
                 })
             })
             .join()

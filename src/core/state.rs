@@ -108,14 +108,20 @@ pub struct Turn {
     pub tool_ids: Box<[u64]>,
 }
 
-/// The digest a [`Turn`] keeps of a tool-call id. 64 bits: a collision
-/// within one conversation (pairing a result with the wrong call) needs
-/// billions of ids there, and it would be the same on every replay.
+/// The digest a [`Turn`] keeps of a tool-call id: 64-bit FNV-1a, written
+/// here so that it never changes under a stored state (a crate's hash may
+/// change between versions), and cheap on the fold's hot path (every tool
+/// turn digests its id twice). A collision within one conversation needs
+/// billions of ids there, or ids crafted by the conversation's own agent
+/// (whose results would then pair with the wrong call of its own turns);
+/// either way every replay decides the same.
 pub fn call_digest(id: &str) -> u64 {
-    let hash = blake3::hash(id.as_bytes());
-    let mut head = [0u8; 8];
-    head.copy_from_slice(&hash.as_bytes()[..8]);
-    u64::from_le_bytes(head)
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in id.as_bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
 }
 
 impl Turn {
@@ -162,9 +168,13 @@ pub fn tool_ids_of(msg: &crate::core::message::ChatMessage) -> Box<[u64]> {
 /// guards may still compare a new turn with. Bookkeeping beside the state:
 /// not serialized, hashed or compared (the hash reads bodies through
 /// [`TurnBodies`]).
+///
+/// A vector in sequence order, not a map: the fold appends each turn's
+/// body at the end (its sequence is the conversation's newest), on the hot
+/// path of every event.
 #[derive(Debug, Clone, Default)]
 pub struct ResidentBodies {
-    map: BTreeMap<u64, Arc<TurnAppended>>,
+    bodies: Vec<(u64, Arc<TurnAppended>)>,
     bytes: u64,
 }
 
@@ -175,34 +185,46 @@ impl PartialEq for ResidentBodies {
 }
 
 impl ResidentBodies {
+    fn index(&self, seq: u64) -> Result<usize, usize> {
+        // The newest is asked for most (guards, the turn just folded).
+        match self.bodies.last() {
+            Some((last, _)) if *last == seq => Ok(self.bodies.len() - 1),
+            Some((last, _)) if *last < seq => Err(self.bodies.len()),
+            _ => self.bodies.binary_search_by_key(&seq, |(s, _)| *s),
+        }
+    }
     pub fn get(&self, seq: u64) -> Option<&Arc<TurnAppended>> {
-        self.map.get(&seq)
+        self.index(seq).ok().map(|i| &self.bodies[i].1)
     }
     pub fn insert(&mut self, seq: u64, body: Arc<TurnAppended>) {
-        let size = body_size(&body);
-        if let Some(old) = self.map.insert(seq, body) {
-            self.bytes -= body_size(&old);
+        self.bytes += body_size(&body);
+        match self.index(seq) {
+            Ok(i) => {
+                let old = std::mem::replace(&mut self.bodies[i].1, body);
+                self.bytes -= body_size(&old);
+            }
+            Err(i) => self.bodies.insert(i, (seq, body)),
         }
-        self.bytes += size;
     }
     /// Bodies of turns `from..`, in order (what a commit writes).
     pub fn from(&self, from: u64) -> impl Iterator<Item = (u64, &Arc<TurnAppended>)> {
-        self.map.range(from..).map(|(s, b)| (*s, b))
+        let start = self.bodies.partition_point(|(s, _)| *s < from);
+        self.bodies[start..].iter().map(|(s, b)| (*s, b))
     }
     /// Drops every body but those `keep` names; returns the dropped ones.
     pub fn release(&mut self, keep: impl Fn(u64) -> bool) -> Vec<(u64, Arc<TurnAppended>)> {
-        let (kept, released): (BTreeMap<_, _>, BTreeMap<_, _>) = std::mem::take(&mut self.map)
+        let (kept, released): (Vec<_>, Vec<_>) = std::mem::take(&mut self.bodies)
             .into_iter()
             .partition(|(s, _)| keep(*s));
-        self.map = kept;
-        self.bytes = self.map.values().map(|b| body_size(b)).sum();
-        released.into_iter().collect()
+        self.bodies = kept;
+        self.bytes = self.bodies.iter().map(|(_, b)| body_size(b)).sum();
+        released
     }
     pub fn len(&self) -> usize {
-        self.map.len()
+        self.bodies.len()
     }
     pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
+        self.bodies.is_empty()
     }
     /// About the bytes they hold (their text).
     pub fn bytes(&self) -> u64 {

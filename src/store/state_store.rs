@@ -419,7 +419,16 @@ impl<B: KvBackend> StateStore<B> {
 
     /// A body from the cache or the backend (not from the conversation).
     fn stored_body(&self, conv: &Conversation, seq: u64) -> Result<Arc<TurnAppended>, BodyError> {
-        let cache_key = (id_digest(&conv.key), seq);
+        self.stored_body_keyed(conv, id_digest(&conv.key), seq)
+    }
+
+    fn stored_body_keyed(
+        &self,
+        conv: &Conversation,
+        key_digest: IdDigest,
+        seq: u64,
+    ) -> Result<Arc<TurnAppended>, BodyError> {
+        let cache_key = (key_digest, seq);
         if let Some(body) = self.cache.get(&cache_key) {
             return Ok(body);
         }
@@ -446,7 +455,10 @@ impl<B: KvBackend> StateStore<B> {
     /// Reads bodies: the conversation's resident ones, then the cache,
     /// then the store.
     pub fn bodies(&self) -> StoredBodies<'_, B> {
-        StoredBodies { store: self }
+        StoredBodies {
+            store: self,
+            last_key: std::cell::RefCell::new(None),
+        }
     }
 
     /// The hash of the whole stored state with `resident`'s conversations
@@ -668,6 +680,9 @@ impl<B: KvBackend> StateStore<B> {
 /// [`TurnBodies`] of a store: resident, cached, then stored.
 pub struct StoredBodies<'a, B: KvBackend> {
     store: &'a StateStore<B>,
+    /// The digest of the conversation key read last: one assembly reads
+    /// many bodies of one conversation.
+    last_key: std::cell::RefCell<Option<(String, IdDigest)>>,
 }
 
 impl<B: KvBackend> TurnBodies for StoredBodies<'_, B> {
@@ -675,7 +690,18 @@ impl<B: KvBackend> TurnBodies for StoredBodies<'_, B> {
         if let Some(body) = conv.bodies.get(seq) {
             return Ok(Arc::clone(body));
         }
-        self.store.stored_body(conv, seq)
+        let digest = {
+            let mut last = self.last_key.borrow_mut();
+            match &*last {
+                Some((key, digest)) if *key == conv.key => *digest,
+                _ => {
+                    let digest = id_digest(&conv.key);
+                    *last = Some((conv.key.clone(), digest));
+                    digest
+                }
+            }
+        };
+        self.store.stored_body_keyed(conv, digest, seq)
     }
 }
 
