@@ -399,20 +399,22 @@ fn reopens_at(window: &spend::SpendWindow, window_ms: u64) -> Option<u64> {
         .min()
 }
 
-/// Whether `conv`'s spend window holds its routine summarization at `now`:
-/// `(in backoff, used up, open again at)`; `None` when it does not.
-fn spend_closed(
-    state: &State,
-    conv: &Conversation,
+/// Whether a conversation's spend window (its own, or its partition's)
+/// holds its routine summarization at `now`: `(in backoff, used up, open
+/// again at)`; `None` when it does not.
+fn spend_closed_windows(
+    key: &str,
+    own: &crate::core::spend::SpendWindow,
+    partition: &crate::core::spend::SpendWindow,
     policy: &PolicyConfig,
     now: u64,
 ) -> Option<(bool, bool, u64)> {
     let window_ms = policy.summary_call_window_ms;
-    let mut own = conv.spend.clone();
+    let mut own = own.clone();
     own.prune(now, window_ms);
-    let mut partition = state.spend.clone();
+    let mut partition = partition.clone();
     partition.prune(now, window_ms);
-    let a = spend::allowance(&own, &partition, &conv.key, policy, now);
+    let a = spend::allowance(&own, &partition, key, policy, now);
     let used_up = a.calls_left == 0 || a.tokens_left == Some(0) || a.cost_left == Some(0);
     if !a.in_backoff && !used_up {
         return None;
@@ -532,7 +534,16 @@ pub fn global_status_with(
         health: Health::from_reasons(Vec::new()),
     };
     let mut by_depth: BTreeMap<u32, u64> = BTreeMap::new();
+    // The spend windows of conversations that spent or wait: judged below
+    // at the newest event time, known once every conversation was seen.
+    let mut windows = Vec::new();
     conversations(&mut |state, conv| {
+        if !conv.spend.recent.is_empty()
+            || conv.spend.backoff_until > 0
+            || !state.spend.recent.is_empty()
+        {
+            windows.push((conv.key.clone(), conv.spend.clone(), state.spend.clone()));
+        }
         let s = conversation_status(state, conv, policy)?;
         g.conversations += 1;
         g.turns += s.turns.total;
@@ -565,9 +576,9 @@ pub fn global_status_with(
     // Spend windows closed now, "now" being the newest event time: a
     // conversation quiet since its window closed is not counted once the
     // others have moved past its window.
-    for conv in state.conversations.values() {
+    for (key, own, partition) in &windows {
         if let Some((backoff, used_up, until)) =
-            spend_closed(state, conv, policy, g.newest_event_time)
+            spend_closed_windows(key, own, partition, policy, g.newest_event_time)
         {
             g.spend_backoff_conversations += u64::from(backoff);
             g.spend_exhausted_conversations += u64::from(used_up);
