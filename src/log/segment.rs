@@ -30,14 +30,20 @@
 //! [`SegmentLog::append_sync`] writes and `fdatasync`s before it returns;
 //! [`SegmentLog::append_batch_sync`] syncs once per segment it touched
 //! (normally once). A crash can therefore only leave damage after the last
-//! synced byte of the newest segment: a torn tail. On open every record is
-//! scanned and its checksum verified. A damaged record in the newest segment
+//! synced byte of the newest segment: a torn tail. On open the newest
+//! segment's records are scanned and their checksums verified. A sealed
+//! segment holds exactly the records between its first position and the
+//! next segment's (both in the file names), so it is scanned and verified
+//! the first time a read reaches it, not on open: opening a log costs the
+//! same whatever its history. A damaged record in the newest segment
 //! with no valid record anywhere after it is a torn tail: it is truncated
 //! away, logged with `tracing::warn!`, and the number of dropped bytes is
 //! reported by [`SegmentLog::dropped_tail_bytes`]. A damaged record that is
 //! followed by a valid one, or any damage in an older segment, cannot come
 //! from a crash during an append; it is reported as [`LogError::Corrupt`]
-//! naming the file and byte offset, and nothing is truncated.
+//! naming the file and byte offset, and nothing is truncated (for a sealed
+//! segment, by the read that first reaches it; so is a sealed segment whose
+//! records do not number what the file names say, a segment missing).
 //!
 //! Reads go through an in-memory index of record offsets (8 bytes per
 //! record), so `read_after(pos, max)` costs O(max) whatever the log's size.
@@ -144,15 +150,42 @@ struct Segment {
     file: File,
     /// Position of the first record this segment holds (or will hold).
     first: Position,
-    /// Byte offset of each record, in order.
+    /// Byte offset of each record, in order (empty until a sealed segment
+    /// is first read: `sealed_count`).
     offsets: Vec<u64>,
     /// Bytes of valid records; the next append goes here.
     len: u64,
+    /// A sealed segment not scanned yet: the records its name and the next
+    /// segment's say it holds.
+    sealed_count: Option<u64>,
 }
 
 impl Segment {
     fn record_count(&self) -> u64 {
-        self.offsets.len() as u64
+        self.sealed_count.unwrap_or(self.offsets.len() as u64)
+    }
+
+    /// Scans a sealed segment the first time it is read, checking that it
+    /// holds the records the file names say.
+    fn ensure_indexed(&mut self) -> Result<(), LogError> {
+        let Some(expected) = self.sealed_count else {
+            return Ok(());
+        };
+        let scanned = scan_segment(&self.path, &mut self.file, false)?;
+        let found = scanned.offsets.len() as u64;
+        if found != expected {
+            return Err(LogError::Corrupt {
+                path: self.path.display().to_string(),
+                offset: scanned.valid_len,
+                detail: format!(
+                    "the segment holds {found} records but the next segment starts                      {expected} positions after it: a segment is missing or damaged"
+                ),
+            });
+        }
+        self.offsets = scanned.offsets;
+        self.len = scanned.valid_len;
+        self.sealed_count = None;
+        Ok(())
     }
 
     fn read_exact_at(&mut self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
@@ -381,7 +414,8 @@ impl SegmentLog {
     }
 
     /// Opens (creating if needed) the log in `dir`: takes the directory lock,
-    /// scans and verifies every segment, and truncates a torn tail.
+    /// scans and verifies the newest segment, and truncates a torn tail
+    /// (sealed segments are verified when first read).
     pub fn open_with(dir: &Path, options: SegmentOptions) -> Result<Self, LogError> {
         let options = SegmentOptions {
             segment_bytes: options.segment_bytes.max(1),
@@ -444,26 +478,26 @@ impl SegmentLog {
             return Ok(log);
         }
         let count = firsts.len();
-        for (i, first) in firsts.into_iter().enumerate() {
+        for (i, &first) in firsts.iter().enumerate() {
             let path = dir.join(segment_file_name(first));
-            if let Some(prev) = log.segments.last() {
-                let expected = prev.first + prev.record_count();
-                if first != expected {
-                    return Err(LogError::Corrupt {
-                        path: path.display().to_string(),
-                        offset: 0,
-                        detail: format!(
-                            "segment starts at position {first} but the previous one \
-                             ends before position {expected}: a segment is missing or damaged"
-                        ),
-                    });
-                }
-            }
             let mut file = OpenOptions::new()
                 .read(true)
                 .write(true)
                 .open(&path)
                 .map_err(io_error(&path))?;
+            if let Some(&next) = firsts.get(i + 1) {
+                // Sealed: indexed when first read (see the module doc).
+                let len = file.metadata().map_err(io_error(&path))?.len();
+                log.segments.push(Segment {
+                    path,
+                    file,
+                    first,
+                    offsets: Vec::new(),
+                    len,
+                    sealed_count: Some(next - first),
+                });
+                continue;
+            }
             let scanned = scan_segment(&path, &mut file, i + 1 == count)?;
             if let Some((offset, reason)) = scanned.torn_at {
                 let file_len = file.metadata().map_err(io_error(&path))?.len();
@@ -485,6 +519,7 @@ impl SegmentLog {
                 first,
                 offsets: scanned.offsets,
                 len: scanned.valid_len,
+                sealed_count: None,
             });
         }
         Ok(log)
@@ -507,6 +542,7 @@ impl SegmentLog {
             first,
             offsets: Vec::new(),
             len: 0,
+            sealed_count: None,
         });
         Ok(())
     }
@@ -694,6 +730,7 @@ impl SegmentLog {
         while position <= end {
             let index = self.segments.partition_point(|s| s.first <= position) - 1;
             let segment = &mut self.segments[index];
+            segment.ensure_indexed()?;
             let from = (position - segment.first) as usize;
             let to = ((end - segment.first + 1) as usize).min(segment.offsets.len());
             let start_offset = segment.offsets[from];
@@ -1122,11 +1159,45 @@ mod tests {
         let (path, len) = (first.path.clone(), first.len);
         drop(log);
         flip_byte(&path, len - 1);
-        let err = SegmentLog::open_with(dir.path(), options).unwrap_err();
+        // Opening does not read sealed segments; the first read of it does.
+        let mut log = SegmentLog::open_with(dir.path(), options).unwrap();
+        assert_eq!(log.last_position_sync(), 30);
+        let err = log.read_all_sync().unwrap_err();
         assert!(
             matches!(&err, LogError::Corrupt { detail, .. } if detail.contains("sealed segment")),
             "{err}"
         );
+    }
+
+    #[test]
+    fn open_indexes_only_the_newest_segment_and_reads_the_rest_on_demand() {
+        let dir = tempfile::tempdir().unwrap();
+        let options = SegmentOptions {
+            segment_bytes: 200,
+            ..SegmentOptions::default()
+        };
+        let mut log = SegmentLog::open_with(dir.path(), options).unwrap();
+        fill(&mut log, 30);
+        drop(log);
+        let mut log = SegmentLog::open_with(dir.path(), options).unwrap();
+        let sealed = log.segments.len() - 1;
+        assert!(sealed > 1);
+        assert!(log.segments[..sealed]
+            .iter()
+            .all(|s| s.sealed_count.is_some()));
+        assert_eq!(log.last_position_sync(), 30);
+        // A read in the middle indexes just the segment it reaches.
+        let middle = log.segments[1].first;
+        let got = log.read_after_sync(middle - 1, 1).unwrap();
+        assert_eq!(got[0].position, middle);
+        assert!(log.segments[0].sealed_count.is_some());
+        assert!(log.segments[1].sealed_count.is_none());
+        check_all(&mut log, 30);
+        // Appends continue after the newest record.
+        let p = log
+            .append_sync(Origin::Agent, encoding_of(30), &payload(30))
+            .unwrap();
+        assert_eq!(p, 31);
     }
 
     #[test]
@@ -1141,7 +1212,8 @@ mod tests {
         let middle = log.segments[1].path.clone();
         drop(log);
         fs::remove_file(middle).unwrap();
-        let err = SegmentLog::open_with(dir.path(), options).unwrap_err();
+        let mut log = SegmentLog::open_with(dir.path(), options).unwrap();
+        let err = log.read_all_sync().unwrap_err();
         assert!(
             matches!(&err, LogError::Corrupt { detail, .. } if detail.contains("missing")),
             "{err}"
