@@ -25,7 +25,9 @@
 //!   there. Each round starts from empty state stores.
 //!
 //! The ratio is end-to-end rate / raw rate of the same round; the goal is
-//! at least 0.5.
+//! at least 0.5. Telemetry runs as under `serve --http` (the Prometheus
+//! recorder, logs at warn); built with `--features telemetry-off` it
+//! compiles to nothing, and the two builds side by side are its cost.
 //!
 //! ```text
 //! cargo bench --bench nats_ingest
@@ -503,6 +505,23 @@ fn main() -> ExitCode {
     if let Err(e) = nats_server::find_binary() {
         println!("nats_ingest skipped: {e}");
         return ExitCode::SUCCESS;
+    }
+    // Telemetry as `serve --http` runs it: the Prometheus recorder and a
+    // log subscriber at the default filter (warn). With `--features
+    // telemetry-off` every telemetry event compiles to nothing: the two
+    // builds side by side are telemetry's cost on the hot path.
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new("warn"))
+        .with_writer(std::io::stderr)
+        .init();
+    if cfg!(feature = "telemetry-off") {
+        println!("telemetry: compiled out (--features telemetry-off)");
+    } else {
+        if let Err(e) = contextfold::telemetry::install_prometheus() {
+            println!("nats_ingest: cannot install the Prometheus recorder: {e}");
+            return ExitCode::FAILURE;
+        }
+        println!("telemetry: Prometheus recorder installed, as `serve --http` runs");
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

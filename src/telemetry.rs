@@ -361,11 +361,40 @@ pub fn install_prometheus() -> Result<PrometheusHandle, TelemetryError> {
 // ---- operational events ----------------------------------------------------
 
 /// An event was folded.
-pub struct EventFolded;
+/// What a batch's fold did, event by event: counted in the engine and
+/// emitted once per batch (a metric registry lookup per event was a
+/// measurable share of the folder's CPU).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct FoldTally {
+    /// Events the fold applied.
+    pub applied: u64,
+    /// Events already folded that the transport delivered again.
+    pub redelivered: u64,
+    /// The log's copies of decisions this process published itself.
+    pub own_decisions: u64,
+    /// Events of ignored or stateless sessions.
+    pub ignored: u64,
+}
 
-impl EventFolded {
+impl FoldTally {
     pub fn emit(self) {
-        metrics::counter!(EVENTS_FOLDED).increment(1);
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
+        if self.applied > 0 {
+            metrics::counter!(EVENTS_FOLDED).increment(self.applied);
+        }
+        for (origin, n) in [
+            (DuplicateOrigin::Redelivery, self.redelivered),
+            (DuplicateOrigin::OwnDecision, self.own_decisions),
+        ] {
+            if n > 0 {
+                metrics::counter!(EVENTS_DUPLICATE, "origin" => origin.as_str()).increment(n);
+            }
+        }
+        if self.ignored > 0 {
+            metrics::counter!(EVENTS_IGNORED).increment(self.ignored);
+        }
     }
 }
 
@@ -388,16 +417,6 @@ impl DuplicateOrigin {
 }
 
 /// An event changed nothing: its id was already folded.
-pub struct EventDuplicate {
-    pub origin: DuplicateOrigin,
-}
-
-impl EventDuplicate {
-    pub fn emit(self) {
-        metrics::counter!(EVENTS_DUPLICATE, "origin" => self.origin.as_str()).increment(1);
-    }
-}
-
 /// The fold rejected an event (the caller logs it at WARN with its reason).
 pub struct EventRejected<'a> {
     pub conversation_id: &'a str,
@@ -410,6 +429,9 @@ pub struct EventRejected<'a> {
 
 impl EventRejected<'_> {
     pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
         tracing::warn!(
             conversation_id = self.conversation_id,
             event_id = self.event_id,
@@ -432,6 +454,9 @@ pub struct RecordRefused<'a> {
 
 impl RecordRefused<'_> {
     pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
         tracing::warn!(
             stream_seq = self.stream_seq,
             conversation_id = self.conversation_id,
@@ -444,14 +469,6 @@ impl RecordRefused<'_> {
 }
 
 /// The policy ignores the event's session.
-pub struct EventIgnored;
-
-impl EventIgnored {
-    pub fn emit(self) {
-        metrics::counter!(EVENTS_IGNORED).increment(1);
-    }
-}
-
 /// The fold issued compaction jobs.
 pub struct JobsIssued {
     pub count: usize,
@@ -459,6 +476,9 @@ pub struct JobsIssued {
 
 impl JobsIssued {
     pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
         if self.count > 0 {
             metrics::counter!(JOBS_ISSUED).increment(self.count as u64);
         }
@@ -472,6 +492,9 @@ pub struct StateCommitted {
 
 impl StateCommitted {
     pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
         metrics::counter!(STATE_COMMITS).increment(1);
         metrics::histogram!(COMMIT_SECONDS).record(self.elapsed.as_secs_f64());
     }
@@ -486,6 +509,9 @@ pub struct BodyCacheState {
 
 impl BodyCacheState {
     pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
         metrics::gauge!(BODY_CACHE_BYTES).set(self.bytes as f64);
         metrics::counter!(BODY_CACHE_HITS).absolute(self.hits);
         metrics::counter!(BODY_CACHE_MISSES).absolute(self.misses);
@@ -500,6 +526,9 @@ pub struct BatchFolded {
 
 impl BatchFolded {
     pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
         tracing::debug!(
             partition = self.partition,
             records = self.records,
@@ -517,6 +546,9 @@ pub struct ConsumerLag {
 
 impl ConsumerLag {
     pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
         metrics::gauge!(CONSUMER_PENDING, "partition" => self.partition.to_string())
             .set(self.pending as f64);
     }
@@ -529,6 +561,9 @@ pub struct PartitionsHeld {
 
 impl PartitionsHeld {
     pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
         metrics::gauge!(PARTITIONS_HELD).set(self.count as f64);
     }
 }
@@ -550,6 +585,9 @@ pub struct LeaseChanged<'a> {
 
 impl LeaseChanged<'_> {
     pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
         let name = match self.change {
             LeaseChange::Acquired => LEASE_ACQUISITIONS,
             LeaseChange::Lost => LEASE_LOSSES,
@@ -589,6 +627,9 @@ pub struct SweepFinished<'a> {
 
 impl SweepFinished<'_> {
     pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
         tracing::debug!(
             conversation_id = self.conversation_id,
             job_id = self.job_id,
@@ -608,6 +649,9 @@ pub struct SummaryWritten;
 
 impl SummaryWritten {
     pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
         metrics::counter!(SUMMARIES_WRITTEN).increment(1);
     }
 }
@@ -625,6 +669,9 @@ pub struct SummarizerPass<'a> {
 
 impl SummarizerPass<'_> {
     pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
         let model = self.model.to_string();
         metrics::counter!(SUMMARIZER_CALLS, "model" => model.clone(), "outcome" => self.outcome)
             .increment(self.calls);
@@ -643,6 +690,9 @@ pub struct JobRetried<'a> {
 
 impl JobRetried<'_> {
     pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
         tracing::info!(
             job_id = self.job_id,
             delay_ms = self.delay.as_millis() as u64,
@@ -667,6 +717,9 @@ pub struct JobDeadLettered<'a> {
 
 impl JobDeadLettered<'_> {
     pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
         tracing::warn!(
             conversation_id = self.conversation_id,
             job_id = self.job_id,
@@ -688,6 +741,9 @@ pub struct ValidationRejected {
 
 impl ValidationRejected {
     pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
         metrics::counter!(VALIDATION_REJECTIONS, "kind" => self.kind).increment(1);
     }
 }
@@ -701,6 +757,9 @@ pub struct Escalated {
 
 impl Escalated {
     pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
         metrics::counter!(ESCALATIONS, "kind" => self.kind).increment(1);
     }
 }
@@ -713,6 +772,9 @@ pub struct SpendWindowClosed<'a> {
 
 impl SpendWindowClosed<'_> {
     pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
         tracing::info!(
             conversation_id = self.conversation_id,
             "spend window closed"
@@ -729,6 +791,9 @@ pub struct JobQueue {
 
 impl JobQueue {
     pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
         metrics::gauge!(JOBS_QUEUED).set(self.queued as f64);
         metrics::gauge!(JOBS_RUNNING).set(self.running as f64);
     }
@@ -742,6 +807,9 @@ pub struct Assembled {
 
 impl Assembled {
     pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
         metrics::histogram!(ASSEMBLE_SECONDS).record(self.elapsed.as_secs_f64());
         metrics::histogram!(ASSEMBLE_REPLY_BYTES).record(self.reply_bytes as f64);
     }
@@ -754,6 +822,9 @@ pub struct Readiness {
 
 impl Readiness {
     pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
         metrics::gauge!(READY).set(if self.ready { 1.0 } else { 0.0 });
     }
 }
@@ -798,10 +869,10 @@ mod tests {
         let recorder = PrometheusBuilder::new().build_recorder();
         let handle = recorder.handle();
         metrics::with_local_recorder(&recorder, || {
-            EventFolded.emit();
-            EventFolded.emit();
-            EventDuplicate {
-                origin: DuplicateOrigin::OwnDecision,
+            FoldTally {
+                applied: 2,
+                own_decisions: 1,
+                ..FoldTally::default()
             }
             .emit();
         });

@@ -122,6 +122,8 @@ pub struct Engine<B: KvBackend> {
     /// When each resident conversation was last touched (the runtime's
     /// clock: eviction is outside the fold and never changes it).
     touched: HashMap<String, Instant>,
+    /// What the fold did since the last [`Engine::finish`] (emitted there).
+    tally: t::FoldTally,
 }
 
 /// The layout of the stored state. Raise it when a state record changes
@@ -169,6 +171,7 @@ impl<B: KvBackend> Engine<B> {
             held: Held::default(),
             residency: Residency::default(),
             touched: HashMap::new(),
+            tally: t::FoldTally::default(),
         })
     }
 
@@ -526,6 +529,7 @@ impl<B: KvBackend> Engine<B> {
             count: effects.jobs.len(),
         }
         .emit();
+        std::mem::take(&mut self.tally).emit();
         Ok(())
     }
 
@@ -547,14 +551,16 @@ impl<B: KvBackend> Engine<B> {
         let decision = event.body.is_decision();
         let backoff_before = self.backoff_until(&conversation);
         let outcome = fold::fold_owned(&mut self.state, &self.policy, event, None);
-        if self.backoff_until(&conversation) > backoff_before {
-            t::SpendWindowClosed {
-                conversation_id: &conversation,
-            }
-            .emit();
-        }
         match &outcome.status {
-            FoldStatus::Applied => t::EventFolded.emit(),
+            FoldStatus::Applied => {
+                self.tally.applied += 1;
+                if self.backoff_until(&conversation) > backoff_before {
+                    t::SpendWindowClosed {
+                        conversation_id: &conversation,
+                    }
+                    .emit();
+                }
+            }
             FoldStatus::Duplicate => {
                 if history {
                     // The copy of a held decision: it reached the log.
@@ -562,14 +568,11 @@ impl<B: KvBackend> Engine<B> {
                 }
                 // Decisions are the fold's own: their copy in the log is
                 // expected; any other duplicate was delivered again.
-                t::EventDuplicate {
-                    origin: if decision {
-                        t::DuplicateOrigin::OwnDecision
-                    } else {
-                        t::DuplicateOrigin::Redelivery
-                    },
+                if decision {
+                    self.tally.own_decisions += 1;
+                } else {
+                    self.tally.redelivered += 1;
                 }
-                .emit();
             }
             FoldStatus::Rejected(reason) => {
                 t::EventRejected {
@@ -581,7 +584,7 @@ impl<B: KvBackend> Engine<B> {
                 }
                 .emit();
             }
-            FoldStatus::Ignored => t::EventIgnored.emit(),
+            FoldStatus::Ignored => self.tally.ignored += 1,
         }
         if outcome.status != FoldStatus::Duplicate && outcome.status != FoldStatus::Ignored {
             if let (Some(original), Some(conv)) = (
