@@ -253,9 +253,7 @@ impl Iterator for InputRecords {
                             if buf.iter().all(u8::is_ascii_whitespace) {
                                 continue;
                             }
-                            while buf.last().is_some_and(|b| *b == b'\n' || *b == b'\r') {
-                                buf.pop();
-                            }
+                            trim_line_end(&mut buf);
                             return Some(Ok(event_line(*line, buf)));
                         }
                         Err(e) => return Some(Err(anyhow::Error::new(e).context("reading input"))),
@@ -263,6 +261,12 @@ impl Iterator for InputRecords {
                 }
             }
         }
+    }
+}
+
+fn trim_line_end(buf: &mut Vec<u8>) {
+    while buf.last().is_some_and(|b| *b == b'\n' || *b == b'\r') {
+        buf.pop();
     }
 }
 
@@ -298,9 +302,7 @@ pub(super) fn input_records(file: Option<&Path>, format: &str) -> Result<InputRe
         line += 1;
         head.extend_from_slice(&buf);
         if !buf.iter().all(u8::is_ascii_whitespace) {
-            while buf.last().is_some_and(|b| *b == b'\n' || *b == b'\r') {
-                buf.pop();
-            }
+            trim_line_end(&mut buf);
             break Some(buf);
         }
     };

@@ -1112,8 +1112,8 @@ mod tests {
         check_all(&mut log, 10);
     }
 
-    #[test]
-    fn segments_roll_and_read_across_boundaries() {
+    /// A log of 30 records in segments of 200 bytes (several sealed ones).
+    fn rolled_log() -> (tempfile::TempDir, SegmentOptions, SegmentLog) {
         let dir = tempfile::tempdir().unwrap();
         let options = SegmentOptions {
             segment_bytes: 200,
@@ -1121,6 +1121,12 @@ mod tests {
         };
         let mut log = SegmentLog::open_with(dir.path(), options).unwrap();
         fill(&mut log, 30);
+        (dir, options, log)
+    }
+
+    #[test]
+    fn segments_roll_and_read_across_boundaries() {
+        let (dir, options, mut log) = rolled_log();
         let batch: Vec<_> = (30..60)
             .map(|i| (Origin::Agent, encoding_of(i), payload(i)))
             .collect();
@@ -1148,13 +1154,7 @@ mod tests {
 
     #[test]
     fn damage_in_a_sealed_segment_is_corruption_even_at_its_end() {
-        let dir = tempfile::tempdir().unwrap();
-        let options = SegmentOptions {
-            segment_bytes: 200,
-            ..SegmentOptions::default()
-        };
-        let mut log = SegmentLog::open_with(dir.path(), options).unwrap();
-        fill(&mut log, 30);
+        let (dir, options, log) = rolled_log();
         let first = &log.segments[0];
         let (path, len) = (first.path.clone(), first.len);
         drop(log);
@@ -1171,13 +1171,7 @@ mod tests {
 
     #[test]
     fn open_indexes_only_the_newest_segment_and_reads_the_rest_on_demand() {
-        let dir = tempfile::tempdir().unwrap();
-        let options = SegmentOptions {
-            segment_bytes: 200,
-            ..SegmentOptions::default()
-        };
-        let mut log = SegmentLog::open_with(dir.path(), options).unwrap();
-        fill(&mut log, 30);
+        let (dir, options, log) = rolled_log();
         drop(log);
         let mut log = SegmentLog::open_with(dir.path(), options).unwrap();
         let sealed = log.segments.len() - 1;
@@ -1202,13 +1196,7 @@ mod tests {
 
     #[test]
     fn missing_segment_is_reported() {
-        let dir = tempfile::tempdir().unwrap();
-        let options = SegmentOptions {
-            segment_bytes: 200,
-            ..SegmentOptions::default()
-        };
-        let mut log = SegmentLog::open_with(dir.path(), options).unwrap();
-        fill(&mut log, 30);
+        let (dir, options, log) = rolled_log();
         let middle = log.segments[1].path.clone();
         drop(log);
         fs::remove_file(middle).unwrap();

@@ -273,10 +273,9 @@ impl<B: KvBackend> Engine<B> {
             unattributed_rejections: self.state.unattributed_rejections,
             spend: self.state.spend.clone(),
         };
-        if !self.store.knows(key) {
-            if let Some(conv) = self.store.read_conversation(key)? {
-                state.conversations.insert(key.to_string(), conv);
-            }
+        // Not resident: what the store committed is the conversation.
+        if let Some(conv) = self.store.read_conversation(key)? {
+            state.conversations.insert(key.to_string(), conv);
         }
         Ok(f(&state, &bodies))
     }
@@ -287,12 +286,9 @@ impl<B: KvBackend> Engine<B> {
         &self,
         mut f: impl FnMut(&State, &crate::core::state::Conversation) -> Result<(), E>,
     ) -> Result<(), E> {
-        let mut keys: BTreeSet<String> = self.store.conversation_keys()?.into_iter().collect();
-        keys.extend(self.state.conversations.keys().cloned());
-        for key in keys {
+        for key in self.store.keys_with(&self.state)? {
             match self.state.conversations.get(&key) {
                 Some(conv) => f(&self.state, conv)?,
-                None if self.store.knows(&key) => {}
                 None => {
                     if let Some(conv) = self.store.read_conversation(&key)? {
                         f(&self.state, &conv)?;
@@ -344,19 +340,29 @@ impl<B: KvBackend> Engine<B> {
             unattributed_rejections: self.state.unattributed_rejections,
             spend: self.state.spend.clone(),
         };
-        let bodies = self.store.bodies();
         self.each_conversation(|_, conv| -> Result<(), StoreError> {
-            let mut full = conv.clone();
-            for seq in 0..conv.turns.len() as u64 {
-                full.bodies.insert(
-                    seq,
-                    crate::core::state::TurnBodies::turn_body(&bodies, conv, seq)?,
-                );
-            }
-            state.conversations.insert(conv.key.clone(), full);
+            state
+                .conversations
+                .insert(conv.key.clone(), self.with_every_body(conv)?);
             Ok(())
         })?;
         Ok(state)
+    }
+
+    /// A copy of `conv` holding every one of its turns' bodies.
+    fn with_every_body(
+        &self,
+        conv: &crate::core::state::Conversation,
+    ) -> Result<crate::core::state::Conversation, StoreError> {
+        let bodies = self.store.bodies();
+        let mut full = conv.clone();
+        for seq in 0..conv.turns.len() as u64 {
+            full.bodies.insert(
+                seq,
+                crate::core::state::TurnBodies::turn_body(&bodies, conv, seq)?,
+            );
+        }
+        Ok(full)
     }
 
     /// One conversation with every body resident (see
@@ -365,35 +371,18 @@ impl<B: KvBackend> Engine<B> {
         &self,
         key: &str,
     ) -> Result<Option<crate::core::state::Conversation>, StoreError> {
-        let conv = match self.state.conversations.get(key) {
-            Some(conv) => conv.clone(),
-            None if self.store.knows(key) => return Ok(None),
+        match self.state.conversations.get(key) {
+            Some(conv) => self.with_every_body(conv).map(Some),
             None => match self.store.read_conversation(key)? {
-                Some(conv) => conv,
-                None => return Ok(None),
+                Some(conv) => self.with_every_body(&conv).map(Some),
+                None => Ok(None),
             },
-        };
-        let bodies = self.store.bodies();
-        let mut full = conv.clone();
-        for seq in 0..conv.turns.len() as u64 {
-            full.bodies.insert(
-                seq,
-                crate::core::state::TurnBodies::turn_body(&bodies, &conv, seq)?,
-            );
         }
-        Ok(Some(full))
     }
 
     /// Where this engine's turn bodies are read.
     pub fn bodies(&self) -> crate::store::state_store::StoredBodies<'_, B> {
         self.store.bodies()
-    }
-
-    /// The keys of every conversation, resident or stored.
-    pub fn conversation_keys(&self) -> Result<Vec<String>, StoreError> {
-        let mut keys: BTreeSet<String> = self.store.conversation_keys()?.into_iter().collect();
-        keys.extend(self.state.conversations.keys().cloned());
-        Ok(keys.into_iter().collect())
     }
 
     /// The hash of the whole state, stored conversations included: what

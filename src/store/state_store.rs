@@ -344,6 +344,14 @@ impl<B: KvBackend> StateStore<B> {
             .collect()
     }
 
+    /// The keys of the stored conversations and of `resident`'s (those
+    /// folded since the last commit), in key order.
+    pub fn keys_with(&self, resident: &State) -> Result<BTreeSet<String>, StoreError> {
+        let mut keys: BTreeSet<String> = self.conversation_keys()?.into_iter().collect();
+        keys.extend(resident.conversations.keys().cloned());
+        Ok(keys)
+    }
+
     /// Reads one conversation (its head, its chunks, and the bodies its
     /// guards need) without keeping note of it: for a reader.
     pub fn read_conversation(&self, key: &str) -> Result<Option<Conversation>, StoreError> {
@@ -466,8 +474,7 @@ impl<B: KvBackend> StateStore<B> {
     /// in memory gives as [`State::hash`]); reads one stored conversation
     /// at a time.
     pub fn state_hash(&self, resident: &State) -> Result<String, StoreError> {
-        let mut keys: BTreeSet<String> = self.conversation_keys()?.into_iter().collect();
-        keys.extend(resident.conversations.keys().cloned());
+        let keys = self.keys_with(resident)?;
         let mut hasher = StateHasher::default();
         let bodies = self.bodies();
         let corrupt = |e: BodyError| StoreError::Corrupt {
