@@ -6,7 +6,9 @@
 //!
 //! Not a timing bench: it prints the bytes. The fleet is issue 11's shape
 //! (conversations of user turns, assistant tool calls and their results,
-//! ~1.8 KB of text a turn), folded as `run` folds: commits of 512 records.
+//! ~1.8 KB of text a turn), folded as `run` folds: through the embedded
+//! pipeline over a segment log, jobs run by the deterministic summarizer as
+//! they are issued, commits of 512 records.
 //!
 //! ```text
 //! cargo bench --bench resident
@@ -15,14 +17,14 @@
 //! CONTEXTFOLD_BENCH_WINDOW=32000         # declared window (compaction)
 //! ```
 
-use contextfold::core::event::{
-    Encoding, Envelope, EventBody, ModelDeclared, Origin, TurnAppended,
-};
+use contextfold::core::event::{Envelope, EventBody, ModelDeclared, TurnAppended};
 use contextfold::core::message::{ChatMessage, FunctionCall, Role, ToolCall};
 use contextfold::core::policy::PolicyConfig;
 use contextfold::core::state::Turn;
-use contextfold::log::LogRecord;
+use contextfold::log::segment::SegmentLog;
+use contextfold::runtime::embedded::Pipeline;
 use contextfold::runtime::engine::Engine;
+use contextfold::runtime::sweep::Deterministic;
 use contextfold::store::redb_backend::RedbBackend;
 use contextfold::store::state_store::{BodyCache, StateStore};
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -85,17 +87,34 @@ fn main() {
     let turns = env_or("CONTEXTFOLD_BENCH_TURNS", 100);
     let window = env_or("CONTEXTFOLD_BENCH_WINDOW", 32000) as u64;
     let dir = tempfile::tempdir().expect("temp dir");
+    // The tokenizers' tables (tens of MiB, loaded once per process) and the
+    // piece memo are not state: loaded before anything is counted.
+    contextfold::core::tokens::load_tokenizers();
+    for seed in 0..200 {
+        contextfold::core::tokens::count_text(
+            contextfold::core::tokens::Encoding::O200kBase,
+            &text(seed, 1800),
+        );
+    }
     let baseline = LIVE.load(Ordering::Relaxed);
     let backend =
         RedbBackend::open_with_cache(&dir.path().join("state.redb"), 1 << 20).expect("redb");
     let store = StateStore::with_cache(backend, Arc::new(BodyCache::new(0)));
-    let mut engine = Engine::open_with(store, PolicyConfig::default()).expect("engine");
+    let engine = Engine::open_with(store, PolicyConfig::default()).expect("engine");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let log = SegmentLog::open(&dir.path().join("log")).expect("log");
+    let mut pipeline = rt
+        .block_on(Pipeline::open(log, engine, Deterministic))
+        .expect("pipeline");
     let opened = LIVE.load(Ordering::Relaxed);
     let mut position = 0u64;
     let mut batch = Vec::new();
-    let fold = |engine: &mut Engine<RedbBackend>, batch: &mut Vec<LogRecord>| {
-        engine.apply_batch(std::mem::take(batch)).expect("fold");
-        engine.commit().expect("commit");
+    let mut fold = |batch: &mut Vec<Envelope>| {
+        rt.block_on(pipeline.ingest(&std::mem::take(batch)))
+            .expect("fold");
     };
     // Round-robin: every conversation advances one turn at a time, as a
     // cluster's traffic would (all of them stay active to the end).
@@ -139,18 +158,21 @@ fn main() {
                 body,
             );
             position += 1;
-            batch.push(LogRecord::unaddressed(
-                position,
-                Origin::Agent,
-                Encoding::Msgpack,
-                e.to_msgpack(),
-            ));
+            batch.push(e);
             if batch.len() == 512 {
-                fold(&mut engine, &mut batch);
+                fold(&mut batch);
             }
         }
     }
-    fold(&mut engine, &mut batch);
+    fold(&mut batch);
+    let Pipeline {
+        log, mut engine, ..
+    } = pipeline;
+    let log_bytes = {
+        let held = LIVE.load(Ordering::Relaxed);
+        drop(log);
+        held.saturating_sub(LIVE.load(Ordering::Relaxed))
+    };
     let folded_turns: usize = engine
         .state
         .conversations
@@ -170,35 +192,7 @@ fn main() {
         .flat_map(|c| &c.summaries)
         .map(|s| s.content.len())
         .sum();
-    let resident = LIVE.load(Ordering::Relaxed) - opened;
-    // Where it goes, by part (capacities, as allocated).
-    let convs = engine.state.conversations.values();
-    let (
-        mut turns_b,
-        mut applied_b,
-        mut set_b,
-        mut context_b,
-        mut ids_b,
-        mut bodies_b,
-        mut history_b,
-    ) = (0, 0, 0, 0, 0, 0, 0);
-    for c in convs {
-        turns_b += c.turns.capacity() * std::mem::size_of::<Turn>();
-        applied_b += c.applied.capacity() * 16;
-        set_b += c.applied_set.capacity() * 17;
-        context_b += c.context.capacity() * 16;
-        ids_b += c
-            .turns
-            .iter()
-            .map(|t| t.event_id.capacity() + t.tool_ids.len() * 8)
-            .sum::<usize>();
-        bodies_b += c.bodies.bytes() as usize;
-        history_b += c
-            .history
-            .iter()
-            .map(|h| 72 + h.detail.len() + h.event_id.len() + h.event_type.len())
-            .sum::<usize>();
-    }
+    let resident = LIVE.load(Ordering::Relaxed).saturating_sub(opened);
     let mut kinds: std::collections::BTreeMap<&str, usize> = Default::default();
     for c in engine.state.conversations.values() {
         for h in &c.history {
@@ -206,11 +200,40 @@ fn main() {
         }
     }
     println!("  history entries by type: {kinds:?}");
-    let per = |b: usize| b / folded_turns.max(1);
-    println!(
-        "  by part, B per turn: turns {} applied {} applied_set {} context {} ids {} resident bodies {} history {}",
-        per(turns_b), per(applied_b), per(set_b), per(context_b), per(ids_b), per(bodies_b), per(history_b)
-    );
+    // Where it goes: each part of every conversation freed in turn, the
+    // bytes the allocator got back (capacities as allocated).
+    {
+        let mut parts: Vec<(&str, usize)> = Vec::new();
+        macro_rules! take {
+            ($name:expr, $field:ident) => {{
+                let before = LIVE.load(Ordering::Relaxed);
+                for c in engine.state.conversations.values_mut() {
+                    drop(std::mem::take(&mut c.$field));
+                }
+                let after = LIVE.load(Ordering::Relaxed);
+                parts.push(($name, (before - after) / folded_turns.max(1)));
+            }};
+        }
+        take!("turns", turns);
+        take!("summaries", summaries);
+        take!("applied", applied);
+        take!("applied_set", applied_set);
+        take!("history", history);
+        take!("context", context);
+        take!("bodies", bodies);
+        take!("recent", recent_user_turns);
+        take!("flood", flood);
+        take!("pending", pending_job);
+        take!("rolling", rolling);
+        take!("debt", debt);
+        let before = LIVE.load(Ordering::Relaxed);
+        engine.evict_all();
+        parts.push((
+            "the rest",
+            (before - LIVE.load(Ordering::Relaxed)) / folded_turns.max(1),
+        ));
+        println!("  freed by field, B per turn: {parts:?}");
+    }
     engine.evict_all();
     let evicted = LIVE.load(Ordering::Relaxed).saturating_sub(opened);
     let store_bytes = {
@@ -227,6 +250,10 @@ fn main() {
         std::mem::size_of::<Turn>()
     );
     println!("  engine opened                    {} B", opened - baseline);
+    println!(
+        "  the segment log held             {:.1} MiB (not counted below)",
+        log_bytes as f64 / (1 << 20) as f64
+    );
     println!(
         "  all resident: {folded_turns} turns, {summaries} summaries ({} KiB of summary text)",
         summary_text / 1024
