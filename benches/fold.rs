@@ -115,10 +115,15 @@ fn load(name: &'static str, events: Vec<Envelope>) -> Option<Corpus> {
     for e in &events {
         fold(&mut state, &policy, e);
     }
-    let counted: HashMap<&str, u64> = state
+    let counted: HashMap<String, u64> = state
         .conversations
         .values()
-        .flat_map(|c| c.turns.iter().map(|t| (t.event_id.as_str(), t.tokens)))
+        .flat_map(|c| {
+            c.turns.iter().map(|t| {
+                let body = c.bodies.get(t.seq).expect("folded in memory");
+                (body.event_id.to_string(), u64::from(t.tokens))
+            })
+        })
         .collect();
     let tokens = events
         .iter()
@@ -129,7 +134,7 @@ fn load(name: &'static str, events: Vec<Envelope>) -> Option<Corpus> {
         .conversations
         .values()
         .flat_map(|c| &c.turns)
-        .map(|t| t.bytes)
+        .map(|t| u64::from(t.bytes))
         .sum();
     // The state hash lets a change to the fold be checked for identical
     // results: it must not move unless the fold's semantics do.

@@ -185,21 +185,14 @@ fn main() {
         .values()
         .map(|c| c.summaries.len())
         .sum();
+    // Texts of summaries still in memory (a commit hands them to the store).
     let summary_text: usize = engine
         .state
         .conversations
         .values()
-        .flat_map(|c| &c.summaries)
-        .map(|s| s.content.len())
+        .map(|c| c.summary_texts.len())
         .sum();
     let resident = LIVE.load(Ordering::Relaxed).saturating_sub(opened);
-    let mut kinds: std::collections::BTreeMap<&str, usize> = Default::default();
-    for c in engine.state.conversations.values() {
-        for h in &c.history {
-            *kinds.entry(h.event_type.as_str()).or_default() += 1;
-        }
-    }
-    println!("  history entries by type: {kinds:?}");
     // Where it goes: each part of every conversation freed in turn, the
     // bytes the allocator got back (capacities as allocated).
     {
@@ -217,10 +210,10 @@ fn main() {
         take!("turns", turns);
         take!("summaries", summaries);
         take!("applied", applied);
-        take!("applied_set", applied_set);
         take!("history", history);
         take!("context", context);
         take!("bodies", bodies);
+        take!("summary_texts", summary_texts);
         take!("recent", recent_user_turns);
         take!("flood", flood);
         take!("pending", pending_job);
@@ -255,14 +248,12 @@ fn main() {
         log_bytes as f64 / (1 << 20) as f64
     );
     println!(
-        "  all resident: {folded_turns} turns, {summaries} summaries ({} KiB of summary text)",
-        summary_text / 1024
+        "  all resident: {folded_turns} turns, {summaries} summaries ({summary_text} summary texts in memory)"
     );
     println!(
-        "  live heap                        {:.1} MiB = {} B per turn ({} B per turn without the summary text)",
+        "  live heap                        {:.1} MiB = {} B per turn",
         resident as f64 / (1 << 20) as f64,
         resident / folded_turns.max(1),
-        resident.saturating_sub(summary_text) / folded_turns.max(1)
     );
     println!(
         "  after evicting every conversation {:.1} MiB = {} B per turn",

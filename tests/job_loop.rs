@@ -299,9 +299,13 @@ fn run(ops: &[Op], drain_order: &[prop::sample::Index]) -> Result<(), TestCaseEr
         prop_assert!(
             without_input <= bound,
             "{without_input} jobs issued without agent input (bound {bound}); last history: {:#?}",
-            world
-                .conv()
-                .map(|c| c.history.iter().rev().take(8).collect::<Vec<_>>())
+            world.conv().map(|c| c
+                .history
+                .resident()
+                .iter()
+                .rev()
+                .take(8)
+                .collect::<Vec<_>>())
         );
         let pick = drain_order
             .get(k % drain_order.len().max(1))

@@ -783,7 +783,7 @@ fn jobs_without_progress_or_input(
     let mut bad = Vec::new();
     // The last job issued and where it ended (its sweep_ended or expiry).
     let mut last: Option<(String, Option<u64>)> = None;
-    for h in &conv.history {
+    for h in conv.history.resident() {
         let at = position.get(h.event_id.as_str()).copied();
         match h.event_type.as_str() {
             "job_issued" => {

@@ -39,7 +39,10 @@ fn conversation(service: &Service, key: &str) -> Option<Conversation> {
 }
 
 fn history_mentions(conv: &Conversation, needle: &str) -> bool {
-    conv.history.iter().any(|h| h.detail.contains(needle))
+    conv.history
+        .resident()
+        .iter()
+        .any(|h| h.detail.contains(needle))
 }
 
 async fn serve(url: &str, data: &Path, policy: &PolicyConfig) -> Service {
@@ -530,7 +533,7 @@ proptest! {
             wait_until("every good turn folded", Duration::from_secs(30), || {
                 keys.iter().zip(sent).all(|(k, n)| {
                     n == 0 || conversation(&service, k).is_some_and(|c| {
-                        c.turns.iter().filter(|t| t.event_id.starts_with(*k)).count() == n
+                        c.turns.iter().filter(|t| c.bodies.get(t.seq).is_some_and(|b| b.event_id.starts_with(*k))).count() == n
                     })
                 })
             })

@@ -353,10 +353,11 @@ fn check_turns_retrievable(
         .turns
         .iter()
         .enumerate()
-        .map(|(i, t)| (t.event_id.as_str(), i))
+        .filter_map(|(i, t)| Some((&*conv.bodies.get(t.seq)?.event_id, i)))
         .collect();
     let rejected: HashMap<&str, &str> = conv
         .history
+        .resident()
         .iter()
         .filter(|h| h.event_type == "event_rejected")
         .map(|h| (h.event_id.as_str(), h.detail.as_str()))
@@ -380,7 +381,7 @@ fn check_turns_retrievable(
                         String::from_utf8_lossy(&got)
                     ));
                 }
-                if **stored != *t {
+                if stored.turn != *t || &*stored.event_id != e.id.as_str() {
                     return Err(format!("turn {i} (event {}): metadata differs", e.id));
                 }
             }

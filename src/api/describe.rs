@@ -8,7 +8,7 @@ use crate::api::coverage::{Coverage, TurnPlacement};
 use crate::api::{conversation, turn, ApiError};
 use crate::core::event::{Covers, ProviderUsage, SummaryKind};
 use crate::core::message::{ChatMessage, Role};
-use crate::core::state::{Conversation, State, Summary, Turn, TurnBodies};
+use crate::core::state::{event_digest, Conversation, State, Turn, TurnBodies};
 use serde::{Deserialize, Serialize};
 
 /// What to describe: a summary id, a turn's event id, or a turn sequence
@@ -99,12 +99,15 @@ pub struct TurnDescription {
     pub metadata: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
+/// Summary `index` of `conv`, its text read through `bodies`.
 pub(crate) fn describe_summary(
     conv: &Conversation,
+    bodies: &dyn TurnBodies,
     coverage: &Coverage<'_>,
-    s: &Summary,
-) -> SummaryDescription {
-    SummaryDescription {
+    index: u32,
+) -> Result<SummaryDescription, ApiError> {
+    let s = &conv.summaries[index as usize];
+    Ok(SummaryDescription {
         conversation: conv.key.clone(),
         summary_id: s.id.clone(),
         summary_kind: s.kind,
@@ -115,7 +118,7 @@ pub(crate) fn describe_summary(
         turn_span: s.last_turn.saturating_sub(s.first_turn) + 1,
         tokens: s.tokens,
         source_tokens: s.source_tokens,
-        content: s.content.to_string(),
+        content: bodies.summary_text(conv, index)?.to_string(),
         model: s.model.clone(),
         provider: s.provider.clone(),
         prompt_version: s.prompt_version.clone(),
@@ -127,7 +130,7 @@ pub(crate) fn describe_summary(
         covered_by: coverage.summary_covered_by(s).map(|c| c.id.clone()),
         supersedes: s.supersedes.clone(),
         superseded_by: conv.superseded_by(&s.id).map(|r| r.id.clone()),
-    }
+    })
 }
 
 fn describe_turn(
@@ -140,12 +143,12 @@ fn describe_turn(
     Ok(TurnDescription {
         conversation: conv.key.clone(),
         seq: t.seq,
-        event_id: t.event_id.clone(),
+        event_id: body.event_id.to_string(),
         time: t.time,
         role: t.role,
-        tokens: t.tokens,
-        context_tokens: t.context_tokens,
-        bytes: t.bytes,
+        tokens: u64::from(t.tokens),
+        context_tokens: u64::from(t.context_tokens),
+        bytes: u64::from(t.bytes),
         large_payload: t.large_payload,
         epoch: t.epoch,
         placement: coverage.turn(t),
@@ -171,16 +174,19 @@ pub fn describe(
                 return Err(ApiError::BadRequest("`id` is empty".into()));
             }
             if let Some(i) = conv.summary_index(id) {
-                let s = &conv.summaries[i as usize];
                 return Ok(DescribeResponse::Summary(Box::new(describe_summary(
-                    conv, &coverage, s,
-                ))));
+                    conv, bodies, &coverage, i,
+                )?)));
             }
             // Newest first: ids are looked up mostly for recent turns.
-            if let Some(t) = conv.turns.iter().rev().find(|t| &t.event_id == id) {
-                return Ok(DescribeResponse::Turn(Box::new(describe_turn(
-                    conv, bodies, &coverage, t,
-                )?)));
+            let digest = event_digest(id);
+            for t in conv.turns.iter().rev().filter(|t| t.event == digest) {
+                // A digest names a candidate; its body has the id.
+                if &*bodies.turn_body(conv, t.seq)?.event_id == id.as_str() {
+                    return Ok(DescribeResponse::Turn(Box::new(describe_turn(
+                        conv, bodies, &coverage, t,
+                    )?)));
+                }
             }
             id.parse::<u64>().ok()
         }
@@ -237,7 +243,8 @@ mod tests {
             panic!("expected a summary");
         };
         assert_eq!(d.summary_kind, SummaryKind::Leaf);
-        assert_eq!(d.content, &*leaf.content);
+        let index = conv.summary_index(&leaf.id).unwrap();
+        assert_eq!(d.content, &**conv.summary_texts.get(index).unwrap());
         assert_eq!(d.parent, conv.parent_of(&leaf.id).map(|p| p.id.clone()));
         assert!(!d.in_context);
         assert!(d.covered_by.is_some());
@@ -260,7 +267,9 @@ mod tests {
         let by_id = describe(
             state,
             &Resident,
-            &req(NodeRef::Id(conv.turns[0].event_id.clone())),
+            &req(NodeRef::Id(
+                conv.bodies.get(0).unwrap().event_id.to_string(),
+            )),
         )
         .unwrap();
         let by_digits = describe(state, &Resident, &req(NodeRef::Id("0".into()))).unwrap();

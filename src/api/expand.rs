@@ -106,18 +106,17 @@ pub fn expand(
     let children = match &summary.covers {
         Covers::Summaries { ids } => {
             for id in ids {
-                let child = conv
-                    .summary_index(id)
-                    .map(|i| &conv.summaries[i as usize])
-                    .ok_or_else(|| {
-                        ApiError::Internal(format!(
-                            "summary {} covers {id}, which this state does not hold",
-                            summary.id
-                        ))
-                    })?;
+                let child = conv.summary_index(id).ok_or_else(|| {
+                    ApiError::Internal(format!(
+                        "summary {} covers {id}, which this state does not hold",
+                        summary.id
+                    ))
+                })?;
                 items.push((
-                    ExpandedItem::Summary(Box::new(describe_summary(conv, &coverage, child))),
-                    child.tokens,
+                    ExpandedItem::Summary(Box::new(describe_summary(
+                        conv, bodies, &coverage, child,
+                    )?)),
+                    conv.summaries[child as usize].tokens,
                 ));
             }
             ChildKind::Summaries
@@ -129,9 +128,13 @@ pub fn expand(
                     excluded_turns.push(seq);
                     continue;
                 }
-                let mut message = bodies.turn_body(conv, seq)?.message.clone();
+                let body = bodies.turn_body(conv, seq)?;
+                let mut message = body.message.clone();
                 if t.large_payload {
-                    message.content = Some(Content::Text(payload_stub(&t.event_id, t.tokens)));
+                    message.content = Some(Content::Text(payload_stub(
+                        &body.event_id,
+                        u64::from(t.tokens),
+                    )));
                     message.tool_calls.iter_mut().for_each(|c| {
                         if c.function.arguments.len() > 256 {
                             c.function.arguments = "{}".into();
@@ -141,14 +144,14 @@ pub fn expand(
                 items.push((
                     ExpandedItem::Turn {
                         seq,
-                        event_id: t.event_id.clone(),
+                        event_id: body.event_id.to_string(),
                         role: t.role,
                         time: t.time,
-                        tokens: t.context_tokens,
+                        tokens: u64::from(t.context_tokens),
                         large_payload: t.large_payload,
                         message,
                     },
-                    t.context_tokens,
+                    u64::from(t.context_tokens),
                 ));
             }
             ChildKind::Turns

@@ -231,7 +231,8 @@ pub fn grep(
             }
             next_summary.next();
             summaries_searched += 1;
-            if let Some((occurrences, offset, snippet, matched)) = first_match(&re, &s.content) {
+            let text = bodies.summary_text(conv, i as u32)?;
+            if let Some((occurrences, offset, snippet, matched)) = first_match(&re, &text) {
                 let m = GrepMatch {
                     source: MatchSource::Summary {
                         summary_id: s.id.clone(),
@@ -257,12 +258,13 @@ pub fn grep(
             continue;
         };
         turns_searched += 1;
-        let text = bodies.turn_body(conv, t.seq)?.message.searchable_text();
+        let body = bodies.turn_body(conv, t.seq)?;
+        let text = body.message.searchable_text();
         if let Some((occurrences, offset, snippet, matched)) = first_match(&re, &text) {
             let m = GrepMatch {
                 source: MatchSource::Turn {
                     seq: t.seq,
-                    event_id: t.event_id.clone(),
+                    event_id: body.event_id.to_string(),
                     role: t.role,
                     time: t.time,
                     placement: coverage.turn(t),

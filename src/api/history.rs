@@ -4,7 +4,7 @@
 //! requests, rejected events, resets), each with the event that caused it.
 
 use crate::api::{conversation, ApiError};
-use crate::core::state::State;
+use crate::core::state::{State, TurnBodies};
 use serde::{Deserialize, Serialize};
 
 pub const DEFAULT_LIMIT: usize = 500;
@@ -47,8 +47,13 @@ pub struct HistoryResponse {
     pub next_after: Option<usize>,
 }
 
-pub fn history(state: &State, req: &HistoryRequest) -> Result<HistoryResponse, ApiError> {
+pub fn history(
+    state: &State,
+    bodies: &dyn TurnBodies,
+    req: &HistoryRequest,
+) -> Result<HistoryResponse, ApiError> {
     let conv = conversation(state, &req.conversation)?;
+    let all = bodies.history(conv)?;
     let limit = req.limit.unwrap_or(DEFAULT_LIMIT);
     if limit == 0 || limit > MAX_LIMIT {
         return Err(ApiError::BadRequest(format!(
@@ -57,8 +62,7 @@ pub fn history(state: &State, req: &HistoryRequest) -> Result<HistoryResponse, A
     }
     let start = req.after.map_or(0, |a| a.saturating_add(1));
     let since = req.since.unwrap_or(0);
-    let mut selected = conv
-        .history
+    let mut selected = all
         .iter()
         .enumerate()
         .skip(start)
@@ -80,7 +84,7 @@ pub fn history(state: &State, req: &HistoryRequest) -> Result<HistoryResponse, A
     };
     Ok(HistoryResponse {
         conversation: conv.key.clone(),
-        total: conv.history.len(),
+        total: all.len(),
         entries,
         next_after,
     })
@@ -90,6 +94,7 @@ pub fn history(state: &State, req: &HistoryRequest) -> Result<HistoryResponse, A
 mod tests {
     use super::*;
     use crate::api::testing::{self, CONV};
+    use crate::core::state::Resident;
 
     fn req() -> HistoryRequest {
         HistoryRequest {
@@ -102,7 +107,7 @@ mod tests {
     fn every_entry_in_order_with_the_compaction_story() {
         let (state, _) = testing::folded();
         let conv = testing::conv(state);
-        let out = history(state, &req()).unwrap();
+        let out = history(state, &Resident, &req()).unwrap();
         assert_eq!(out.total, conv.history.len());
         assert_eq!(out.entries.len(), conv.history.len());
         assert!(out.next_after.is_none());
@@ -125,12 +130,12 @@ mod tests {
     #[test]
     fn pages_with_limit_and_after_and_filters_by_time() {
         let (state, _) = testing::folded();
-        let all = history(state, &req()).unwrap().entries;
+        let all = history(state, &Resident, &req()).unwrap().entries;
         let mut r = req();
         r.limit = Some(4);
         let mut paged = Vec::new();
         loop {
-            let page = history(state, &r).unwrap();
+            let page = history(state, &Resident, &r).unwrap();
             assert!(page.entries.len() <= 4);
             paged.extend(page.entries);
             match page.next_after {
@@ -145,7 +150,7 @@ mod tests {
             since: Some(mid),
             ..req()
         };
-        let recent = history(state, &r).unwrap().entries;
+        let recent = history(state, &Resident, &r).unwrap().entries;
         assert!(recent.iter().all(|e| e.time >= mid));
         assert_eq!(recent.len(), all.iter().filter(|e| e.time >= mid).count());
     }
@@ -158,7 +163,10 @@ mod tests {
                 limit: Some(limit),
                 ..req()
             };
-            assert!(matches!(history(state, &r), Err(ApiError::BadRequest(_))));
+            assert!(matches!(
+                history(state, &Resident, &r),
+                Err(ApiError::BadRequest(_))
+            ));
         }
     }
 }

@@ -356,7 +356,7 @@ pub fn answer(op: Op, body: &[u8], held: Held<'_>) -> Result<Vec<u8>, ApiError> 
             )?),
             Op::Expand => encode(&expand::expand(state, bodies, &parse_request(op, body)?)?),
             Op::Compact => encode(&compact::compact(state, policy, &parse_request(op, body)?)?),
-            Op::History => encode(&history::history(state, &parse_request(op, body)?)?),
+            Op::History => encode(&history::history(state, bodies, &parse_request(op, body)?)?),
         })
     });
     match std::panic::catch_unwind(run) {

@@ -691,9 +691,9 @@ pub fn conversation_status(
             ContextItem::Turn(seq) => {
                 let t = turn(conv, seq)?;
                 turns.in_context += 1;
-                frontier += t.context_tokens;
+                frontier += u64::from(t.context_tokens);
                 if i >= tail {
-                    fresh_tail += t.context_tokens;
+                    fresh_tail += u64::from(t.context_tokens);
                 }
             }
             ContextItem::Summary(k) => {
@@ -707,7 +707,7 @@ pub fn conversation_status(
                 for seq in s.first_turn..=s.last_turn {
                     let t = turn(conv, seq)?;
                     if t.in_context {
-                        summarized_turn_tokens += t.context_tokens;
+                        summarized_turn_tokens += u64::from(t.context_tokens);
                     }
                 }
             }

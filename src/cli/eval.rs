@@ -270,7 +270,7 @@ pub fn compression_by_depth(conv: &Conversation) -> BTreeMap<u32, DepthCompressi
             .unwrap_or_default()
             .iter()
             .filter(|t| t.in_context)
-            .map(|t| t.context_tokens)
+            .map(|t| u64::from(t.context_tokens))
             .sum();
         let entry = out.entry(s.depth).or_default();
         entry.add(&DepthCompression {

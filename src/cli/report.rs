@@ -42,7 +42,7 @@ pub fn conversation_report(
             covered += conv.turns[s.first_turn as usize..=s.last_turn as usize]
                 .iter()
                 .filter(|t| t.in_context)
-                .map(|t| t.context_tokens)
+                .map(|t| u64::from(t.context_tokens))
                 .sum::<u64>();
             summary_tokens += s.tokens;
         }
@@ -51,7 +51,7 @@ pub fn conversation_report(
         .turns
         .iter()
         .filter(|t| t.in_context && t.epoch == conv.epoch)
-        .map(|t| t.context_tokens)
+        .map(|t| u64::from(t.context_tokens))
         .sum();
     Ok(ConversationReport {
         conversation: conv.key.clone(),

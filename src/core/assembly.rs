@@ -3,10 +3,9 @@
 //! call, no call without its result). Answers from state alone: the agent's
 //! hot path never waits on a summarizer.
 
-use crate::core::event::TurnAppended;
 use crate::core::message::{ChatMessage, Content, Role};
 use crate::core::policy::{self, PlanView, PolicyConfig};
-use crate::core::state::{BodyError, ContextItem, Conversation, Resident, TurnBodies};
+use crate::core::state::{BodyError, ContextItem, Conversation, Resident, TurnBodies, TurnBody};
 use crate::core::tokens;
 use serde::{Deserialize, Serialize};
 use std::borrow::Borrow;
@@ -116,7 +115,7 @@ pub fn assemble(
 /// stub, the rolling state).
 #[derive(Debug, Clone, PartialEq)]
 pub enum SentMessage {
-    Stored(Arc<TurnAppended>),
+    Stored(Arc<TurnBody>),
     Built(Box<ChatMessage>),
 }
 
@@ -364,7 +363,7 @@ fn render(
                 s.first_turn,
                 s.last_turn,
                 s.fallback,
-                &s.content,
+                &bodies.summary_text(conv, i)?,
             )))
         }
         ContextItem::Turn(seq) => {
@@ -374,14 +373,14 @@ fn render(
             if turn.large_payload {
                 return Ok(SentMessage::Built(Box::new(payload_stub_message(
                     msg,
-                    &turn.event_id,
-                    turn.tokens,
+                    &body.event_id,
+                    u64::from(turn.tokens),
                 ))));
             }
             if let Some(limit) = cfg.prune_tool_results_over_tokens {
-                if !fresh && turn.role == Role::Tool && turn.tokens > limit {
+                if !fresh && turn.role == Role::Tool && u64::from(turn.tokens) > limit {
                     let mut m = msg.clone();
-                    m.content = Some(Content::Text(excerpt(&msg.text_content(), &turn.event_id)));
+                    m.content = Some(Content::Text(excerpt(&msg.text_content(), &body.event_id)));
                     return Ok(SentMessage::Built(Box::new(m)));
                 }
             }

@@ -12,9 +12,9 @@ use crate::core::overflow;
 use crate::core::policy::{self, PolicyConfig};
 use crate::core::spend;
 use crate::core::state::{
-    call_digest, derived_event_id, id_digest, summary_id, tool_ids_of, ContextItem, Conversation,
-    IdDigest, PendingJob, ResidentBodies, SeenDigest, SeenTurn, SpendEntry, SpendWindow, State,
-    Summary, Turn,
+    call_digest, derived_event_id, event_digest, id_digest, summary_id, tool_ids_of, turn_count,
+    ContextItem, Conversation, IdDigest, PendingJob, ResidentBodies, SeenDigest, SeenTurn,
+    SpendEntry, SpendWindow, State, Summary, Turn, TurnBody,
 };
 use crate::core::tokens;
 use std::cell::RefCell;
@@ -66,7 +66,10 @@ pub fn fold_owned(
     turn_tokens: Option<u64>,
 ) -> FoldOutcome {
     let turn = match &mut event.body {
-        EventBody::TurnAppended(t) => Some(Arc::new(std::mem::replace(t, empty_turn()))),
+        EventBody::TurnAppended(t) => Some(Arc::new(TurnBody::new(
+            &event.id,
+            std::mem::replace(t, empty_turn()),
+        ))),
         _ => None,
     };
     fold_with(state, policy, &event, turn_tokens, turn)
@@ -89,7 +92,7 @@ fn fold_with(
     policy: &PolicyConfig,
     event: &Envelope,
     turn_tokens: Option<u64>,
-    turn: Option<Arc<TurnAppended>>,
+    turn: Option<Arc<TurnBody>>,
 ) -> FoldOutcome {
     if policy::session_matches(&policy.ignore_sessions, &event.conversation) {
         return FoldOutcome {
@@ -203,7 +206,7 @@ struct FoldContext<'a> {
     event_digest: IdDigest,
     turn_tokens: Option<u64>,
     /// The turn, when the caller gave it up: it is kept without a copy.
-    turn: Option<Arc<TurnAppended>>,
+    turn: Option<Arc<TurnBody>>,
     decisions: Vec<Envelope>,
 }
 
@@ -213,7 +216,7 @@ impl FoldContext<'_> {
         self.conv.last_time = self.conv.last_time.max(event.time);
         let status = match &event.body {
             EventBody::TurnAppended(t) => match self.turn.take() {
-                Some(owned) => self.turn_appended(&owned, Some(&owned)),
+                Some(owned) => self.turn_appended(&owned.turn, Some(&owned)),
                 None => self.turn_appended(t, None),
             },
             EventBody::ProviderErrorObserved(e) => self.provider_error(e),
@@ -308,11 +311,7 @@ impl FoldContext<'_> {
     }
 
     /// `shared` is `t` itself when the state may keep it as it is.
-    fn turn_appended(
-        &mut self,
-        t: &TurnAppended,
-        shared: Option<&Arc<TurnAppended>>,
-    ) -> FoldStatus {
+    fn turn_appended(&mut self, t: &TurnAppended, shared: Option<&Arc<TurnBody>>) -> FoldStatus {
         let msg = &t.message;
         if msg.role == Role::Tool {
             let Some(call_id) = msg.tool_call_id.as_deref() else {
@@ -420,7 +419,7 @@ impl FoldContext<'_> {
         t: &TurnAppended,
         tokens: u64,
         mut in_context: bool,
-        shared: Option<&Arc<TurnAppended>>,
+        shared: Option<&Arc<TurnBody>>,
     ) {
         let msg = &t.message;
         let seq = self.conv.turns.len() as u64;
@@ -467,22 +466,38 @@ impl FoldContext<'_> {
             tokens
         };
         let bytes = msg.text_bytes() as u64;
+        // Stored as 32-bit counts; what context sums is the same count.
+        let (tokens, context_tokens, bytes) = (
+            u64::from(turn_count(tokens)),
+            u64::from(turn_count(context_tokens)),
+            u64::from(turn_count(bytes)),
+        );
+        // Grown by an eighth, not doubled: every resident turn is here, and
+        // a doubled vector is a third empty on average.
+        if self.conv.turns.len() == self.conv.turns.capacity() {
+            let len = self.conv.turns.len();
+            self.conv.turns.reserve_exact((len / 8).max(8));
+        }
         self.conv.turns.push(Turn {
             seq,
-            event_id: self.event.id.clone(),
             time: self.event.time,
+            event: event_digest(&self.event.id),
+            tokens: turn_count(tokens),
+            context_tokens: turn_count(context_tokens),
+            bytes: turn_count(bytes),
+            epoch: self.conv.epoch,
             role: msg.role,
-            tokens,
-            context_tokens,
-            bytes,
             in_context,
             large_payload: large,
-            epoch: self.conv.epoch,
             tool_ids: tool_ids_of(msg),
         });
-        self.conv
-            .bodies
-            .insert(seq, shared.map_or_else(|| Arc::new(t.clone()), Arc::clone));
+        self.conv.bodies.insert(
+            seq,
+            shared.map_or_else(
+                || Arc::new(TurnBody::new(&self.event.id, t.clone())),
+                Arc::clone,
+            ),
+        );
         if in_context {
             self.conv.context.push(ContextItem::Turn(seq));
             self.conv.context_tokens += context_tokens;
@@ -691,7 +706,6 @@ impl FoldContext<'_> {
                     covers: s.covers.clone(),
                     first_turn,
                     last_turn,
-                    content: Arc::from(s.content.as_str()),
                     tokens,
                     source_tokens,
                     model: s.model.clone(),
@@ -702,10 +716,13 @@ impl FoldContext<'_> {
                     job_id: s.job_id.clone(),
                     supersedes: s.supersedes.clone(),
                 });
+                self.conv
+                    .summary_texts
+                    .push(index, Arc::from(s.content.as_str()));
                 let removed_bytes: u64 = self.conv.context[start..end]
                     .iter()
                     .map(|i| match i {
-                        ContextItem::Turn(seq) => self.conv.turns[*seq as usize].bytes,
+                        ContextItem::Turn(seq) => u64::from(self.conv.turns[*seq as usize].bytes),
                         ContextItem::Summary(_) => 0,
                     })
                     .sum();
@@ -885,8 +902,8 @@ impl FoldContext<'_> {
                     end,
                     first_turn: *first,
                     last_turn: *last,
-                    source_tokens: tokens,
-                    removed_tokens: tokens,
+                    source_tokens: u64::from(tokens),
+                    removed_tokens: u64::from(tokens),
                 })
             }
             (SummaryKind::Condensed, Covers::Summaries { ids }) => {
@@ -1865,7 +1882,7 @@ mod tests {
         );
         fold(&mut state, &p, &big);
         let turn = &state.conversations["c"].turns[0];
-        assert!(turn.tokens > 1_000 && turn.tokens < p.large_payload_threshold_tokens);
+        assert!(turn.tokens > 1_000 && u64::from(turn.tokens) < p.large_payload_threshold_tokens);
         assert!(turn.large_payload, "{} tokens kept whole", turn.tokens);
         assert!(
             turn.context_tokens < 100,
@@ -1935,7 +1952,10 @@ mod tests {
             assert_eq!(conv.spend.backoff_until > 0, backoff, "{why}");
             assert_eq!(conv.awaiting_input, backoff, "{why}");
             let history = &conv.history;
-            let line = history.iter().rfind(|h| h.event_type == "sweep_ended");
+            let line = history
+                .resident()
+                .iter()
+                .rfind(|h| h.event_type == "sweep_ended");
             let line = line.map(|h| h.detail.clone()).unwrap_or_default();
             assert!(line.contains(&format!("{accepted} committed")), "{line}");
             if backoff {
@@ -1992,7 +2012,11 @@ mod tests {
             let late = job.issued_at + 2 * job.deadline_ms + 60_001;
             let out = fold(&mut state, &p, &turn("c", next, late));
             let conv = &state.conversations["c"];
-            assert!(conv.history.iter().any(|h| h.event_type == "job_expired"));
+            assert!(conv
+                .history
+                .resident()
+                .iter()
+                .any(|h| h.event_type == "job_expired"));
             if progress {
                 assert_eq!(jobs(&out.decisions).len(), 1, "its successor at once");
                 assert!(!conv.awaiting_input);

@@ -142,20 +142,25 @@ fn turn_source(
         role: Some(turn.role),
         tool,
         text: strip_injected(&msg.searchable_text(), tags),
-        tokens: turn.context_tokens,
+        tokens: u64::from(turn.context_tokens),
         time: turn.time,
     })
 }
 
-fn summary_source(s: &crate::core::state::Summary) -> SourceItem {
-    SourceItem {
+fn summary_source(
+    conv: &Conversation,
+    bodies: &dyn TurnBodies,
+    index: u32,
+) -> Result<SourceItem, BodyError> {
+    let s = &conv.summaries[index as usize];
+    Ok(SourceItem {
         label: format!("summary {}", s.id),
         role: None,
         tool: None,
-        text: s.content.to_string(),
+        text: bodies.summary_text(conv, index)?.to_string(),
         tokens: s.tokens,
         time: s.time,
-    }
+    })
 }
 
 /// What fallback summary `s` was written over, exactly as the fold will
@@ -174,8 +179,8 @@ fn resummary(
         Covers::Summaries { ids } => ids
             .iter()
             .filter_map(|id| conv.summary_index(id))
-            .map(|k| summary_source(&conv.summaries[k as usize]))
-            .collect(),
+            .map(|k| summary_source(conv, bodies, k))
+            .collect::<Result<_, _>>()?,
     };
     Ok(Resummary {
         kind: s.kind,
@@ -239,7 +244,10 @@ pub fn snapshot_from(
                         summary_id: Some(s.id.clone()),
                         first_turn: s.first_turn,
                         last_turn: s.last_turn,
-                        source: job.compact.then(|| summary_source(s)),
+                        source: job
+                            .compact
+                            .then(|| summary_source(conv, bodies, k))
+                            .transpose()?,
                         fallback: s.fallback,
                         resummarize: (resummarizing && s.fallback)
                             .then(|| resummary(conv, bodies, s, tags))

@@ -137,7 +137,10 @@ pub struct Engine<B: KvBackend> {
 /// 7: records pass intake (origins, bounds, subject attribution).
 /// 8: chunk keys escape 0 bytes of conversation keys.
 /// 9: turn bodies are records of their own; turns keep tool-call digests.
-pub const STATE_LAYOUT: u32 = 9;
+/// 10: turns keep 32-bit counts and an event-id digest (the id is in the
+///     body); applied ids are hashed sorted; history entries stay in the
+///     store (the head keeps their count and digest).
+pub const STATE_LAYOUT: u32 = 10;
 
 /// A fingerprint of the policy and the state layout: state folded under
 /// another policy, or stored in another layout, is rebuilt from the log.
@@ -362,6 +365,13 @@ impl<B: KvBackend> Engine<B> {
                 crate::core::state::TurnBodies::turn_body(&bodies, conv, seq)?,
             );
         }
+        full.summary_texts = Default::default();
+        for index in 0..conv.summaries.len() as u32 {
+            let text = crate::core::state::TurnBodies::summary_text(&bodies, conv, index)?;
+            full.summary_texts.push(index, text);
+        }
+        let history = crate::core::state::TurnBodies::history(&bodies, conv)?;
+        full.history = crate::core::state::HistoryLog::from_entries(history);
         Ok(full)
     }
 

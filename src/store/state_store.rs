@@ -24,10 +24,9 @@
 //! Crash reasoning is unchanged: a commit is atomic, bodies included, so
 //! the state on disk is always that of one log position.
 
-use crate::core::event::TurnAppended;
 use crate::core::state::{
-    body_size, id_digest, BodyError, ContextItem, Conversation, HistoryEntry, IdDigest, State,
-    StateHasher, Summary, Turn, TurnBodies,
+    body_size, id_digest, AppliedIds, BodyError, ContextItem, Conversation, HistoryEntry, IdDigest,
+    State, StateHasher, Summary, Turn, TurnBodies, TurnBody,
 };
 use crate::log::Position;
 use crate::store::{KvBackend, StoreError, Table, Write};
@@ -47,6 +46,8 @@ const PENDING_KEY: &[u8] = b"pending_jobs";
 const KIND_CHUNK: u8 = 5;
 /// Key kind of a conversation's turn bodies.
 const KIND_BODY: u8 = 6;
+/// Key kind of a conversation's summary texts (by summary index).
+const KIND_SUMMARY_TEXT: u8 = 7;
 
 /// How much of each append-only vector is already on disk, and how many
 /// chunks hold it.
@@ -54,8 +55,6 @@ const KIND_BODY: u8 = 6;
 struct Persisted {
     turns: usize,
     summaries: usize,
-    applied: usize,
-    history: usize,
     context: usize,
     context_edits: u64,
     chunks: u64,
@@ -67,8 +66,6 @@ impl Persisted {
         Persisted {
             turns: conv.turns.len(),
             summaries: conv.summaries.len(),
-            applied: conv.applied.len(),
-            history: conv.history.len(),
             context: conv.context.len(),
             context_edits: conv.context_edits.0,
             chunks,
@@ -89,6 +86,25 @@ struct Chunk<'a> {
     context_replaced: bool,
 }
 
+/// A chunk as a conversation is loaded: its history entries are skipped
+/// (they stay in the store: [`StateStore::read_history`]).
+#[derive(serde::Deserialize)]
+struct LoadedChunk {
+    turns: Vec<Turn>,
+    summaries: Vec<Summary>,
+    applied: Vec<IdDigest>,
+    #[allow(dead_code)]
+    history: serde::de::IgnoredAny,
+    context: Vec<ContextItem>,
+    context_replaced: bool,
+}
+
+/// A chunk's history entries alone.
+#[derive(serde::Deserialize)]
+struct ChunkHistory {
+    history: Vec<HistoryEntry>,
+}
+
 impl Chunk<'_> {
     /// About the encoded size.
     fn size_hint(&self) -> usize {
@@ -96,15 +112,26 @@ impl Chunk<'_> {
     }
 }
 
-/// Where a body is cached: its conversation's key digest and its sequence.
-type BodyKey = (IdDigest, u64);
+/// Where a body is cached: its conversation's key digest, its record
+/// kind and its sequence (a turn's, or a summary's index).
+type BodyKey = (IdDigest, u8, u64);
+
+/// A cached body: a turn's, or a summary's text.
+#[derive(Clone)]
+enum Cached {
+    Turn(Arc<TurnBody>),
+    SummaryText(Arc<str>),
+}
 
 #[derive(Clone)]
 struct BodyWeight;
 
-impl quick_cache::Weighter<BodyKey, Arc<TurnAppended>> for BodyWeight {
-    fn weight(&self, _: &BodyKey, body: &Arc<TurnAppended>) -> u64 {
-        body_size(body)
+impl quick_cache::Weighter<BodyKey, Cached> for BodyWeight {
+    fn weight(&self, _: &BodyKey, body: &Cached) -> u64 {
+        match body {
+            Cached::Turn(body) => body_size(body),
+            Cached::SummaryText(text) => text.len() as u64 + 64,
+        }
     }
 }
 
@@ -112,7 +139,7 @@ impl quick_cache::Weighter<BodyKey, Arc<TurnAppended>> for BodyWeight {
 /// a commit just wrote), bounded in bytes; shared by the folder and the
 /// readers of one store (it locks internally).
 pub struct BodyCache {
-    cache: quick_cache::sync::Cache<BodyKey, Arc<TurnAppended>, BodyWeight>,
+    cache: quick_cache::sync::Cache<BodyKey, Cached, BodyWeight>,
     capacity_bytes: u64,
 }
 
@@ -132,10 +159,10 @@ impl BodyCache {
             capacity_bytes,
         }
     }
-    fn get(&self, key: &BodyKey) -> Option<Arc<TurnAppended>> {
+    fn get(&self, key: &BodyKey) -> Option<Cached> {
         self.cache.get(key)
     }
-    fn insert(&self, key: BodyKey, body: Arc<TurnAppended>) {
+    fn insert(&self, key: BodyKey, body: Cached) {
         if self.capacity_bytes > 0 {
             self.cache.insert(key, body);
         }
@@ -209,13 +236,13 @@ fn record_key(conv: &str, kind: u8, seq: u64) -> Vec<u8> {
     key
 }
 
-fn encode<T: serde::Serialize>(value: &T) -> Vec<u8> {
+fn encode<T: serde::Serialize + ?Sized>(value: &T) -> Vec<u8> {
     encode_sized(value, 0)
 }
 
 /// Encodes into a buffer of `capacity` bytes to start with (a chunk of
 /// hundreds of turns would otherwise grow and copy its buffer many times).
-fn encode_sized<T: serde::Serialize>(value: &T, capacity: usize) -> Vec<u8> {
+fn encode_sized<T: serde::Serialize + ?Sized>(value: &T, capacity: usize) -> Vec<u8> {
     let mut buf = Vec::with_capacity(capacity);
     rmp_serde::encode::write_named(&mut buf, value).expect("state records serialize");
     buf
@@ -365,6 +392,7 @@ impl<B: KvBackend> StateStore<B> {
         let mut conv: Conversation = decode(&head, "conversation head")?;
         let prefix = record_prefix(key, KIND_CHUNK);
         let mut chunks = 0;
+        let mut applied = Vec::new();
         for (rk, value) in self.backend.scan_prefix(Table::Records, &prefix)? {
             if rk.len() != prefix.len() + 8 {
                 return Err(StoreError::Corrupt {
@@ -372,18 +400,21 @@ impl<B: KvBackend> StateStore<B> {
                     detail: format!("{rk:?}"),
                 });
             }
-            let chunk: Chunk = decode(&value, "conversation chunk")?;
-            conv.turns.extend(chunk.turns.into_owned());
-            conv.summaries.extend(chunk.summaries.into_owned());
-            conv.applied.extend(chunk.applied.into_owned());
-            conv.history.extend(chunk.history.into_owned());
+            let chunk: LoadedChunk = decode(&value, "conversation chunk")?;
+            conv.turns.extend(chunk.turns);
+            conv.summaries.extend(chunk.summaries);
+            applied.extend(chunk.applied);
             if chunk.context_replaced {
                 conv.context.clear();
             }
-            conv.context.extend(chunk.context.into_owned());
+            conv.context.extend(chunk.context);
             chunks += 1;
         }
-        conv.rebuild_indexes();
+        conv.applied = AppliedIds::from_stored(applied);
+        // Read in chunks, the vectors grew by doubling.
+        conv.turns.shrink_to_fit();
+        conv.summaries.shrink_to_fit();
+        conv.context.shrink_to_fit();
         let guarded: Vec<u64> = conv.guard_seqs().collect();
         for seq in guarded {
             let body = self.stored_body(&conv, seq)?;
@@ -406,6 +437,19 @@ impl<B: KvBackend> StateStore<B> {
         Ok(Some(conv))
     }
 
+    /// The history entries of `key` on disk, oldest first.
+    pub fn read_history(&self, key: &str) -> Result<Vec<HistoryEntry>, StoreError> {
+        let mut entries = Vec::new();
+        for (_, value) in self
+            .backend
+            .scan_prefix(Table::Records, &record_prefix(key, KIND_CHUNK))?
+        {
+            let chunk: ChunkHistory = decode(&value, "conversation chunk")?;
+            entries.extend(chunk.history);
+        }
+        Ok(entries)
+    }
+
     /// The conversations whose committed state has a pending job.
     pub fn pending_conversations(&self) -> &BTreeSet<String> {
         &self.pending
@@ -426,7 +470,7 @@ impl<B: KvBackend> StateStore<B> {
     }
 
     /// A body from the cache or the backend (not from the conversation).
-    fn stored_body(&self, conv: &Conversation, seq: u64) -> Result<Arc<TurnAppended>, BodyError> {
+    fn stored_body(&self, conv: &Conversation, seq: u64) -> Result<Arc<TurnBody>, BodyError> {
         self.stored_body_keyed(conv, id_digest(&conv.key), seq)
     }
 
@@ -435,9 +479,9 @@ impl<B: KvBackend> StateStore<B> {
         conv: &Conversation,
         key_digest: IdDigest,
         seq: u64,
-    ) -> Result<Arc<TurnAppended>, BodyError> {
-        let cache_key = (key_digest, seq);
-        if let Some(body) = self.cache.get(&cache_key) {
+    ) -> Result<Arc<TurnBody>, BodyError> {
+        let cache_key = (key_digest, KIND_BODY, seq);
+        if let Some(Cached::Turn(body)) = self.cache.get(&cache_key) {
             return Ok(body);
         }
         let unreadable = |detail: String| BodyError::Unreadable {
@@ -453,11 +497,45 @@ impl<B: KvBackend> StateStore<B> {
                 conversation: conv.key.clone(),
                 seq,
             })?;
-        let body: TurnAppended =
+        let body: TurnBody =
             rmp_serde::from_slice(&bytes).map_err(|e| unreadable(e.to_string()))?;
         let body = Arc::new(body);
-        self.cache.insert(cache_key, Arc::clone(&body));
+        self.cache
+            .insert(cache_key, Cached::Turn(Arc::clone(&body)));
         Ok(body)
+    }
+
+    fn stored_summary_text(
+        &self,
+        conv: &Conversation,
+        key_digest: IdDigest,
+        index: u32,
+    ) -> Result<Arc<str>, BodyError> {
+        let cache_key = (key_digest, KIND_SUMMARY_TEXT, u64::from(index));
+        if let Some(Cached::SummaryText(text)) = self.cache.get(&cache_key) {
+            return Ok(text);
+        }
+        let unreadable = |detail: String| BodyError::SummaryUnreadable {
+            conversation: conv.key.clone(),
+            index,
+            detail,
+        };
+        let bytes = self
+            .backend
+            .get(
+                Table::Records,
+                &record_key(&conv.key, KIND_SUMMARY_TEXT, u64::from(index)),
+            )
+            .map_err(|e| unreadable(e.to_string()))?
+            .ok_or_else(|| BodyError::SummaryMissing {
+                conversation: conv.key.clone(),
+                index,
+            })?;
+        let text: String = rmp_serde::from_slice(&bytes).map_err(|e| unreadable(e.to_string()))?;
+        let text: Arc<str> = Arc::from(text);
+        self.cache
+            .insert(cache_key, Cached::SummaryText(Arc::clone(&text)));
+        Ok(text)
     }
 
     /// Reads bodies: the conversation's resident ones, then the cache,
@@ -526,11 +604,18 @@ impl<B: KvBackend> StateStore<B> {
                     value: encode_sized(&**body, body.message.text_bytes() + 64),
                 });
             }
+            for (index, text) in conv.summary_texts.from(p.summaries as u32) {
+                writes.push(Write::Put {
+                    table: Table::Records,
+                    key: record_key(key, KIND_SUMMARY_TEXT, u64::from(index)),
+                    value: encode_sized(&**text, text.len() + 8),
+                });
+            }
             let chunk = Chunk {
                 turns: Cow::Borrowed(conv.turns.get(p.turns..).unwrap_or_default()),
                 summaries: Cow::Borrowed(conv.summaries.get(p.summaries..).unwrap_or_default()),
-                applied: Cow::Borrowed(conv.applied.get(p.applied..).unwrap_or_default()),
-                history: Cow::Borrowed(conv.history.get(p.history..).unwrap_or_default()),
+                applied: Cow::Borrowed(conv.applied.unsaved()),
+                history: Cow::Borrowed(conv.history.resident()),
                 context: Cow::Borrowed(if context_appended {
                     &conv.context[p.context..]
                 } else {
@@ -559,13 +644,11 @@ impl<B: KvBackend> StateStore<B> {
             let turns = std::mem::take(&mut conv.turns);
             let summaries = std::mem::take(&mut conv.summaries);
             let applied = std::mem::take(&mut conv.applied);
-            let history = std::mem::take(&mut conv.history);
             let context = std::mem::take(&mut conv.context);
             let head = encode(&*conv);
             conv.turns = turns;
             conv.summaries = summaries;
             conv.applied = applied;
-            conv.history = history;
             conv.context = context;
             writes.push(Write::Put {
                 table: Table::Conversations,
@@ -623,10 +706,19 @@ impl<B: KvBackend> StateStore<B> {
             if let Some(conv) = state.conversations.get_mut(key) {
                 self.persisted
                     .insert(key.clone(), Persisted::of(conv, chunks));
+                conv.applied.saved();
+                conv.history.saved();
                 // On disk now: the newest turns, what assembly reads next.
                 let digest = id_digest(key);
                 for (seq, body) in conv.release_bodies() {
-                    self.cache.insert((digest, seq), body);
+                    self.cache
+                        .insert((digest, KIND_BODY, seq), Cached::Turn(body));
+                }
+                for (index, text) in conv.summary_texts.release() {
+                    self.cache.insert(
+                        (digest, KIND_SUMMARY_TEXT, u64::from(index)),
+                        Cached::SummaryText(text),
+                    );
                 }
             }
         }
@@ -692,23 +784,58 @@ pub struct StoredBodies<'a, B: KvBackend> {
     last_key: std::cell::RefCell<Option<(String, IdDigest)>>,
 }
 
+impl<B: KvBackend> StoredBodies<'_, B> {
+    fn key_digest(&self, conv: &Conversation) -> IdDigest {
+        let mut last = self.last_key.borrow_mut();
+        match &*last {
+            Some((key, digest)) if *key == conv.key => *digest,
+            _ => {
+                let digest = id_digest(&conv.key);
+                *last = Some((conv.key.clone(), digest));
+                digest
+            }
+        }
+    }
+}
+
 impl<B: KvBackend> TurnBodies for StoredBodies<'_, B> {
-    fn turn_body(&self, conv: &Conversation, seq: u64) -> Result<Arc<TurnAppended>, BodyError> {
+    fn turn_body(&self, conv: &Conversation, seq: u64) -> Result<Arc<TurnBody>, BodyError> {
         if let Some(body) = conv.bodies.get(seq) {
             return Ok(Arc::clone(body));
         }
-        let digest = {
-            let mut last = self.last_key.borrow_mut();
-            match &*last {
-                Some((key, digest)) if *key == conv.key => *digest,
-                _ => {
-                    let digest = id_digest(&conv.key);
-                    *last = Some((conv.key.clone(), digest));
-                    digest
-                }
-            }
-        };
-        self.store.stored_body_keyed(conv, digest, seq)
+        self.store
+            .stored_body_keyed(conv, self.key_digest(conv), seq)
+    }
+
+    fn summary_text(&self, conv: &Conversation, index: u32) -> Result<Arc<str>, BodyError> {
+        if let Some(text) = conv.summary_texts.get(index) {
+            return Ok(Arc::clone(text));
+        }
+        self.store
+            .stored_summary_text(conv, self.key_digest(conv), index)
+    }
+
+    fn history(&self, conv: &Conversation) -> Result<Vec<HistoryEntry>, BodyError> {
+        if let Some(all) = conv.history.all() {
+            return Ok(all.to_vec());
+        }
+        let mut entries =
+            self.store
+                .read_history(&conv.key)
+                .map_err(|e| BodyError::HistoryUnreadable {
+                    conversation: conv.key.clone(),
+                    detail: e.to_string(),
+                })?;
+        // The store may hold some of the resident ones already (a commit
+        // that has not dropped them yet): those before them come from it.
+        entries.truncate(conv.history.first_resident());
+        if !conv.history.verify(&entries) {
+            return Err(BodyError::HistoryMismatch {
+                conversation: conv.key.clone(),
+            });
+        }
+        entries.extend_from_slice(conv.history.resident());
+        Ok(entries)
     }
 }
 

@@ -171,7 +171,7 @@ impl PlanView for Conversation {
                 PlanItem::Turn {
                     seq,
                     role: t.role,
-                    tokens: t.context_tokens,
+                    tokens: u64::from(t.context_tokens),
                 }
             }
             ContextItem::Summary(k) => {

@@ -17,7 +17,17 @@
 //! with), from a cache, or from the state store. A state folded in memory
 //! alone (tests, `eval`, what-if) simply keeps every body resident.
 
-use crate::core::event::{Covers, Debt, RollingState, SummaryKind, TurnAppended};
+mod applied;
+mod bodies;
+mod history;
+
+pub use applied::AppliedIds;
+pub use bodies::{
+    body_size, BodyError, Resident, ResidentBodies, ResidentTexts, TurnBodies, TurnBody,
+};
+pub use history::HistoryLog;
+
+use crate::core::event::{Covers, Debt, RollingState, SummaryKind};
 use crate::core::message::Role;
 use crate::core::tokens;
 use serde::{Deserialize, Serialize};
@@ -78,34 +88,48 @@ pub struct State {
 }
 
 /// One turn as folded: what the fold decides on, without its body
-/// (see the module doc).
+/// (see the module doc). Resident for every turn of every resident
+/// conversation, so it is kept small: counts in 32 bits (a turn's size is
+/// bounded by intake far below 4 GiB), the event id as a digest (the id
+/// itself is in the body).
 ///
-/// Stored as a list of its fields (`Serialize_tuple`). The store writes
-/// every turn, and the names of these fields would be 91 more bytes of each
-/// (a sixth of a 500-byte turn row). In the positional form the state hash
-/// uses, a struct already is that list (`rows_hash_as_the_derived_struct_did`
-/// checks both).
+/// Stored as a list of its fields (`Serialize_tuple`): the store writes
+/// every turn, and the names of these fields would be 91 more bytes of each.
+/// In the positional form the state hash uses, a struct already is that list
+/// (`rows_hash_as_the_derived_struct_did` checks both).
 #[derive(Debug, Clone, PartialEq, Serialize_tuple, Deserialize_tuple)]
 pub struct Turn {
     pub seq: u64,
-    pub event_id: String,
     pub time: u64,
-    pub role: Role,
+    /// [`event_digest`] of the id of the event that carried it.
+    pub event: u64,
     /// Tokens of the verbatim message.
-    pub tokens: u64,
+    pub tokens: u32,
     /// Tokens it costs in context (a stub when it is a large payload).
-    pub context_tokens: u64,
-    pub bytes: u64,
+    pub context_tokens: u32,
+    pub bytes: u32,
+    /// Reset epoch the turn belongs to.
+    pub epoch: u32,
+    pub role: Role,
     /// False for duplicate user turns: recorded, kept out of context.
     pub in_context: bool,
     /// The payload exceeds `large_payload_threshold_tokens`: shown as a stub.
     pub large_payload: bool,
-    /// Reset epoch the turn belongs to.
-    pub epoch: u32,
     /// [`call_digest`]s of its tool-call ids: the calls an assistant turn
     /// makes, or the one call a tool turn answers. Enough for the guards
     /// and tool pairing, at 8 bytes an id instead of its text.
     pub tool_ids: Box<[u64]>,
+}
+
+/// The digest a [`Turn`] keeps of its event id: enough to find a turn by
+/// its id (a candidate, confirmed by its body's id).
+pub fn event_digest(id: &str) -> u64 {
+    call_digest(id)
+}
+
+/// A count in a [`Turn`]: saturates (intake bounds a turn far below).
+pub fn turn_count(n: u64) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
 }
 
 /// The digest a [`Turn`] keeps of a tool-call id: 64-bit FNV-1a, written
@@ -163,121 +187,6 @@ pub fn tool_ids_of(msg: &crate::core::message::ChatMessage) -> Box<[u64]> {
     }
 }
 
-/// Turn bodies a conversation holds in memory, by sequence number: those
-/// folded and not yet handed to a store, and those its duplicate and flood
-/// guards may still compare a new turn with. Bookkeeping beside the state:
-/// not serialized, hashed or compared (the hash reads bodies through
-/// [`TurnBodies`]).
-///
-/// A vector in sequence order, not a map: the fold appends each turn's
-/// body at the end (its sequence is the conversation's newest), on the hot
-/// path of every event.
-#[derive(Debug, Clone, Default)]
-pub struct ResidentBodies {
-    bodies: Vec<(u64, Arc<TurnAppended>)>,
-    bytes: u64,
-}
-
-impl PartialEq for ResidentBodies {
-    fn eq(&self, _: &ResidentBodies) -> bool {
-        true
-    }
-}
-
-impl ResidentBodies {
-    fn index(&self, seq: u64) -> Result<usize, usize> {
-        // The newest is asked for most (guards, the turn just folded).
-        match self.bodies.last() {
-            Some((last, _)) if *last == seq => Ok(self.bodies.len() - 1),
-            Some((last, _)) if *last < seq => Err(self.bodies.len()),
-            _ => self.bodies.binary_search_by_key(&seq, |(s, _)| *s),
-        }
-    }
-    pub fn get(&self, seq: u64) -> Option<&Arc<TurnAppended>> {
-        self.index(seq).ok().map(|i| &self.bodies[i].1)
-    }
-    pub fn insert(&mut self, seq: u64, body: Arc<TurnAppended>) {
-        self.bytes += body_size(&body);
-        match self.index(seq) {
-            Ok(i) => {
-                let old = std::mem::replace(&mut self.bodies[i].1, body);
-                self.bytes -= body_size(&old);
-            }
-            Err(i) => self.bodies.insert(i, (seq, body)),
-        }
-    }
-    /// Bodies of turns `from..`, in order (what a commit writes).
-    pub fn from(&self, from: u64) -> impl Iterator<Item = (u64, &Arc<TurnAppended>)> {
-        let start = self.bodies.partition_point(|(s, _)| *s < from);
-        self.bodies[start..].iter().map(|(s, b)| (*s, b))
-    }
-    /// Drops every body but those `keep` names; returns the dropped ones.
-    pub fn release(&mut self, keep: impl Fn(u64) -> bool) -> Vec<(u64, Arc<TurnAppended>)> {
-        let (kept, released): (Vec<_>, Vec<_>) = std::mem::take(&mut self.bodies)
-            .into_iter()
-            .partition(|(s, _)| keep(*s));
-        self.bodies = kept;
-        self.bytes = self.bodies.iter().map(|(_, b)| body_size(b)).sum();
-        released
-    }
-    pub fn len(&self) -> usize {
-        self.bodies.len()
-    }
-    pub fn is_empty(&self) -> bool {
-        self.bodies.is_empty()
-    }
-    /// About the bytes they hold (their text).
-    pub fn bytes(&self) -> u64 {
-        self.bytes
-    }
-}
-
-/// About the bytes a body holds in memory: its text plus a fixed overhead.
-pub fn body_size(body: &TurnAppended) -> u64 {
-    body.message.text_bytes() as u64 + 160
-}
-
-/// Why a turn body could not be read.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum BodyError {
-    #[error(
-        "turn {seq} of conversation {conversation:?} has no body in memory and no store to read it from"
-    )]
-    NotResident { conversation: String, seq: u64 },
-    #[error(
-        "turn {seq} of conversation {conversation:?} has no body in the state store; run `contextfold rebuild`"
-    )]
-    Missing { conversation: String, seq: u64 },
-    #[error("turn {seq} of conversation {conversation:?} could not be read: {detail}")]
-    Unreadable {
-        conversation: String,
-        seq: u64,
-        detail: String,
-    },
-}
-
-/// Where turn bodies are read from.
-pub trait TurnBodies {
-    fn turn_body(&self, conv: &Conversation, seq: u64) -> Result<Arc<TurnAppended>, BodyError>;
-}
-
-/// Bodies from the conversation alone: for a state folded in memory,
-/// which keeps every body it folded.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Resident;
-
-impl TurnBodies for Resident {
-    fn turn_body(&self, conv: &Conversation, seq: u64) -> Result<Arc<TurnAppended>, BodyError> {
-        conv.bodies
-            .get(seq)
-            .cloned()
-            .ok_or_else(|| BodyError::NotResident {
-                conversation: conv.key.clone(),
-                seq,
-            })
-    }
-}
-
 /// A node of the summary DAG.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Summary {
@@ -288,7 +197,6 @@ pub struct Summary {
     /// Oldest and newest raw turn under this summary.
     pub first_turn: u64,
     pub last_turn: u64,
-    pub content: Arc<str>,
     /// Tokens it costs in context: the rendered summary message
     /// ([`crate::core::assembly::summary_message`]), wrapper included.
     pub tokens: u64,
@@ -443,10 +351,11 @@ pub struct Conversation {
     pub turns: Vec<Turn>,
     /// Append-only: every summary ever accepted.
     pub summaries: Vec<Summary>,
-    /// Append-only: digests of every applied event id, in order.
-    pub applied: Vec<IdDigest>,
-    /// Append-only: compaction decisions and results, for `history`.
-    pub history: Vec<HistoryEntry>,
+    /// Digests of every applied event id.
+    pub applied: AppliedIds,
+    /// Compaction decisions and results, for `history` and audit (in a
+    /// store once committed: read through [`TurnBodies::history`]).
+    pub history: HistoryLog,
     /// What the agent would see now, oldest first. Anything but a push
     /// must count itself in `context_edits`.
     pub context: Vec<ContextItem>,
@@ -479,11 +388,13 @@ pub struct Conversation {
     pub stale_summaries: u64,
     pub last_overflow_tokens: Option<u64>,
     #[serde(skip)]
-    pub applied_set: DigestSet,
-    #[serde(skip)]
     pub context_edits: ContextEdits,
     #[serde(skip)]
     pub bodies: ResidentBodies,
+    /// Summary texts not handed to a store yet (read through
+    /// [`TurnBodies::summary_text`]).
+    #[serde(skip)]
+    pub summary_texts: ResidentTexts,
 }
 
 /// How many times `context` changed other than by appending: the store
@@ -514,8 +425,8 @@ impl Conversation {
             epoch: 0,
             turns: Vec::new(),
             summaries: Vec::new(),
-            applied: Vec::new(),
-            history: Vec::new(),
+            applied: AppliedIds::default(),
+            history: HistoryLog::default(),
             context: Vec::new(),
             context_tokens: 0,
             context_bytes: 0,
@@ -537,9 +448,9 @@ impl Conversation {
             duplicates_dropped: 0,
             stale_summaries: 0,
             last_overflow_tokens: None,
-            applied_set: DigestSet::default(),
             context_edits: ContextEdits::default(),
             bodies: ResidentBodies::default(),
+            summary_texts: ResidentTexts::default(),
         }
     }
 
@@ -560,14 +471,9 @@ impl Conversation {
 
     /// Drops the bodies the guards no longer need from memory (once a
     /// store holds them); returns them, for a cache.
-    pub fn release_bodies(&mut self) -> Vec<(u64, Arc<TurnAppended>)> {
+    pub fn release_bodies(&mut self) -> Vec<(u64, Arc<TurnBody>)> {
         let keep: Vec<u64> = self.guard_seqs().collect();
         self.bodies.release(|seq| keep.contains(&seq))
-    }
-
-    /// Rebuilds the in-memory id set after loading from a store.
-    pub fn rebuild_indexes(&mut self) {
-        self.applied_set = self.applied.iter().copied().collect();
     }
 
     pub fn has_applied(&self, id: &str) -> bool {
@@ -575,7 +481,7 @@ impl Conversation {
     }
 
     pub fn has_applied_digest(&self, digest: &IdDigest) -> bool {
-        self.applied_set.contains(digest)
+        self.applied.contains(digest)
     }
 
     pub fn mark_applied(&mut self, id: &str) {
@@ -583,14 +489,12 @@ impl Conversation {
     }
 
     pub fn mark_applied_digest(&mut self, digest: IdDigest) {
-        if self.applied_set.insert(digest) {
-            self.applied.push(digest);
-        }
+        self.applied.insert(digest);
     }
 
     pub fn item_tokens(&self, item: ContextItem) -> u64 {
         match item {
-            ContextItem::Turn(seq) => self.turns[seq as usize].context_tokens,
+            ContextItem::Turn(seq) => u64::from(self.turns[seq as usize].context_tokens),
             ContextItem::Summary(i) => self.summaries[i as usize].tokens,
         }
     }
@@ -649,7 +553,7 @@ impl Conversation {
 
     /// Source tokens of every raw turn (verbatim), for compression ratios.
     pub fn raw_tokens(&self) -> u64 {
-        self.turns.iter().map(|t| t.tokens).sum()
+        self.turns.iter().map(|t| u64::from(t.tokens)).sum()
     }
 
     pub fn push_history(&mut self, time: u64, event_id: &str, event_type: &str, detail: String) {
@@ -712,6 +616,10 @@ impl Conversation {
         for turn in &self.turns {
             let body = bodies.turn_body(self, turn.seq)?;
             hasher.update(&rmp_serde::to_vec(&*body).expect("turns serialize"));
+        }
+        for index in 0..self.summaries.len() as u32 {
+            let text = bodies.summary_text(self, index)?;
+            hasher.update(&rmp_serde::to_vec(&*text).expect("texts serialize"));
         }
         Ok(hasher.finalize().to_hex()[..32].to_string())
     }
@@ -787,15 +695,15 @@ mod tests {
     fn turn() -> Turn {
         Turn {
             seq: 3,
-            event_id: "e3".into(),
             time: 1_700_000_000_000,
-            role: Role::Tool,
+            event: event_digest("e3"),
             tokens: 12,
             context_tokens: 5,
             bytes: 40,
+            epoch: 2,
+            role: Role::Tool,
             in_context: false,
             large_payload: true,
-            epoch: 2,
             tool_ids: Box::new([call_digest("call_1")]),
         }
     }
@@ -812,19 +720,19 @@ mod tests {
         assert_eq!(rmp_serde::from_slice::<Turn>(&positional).unwrap(), t);
     }
 
-    /// What `#[derive(Serialize)]` wrote before turns became rows.
+    /// What `#[derive(Serialize)]` would write.
     #[derive(Serialize)]
     struct DerivedTurn<'a> {
         seq: u64,
-        event_id: &'a str,
         time: u64,
+        event: u64,
+        tokens: u32,
+        context_tokens: u32,
+        bytes: u32,
+        epoch: u32,
         role: Role,
-        tokens: u64,
-        context_tokens: u64,
-        bytes: u64,
         in_context: bool,
         large_payload: bool,
-        epoch: u32,
         tool_ids: &'a [u64],
     }
 
@@ -833,15 +741,15 @@ mod tests {
         let t = turn();
         let derived = DerivedTurn {
             seq: t.seq,
-            event_id: &t.event_id,
             time: t.time,
-            role: t.role,
+            event: t.event,
             tokens: t.tokens,
             context_tokens: t.context_tokens,
             bytes: t.bytes,
+            epoch: t.epoch,
+            role: t.role,
             in_context: t.in_context,
             large_payload: t.large_payload,
-            epoch: t.epoch,
             tool_ids: &t.tool_ids,
         };
         assert_eq!(
@@ -852,7 +760,7 @@ mod tests {
             rmp_serde::to_vec_named(&derived).unwrap().len(),
             rmp_serde::to_vec_named(&t).unwrap().len(),
         );
-        assert_eq!(named - row, 91, "named {named}, row {row}");
+        assert_eq!(named - row, 88, "named {named}, row {row}");
     }
 
     #[test]

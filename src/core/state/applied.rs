@@ -1,0 +1,173 @@
+//! The digests of every event id a conversation applied (its idempotency
+//! check), in a form that costs about 16 bytes an id resident: a sorted
+//! vector of all but the newest ids, which a binary search reads, and the
+//! newest in a small set merged into it now and then. A hash set of every
+//! digest cost 33 bytes an id, and the list in applied order the store
+//! needed beside it 16 more.
+//!
+//! The order ids were applied in is not state (an id is applied or not),
+//! so the state hash and the store see the sorted digests: however often
+//! the set was merged, evicted or reloaded, the same ids hash the same.
+
+use super::{DigestSet, IdDigest};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+/// The newest ids merge into the sorted vector when there are this many,
+/// or an eighth of it: a merge copies the vector, so a long conversation
+/// merges less often (an id is copied about eight times on average), and
+/// a short one holds few ids in a hash table (33 bytes an id).
+const MERGE_AT: usize = 32;
+
+#[derive(Debug, Clone, Default)]
+pub struct AppliedIds {
+    /// All but `recent`, sorted, no duplicates.
+    sorted: Vec<IdDigest>,
+    /// The newest ids (none of them in `sorted`).
+    recent: DigestSet,
+    /// Ids applied since a store last took them ([`AppliedIds::take_unsaved`]),
+    /// in applied order: what its next commit writes.
+    unsaved: Vec<IdDigest>,
+}
+
+impl AppliedIds {
+    /// From stored digests (any order, duplicates allowed).
+    pub fn from_stored(mut digests: Vec<IdDigest>) -> AppliedIds {
+        digests.sort_unstable();
+        digests.dedup();
+        digests.shrink_to_fit();
+        AppliedIds {
+            sorted: digests,
+            ..AppliedIds::default()
+        }
+    }
+
+    pub fn contains(&self, digest: &IdDigest) -> bool {
+        self.recent.contains(digest) || self.sorted.binary_search(digest).is_ok()
+    }
+
+    /// Adds `digest`; false when it was applied already.
+    pub fn insert(&mut self, digest: IdDigest) -> bool {
+        if self.contains(&digest) {
+            return false;
+        }
+        self.recent.insert(digest);
+        self.unsaved.push(digest);
+        if self.recent.len() >= MERGE_AT.max(self.sorted.len() / 8) {
+            self.merge();
+        }
+        true
+    }
+
+    fn merge(&mut self) {
+        let mut recent: Vec<IdDigest> = self.recent.drain().collect();
+        recent.sort_unstable();
+        let mut merged = Vec::with_capacity(self.sorted.len() + recent.len());
+        let (mut a, mut b) = (self.sorted.iter().peekable(), recent.iter().peekable());
+        while let (Some(x), Some(y)) = (a.peek(), b.peek()) {
+            if x < y {
+                merged.push(**x);
+                a.next();
+            } else {
+                merged.push(**y);
+                b.next();
+            }
+        }
+        merged.extend(a);
+        merged.extend(b);
+        self.sorted = merged;
+        // Its table would stay as large as the most it ever held.
+        self.recent = DigestSet::default();
+    }
+
+    /// How many ids were applied.
+    pub fn len(&self) -> usize {
+        self.sorted.len() + self.recent.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Every digest, sorted.
+    pub fn sorted(&self) -> Vec<IdDigest> {
+        let mut all = self.sorted.clone();
+        all.extend(self.recent.iter().copied());
+        all.sort_unstable();
+        all
+    }
+
+    /// The ids applied since the store last took them, in order.
+    pub fn unsaved(&self) -> &[IdDigest] {
+        &self.unsaved
+    }
+
+    /// A store wrote [`AppliedIds::unsaved`]: they need not be kept apart.
+    pub fn saved(&mut self) {
+        self.unsaved = Vec::new();
+    }
+}
+
+impl PartialEq for AppliedIds {
+    fn eq(&self, other: &AppliedIds) -> bool {
+        self.len() == other.len() && self.sorted() == other.sorted()
+    }
+}
+
+/// As the sorted list of digests (what the state hash covers).
+impl Serialize for AppliedIds {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.sorted().serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for AppliedIds {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<AppliedIds, D::Error> {
+        Ok(AppliedIds::from_stored(Vec::deserialize(d)?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::state::id_digest;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Membership, count and the sorted form are those of a plain set,
+        /// whatever the merges, and whatever was reloaded from the store.
+        #[test]
+        fn decides_as_a_set(ids in proptest::collection::vec(0u16..3000, 0..3000), reload_at in 0usize..3000) {
+            let mut applied = AppliedIds::default();
+            let mut set = std::collections::BTreeSet::new();
+            let mut saved = Vec::new();
+            for (i, id) in ids.iter().enumerate() {
+                if i == reload_at {
+                    saved.extend_from_slice(applied.unsaved());
+                    applied = AppliedIds::from_stored(saved.clone());
+                }
+                let d = id_digest(&id.to_string());
+                prop_assert_eq!(applied.contains(&d), set.contains(&d));
+                prop_assert_eq!(applied.insert(d), set.insert(d));
+                prop_assert_eq!(applied.len(), set.len());
+            }
+            prop_assert_eq!(applied.sorted(), set.iter().copied().collect::<Vec<_>>());
+        }
+    }
+
+    #[test]
+    fn unsaved_ids_are_kept_in_order_until_saved() {
+        let mut applied = AppliedIds::default();
+        let ids: Vec<IdDigest> = (0..600).map(|i| id_digest(&format!("e{i}"))).collect();
+        for d in &ids {
+            applied.insert(*d);
+        }
+        applied.insert(ids[3]);
+        assert_eq!(applied.unsaved(), &ids[..]);
+        applied.saved();
+        assert!(applied.unsaved().is_empty());
+        assert!(applied.contains(&ids[599]));
+        let round: AppliedIds =
+            rmp_serde::from_slice(&rmp_serde::to_vec(&applied).unwrap()).unwrap();
+        assert_eq!(round, applied);
+    }
+}
