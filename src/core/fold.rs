@@ -1362,20 +1362,29 @@ impl<'m> Probe<'m> {
     fn same_as(&mut self, seen: &mut SeenTurn, bodies: &ResidentBodies) -> bool {
         let theirs = match seen.digest {
             SeenDigest::Known(d) => d,
-            SeenDigest::Of(seq) => {
-                let Some(body) = bodies.get(seq) else {
-                    // Never so: a seen turn's body is kept or its digest is.
-                    return false;
-                };
-                let msg = &body.message;
-                let sketch = *seen.sketch.get_or_insert_with(|| turn_sketch(msg).value);
-                if sketch != self.sketch() {
-                    return false;
+            SeenDigest::Of(seq) => match (bodies.get(seq), bodies.guard(seq)) {
+                (Some(body), _) => {
+                    let msg = &body.message;
+                    let sketch = *seen.sketch.get_or_insert_with(|| turn_sketch(msg).value);
+                    if sketch != self.sketch() {
+                        return false;
+                    }
+                    let d = turn_digest(msg).0;
+                    seen.digest = SeenDigest::Known(d);
+                    d
                 }
-                let d = turn_digest(msg).0;
-                seen.digest = SeenDigest::Known(d);
-                d
-            }
+                // Its body is in a store: what `guard_read` took of it.
+                (None, Some((_, sketch, d))) => {
+                    let sketch = *seen.sketch.get_or_insert(sketch);
+                    if sketch != self.sketch() {
+                        return false;
+                    }
+                    seen.digest = SeenDigest::Known(d);
+                    d
+                }
+                // Never so: a seen turn's body is kept or what it reads is.
+                (None, None) => return false,
+            },
         };
         if seen.sketch.is_some_and(|s| s != self.sketch()) {
             return false;
@@ -1393,6 +1402,15 @@ impl<'m> Probe<'m> {
             },
         }
     }
+}
+
+/// What the duplicate and flood guards read of a turn's body: its sketch
+/// and its digest, kept when the body leaves memory.
+pub fn guard_read(body: &TurnBody) -> (u64, IdDigest) {
+    (
+        turn_sketch(&body.message).value,
+        turn_digest(&body.message).0,
+    )
 }
 
 /// Whether `msg`'s text (as [`turn_digest`] normalizes it) has at least

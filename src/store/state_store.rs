@@ -415,10 +415,13 @@ impl<B: KvBackend> StateStore<B> {
         conv.turns.shrink_to_fit();
         conv.summaries.shrink_to_fit();
         conv.context.shrink_to_fit();
+        // The guards read a sketch and digest of a few bodies; those, not
+        // the bodies, stay in memory.
         let guarded: Vec<u64> = conv.guard_seqs().collect();
         for seq in guarded {
             let body = self.stored_body(&conv, seq)?;
-            conv.bodies.insert(seq, body);
+            let (sketch, digest) = crate::core::fold::guard_read(&body);
+            conv.bodies.remember_guard(seq, sketch, digest);
         }
         Ok(Some((conv, chunks)))
     }
@@ -710,7 +713,7 @@ impl<B: KvBackend> StateStore<B> {
                 conv.history.saved();
                 // On disk now: the newest turns, what assembly reads next.
                 let digest = id_digest(key);
-                for (seq, body) in conv.release_bodies() {
+                for (seq, body) in conv.release_bodies(crate::core::fold::guard_read) {
                     self.cache
                         .insert((digest, KIND_BODY, seq), Cached::Turn(body));
                 }
@@ -893,6 +896,8 @@ mod tests {
         let keys = ["a", "a\0", "a\0\x05\0\0\0\0\0\0\0\0", "\0", ""];
         let policy = PolicyConfig::default();
         let mut state = State::default();
+        // The same events folded in memory alone: every body stays in it.
+        let mut reference = State::default();
         let mut store = StateStore::new(MemoryBackend::default());
         let dirty: BTreeSet<String> = keys.iter().map(|k| k.to_string()).collect();
         for round in 0..2u64 {
@@ -902,6 +907,7 @@ mod tests {
                 let id = format!("{i}-{round}");
                 let e = Envelope::new(id, *key, 1 + round, EventBody::TurnAppended(turn));
                 fold(&mut state, &policy, &e);
+                fold(&mut reference, &policy, &e);
             }
             store.commit(&mut state, &dirty, round + 1, "fp").unwrap();
         }
@@ -914,9 +920,12 @@ mod tests {
             assert_eq!(conv.turns.len(), 2, "{key:?}");
             assert_eq!(
                 conv.hash_with(&reopened.bodies()).unwrap(),
-                state.conversations[key].hash()
+                reference.conversations[key].hash()
             );
         }
-        assert_eq!(reopened.state_hash(&opened.state).unwrap(), state.hash());
+        assert_eq!(
+            reopened.state_hash(&opened.state).unwrap(),
+            reference.hash()
+        );
     }
 }

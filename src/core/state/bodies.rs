@@ -45,7 +45,16 @@ impl std::ops::Deref for TurnBody {
 pub struct ResidentBodies {
     bodies: Vec<(u64, Arc<TurnBody>)>,
     bytes: u64,
+    /// What the duplicate and flood guards read of the bodies they may
+    /// still compare with, once the bodies themselves are in a store: the
+    /// turn's sketch and digest (pure functions of the body, so a guard
+    /// decides the same from them as from the body), 32 bytes instead of
+    /// the body's kilobytes. Sorted by sequence.
+    guards: Vec<GuardedTurn>,
 }
+
+/// A released body as the guards read it: (seq, sketch, digest).
+pub type GuardedTurn = (u64, u64, super::IdDigest);
 
 impl PartialEq for ResidentBodies {
     fn eq(&self, _: &ResidentBodies) -> bool {
@@ -80,14 +89,43 @@ impl ResidentBodies {
         let start = self.bodies.partition_point(|(s, _)| *s < from);
         self.bodies[start..].iter().map(|(s, b)| (*s, b))
     }
-    /// Drops every body but those `keep` names; returns the dropped ones.
-    pub fn release(&mut self, keep: impl Fn(u64) -> bool) -> Vec<(u64, Arc<TurnBody>)> {
-        let (kept, released): (Vec<_>, Vec<_>) = std::mem::take(&mut self.bodies)
-            .into_iter()
-            .partition(|(s, _)| keep(*s));
-        self.bodies = kept;
-        self.bytes = self.bodies.iter().map(|(_, b)| body_size(b)).sum();
-        released
+    /// Drops every body from memory; returns them. The guards keep what
+    /// they read of the ones `guarded` names: `read` of each body (it is
+    /// only called for a turn not already remembered).
+    pub fn release(
+        &mut self,
+        guarded: &[u64],
+        read: impl Fn(&TurnBody) -> (u64, super::IdDigest),
+    ) -> Vec<(u64, Arc<TurnBody>)> {
+        let mut guards: Vec<GuardedTurn> = Vec::with_capacity(guarded.len());
+        for &seq in guarded {
+            if let Some(g) = self.guard(seq) {
+                guards.push(g);
+            } else if let Some(body) = self.get(seq) {
+                let (sketch, digest) = read(body);
+                guards.push((seq, sketch, digest));
+            }
+        }
+        guards.sort_unstable_by_key(|g| g.0);
+        guards.dedup_by_key(|g| g.0);
+        self.guards = guards;
+        self.bytes = 0;
+        std::mem::take(&mut self.bodies)
+    }
+    /// Remembers what the guards read of turn `seq` (a body read back from
+    /// a store, not kept).
+    pub fn remember_guard(&mut self, seq: u64, sketch: u64, digest: super::IdDigest) {
+        match self.guards.binary_search_by_key(&seq, |g| g.0) {
+            Ok(i) => self.guards[i] = (seq, sketch, digest),
+            Err(i) => self.guards.insert(i, (seq, sketch, digest)),
+        }
+    }
+    /// What the guards read of turn `seq`, when its body was released.
+    pub fn guard(&self, seq: u64) -> Option<GuardedTurn> {
+        self.guards
+            .binary_search_by_key(&seq, |g| g.0)
+            .ok()
+            .map(|i| self.guards[i])
     }
     pub fn len(&self) -> usize {
         self.bodies.len()

@@ -23,7 +23,8 @@ mod history;
 
 pub use applied::AppliedIds;
 pub use bodies::{
-    body_size, BodyError, Resident, ResidentBodies, ResidentTexts, TurnBodies, TurnBody,
+    body_size, BodyError, GuardedTurn, Resident, ResidentBodies, ResidentTexts, TurnBodies,
+    TurnBody,
 };
 pub use history::HistoryLog;
 
@@ -469,11 +470,15 @@ impl Conversation {
             })
     }
 
-    /// Drops the bodies the guards no longer need from memory (once a
-    /// store holds them); returns them, for a cache.
-    pub fn release_bodies(&mut self) -> Vec<(u64, Arc<TurnBody>)> {
-        let keep: Vec<u64> = self.guard_seqs().collect();
-        self.bodies.release(|seq| keep.contains(&seq))
+    /// Drops every body from memory (once a store holds them); returns
+    /// them, for a cache. The guards keep what they read of the ones they
+    /// may still compare with (`read`: `fold::guard_read`).
+    pub fn release_bodies(
+        &mut self,
+        read: impl Fn(&TurnBody) -> (u64, IdDigest),
+    ) -> Vec<(u64, Arc<TurnBody>)> {
+        let guarded: Vec<u64> = self.guard_seqs().collect();
+        self.bodies.release(&guarded, read)
     }
 
     pub fn has_applied(&self, id: &str) -> bool {
