@@ -450,6 +450,21 @@ impl<B: KvBackend + 'static> FolderRole<B> {
             .state
             .last_sequence;
         lock(engine).hold_through(head);
+        // No history to fold first: the policy goes into the log before
+        // anything is folded under it (with history, at its end: finish).
+        let policy = lock(engine).announce_policy();
+        if let Some(policy) = policy {
+            let effects = Effects {
+                decisions: vec![policy],
+                ..Effects::default()
+            };
+            if !self
+                .publish_effects(lease, health, &effects, shutdown)
+                .await
+            {
+                return Ok(());
+            }
+        }
         let consumer = self.reset_consumer(p, after).await?;
         {
             let mut h = lock(health);

@@ -64,6 +64,13 @@ pub enum StoreError {
         "state store holds an unreadable record ({what}): {detail}; run `contextfold rebuild`"
     )]
     Corrupt { what: String, detail: String },
+    #[error(
+        "state store was written in {found}, this build reads {expected}: run \
+         `contextfold rebuild` to fold the log into a store of this layout"
+    )]
+    OtherLayout { found: String, expected: String },
+    #[error("state store was opened read-only; a read-only command never writes it")]
+    ReadOnly,
 }
 
 impl From<crate::core::state::BodyError> for StoreError {
