@@ -303,6 +303,25 @@ fn a_session_folded_under_one_configuration_replays_the_same_under_another() {
             .nth(1),
         Some(state.as_str())
     );
+    // Without its policy events (what every log was before them), the same
+    // log replayed under the default configuration reaches another state:
+    // the event is what makes the two agree.
+    let without = rt().block_on(async {
+        let mut log = SegmentLog::open(&data.join("log")).unwrap();
+        let records = log.read_after(0, usize::MAX).await.unwrap();
+        let mut engine = Engine::open(MemoryBackend::default(), PolicyConfig::default()).unwrap();
+        let mut effects = Effects::default();
+        for r in &records {
+            let e = contextfold::core::event::Envelope::decode(&r.bytes, r.encoding).unwrap();
+            if !matches!(e.body, EventBody::PolicyRecorded(_)) {
+                engine.apply_record(r, &mut effects).unwrap();
+            }
+            effects = Effects::default();
+        }
+        engine.state_hash().unwrap()
+    });
+    eprintln!("replay scenario: without the policy in the log, state {without}");
+    assert_ne!(without, state);
     // Same conversations, same hashes, same summaries.
     let convs = |t: &str| -> Vec<String> {
         t.lines()
@@ -415,4 +434,314 @@ fn read_only_commands_never_write_the_store_and_say_it_is_behind() {
     assert!(ok, "{err}");
     let (ok, _, err) = cli::run(data, &["status", &key]);
     assert!(ok && !err.contains("behind"), "{err}");
+}
+
+// ------------------------------------------------------------------ what-if
+
+/// Summaries of a log by (conversation, depth, first and last source
+/// label, number of sources): the test's own lookup, written apart from
+/// the command's.
+struct LogSummaries {
+    by_sources: std::collections::HashMap<
+        (String, u32, String, String, usize),
+        contextfold::core::summary::SummaryDraft,
+    >,
+    misses: std::sync::atomic::AtomicU64,
+    hits: std::sync::atomic::AtomicU64,
+}
+
+struct Shared(std::sync::Arc<LogSummaries>);
+
+impl contextfold::runtime::sweep::PassSummarizer for Shared {
+    async fn summarize(
+        &self,
+        req: &contextfold::core::summary::SummaryRequest,
+    ) -> Result<
+        (
+            contextfold::core::summary::SummaryDraft,
+            contextfold::runtime::sweep::Spend,
+        ),
+        contextfold::runtime::sweep::PassError,
+    > {
+        let k = (
+            req.conversation.clone(),
+            req.depth,
+            req.sources
+                .first()
+                .map(|s| s.label.clone())
+                .unwrap_or_default(),
+            req.sources
+                .last()
+                .map(|s| s.label.clone())
+                .unwrap_or_default(),
+            req.sources.len(),
+        );
+        use std::sync::atomic::Ordering::Relaxed;
+        match self.0.by_sources.get(&k) {
+            Some(d) => {
+                self.0.hits.fetch_add(1, Relaxed);
+                Ok((d.clone(), Default::default()))
+            }
+            None => {
+                self.0.misses.fetch_add(1, Relaxed);
+                Deterministic.summarize(req).await
+            }
+        }
+    }
+    async fn rolling_state(
+        &self,
+        req: &contextfold::core::summary::RollingStateRequest,
+    ) -> Result<
+        (
+            contextfold::core::event::RollingState,
+            contextfold::runtime::sweep::Spend,
+        ),
+        contextfold::runtime::sweep::PassError,
+    > {
+        Deterministic.rolling_state(req).await
+    }
+}
+
+/// (compactions, peak, mean, overflows, summaries by depth) of a fold.
+type Numbers = (u64, u64, u64, u64, std::collections::BTreeMap<u32, u64>);
+
+fn numbers_of(v: &serde_json::Value) -> Numbers {
+    let depths = v["summaries_by_depth"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(d, n)| (d.parse().unwrap(), n.as_u64().unwrap()))
+        .collect();
+    (
+        v["compactions"].as_u64().unwrap(),
+        v["peak_context_tokens"].as_u64().unwrap(),
+        v["mean_context_tokens"].as_u64().unwrap(),
+        v["budget_overflows"].as_u64().unwrap(),
+        depths,
+    )
+}
+
+#[derive(Default)]
+struct Tally {
+    jobs: u64,
+    peak: u64,
+    sum: u64,
+    n: u64,
+    over: u64,
+}
+
+impl Tally {
+    fn after<B: contextfold::store::KvBackend>(&mut self, engine: &Engine<B>, key: &str) {
+        let conv = engine.materialized_conversation(key).unwrap().unwrap();
+        let budget = contextfold::core::policy::budget(&conv, &engine.policy);
+        self.peak = self.peak.max(conv.context_tokens);
+        self.sum += conv.context_tokens;
+        self.n += 1;
+        self.over += u64::from(conv.context_tokens > budget);
+    }
+    fn numbers<B: contextfold::store::KvBackend>(&self, engine: &Engine<B>, key: &str) -> Numbers {
+        let mut depths = std::collections::BTreeMap::new();
+        for s in &engine
+            .materialized_conversation(key)
+            .unwrap()
+            .unwrap()
+            .summaries
+        {
+            *depths.entry(s.depth).or_insert(0) += 1;
+        }
+        (
+            self.jobs,
+            self.peak,
+            self.sum / self.n.max(1),
+            self.over,
+            depths,
+        )
+    }
+}
+
+/// What happened and what `policy` would have done, folded here.
+fn independent(data: &Path, policy: &PolicyConfig) -> (String, Numbers, Numbers, u64) {
+    rt().block_on(async {
+        let mut log = SegmentLog::open(&data.join("log")).unwrap();
+        let records = log.read_after(0, usize::MAX).await.unwrap();
+        let decode = |r: &contextfold::log::LogRecord| {
+            contextfold::core::event::Envelope::decode(&r.bytes, r.encoding).unwrap()
+        };
+        let mut engine = Engine::open(MemoryBackend::default(), PolicyConfig::default()).unwrap();
+        let mut actual = Tally::default();
+        let mut key = String::new();
+        let mut by_sources = std::collections::HashMap::new();
+        let mut answered = false;
+        for r in &records {
+            // What happened is measured once the service answered an agent
+            // event: before the next one, and at the end.
+            if r.origin == Origin::Agent && std::mem::take(&mut answered) {
+                actual.after(&engine, &key);
+            }
+            let mut effects = Effects::default();
+            engine.apply_record(r, &mut effects).unwrap();
+            let e = decode(r);
+            match (&e.body, r.origin) {
+                (EventBody::JobIssued(_), Origin::Service) => actual.jobs += 1,
+                (EventBody::SummaryRecorded(s), _) => {
+                    let labels: Vec<String> = match &s.covers {
+                        contextfold::core::event::Covers::Turns { first, last } => {
+                            (*first..=*last).map(|t| format!("turn {t}")).collect()
+                        }
+                        contextfold::core::event::Covers::Summaries { ids } => {
+                            ids.iter().map(|i| format!("summary {i}")).collect()
+                        }
+                    };
+                    by_sources.insert(
+                        (
+                            e.conversation.clone(),
+                            s.depth,
+                            labels[0].clone(),
+                            labels[labels.len() - 1].clone(),
+                            labels.len(),
+                        ),
+                        contextfold::core::summary::SummaryDraft {
+                            content: s.content.clone(),
+                            model: s.model.clone(),
+                            provider: s.provider.clone(),
+                            prompt_version: s.prompt_version.clone(),
+                            fallback: s.fallback,
+                        },
+                    );
+                }
+                (_, Origin::Agent) => {
+                    key = e.conversation.clone();
+                    answered = true;
+                }
+                _ => {}
+            }
+        }
+        if answered {
+            actual.after(&engine, &key);
+        }
+        let summaries = std::sync::Arc::new(LogSummaries {
+            by_sources,
+            misses: Default::default(),
+            hits: Default::default(),
+        });
+        let mut sim = Pipeline::open(
+            MemoryLog::new(),
+            Engine::open(MemoryBackend::default(), policy.clone()).unwrap(),
+            Shared(std::sync::Arc::clone(&summaries)),
+        )
+        .await
+        .unwrap();
+        let mut what_if = Tally::default();
+        for r in records.iter().filter(|r| r.origin == Origin::Agent) {
+            sim.ingest_raw(&[(r.encoding, r.bytes.to_vec())])
+                .await
+                .unwrap();
+            what_if.after(&sim.engine, &key);
+        }
+        for r in sim.log.read_after(0, usize::MAX).await.unwrap() {
+            if matches!(decode(&r).body, EventBody::JobIssued(_)) {
+                what_if.jobs += 1;
+            }
+        }
+        (
+            key.clone(),
+            actual.numbers(&engine, &key),
+            what_if.numbers(&sim.engine, &key),
+            summaries.misses.load(std::sync::atomic::Ordering::Relaxed),
+        )
+    })
+}
+
+/// `replay --policy` on a long shared transcript under two policies: its
+/// numbers are those of a fold made here, and under the log's own policy
+/// the what-if is what happened.
+#[test]
+fn what_if_under_two_policies_matches_an_independent_fold() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let file = shared(PI);
+    let mut run = cli::command(&data, &["run", file.to_str().unwrap()]);
+    run.env("CONTEXTFOLD_POLICY__DEFAULT_CONTEXT_WINDOW", "32000");
+    let (ok, _, err) = cli::split(run.output().unwrap());
+    assert!(ok, "{err}");
+    let own = dir.path().join("own.toml");
+    std::fs::write(&own, "default_context_window = 32000\n").unwrap();
+    let a = dir.path().join("a.toml");
+    std::fs::write(&a, "context_threshold = 0.6\nfresh_tail_count = 32\n").unwrap();
+    let b = dir.path().join("b.toml");
+    std::fs::write(
+        &b,
+        "[policy]\ndefault_context_window = 64000\nleaf_chunk_tokens = 8000\n",
+    )
+    .unwrap();
+    let policies = [
+        (
+            &own,
+            PolicyConfig {
+                default_context_window: 32000,
+                ..PolicyConfig::default()
+            },
+        ),
+        (
+            &a,
+            PolicyConfig {
+                context_threshold: 0.6,
+                fresh_tail_count: 32,
+                ..PolicyConfig::default()
+            },
+        ),
+        (
+            &b,
+            PolicyConfig {
+                default_context_window: 64000,
+                leaf_chunk_tokens: 8000,
+                ..PolicyConfig::default()
+            },
+        ),
+    ];
+    let mut what_ifs = Vec::new();
+    for (file, policy) in &policies {
+        let (ok, out, err) = cli::run(
+            &data,
+            &["replay", "--policy", file.to_str().unwrap(), "--json"],
+        );
+        assert!(ok, "{err}");
+        let w = cli::json_of(&out);
+        assert_eq!(w["policy_fingerprint"], policy_fingerprint(policy));
+        let c = &w["conversations"][0];
+        let (key, actual, what_if, misses) = independent(&data, policy);
+        assert_eq!(c["conversation"], key.as_str());
+        assert_eq!(
+            numbers_of(&c["actual"]),
+            actual,
+            "actual, {}",
+            file.display()
+        );
+        assert_eq!(
+            numbers_of(&c["what_if"]),
+            what_if,
+            "what-if, {}",
+            file.display()
+        );
+        assert_eq!(c["summaries_deterministic"], misses, "{}", file.display());
+        assert_eq!(c["what_if"]["model_calls"], misses);
+        what_ifs.push((numbers_of(&c["actual"]), numbers_of(&c["what_if"]), misses));
+    }
+    // Under the log's own policy nothing differs, and every summary was in the log.
+    assert_eq!(what_ifs[0].0, what_ifs[0].1);
+    assert_eq!(what_ifs[0].2, 0);
+    // The others differ from what happened, and say where summaries came from.
+    assert_ne!(what_ifs[1].1, what_ifs[1].0);
+    assert_ne!(what_ifs[2].1, what_ifs[2].0);
+    let (ok, out, err) = cli::run(&data, &["replay", "--policy", a.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("written by the deterministic summarizer"),
+        "{out}"
+    );
+    assert!(out.contains("actual") && out.contains("what-if"), "{out}");
+    // Unknown keys are refused, as in the configuration.
+    std::fs::write(&a, "context_thresholdd = 0.6\n").unwrap();
+    let (ok, _, err) = cli::run(&data, &["replay", "--policy", a.to_str().unwrap()]);
+    assert!(!ok && err.contains("context_thresholdd"), "{err}");
 }

@@ -98,7 +98,12 @@ async fn a_folder_records_another_policy_once_and_a_third_one_beside_it_is_repor
     for p in 0..16 {
         let deadline = std::time::Instant::now() + Duration::from_secs(20);
         while recorded(&js, &infra, p).await != [fa.clone()] {
-            assert!(std::time::Instant::now() < deadline, "partition {p}");
+            assert!(
+                std::time::Instant::now() < deadline,
+                "partition {p}: {:?}\n{}",
+                partition_events(&js, &infra, p).await,
+                logged()
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }

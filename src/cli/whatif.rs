@@ -9,9 +9,11 @@
 //! kind, depth and sources); otherwise the deterministic summarizer writes
 //! it, and it counts as a model call the other policy would have needed.
 //! What really happened is the whole log folded as it was (each recorded
-//! policy from where it was recorded). Both are measured after every agent
-//! event of each conversation: the tokens in its context (peak and mean)
-//! and whether they exceeded its budget (an overflow). Compactions are the
+//! policy from where it was recorded). Both are measured once the service
+//! answered each agent event of a conversation (what happened: just before
+//! the log's next agent event; the other policy: once the jobs the event
+//! issued have run): the tokens in its context (peak and mean) and whether
+//! they exceeded its budget (an overflow). Compactions are the
 //! jobs issued; summaries are counted by depth at the end. Nothing is
 //! written: not the log, not the store.
 
@@ -234,11 +236,20 @@ pub async fn what_if(
     // What happened.
     let mut actual: BTreeMap<String, Meter> = BTreeMap::new();
     let mut engine = Engine::open(MemoryBackend::default(), base.clone())?;
-    let mut effects = Effects::default();
+    // Measured when the service has answered an agent event: just before
+    // the next one (and at the end), as the other policy's pipeline is
+    // measured once the jobs an event issued have run.
+    let mut answered: Option<String> = None;
     for r in records {
-        engine.apply_record(r, &mut effects)?;
-        effects = Effects::default();
-        let Ok(e) = Envelope::decode(&r.bytes, r.encoding) else {
+        let e = Envelope::decode(&r.bytes, r.encoding).ok();
+        let agent = agent_event(r).is_some();
+        if agent {
+            if let Some(key) = answered.take() {
+                measure(&engine, &key, actual.entry(key.clone()).or_default())?;
+            }
+        }
+        engine.apply_record(r, &mut Effects::default())?;
+        let Some(e) = e else {
             continue;
         };
         if !wanted(&e.conversation) {
@@ -261,10 +272,12 @@ pub async fn what_if(
             }
             _ => {}
         }
-        if agent_event(r).is_some() {
-            let meter = actual.entry(e.conversation.clone()).or_default();
-            measure(&engine, &e.conversation, meter)?;
+        if agent {
+            answered = Some(e.conversation.clone());
         }
+    }
+    if let Some(key) = answered.take() {
+        measure(&engine, &key, actual.entry(key.clone()).or_default())?;
     }
     // The other policy, on the same agent events.
     let summarizer = Arc::new(FromLog::new(records));

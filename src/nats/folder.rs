@@ -450,9 +450,22 @@ impl<B: KvBackend + 'static> FolderRole<B> {
             .state
             .last_sequence;
         lock(engine).hold_through(head);
-        // No history to fold first: the policy goes into the log before
-        // anything is folded under it (with history, at its end: finish).
-        let policy = lock(engine).announce_policy();
+        let mut consumer = self.reset_consumer(p, after).await?;
+        // Nothing of this partition past the store: no history to fold, and
+        // the policy goes into the log before anything is folded under it
+        // (with history, the engine asks for it where history ends).
+        let pending = consumer
+            .info()
+            .await
+            .map_err(|e| NatsError::js(format!("reading partition {p}'s consumer"), e))?
+            .num_pending;
+        let policy = {
+            let mut e = lock(engine);
+            if pending == 0 {
+                e.end_history();
+            }
+            e.announce_policy()
+        };
         if let Some(policy) = policy {
             let effects = Effects {
                 decisions: vec![policy],
@@ -465,7 +478,6 @@ impl<B: KvBackend + 'static> FolderRole<B> {
                 return Ok(());
             }
         }
-        let consumer = self.reset_consumer(p, after).await?;
         {
             let mut h = lock(health);
             h.position = after;

@@ -339,7 +339,12 @@ impl<B: KvBackend> Engine<B> {
             .max()
             .unwrap_or(0);
         Some(Envelope::new(
-            format!("policy:{}:{}", self.configured_fingerprint, self.position),
+            // The partition's key in the id: ids are deduplicated across
+            // the whole stream, and every partition records its own.
+            format!(
+                "policy:{key}:{}:{}",
+                self.configured_fingerprint, self.position
+            ),
             key,
             time,
             EventBody::PolicyRecorded(event::PolicyRecorded {
