@@ -432,8 +432,33 @@ fn read_only_commands_never_write_the_store_and_say_it_is_behind() {
     // The command it names brings it up to date.
     let (ok, _, err) = cli::run(data, &["run", "/dev/null"]);
     assert!(ok, "{err}");
-    let (ok, _, err) = cli::run(data, &["status", &key]);
+    let (ok, caught_up, err) = cli::run(data, &["status", &key]);
     assert!(ok && !err.contains("behind"), "{err}");
+    assert_ne!(cli::json_of(&caught_up)["turns"], turns_before);
+    // A store of an older layout is not read, nor touched: the log answers.
+    {
+        use contextfold::store::{KvBackend, Table, Write};
+        let mut backend = contextfold::store::redb_backend::RedbBackend::open(&store).unwrap();
+        backend
+            .commit(
+                &[Write::Put {
+                    table: Table::Meta,
+                    key: b"layout".to_vec(),
+                    value: b"layout-9".to_vec(),
+                }],
+                true,
+            )
+            .unwrap();
+    }
+    let bytes = sha(&store);
+    let (ok, old_layout, err) = cli::run(data, &["status", &key]);
+    assert!(ok, "{err}");
+    assert!(
+        err.contains("layout-9") && err.contains("run /dev/null"),
+        "{err}"
+    );
+    assert_eq!(cli::json_of(&old_layout), cli::json_of(&caught_up));
+    assert_eq!(sha(&store), bytes, "status wrote a store of another layout");
 }
 
 // ------------------------------------------------------------------ what-if

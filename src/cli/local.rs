@@ -155,7 +155,7 @@ impl Freshness {
             )),
             Freshness::OtherLayout(why) => Some(format!(
                 "note: {why}; the log was folded in memory to answer (the store was not \
-                 touched). `contextfold rebuild` folds the log into a store of this layout"
+                 touched). `contextfold run /dev/null` refolds the log into it"
             )),
         }
     }

@@ -450,15 +450,13 @@ impl<B: KvBackend + 'static> FolderRole<B> {
             .state
             .last_sequence;
         lock(engine).hold_through(head);
-        let mut consumer = self.reset_consumer(p, after).await?;
+        let consumer = self.reset_consumer(p, after).await?;
         // Nothing of this partition past the store: no history to fold, and
         // the policy goes into the log before anything is folded under it
-        // (with history, the engine asks for it where history ends).
-        let pending = consumer
-            .info()
-            .await
-            .map_err(|e| NatsError::js(format!("reading partition {p}'s consumer"), e))?
-            .num_pending;
+        // (with history, the engine asks for it where history ends). The
+        // count is the one the consumer's creation answered with: no
+        // request (and no permission) more.
+        let pending = consumer.cached_info().num_pending;
         let policy = {
             let mut e = lock(engine);
             if pending == 0 {

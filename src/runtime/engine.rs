@@ -309,8 +309,8 @@ impl<B: KvBackend> Engine<B> {
         };
         self.store
             .set_policy(&self.active.fingerprint, Some(&self.policy));
+        // Not counted among the events folded: it is no conversation's.
         self.dirty_partition = true;
-        self.tally.applied += 1;
     }
 
     /// The `policy_recorded` to append when the configured policy is not

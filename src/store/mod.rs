@@ -65,8 +65,9 @@ pub enum StoreError {
     )]
     Corrupt { what: String, detail: String },
     #[error(
-        "state store was written in {found}, this build reads {expected}: run \
-         `contextfold rebuild` to fold the log into a store of this layout"
+        "state store was written in {found}, this build reads {expected}: a command that \
+         folds (`contextfold run /dev/null`, or a serve) refolds the log into it; `contextfold \
+         rebuild` builds a fresh copy beside it"
     )]
     OtherLayout { found: String, expected: String },
     #[error("state store was opened read-only; a read-only command never writes it")]
