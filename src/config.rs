@@ -307,6 +307,41 @@ impl Config {
         Self::load_with_env(path, std::env::vars())
     }
 
+    /// A policy file (`replay --policy`): the keys of a `[policy]` section,
+    /// bare or under a `[policy]` header, parsed and checked as the
+    /// configuration's section is (unknown keys rejected, then validated).
+    pub fn load_policy_file(path: &Path) -> Result<PolicyConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let mut table = text
+            .parse::<toml::Table>()
+            .map_err(|e| ConfigError::Parse {
+                path: path.display().to_string(),
+                detail: match e.span() {
+                    Some(span) => {
+                        format!("{}: {}", line_and_column(&text, span.start), e.message())
+                    }
+                    None => e.message().to_string(),
+                },
+            })?;
+        if table.len() == 1 {
+            if let Some(toml::Value::Table(section)) = table.get("policy") {
+                table = section.clone();
+            }
+        }
+        let policy: PolicyConfig =
+            toml::Value::Table(table)
+                .try_into()
+                .map_err(|e: toml::de::Error| ConfigError::Invalid {
+                    origin: format!(" in {}", path.display()),
+                    detail: e.to_string(),
+                })?;
+        policy.validate()?;
+        Ok(policy)
+    }
+
     pub fn load_with_env(
         path: Option<&Path>,
         env: impl IntoIterator<Item = (String, String)>,

@@ -121,6 +121,10 @@ pub const VALIDATION_REJECTIONS: &str = "contextfold_validation_rejections_total
 pub const ESCALATIONS: &str = "contextfold_escalations_total";
 /// Spend windows closed (the allowance of a conversation ran out).
 pub const SPEND_WINDOWS_CLOSED: &str = "contextfold_spend_windows_closed_total";
+/// Processes seen folding one stream under different policies: a policy
+/// recorded by another process after this one recorded its own, or a live
+/// member announcing another policy fingerprint.
+pub const POLICY_CONFLICTS: &str = "contextfold_policy_conflicts_total";
 
 // ---- API -------------------------------------------------------------------
 
@@ -237,6 +241,11 @@ pub const FAMILIES: &[(&str, Kind, &str)] = &[
     ),
     (ESCALATIONS, Kind::Counter, "summary escalations, by kind"),
     (SPEND_WINDOWS_CLOSED, Kind::Counter, "spend windows closed"),
+    (
+        POLICY_CONFLICTS,
+        Kind::Counter,
+        "processes folding one stream under different policies",
+    ),
     (ASSEMBLE_SECONDS, Kind::Histogram, "assemble latency"),
     (
         ASSEMBLE_REPLY_BYTES,
@@ -780,6 +789,43 @@ impl SpendWindowClosed<'_> {
             "spend window closed"
         );
         metrics::counter!(SPEND_WINDOWS_CLOSED).increment(1);
+    }
+}
+
+/// Two processes fold one stream under different policies (see
+/// [`POLICY_CONFLICTS`]): never silent.
+pub struct PolicyConflict<'a> {
+    /// The event that recorded the other policy (empty for a member's).
+    pub event_id: &'a str,
+    /// This process's configured policy fingerprint.
+    pub ours: &'a str,
+    /// The other one.
+    pub recorded: &'a str,
+    /// Who folds under it (member name), when known.
+    pub recorded_by: &'a str,
+}
+
+impl PolicyConflict<'_> {
+    pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
+        tracing::warn!(
+            event_id = self.event_id,
+            ours = self.ours,
+            recorded = self.recorded,
+            recorded_by = self.recorded_by,
+            "processes fold this stream under different policies: this one under {}, {} under {}; \
+             give them one [policy] (contextfold doctor lists who folds under what)",
+            self.ours,
+            if self.recorded_by.is_empty() {
+                "another"
+            } else {
+                self.recorded_by
+            },
+            self.recorded
+        );
+        metrics::counter!(POLICY_CONFLICTS).increment(1);
     }
 }
 

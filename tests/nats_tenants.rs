@@ -170,6 +170,19 @@ fn folded(service: &Service, key: &str) -> Option<(usize, usize, String)> {
     ))
 }
 
+/// Whether every partition of `service` folded the policy it recorded
+/// (each partition's first record on a new stream).
+fn policy_recorded_everywhere(service: &Service) -> bool {
+    service.engines().is_some_and(|e| {
+        let held = e.partitions();
+        held.len() == PARTITIONS as usize
+            && held.iter().all(|p| {
+                e.get(*p)
+                    .is_some_and(|engine| engine.lock().unwrap().active_policy().recorded)
+            })
+    })
+}
+
 fn turns_of(service: &Service, key: &str) -> usize {
     folded(service, key).map_or(0, |c| c.0)
 }
@@ -711,14 +724,28 @@ async fn tenant_accounts_share_nothing() {
     let subject = "cf.in.agent-1";
 
     // The same subject, the same conversation key, the same stream name:
-    // two streams, each counting from 1.
+    // two streams, each counting from 1 (after the policy each partition
+    // recorded first).
+    wait_until(
+        "both tenants recorded their policy",
+        Duration::from_secs(10),
+        || policy_recorded_everywhere(&acme) && policy_recorded_everywhere(&globex),
+    )
+    .await;
+    let first = u64::from(PARTITIONS) + 1;
     for i in 0..4 {
         let ack = acme_agent.store(subject, &turn(A, i, "acme only")).await;
-        assert_eq!((ack.stream.as_str(), ack.sequence), ("CF_EVENTS", i + 1));
+        assert_eq!(
+            (ack.stream.as_str(), ack.sequence),
+            ("CF_EVENTS", first + i)
+        );
         let ack = globex_agent
             .store(subject, &turn(A, i, "globex only"))
             .await;
-        assert_eq!((ack.stream.as_str(), ack.sequence), ("CF_EVENTS", i + 1));
+        assert_eq!(
+            (ack.stream.as_str(), ack.sequence),
+            ("CF_EVENTS", first + i)
+        );
     }
     wait_until("both tenants folded", Duration::from_secs(10), || {
         turns_of(&acme, A) == 4 && turns_of(&globex, A) == 4
@@ -760,7 +787,7 @@ async fn tenant_accounts_share_nothing() {
     // Its events are still stored in its own account, and folded when its
     // serve is back (over the streams it finds in place).
     let ack = acme_agent.store(subject, &turn(A, 4, "acme only")).await;
-    assert_eq!(ack.sequence, 5);
+    assert_eq!(ack.sequence, first + 4);
     let acme = serve(
         &url,
         users.seed("ACME_SERVICE"),

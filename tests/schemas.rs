@@ -14,9 +14,9 @@
 use contextfold::core::event::{CompactionRequested, EVENT_VERSION};
 use contextfold::core::event::{
     ConversationReset, Covers, Debt, DebtCleared, DebtReason, Encoding, Envelope, EventBody,
-    EventRejected, JobIssued, MemoryFlushRequested, ModelDeclared, ProviderErrorObserved,
-    ProviderUsage, RollingState, RollingStateUpdated, SummaryKind, SummaryRecorded,
-    SummaryRejected, SweepEnded, SweepStop, TurnAppended,
+    EventRejected, JobIssued, MemoryFlushRequested, ModelDeclared, PolicyRecorded,
+    ProviderErrorObserved, ProviderUsage, RollingState, RollingStateUpdated, SummaryKind,
+    SummaryRecorded, SummaryRejected, SweepEnded, SweepStop, TurnAppended,
 };
 use contextfold::core::message::{ChatMessage, Content, ContentPart, FunctionCall, Role, ToolCall};
 use jsonschema::{Registry, Validator};
@@ -459,6 +459,22 @@ fn samples() -> Vec<Envelope> {
         job_id: None,
     }));
 
+    // policy_recorded: the whole effective [policy], with and without a
+    // previous one.
+    let policy = contextfold::core::policy::PolicyConfig::default();
+    push(EventBody::PolicyRecorded(PolicyRecorded {
+        fingerprint: contextfold::runtime::engine::policy_fingerprint(&policy),
+        previous: Some("5f0c2a7d91e3b846".into()),
+        recorded_by: Some("serve-a-7c1f".into()),
+        policy: Box::new(policy.clone()),
+    }));
+    push(EventBody::PolicyRecorded(PolicyRecorded {
+        fingerprint: contextfold::runtime::engine::policy_fingerprint(&policy),
+        previous: None,
+        recorded_by: None,
+        policy: Box::new(policy),
+    }));
+
     // The envelope's own range: an old version and the largest time.
     let mut old = event(
         "01HXYQ-version-0",
@@ -692,6 +708,16 @@ fn invalid_cases() -> Vec<(&'static str, &'static str, Vec<Edit>)> {
     use Edit::{Remove, Set};
     vec![
         ("envelope", "missing id", vec![Remove("/id")]),
+        (
+            "policy_recorded",
+            "missing policy",
+            vec![Remove("/payload/policy")],
+        ),
+        (
+            "policy_recorded",
+            "an unknown policy key",
+            vec![Set("/payload/policy/context_thresholdd", json!(0.8))],
+        ),
         ("envelope", "empty id", vec![Set("/id", json!(""))]),
         (
             "envelope",

@@ -263,7 +263,7 @@ fn check_stores(stores: &Stores, partitions: u32, last_sequence: Option<u64>) ->
             format!(
                 "{counts}; partition(s) {other_policy:?} were folded under another policy than \
                  this configuration's: make every process's [policy] agree (a folder with \
-                 another policy refolds the partition from the start)"
+                 another policy records it in the partition's log and folds under it from there)"
             ),
         )
     } else {
@@ -507,8 +507,9 @@ pub async fn diagnose(cfg: &NatsConfig, stores: &Stores) -> Vec<Finding> {
 
 /// Whether the live members (processes that fold: roles folder or api)
 /// fold under one policy, and this configuration's. Two policies fold the
-/// same conversation two ways: a partition moving between them is refolded
-/// from the start and answers differ with the member that holds it.
+/// same conversation two ways: a partition moving between them switches
+/// policy each time (each records its own in the log) and answers differ
+/// with the member that holds it.
 fn judge_policies(members: &[LiveMember], own: &str) -> Finding {
     let check = "policy agreement";
     let mut by_policy = std::collections::BTreeMap::<&str, Vec<&str>>::new();
@@ -759,7 +760,7 @@ fn judge_spend(g: &GlobalStatus) -> Finding {
         format!(
             "{}: routine summarization is paused{until} (urgent compaction still runs); raise \
              the limit named (or shorten summary_spend_backoff_ms) in every process's [policy], \
-             which refolds the partitions, or wait",
+             which the partitions record and fold under from there, or wait",
             closed.join("; ")
         ),
     )

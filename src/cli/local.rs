@@ -4,9 +4,15 @@
 //! directory. The read-only commands (`status`, `assemble`, `grep`,
 //! `describe`, `expand`, `history`, `replay`) and `rebuild` refuse a
 //! directory without a log ([`require_data`]), and the read-only ones
-//! never create a store: without `state.redb` they fold the log in memory
-//! ([`read_engine`]). They read only the conversation they are asked
-//! about (global status reads them one at a time).
+//! never write a store ([`read_engine`]): they open `state.redb` read-only
+//! (no catch-up, no commit, no job, no clearing: the file stays byte for
+//! byte as it was) and answer from the position it reflects, saying on
+//! stderr how far behind the log that is and that `contextfold run` folds
+//! the rest; a store of another layout, or none, is not read: they fold
+//! the log in memory instead (the log is the truth), saying so. They read
+//! only the conversation they are asked about (global status reads them
+//! one at a time), and answer under the policy in force at the store's
+//! position (the log's `policy_recorded`), not today's configuration.
 
 use super::report;
 use anyhow::{bail, Context, Result};
@@ -19,11 +25,12 @@ use contextfold::core::policy::PolicyConfig;
 use contextfold::import::{self, Format};
 use contextfold::log::memory::MemoryLog;
 use contextfold::log::segment::{SegmentLog, DEFAULT_MAX_RECORD_BYTES};
+use contextfold::log::{EventLog, LogRecord};
 use contextfold::runtime::embedded::{self, Pipeline};
 use contextfold::runtime::engine::Engine;
 use contextfold::runtime::sweep::Deterministic;
 use contextfold::store::memory_backend::MemoryBackend;
-use contextfold::store::redb_backend::RedbBackend;
+use contextfold::store::redb_backend::{ReadOnlyRedb, RedbBackend};
 use contextfold::store::state_store::{BodyCache, StateStore};
 use contextfold::store::KvBackend;
 use std::io::{BufRead, Read, Write};
@@ -64,8 +71,8 @@ pub(super) fn require_data(config: &Config) -> Result<()> {
 
 /// The engine a read-only command answers from.
 pub(super) enum LocalEngine {
-    /// The store, caught up with the log.
-    Stored(Engine<RedbBackend>),
+    /// The store as it is (opened read-only; perhaps behind the log).
+    Stored(Engine<ReadOnlyRedb>),
     /// No store yet: the log folded in memory.
     Memory(Engine<MemoryBackend>),
 }
@@ -74,16 +81,11 @@ impl LocalEngine {
     /// Answers one API request (JSON bytes, or an error reply) reading only
     /// `conversation` (or, for global status, every conversation one at a
     /// time).
-    pub(super) fn answer(
-        &self,
-        op: &str,
-        conversation: Option<&str>,
-        body: &[u8],
-        policy: &PolicyConfig,
-    ) -> Vec<u8> {
+    /// Under the policy in force where the engine is (the log's).
+    pub(super) fn answer(&self, op: &str, conversation: Option<&str>, body: &[u8]) -> Vec<u8> {
         match self {
-            LocalEngine::Stored(e) => answer_from(e, op, conversation, body, policy),
-            LocalEngine::Memory(e) => answer_from(e, op, conversation, body, policy),
+            LocalEngine::Stored(e) => answer_from(e, op, conversation, body, &e.policy),
+            LocalEngine::Memory(e) => answer_from(e, op, conversation, body, &e.policy),
         }
     }
 }
@@ -126,19 +128,95 @@ pub(super) fn answer_from<B: KvBackend>(
     reply.unwrap_or_else(|e| api::ApiError::from(e).to_json())
 }
 
-/// The engine for a read-only command: the store caught up with the log,
-/// or, when there is no store yet, the log folded in memory. Creates no
-/// data directory and no store.
-pub(super) async fn read_engine(config: &Config) -> Result<LocalEngine> {
-    require_data(config)?;
-    if state_path(config).exists() {
-        Ok(LocalEngine::Stored(open_pipeline(config).await?.engine))
-    } else {
-        Ok(LocalEngine::Memory(replay_log(config, None).await?.0))
+/// How the store a read-only command reads stands against the log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Freshness {
+    /// The store reflects the whole log.
+    Current,
+    /// The store reflects the log up to `store`; the log holds `log`.
+    Behind { store: u64, log: u64 },
+    /// No store: the log was folded in memory.
+    NoStore,
+    /// A store of another layout: not read; the log was folded in memory.
+    OtherLayout(String),
+}
+
+impl Freshness {
+    /// The note a read-only command prints on stderr (`None`: current).
+    pub(super) fn note(&self) -> Option<String> {
+        match self {
+            Freshness::Current | Freshness::NoStore => None,
+            Freshness::Behind { store, log } => Some(format!(
+                "note: the state store is {} record(s) behind the log (it reflects record {store} \
+                 of {log}); this answer is as of record {store}. `contextfold run /dev/null` \
+                 folds the rest into the store (and runs the jobs it issues); read-only \
+                 commands never write it",
+                log - store
+            )),
+            Freshness::OtherLayout(why) => Some(format!(
+                "note: {why}; the log was folded in memory to answer (the store was not \
+                 touched). `contextfold run /dev/null` refolds the log into it"
+            )),
+        }
     }
 }
 
+/// The engine for a read-only command, and how it stands against the log:
+/// the store opened read-only as it is (behind the log, perhaps), or, when
+/// there is no store or one of another layout, the log folded in memory.
+/// Creates no data directory and no store, and writes none.
+pub(super) async fn read_engine_with(config: &Config) -> Result<(LocalEngine, Freshness)> {
+    require_data(config)?;
+    let path = state_path(config);
+    if !path.exists() {
+        let engine = replay_log(config, None).await?.0;
+        return Ok((LocalEngine::Memory(engine), Freshness::NoStore));
+    }
+    let backend = ReadOnlyRedb::open(&path)
+        .with_context(|| format!("opening the state store {} read-only", path.display()))?;
+    match Engine::open_read_only(store(backend, config), config.policy.clone()) {
+        Ok(mut engine) => {
+            engine.set_residency(config.store.residency());
+            let log = open_log(config)?.last_position().await?;
+            let freshness = if engine.position() < log {
+                Freshness::Behind {
+                    store: engine.position(),
+                    log,
+                }
+            } else {
+                Freshness::Current
+            };
+            Ok((LocalEngine::Stored(engine), freshness))
+        }
+        Err(e @ contextfold::store::StoreError::OtherLayout { .. }) => {
+            let engine = replay_log(config, None).await?.0;
+            Ok((
+                LocalEngine::Memory(engine),
+                Freshness::OtherLayout(e.to_string()),
+            ))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// [`read_engine_with`], its note printed on stderr.
+pub(super) async fn read_engine(config: &Config) -> Result<LocalEngine> {
+    let (engine, freshness) = read_engine_with(config).await?;
+    if let Some(note) = freshness.note() {
+        eprintln!("{note}");
+    }
+    Ok(engine)
+}
+
+/// The pipeline of a command that folds live (`run`, `compact`): it
+/// records its configured policy in the log when the log's differs.
 pub(super) async fn open_pipeline(config: &Config) -> Result<LocalPipeline> {
+    open_pipeline_with(config, true).await
+}
+
+/// [`open_pipeline`]; `record`: whether it records its policy (`rebuild`
+/// catches the store up without).
+async fn open_pipeline_with(config: &Config, record: bool) -> Result<LocalPipeline> {
     std::fs::create_dir_all(&config.data_dir)
         .with_context(|| format!("creating data directory {}", config.data_dir.display()))?;
     let log = open_log(config)?;
@@ -147,6 +225,12 @@ pub(super) async fn open_pipeline(config: &Config) -> Result<LocalPipeline> {
     let mut engine = Engine::open_with(store(backend, config), config.policy.clone())?;
     engine.set_flush_every(config.store.flush_every);
     engine.set_residency(config.store.residency());
+    if record {
+        engine.record_policy_as(
+            contextfold::core::event::EMBEDDED_PARTITION_KEY.into(),
+            "embedded",
+        );
+    }
     Ok(Pipeline::open(log, engine, Deterministic).await?)
 }
 
@@ -313,7 +397,8 @@ pub(super) fn input_records(file: Option<&Path>, format: &str) -> Result<InputRe
                     .ok()
                     .is_some_and(|v| v.get("conversation").is_some() && v.get("payload").is_some())
             }));
-    if is_events {
+    // Empty input is no events (`run /dev/null` catches the store up).
+    if is_events || first.is_none() {
         return Ok(InputRecords::Lines {
             reader,
             first: first.map(|f| (line, f)),
@@ -462,6 +547,48 @@ pub fn replay(config: &Config) -> Result<ExitCode> {
     })
 }
 
+/// `replay --policy FILE [CONV...]` (see [`super::whatif`]).
+pub fn what_if(
+    config: &Config,
+    file: &Path,
+    conversations: &[String],
+    json: bool,
+) -> Result<ExitCode> {
+    require_data(config)?;
+    let other = Config::load_policy_file(file)?;
+    let rt = runtime()?;
+    rt.block_on(async {
+        let mut log = open_log(config)?;
+        let mut records = Vec::new();
+        loop {
+            let after = records.last().map_or(0, |r: &LogRecord| r.position);
+            let batch = log.read_after(after, 4096).await?;
+            if batch.is_empty() {
+                break;
+            }
+            records.extend(batch);
+        }
+        let w = super::whatif::what_if(&records, &config.policy, &other, conversations).await?;
+        if w.conversations.is_empty() {
+            bail!(
+                "no agent events in the log at {} for {}",
+                log_dir(config).display(),
+                if conversations.is_empty() {
+                    "any conversation".to_string()
+                } else {
+                    conversations.join(", ")
+                }
+            );
+        }
+        if json {
+            println!("{}", serde_json::to_string_pretty(&w)?);
+        } else {
+            print!("{}", super::whatif::render(&w, &file.display().to_string()));
+        }
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
 pub fn assemble(
     config: &Config,
     conversation: &str,
@@ -486,8 +613,8 @@ pub fn assemble(
             read_engine(config).await?
         };
         let out = match &engine {
-            LocalEngine::Stored(e) => assemble_one(e, conversation, &config.policy, &request)?,
-            LocalEngine::Memory(e) => assemble_one(e, conversation, &config.policy, &request)?,
+            LocalEngine::Stored(e) => assemble_one(e, conversation, &e.policy, &request)?,
+            LocalEngine::Memory(e) => assemble_one(e, conversation, &e.policy, &request)?,
         };
         if json {
             println!("{}", serde_json::to_string_pretty(&out)?);
@@ -519,7 +646,10 @@ pub fn rebuild(config: &Config) -> Result<ExitCode> {
     require_data(config)?;
     let rt = runtime()?;
     rt.block_on(async {
-        let current = open_pipeline(config).await?.engine.state_hash()?;
+        let current = open_pipeline_with(config, false)
+            .await?
+            .engine
+            .state_hash()?;
         let stamp = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());

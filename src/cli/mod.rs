@@ -8,6 +8,7 @@ mod publish;
 mod query;
 mod report;
 mod serve;
+mod whatif;
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
@@ -72,7 +73,19 @@ pub enum Command {
         json: bool,
     },
     /// Rebuild every conversation's state from the log; print state hashes.
-    Replay,
+    /// With --policy: what that policy would have done with the same agent
+    /// events, beside what happened (in memory; nothing is written).
+    Replay {
+        /// A `[policy]` section (TOML) to fold the agent events under.
+        #[arg(long)]
+        policy: Option<PathBuf>,
+        /// Print the what-if as JSON.
+        #[arg(long, requires = "policy")]
+        json: bool,
+        /// Only these conversations (default: every one).
+        #[arg(requires = "policy")]
+        conversations: Vec<String>,
+    },
     /// Print exactly what the model sees for a conversation.
     Assemble {
         conversation: String,
@@ -271,7 +284,12 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
             batch,
             json,
         } => local::run(&config, file.as_deref(), &format, batch, json),
-        Command::Replay => local::replay(&config),
+        Command::Replay { policy: None, .. } => local::replay(&config),
+        Command::Replay {
+            policy: Some(file),
+            json,
+            conversations,
+        } => local::what_if(&config, &file, &conversations, json),
         Command::Assemble {
             conversation,
             at,

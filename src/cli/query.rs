@@ -121,12 +121,7 @@ fn render(reply: &[u8], output: Output) -> Result<String> {
 async fn ask_locally(config: &Config, query: &Query) -> Result<Vec<u8>> {
     if !matches!(query, Query::Compact(_)) {
         let engine = read_engine(config).await?;
-        return Ok(engine.answer(
-            query.op().as_str(),
-            query.conversation(),
-            &query.body()?,
-            &config.policy,
-        ));
+        return Ok(engine.answer(query.op().as_str(), query.conversation(), &query.body()?));
     }
     require_data(config)?;
     let mut pipeline = open_pipeline(config).await?;
@@ -135,7 +130,7 @@ async fn ask_locally(config: &Config, query: &Query) -> Result<Vec<u8>> {
         query.op().as_str(),
         query.conversation(),
         &query.body()?,
-        &config.policy,
+        &pipeline.engine.policy,
     );
     if let Query::Compact(_) = query {
         if let Ok(mut response) = decode_reply::<CompactResponse>(&reply) {

@@ -66,6 +66,8 @@ pub enum EventBody {
     SummaryRecorded(SummaryRecorded),
     SweepEnded(SweepEnded),
     RollingStateUpdated(RollingStateUpdated),
+    // ---- of the partition, not of a conversation ----
+    PolicyRecorded(PolicyRecorded),
 }
 
 impl EventBody {
@@ -87,11 +89,12 @@ impl EventBody {
             EventBody::SummaryRecorded(_) => "summary_recorded",
             EventBody::SweepEnded(_) => "sweep_ended",
             EventBody::RollingStateUpdated(_) => "rolling_state_updated",
+            EventBody::PolicyRecorded(_) => "policy_recorded",
         }
     }
 
     /// Every event type's wire name, for schemas and docs.
-    pub const TYPE_NAMES: [&'static str; 15] = [
+    pub const TYPE_NAMES: [&'static str; 16] = [
         "turn_appended",
         "provider_error_observed",
         "compaction_requested",
@@ -107,6 +110,7 @@ impl EventBody {
         "summary_recorded",
         "sweep_ended",
         "rolling_state_updated",
+        "policy_recorded",
     ];
 
     /// The types an agent may write, and the only ones that can make new
@@ -442,6 +446,68 @@ pub struct SweepEnded {
     pub retry_after_ms: Option<u64>,
 }
 
+/// The policy every later event of the partition is folded under, until
+/// the next `policy_recorded`: the whole effective `[policy]` section, so
+/// the log alone reproduces what the service decided, whatever the
+/// configuration of the process that replays it.
+///
+/// It is partition-wide, not a conversation's: its envelope's
+/// `conversation` is a reserved routing key ([`is_partition_key`]) that
+/// only places it in the partition's part of the log; no conversation is
+/// created for it. Only the service writes it (a process appends one when
+/// it starts folding with a policy whose fingerprint differs from the last
+/// one recorded); a log without any folds under the configured policy
+/// until its first one.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PolicyRecorded {
+    /// `runtime::engine::policy_fingerprint` of `policy`.
+    pub fingerprint: String,
+    /// The fingerprint recorded before this one in the log, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous: Option<String>,
+    /// Which process recorded it (its member name or `embedded`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recorded_by: Option<String>,
+    /// Boxed: the other event types are far smaller.
+    pub policy: Box<crate::core::policy::PolicyConfig>,
+}
+
+/// The reserved conversation keys of partition-wide events: `contextfold-
+/// partition-<p>-<n>`, with `n` the smallest number that makes the key fall
+/// in partition `p` (so the event is stored in the partition it is about;
+/// see [`partition_key`]). Agents' conversations should not use keys of
+/// this form: events of other types on them fold as an ordinary
+/// conversation, and a policy event on them is the partition's.
+pub const PARTITION_KEY_PREFIX: &str = "contextfold-partition-";
+
+/// The reserved key of the embedded log's partition-wide events (its one
+/// partition's [`partition_key`]).
+pub const EMBEDDED_PARTITION_KEY: &str = "contextfold-partition-0-0";
+
+/// Whether `key` is of the reserved form of [`PARTITION_KEY_PREFIX`].
+pub fn is_partition_key(key: &str) -> bool {
+    key.strip_prefix(PARTITION_KEY_PREFIX).is_some_and(|rest| {
+        let mut parts = rest.split('-');
+        let ok = |p: Option<&str>| {
+            p.is_some_and(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+        };
+        ok(parts.next()) && ok(parts.next()) && parts.next().is_none()
+    })
+}
+
+/// The reserved key of partition `partition`'s partition-wide events, for
+/// a log cut into partitions by `partition_of(key)`; the embedded log (one
+/// partition) uses `partition_key(0, |_| 0)` = `contextfold-partition-0-0`.
+/// `None` when no key of the form falls in `partition` (it is not one of
+/// the log's partitions).
+pub fn partition_key(partition: u32, partition_of: impl Fn(&str) -> u32) -> Option<String> {
+    // A uniform hash puts one key in N in each partition: a million tries
+    // fail only for a partition that does not exist.
+    (0..1_000_000u64)
+        .map(|n| format!("{PARTITION_KEY_PREFIX}{partition}-{n}"))
+        .find(|key| partition_of(key) == partition)
+}
+
 /// The rolling session state (Completed / In progress / Decisions /
 /// Blockers / Next; at most 500 characters in all, 200 a section).
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -687,6 +753,7 @@ mod direct {
             "summary_recorded" => EventBody::SummaryRecorded(map.next_value()?),
             "sweep_ended" => EventBody::SweepEnded(map.next_value()?),
             "rolling_state_updated" => EventBody::RollingStateUpdated(map.next_value()?),
+            "policy_recorded" => EventBody::PolicyRecorded(map.next_value()?),
             other => return Err(de::Error::custom(format!("unknown type {other:?}"))),
         })
     }

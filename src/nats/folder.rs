@@ -451,6 +451,31 @@ impl<B: KvBackend + 'static> FolderRole<B> {
             .last_sequence;
         lock(engine).hold_through(head);
         let consumer = self.reset_consumer(p, after).await?;
+        // Nothing of this partition past the store: no history to fold, and
+        // the policy goes into the log before anything is folded under it
+        // (with history, the engine asks for it where history ends). The
+        // count is the one the consumer's creation answered with: no
+        // request (and no permission) more.
+        let pending = consumer.cached_info().num_pending;
+        let policy = {
+            let mut e = lock(engine);
+            if pending == 0 {
+                e.end_history();
+            }
+            e.announce_policy()
+        };
+        if let Some(policy) = policy {
+            let effects = Effects {
+                decisions: vec![policy],
+                ..Effects::default()
+            };
+            if !self
+                .publish_effects(lease, health, &effects, shutdown)
+                .await
+            {
+                return Ok(());
+            }
+        }
         {
             let mut h = lock(health);
             h.position = after;

@@ -31,7 +31,7 @@ use crate::nats::NatsError;
 use crate::runtime::engine::{policy_fingerprint, Engine};
 use crate::runtime::sweep::PassSummarizer;
 use crate::store::redb_backend::RedbBackend;
-use crate::store::StoreError;
+use crate::store::{KvBackend, StoreError};
 use crate::telemetry;
 use async_nats::jetstream;
 use std::fmt;
@@ -216,6 +216,68 @@ pub fn redb_engines_with(
     })
 }
 
+/// Engines of `factory` that record their policy in their partition's
+/// part of the log (`policy_recorded`, addressed to the partition's
+/// reserved key) and sign it `member`.
+pub fn recording_policy<B: KvBackend + 'static>(
+    factory: EngineFactory<B>,
+    partitions: u32,
+    member: String,
+) -> EngineFactory<B> {
+    Arc::new(move |p| {
+        let mut engine = factory(p)?;
+        let key = crate::core::event::partition_key(p, |k| {
+            crate::nats::subjects::partition_of(k, partitions).unwrap_or(u32::MAX)
+        });
+        match key {
+            Some(key) => engine.record_policy_as(key, member.clone()),
+            None => tracing::warn!(
+                partition = p,
+                partitions,
+                "no reserved key falls in this partition: its policy is not recorded"
+            ),
+        }
+        Ok(engine)
+    })
+}
+
+/// Reports, once each, the live members that announce another policy
+/// fingerprint than `ours` (the comparison `doctor` makes): processes
+/// folding one stream under different policies would switch a partition's
+/// policy each time it moves between them.
+async fn watch_member_policies(
+    leases: async_nats::jetstream::kv::Store,
+    ours: String,
+    every: Duration,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut reported = std::collections::BTreeSet::<(String, String)>::new();
+    let mut interval = tokio::time::interval(every.max(Duration::from_millis(100)));
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = interval.tick() => {}
+        }
+        let Ok(members) = crate::nats::leases::live_member_records(&leases).await else {
+            continue;
+        };
+        for m in members {
+            let Some(fp) = m.record.and_then(|r| r.policy_fingerprint) else {
+                continue;
+            };
+            if fp != ours && reported.insert((m.member.clone(), fp.clone())) {
+                telemetry::PolicyConflict {
+                    event_id: "",
+                    ours: &ours,
+                    recorded: &fp,
+                    recorded_by: &m.member,
+                }
+                .emit();
+            }
+        }
+    }
+}
+
 /// A running `serve` process.
 pub struct Service {
     client: async_nats::Client,
@@ -274,10 +336,20 @@ impl Service {
             .with_policy_fingerprint(policy_fingerprint(&opts.policy))
             .spawn();
             let events = runner.take_events();
+            tokio::spawn(watch_member_policies(
+                infra.leases.clone(),
+                policy_fingerprint(&opts.policy),
+                LeaseSettings::from_config(&opts.nats).renew,
+                stop_rx.clone(),
+            ));
             let role = FolderRole::new(
                 js.clone(),
                 &infra,
-                redb_engines_with(&dir, opts.policy.clone(), opts.flush_every, &opts.store),
+                recording_policy(
+                    redb_engines_with(&dir, opts.policy.clone(), opts.flush_every, &opts.store),
+                    opts.nats.partitions,
+                    runner.member_id().to_string(),
+                ),
                 opts.folder.clone(),
             );
             engines = Some(role.engines());

@@ -90,6 +90,15 @@ impl<L: EventLog, B: KvBackend, S: PassSummarizer> Pipeline<L, B, S> {
         // Every job the history left pending runs below, the ones its
         // replay released among them.
         p.fold_available(&mut total).await?;
+        // The policy this process folds under goes into the log before
+        // anything is folded under it, when the log's differs and the
+        // engine records its policy (`Engine::record_policy_as`).
+        if let Some(policy) = p.engine.announce_policy() {
+            p.log
+                .append_deferred(Origin::Service, Encoding::Msgpack, &policy.to_msgpack())
+                .await?;
+            p.fold_available(&mut total).await?;
+        }
         let pending = p.engine.pending_snapshots()?;
         p.settle_unsynced(pending, &mut total).await?;
         p.log.sync().await?;

@@ -34,7 +34,7 @@
 //! test folds with random evictions). Turn bodies leave memory at commit,
 //! into the store's bounded body cache.
 
-use crate::core::event::{Encoding, Envelope, EventBody};
+use crate::core::event::{self, Encoding, Envelope, EventBody};
 use crate::core::fold::{self, FoldStatus};
 use crate::core::intake::{self, Refused};
 use crate::core::policy::PolicyConfig;
@@ -116,8 +116,19 @@ pub struct Engine<B: KvBackend> {
     dirty: BTreeSet<String>,
     /// The partition's own counts changed (a dead letter).
     dirty_partition: bool,
-    fingerprint: String,
     held: Held,
+    /// The policy this process was configured with (what it records when
+    /// the log's differs), and whether it has asked to record it.
+    configured: PolicyConfig,
+    configured_fingerprint: String,
+    announced: bool,
+    /// The fingerprint of [`Engine::policy`] and whether the log recorded it.
+    active: ActivePolicy,
+    /// Where partition-wide events are addressed ([`event::partition_key`]);
+    /// an engine that is not told records no policy (replays, tests).
+    partition_key: Option<String>,
+    /// Who this process is, in the policy events it records.
+    recorder: String,
     residency: Residency,
     /// When each resident conversation was last touched (the runtime's
     /// clock: eviction is outside the fold and never changes it).
@@ -138,18 +149,33 @@ pub struct Engine<B: KvBackend> {
 /// 8: chunk keys escape 0 bytes of conversation keys.
 /// 9: turn bodies are records of their own; turns keep tool-call digests.
 /// 10: turns keep 32-bit counts and an event-id digest (the id is in the
-///     body); applied ids are hashed sorted; history entries stay in the
-///     store (the head keeps their count and digest).
-pub const STATE_LAYOUT: u32 = 10;
+///     body); applied ids are hashed sorted; history entries and summary
+///     texts stay in the store (the head keeps the history's count and
+///     digest).
+/// 11: the layout and the policy are apart in the store's meta, which
+///     keeps the policy in force (the log records it: `policy_recorded`).
+pub const STATE_LAYOUT: u32 = 11;
 
-/// A fingerprint of the policy and the state layout: state folded under
-/// another policy, or stored in another layout, is rebuilt from the log.
+/// What the store records of its layout: a store of another layout is
+/// rebuilt from the log by a process that folds, and refused by a reader.
+pub fn layout_fingerprint() -> String {
+    format!("layout-{STATE_LAYOUT}")
+}
+
+/// A fingerprint of a policy (its every field): what `policy_recorded`
+/// events, member records and `doctor` compare.
 pub fn policy_fingerprint(policy: &PolicyConfig) -> String {
     let bytes = rmp_serde::to_vec(policy).expect("policy serializes");
-    let mut h = blake3::Hasher::new();
-    h.update(&STATE_LAYOUT.to_le_bytes());
-    h.update(&bytes);
-    h.finalize().to_hex()[..16].to_string()
+    blake3::hash(&bytes).to_hex()[..16].to_string()
+}
+
+/// The policy in force and where it came from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ActivePolicy {
+    pub fingerprint: String,
+    /// Whether the log recorded it (else: the configured policy, folding a
+    /// log that has recorded none so far).
+    pub recorded: bool,
 }
 
 impl<B: KvBackend> Engine<B> {
@@ -160,22 +186,178 @@ impl<B: KvBackend> Engine<B> {
     }
 
     /// [`Engine::open`] on a store set up by the caller (its body cache).
+    ///
+    /// `policy` is the configured one: the engine folds under the policy
+    /// the store recorded as in force (the last `policy_recorded` it
+    /// folded), or under `policy` when the log has recorded none yet; it
+    /// asks to record `policy` (a `policy_recorded` decision) once its
+    /// history is folded, if that differs ([`Engine::finish`]).
     pub fn open_with(mut store: StateStore<B>, policy: PolicyConfig) -> Result<Self, StoreError> {
-        let fingerprint = policy_fingerprint(&policy);
-        let opened = store.open(&fingerprint)?;
-        Ok(Engine {
+        let opened = store.open(&layout_fingerprint())?;
+        Ok(Self::from_opened(store, opened, policy))
+    }
+
+    fn from_opened(
+        mut store: StateStore<B>,
+        opened: crate::store::state_store::Opened,
+        configured: PolicyConfig,
+    ) -> Self {
+        let configured_fingerprint = policy_fingerprint(&configured);
+        let (policy, active) = match opened.policy {
+            Some(recorded) => {
+                let fingerprint = policy_fingerprint(&recorded);
+                (
+                    recorded,
+                    ActivePolicy {
+                        fingerprint,
+                        recorded: true,
+                    },
+                )
+            }
+            None => (
+                configured.clone(),
+                ActivePolicy {
+                    fingerprint: configured_fingerprint.clone(),
+                    recorded: false,
+                },
+            ),
+        };
+        store.set_policy(&active.fingerprint, active.recorded.then_some(&policy));
+        Engine {
             state: opened.state,
             policy,
             store,
             position: opened.position,
             dirty: BTreeSet::new(),
             dirty_partition: false,
-            fingerprint,
+            configured,
+            configured_fingerprint,
+            announced: false,
+            active,
+            partition_key: None,
+            recorder: String::new(),
             held: Held::default(),
             residency: Residency::default(),
             touched: HashMap::new(),
             tally: t::FoldTally::default(),
-        })
+        }
+    }
+
+    /// Opens the engine on a store for reading only: a store of another
+    /// layout is an error ([`StoreError::OtherLayout`]), never cleared, and
+    /// nothing is written (commit only what a reader never changes).
+    pub fn open_read_only(
+        mut store: StateStore<B>,
+        policy: PolicyConfig,
+    ) -> Result<Self, StoreError> {
+        let opened = store.open_read_only(&layout_fingerprint())?;
+        Ok(Self::from_opened(store, opened, policy))
+    }
+
+    /// The policy in force ([`Engine::policy`]) and whether the log
+    /// recorded it.
+    pub fn active_policy(&self) -> &ActivePolicy {
+        &self.active
+    }
+
+    /// The fingerprint of the configured policy.
+    pub fn configured_fingerprint(&self) -> &str {
+        &self.configured_fingerprint
+    }
+
+    /// Makes this engine record its configured policy in the log (a
+    /// `policy_recorded` decision, once its history is folded, when the
+    /// policy in force differs), addressed to `key` (its partition's
+    /// [`event::partition_key`]) and signed `recorder`. A runtime that
+    /// folds live calls it; replays and tests do not.
+    pub fn record_policy_as(&mut self, key: String, recorder: impl Into<String>) {
+        self.partition_key = Some(key);
+        self.recorder = recorder.into();
+    }
+
+    /// Whether [`Engine::record_policy_as`] was called.
+    pub fn records_policy(&self) -> bool {
+        self.partition_key.is_some()
+    }
+
+    /// Folds a `policy_recorded`: every later record is folded under it.
+    /// Partition-wide: no conversation is touched. A policy recorded by
+    /// another process after this one recorded its own means two
+    /// processes fold the partition under different policies: reported.
+    fn policy_recorded(&mut self, id: &str, recorded: event::PolicyRecorded) {
+        let fingerprint = policy_fingerprint(&recorded.policy);
+        if fingerprint != recorded.fingerprint {
+            tracing::warn!(
+                event_id = id,
+                stated = %recorded.fingerprint,
+                computed = %fingerprint,
+                "policy_recorded states another fingerprint than its policy has; folding under its policy"
+            );
+        }
+        if self.announced
+            && fingerprint != self.configured_fingerprint
+            && fingerprint != self.active.fingerprint
+        {
+            t::PolicyConflict {
+                event_id: id,
+                ours: &self.configured_fingerprint,
+                recorded: &fingerprint,
+                recorded_by: recorded.recorded_by.as_deref().unwrap_or(""),
+            }
+            .emit();
+        }
+        self.policy = *recorded.policy;
+        self.active = ActivePolicy {
+            fingerprint,
+            recorded: true,
+        };
+        self.store
+            .set_policy(&self.active.fingerprint, Some(&self.policy));
+        // Not counted among the events folded: it is no conversation's.
+        self.dirty_partition = true;
+    }
+
+    /// The `policy_recorded` to append when the configured policy is not
+    /// the one in force once history is folded (given once per engine;
+    /// [`Engine::finish`] gives it when history ends within a batch). A
+    /// runtime calls it before folding live records, so nothing is folded
+    /// under a policy the log does not say.
+    pub fn announce_policy(&mut self) -> Option<Envelope> {
+        if self.announced || self.holding() {
+            return None;
+        }
+        let key = self.partition_key.clone()?;
+        self.announced = true;
+        if self.active.recorded && self.active.fingerprint == self.configured_fingerprint {
+            return None;
+        }
+        let previous = self
+            .active
+            .recorded
+            .then(|| self.active.fingerprint.clone());
+        let time = self
+            .state
+            .conversations
+            .values()
+            .map(|c| c.last_time)
+            .max()
+            .unwrap_or(0);
+        Some(Envelope::new(
+            // The partition's key in the id: ids are deduplicated across
+            // the whole stream, and every partition records its own.
+            format!(
+                "policy:{key}:{}:{}",
+                self.configured_fingerprint, self.position
+            ),
+            key,
+            time,
+            EventBody::PolicyRecorded(event::PolicyRecorded {
+                fingerprint: self.configured_fingerprint.clone(),
+                previous,
+                recorded_by: Some(self.recorder.clone()),
+                policy: Box::new(self.configured.clone()),
+            }),
+        ))
     }
 
     pub fn set_residency(&mut self, residency: Residency) {
@@ -476,6 +658,18 @@ impl<B: KvBackend> Engine<B> {
         let history = self.position <= self.held.through;
         let decisions_before = effects.decisions.len();
         let folded = match admitted {
+            Ok(intake::Admitted {
+                event:
+                    Envelope {
+                        id,
+                        body: EventBody::PolicyRecorded(recorded),
+                        ..
+                    },
+                ..
+            }) => {
+                self.policy_recorded(&id, recorded);
+                Some(id)
+            }
             Ok(admitted) => Some(self.fold_admitted(admitted, history, effects)),
             Err(refused) => {
                 self.refuse(record, *refused, effects);
@@ -503,6 +697,9 @@ impl<B: KvBackend> Engine<B> {
                 .filter(|d| held.ids.contains(&d.id));
             let live = std::mem::take(&mut effects.decisions);
             effects.decisions = released.chain(live).collect();
+        }
+        if let Some(policy) = self.announce_policy() {
+            effects.decisions.push(policy);
         }
         let mut seen = HashSet::new();
         for d in &effects.decisions {
@@ -677,8 +874,12 @@ impl<B: KvBackend> Engine<B> {
         self.dirty_partition = false;
         let dirty = std::mem::take(&mut self.dirty);
         let started = std::time::Instant::now();
-        self.store
-            .commit(&mut self.state, &dirty, self.position, &self.fingerprint)?;
+        self.store.commit(
+            &mut self.state,
+            &dirty,
+            self.position,
+            &layout_fingerprint(),
+        )?;
         t::StateCommitted {
             elapsed: started.elapsed(),
         }

@@ -64,6 +64,14 @@ pub enum StoreError {
         "state store holds an unreadable record ({what}): {detail}; run `contextfold rebuild`"
     )]
     Corrupt { what: String, detail: String },
+    #[error(
+        "state store was written in {found}, this build reads {expected}: a command that \
+         folds (`contextfold run /dev/null`, or a serve) refolds the log into it; `contextfold \
+         rebuild` builds a fresh copy beside it"
+    )]
+    OtherLayout { found: String, expected: String },
+    #[error("state store was opened read-only; a read-only command never writes it")]
+    ReadOnly,
 }
 
 impl From<crate::core::state::BodyError> for StoreError {

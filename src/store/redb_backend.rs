@@ -260,6 +260,95 @@ impl KvBackend for RedbBackend {
     }
 }
 
+/// A store opened for reading only (redb's read-only open): nothing is
+/// created, repaired or written, so the file stays byte for byte as it
+/// was; commits fail with [`StoreError::ReadOnly`]. What the read-only
+/// commands (`status`, `assemble`, `grep`, ...) answer from.
+pub struct ReadOnlyRedb {
+    db: redb::ReadOnlyDatabase,
+}
+
+impl ReadOnlyRedb {
+    /// Opens `path` read-only; a store a running process holds, or one
+    /// that needs a repair after an unclean stop, is an error that says so.
+    pub fn open(path: &Path) -> Result<Self, StoreError> {
+        let open_error = |detail: String| StoreError::Open {
+            path: path.display().to_string(),
+            detail,
+        };
+        let db = redb::ReadOnlyDatabase::open(path).map_err(|e| match e {
+            redb::DatabaseError::DatabaseAlreadyOpen => open_error(
+                "it is open in another process (a running `run` or `serve`); ask that process \
+                 (--nats) or wait until it ends"
+                    .into(),
+            ),
+            redb::DatabaseError::RepairAborted => open_error(
+                "it was not closed cleanly and needs a repair, which only a process that \
+                 writes makes: run `contextfold run` (with no input: `run /dev/null`) once"
+                    .into(),
+            ),
+            other => open_error(other.to_string()),
+        })?;
+        Ok(ReadOnlyRedb { db })
+    }
+}
+
+impl KvBackend for ReadOnlyRedb {
+    fn get(&self, table: Table, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+        let txn = self
+            .db
+            .begin_read()
+            .map_err(|e| backend_error("begin read")(e.into()))?;
+        let t = match txn.open_table(definition(table)) {
+            Ok(t) => t,
+            Err(redb::TableError::TableDoesNotExist(_)) => return Ok(None),
+            Err(e) => return Err(backend_error("open table")(e.into())),
+        };
+        let value = t
+            .get(key)
+            .map_err(|e| backend_error("get")(e.into()))?
+            .map(|v| v.value().to_vec());
+        Ok(value)
+    }
+
+    fn scan_prefix(
+        &self,
+        table: Table,
+        prefix: &[u8],
+    ) -> Result<crate::store::Entries, StoreError> {
+        let txn = self
+            .db
+            .begin_read()
+            .map_err(|e| backend_error("begin read")(e.into()))?;
+        let t = match txn.open_table(definition(table)) {
+            Ok(t) => t,
+            Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
+            Err(e) => return Err(backend_error("open table")(e.into())),
+        };
+        let range = t
+            .range::<&[u8]>(prefix..)
+            .map_err(|e| backend_error("scan")(e.into()))?;
+        let mut out = Vec::new();
+        for entry in range {
+            let (k, v) = entry.map_err(|e| backend_error("scan")(e.into()))?;
+            let key = k.value();
+            if !key.starts_with(prefix) {
+                break;
+            }
+            out.push((key.to_vec(), v.value().to_vec()));
+        }
+        Ok(out)
+    }
+
+    fn commit(&mut self, _writes: &[Write], _durable: bool) -> Result<(), StoreError> {
+        Err(StoreError::ReadOnly)
+    }
+
+    fn flush(&mut self) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -35,7 +35,12 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 pub(crate) const POSITION_KEY: &[u8] = b"position";
+/// The fingerprint of the policy in force (what `doctor` compares).
 pub(crate) const POLICY_KEY: &[u8] = b"policy";
+/// The state layout (`runtime::engine::layout_fingerprint`).
+pub(crate) const LAYOUT_KEY: &[u8] = b"layout";
+/// The policy in force, as the log recorded it (`policy_recorded`).
+const ACTIVE_POLICY_KEY: &[u8] = b"active_policy";
 const UNATTRIBUTED_KEY: &[u8] = b"unattributed_rejections";
 const GLOBAL_SPEND_KEY: &[u8] = b"global_spend";
 /// The keys of the conversations with a pending job (an index, derived
@@ -210,6 +215,9 @@ pub struct StateStore<B: KvBackend> {
     commits: u64,
     /// Make every N-th commit durable (1 = every commit).
     pub flush_every: u32,
+    /// The policy in force, written with every commit: its fingerprint,
+    /// and the policy itself when the log recorded it.
+    policy: (String, Option<Vec<u8>>),
 }
 
 /// The prefix of a conversation's record keys of `kind`: its key with
@@ -260,9 +268,11 @@ pub struct Opened {
     /// No conversations: they are read on demand.
     pub state: State,
     pub position: Position,
-    /// The store was folded under another policy or layout (and is read as
-    /// empty, to be replayed from the log).
-    pub other_policy: bool,
+    /// The store was written in another layout (and is read as empty, to
+    /// be replayed from the log).
+    pub other_layout: bool,
+    /// The policy in force at `position`, when the log recorded one.
+    pub policy: Option<crate::core::policy::PolicyConfig>,
 }
 
 impl<B: KvBackend> StateStore<B> {
@@ -281,6 +291,7 @@ impl<B: KvBackend> StateStore<B> {
             commits_since_flush: 0,
             commits: 0,
             flush_every: 1,
+            policy: (String::new(), None),
         }
     }
 
@@ -289,29 +300,75 @@ impl<B: KvBackend> StateStore<B> {
     }
 
     /// Opens the stored state: the position and the partition's own
-    /// counts, not one conversation. A store written under another policy
-    /// fingerprint reads as empty at position 0 (`other_policy`), so the
-    /// caller replays the log: the fold's output depends on the policy.
-    pub fn open(&mut self, policy_fingerprint: &str) -> Result<Opened, StoreError> {
+    /// counts, not one conversation. A store written in another layout
+    /// (`layout`) reads as empty at position 0 (`other_layout`), so the
+    /// caller replays the log. The policy does not matter here: the log
+    /// records it, and the store keeps the one in force at its position.
+    pub fn open(&mut self, layout: &str) -> Result<Opened, StoreError> {
+        if self.other_layout(layout)? {
+            tracing::warn!(
+                "state store was written in another layout; replaying the log from the start"
+            );
+            self.clear()?;
+            self.reset_memory();
+            return Ok(Opened {
+                state: State::default(),
+                position: 0,
+                other_layout: true,
+                policy: None,
+            });
+        }
+        self.read_opened()
+    }
+
+    /// [`StateStore::open`] for a reader: a store of another layout is
+    /// [`StoreError::OtherLayout`], and nothing is ever cleared.
+    pub fn open_read_only(&mut self, layout: &str) -> Result<Opened, StoreError> {
+        if self.other_layout(layout)? {
+            return Err(StoreError::OtherLayout {
+                found: self
+                    .backend
+                    .get(Table::Meta, LAYOUT_KEY)?
+                    .map_or("an older layout".into(), |b| {
+                        String::from_utf8_lossy(&b).into_owned()
+                    }),
+                expected: layout.to_string(),
+            });
+        }
+        self.read_opened()
+    }
+
+    /// Whether the store holds state of a layout other than `layout` (a
+    /// store of layout 9 or older has a policy but no layout record).
+    fn other_layout(&self, layout: &str) -> Result<bool, StoreError> {
+        Ok(match self.backend.get(Table::Meta, LAYOUT_KEY)? {
+            Some(stored) => stored != layout.as_bytes(),
+            None => {
+                self.backend.get(Table::Meta, POLICY_KEY)?.is_some()
+                    || self.backend.get(Table::Meta, POSITION_KEY)?.is_some()
+            }
+        })
+    }
+
+    fn reset_memory(&mut self) {
         self.persisted.clear();
         self.pending.clear();
         #[cfg(debug_assertions)]
         self.committed_contexts.clear();
-        let stored_policy = self.backend.get(Table::Meta, POLICY_KEY)?;
-        if stored_policy
-            .as_deref()
-            .is_some_and(|p| p != policy_fingerprint.as_bytes())
-        {
-            tracing::warn!(
-                "state store was folded under another policy; replaying the log from the start"
-            );
-            self.clear()?;
-            return Ok(Opened {
-                state: State::default(),
-                position: 0,
-                other_policy: true,
-            });
-        }
+    }
+
+    /// Sets the policy written with the next commits: its fingerprint, and
+    /// the policy when the log recorded it.
+    pub fn set_policy(
+        &mut self,
+        fingerprint: &str,
+        recorded: Option<&crate::core::policy::PolicyConfig>,
+    ) {
+        self.policy = (fingerprint.to_string(), recorded.map(encode));
+    }
+
+    fn read_opened(&mut self) -> Result<Opened, StoreError> {
+        self.reset_memory();
         let position = match self.backend.get(Table::Meta, POSITION_KEY)? {
             Some(b) if b.len() == 8 => u64::from_be_bytes(b.try_into().expect("8 bytes")),
             Some(_) => {
@@ -332,10 +389,15 @@ impl<B: KvBackend> StateStore<B> {
         if let Some(b) = self.backend.get(Table::Meta, PENDING_KEY)? {
             self.pending = decode(&b, "pending job index")?;
         }
+        let policy = match self.backend.get(Table::Meta, ACTIVE_POLICY_KEY)? {
+            Some(b) => Some(decode(&b, "policy in force")?),
+            None => None,
+        };
         Ok(Opened {
             state,
             position,
-            other_policy: false,
+            other_layout: false,
+            policy,
         })
     }
 
@@ -583,7 +645,7 @@ impl<B: KvBackend> StateStore<B> {
         state: &mut State,
         dirty: &BTreeSet<String>,
         position: Position,
-        policy_fingerprint: &str,
+        layout: &str,
     ) -> Result<(), StoreError> {
         let mut writes = Vec::new();
         let mut committed = Vec::with_capacity(dirty.len());
@@ -680,9 +742,21 @@ impl<B: KvBackend> StateStore<B> {
         });
         writes.push(Write::Put {
             table: Table::Meta,
-            key: POLICY_KEY.to_vec(),
-            value: policy_fingerprint.as_bytes().to_vec(),
+            key: LAYOUT_KEY.to_vec(),
+            value: layout.as_bytes().to_vec(),
         });
+        writes.push(Write::Put {
+            table: Table::Meta,
+            key: POLICY_KEY.to_vec(),
+            value: self.policy.0.as_bytes().to_vec(),
+        });
+        if let Some(policy) = &self.policy.1 {
+            writes.push(Write::Put {
+                table: Table::Meta,
+                key: ACTIVE_POLICY_KEY.to_vec(),
+                value: policy.clone(),
+            });
+        }
         writes.push(Write::Put {
             table: Table::Meta,
             key: UNATTRIBUTED_KEY.to_vec(),
@@ -851,12 +925,12 @@ mod tests {
     use crate::core::policy::PolicyConfig;
     use crate::store::memory_backend::MemoryBackend;
 
-    /// Opens under one policy, another, then the first again, folding the
+    /// Opens under one layout, another, then the first again, folding the
     /// same events each time from the start as the engine does: the store
-    /// never counts a turn twice (it did when a policy switch left the old
-    /// fold's chunks behind the new one's).
+    /// never counts a turn twice (it did when a switch left the old fold's
+    /// chunks behind the new one's).
     #[test]
-    fn a_policy_switch_never_counts_a_turn_twice() {
+    fn a_layout_switch_never_counts_a_turn_twice() {
         let policy = PolicyConfig::default();
         let mut store = StateStore::new(MemoryBackend::default());
         for (round, fingerprint) in ["a", "b", "a", "a"].into_iter().enumerate() {
