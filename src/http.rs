@@ -19,6 +19,8 @@
 //! (metric labels are bounded, see [`crate::telemetry`]); still, listen on
 //! loopback or a private network.
 
+pub mod audit_page;
+
 use crate::telemetry;
 use axum::extract::State;
 use axum::http::{header, StatusCode};

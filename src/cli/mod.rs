@@ -1,6 +1,7 @@
 //! Subcommands. Each reads the configuration, opens what it needs under the
 //! data directory and reports in plain text (or JSON where asked).
 
+mod audit;
 mod doctor;
 mod eval;
 mod local;
@@ -195,6 +196,34 @@ pub enum Command {
         #[command(flatten)]
         nats: serve::NatsArgs,
     },
+    /// Every compaction decision of a conversation in log order, with its
+    /// reason, context tokens before and after, summaries, model, calls,
+    /// tokens, cost and outcomes, from the embedded log folded in memory.
+    Audit {
+        conversation: String,
+        /// Print JSON (entries, compactions, fallbacks, chart points).
+        #[arg(long)]
+        json: bool,
+    },
+    /// Draw a conversation as SVG: context tokens at every event (with the
+    /// threshold, target and budget lines, compactions and overflows)
+    /// above its summary DAG.
+    Plot {
+        conversation: String,
+        /// The SVG file to write.
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// The audit page over the embedded store: conversations, timeline
+    /// chart, what the model saw at each event, the summary DAG.
+    Ui {
+        /// Listen on this address (loopback by default).
+        #[arg(long, default_value = "127.0.0.1")]
+        host: std::net::IpAddr,
+        /// Port (0: any free one; the URL is printed).
+        #[arg(long, default_value_t = 8765)]
+        port: u16,
+    },
     /// Run contextfold over NATS JetStream: fold published turns, run
     /// compaction jobs, answer requests; until SIGTERM or Ctrl-C.
     Serve {
@@ -295,6 +324,10 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
             }
         }
         Command::Rebuild => local::rebuild(&config),
+        Command::Audit { conversation, json } => audit::audit(&config, &conversation, json),
+        Command::Plot { conversation, out } => audit::plot(&config, &conversation, &out),
+        Command::Ui { host, port } => audit::ui(&config, std::net::SocketAddr::new(host, port)),
+
         Command::Demo { file, budget } => local::demo(&config, file.as_deref(), budget),
         Command::Eval {
             budget,

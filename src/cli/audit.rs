@@ -1,0 +1,232 @@
+//! `audit`, `plot` and `ui`: the compaction history of the embedded log,
+//! as text or JSON, as SVG, and as a page in a browser.
+//!
+//! All three fold the log in memory ([`contextfold::runtime::audit`]):
+//! they never open or rewrite the state store.
+
+use super::local;
+use anyhow::{Context, Result};
+use contextfold::api::describe::NodeRef;
+use contextfold::api::{DescribeRequest, ExpandRequest, StatusRequest};
+use contextfold::config::Config;
+use contextfold::core::assembly::AssemblyRequest;
+use contextfold::core::audit;
+use contextfold::http::audit_page::{self, AuditSource, PageError};
+use contextfold::runtime::audit::{self as gather, Audited};
+use contextfold::runtime::engine::Engine;
+use contextfold::store::memory_backend::MemoryBackend;
+use std::io::Write;
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+/// The audit of `conversation` in the embedded log.
+pub(super) async fn audited(config: &Config, conversation: &str) -> Result<Audited> {
+    local::require_data(config)?;
+    let mut log = local::open_log(config)?;
+    Ok(gather::audit(
+        &mut log,
+        &config.policy,
+        config.store.residency(),
+        conversation,
+    )
+    .await?)
+}
+
+pub fn audit(config: &Config, conversation: &str, json: bool) -> Result<ExitCode> {
+    let rt = local::runtime()?;
+    let a = rt.block_on(audited(config, conversation))?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&a.audit)?);
+    } else {
+        print!("{}", audit::render_text(&a.audit));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn plot(config: &Config, conversation: &str, out: &Path) -> Result<ExitCode> {
+    let rt = local::runtime()?;
+    let a = rt.block_on(audited(config, conversation))?;
+    let svg = contextfold::plot::svg(&a.audit, &a.dag)?;
+    std::fs::write(out, svg).with_context(|| format!("writing {}", out.display()))?;
+    eprintln!(
+        "wrote {}: {} events, {} compactions, {} summaries in the DAG",
+        out.display(),
+        a.audit.totals.events,
+        a.audit.totals.compactions,
+        a.dag.nodes.len()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The audit page over the embedded log; serves until Ctrl-C.
+pub fn ui(config: &Config, addr: std::net::SocketAddr) -> Result<ExitCode> {
+    local::require_data(config)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| {
+            format!("cannot listen on {addr} (is the port in use? choose another with --port)")
+        })?;
+        let local = listener.local_addr()?;
+        let source = Arc::new(Embedded {
+            config: config.clone(),
+        });
+        println!("contextfold ui: http://{local}/ (Ctrl-C to stop)");
+        std::io::stdout().flush()?;
+        if !local.ip().is_loopback() {
+            eprintln!(
+                "warning: {local} is not a loopback address: the page shows conversation \
+                 content without authentication"
+            );
+        }
+        axum::serve(listener, audit_page::router(source))
+            .with_graceful_shutdown(async {
+                let _ = tokio::signal::ctrl_c().await;
+            })
+            .await
+            .context("the audit page server stopped")?;
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+/// The page's source over the embedded log, folded in memory per request
+/// (nothing is written; a `run` beside it is seen at the next request).
+struct Embedded {
+    config: Config,
+}
+
+fn failed(e: impl std::fmt::Display) -> PageError {
+    PageError::Failed(format!("{e:#}"))
+}
+
+/// An API answer (JSON bytes) as a value; an API error as a page error.
+fn api_answer(bytes: &[u8]) -> Result<serde_json::Value, PageError> {
+    let value: serde_json::Value = serde_json::from_slice(bytes).map_err(failed)?;
+    match value.get("error") {
+        Some(e) => Err(PageError::NotFound(
+            e.get("message")
+                .and_then(|m| m.as_str())
+                .map_or_else(|| e.to_string(), str::to_string),
+        )),
+        None => Ok(value),
+    }
+}
+
+impl Embedded {
+    fn block<T>(&self, f: impl std::future::Future<Output = Result<T>>) -> Result<T, PageError> {
+        tokio::runtime::Handle::current()
+            .block_on(f)
+            .map_err(failed)
+    }
+
+    fn engine(&self, until: Option<&str>) -> Result<(Engine<MemoryBackend>, bool), PageError> {
+        self.block(local::replay_log(&self.config, until))
+    }
+
+    fn ask(
+        &self,
+        op: &str,
+        conversation: &str,
+        body: serde_json::Value,
+    ) -> Result<serde_json::Value, PageError> {
+        let (engine, _) = self.engine(None)?;
+        let body = serde_json::to_vec(&body).map_err(failed)?;
+        api_answer(&local::answer_from(
+            &engine,
+            op,
+            Some(conversation),
+            &body,
+            &self.config.policy,
+        ))
+    }
+}
+
+impl AuditSource for Embedded {
+    fn conversations(&self) -> Result<serde_json::Value, PageError> {
+        let (engine, _) = self.engine(None)?;
+        let mut keys = Vec::new();
+        engine
+            .each_conversation(|_, conv| -> Result<(), contextfold::store::StoreError> {
+                keys.push(conv.key.clone());
+                Ok(())
+            })
+            .map_err(failed)?;
+        let mut out = Vec::with_capacity(keys.len());
+        for key in keys {
+            let body = serde_json::to_vec(&StatusRequest {
+                conversation: Some(key.clone()),
+            })
+            .map_err(failed)?;
+            out.push(api_answer(&local::answer_from(
+                &engine,
+                "status",
+                Some(&key),
+                &body,
+                &self.config.policy,
+            ))?);
+        }
+        Ok(serde_json::Value::Array(out))
+    }
+
+    fn audit(&self, conversation: &str) -> Result<serde_json::Value, PageError> {
+        let a = self.block(audited(&self.config, conversation))?;
+        Ok(serde_json::json!({ "audit": a.audit, "dag": a.dag }))
+    }
+
+    fn context_at(&self, conversation: &str, at: &str) -> Result<serde_json::Value, PageError> {
+        let (engine, found) = self.engine(Some(at))?;
+        if !found {
+            return Err(PageError::NotFound(format!(
+                "event {at:?} is not in the log"
+            )));
+        }
+        let out = local::assemble_one(
+            &engine,
+            conversation,
+            &self.config.policy,
+            &AssemblyRequest::default(),
+        )
+        .map_err(|e| PageError::NotFound(format!("{e:#}")))?;
+        serde_json::to_value(out).map_err(failed)
+    }
+
+    fn describe(&self, conversation: &str, id: &str) -> Result<serde_json::Value, PageError> {
+        let request = DescribeRequest {
+            conversation: conversation.to_string(),
+            id: NodeRef::Id(id.to_string()),
+        };
+        self.ask(
+            "describe",
+            conversation,
+            serde_json::to_value(request).map_err(failed)?,
+        )
+    }
+
+    fn expand(
+        &self,
+        conversation: &str,
+        id: &str,
+        skip: usize,
+    ) -> Result<serde_json::Value, PageError> {
+        let request = ExpandRequest {
+            conversation: conversation.to_string(),
+            summary_id: id.to_string(),
+            max_tokens: None,
+            skip,
+        };
+        self.ask(
+            "expand",
+            conversation,
+            serde_json::to_value(request).map_err(failed)?,
+        )
+    }
+
+    fn plot(&self, conversation: &str) -> Result<String, PageError> {
+        let a = self.block(audited(&self.config, conversation))?;
+        contextfold::plot::svg(&a.audit, &a.dag).map_err(failed)
+    }
+}
