@@ -165,10 +165,10 @@ where
             // An outline, so the only filled triangles are the marks.
             PathElement::new(
                 vec![
-                    (x + 4, y - 5),
-                    (x + 16, y - 5),
-                    (x + 10, y + 5),
-                    (x + 4, y - 5),
+                    (x + 4, y + 5),
+                    (x + 16, y + 5),
+                    (x + 10, y - 5),
+                    (x + 4, y + 5),
                 ],
                 COMPACTION.stroke_width(2),
             )

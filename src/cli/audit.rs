@@ -74,6 +74,7 @@ pub fn ui(config: &Config, addr: std::net::SocketAddr) -> Result<ExitCode> {
         let local = listener.local_addr()?;
         let source = Arc::new(Embedded {
             config: config.clone(),
+            turn: std::sync::Mutex::new(()),
         });
         println!("contextfold ui: http://{local}/ (Ctrl-C to stop)");
         std::io::stdout().flush()?;
@@ -94,9 +95,13 @@ pub fn ui(config: &Config, addr: std::net::SocketAddr) -> Result<ExitCode> {
 }
 
 /// The page's source over the embedded log, folded in memory per request
-/// (nothing is written; a `run` beside it is seen at the next request).
+/// (nothing is written; what a `run` appended between two requests is seen
+/// at the next). The log's directory lock admits one open handle, so the
+/// requests take turns (`turn`), and a `run` writing at that moment makes
+/// the request fail with the log's own message.
 struct Embedded {
     config: Config,
+    turn: std::sync::Mutex<()>,
 }
 
 fn failed(e: impl std::fmt::Display) -> PageError {
@@ -118,6 +123,8 @@ fn api_answer(bytes: &[u8]) -> Result<serde_json::Value, PageError> {
 
 impl Embedded {
     fn block<T>(&self, f: impl std::future::Future<Output = Result<T>>) -> Result<T, PageError> {
+        // A panicked request poisons nothing the next one reads.
+        let _turn = self.turn.lock().unwrap_or_else(|p| p.into_inner());
         tokio::runtime::Handle::current()
             .block_on(f)
             .map_err(failed)

@@ -4,7 +4,7 @@
 //!
 //! | path | answers |
 //! |---|---|
-//! | `GET /` | the page; `#c=CONV&event=ID` selects a conversation and clicks an event |
+//! | `GET /` | the page; `#c=CONV&event=ID` selects a conversation and clicks an event (`&summary=ID`: and a summary of the DAG) |
 //! | `GET /api/conversations` | every conversation's `status` (health, tokens, summaries) |
 //! | `GET /api/audit?c=CONV` | the audit ([`crate::core::audit::Audit`]) and the summary DAG |
 //! | `GET /api/context?c=CONV&at=ID` | what the model saw after event ID: `assemble --at ID --json` |

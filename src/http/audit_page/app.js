@@ -1,6 +1,7 @@
 // The audit page: vanilla JavaScript over the JSON endpoints of
 // src/http/audit_page.rs. The URL fragment `#c=CONV&event=ID` selects a
-// conversation and clicks the chart point of event ID once it is drawn.
+// conversation and clicks the chart point of event ID once it is drawn
+// (`&summary=ID` also clicks that summary of the DAG).
 "use strict";
 
 const SVG = "http://www.w3.org/2000/svg";
@@ -133,7 +134,8 @@ function drawDag() {
   const depth = Math.max(0, ...dag.nodes.map((n) => n.depth));
   const rowH = (H - 30) / (depth + 2);
   const x = (t) => L + (t / turns) * (W - L - R);
-  const rowY = (d) => H - 20 - (d + 1) * rowH;
+  // Row -1 (the raw strip) at the bottom, depth d above it.
+  const rowY = (d) => H - 20 - (d + 2) * rowH;
   const byId = new Map(dag.nodes.map((n) => [n.id, n]));
   for (const n of dag.nodes) {
     for (const c of n.children || []) {
@@ -147,7 +149,7 @@ function drawDag() {
     }
   }
   for (const [a, b] of dag.raw_in_context) {
-    svg.append(svgEl("rect", { x: x(a), y: H - 20 - rowH * 0.6, width: Math.max(1, x(b + 1) - x(a)), height: rowH * 0.4, fill: "#90a4ae" }));
+    svg.append(svgEl("rect", { x: x(a), y: rowY(-1) + rowH * 0.3, width: Math.max(1, x(b + 1) - x(a)), height: rowH * 0.4, fill: "#90a4ae" }));
   }
   for (const n of dag.nodes) {
     const fill = n.fallback ? "#ff9800" : n.kind === "leaf" ? "#4caf50" : "#3f51b5";
@@ -162,7 +164,7 @@ function drawDag() {
     svg.append(r);
   }
   for (let d = -1; d <= depth; d++) {
-    const t = svgEl("text", { x: 2, y: (d < 0 ? H - 20 - rowH * 0.3 : rowY(d) + rowH * 0.6), fill: "#777" });
+    const t = svgEl("text", { x: 2, y: rowY(d) + rowH * 0.6, fill: "#777" });
     t.textContent = d < 0 ? "raw" : "d" + d;
     svg.append(t);
   }
@@ -174,7 +176,13 @@ async function drill(id, rect) {
   const box = document.getElementById("drill");
   box.textContent = "";
   const c = encodeURIComponent(state.conv);
-  const desc = await getJson(`/api/describe?c=${c}&id=${encodeURIComponent(id)}`);
+  let desc;
+  try {
+    desc = await getJson(`/api/describe?c=${c}&id=${encodeURIComponent(id)}`);
+  } catch (err) {
+    box.textContent = "error: " + err.message;
+    return;
+  }
   box.append(el("h2", {}, "describe " + id));
   box.append(el("pre", { class: "describe" }, JSON.stringify(desc, null, 2)));
   const more = el("button", {}, "expand: children or raw turns");
@@ -197,6 +205,12 @@ function describeEntry(e) {
     case "summary_rejected": return `summary ${e.summary_id} rejected: ${e.reason}`;
     case "sweep_ended": return `sweep ${e.job_id} ${e.stop}: ${e.committed} summaries, ${e.calls} calls, ${e.tokens_spent} tokens, $${(e.cost_micros / 1e6).toFixed(4)}`;
     case "debt_cleared": return `debt cleared: ${e.reason}`;
+    case "job_abandoned": return `job ${e.job_id} abandoned without a sweep end`;
+    case "rolling_state_updated": return `rolling state through turn ${e.through_turn}`;
+    case "memory_flush": return `memory flush (cycle ${e.cycle}, ${e.reason})`;
+    case "model_declared": return `model ${e.model}${e.context_window ? ", window " + e.context_window : ""}`;
+    case "reset": return `conversation reset${e.reason ? ": " + e.reason : ""}`;
+    case "event_rejected": return `event ${e.rejected_id} rejected: ${e.reason}`;
     default: return e.kind + " " + JSON.stringify(e);
   }
 }
@@ -267,6 +281,10 @@ async function main() {
       const pt = [...document.querySelectorAll("#chart circle.pt")].find((c) => c.dataset.event === want.event);
       if (pt) pt.dispatchEvent(new MouseEvent("click", { bubbles: true }));
       else document.getElementById("context").textContent = "no event " + want.event + " in this conversation";
+    }
+    if (want.summary) {
+      const r = [...document.querySelectorAll("#dag rect")].find((x) => x.dataset.summary === want.summary);
+      if (r) r.dispatchEvent(new MouseEvent("click", { bubbles: true }));
     }
   } catch (err) {
     document.getElementById("where").textContent = "error: " + err.message;
