@@ -1191,3 +1191,247 @@ pub fn render_text(a: &Audit) -> String {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::event::{
+        Debt, JobIssued, SummaryRecorded, SummaryRejected, SweepEnded, TurnAppended,
+    };
+    use crate::core::message::{ChatMessage, Role};
+
+    fn snap(context_tokens: u64, summaries: u64) -> Snapshot {
+        Snapshot {
+            context_tokens,
+            summaries,
+            budget: 1_000,
+            threshold_tokens: 750,
+            target_tokens: 500,
+            rolling_tokens: 700,
+            threshold_share_millis: 750,
+            ..Snapshot::default()
+        }
+    }
+
+    fn step(id: &str, body: EventBody, before: Snapshot, after: Snapshot) -> Step {
+        Step {
+            position: 0,
+            event: Envelope::new(id, "c", 1_000, body),
+            folded: true,
+            before,
+            after,
+        }
+    }
+
+    fn job(id: &str, compact: bool) -> EventBody {
+        EventBody::JobIssued(JobIssued {
+            job_id: id.into(),
+            reason: DebtReason::Threshold,
+            urgent: false,
+            context_tokens: 800,
+            target_tokens: 500,
+            deadline_ms: 100,
+            issued_at: 1_000,
+            instructions: None,
+            compact,
+            refresh_rolling_state: !compact,
+            max_calls: Some(3),
+            max_tokens: None,
+        })
+    }
+
+    fn summary(id: &str, job: &str, fallback: bool, supersedes: Option<&str>) -> EventBody {
+        EventBody::SummaryRecorded(SummaryRecorded {
+            summary_id: id.into(),
+            job_id: Some(job.into()),
+            kind: SummaryKind::Leaf,
+            depth: 0,
+            covers: Covers::Turns { first: 2, last: 5 },
+            content: "text the audit never reads".into(),
+            source_tokens: 400,
+            tokens: 40,
+            model: "m".into(),
+            provider: "p".into(),
+            prompt_version: "v".into(),
+            fallback,
+            supersedes: supersedes.map(str::to_string),
+        })
+    }
+
+    fn sweep(job: &str, stop: SweepStop) -> EventBody {
+        EventBody::SweepEnded(SweepEnded {
+            job_id: job.into(),
+            passes: 1,
+            committed: 1,
+            stop,
+            detail: None,
+            calls: 2,
+            tokens_spent: 900,
+            cost_micros: 1_500,
+            retry_after_ms: None,
+        })
+    }
+
+    fn policy() -> AuditPolicy {
+        AuditPolicy {
+            rolling_every_turns: 15,
+            rolling_tool_loop: 10,
+            max_active_transcript_bytes: Some(5_000),
+        }
+    }
+
+    #[test]
+    fn a_compaction_is_followed_from_trigger_to_sweep_end_and_its_fallback_to_its_replacement() {
+        let debt = Debt {
+            reason: DebtReason::Threshold,
+            context_tokens: 800,
+            threshold_tokens: 750,
+            target_tokens: 500,
+            urgent: false,
+            since: 1_000,
+            instructions: None,
+        };
+        let mut late_sweep = step(
+            "s1",
+            sweep("j1", SweepStop::Done),
+            snap(440, 1),
+            snap(440, 1),
+        );
+        late_sweep.event.time = 1_000 + 250;
+        let steps = vec![
+            step(
+                "d",
+                EventBody::DebtRecorded(debt),
+                snap(800, 0),
+                snap(800, 0),
+            ),
+            step("j1", job("j1", true), snap(800, 0), snap(800, 0)),
+            step(
+                "x",
+                summary("bad", "j1", false, None),
+                snap(800, 0),
+                snap(800, 0),
+            ),
+            step(
+                "r",
+                EventBody::SummaryRejected(SummaryRejected {
+                    summary_id: "bad".into(),
+                    job_id: Some("j1".into()),
+                    reason: "not smaller than its source".into(),
+                }),
+                snap(800, 0),
+                snap(800, 0),
+            ),
+            step(
+                "f",
+                summary("fb", "j1", true, None),
+                snap(800, 0),
+                snap(440, 1),
+            ),
+            late_sweep,
+            step("j2", job("j2", false), snap(440, 1), snap(440, 1)),
+            step(
+                "m",
+                summary("model", "j2", false, Some("fb")),
+                snap(440, 1),
+                snap(440, 2),
+            ),
+            step(
+                "s2",
+                sweep("j2", SweepStop::SpendLimit),
+                snap(440, 2),
+                snap(440, 2),
+            ),
+        ];
+        let a = build("c", &steps, policy());
+        assert_eq!(a.totals.compactions, 1);
+        assert_eq!(a.totals.rolling_only_jobs, 1);
+        assert_eq!(a.totals.summaries, 2);
+        assert_eq!(a.totals.rejections, 1);
+        assert_eq!((a.totals.calls, a.totals.cost_micros), (4, 3_000));
+        let c = &a.compactions[0];
+        assert_eq!(c.reason, "threshold");
+        assert!(c
+            .trigger
+            .contains("over the threshold 750 (75% of the 1000-token budget)"));
+        assert_eq!(c.summaries, ["fb"]);
+        assert_eq!((c.context_before, c.context_after), (800, Some(440)));
+        assert_eq!(c.turns_covered, Some([2, 5]));
+        assert_eq!(c.rejected[0].reason, "not smaller than its source");
+        let o = c.outcome.as_ref().unwrap();
+        assert_eq!((o.elapsed_ms, o.deadline_met), (250, false));
+        assert!(a.compactions[1].outcome.as_ref().unwrap().spend_limited);
+        assert_eq!(a.fallbacks.len(), 1);
+        assert_eq!(a.fallbacks[0].replaced_by.as_deref(), Some("model"));
+        assert_eq!(a.totals.fallbacks_replaced, 1);
+        // The not-accepted summary is listed, but not counted.
+        let unaccepted = a
+            .entries
+            .iter()
+            .filter(|e| {
+                matches!(
+                    e.what,
+                    What::Summary {
+                        accepted: false,
+                        ..
+                    }
+                )
+            })
+            .count();
+        assert_eq!(unaccepted, 1);
+        let marks: Vec<_> = a.points.iter().filter_map(|p| p.mark).collect();
+        assert_eq!(marks, ["trigger", "compaction"]);
+        let text = render_text(&a);
+        assert!(text.contains("deadline MISSED"), "{text}");
+        assert!(text.contains("stopped by the spend window"), "{text}");
+        assert!(
+            text.contains("fallback fb (f) replaced by model at m"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn rolling_state_reasons_and_abandoned_jobs_are_named() {
+        let turn =
+            || EventBody::TurnAppended(TurnAppended::from(ChatMessage::text(Role::User, "hi")));
+        let mut tool_loop = snap(100, 0);
+        tool_loop.consecutive_tool_calls = 10;
+        tool_loop.rolling_due = true;
+        let mut every = snap(100, 0);
+        every.turns_since_rolling = 15;
+        every.rolling_due = true;
+        let mut crossed = snap(720, 0);
+        crossed.rolling_due = true;
+        let mut pending = snap(100, 0);
+        pending.pending_job = Some("j9".into());
+        let steps = vec![
+            step("a", turn(), snap(90, 0), tool_loop),
+            step("b", turn(), snap(90, 0), every),
+            step("c", turn(), snap(690, 0), crossed),
+            step("d", turn(), pending.clone(), snap(100, 0)),
+            // A sweep end for the pending job is no abandonment.
+            step("e", sweep("j9", SweepStop::Done), pending, snap(100, 0)),
+        ];
+        let a = build("c", &steps, policy());
+        let reasons: Vec<&str> = a
+            .entries
+            .iter()
+            .filter_map(|e| match &e.what {
+                What::RollingDue { reason, .. } => Some(*reason),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(reasons, ["tool_loop", "every_n_turns", "rolling_threshold"]);
+        let abandoned: Vec<&str> = a
+            .entries
+            .iter()
+            .filter_map(|e| match &e.what {
+                What::JobAbandoned { job_id } => {
+                    Some(e.event_id.as_str()).filter(|_| job_id == "j9")
+                }
+                _ => None,
+            })
+            .collect();
+        assert_eq!(abandoned, ["d"]);
+    }
+}
