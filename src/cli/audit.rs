@@ -2,9 +2,12 @@
 //! as text or JSON, as SVG, and as a page in a browser.
 //!
 //! All three fold the log in memory ([`contextfold::runtime::audit`]):
-//! they never open or rewrite the state store.
+//! they never open or rewrite the state store. `audit` and `plot` with
+//! `--nats` read the conversation's partition of a deployment's events
+//! stream instead of the embedded log.
 
 use super::local;
+use super::serve::NatsArgs;
 use anyhow::{Context, Result};
 use contextfold::api::describe::NodeRef;
 use contextfold::api::{DescribeRequest, ExpandRequest, StatusRequest};
@@ -12,6 +15,8 @@ use contextfold::config::Config;
 use contextfold::core::assembly::AssemblyRequest;
 use contextfold::core::audit;
 use contextfold::http::audit_page::{self, AuditSource, PageError};
+use contextfold::nats::event_log::NatsEventLog;
+use contextfold::nats::subjects::partition_of;
 use contextfold::runtime::audit::{self as gather, Audited};
 use contextfold::runtime::engine::Engine;
 use contextfold::store::memory_backend::MemoryBackend;
@@ -33,9 +38,51 @@ pub(super) async fn audited(config: &Config, conversation: &str) -> Result<Audit
     .await?)
 }
 
-pub fn audit(config: &Config, conversation: &str, json: bool) -> Result<ExitCode> {
+/// The audit of `conversation` from a NATS deployment: its partition of
+/// the events stream, read with an ephemeral consumer and folded here under
+/// this process's policy, exactly as the partition's folder folds it (the
+/// whole partition: spend limits may be shared by its conversations).
+/// Needs read access to the events stream, as an operator has.
+async fn audited_over_nats(
+    config: &Config,
+    nats: &NatsArgs,
+    conversation: &str,
+) -> Result<Audited> {
+    let cfg = nats.apply(&config.nats);
+    let servers = cfg.connection.display_servers();
+    let subjects = cfg.subjects()?;
+    let partition = partition_of(conversation, cfg.partitions)
+        .with_context(|| format!("conversation {conversation:?}"))?;
+    let (client, _version) = cfg
+        .connection
+        .connect()
+        .await
+        .with_context(|| format!("connecting to {servers}"))?;
+    let js = async_nats::jetstream::new(client);
+    let mut log = NatsEventLog::open_partition(js, subjects, partition)
+        .await
+        .with_context(|| format!("opening the events stream at {servers}"))?;
+    Ok(gather::audit(
+        &mut log,
+        &config.policy,
+        config.store.residency(),
+        conversation,
+    )
+    .await?)
+}
+
+/// The audit from the embedded log, or over NATS when servers are given.
+async fn audited_from(config: &Config, nats: &NatsArgs, conversation: &str) -> Result<Audited> {
+    if nats.servers.is_empty() {
+        audited(config, conversation).await
+    } else {
+        audited_over_nats(config, nats, conversation).await
+    }
+}
+
+pub fn audit(config: &Config, nats: &NatsArgs, conversation: &str, json: bool) -> Result<ExitCode> {
     let rt = local::runtime()?;
-    let a = rt.block_on(audited(config, conversation))?;
+    let a = rt.block_on(audited_from(config, nats, conversation))?;
     if json {
         println!("{}", serde_json::to_string_pretty(&a.audit)?);
     } else {
@@ -44,9 +91,9 @@ pub fn audit(config: &Config, conversation: &str, json: bool) -> Result<ExitCode
     Ok(ExitCode::SUCCESS)
 }
 
-pub fn plot(config: &Config, conversation: &str, out: &Path) -> Result<ExitCode> {
+pub fn plot(config: &Config, nats: &NatsArgs, conversation: &str, out: &Path) -> Result<ExitCode> {
     let rt = local::runtime()?;
-    let a = rt.block_on(audited(config, conversation))?;
+    let a = rt.block_on(audited_from(config, nats, conversation))?;
     let svg = contextfold::plot::svg(&a.audit, &a.dag)?;
     std::fs::write(out, svg).with_context(|| format!("writing {}", out.display()))?;
     eprintln!(

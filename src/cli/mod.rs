@@ -199,11 +199,15 @@ pub enum Command {
     /// Every compaction decision of a conversation in log order, with its
     /// reason, context tokens before and after, summaries, model, calls,
     /// tokens, cost and outcomes, from the embedded log folded in memory.
+    /// With --nats, the conversation's partition of the JetStream events
+    /// stream is read (and folded here) instead.
     Audit {
         conversation: String,
         /// Print JSON (entries, compactions, fallbacks, chart points).
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        nats: serve::NatsArgs,
     },
     /// Draw a conversation as SVG: context tokens at every event (with the
     /// threshold, target and budget lines, compactions and overflows)
@@ -213,6 +217,8 @@ pub enum Command {
         /// The SVG file to write.
         #[arg(long)]
         out: PathBuf,
+        #[command(flatten)]
+        nats: serve::NatsArgs,
     },
     /// The audit page over the embedded store: conversations, timeline
     /// chart, what the model saw at each event, the summary DAG.
@@ -324,8 +330,16 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
             }
         }
         Command::Rebuild => local::rebuild(&config),
-        Command::Audit { conversation, json } => audit::audit(&config, &conversation, json),
-        Command::Plot { conversation, out } => audit::plot(&config, &conversation, &out),
+        Command::Audit {
+            conversation,
+            json,
+            nats,
+        } => audit::audit(&config, &nats, &conversation, json),
+        Command::Plot {
+            conversation,
+            out,
+            nats,
+        } => audit::plot(&config, &nats, &conversation, &out),
         Command::Ui { host, port } => audit::ui(&config, std::net::SocketAddr::new(host, port)),
 
         Command::Demo { file, budget } => local::demo(&config, file.as_deref(), budget),
