@@ -184,8 +184,18 @@ impl HttpListener {
         state: OpsState,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), HttpError> {
+        self.serve_router(router(state), shutdown).await
+    }
+
+    /// Serves `router` (the operators' [`router`], maybe merged with the
+    /// audit page's) until `shutdown` resolves.
+    pub async fn serve_router(
+        self,
+        router: Router,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), HttpError> {
         let addr = self.addr;
-        axum::serve(self.listener, router(state))
+        axum::serve(self.listener, router)
             .with_graceful_shutdown(shutdown)
             .await
             .map_err(|source| HttpError::Serve { addr, source })

@@ -137,3 +137,143 @@ async fn audit_over_nats_shows_the_summaries_the_service_holds() {
     assert!(err.contains("no event in the log"), "{err}");
     service.shutdown().await;
 }
+
+/// `serve --http 127.0.0.1:0 --audit-page` (the binary): the page's JSON
+/// endpoints answer beside `/metrics`, and what the page shows the model
+/// saw after the conversation's last event is what `assemble --nats` gives
+/// now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_mounts_the_audit_page_beside_the_operators_endpoints() {
+    if !nats_available() {
+        return;
+    }
+    let server = NatsServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let log_path = dir.path().join("serve.log");
+    let stderr = std::fs::File::create(&log_path).unwrap();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_contextfold"))
+        .arg("--data")
+        .arg(dir.path().join("serve"))
+        .args([
+            "serve",
+            "--nats",
+            &server.url(),
+            "--http",
+            "127.0.0.1:0",
+            "--audit-page",
+        ])
+        .env_remove("CONTEXTFOLD_CONFIG")
+        .env("CONTEXTFOLD_POLICY__DEFAULT_CONTEXT_WINDOW", "6000")
+        .env("CONTEXTFOLD_POLICY__FRESH_TAIL_COUNT", "6")
+        .env("CONTEXTFOLD_POLICY__LEAF_CHUNK_TOKENS", "1200")
+        .env("CONTEXTFOLD_POLICY__LEAF_TARGET_TOKENS", "200")
+        .env("CONTEXTFOLD_POLICY__CONDENSED_TARGET_TOKENS", "200")
+        .env("CONTEXTFOLD_POLICY__LEAF_FANOUT", "3")
+        .env("CONTEXTFOLD_POLICY__CONDENSED_FANOUT", "2")
+        .stderr(stderr)
+        .kill_on_drop(true)
+        .spawn()
+        .expect("contextfold serve starts");
+    let up = Instant::now() + Duration::from_secs(30);
+    let base = loop {
+        let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+        if let Some(url) = log
+            .split_whitespace()
+            .find(|w| w.starts_with("http://127.0.0.1:"))
+        {
+            if log.contains("Ctrl-C or SIGTERM stops") {
+                break url.trim_end_matches('/').to_string();
+            }
+        }
+        assert!(Instant::now() < up, "serve did not come up:\n{log}");
+        assert!(child.try_wait().unwrap().is_none(), "serve exited:\n{log}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(
+        std::fs::read_to_string(&log_path)
+            .unwrap()
+            .contains("the audit page at /"),
+        "no audit page announced"
+    );
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let events = turns(KEY, 0..40, 60);
+    raw_publish(&client, &events).await;
+    let http = reqwest::Client::new();
+    let get = |path: String| {
+        let http = http.clone();
+        let url = format!("{base}{path}");
+        async move {
+            let resp = http.get(&url).send().await.unwrap();
+            let status = resp.status();
+            (status, resp.text().await.unwrap())
+        }
+    };
+    let key = KEY.replace('/', "%2F").replace(':', "%3A");
+    // Folded and compacted, and quiet: the audit no longer changes.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut last = String::new();
+    let audit = loop {
+        let (status, body) = get(format!("/api/audit?c={key}")).await;
+        if status.is_success() {
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+            let t = &v["audit"]["totals"];
+            let done = t["turns"] == 40
+                && t["compactions"].as_u64() > Some(0)
+                && v["audit"]["compactions"]
+                    .as_array()
+                    .is_some_and(|c| c.iter().all(|c| c["outcome"].is_object()));
+            if done && body == last {
+                break v;
+            }
+            last = body;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no settled audit in 60 s: {last}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    let (status, page) = get("/".to_string()).await;
+    assert!(
+        status.is_success() && page.contains("contextfold audit"),
+        "{page}"
+    );
+    let (status, metrics) = get("/metrics".to_string()).await;
+    assert!(status.is_success(), "{metrics}");
+    let (status, list) = get("/api/conversations".to_string()).await;
+    assert!(status.is_success(), "{list}");
+    let list: serde_json::Value = serde_json::from_str(&list).unwrap();
+    assert!(
+        list.as_array()
+            .unwrap()
+            .iter()
+            .any(|c| c["conversation"] == KEY && c["health"]["status"].is_string()),
+        "{list}"
+    );
+    let last_event = audit["audit"]["points"].as_array().unwrap().last().unwrap()["event_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let (status, shown) = get(format!(
+        "/api/context?c={key}&at={}",
+        last_event.replace('#', "%23")
+    ))
+    .await;
+    assert!(status.is_success(), "{shown}");
+    let shown: serde_json::Value = serde_json::from_str(&shown).unwrap();
+    let (ok, now, err) = cli(
+        &dir.path().join("cli"),
+        &["assemble", KEY, "--nats", &server.url(), "--json"],
+    );
+    assert!(ok, "{err}");
+    let now = json_of(&now);
+    assert_eq!(shown["messages"], now["messages"]);
+    assert_eq!(shown["sources"], now["sources"]);
+    let summary = audit["dag"]["nodes"][0]["id"].as_str().unwrap().to_string();
+    let (status, described) = get(format!("/api/describe?c={key}&id={summary}")).await;
+    assert!(
+        status.is_success() && described.contains(&summary),
+        "{described}"
+    );
+    child.kill().await.unwrap();
+}

@@ -1,7 +1,7 @@
 //! Subcommands. Each reads the configuration, opens what it needs under the
 //! data directory and reports in plain text (or JSON where asked).
 
-mod audit;
+pub(crate) mod audit;
 mod doctor;
 mod eval;
 mod local;
@@ -229,6 +229,9 @@ pub enum Command {
         /// Port (0: any free one; the URL is printed).
         #[arg(long, default_value_t = 8765)]
         port: u16,
+        /// A NATS deployment instead of the embedded store.
+        #[command(flatten)]
+        nats: serve::NatsArgs,
     },
     /// Run contextfold over NATS JetStream: fold published turns, run
     /// compaction jobs, answer requests; until SIGTERM or Ctrl-C.
@@ -246,6 +249,10 @@ pub enum Command {
         /// keep it on loopback or a private network.
         #[arg(long, value_name = "ADDR")]
         http: Option<std::net::SocketAddr>,
+        /// Also serve the audit page at `/` of the HTTP server (it shows
+        /// conversation content without authentication: loopback only).
+        #[arg(long)]
+        audit_page: bool,
     },
     /// Check a NATS deployment as an operator would (server, JetStream,
     /// streams, consumers and lag, jobs, dead letters, leases): one line
@@ -340,7 +347,9 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
             out,
             nats,
         } => audit::plot(&config, &nats, &conversation, &out),
-        Command::Ui { host, port } => audit::ui(&config, std::net::SocketAddr::new(host, port)),
+        Command::Ui { host, port, nats } => {
+            audit::ui(&config, &nats, std::net::SocketAddr::new(host, port))
+        }
 
         Command::Demo { file, budget } => local::demo(&config, file.as_deref(), budget),
         Command::Eval {
@@ -353,11 +362,12 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
             roles,
             concurrency,
             http,
+            audit_page,
         } => {
             if let Some(addr) = http {
                 config.http.listen = Some(addr);
             }
-            serve::serve(&config, &nats, roles, concurrency)
+            serve::serve(&config, &nats, roles, concurrency, audit_page)
         }
         Command::Doctor { nats, json } => doctor::doctor(&config, &nats, json),
         Command::Publish { nats, file, format } => {

@@ -1,6 +1,7 @@
 //! The audit page: a small static page (HTML and vanilla JavaScript, in
-//! the binary) over JSON endpoints, for `contextfold ui` on the embedded
-//! store.
+//! the binary) over JSON endpoints, for `contextfold ui` (the embedded
+//! store, or a deployment with `--nats`) and `serve --http ADDR
+//! --audit-page` (beside `/metrics`).
 //!
 //! | path | answers |
 //! |---|---|
@@ -60,6 +61,53 @@ pub trait AuditSource: Send + Sync + 'static {
 }
 
 type Source = Arc<dyn AuditSource>;
+
+/// A source set once it can be had (`serve` mounts the page before it has
+/// reached NATS); until then every request says so.
+#[derive(Default)]
+pub struct Late(std::sync::RwLock<Option<Source>>);
+
+impl Late {
+    pub fn set(&self, source: Source) {
+        *self.0.write().unwrap_or_else(|p| p.into_inner()) = Some(source);
+    }
+
+    fn get(&self) -> Result<Source, PageError> {
+        self.0
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or_else(|| {
+                PageError::Failed("not connected to NATS yet: try again in a moment".into())
+            })
+    }
+}
+
+impl AuditSource for Late {
+    fn conversations(&self) -> Result<serde_json::Value, PageError> {
+        self.get()?.conversations()
+    }
+    fn audit(&self, conversation: &str) -> Result<serde_json::Value, PageError> {
+        self.get()?.audit(conversation)
+    }
+    fn context_at(&self, conversation: &str, at: &str) -> Result<serde_json::Value, PageError> {
+        self.get()?.context_at(conversation, at)
+    }
+    fn describe(&self, conversation: &str, id: &str) -> Result<serde_json::Value, PageError> {
+        self.get()?.describe(conversation, id)
+    }
+    fn expand(
+        &self,
+        conversation: &str,
+        id: &str,
+        skip: usize,
+    ) -> Result<serde_json::Value, PageError> {
+        self.get()?.expand(conversation, id, skip)
+    }
+    fn plot(&self, conversation: &str) -> Result<String, PageError> {
+        self.get()?.plot(conversation)
+    }
+}
 
 /// The page's router over `source`.
 pub fn router(source: Source) -> Router {
