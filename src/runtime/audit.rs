@@ -47,8 +47,10 @@ impl From<crate::store::StoreError> for AuditError {
     }
 }
 
-fn snapshot(engine: &Engine<MemoryBackend>, key: &str, policy: &PolicyConfig) -> Snapshot {
-    Snapshot::of(engine.state.conversations.get(key), key, policy)
+/// The conversation's snapshot under the policy the engine folds with now
+/// (so the levels follow a policy the log records, once replay applies it).
+fn snapshot(engine: &Engine<MemoryBackend>, key: &str) -> Snapshot {
+    Snapshot::of(engine.state.conversations.get(key), key, &engine.policy)
 }
 
 /// The steps of `conversation` in `log`, folded under `policy`.
@@ -78,11 +80,11 @@ pub async fn steps<L: EventLog>(
                 continue;
             };
             engine.ensure_resident(conversation)?;
-            let before = snapshot(&engine, conversation, policy);
+            let before = snapshot(&engine, conversation);
             let folded = engine.apply_record(r, &mut effects)?;
             effects.decisions.clear();
             effects.dead_letters.clear();
-            let after = snapshot(&engine, conversation, policy);
+            let after = snapshot(&engine, conversation);
             steps.push(Step {
                 position: r.position,
                 folded: folded.is_some(),
