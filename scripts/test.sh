@@ -28,6 +28,9 @@ command -v promtool >/dev/null || [ -x /usr/bin/prometheus ] || missing+=(promet
 command -v docker-compose >/dev/null || missing+=(docker-compose)
 python3 -c 'import yaml' 2>/dev/null || /usr/bin/python3 -c 'import yaml' 2>/dev/null \
     || missing+=(python3-yaml)
+# tests/audit_page.rs drives the audit page in a headless Chromium (Debian
+# `chromium`).
+command -v chromium >/dev/null || missing+=(chromium)
 if [ "${#missing[@]}" -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
@@ -38,6 +41,8 @@ else
     echo "test.sh: prometheus could not be installed; tests/ops_http.rs will skip" >&2
 fi
 export CONTEXTFOLD_REQUIRE_DEPLOY_TOOLS=1
+# Installed above: tests/audit_page.rs fails rather than skips without it.
+export CONTEXTFOLD_REQUIRE_BROWSER=1
 
 # Tests never call a hosted API.
 unset OPENAI_API_KEY OPENAI_BASE_URL || true

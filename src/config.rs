@@ -46,9 +46,10 @@ const SECTIONS: [&str; 7] = [
 /// the loader: the config file and log filter of the binary, where the
 /// tests find nats-server and the mock LLM servers and whether they must,
 /// golden-file blessing, shared test data, the store crash test's
-/// directory, where the tests find Prometheus and whether they must, and
-/// whether the deploy/ checks must find their tools.
-pub const NON_CONFIG_VARS: [&str; 12] = [
+/// directory, where the tests find Prometheus and whether they must,
+/// whether the deploy/ checks must find their tools, and whether the audit
+/// page test must find Chromium and where it saves its screenshot.
+pub const NON_CONFIG_VARS: [&str; 14] = [
     "CONTEXTFOLD_CONFIG",
     "CONTEXTFOLD_LOG",
     "CONTEXTFOLD_VENV",
@@ -61,6 +62,8 @@ pub const NON_CONFIG_VARS: [&str; 12] = [
     "CONTEXTFOLD_PROMETHEUS",
     "CONTEXTFOLD_REQUIRE_PROMETHEUS",
     "CONTEXTFOLD_REQUIRE_DEPLOY_TOOLS",
+    "CONTEXTFOLD_REQUIRE_BROWSER",
+    "CONTEXTFOLD_SCREENSHOT_DIR",
 ];
 
 /// Prefixes of benchmark knobs (`CONTEXTFOLD_BENCH_SCALE`, ...), skipped

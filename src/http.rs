@@ -19,6 +19,8 @@
 //! (metric labels are bounded, see [`crate::telemetry`]); still, listen on
 //! loopback or a private network.
 
+pub mod audit_page;
+
 use crate::telemetry;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
@@ -182,8 +184,18 @@ impl HttpListener {
         state: OpsState,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), HttpError> {
+        self.serve_router(router(state), shutdown).await
+    }
+
+    /// Serves `router` (the operators' [`router`], maybe merged with the
+    /// audit page's) until `shutdown` resolves.
+    pub async fn serve_router(
+        self,
+        router: Router,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), HttpError> {
         let addr = self.addr;
-        axum::serve(self.listener, router(state))
+        axum::serve(self.listener, router)
             .with_graceful_shutdown(shutdown)
             .await
             .map_err(|source| HttpError::Serve { addr, source })

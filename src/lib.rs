@@ -21,6 +21,7 @@ pub mod http;
 pub mod import;
 pub mod log;
 pub mod nats;
+pub mod plot;
 pub mod runtime;
 pub mod secret;
 pub mod store;

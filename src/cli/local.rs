@@ -503,14 +503,17 @@ pub fn run(
     })
 }
 
-fn open_log(config: &Config) -> Result<SegmentLog> {
+pub(super) fn open_log(config: &Config) -> Result<SegmentLog> {
     SegmentLog::open(&log_dir(config))
         .with_context(|| format!("opening the event log in {}", log_dir(config).display()))
 }
 
 /// Folds the whole log into a fresh in-memory state, stopping after the
 /// event `until` when given.
-async fn replay_log(config: &Config, until: Option<&str>) -> Result<(Engine<MemoryBackend>, bool)> {
+pub(super) async fn replay_log(
+    config: &Config,
+    until: Option<&str>,
+) -> Result<(Engine<MemoryBackend>, bool)> {
     let mut engine = Engine::open_with(
         store(MemoryBackend::default(), config),
         config.policy.clone(),
@@ -626,7 +629,7 @@ pub fn assemble(
 }
 
 /// Assembles one conversation of an engine, reading only its state.
-fn assemble_one<B: KvBackend>(
+pub(super) fn assemble_one<B: KvBackend>(
     engine: &Engine<B>,
     conversation: &str,
     policy: &PolicyConfig,

@@ -1,6 +1,7 @@
 //! Subcommands. Each reads the configuration, opens what it needs under the
 //! data directory and reports in plain text (or JSON where asked).
 
+pub(crate) mod audit;
 mod doctor;
 mod eval;
 mod local;
@@ -208,6 +209,43 @@ pub enum Command {
         #[command(flatten)]
         nats: serve::NatsArgs,
     },
+    /// Every compaction decision of a conversation in log order, with its
+    /// reason, context tokens before and after, summaries, model, calls,
+    /// tokens, cost and outcomes, from the embedded log folded in memory.
+    /// With --nats, the conversation's partition of the JetStream events
+    /// stream is read (and folded here) instead.
+    Audit {
+        conversation: String,
+        /// Print JSON (entries, compactions, fallbacks, chart points).
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        nats: serve::NatsArgs,
+    },
+    /// Draw a conversation as SVG: context tokens at every event (with the
+    /// threshold, target and budget lines, compactions and overflows)
+    /// above its summary DAG.
+    Plot {
+        conversation: String,
+        /// The SVG file to write.
+        #[arg(long)]
+        out: PathBuf,
+        #[command(flatten)]
+        nats: serve::NatsArgs,
+    },
+    /// The audit page over the embedded store: conversations, timeline
+    /// chart, what the model saw at each event, the summary DAG.
+    Ui {
+        /// Listen on this address (loopback by default).
+        #[arg(long, default_value = "127.0.0.1")]
+        host: std::net::IpAddr,
+        /// Port (0: any free one; the URL is printed).
+        #[arg(long, default_value_t = 8765)]
+        port: u16,
+        /// A NATS deployment instead of the embedded store.
+        #[command(flatten)]
+        nats: serve::NatsArgs,
+    },
     /// Run contextfold over NATS JetStream: fold published turns, run
     /// compaction jobs, answer requests; until SIGTERM or Ctrl-C.
     Serve {
@@ -224,6 +262,10 @@ pub enum Command {
         /// keep it on loopback or a private network.
         #[arg(long, value_name = "ADDR")]
         http: Option<std::net::SocketAddr>,
+        /// Also serve the audit page at `/` of the HTTP server (it shows
+        /// conversation content without authentication: loopback only).
+        #[arg(long)]
+        audit_page: bool,
     },
     /// Check a NATS deployment as an operator would (server, JetStream,
     /// streams, consumers and lag, jobs, dead letters, leases): one line
@@ -313,6 +355,20 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
             }
         }
         Command::Rebuild => local::rebuild(&config),
+        Command::Audit {
+            conversation,
+            json,
+            nats,
+        } => audit::audit(&config, &nats, &conversation, json),
+        Command::Plot {
+            conversation,
+            out,
+            nats,
+        } => audit::plot(&config, &nats, &conversation, &out),
+        Command::Ui { host, port, nats } => {
+            audit::ui(&config, &nats, std::net::SocketAddr::new(host, port))
+        }
+
         Command::Demo { file, budget } => local::demo(&config, file.as_deref(), budget),
         Command::Eval {
             budget,
@@ -324,11 +380,12 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
             roles,
             concurrency,
             http,
+            audit_page,
         } => {
             if let Some(addr) = http {
                 config.http.listen = Some(addr);
             }
-            serve::serve(&config, &nats, roles, concurrency)
+            serve::serve(&config, &nats, roles, concurrency, audit_page)
         }
         Command::Doctor { nats, json } => doctor::doctor(&config, &nats, json),
         Command::Publish { nats, file, format } => {

@@ -1,9 +1,11 @@
 //! `contextfold serve`: every role over NATS in one process (or the ones
 //! `--roles` names), until SIGTERM or SIGINT.
 
+use super::audit::NatsSource;
 use anyhow::{Context, Result};
 use clap::Args;
 use contextfold::config::Config;
+use contextfold::http::audit_page::{self, Late};
 use contextfold::http::{Check, HttpListener, OpsState, ReadyProbe, ReadyReport, Refresh};
 use contextfold::nats::serve::{shutdown_signal, Roles, ServeOptions, Service};
 use contextfold::nats::NatsConfig;
@@ -126,7 +128,11 @@ pub fn serve(
     nats: &NatsArgs,
     roles: Roles,
     concurrency: Option<usize>,
+    audit_page: bool,
 ) -> Result<ExitCode> {
+    if audit_page && config.http.listen.is_none() {
+        anyhow::bail!("--audit-page needs the HTTP server: give --http ADDR (or [http] listen)");
+    }
     let mut opts = ServeOptions::new(nats.apply(&config.nats), config.data_dir.clone());
     opts.roles = roles;
     opts.policy = config.policy.clone();
@@ -138,10 +144,22 @@ pub fn serve(
     let servers = opts.nats.connection.display_servers();
     let http = config.http.listen;
     runtime()?.block_on(async {
+        let page = audit_page.then(|| Arc::new(Late::default()));
         let ops = match http {
-            Some(addr) => Some(OpsHttp::start(addr).await?),
+            Some(addr) => Some(OpsHttp::start(addr, page.clone()).await?),
             None => None,
         };
+        if let Some(page) = page {
+            // The page reads through its own connection, made once serve's
+            // is (the streams exist then); until then it says so.
+            let (config, nats) = (config.clone(), opts.nats.clone());
+            tokio::spawn(async move {
+                match NatsSource::connect(&config, &nats).await {
+                    Ok(source) => page.set(Arc::new(source)),
+                    Err(e) => tracing::error!(error = %format!("{e:#}"), "audit page: no NATS"),
+                }
+            });
+        }
         // The summarizer role uses the model when `[summarizer]` is
         // configured (behind the team's external summarizer when that is),
         // else the deterministic summarizer.
@@ -193,7 +211,7 @@ struct OpsHttp {
 }
 
 impl OpsHttp {
-    async fn start(addr: SocketAddr) -> Result<OpsHttp> {
+    async fn start(addr: SocketAddr, page: Option<Arc<Late>>) -> Result<OpsHttp> {
         let metrics = telemetry::install_prometheus()?;
         let listener = HttpListener::bind(addr).await?;
         let addr = listener.local_addr();
@@ -226,6 +244,7 @@ impl OpsHttp {
                 })
             })
         };
+        let page_on = page.is_some();
         let (stop, mut stop_rx) = watch::channel(false);
         let state = OpsState {
             metrics,
@@ -236,11 +255,18 @@ impl OpsHttp {
             let shutdown = async move {
                 let _ = stop_rx.wait_for(|s| *s).await;
             };
-            if let Err(e) = listener.serve(state, shutdown).await {
+            let mut router = contextfold::http::router(state);
+            if let Some(page) = page {
+                router = router.merge(audit_page::router(page));
+            }
+            if let Err(e) = listener.serve_router(router, shutdown).await {
                 tracing::error!(error = %e, "HTTP server stopped");
             }
         });
-        eprintln!("contextfold serve: /metrics, /healthz, /readyz on http://{addr}");
+        eprintln!(
+            "contextfold serve: /metrics, /healthz, /readyz{} on http://{addr}",
+            if page_on { ", the audit page at /" } else { "" }
+        );
         Ok(OpsHttp {
             addr,
             service,

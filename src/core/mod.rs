@@ -3,6 +3,7 @@
 //! a random source, or knows about tokio; everything can be replayed.
 
 pub mod assembly;
+pub mod audit;
 pub mod event;
 pub mod fallback_summary;
 pub mod fold;

@@ -2,6 +2,7 @@
 //! sweep runner (summaries under a deadline) and the embedded pipeline that
 //! wires them to the embedded event log on one machine.
 
+pub mod audit;
 pub mod embedded;
 pub mod engine;
 pub mod llm_pass;

@@ -1,0 +1,480 @@
+//! `audit`, `plot` and `ui`: the compaction history of the embedded log,
+//! as text or JSON, as SVG, and as a page in a browser.
+//!
+//! All three fold the log in memory ([`contextfold::runtime::audit`]):
+//! they never open or rewrite the state store. `audit` and `plot` with
+//! `--nats` read the conversation's partition of a deployment's events
+//! stream instead of the embedded log.
+
+use super::local;
+use super::serve::NatsArgs;
+use anyhow::{Context, Result};
+use contextfold::api::describe::NodeRef;
+use contextfold::api::Op;
+use contextfold::api::{DescribeRequest, ExpandRequest, StatusRequest};
+use contextfold::config::Config;
+use contextfold::core::assembly::AssemblyRequest;
+use contextfold::core::audit;
+use contextfold::http::audit_page::{self, AuditSource, PageError};
+use contextfold::nats::event_log::NatsEventLog;
+use contextfold::nats::subjects::{partition_of, Subjects};
+use contextfold::nats::NatsConfig;
+use contextfold::runtime::audit::{self as gather, Audited};
+use contextfold::runtime::embedded;
+use contextfold::runtime::engine::Engine;
+use contextfold::store::memory_backend::MemoryBackend;
+use futures::TryStreamExt;
+use std::io::Write;
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+/// The audit of `conversation` in the embedded log.
+pub(super) async fn audited(config: &Config, conversation: &str) -> Result<Audited> {
+    local::require_data(config)?;
+    let mut log = local::open_log(config)?;
+    Ok(gather::audit(
+        &mut log,
+        &config.policy,
+        config.store.residency(),
+        conversation,
+    )
+    .await?)
+}
+
+/// The audit of `conversation` from a NATS deployment: its partition of
+/// the events stream, read with an ephemeral consumer and folded here under
+/// this process's policy, exactly as the partition's folder folds it (the
+/// whole partition: spend limits may be shared by its conversations).
+/// Needs read access to the events stream, as an operator has.
+async fn audited_over_nats(
+    config: &Config,
+    nats: &NatsArgs,
+    conversation: &str,
+) -> Result<Audited> {
+    let cfg = nats.apply(&config.nats);
+    let servers = cfg.connection.display_servers();
+    let subjects = cfg.subjects()?;
+    let partition = partition_of(conversation, cfg.partitions)
+        .with_context(|| format!("conversation {conversation:?}"))?;
+    let (client, _version) = cfg
+        .connection
+        .connect()
+        .await
+        .with_context(|| format!("connecting to {servers}"))?;
+    let js = async_nats::jetstream::new(client);
+    let mut log = NatsEventLog::open_partition(js, subjects, partition)
+        .await
+        .with_context(|| format!("opening the events stream at {servers}"))?;
+    Ok(gather::audit(
+        &mut log,
+        &config.policy,
+        config.store.residency(),
+        conversation,
+    )
+    .await?)
+}
+
+/// The audit from the embedded log, or over NATS when servers are given.
+async fn audited_from(config: &Config, nats: &NatsArgs, conversation: &str) -> Result<Audited> {
+    if nats.servers.is_empty() {
+        audited(config, conversation).await
+    } else {
+        audited_over_nats(config, nats, conversation).await
+    }
+}
+
+pub fn audit(config: &Config, nats: &NatsArgs, conversation: &str, json: bool) -> Result<ExitCode> {
+    let rt = local::runtime()?;
+    let a = rt.block_on(audited_from(config, nats, conversation))?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&a.audit)?);
+    } else {
+        print!("{}", audit::render_text(&a.audit));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn plot(config: &Config, nats: &NatsArgs, conversation: &str, out: &Path) -> Result<ExitCode> {
+    let rt = local::runtime()?;
+    let a = rt.block_on(audited_from(config, nats, conversation))?;
+    let svg = contextfold::plot::svg(&a.audit, &a.dag)?;
+    std::fs::write(out, svg).with_context(|| format!("writing {}", out.display()))?;
+    eprintln!(
+        "wrote {}: {} events, {} compactions, {} summaries in the DAG",
+        out.display(),
+        a.audit.totals.events,
+        a.audit.totals.compactions,
+        a.dag.nodes.len()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The audit page over the embedded log, or (with `--nats`) over a
+/// deployment; serves until Ctrl-C.
+pub fn ui(config: &Config, nats: &NatsArgs, addr: std::net::SocketAddr) -> Result<ExitCode> {
+    if nats.servers.is_empty() {
+        local::require_data(config)?;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| {
+            format!("cannot listen on {addr} (is the port in use? choose another with --port)")
+        })?;
+        let local = listener.local_addr()?;
+        let source: Arc<dyn AuditSource> = if nats.servers.is_empty() {
+            Arc::new(Embedded {
+                config: config.clone(),
+                turn: std::sync::Mutex::new(()),
+            })
+        } else {
+            Arc::new(NatsSource::connect(config, &nats.apply(&config.nats)).await?)
+        };
+        println!("contextfold ui: http://{local}/ (Ctrl-C to stop)");
+        std::io::stdout().flush()?;
+        if !local.ip().is_loopback() {
+            eprintln!(
+                "warning: {local} is not a loopback address: the page shows conversation \
+                 content without authentication"
+            );
+        }
+        axum::serve(listener, audit_page::router(source))
+            .with_graceful_shutdown(async {
+                let _ = tokio::signal::ctrl_c().await;
+            })
+            .await
+            .context("the audit page server stopped")?;
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+/// The page's source over the embedded log, folded in memory per request
+/// (nothing is written; what a `run` appended between two requests is seen
+/// at the next). The log's directory lock admits one open handle, so the
+/// requests take turns (`turn`), and a `run` writing at that moment makes
+/// the request fail with the log's own message.
+struct Embedded {
+    config: Config,
+    turn: std::sync::Mutex<()>,
+}
+
+fn failed(e: impl std::fmt::Display) -> PageError {
+    PageError::Failed(format!("{e:#}"))
+}
+
+/// An API answer (JSON bytes) as a value; an API error as a page error.
+fn api_answer(bytes: &[u8]) -> Result<serde_json::Value, PageError> {
+    let value: serde_json::Value = serde_json::from_slice(bytes).map_err(failed)?;
+    match value.get("error") {
+        Some(e) => Err(PageError::NotFound(
+            e.get("message")
+                .and_then(|m| m.as_str())
+                .map_or_else(|| e.to_string(), str::to_string),
+        )),
+        None => Ok(value),
+    }
+}
+
+impl Embedded {
+    fn block<T>(&self, f: impl std::future::Future<Output = Result<T>>) -> Result<T, PageError> {
+        // A panicked request poisons nothing the next one reads.
+        let _turn = self.turn.lock().unwrap_or_else(|p| p.into_inner());
+        tokio::runtime::Handle::current()
+            .block_on(f)
+            .map_err(failed)
+    }
+
+    fn engine(&self, until: Option<&str>) -> Result<(Engine<MemoryBackend>, bool), PageError> {
+        self.block(local::replay_log(&self.config, until))
+    }
+
+    fn ask(
+        &self,
+        op: &str,
+        conversation: &str,
+        body: serde_json::Value,
+    ) -> Result<serde_json::Value, PageError> {
+        let (engine, _) = self.engine(None)?;
+        let body = serde_json::to_vec(&body).map_err(failed)?;
+        api_answer(&local::answer_from(
+            &engine,
+            op,
+            Some(conversation),
+            &body,
+            &self.config.policy,
+        ))
+    }
+}
+
+impl AuditSource for Embedded {
+    fn conversations(&self) -> Result<serde_json::Value, PageError> {
+        let (engine, _) = self.engine(None)?;
+        let mut keys = Vec::new();
+        engine
+            .each_conversation(|_, conv| -> Result<(), contextfold::store::StoreError> {
+                keys.push(conv.key.clone());
+                Ok(())
+            })
+            .map_err(failed)?;
+        let mut out = Vec::with_capacity(keys.len());
+        for key in keys {
+            let body = serde_json::to_vec(&StatusRequest {
+                conversation: Some(key.clone()),
+            })
+            .map_err(failed)?;
+            out.push(api_answer(&local::answer_from(
+                &engine,
+                "status",
+                Some(&key),
+                &body,
+                &self.config.policy,
+            ))?);
+        }
+        Ok(serde_json::Value::Array(out))
+    }
+
+    fn audit(&self, conversation: &str) -> Result<serde_json::Value, PageError> {
+        let a = self.block(audited(&self.config, conversation))?;
+        Ok(serde_json::json!({ "audit": a.audit, "dag": a.dag }))
+    }
+
+    fn context_at(&self, conversation: &str, at: &str) -> Result<serde_json::Value, PageError> {
+        let (engine, found) = self.engine(Some(at))?;
+        if !found {
+            return Err(PageError::NotFound(format!(
+                "event {at:?} is not in the log"
+            )));
+        }
+        let out = local::assemble_one(
+            &engine,
+            conversation,
+            &self.config.policy,
+            &AssemblyRequest::default(),
+        )
+        .map_err(|e| PageError::NotFound(format!("{e:#}")))?;
+        serde_json::to_value(out).map_err(failed)
+    }
+
+    fn describe(&self, conversation: &str, id: &str) -> Result<serde_json::Value, PageError> {
+        let request = DescribeRequest {
+            conversation: conversation.to_string(),
+            id: NodeRef::Id(id.to_string()),
+        };
+        self.ask(
+            "describe",
+            conversation,
+            serde_json::to_value(request).map_err(failed)?,
+        )
+    }
+
+    fn expand(
+        &self,
+        conversation: &str,
+        id: &str,
+        skip: usize,
+    ) -> Result<serde_json::Value, PageError> {
+        let request = ExpandRequest {
+            conversation: conversation.to_string(),
+            summary_id: id.to_string(),
+            max_tokens: None,
+            skip,
+        };
+        self.ask(
+            "expand",
+            conversation,
+            serde_json::to_value(request).map_err(failed)?,
+        )
+    }
+
+    fn plot(&self, conversation: &str) -> Result<String, PageError> {
+        let a = self.block(audited(&self.config, conversation))?;
+        contextfold::plot::svg(&a.audit, &a.dag).map_err(failed)
+    }
+}
+
+/// The most conversations the page of a NATS deployment lists.
+const MAX_LISTED: usize = 500;
+
+/// The page's source over a NATS deployment: the conversations the events
+/// stream names, their status, describe and expand from the API role
+/// (request/reply, as any client asks), the audit and what the model saw
+/// at an event from the conversation's partition of the stream, folded in
+/// this process. Publishes nothing.
+pub(super) struct NatsSource {
+    config: Config,
+    partitions: u32,
+    subjects: Subjects,
+    client: async_nats::Client,
+    js: async_nats::jetstream::Context,
+}
+
+impl NatsSource {
+    pub(super) async fn connect(config: &Config, nats: &NatsConfig) -> Result<NatsSource> {
+        let servers = nats.connection.display_servers();
+        let (client, _version) = nats
+            .connection
+            .connect()
+            .await
+            .with_context(|| format!("connecting to {servers} for the audit page"))?;
+        Ok(NatsSource {
+            config: config.clone(),
+            partitions: nats.partitions,
+            subjects: nats.subjects()?,
+            js: async_nats::jetstream::new(client.clone()),
+            client,
+        })
+    }
+
+    fn block<T>(&self, f: impl std::future::Future<Output = Result<T>>) -> Result<T, PageError> {
+        tokio::runtime::Handle::current()
+            .block_on(f)
+            .map_err(failed)
+    }
+
+    async fn log(&self, conversation: &str) -> Result<NatsEventLog> {
+        let partition = partition_of(conversation, self.partitions)
+            .with_context(|| format!("conversation {conversation:?}"))?;
+        Ok(NatsEventLog::open_partition(self.js.clone(), self.subjects.clone(), partition).await?)
+    }
+
+    /// One API request for `conversation`, as `contextfold status --nats` asks.
+    fn ask(
+        &self,
+        op: Op,
+        conversation: &str,
+        body: &impl serde::Serialize,
+    ) -> Result<serde_json::Value, PageError> {
+        let subject = self.subjects.api(op, conversation).map_err(failed)?;
+        let body = serde_json::to_vec(body).map_err(failed)?;
+        let reply = self.block(async {
+            let request = async_nats::Request::new()
+                .payload(body.into())
+                .timeout(Some(std::time::Duration::from_secs(30)));
+            self.client
+                .send_request(subject.clone(), request)
+                .await
+                .with_context(|| format!("asking {subject} (is the api role running?)"))
+        })?;
+        api_answer(&reply.payload)
+    }
+}
+
+impl AuditSource for NatsSource {
+    fn conversations(&self) -> Result<serde_json::Value, PageError> {
+        let keys = self.block(async {
+            let stream = self
+                .js
+                .get_stream(self.subjects.events_stream())
+                .await
+                .context("opening the events stream")?;
+            let mut subjects = stream
+                .info_with_subjects(self.subjects.events_wildcard())
+                .await
+                .context("listing the events stream's subjects")?;
+            let mut keys = std::collections::BTreeSet::new();
+            while let Some((subject, _count)) = subjects
+                .try_next()
+                .await
+                .context("listing the events stream's subjects")?
+            {
+                if let Ok(stored) = self.subjects.parse_event_subject(&subject) {
+                    keys.insert(stored.conversation);
+                }
+            }
+            Ok(keys)
+        })?;
+        let mut out = Vec::new();
+        for key in keys.into_iter().take(MAX_LISTED) {
+            let request = StatusRequest {
+                conversation: Some(key.clone()),
+            };
+            match self.ask(Op::Status, &key, &request) {
+                Ok(status) => out.push(status),
+                Err(e) => out.push(serde_json::json!({
+                    "conversation": key,
+                    "health": { "status": "unknown" },
+                    "error": e.to_string(),
+                })),
+            }
+        }
+        Ok(serde_json::Value::Array(out))
+    }
+
+    fn audit(&self, conversation: &str) -> Result<serde_json::Value, PageError> {
+        let a = self.block(async {
+            let mut log = self.log(conversation).await?;
+            Ok(gather::audit(
+                &mut log,
+                &self.config.policy,
+                self.config.store.residency(),
+                conversation,
+            )
+            .await?)
+        })?;
+        Ok(serde_json::json!({ "audit": a.audit, "dag": a.dag }))
+    }
+
+    fn context_at(&self, conversation: &str, at: &str) -> Result<serde_json::Value, PageError> {
+        let (engine, found) = self.block(async {
+            let mut log = self.log(conversation).await?;
+            let mut engine = Engine::open(MemoryBackend::default(), self.config.policy.clone())?;
+            engine.set_residency(self.config.store.residency());
+            let found = embedded::replay(&mut log, &mut engine, Some(at)).await?;
+            Ok((engine, found))
+        })?;
+        if !found {
+            return Err(PageError::NotFound(format!(
+                "event {at:?} is not in the conversation's partition"
+            )));
+        }
+        let out = local::assemble_one(
+            &engine,
+            conversation,
+            &self.config.policy,
+            &AssemblyRequest::default(),
+        )
+        .map_err(|e| PageError::NotFound(format!("{e:#}")))?;
+        serde_json::to_value(out).map_err(failed)
+    }
+
+    fn describe(&self, conversation: &str, id: &str) -> Result<serde_json::Value, PageError> {
+        let request = DescribeRequest {
+            conversation: conversation.to_string(),
+            id: NodeRef::Id(id.to_string()),
+        };
+        self.ask(Op::Describe, conversation, &request)
+    }
+
+    fn expand(
+        &self,
+        conversation: &str,
+        id: &str,
+        skip: usize,
+    ) -> Result<serde_json::Value, PageError> {
+        let request = ExpandRequest {
+            conversation: conversation.to_string(),
+            summary_id: id.to_string(),
+            max_tokens: None,
+            skip,
+        };
+        self.ask(Op::Expand, conversation, &request)
+    }
+
+    fn plot(&self, conversation: &str) -> Result<String, PageError> {
+        let a = self.block(async {
+            let mut log = self.log(conversation).await?;
+            Ok(gather::audit(
+                &mut log,
+                &self.config.policy,
+                self.config.store.residency(),
+                conversation,
+            )
+            .await?)
+        })?;
+        contextfold::plot::svg(&a.audit, &a.dag).map_err(failed)
+    }
+}

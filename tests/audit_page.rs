@@ -1,0 +1,321 @@
+//! The audit page of `contextfold ui`, in a real headless Chromium (Debian
+//! `chromium`): over a data directory folded from a shared transcript, the
+//! page is opened with `#c=CONV&event=ID`, which makes it click the chart
+//! point of event ID through its own click handler; the context it then
+//! shows must be `assemble --at ID` of that event, message by message and
+//! source by source. Screenshots of the same page (its deepest summary
+//! drilled into too) and of `plot` are saved as `audit-page.png` and
+//! `plot.png` in `CONTEXTFOLD_SCREENSHOT_DIR` (default the test's
+//! temporary directory): the README's pictures come from
+//! `CONTEXTFOLD_SCREENSHOT_DIR=docs/images cargo test --test audit_page`.
+//!
+//! Without chromium the test skips, unless `CONTEXTFOLD_REQUIRE_BROWSER`
+//! is set (scripts/test.sh sets it), which makes it fail.
+
+mod support;
+
+use serde_json::Value;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use support::cli::{command, json_of, split};
+
+const TRANSCRIPT: &str =
+    "transcripts/claude-code_marot-spotter/fa812bfe-b295-4cca-9c2f-fdf01028cb46.jsonl";
+
+/// Where the shared transcript is: `CONTEXTFOLD_SHARED_DATA` or
+/// `../shared/data` beside the crate (as tests/corpus/mod.rs finds it).
+fn shared_path(relative: &str) -> PathBuf {
+    std::env::var_os("CONTEXTFOLD_SHARED_DATA")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data"))
+        .join(relative)
+}
+
+fn with_policy(cmd: &mut Command) -> &mut Command {
+    // The window of the issue's scenario: this 358-turn session compacts
+    // 15 times under it.
+    cmd.env("CONTEXTFOLD_POLICY__DEFAULT_CONTEXT_WINDOW", "32000")
+}
+
+fn cli(data: &Path, args: &[&str]) -> (bool, String, String) {
+    split(
+        with_policy(&mut command(data, args))
+            .output()
+            .expect("the contextfold binary runs"),
+    )
+}
+
+fn chromium() -> Option<PathBuf> {
+    for name in ["chromium", "chromium-browser"] {
+        for dir in std::env::var("PATH").unwrap_or_default().split(':') {
+            let p = Path::new(dir).join(name);
+            if p.is_file() {
+                return Some(p);
+            }
+        }
+    }
+    if std::env::var_os("CONTEXTFOLD_REQUIRE_BROWSER").is_some_and(|v| v == "1") {
+        panic!(
+            "CONTEXTFOLD_REQUIRE_BROWSER=1 but no chromium on PATH: \
+             `apt-get install -y --no-install-recommends chromium`"
+        );
+    }
+    eprintln!("SKIPPED: no chromium on PATH (set CONTEXTFOLD_REQUIRE_BROWSER=1 to fail instead)");
+    None
+}
+
+/// `contextfold ui` on a free loopback port; killed on drop.
+struct Ui {
+    child: Child,
+    url: String,
+}
+
+impl Ui {
+    fn start(data: &Path) -> Ui {
+        let mut child = with_policy(&mut command(data, &["ui", "--port", "0"]))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("contextfold ui starts");
+        let stdout = child.stdout.take().unwrap();
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line).unwrap();
+        let url = line
+            .split_whitespace()
+            .find(|w| w.starts_with("http://127.0.0.1:"))
+            .unwrap_or_else(|| panic!("no loopback URL in {line:?}"))
+            .to_string();
+        Ui { child, url }
+    }
+}
+
+impl Drop for Ui {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn browser(chromium: &Path, profile: &Path, extra: &[String], url: &str) -> std::process::Output {
+    Command::new(chromium)
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--no-first-run",
+            "--hide-scrollbars",
+            "--virtual-time-budget=30000",
+        ])
+        .arg(format!("--user-data-dir={}", profile.display()))
+        .args(extra)
+        .arg(url)
+        .output()
+        .expect("chromium runs")
+}
+
+fn unescape(s: &str) -> String {
+    s.replace("&lt;", "<")
+        .replace("&gt;", ">")
+        .replace("&quot;", "\"")
+        .replace("&nbsp;", "\u{a0}")
+        .replace("&amp;", "&")
+}
+
+/// The source label the page writes in `data-source`.
+fn source_label(s: &Value) -> String {
+    match s["kind"].as_str().unwrap_or_default() {
+        "turn" => format!("turn:{}", s["seq"]),
+        "summary" => format!("summary:{}", s["id"].as_str().unwrap_or_default()),
+        "missing_tool_result" => format!(
+            "missing_tool_result:{}",
+            s["call_id"].as_str().unwrap_or_default()
+        ),
+        other => other.to_string(),
+    }
+}
+
+fn content_text(m: &Value) -> String {
+    match &m["content"] {
+        Value::Null => String::new(),
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+#[test]
+fn clicking_an_event_shows_what_assemble_at_that_event_gives() {
+    let Some(chromium) = chromium() else { return };
+    let path = shared_path(TRANSCRIPT);
+    if !path.exists() {
+        if std::env::var_os("CONTEXTFOLD_REQUIRE_BROWSER").is_some() {
+            panic!("the shared transcript {} is missing", path.display());
+        }
+        eprintln!("SKIPPED: no {}", path.display());
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let (ok, out, err) = cli(&data, &["run", path.to_str().unwrap()]);
+    assert!(ok, "run failed: {out}\n{err}");
+    let (ok, out, err) = cli(&data, &["replay"]);
+    assert!(ok, "{err}");
+    let conv = out
+        .lines()
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .unwrap_or_else(|| panic!("no conversation in {out}"))
+        .to_string();
+    let (ok, out, err) = cli(&data, &["audit", &conv, "--json"]);
+    assert!(ok, "{err}");
+    let audit = json_of(&out);
+    assert!(
+        audit["totals"]["compactions"].as_u64().unwrap() > 0,
+        "no compaction"
+    );
+    // The event: the first one after the first accepted summary, so that
+    // what the model saw holds a summary and raw turns.
+    let points = audit["points"].as_array().unwrap();
+    let first_summary = audit["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["kind"] == "summary" && e["accepted"] == true)
+        .expect("an accepted summary");
+    let index = first_summary["index"].as_u64().unwrap() as usize + 1;
+    let event = points[index.min(points.len() - 1)]["event_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let (ok, out, err) = cli(&data, &["assemble", &conv, "--at", &event, "--json"]);
+    assert!(ok, "{err}");
+    let want = json_of(&out);
+
+    let ui = Ui::start(&data);
+    let fragment = |s: &str| {
+        s.bytes()
+            .map(|b| match b {
+                b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'_' | b'.' => {
+                    (b as char).to_string()
+                }
+                _ => format!("%{b:02X}"),
+            })
+            .collect::<String>()
+    };
+    let url = format!(
+        "{}#c={}&event={}",
+        ui.url,
+        fragment(&conv),
+        fragment(&event)
+    );
+    let profile = dir.path().join("profile");
+    let out = browser(
+        &chromium,
+        &profile,
+        &[
+            "--dump-dom".to_string(),
+            "--window-size=1500,1150".to_string(),
+        ],
+        &url,
+    );
+    let dom = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        dom.contains(&format!("data-shown=\"{}\"", event.replace('"', "&quot;"))),
+        "the page did not show event {event} (stderr: {})\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        &dom[..dom.len().min(4000)]
+    );
+
+    // The context shown, message by message.
+    let msg = regex::Regex::new(
+        r#"(?s)<div class="msg" data-index="(\d+)" data-source="([^"]*)" data-role="([^"]*)">.*?<pre class="content">(.*?)</pre>"#,
+    )
+    .unwrap();
+    let shown: Vec<(String, String, String)> = msg
+        .captures_iter(&dom)
+        .map(|c| (unescape(&c[2]), c[3].to_string(), unescape(&c[4])))
+        .collect();
+    let messages = want["messages"].as_array().unwrap();
+    let sources = want["sources"].as_array().unwrap();
+    assert_eq!(
+        shown.len(),
+        messages.len(),
+        "messages shown vs assemble --at"
+    );
+    assert!(
+        sources.iter().any(|s| s["kind"] == "summary"),
+        "the chosen event's context holds no summary: {sources:?}"
+    );
+    for (i, ((source, role, content), (m, s))) in
+        shown.iter().zip(messages.iter().zip(sources)).enumerate()
+    {
+        assert_eq!(source, &source_label(s), "source of message {i}");
+        assert_eq!(role, m["role"].as_str().unwrap(), "role of message {i}");
+        assert_eq!(content, &content_text(m), "content of message {i}");
+    }
+    let tokens = regex::Regex::new(r#"id="context"[^>]*data-tokens="(\d+)""#).unwrap();
+    let shown_tokens = tokens
+        .captures(&dom)
+        .map(|c| c[1].to_string())
+        .unwrap_or_default();
+    assert_eq!(shown_tokens, want["tokens"].to_string());
+
+    // The pictures: the page with the event clicked and the deepest
+    // summary drilled into, and `plot` of the same conversation.
+    let shots = std::env::var_os("CONTEXTFOLD_SCREENSHOT_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| dir.path().to_path_buf());
+    std::fs::create_dir_all(&shots).unwrap();
+    let deepest = audit["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["kind"] == "summary" && e["accepted"] == true)
+        .max_by_key(|e| e["depth"].as_u64())
+        .and_then(|e| e["summary_id"].as_str())
+        .unwrap()
+        .to_string();
+    let page = format!("{url}&summary={}", fragment(&deepest));
+    screenshot(
+        &chromium,
+        &profile,
+        &page,
+        &shots.join("audit-page.png"),
+        (1500, 1400),
+    );
+    let svg = dir.path().join("plot.svg");
+    let (ok, _, err) = cli(&data, &["plot", &conv, "--out", svg.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    let file_url = format!("file://{}", svg.display());
+    screenshot(
+        &chromium,
+        &profile,
+        &file_url,
+        &shots.join("plot.png"),
+        (1400, 1000),
+    );
+}
+
+/// Saves a PNG of `url` at `png`, checking it is one.
+fn screenshot(chromium: &Path, profile: &Path, url: &str, png: &Path, (w, h): (u32, u32)) {
+    let _ = std::fs::remove_file(png);
+    let out = browser(
+        chromium,
+        profile,
+        &[
+            format!("--screenshot={}", png.display()),
+            format!("--window-size={w},{h}"),
+        ],
+        url,
+    );
+    let bytes = std::fs::read(png).unwrap_or_else(|e| {
+        panic!(
+            "no screenshot at {} ({e}); chromium said: {}",
+            png.display(),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    assert!(bytes.starts_with(b"\x89PNG"), "not a PNG");
+    assert!(bytes.len() > 10_000, "screenshot of {} bytes", bytes.len());
+}
