@@ -167,6 +167,14 @@ pub enum What {
         #[serde(skip_serializing_if = "Option::is_none")]
         limit_tokens: Option<u64>,
     },
+    /// A process recorded the policy it folds under from here on.
+    PolicyRecorded {
+        fingerprint: String,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        previous: Option<String>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        recorded_by: Option<String>,
+    },
     /// Someone asked for a compaction.
     ManualRequest {
         #[serde(skip_serializing_if = "Option::is_none")]
@@ -516,6 +524,15 @@ impl Builder {
                 What::ManualRequest {
                     instructions: r.instructions.clone(),
                     target_tokens: r.target_tokens,
+                },
+            ),
+            EventBody::PolicyRecorded(p) => self.push(
+                index,
+                step,
+                What::PolicyRecorded {
+                    fingerprint: p.fingerprint.clone(),
+                    previous: p.previous.clone(),
+                    recorded_by: p.recorded_by.clone(),
                 },
             ),
             EventBody::ModelDeclared(m) => self.push(
@@ -1003,6 +1020,19 @@ pub fn render_text(a: &Audit) -> String {
                 } else {
                     "not an overflow"
                 }
+            ),
+            What::PolicyRecorded {
+                fingerprint,
+                previous,
+                recorded_by,
+            } => format!(
+                "policy {fingerprint} recorded{}{}: later decisions fold under it",
+                recorded_by
+                    .as_ref()
+                    .map_or(String::new(), |w| format!(" by {w}")),
+                previous
+                    .as_ref()
+                    .map_or(String::new(), |p| format!(" (was {p})"))
             ),
             What::ManualRequest { instructions, .. } => format!(
                 "compaction requested{}",

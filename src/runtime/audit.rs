@@ -72,7 +72,12 @@ pub async fn steps<L: EventLog>(
         for r in &records {
             let event = Envelope::decode(&r.bytes, r.encoding)
                 .ok()
-                .filter(|e| e.conversation == conversation);
+                // A policy event is the partition's: it governs this
+                // conversation's later decisions too.
+                .filter(|e| {
+                    e.conversation == conversation
+                        || matches!(e.body, crate::core::event::EventBody::PolicyRecorded(_))
+                });
             let Some(event) = event else {
                 engine.apply_record(r, &mut effects)?;
                 effects.decisions.clear();
