@@ -111,7 +111,8 @@ pub async fn audit<L: EventLog>(
     conversation: &str,
 ) -> Result<Audited, AuditError> {
     let (steps, engine) = steps(log, policy, residency, conversation).await?;
-    if steps.is_empty() {
+    // Policy events are every conversation's: one of its own is needed.
+    if steps.iter().all(|s| s.event.conversation != conversation) {
         return Err(AuditError::Unknown(conversation.to_string()));
     }
     let audit = audit::build(conversation, &steps, AuditPolicy::from(policy));
