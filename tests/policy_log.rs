@@ -607,7 +607,7 @@ fn independent(data: &Path, policy: &PolicyConfig) -> (String, Numbers, Numbers,
             engine.apply_record(r, &mut effects).unwrap();
             let e = decode(r);
             match (&e.body, r.origin) {
-                (EventBody::JobIssued(_), Origin::Service) => actual.jobs += 1,
+                (EventBody::JobIssued(j), Origin::Service) if j.compact => actual.jobs += 1,
                 (EventBody::SummaryRecorded(s), _) => {
                     let labels: Vec<String> = match &s.covers {
                         contextfold::core::event::Covers::Turns { first, last } => {
@@ -664,7 +664,7 @@ fn independent(data: &Path, policy: &PolicyConfig) -> (String, Numbers, Numbers,
             what_if.after(&sim.engine, &key);
         }
         for r in sim.log.read_after(0, usize::MAX).await.unwrap() {
-            if matches!(decode(&r).body, EventBody::JobIssued(_)) {
+            if matches!(decode(&r).body, EventBody::JobIssued(j) if j.compact) {
                 what_if.jobs += 1;
             }
         }

@@ -33,11 +33,23 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+impl Outcome {
+    fn count_job(&mut self, job: &contextfold::core::event::JobIssued) {
+        if job.compact {
+            self.compactions += 1;
+        } else {
+            self.rolling_only_jobs += 1;
+        }
+    }
+}
+
 /// What one run of a conversation's traffic did.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct Outcome {
-    /// Compaction jobs issued.
+    /// Compaction jobs issued (jobs that summarize; as `audit` counts them).
     pub compactions: u64,
+    /// Jobs issued for the rolling session state only.
+    pub rolling_only_jobs: u64,
     /// Summaries in the final state, by depth (0 = leaves).
     pub summaries_by_depth: BTreeMap<u32, u64>,
     /// Tokens in context after each agent event: the largest, and the mean.
@@ -256,12 +268,12 @@ pub async fn what_if(
             continue;
         }
         match &e.body {
-            EventBody::JobIssued(_) if r.origin != Origin::Agent => {
+            EventBody::JobIssued(j) if r.origin != Origin::Agent => {
                 actual
                     .entry(e.conversation.clone())
                     .or_default()
                     .outcome
-                    .compactions += 1;
+                    .count_job(j);
             }
             EventBody::SweepEnded(s) if r.origin != Origin::Agent => {
                 actual
@@ -309,9 +321,9 @@ pub async fn what_if(
             continue;
         }
         if let Ok(e) = Envelope::decode(&r.bytes, r.encoding) {
-            if let EventBody::JobIssued(_) = e.body {
+            if let EventBody::JobIssued(j) = &e.body {
                 if let Some(m) = simulated.get_mut(&e.conversation) {
-                    m.outcome.compactions += 1;
+                    m.outcome.count_job(j);
                 }
             }
         }
@@ -380,10 +392,11 @@ pub fn render(w: &WhatIf, file: &str) -> String {
          model call)\n\n"
     ));
     out.push_str(&format!(
-        "{:<28} {:<8} {:>11} {:<18} {:>9} {:>9} {:>9} {:>11}\n",
+        "{:<28} {:<8} {:>11} {:>12} {:<18} {:>9} {:>9} {:>9} {:>11}\n",
         "conversation",
         "run",
         "compactions",
+        "rolling only",
         "summaries",
         "peak ctx",
         "mean ctx",
@@ -393,7 +406,7 @@ pub fn render(w: &WhatIf, file: &str) -> String {
     for c in &w.conversations {
         for (name, o) in [("actual", &c.actual), ("what-if", &c.what_if)] {
             out.push_str(&format!(
-                "{:<28} {:<8} {:>11} {:<18} {:>9} {:>9} {:>9} {:>11}\n",
+                "{:<28} {:<8} {:>11} {:>12} {:<18} {:>9} {:>9} {:>9} {:>11}\n",
                 if name == "actual" {
                     c.conversation.as_str()
                 } else {
@@ -401,6 +414,7 @@ pub fn render(w: &WhatIf, file: &str) -> String {
                 },
                 name,
                 o.compactions,
+                o.rolling_only_jobs,
                 depths(&o.summaries_by_depth),
                 o.peak_context_tokens,
                 o.mean_context_tokens,
