@@ -233,17 +233,18 @@ proptest! {
         for (n, (msg, step, back)) in turns.into_iter().enumerate() {
             if n == half {
                 // As the store persists and loads it: digests not computed
-                // yet are computed after a reload too, from the bodies the
-                // store reads back for the turns the guards name (and only
-                // those: no other body is resident then).
+                // yet are computed after a reload too, from what
+                // `guard_read` takes of the bodies the store reads back for
+                // the turns the guards name (no body is resident then).
                 let bytes = rmp_serde::to_vec_named(&state).expect("state serializes");
                 let before = state.clone();
                 state = rmp_serde::from_slice(&bytes).expect("state deserializes");
                 for (key, conv) in state.conversations.iter_mut() {
                     let old = &before.conversations[key];
                     for seq in conv.guard_seqs().collect::<Vec<_>>() {
-                        let body = old.bodies.get(seq).expect("a guarded body").clone();
-                        conv.bodies.insert(seq, body);
+                        let body = old.bodies.get(seq).expect("a guarded body");
+                        let (sketch, digest) = super::guard_read(body);
+                        conv.bodies.remember_guard(seq, sketch, digest);
                     }
                 }
             }
