@@ -50,12 +50,20 @@ impl AppliedIds {
         if self.contains(&digest) {
             return false;
         }
+        self.insert_new(digest);
+        true
+    }
+
+    /// Adds `digest`, which the caller just found not applied
+    /// ([`AppliedIds::contains`]): the fold checks every event once, and
+    /// a second search per event was a tenth of its time.
+    pub fn insert_new(&mut self, digest: IdDigest) {
+        debug_assert!(!self.contains(&digest));
         self.recent.insert(digest);
         self.unsaved.push(digest);
         if self.recent.len() >= MERGE_AT.max(self.sorted.len() / 8) {
             self.merge();
         }
-        true
     }
 
     fn merge(&mut self) {

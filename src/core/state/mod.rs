@@ -489,12 +489,15 @@ impl Conversation {
         self.applied.contains(digest)
     }
 
+    /// Marks `id` applied (a no-op when it was).
     pub fn mark_applied(&mut self, id: &str) {
-        self.mark_applied_digest(id_digest(id));
+        self.applied.insert(id_digest(id));
     }
 
+    /// Marks an event applied that [`Conversation::has_applied_digest`]
+    /// just found not applied.
     pub fn mark_applied_digest(&mut self, digest: IdDigest) {
-        self.applied.insert(digest);
+        self.applied.insert_new(digest);
     }
 
     pub fn item_tokens(&self, item: ContextItem) -> u64 {
