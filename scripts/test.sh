@@ -5,7 +5,8 @@
 #   - llmock and fakellm (OpenAI-compatible mock servers on loopback)
 # both into one virtualenv: $CONTEXTFOLD_VENV, default ./.venv;
 #   - Prometheus (the Debian package), which tests/ops_http.rs runs to
-#     scrape `serve --http`.
+#     scrape `serve --http`; docker-compose and python3-yaml for
+#     tests/deploy.rs; chromium for tests/audit_page.rs.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
