@@ -162,6 +162,22 @@ struct Embedded {
     turn: std::sync::Mutex<()>,
 }
 
+/// What the model saw after the event `engine` was folded up to, as the
+/// page shows it: assembled under the policy the log had recorded there.
+fn context_json<B: contextfold::store::KvBackend>(
+    engine: &Engine<B>,
+    conversation: &str,
+) -> Result<serde_json::Value, PageError> {
+    let out = local::assemble_one(
+        engine,
+        conversation,
+        &engine.policy,
+        &AssemblyRequest::default(),
+    )
+    .map_err(|e| PageError::NotFound(format!("{e:#}")))?;
+    serde_json::to_value(out).map_err(failed)
+}
+
 fn failed(e: impl std::fmt::Display) -> PageError {
     PageError::Failed(format!("{e:#}"))
 }
@@ -249,14 +265,7 @@ impl AuditSource for Embedded {
                 "event {at:?} is not in the log"
             )));
         }
-        let out = local::assemble_one(
-            &engine,
-            conversation,
-            &self.config.policy,
-            &AssemblyRequest::default(),
-        )
-        .map_err(|e| PageError::NotFound(format!("{e:#}")))?;
-        serde_json::to_value(out).map_err(failed)
+        context_json(&engine, conversation)
     }
 
     fn describe(&self, conversation: &str, id: &str) -> Result<serde_json::Value, PageError> {
@@ -431,14 +440,7 @@ impl AuditSource for NatsSource {
                 "event {at:?} is not in the conversation's partition"
             )));
         }
-        let out = local::assemble_one(
-            &engine,
-            conversation,
-            &self.config.policy,
-            &AssemblyRequest::default(),
-        )
-        .map_err(|e| PageError::NotFound(format!("{e:#}")))?;
-        serde_json::to_value(out).map_err(failed)
+        context_json(&engine, conversation)
     }
 
     fn describe(&self, conversation: &str, id: &str) -> Result<serde_json::Value, PageError> {
