@@ -162,20 +162,57 @@ impl RedbBackend {
     }
 }
 
+/// A read transaction as `begin_read` gives it.
+type Begun = Result<redb::ReadTransaction, redb::TransactionError>;
+/// One of the store's tables, read.
+type ReadTable = redb::ReadOnlyTable<&'static [u8], &'static [u8]>;
+
+/// A table of a read transaction; `None` when the store never wrote it (a
+/// read-only store opened before its first commit of that table).
+fn read_table(txn: Begun, table: Table) -> Result<Option<ReadTable>, StoreError> {
+    let txn = txn.map_err(|e| backend_error("begin read")(e.into()))?;
+    match txn.open_table(definition(table)) {
+        Ok(t) => Ok(Some(t)),
+        Err(redb::TableError::TableDoesNotExist(_)) => Ok(None),
+        Err(e) => Err(backend_error("open table")(e.into())),
+    }
+}
+
+fn read_get(txn: Begun, table: Table, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+    let Some(t) = read_table(txn, table)? else {
+        return Ok(None);
+    };
+    let value = t
+        .get(key)
+        .map_err(|e| backend_error("get")(e.into()))?
+        .map(|v| v.value().to_vec());
+    Ok(value)
+}
+
+fn read_scan(txn: Begun, table: Table, prefix: &[u8]) -> Result<crate::store::Entries, StoreError> {
+    let Some(t) = read_table(txn, table)? else {
+        return Ok(Vec::new());
+    };
+    // An open-ended range cut off at the first key without the prefix:
+    // computing an exclusive upper bound breaks on prefixes of 0xff bytes.
+    let range = t
+        .range::<&[u8]>(prefix..)
+        .map_err(|e| backend_error("scan")(e.into()))?;
+    let mut out = Vec::new();
+    for entry in range {
+        let (k, v) = entry.map_err(|e| backend_error("scan")(e.into()))?;
+        let key = k.value();
+        if !key.starts_with(prefix) {
+            break;
+        }
+        out.push((key.to_vec(), v.value().to_vec()));
+    }
+    Ok(out)
+}
+
 impl KvBackend for RedbBackend {
     fn get(&self, table: Table, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
-        let txn = self
-            .db
-            .begin_read()
-            .map_err(|e| backend_error("begin read")(e.into()))?;
-        let t = txn
-            .open_table(definition(table))
-            .map_err(|e| backend_error("open table")(e.into()))?;
-        let value = t
-            .get(key)
-            .map_err(|e| backend_error("get")(e.into()))?
-            .map(|v| v.value().to_vec());
-        Ok(value)
+        read_get(self.db.begin_read(), table, key)
     }
 
     fn scan_prefix(
@@ -183,28 +220,7 @@ impl KvBackend for RedbBackend {
         table: Table,
         prefix: &[u8],
     ) -> Result<crate::store::Entries, StoreError> {
-        let txn = self
-            .db
-            .begin_read()
-            .map_err(|e| backend_error("begin read")(e.into()))?;
-        let t = txn
-            .open_table(definition(table))
-            .map_err(|e| backend_error("open table")(e.into()))?;
-        // An open-ended range cut off at the first key without the prefix:
-        // computing an exclusive upper bound breaks on prefixes of 0xff bytes.
-        let range = t
-            .range::<&[u8]>(prefix..)
-            .map_err(|e| backend_error("scan")(e.into()))?;
-        let mut out = Vec::new();
-        for entry in range {
-            let (k, v) = entry.map_err(|e| backend_error("scan")(e.into()))?;
-            let key = k.value();
-            if !key.starts_with(prefix) {
-                break;
-            }
-            out.push((key.to_vec(), v.value().to_vec()));
-        }
-        Ok(out)
+        read_scan(self.db.begin_read(), table, prefix)
     }
 
     fn commit(&mut self, writes: &[Write], durable: bool) -> Result<(), StoreError> {
@@ -295,20 +311,7 @@ impl ReadOnlyRedb {
 
 impl KvBackend for ReadOnlyRedb {
     fn get(&self, table: Table, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
-        let txn = self
-            .db
-            .begin_read()
-            .map_err(|e| backend_error("begin read")(e.into()))?;
-        let t = match txn.open_table(definition(table)) {
-            Ok(t) => t,
-            Err(redb::TableError::TableDoesNotExist(_)) => return Ok(None),
-            Err(e) => return Err(backend_error("open table")(e.into())),
-        };
-        let value = t
-            .get(key)
-            .map_err(|e| backend_error("get")(e.into()))?
-            .map(|v| v.value().to_vec());
-        Ok(value)
+        read_get(self.db.begin_read(), table, key)
     }
 
     fn scan_prefix(
@@ -316,28 +319,7 @@ impl KvBackend for ReadOnlyRedb {
         table: Table,
         prefix: &[u8],
     ) -> Result<crate::store::Entries, StoreError> {
-        let txn = self
-            .db
-            .begin_read()
-            .map_err(|e| backend_error("begin read")(e.into()))?;
-        let t = match txn.open_table(definition(table)) {
-            Ok(t) => t,
-            Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
-            Err(e) => return Err(backend_error("open table")(e.into())),
-        };
-        let range = t
-            .range::<&[u8]>(prefix..)
-            .map_err(|e| backend_error("scan")(e.into()))?;
-        let mut out = Vec::new();
-        for entry in range {
-            let (k, v) = entry.map_err(|e| backend_error("scan")(e.into()))?;
-            let key = k.value();
-            if !key.starts_with(prefix) {
-                break;
-            }
-            out.push((key.to_vec(), v.value().to_vec()));
-        }
-        Ok(out)
+        read_scan(self.db.begin_read(), table, prefix)
     }
 
     fn commit(&mut self, _writes: &[Write], _durable: bool) -> Result<(), StoreError> {
