@@ -30,6 +30,10 @@
 //! - `compacted`: Codex's own summary after it compacted, a user turn marked
 //!   `compact_summary` in metadata.
 //!
+//! Older rollouts (before the `payload` envelope) are read too: a first line
+//! with the session `id` and `timestamp`, `{"record_type":"state"}` markers,
+//! and bare response items one per line.
+//!
 //! A line that is not JSON, or a record or payload type this importer does
 //! not know, is reported as skipped (line and reason) and the rest is read.
 
@@ -38,18 +42,63 @@ use super::timestamp::parse_iso8601;
 use super::{ImportError, Source};
 use crate::core::event::TurnAppended;
 use crate::core::message::{ChatMessage, Content, ContentPart, FunctionCall, Role, ToolCall};
-use serde::Deserialize;
 use serde_json::{Map, Value};
 use std::collections::HashSet;
 
-#[derive(Deserialize)]
-struct Record {
-    #[serde(default)]
-    timestamp: Option<String>,
-    #[serde(rename = "type")]
-    kind: String,
-    #[serde(default)]
-    payload: Value,
+/// Payload types of `response_item` records, which older rollouts wrote
+/// bare, one per line.
+const ITEM_TYPES: [&str; 10] = [
+    "message",
+    "function_call",
+    "function_call_output",
+    "custom_tool_call",
+    "custom_tool_call_output",
+    "local_shell_call",
+    "local_shell_call_output",
+    "reasoning",
+    "web_search_call",
+    "ghost_snapshot",
+];
+
+/// One line as `(type, time, payload)`: `{"timestamp","type","payload"}`,
+/// or the older layout (before the `payload` envelope): a first line with
+/// the session's `id` and `timestamp`, `{"record_type":"state"}` markers
+/// (`None`: nothing to read), and bare response items.
+fn record(
+    mut object: Map<String, Value>,
+    first: bool,
+) -> Result<Option<(String, Option<u64>, Value)>, String> {
+    let time = object
+        .get("timestamp")
+        .and_then(Value::as_str)
+        .and_then(parse_iso8601);
+    let kind = object
+        .get("type")
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    if let Some(payload) = object.remove("payload") {
+        return match kind {
+            Some(kind) => Ok(Some((kind, time, payload))),
+            None => Err("record with a `payload` but no `type`".to_string()),
+        };
+    }
+    if object.contains_key("record_type") {
+        return Ok(None);
+    }
+    match kind {
+        Some(kind) if ITEM_TYPES.contains(&kind.as_str()) => Ok(Some((
+            "response_item".to_string(),
+            time,
+            Value::Object(object),
+        ))),
+        None if first && object.contains_key("id") => Ok(Some((
+            "session_meta".to_string(),
+            time,
+            Value::Object(object),
+        ))),
+        Some(kind) => Err(format!("unknown Codex record type `{kind}`")),
+        None => Err("record without a `type`".to_string()),
+    }
 }
 
 /// Calls waiting for their output, and the messages held back until then.
@@ -75,7 +124,7 @@ pub(crate) fn parse(source: &Source<'_>) -> Result<Vec<Draft>, ImportError> {
     let mut model: Option<String> = None;
     let mut records = 0usize;
     for (number, line) in source.lines() {
-        let record: Record = match serde_json::from_slice(line) {
+        let object: Map<String, Value> = match serde_json::from_slice(line) {
             Ok(r) => r,
             Err(e) => {
                 source.skip(number, format!("not a Codex rollout record: {e}"));
@@ -83,24 +132,33 @@ pub(crate) fn parse(source: &Source<'_>) -> Result<Vec<Draft>, ImportError> {
             }
         };
         records += 1;
-        let time = record.timestamp.as_deref().and_then(parse_iso8601);
-        let payload = match record.payload {
+        let (kind, time, payload) = match record(object, records == 1) {
+            Ok(Some(r)) => r,
+            Ok(None) => continue,
+            Err(reason) => {
+                source.skip(number, reason);
+                continue;
+            }
+        };
+        let payload = match payload {
             Value::Object(map) => map,
             other => {
                 source.skip(
                     number,
                     format!(
-                        "`{}` record whose payload is {} rather than an object",
-                        record.kind,
+                        "`{kind}` record whose payload is {} rather than an object",
                         json_kind(&other)
                     ),
                 );
                 continue;
             }
         };
-        match record.kind.as_str() {
+        match kind.as_str() {
             "session_meta" => {
                 pending.flush(&mut d);
+                if d.start_time.is_none() {
+                    d.start_time = time;
+                }
                 let instructions = payload
                     .get("base_instructions")
                     .and_then(|b| b.get("text"))
@@ -496,6 +554,41 @@ mod tests {
         ];
         let want: Vec<(Role, String)> = want.iter().map(|(r, t)| (*r, t.to_string())).collect();
         assert_eq!(seq, want);
+    }
+
+    #[test]
+    fn older_rollouts_without_the_payload_envelope_are_read() {
+        let text = r#"{"id":"02f3baa6","timestamp":"2025-09-11T16:38:04.973Z","instructions":null,"git":{"branch":"main"}}
+{"record_type":"state"}
+{"type":"message","role":"user","content":[{"type":"input_text","text":"Change main.py"}]}
+{"record_type":"state"}
+{"type":"reasoning","id":"rs_1","summary":[]}
+{"type":"message","role":"assistant","content":[{"type":"output_text","text":"On it."}]}
+{"type":"function_call","name":"shell","arguments":"{\"command\":[\"cat\",\"main.py\"]}","call_id":"call_abc"}
+{"type":"function_call_output","call_id":"call_abc","output":"{\"output\":\"import torch\",\"metadata\":{\"exit_code\":0}}"}
+{"type":"message","role":"assistant","content":[{"type":"output_text","text":"Done."}]}
+"#;
+        assert_eq!(
+            crate::import::detect_format(text.as_bytes()).unwrap(),
+            Format::Codex
+        );
+        let imported = import_bytes_reporting(text.as_bytes(), Format::Auto, "old.jsonl").unwrap();
+        assert!(imported.skipped.is_empty(), "{:?}", imported.skipped);
+        let conv = &imported.conversations[0];
+        let roles: Vec<Role> = conv
+            .events
+            .iter()
+            .filter_map(|e| match &e.body {
+                EventBody::TurnAppended(t) => Some(t.message.role),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            roles,
+            [Role::User, Role::Assistant, Role::Tool, Role::Assistant]
+        );
+        // Times start at the session's.
+        assert_eq!(conv.events[0].time, 1_757_608_684_973);
     }
 
     #[test]

@@ -637,6 +637,9 @@ struct RecordProbe {
     traj: Option<IgnoredAny>,
     #[serde(default)]
     payload: Option<IgnoredAny>,
+    /// Older Codex rollouts mark state with `{"record_type":"state"}`.
+    #[serde(default)]
+    record_type: Option<IgnoredAny>,
     #[serde(default)]
     instance_id: Option<IgnoredAny>,
     #[serde(default)]
@@ -648,6 +651,9 @@ struct RecordProbe {
 fn classify_probe(probe: &RecordProbe) -> Option<Format> {
     if probe.instance_id.is_some() && probe.history.is_some() {
         return Some(Format::Openhands);
+    }
+    if probe.record_type.is_some() {
+        return Some(Format::Codex);
     }
     match probe.kind.as_deref() {
         Some("session_meta" | "response_item" | "event_msg" | "turn_context" | "compacted")
