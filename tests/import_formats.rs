@@ -370,3 +370,27 @@ fn codex_and_openhands_eval_are_told_apart_from_the_other_jsonl_formats() {
     let text = "{\"type\":\"session_meta\",\"payl\n{\"type\":\"turn_context\",\"payload\":{\"model\":\"m\"}}\n";
     assert_eq!(detect_format(text.as_bytes()).unwrap(), Format::Codex);
 }
+
+#[test]
+fn an_instance_of_events_this_importer_does_not_read_is_reported() {
+    // One real instance, then one whose history holds OpenHands SDK (V1)
+    // events, which carry a `kind` and no `action` / `observation`.
+    let bytes = read(OPENHANDS);
+    let first = String::from_utf8(bytes)
+        .unwrap()
+        .lines()
+        .next()
+        .unwrap()
+        .to_string();
+    let sdk = r#"{"instance_id":"sdk-1","instruction":"x","history":[{"kind":"SystemPromptEvent","source":"agent"},{"kind":"MessageEvent","source":"user"}]}"#;
+    let text = format!("{first}\n{sdk}\n");
+    let imported = import_bytes_reporting(text.as_bytes(), Format::Auto, "o.jsonl").unwrap();
+    assert_eq!(imported.conversations.len(), 1);
+    assert_eq!(imported.skipped.len(), 1, "{:?}", imported.skipped);
+    let s = &imported.skipped[0];
+    assert_eq!(s.line, 2);
+    assert!(
+        s.reason.contains("sdk-1") && s.reason.contains("MessageEvent"),
+        "{s}"
+    );
+}

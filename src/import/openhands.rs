@@ -7,7 +7,9 @@
 //! one the model responses name, else `metadata.llm_config.model`. An
 //! instance line that cannot be read, has no `history`, or gives no turn is
 //! reported as skipped, as is a history event that cannot be read, and the
-//! rest is imported.
+//! rest is imported. Histories of OpenHands SDK (V1) events (a `kind` per
+//! event, no `action` / `observation`) are not read yet: such an instance is
+//! reported with the kinds it holds.
 //!
 //! Events:
 //!
@@ -123,6 +125,12 @@ struct InstanceProbe {
     history: Option<serde::de::IgnoredAny>,
 }
 
+#[derive(Deserialize)]
+struct KindProbe {
+    #[serde(default)]
+    kind: Option<String>,
+}
+
 fn is_instance(raw: &RawValue) -> bool {
     serde_json::from_str::<InstanceProbe>(raw.get())
         .map(|p| p.instance_id.is_some() && p.history.is_some())
@@ -224,6 +232,11 @@ impl Instances {
             }
         };
         let count = events.len();
+        // The OpenHands SDK (V1) writes events with a `kind` instead.
+        let sdk_kinds: std::collections::BTreeSet<String> = events
+            .iter()
+            .filter_map(|e| serde_json::from_str::<KindProbe>(e.get()).ok()?.kind)
+            .collect();
         let mut d = Draft::new(None);
         // Reporting mode never fails: every error becomes a skipped record.
         if push_events(source, &mut d, events, Some((line, &id))).is_err() {
@@ -234,10 +247,19 @@ impl Instances {
             .iter()
             .any(|i| matches!(i.kind, draft::ItemKind::Turn(_)))
         {
+            let why = if sdk_kinds.is_empty() {
+                String::new()
+            } else {
+                let kinds: Vec<String> = sdk_kinds.into_iter().collect();
+                format!(
+                    " (they are OpenHands SDK events, kinds {}, which this importer does not read yet)",
+                    kinds.join(", ")
+                )
+            };
             source.skip(
                 line,
                 format!(
-                    "instance `{id}`: none of its {count} history events is a message, action or observation this importer reads"
+                    "instance `{id}`: none of its {count} history events is a message, action or observation this importer reads{why}"
                 ),
             );
             return None;
