@@ -51,7 +51,7 @@ pub struct Cli {
 pub enum Command {
     /// Convert a transcript file into inbound events (JSONL on stdout).
     Import {
-        /// auto, openai, pi, claude-code, swe-agent, openhands, aider.
+        /// auto, openai, pi, claude-code, swe-agent, openhands, aider, codex.
         #[arg(long, default_value = "auto")]
         format: String,
         file: PathBuf,

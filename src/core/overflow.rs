@@ -5,12 +5,18 @@
 //! urgent compaction. Errors that look alike but are cured by waiting, paying,
 //! re-authenticating or asking differently (rate limits, tokens per minute,
 //! quotas, throttling, overload, auth, unknown models, content filters,
-//! timeouts, an output-length limit alone) must not.
+//! timeouts, an output-length limit alone) must not. Nor must a size limit
+//! on the request's bytes: an HTTP 413 from a proxy or gateway, a request
+//! body, payload, upload or file over a limit in bytes (nginx's `413 Request
+//! Entity Too Large`, Anthropic's `request_too_large`, OpenAI's `File is too
+//! large.`, an API gateway's `HTTP content length exceeded 10485760 bytes.`).
+//! Those are told apart ([`ErrorVerdict::size_limit`]) unless the text speaks
+//! of tokens or the context, which only a context limit does.
 //!
 //! The recognizer reads the text for what it says, not for a provider's exact
 //! wording: a context noun (window / length / size / limit) next to an excess
 //! (exceeded, too long, ran out of room, only N tokens), or a request / prompt /
-//! input that is too long or exceeds a maximum, or a 413, in English or in the
+//! input that is too long or exceeds a maximum, in English or in the
 //! Chinese that proxies use, JSON-wrapped or behind an HTTP status. Vetoes for
 //! the look-alikes are checked first. One look-alike is an overflow after all:
 //! a per-minute token limit that a single request exceeds on its own (Groq and
@@ -28,6 +34,11 @@ use std::sync::LazyLock;
 pub struct ErrorVerdict {
     /// The request did not fit the model's context window: compaction helps.
     pub overflow: bool,
+    /// The request was refused for its size in bytes (an HTTP 413, a request
+    /// body, payload, upload or file size limit of a provider, proxy or
+    /// gateway), not for its tokens. Never an overflow: compaction is not the
+    /// cure (a smaller attachment or a larger body limit is).
+    pub size_limit: bool,
     /// The size of the request as the provider counted it against its limit:
     /// the prompt, plus the output reservation when the text adds the two
     /// (`156321 + 48384 > 200000`, TGI's `inputs` + `max_new_tokens`).
@@ -46,11 +57,15 @@ pub fn classify(text: &str) -> ErrorVerdict {
     let normalized = normalize(text);
     let overflow = is_overflow(&normalized);
     if !overflow {
-        return ErrorVerdict::default();
+        return ErrorVerdict {
+            size_limit: is_size_limit(&normalized),
+            ..ErrorVerdict::default()
+        };
     }
     let counts = read_token_counts(&normalized);
     ErrorVerdict {
         overflow,
+        size_limit: false,
         requested_tokens: counts.requested,
         limit_tokens: counts.limit,
         token_counts: counts.all,
@@ -192,6 +207,32 @@ static VETOES: LazyLock<Vec<Regex>> = LazyLock::new(|| {
     .collect()
 });
 
+/// A limit on the request's size in bytes: HTTP 413 and its names, a body /
+/// payload / upload / file size, a size in bytes. Only a size limit when the
+/// text says nothing of tokens or the context ([`SPEAKS_OF_TOKENS`]).
+static SIZE_LIMIT: LazyLock<Vec<Regex>> = LazyLock::new(|| {
+    [
+        // HTTP 413 in a status position, and its names (RFC 9110 "Content
+        // Too Large", formerly "Payload Too Large", "Request Entity Too Large").
+        r#"^\s*(?:http(?:/[0-9.]+)?\s*)?413\b|(?:http(?:/[0-9.]+)?|status(?: code)?|error(?: code)?)\s*[:=(]?\s*413\b|\(413\)|"(?:status|code)"\s*:\s*"?413\b|entity too large|payload too large|content too large|requestentitytoolarge|payloadtoolarge"#,
+        // A size in bytes, and the body / payload / upload / file size words.
+        r"\b[0-9]+(?:\.[0-9]+)? ?(?:bytes?|kb|mb|gb|kib|mib|gib)\b|\bbytes?\b|(?:request|payload|body|upload|file|attachment|content) (?:size|length)\b|\b(?:request|http) body\b|\bbody (?:size|limit|too large)|max(?:imum)? (?:allowed )?(?:request |body |payload |upload |file )?size\b|exceeds? the maximum (?:allowed )?size|size limit|upload limit|\bfiles? (?:is |are )?too (?:large|big)|\bfiles? (?:urls? )?can ?not be larger",
+        // Chinese: request body / file / upload too large.
+        r"请求体.{0,6}(?:过大|太大|超过|超出)|文件.{0,6}(?:过大|太大|超过|超出)|上传.{0,8}(?:过大|太大|超过|超出|限制)",
+    ]
+    .iter()
+    .map(|p| re(p))
+    .collect()
+});
+
+/// Tokens or the context: a size limit never speaks of them.
+static SPEAKS_OF_TOKENS: LazyLock<Regex> =
+    LazyLock::new(|| re(r"\btokens?\b|\bcontext\b|上下文|令牌|\bprompt (?:is )?too long"));
+
+fn is_size_limit(n: &str) -> bool {
+    SIZE_LIMIT.iter().any(|r| r.is_match(n)) && !SPEAKS_OF_TOKENS.is_match(n)
+}
+
 /// "Context" in the window sense, and an excess of it.
 static CONTEXT_EXCESS: LazyLock<Vec<Regex>> = LazyLock::new(|| {
     [
@@ -260,7 +301,7 @@ fn is_overflow(n: &str) -> bool {
     if is_tpm_ceiling(n) {
         return true;
     }
-    if VETOES.iter().any(|v| v.is_match(n)) {
+    if VETOES.iter().any(|v| v.is_match(n)) || is_size_limit(n) {
         return false;
     }
     if OUTPUT_ONLY.is_match(n) && !MENTIONS_INPUT.is_match(n) {
@@ -498,16 +539,38 @@ mod tests {
         text.lines().filter(|l| !l.trim().is_empty()).collect()
     }
 
+    /// Lines of the shared overflow set that are size limits on the
+    /// request's bytes, not context overflow: Anthropic's `request_too_large`
+    /// message (its 32 MB request limit), and a bare HTTP 413, which is what
+    /// nginx, Cloudflare and API gateways answer to a body over their limit
+    /// (see [`SIZE_LIMITS`]). Compacting does not lift such a limit.
+    const SHARED_POSITIVES_THAT_ARE_SIZE_LIMITS: &[&str] = &[
+        "Request exceeds the maximum size",
+        "413 Request Entity Too Large",
+    ];
+
     #[test]
     fn every_shared_positive_is_overflow() {
         let Some(text) = shared_file("overflow.txt") else {
             return;
         };
-        let missed: Vec<&str> = lines(&text)
+        let (size_limits, positives): (Vec<&str>, Vec<&str>) = lines(&text)
+            .into_iter()
+            .partition(|l| SHARED_POSITIVES_THAT_ARE_SIZE_LIMITS.contains(&l.trim()));
+        let missed: Vec<&str> = positives
             .into_iter()
             .filter(|l| !classify(l).overflow)
             .collect();
         assert!(missed.is_empty(), "not recognized: {missed:#?}");
+        // The exceptions are in the file, and read as size limits.
+        assert_eq!(
+            size_limits.len(),
+            SHARED_POSITIVES_THAT_ARE_SIZE_LIMITS.len()
+        );
+        for l in size_limits {
+            let v = classify(l);
+            assert!(!v.overflow && v.size_limit, "{l}: {v:?}");
+        }
     }
 
     #[test]
@@ -537,8 +600,6 @@ mod tests {
         r#"{"error":{"message":"\u8bf7\u6c42\u4e0a\u4e0b\u6587\u957f\u5ea6\u8d85\u51fa\u6a21\u578b\u9650\u5236","type":"invalid_request_error"}}"#,
         "输入内容过长，请缩短后重试",
         "the input length exceeds the context length",
-        "HTTP 413 Payload Too Large",
-        "<html><head><title>413 Request Entity Too Large</title></head><body><center><h1>413 Request Entity Too Large</h1></center><hr><center>nginx</center></body></html>",
         "Request too large for gpt-4-turbo-preview in organization org-xyz on tokens per min (TPM): Limit 30000, Requested 45210. The input or output tokens must be reduced in order to run successfully.",
         "litellm.ContextWindowExceededError: upstream rejected the request",
         "The message you submitted was too long, please reload the conversation and submit something shorter.",
@@ -548,7 +609,6 @@ mod tests {
         "Your input exceeds the context window of this model. Please adjust your input and try again.",
         "model's context window is full: 200k tokens used",
         "请求的token数超过模型上限",
-        "status code 413: request body exceeds 32 MB limit",
         "This model's maximum context length is 4097 tokens, however you requested 4927 tokens (3927 in your prompt; 1000 for the completion). Please reduce your prompt; or completion length.",
         "Error: prompt is too long: 215000 tokens > 200000 maximum",
         "anthropic.BadRequestError: Error code: 400 - {'type': 'error', 'error': {'type': 'invalid_request_error', 'message': 'prompt is too long: 201234 tokens > 199999 maximum'}}",
@@ -556,7 +616,6 @@ mod tests {
         "The input (305000 tokens) is longer than the model's context length (262144 tokens).",
         "Requested tokens (9000) exceed context window of 8192",
         "400 Bad Request: {\"error\":\"prompt too long; exceeded max context length by 1234 tokens\"}",
-        "google.api_core.exceptions.InvalidArgument: 400 Request payload size exceeds the limit: 20971520 bytes.",
         "The prompt is too long for the model. Please shorten it.",
         "BedrockException: Input validation error: too many input tokens",
         "messages: total token count 210000 exceeds limit 200000",
@@ -565,8 +624,6 @@ mod tests {
         "error: the request exceeds the model's context window (requested 140000 tokens, window 128000)",
         "上下文长度超过限制，请减少输入内容",
         "当前对话长度超出模型限制",
-        "Error 413: Request body too large",
-        "request_too_large: Request exceeds the maximum allowed number of bytes.",
         "The request is too large for gpt-4o. Try again with a smaller input.",
         "Tokens in prompt (9500) exceed the model limit (8192)",
         "InvalidArgument: the number of tokens in the input (140001) exceeds the model's context window (131072)",
@@ -636,6 +693,85 @@ mod tests {
         assert!(missed.is_empty(), "not recognized: {missed:#?}");
     }
 
+    /// Request-size limits in bytes, as providers, proxies and gateways
+    /// really answer them (each from a public report, cited), and the ones
+    /// this file used to count as overflow. Not context overflow: a
+    /// compaction would not lift the limit.
+    const SIZE_LIMITS: &[&str] = &[
+        // anthropics/anthropic-sdk-python#938 (Anthropic, 32 MB Messages API limit).
+        "anthropic._exceptions.RequestTooLargeError: Error code: 413 - {'error': {'type': 'request_too_large', 'message': 'Request exceeds the maximum size'}}",
+        // earendil-works/pi#2734, anthropics/claude-code#14567.
+        r#"413 {"error":{"type":"request_too_large","message":"Request exceeds the maximum size"}}"#,
+        // anthropics/claude-code#10314 (stringified twice).
+        r#"Error: 413 {\"error\":{\"type\":\"request_too_large\",\"message\":\"Request exceeds the maximum size\"}}"#,
+        // open-webui/open-webui#3273 (nginx in front of an OpenAI-compatible endpoint).
+        "<html>\n<head><title>413 Request Entity Too Large</title></head>\n<body>\n<center><h1>413 Request Entity Too Large</h1></center>\n<hr><center>nginx/1.26.1</center>\n</body>\n</html>\n<!-- a padding to disable MSIE and Chrome friendly error page -->",
+        // CosmosShadow/gptpdf#33 (openresty proxy).
+        "<html>\n<head><title>413 Request Entity Too Large</title></head>\n<body>\n<center><h1>413 Request Entity Too Large</h1></center>\n<hr><center>openresty</center>\n</body>\n</html>",
+        // openai/codex#2908 (Cloudflare; the user had 92% of the context left).
+        "stream error: unexpected status 413 Payload Too Large: <html>\n<head><title>413 Request Entity Too Large</title></head>\n<body>\n<center><h1>413 Request Entity Too Large</h1></center>\n<hr><center>cloudflare</center>",
+        // bespokelabsai/curator#111 (OpenAI Files / Batch API, 200 MB).
+        "openai.BadRequestError: Error code: 400 - {'error': {'message': 'File is too large.', 'type': 'invalid_request_error', 'param': None, 'code': None}}",
+        // CherryHQ/cherry-studio#20938 (an axum-based gateway's body limit).
+        "OpenAI API error (413): 413 Failed to buffer the request body: length limit exceeded",
+        // vercel/ai#15147 (Azure OpenAI file attachments).
+        "File urls can not be larger than 32 mb",
+        // koki-develop/lgtm-generator#10 (AWS API Gateway, 10 MB).
+        "HTTP content length exceeded 10485760 bytes.",
+        // aws/aws-pdk#771 (AWS Lambda invoke payload).
+        "1115107 byte payload is too large for the Event invocation type (limit 262144 bytes) (Service: AWSLambda; Status Code: 413; Error Code: RequestEntityTooLargeException; Request ID: 9f16fddd-3500-4106-aba5-07d6398ba67d; Proxy: null)",
+        // microsoft/AIforEarth-API-Platform#15 (Flask / werkzeug).
+        r#"<!DOCTYPE HTML PUBLIC "-//W3C//DTD HTML 3.2 Final//EN"> <title>413 Request Entity Too Large</title> <h1>Request Entity Too Large</h1> <p>{'message': 'Request content too large (441078). Must be smaller than: 10000'}</p>"#,
+        // awslabs/aws-api-gateway-developer-portal#296 (Express raw-body).
+        "PayloadTooLargeError: request entity too large",
+        // dherault/serverless-offline#282 (hapi).
+        "Payload content length greater than maximum allowed: 1048576",
+        // Formerly counted as overflow here (the first is Anthropic's
+        // `request_too_large` message alone).
+        "Request exceeds the maximum size",
+        "HTTP 413 Payload Too Large",
+        "<html><head><title>413 Request Entity Too Large</title></head><body><center><h1>413 Request Entity Too Large</h1></center><hr><center>nginx</center></body></html>",
+        "status code 413: request body exceeds 32 MB limit",
+        "google.api_core.exceptions.InvalidArgument: 400 Request payload size exceeds the limit: 20971520 bytes.",
+        "Error 413: Request body too large",
+        "request_too_large: Request exceeds the maximum allowed number of bytes.",
+    ];
+
+    #[test]
+    fn size_limits_are_not_overflow() {
+        let wrong: Vec<(&str, ErrorVerdict)> = SIZE_LIMITS
+            .iter()
+            .map(|l| (*l, classify(l)))
+            .filter(|(_, v)| v.overflow || !v.size_limit)
+            .collect();
+        assert!(wrong.is_empty(), "not told apart: {wrong:#?}");
+    }
+
+    /// A 413 or a size word beside tokens or the context is a context limit.
+    #[test]
+    fn a_size_word_beside_tokens_is_still_overflow() {
+        for text in [
+            "413 Request too large for model `openai/gpt-oss-120b` in organization `org_x` service tier `on_demand` on tokens per minute (TPM): Limit 8000, Requested 8098, please reduce your message size and try again.",
+            "HTTP 413: prompt is too long: 215000 tokens > 200000 maximum",
+            "status code 413: the request exceeds the model's context window",
+        ] {
+            let v = classify(text);
+            assert!(v.overflow && !v.size_limit, "{text}: {v:?}");
+        }
+    }
+
+    #[test]
+    fn no_overflow_is_a_size_limit() {
+        let mut all: Vec<String> = MORE_POSITIVES.iter().map(|s| s.to_string()).collect();
+        if let Some(text) = shared_file("overflow.txt") {
+            all.extend(lines(&text).into_iter().map(str::to_string));
+        }
+        for text in &all {
+            let v = classify(text);
+            assert!(!(v.overflow && v.size_limit), "{text}: {v:?}");
+        }
+    }
+
     #[test]
     fn more_negatives_are_not_overflow() {
         let wrong: Vec<&str> = MORE_NEGATIVES
@@ -694,9 +830,8 @@ mod tests {
             (MORE_POSITIVES[4], Some(40000), Some(32768)),
             (MORE_POSITIVES[6], Some(140000), Some(131072)),
             (MORE_POSITIVES[7], Some(4550), Some(4081)),
-            (MORE_POSITIVES[19], Some(9120), Some(8192)),
+            (MORE_POSITIVES[17], Some(9120), Some(8192)),
             ("total tokens exceeds the model's maximum limit of 4,096", None, Some(4096)),
-            ("Request exceeds the maximum size", None, None),
             (
                 "The input (305000 tokens) is longer than the model's context length (262144 tokens).",
                 Some(305000),
@@ -708,14 +843,9 @@ mod tests {
                 Some(140000),
                 Some(128000),
             ),
-            // An overage and a size in bytes are not the request or the window.
+            // An overage is not the request or the window.
             (
                 "400 Bad Request: {\"error\":\"prompt too long; exceeded max context length by 1234 tokens\"}",
-                None,
-                None,
-            ),
-            (
-                "400 Request payload size exceeds the limit: 20971520 bytes.",
                 None,
                 None,
             ),
@@ -734,6 +864,19 @@ mod tests {
         // The HTTP status is not a token count.
         let v = classify("400 Context size has been exceeded.");
         assert!(v.token_counts.is_empty(), "{:?}", v.token_counts);
+    }
+
+    #[test]
+    fn size_limits_carry_no_counts() {
+        // Bytes are not tokens, and a size limit is no overflow.
+        let v = classify("400 Request payload size exceeds the limit: 20971520 bytes.");
+        assert_eq!(
+            v,
+            ErrorVerdict {
+                size_limit: true,
+                ..ErrorVerdict::default()
+            }
+        );
     }
 
     #[test]

@@ -47,6 +47,9 @@ pub(crate) struct Draft {
     /// Position among the file's conversations, for formats that hold many
     /// (the conversation id gets `#<index>`); `None` for one-conversation formats.
     pub index: Option<usize>,
+    /// The source's own name for the conversation among the file's (an
+    /// OpenHands `instance_id`): the id gets `#<key>`, ahead of `index`.
+    pub key: Option<String>,
     /// Time of the first item when the source gives a start but no per-turn times.
     pub start_time: Option<u64>,
     /// The model the source declares for the whole conversation up front.
@@ -185,9 +188,10 @@ pub(crate) fn finish(mut draft: Draft, stem: &str) -> Option<(String, Vec<Envelo
     if !draft.has_turns() {
         return None;
     }
-    let conversation = match draft.index {
-        Some(i) => format!("{stem}#{i}"),
-        None => stem.to_string(),
+    let conversation = match (&draft.key, draft.index) {
+        (Some(key), _) => format!("{stem}#{key}"),
+        (None, Some(i)) => format!("{stem}#{i}"),
+        (None, None) => stem.to_string(),
     };
     repair_tool_pairing(&mut draft.items);
     let times = event_times(&draft);

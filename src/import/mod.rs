@@ -13,7 +13,10 @@
 //! - `swe-agent`: SWE-agent `.traj` (`history` plus `tool_call_ids`).
 //! - `pi`: pi / OpenClaw session JSONL.
 //! - `claude-code`: Claude Code session JSONL.
-//! - `openhands`: OpenHands event-stream JSON arrays.
+//! - `openhands`: OpenHands event-stream JSON arrays, and the evaluation
+//!   output (`output.jsonl`: one benchmark instance per line, its events in
+//!   `history`), one conversation per instance.
+//! - `codex`: Codex CLI session rollouts (`rollout-*.jsonl`).
 //! - `aider`: `.aider.chat.history.md`, one conversation per session.
 //!
 //! What every format shares (tool pairing, unique call ids, model declarations,
@@ -33,10 +36,16 @@
 //!
 //! Reading never panics on input: broken input gives an [`ImportError`]
 //! naming the line (JSONL, markdown) or the byte offset (JSON) where it failed.
+//! Formats written one record per line by long-running tools (OpenHands
+//! evaluation output, Codex rollouts) instead skip a record they cannot read
+//! or do not know, and say so: [`import_bytes_reporting`] returns each
+//! [`SkippedRecord`] (line and reason) beside the conversations, and
+//! [`import_bytes`] logs them as warnings.
 
 mod aider;
 mod blocks;
 mod claude_code;
+mod codex;
 mod draft;
 mod openai;
 mod openhands;
@@ -49,6 +58,7 @@ use crate::core::event::Envelope;
 use serde::de::IgnoredAny;
 use serde::Deserialize;
 use serde_json::value::RawValue;
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -65,11 +75,12 @@ pub enum Format {
     SweAgent,
     Openhands,
     Aider,
+    Codex,
 }
 
 impl Format {
     /// Every format, in the order of [`Format::NAMES`].
-    pub const ALL: [Format; 7] = [
+    pub const ALL: [Format; 8] = [
         Format::Auto,
         Format::Openai,
         Format::Pi,
@@ -77,10 +88,11 @@ impl Format {
         Format::SweAgent,
         Format::Openhands,
         Format::Aider,
+        Format::Codex,
     ];
 
     /// The names `FromStr` accepts and `Display` writes.
-    pub const NAMES: [&'static str; 7] = [
+    pub const NAMES: [&'static str; 8] = [
         "auto",
         "openai",
         "pi",
@@ -88,6 +100,7 @@ impl Format {
         "swe-agent",
         "openhands",
         "aider",
+        "codex",
     ];
 
     pub fn name(self) -> &'static str {
@@ -99,6 +112,7 @@ impl Format {
             Format::SweAgent => "swe-agent",
             Format::Openhands => "openhands",
             Format::Aider => "aider",
+            Format::Codex => "codex",
         }
     }
 }
@@ -146,6 +160,30 @@ pub struct ImportedConversation {
     pub events: Vec<Envelope>,
 }
 
+/// A record an importer did not understand and left out; the rest of the
+/// file was read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SkippedRecord {
+    /// 1-based line of the record in the file.
+    pub line: usize,
+    /// Why it was left out.
+    pub reason: String,
+}
+
+impl fmt::Display for SkippedRecord {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "line {}: {}", self.line, self.reason)
+    }
+}
+
+/// The conversations of a transcript and the records left out of them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Imported {
+    pub conversations: Vec<ImportedConversation>,
+    /// In file order.
+    pub skipped: Vec<SkippedRecord>,
+}
+
 /// Why a transcript could not be imported.
 #[derive(Debug, thiserror::Error)]
 pub enum ImportError {
@@ -157,7 +195,7 @@ pub enum ImportError {
     },
     #[error(
         "{input}: not a transcript format contextfold recognizes ({reason}); \
-         pass --format with one of: openai, pi, claude-code, swe-agent, openhands, aider"
+         pass --format with one of: openai, pi, claude-code, swe-agent, openhands, aider, codex"
     )]
     UnknownFormat { input: String, reason: String },
     #[error("{input}: invalid {} at byte {offset} (line {line}, column {column}): {detail}", what(*format, "JSON"))]
@@ -207,8 +245,17 @@ impl ImportError {
 }
 
 /// Reads one transcript file. The file name (not its directory) names the
-/// conversations and seeds the event ids.
+/// conversations and seeds the event ids. Skipped records are logged as
+/// warnings.
 pub fn import_file(path: &Path, format: Format) -> Result<Vec<ImportedConversation>, ImportError> {
+    Ok(log_skipped(
+        import_file_reporting(path, format)?,
+        &path.display().to_string(),
+    ))
+}
+
+/// [`import_file`], returning the skipped records instead of logging them.
+pub fn import_file_reporting(path: &Path, format: Format) -> Result<Imported, ImportError> {
     let bytes = std::fs::read(path).map_err(|error| ImportError::Io {
         path: path.to_path_buf(),
         error,
@@ -217,16 +264,36 @@ pub fn import_file(path: &Path, format: Format) -> Result<Vec<ImportedConversati
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| path.display().to_string());
-    import_bytes(&bytes, format, &name)
+    import_bytes_reporting(&bytes, format, &name)
 }
 
 /// Reads a transcript held in memory. `source_name` is a file name or path
-/// (only its last component counts) that names the conversations.
+/// (only its last component counts) that names the conversations. Skipped
+/// records are logged as warnings.
 pub fn import_bytes(
     bytes: &[u8],
     format: Format,
     source_name: &str,
 ) -> Result<Vec<ImportedConversation>, ImportError> {
+    Ok(log_skipped(
+        import_bytes_reporting(bytes, format, source_name)?,
+        source_name,
+    ))
+}
+
+fn log_skipped(imported: Imported, input: &str) -> Vec<ImportedConversation> {
+    for s in &imported.skipped {
+        tracing::warn!(input, line = s.line, reason = %s.reason, "import skipped a record");
+    }
+    imported.conversations
+}
+
+/// [`import_bytes`], returning the skipped records instead of logging them.
+pub fn import_bytes_reporting(
+    bytes: &[u8],
+    format: Format,
+    source_name: &str,
+) -> Result<Imported, ImportError> {
     let bytes = strip_bom(bytes);
     let format = match format {
         Format::Auto => detect(bytes, source_name)?,
@@ -236,6 +303,7 @@ pub fn import_bytes(
         input: source_name,
         format,
         bytes,
+        skipped: RefCell::new(Vec::new()),
     };
     let drafts = match format {
         Format::Openai | Format::Auto => openai::parse(&source)?,
@@ -244,6 +312,7 @@ pub fn import_bytes(
         Format::ClaudeCode => claude_code::parse(&source)?,
         Format::Openhands => openhands::parse(&source)?,
         Format::Aider => aider::parse(&source)?,
+        Format::Codex => codex::parse(&source)?,
     };
     let stem = conversation_stem(source_name);
     let conversations: Vec<ImportedConversation> = drafts
@@ -261,7 +330,10 @@ pub fn import_bytes(
             format,
         });
     }
-    Ok(conversations)
+    Ok(Imported {
+        conversations,
+        skipped: source.skipped.into_inner(),
+    })
 }
 
 /// Which format the content is in, from the content alone.
@@ -302,6 +374,8 @@ pub(crate) struct Source<'a> {
     pub input: &'a str,
     pub format: Format,
     pub bytes: &'a [u8],
+    /// Records left out, for formats that read past what they do not know.
+    pub skipped: RefCell<Vec<SkippedRecord>>,
 }
 
 /// The shape of a JSON input: one document, or JSON Lines.
@@ -311,6 +385,14 @@ pub(crate) enum JsonShape<'a> {
 }
 
 impl<'a> Source<'a> {
+    /// Notes a record left out (1-based line) and why; reading goes on.
+    pub fn skip(&self, line: usize, reason: impl Into<String>) {
+        self.skipped.borrow_mut().push(SkippedRecord {
+            line,
+            reason: reason.into(),
+        });
+    }
+
     /// An error inside a JSON value that starts at byte `base` of the input.
     pub fn json_error(&self, base: usize, err: &serde_json::Error) -> ImportError {
         let within = offset_of(
@@ -374,16 +456,22 @@ impl<'a> Source<'a> {
     }
 
     /// One JSON document, or JSON Lines when the whole input is not one
-    /// value but its first non-empty line is.
+    /// value but one of its first non-empty lines is (a torn first record
+    /// does not make a JSONL file unreadable).
     pub fn json_shape(&self) -> Result<JsonShape<'a>, ImportError> {
         match serde_json::from_slice::<&RawValue>(self.bytes) {
             Ok(raw) => Ok(JsonShape::Document(raw)),
-            Err(whole) => match self.lines().next() {
-                Some((_, line)) if serde_json::from_slice::<IgnoredAny>(line).is_ok() => {
+            Err(whole) => {
+                if self
+                    .lines()
+                    .take(DETECT_LINES)
+                    .any(|(_, line)| serde_json::from_slice::<IgnoredAny>(line).is_ok())
+                {
                     Ok(JsonShape::Lines)
+                } else {
+                    Err(self.json_error(0, &whole))
                 }
-                _ => Err(self.json_error(0, &whole)),
-            },
+            }
         }
     }
 
@@ -464,6 +552,7 @@ fn detect(bytes: &[u8], input: &str) -> Result<Format, ImportError> {
         input,
         format: Format::Auto,
         bytes,
+        skipped: RefCell::new(Vec::new()),
     };
     match source.json_shape()? {
         JsonShape::Document(raw) => detect_document(&source, raw).map_err(|r| unknown(&r)),
@@ -481,6 +570,9 @@ fn detect_document(source: &Source<'_>, raw: &RawValue) -> Result<Format, String
             if let Some(format) = classify_probe(&probe) {
                 return Ok(format);
             }
+        }
+        if is_openhands_instance(&keys) {
+            return Ok(Format::Openhands);
         }
         if keys.contains_key("history")
             && ["trajectory", "info", "environment", "replay_config"]
@@ -508,6 +600,9 @@ fn detect_document(source: &Source<'_>, raw: &RawValue) -> Result<Format, String
             source.offset_of(first)
         )
     })?;
+    if is_openhands_instance(&keys) {
+        return Ok(Format::Openhands);
+    }
     if keys.contains_key("role")
         || ["messages", "traj", "history"]
             .iter()
@@ -523,6 +618,11 @@ fn detect_document(source: &Source<'_>, raw: &RawValue) -> Result<Format, String
     Err("a JSON array of objects that are neither chat messages, runs with `traj`/`messages`/`history`, nor OpenHands events".to_string())
 }
 
+/// An OpenHands evaluation instance: `instance_id` beside the event `history`.
+fn is_openhands_instance(keys: &Keys) -> bool {
+    keys.contains_key("instance_id") && keys.contains_key("history")
+}
+
 #[derive(Deserialize)]
 struct RecordProbe {
     #[serde(rename = "type", default)]
@@ -535,11 +635,32 @@ struct RecordProbe {
     messages: Option<IgnoredAny>,
     #[serde(default)]
     traj: Option<IgnoredAny>,
+    #[serde(default)]
+    payload: Option<IgnoredAny>,
+    /// Older Codex rollouts mark state with `{"record_type":"state"}`.
+    #[serde(default)]
+    record_type: Option<IgnoredAny>,
+    #[serde(default)]
+    instance_id: Option<IgnoredAny>,
+    #[serde(default)]
+    history: Option<IgnoredAny>,
 }
 
-/// Pi, Claude Code or OpenAI from one JSONL record.
+/// Pi, Claude Code, Codex, an OpenHands evaluation instance or OpenAI from
+/// one JSONL record.
 fn classify_probe(probe: &RecordProbe) -> Option<Format> {
+    if probe.instance_id.is_some() && probe.history.is_some() {
+        return Some(Format::Openhands);
+    }
+    if probe.record_type.is_some() {
+        return Some(Format::Codex);
+    }
     match probe.kind.as_deref() {
+        Some("session_meta" | "response_item" | "event_msg" | "turn_context" | "compacted")
+            if probe.payload.is_some() =>
+        {
+            return Some(Format::Codex)
+        }
         Some(
             "session" | "model_change" | "thinking_level_change" | "compaction" | "branch_summary",
         ) => return Some(Format::Pi),
@@ -560,17 +681,28 @@ fn classify_probe(probe: &RecordProbe) -> Option<Format> {
 const DETECT_LINES: usize = 200;
 
 fn detect_lines(source: &Source<'_>) -> Result<Format, ImportError> {
+    // A damaged record does not hide the format of the ones after it; the
+    // format's reader then reports it (or fails on it).
+    let mut first_error = None;
     for (number, line) in source.lines().take(DETECT_LINES) {
-        let probe: RecordProbe =
-            serde_json::from_slice(line).map_err(|e| source.line_json_error(number, &e))?;
+        let probe: RecordProbe = match serde_json::from_slice(line) {
+            Ok(p) => p,
+            Err(e) => {
+                first_error.get_or_insert_with(|| source.line_json_error(number, &e));
+                continue;
+            }
+        };
         if let Some(format) = classify_probe(&probe) {
             return Ok(format);
         }
     }
+    if let Some(err) = first_error {
+        return Err(err);
+    }
     Err(ImportError::UnknownFormat {
         input: source.input.to_string(),
         reason: format!(
-            "JSON Lines whose first {DETECT_LINES} records are neither pi, Claude Code nor OpenAI chat records"
+            "JSON Lines whose first {DETECT_LINES} records are neither pi, Claude Code, Codex, OpenHands evaluation instances nor OpenAI chat records"
         ),
     })
 }

@@ -1,4 +1,17 @@
-//! OpenHands event streams (a JSON array of events, as in trajectory replays).
+//! OpenHands event streams: a JSON array of events (trajectory replays), or
+//! the evaluation output a benchmark run writes (`output.jsonl`: one JSON
+//! object per instance with `instance_id`, `instruction`, `metadata`,
+//! `history`, `metrics`, …; also read as one object or an array of them).
+//! Each instance is one conversation, `<stem>#<instance_id>` (an id seen
+//! twice gets `.<position>`), made of its `history` events; its model is the
+//! one the model responses name, else `metadata.llm_config.model`. An
+//! instance line that cannot be read, has no `history`, or gives no turn is
+//! reported as skipped, as is a history event that cannot be read, and the
+//! rest is imported. Histories of OpenHands SDK (V1) events (a `kind` per
+//! event, no `action` / `observation`) are not read yet: such an instance is
+//! reported with the kinds it holds.
+//!
+//! Events:
 //!
 //! - `action: "message"`: a `user` or `assistant` message (by `source`), text
 //!   from `args.content` (else `message`), `args.image_urls` as image parts.
@@ -92,28 +105,228 @@ struct ResponseUsage {
     total_tokens: Option<u64>,
 }
 
+/// An evaluation output instance; the rest of its fields are not read.
+#[derive(Deserialize)]
+struct Instance<'a> {
+    #[serde(default)]
+    instance_id: Option<Value>,
+    #[serde(borrow, default)]
+    history: Option<&'a RawValue>,
+    #[serde(default)]
+    metadata: Option<Value>,
+}
+
+/// Top-level keys that tell an instance from an event.
+#[derive(Deserialize)]
+struct InstanceProbe {
+    #[serde(default)]
+    instance_id: Option<serde::de::IgnoredAny>,
+    #[serde(default)]
+    history: Option<serde::de::IgnoredAny>,
+}
+
+#[derive(Deserialize)]
+struct KindProbe {
+    #[serde(default)]
+    kind: Option<String>,
+}
+
+fn is_instance(raw: &RawValue) -> bool {
+    serde_json::from_str::<InstanceProbe>(raw.get())
+        .map(|p| p.instance_id.is_some() && p.history.is_some())
+        .unwrap_or(false)
+}
+
 pub(crate) fn parse(source: &Source<'_>) -> Result<Vec<Draft>, ImportError> {
     let raw = match source.json_shape()? {
         JsonShape::Document(raw) if raw.get().trim_start().starts_with('[') => raw,
+        JsonShape::Document(raw) if is_instance(raw) => {
+            let mut instances = Instances::default();
+            return Ok(instances.read(source, 1, raw).into_iter().collect());
+        }
         JsonShape::Document(raw) => {
             return Err(source.json_error_at(
                 source.offset_of(raw),
-                "expected a JSON array of OpenHands events",
+                "expected a JSON array of OpenHands events, or an evaluation instance (an object with `instance_id` and `history`)",
             ))
         }
-        JsonShape::Lines => {
-            return Err(source.line_error(
-                1,
-                "expected a JSON array of OpenHands events, found JSON Lines",
-            ))
-        }
+        JsonShape::Lines => return Ok(parse_instance_lines(source)),
     };
     let events: Vec<&RawValue> = source.parse_raw(raw)?;
+    if events.first().is_some_and(|e| is_instance(e)) {
+        let mut instances = Instances::default();
+        let mut drafts = Vec::new();
+        for raw in events {
+            let line = line_of(source, raw);
+            drafts.extend(instances.read(source, line, raw));
+        }
+        return Ok(drafts);
+    }
     let mut d = Draft::new(None);
+    push_events(source, &mut d, events, None)?;
+    Ok(vec![d])
+}
+
+/// 1-based line where a value borrowed from the input starts.
+fn line_of(source: &Source<'_>, raw: &RawValue) -> usize {
+    let offset = source.offset_of(raw).min(source.bytes.len());
+    source.bytes[..offset]
+        .iter()
+        .filter(|b| **b == b'\n')
+        .count()
+        + 1
+}
+
+fn parse_instance_lines(source: &Source<'_>) -> Vec<Draft> {
+    let mut instances = Instances::default();
+    let mut drafts = Vec::new();
+    for (number, line) in source.lines() {
+        let raw: &RawValue = match serde_json::from_slice(line) {
+            Ok(raw) => raw,
+            Err(e) => {
+                source.skip(number, format!("not a JSON object: {e}"));
+                continue;
+            }
+        };
+        drafts.extend(instances.read(source, number, raw));
+    }
+    drafts
+}
+
+/// The instances read so far, to keep conversation ids apart.
+#[derive(Default)]
+struct Instances {
+    seen: std::collections::HashSet<String>,
+    position: usize,
+}
+
+impl Instances {
+    /// One instance as a draft, or `None` (reported as skipped).
+    fn read(&mut self, source: &Source<'_>, line: usize, raw: &RawValue) -> Option<Draft> {
+        let position = self.position;
+        self.position += 1;
+        let instance: Instance<'_> = match serde_json::from_str(raw.get()) {
+            Ok(i) => i,
+            Err(e) => {
+                source.skip(line, format!("not an OpenHands evaluation instance: {e}"));
+                return None;
+            }
+        };
+        let id = match &instance.instance_id {
+            Some(Value::String(s)) if !s.is_empty() => s.clone(),
+            Some(Value::Number(n)) => n.to_string(),
+            _ => format!("instance-{position}"),
+        };
+        let Some(history) = instance.history else {
+            source.skip(line, format!("instance `{id}` has no `history` of events"));
+            return None;
+        };
+        let events: Vec<&RawValue> = match serde_json::from_str(history.get()) {
+            Ok(events) => events,
+            Err(e) => {
+                source.skip(
+                    line,
+                    format!("instance `{id}`: `history` is not a list of events: {e}"),
+                );
+                return None;
+            }
+        };
+        let count = events.len();
+        // The OpenHands SDK (V1) writes events with a `kind` instead.
+        let sdk_kinds: std::collections::BTreeSet<String> = events
+            .iter()
+            .filter_map(|e| serde_json::from_str::<KindProbe>(e.get()).ok()?.kind)
+            .collect();
+        let mut d = Draft::new(None);
+        // Reporting mode never fails: every error becomes a skipped record.
+        if push_events(source, &mut d, events, Some((line, &id))).is_err() {
+            return None;
+        }
+        if !d
+            .items
+            .iter()
+            .any(|i| matches!(i.kind, draft::ItemKind::Turn(_)))
+        {
+            let why = if sdk_kinds.is_empty() {
+                String::new()
+            } else {
+                let kinds: Vec<String> = sdk_kinds.into_iter().collect();
+                format!(
+                    " (they are OpenHands SDK events, kinds {}, which this importer does not read yet)",
+                    kinds.join(", ")
+                )
+            };
+            source.skip(
+                line,
+                format!(
+                    "instance `{id}`: none of its {count} history events is a message, action or observation this importer reads{why}"
+                ),
+            );
+            return None;
+        }
+        let has_model = d.items.iter().any(|i| match &i.kind {
+            draft::ItemKind::Turn(t) => t.model.is_some(),
+            draft::ItemKind::Model(_) => true,
+            draft::ItemKind::ProviderError { .. } => false,
+        });
+        if !has_model {
+            d.model = instance
+                .metadata
+                .as_ref()
+                .and_then(|m| m.get("llm_config"))
+                .and_then(|c| c.get("model"))
+                .and_then(Value::as_str)
+                .filter(|m| !m.is_empty())
+                .map(str::to_string);
+        }
+        d.key = Some(if self.seen.insert(id.clone()) {
+            id
+        } else {
+            format!("{id}.{position}")
+        });
+        Some(d)
+    }
+}
+
+/// The message of an error inside an instance, for a skipped-record reason.
+fn detail(err: ImportError) -> String {
+    match err {
+        ImportError::Json { detail, offset, .. } => format!("{detail} (byte {offset})"),
+        other => other.to_string(),
+    }
+}
+
+/// Appends the turns of `events`. With `report` (the instance's line and
+/// id), an event that cannot be read is reported as skipped and the rest
+/// read; without, it is an error.
+fn push_events(
+    source: &Source<'_>,
+    d: &mut Draft,
+    events: Vec<&RawValue>,
+    report: Option<(usize, &str)>,
+) -> Result<(), ImportError> {
+    let failed = |k: usize, e: ImportError| -> Result<(), ImportError> {
+        match report {
+            None => Err(e),
+            Some((line, id)) => {
+                source.skip(
+                    line,
+                    format!("instance `{id}`: history event {k} not read: {}", detail(e)),
+                );
+                Ok(())
+            }
+        }
+    };
     // Response id -> index of the assistant turn made from it.
     let mut responses: HashMap<String, usize> = HashMap::new();
-    for raw_event in events {
-        let event: Event<'_> = source.parse_raw(raw_event)?;
+    for (k, raw_event) in events.into_iter().enumerate() {
+        let event: Event<'_> = match source.parse_raw(raw_event) {
+            Ok(e) => e,
+            Err(e) => {
+                failed(k, e)?;
+                continue;
+            }
+        };
         let time = event.timestamp.as_deref().and_then(parse_iso8601);
         let call = event
             .tool_call_metadata
@@ -195,7 +408,13 @@ pub(crate) fn parse(source: &Source<'_>) -> Result<Vec<Draft>, ImportError> {
                     },
                 };
                 let response: Option<ModelResponse> = match meta.model_response {
-                    Some(r) if r.get() != "null" => Some(source.parse_raw(r)?),
+                    Some(r) if r.get() != "null" => match source.parse_raw(r) {
+                        Ok(r) => Some(r),
+                        Err(e) => {
+                            failed(k, e)?;
+                            continue;
+                        }
+                    },
                     _ => None,
                 };
                 if let Some(index) = response
@@ -269,7 +488,7 @@ pub(crate) fn parse(source: &Source<'_>) -> Result<Vec<Draft>, ImportError> {
             _ => {}
         }
     }
-    Ok(vec![d])
+    Ok(())
 }
 
 fn image_url(url: &str) -> ContentPart {
