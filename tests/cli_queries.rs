@@ -207,3 +207,32 @@ fn a_line_too_large_for_the_log_is_rejected_by_number_and_the_rest_folded() {
         "the lines after it were folded: {out}"
     );
 }
+
+/// `classify-errors` tells a context overflow, a byte-size limit (no
+/// compaction) and any other error apart, one line of stdin each.
+#[test]
+fn classify_errors_tells_overflow_from_size_limits() {
+    use std::io::Write;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_contextfold"))
+        .arg("classify-errors")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(
+            b"This model's maximum context length is 4000 tokens. However, your messages resulted in 5000 tokens.\n\
+              413 Request Entity Too Large\n\
+              Rate limit reached, retry in 20s\n",
+        )
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    assert_eq!(
+        String::from_utf8(out.stdout).unwrap(),
+        "overflow 4000 5000\nsize_limit\nother\n"
+    );
+}

@@ -275,7 +275,12 @@ pub fn classify_errors() -> Result<ExitCode> {
     for line in stdin.lock().lines() {
         let line = line.context("reading stdin")?;
         let v = overflow::classify(&line);
-        let verdict = if v.overflow { "overflow" } else { "other" };
+        let verdict = match (v.overflow, v.size_limit) {
+            (true, _) => "overflow",
+            // A request or upload over a byte limit: no compaction.
+            (false, true) => "size_limit",
+            (false, false) => "other",
+        };
         let counts: Vec<String> = v.token_counts.iter().map(u64::to_string).collect();
         if counts.is_empty() {
             writeln!(out, "{verdict}")?;
