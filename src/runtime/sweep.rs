@@ -275,6 +275,26 @@ where
                 summarizer.rolling_state_within(&req, allowance(&spent, &snap)),
             )
             .await;
+            // A rejected answer: the deterministic state is written and
+            // the sweep says why (not `done`).
+            let result = match result {
+                Ok(Err(PassError::Failed { reason, spend })) => {
+                    tracing::warn!(%reason, "rolling state answer rejected; writing the deterministic state");
+                    if stop == SweepStop::Done {
+                        stop = SweepStop::Failed;
+                    }
+                    let note = format!("rolling state: {reason}");
+                    detail = Some(match detail.take() {
+                        Some(d) => format!("{d}; {note}"),
+                        None => note,
+                    });
+                    Ok(Ok((
+                        crate::core::fallback_summary::rolling_state(&req),
+                        spend,
+                    )))
+                }
+                other => other,
+            };
             match result {
                 Ok(Ok((state, spend))) => {
                     add(&mut spent, spend);
