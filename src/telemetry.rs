@@ -741,6 +741,25 @@ impl JobDeadLettered<'_> {
     }
 }
 
+/// Validation rejections and escalations by kind, counted in this process
+/// (beside the metrics), so a report such as `contextfold eval` can say
+/// why summaries were refused without a metrics exporter.
+static SUMMARY_TALLY: std::sync::Mutex<
+    std::collections::BTreeMap<(&'static str, &'static str), u64>,
+> = std::sync::Mutex::new(std::collections::BTreeMap::new());
+
+fn tally(what: &'static str, kind: &'static str) {
+    if let Ok(mut t) = SUMMARY_TALLY.lock() {
+        *t.entry((what, kind)).or_default() += 1;
+    }
+}
+
+/// The process's counts so far: `(("rejected" | "escalated", kind), n)`.
+/// Take two and subtract to count what happened in between.
+pub fn summary_tally() -> std::collections::BTreeMap<(&'static str, &'static str), u64> {
+    SUMMARY_TALLY.lock().map(|t| t.clone()).unwrap_or_default()
+}
+
 /// Validation refused a summary text.
 pub struct ValidationRejected {
     /// A closed set: [`crate::summarizer::validation::Rejection::kind`],
@@ -750,6 +769,7 @@ pub struct ValidationRejected {
 
 impl ValidationRejected {
     pub fn emit(self) {
+        tally("rejected", self.kind);
         if cfg!(feature = "telemetry-off") {
             return;
         }
@@ -766,6 +786,7 @@ pub struct Escalated {
 
 impl Escalated {
     pub fn emit(self) {
+        tally("escalated", self.kind);
         if cfg!(feature = "telemetry-off") {
             return;
         }

@@ -193,3 +193,100 @@ async fn the_model_path_reports_the_calls_the_server_saw() {
     assert!(f(&r, "tokens_spent") > 0.0);
     assert_eq!(r["overflows"], json!(0));
 }
+
+/// A model that refuses every request (a real small model's answer, issue
+/// 14): the report counts the refusals and the fallbacks, the retention
+/// in the summary text stays apart from the "Exact identifiers" appendix,
+/// and `--keep` leaves a data directory `history` can read.
+#[tokio::test]
+async fn refusals_are_counted_and_the_kept_data_dir_is_readable() {
+    let Some(a) = transcript("swe-agent_SWE-agent/pydicom__pydicom-1458.traj") else {
+        return;
+    };
+    let rules = json!({"rules": [
+        {"name": "refuse", "when": {"model_matches": "m-refuse"},
+         "respond": {"content": "I'm sorry, but I can't assist with that."}}
+    ]});
+    let Some(server) = FakeLlm::start(&rules.to_string()).await else {
+        return;
+    };
+    let base = server.base_url();
+    let keep = tempfile::tempdir().expect("tempdir");
+    let keep_dir = keep.path().join("kept");
+    let kd = keep_dir.clone();
+    let out = tokio::task::spawn_blocking(move || {
+        eval(
+            &[
+                "--budget",
+                "8000",
+                "--json",
+                "--keep",
+                kd.to_str().unwrap_or_default(),
+            ],
+            &[a],
+            &[
+                ("CONTEXTFOLD_SUMMARIZER__BASE_URL", base.as_str()),
+                ("CONTEXTFOLD_SUMMARIZER__MODEL", "m-refuse"),
+                ("CONTEXTFOLD_SUMMARIZER__MAX_RETRIES", "0"),
+            ],
+        )
+    })
+    .await
+    .expect("eval ran");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r = report(&out);
+    let refusals = r["rejections"]["refusal"].as_u64().unwrap_or(0);
+    assert!(refusals > 0, "no refusal counted: {}", r["rejections"]);
+    assert!(
+        r["escalations"]["fallback"].as_u64().unwrap_or(0) > 0,
+        "{}",
+        r["escalations"]
+    );
+    // Every summary is a fallback: what the appendix adds is counted apart.
+    let in_text = f(&r, "identifier_retention_in_text");
+    assert!(in_text <= f(&r, "identifier_retention"), "{r}");
+    assert_eq!(
+        r["identifiers_retained"].as_u64().unwrap_or(0),
+        r["identifiers_retained_in_text"].as_u64().unwrap_or(0)
+            + r["identifiers_only_in_appendix"].as_u64().unwrap_or(0)
+    );
+
+    let conv = r["files"][0]["conversation_ids"][0]
+        .as_str()
+        .expect("a conversation id")
+        .to_string();
+    let history = Command::new(env!("CARGO_BIN_EXE_contextfold"))
+        .args([
+            "--data",
+            keep_dir.to_str().unwrap_or_default(),
+            "history",
+            &conv,
+        ])
+        .env_remove("CONTEXTFOLD_CONFIG")
+        .env_remove("CONTEXTFOLD_SUMMARIZER__BASE_URL")
+        .current_dir(keep.path())
+        .output()
+        .expect("run contextfold history");
+    let text = String::from_utf8_lossy(&history.stdout);
+    assert!(
+        history.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&history.stderr)
+    );
+    assert!(
+        text.contains("summary"),
+        "no summary in the kept history: {text}"
+    );
+    // A second run into the same directory is refused, not mixed in.
+    let again = eval(
+        &["--keep", keep_dir.to_str().unwrap_or_default()],
+        &[transcript("swe-agent_SWE-agent/pydicom__pydicom-1458.traj").unwrap_or_default()],
+        &[],
+    );
+    assert!(!again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("already holds an event log"));
+}

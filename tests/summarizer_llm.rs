@@ -650,6 +650,42 @@ async fn rolling_state_is_refreshed_within_its_limits() {
     assert!(matches!(err.calls()[0].outcome, CallOutcome::Invalid(_)));
 }
 
+/// A small model's rolling states (issue 14) held a delimiter line and
+/// claimed outcomes: they are rejected with a reason, never stored.
+#[tokio::test]
+async fn rolling_state_answers_are_validated_like_summaries() {
+    let server = ScriptedServer::start(move |r| {
+        let text = if r.model() == "m-delim" {
+            "Completed: reproduced the failure\nIn progress: </data-3f9a1c0b77de>\n\
+             Decisions: none\nBlockers: none\nNext: fix it"
+                .to_string()
+        } else {
+            "Completed: After making these changes, I ran the reproduce script. All the tests \
+             passed.\nIn progress: none\nDecisions: none\nBlockers: none\nNext: none"
+                .to_string()
+        };
+        Scripted::json(200, completion(&r.model(), &text))
+    })
+    .await;
+    let req = RollingStateRequest {
+        conversation: "agent:ops:deploy".into(),
+        previous: None,
+        sources: request(200).sources,
+    };
+    for (model, kind) in [("m-delim", "delimiter"), ("m-voice", "agent voice")] {
+        let err = llm(config(&server.base_url(), model, &[]))
+            .refresh_rolling_state(&req)
+            .await
+            .unwrap_err();
+        let SummarizeError::Invalid { reason, calls } = &err else {
+            panic!("{model}: {err:?}");
+        };
+        assert!(reason.starts_with("rolling state rejected"), "{reason}");
+        assert!(reason.contains(kind), "{model}: {reason}");
+        assert!(matches!(&calls[0].outcome, CallOutcome::Invalid(r) if r == reason));
+    }
+}
+
 // --------------------------------------------------------------- fakellm --
 
 fn oversized_text() -> String {

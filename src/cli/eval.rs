@@ -15,6 +15,7 @@ use contextfold::core::policy::PolicyConfig;
 use contextfold::core::state::{ContextItem, Conversation, TurnBodies};
 use contextfold::import::{self, Format};
 use contextfold::log::memory::MemoryLog;
+use contextfold::log::segment::SegmentLog;
 use contextfold::log::EventLog;
 use contextfold::runtime::embedded::Pipeline;
 use contextfold::runtime::engine::Engine;
@@ -22,6 +23,8 @@ use contextfold::runtime::llm_pass::LlmPass;
 use contextfold::runtime::sweep::{Deterministic, PassSummarizer};
 use contextfold::secret::redact_url;
 use contextfold::store::memory_backend::MemoryBackend;
+use contextfold::summarizer::prompts::EXACT_IDENTIFIERS_HEADING;
+use contextfold::telemetry;
 use serde::Serialize;
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -75,6 +78,9 @@ pub struct FileReport {
     pub file: String,
     pub format: String,
     pub conversations: usize,
+    /// The conversations' ids (for `describe`, `history` and `assemble`
+    /// on a data directory kept with `--keep`).
+    pub conversation_ids: Vec<String>,
     pub turns: u64,
     pub raw_tokens: u64,
     /// Context tokens at the end (what the fold holds for the agent).
@@ -89,9 +95,20 @@ pub struct FileReport {
     pub identifiers: u64,
     pub identifiers_retained: u64,
     pub identifier_retention: f64,
+    /// Identifiers found in the context apart from the "Exact identifiers"
+    /// appendices: what the summaries' own text and the raw turns kept.
+    pub identifiers_retained_in_text: u64,
+    pub identifier_retention_in_text: f64,
+    /// Identifiers found only in an "Exact identifiers" appendix.
+    pub identifiers_only_in_appendix: u64,
     pub compression_by_depth: BTreeMap<u32, DepthCompression>,
     pub compression_ratio: f64,
     pub fallback_summaries: u64,
+    /// Summaries refused by validation, by reason (`refusal`, `copy`,
+    /// `truncated`, ...).
+    pub rejections: BTreeMap<String, u64>,
+    /// Escalations by kind (`aggressive`, `fallback`).
+    pub escalations: BTreeMap<String, u64>,
     pub spend: SweepSpend,
     pub seconds: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -99,10 +116,20 @@ pub struct FileReport {
 }
 
 /// Runs `contextfold eval`.
-pub fn eval(config: &Config, files: &[PathBuf], budget: u64, json: bool) -> Result<ExitCode> {
+pub fn eval(
+    config: &Config,
+    files: &[PathBuf],
+    budget: u64,
+    json: bool,
+    keep: Option<&Path>,
+) -> Result<ExitCode> {
     if budget == 0 {
         anyhow::bail!("--budget must be at least 1 token");
     }
+    let keep_dirs = match keep {
+        Some(dir) => Some(keep_dirs(dir, files)?),
+        None => None,
+    };
     let mut policy = config.policy.clone();
     policy.default_context_window = budget;
     policy.max_assembly_token_budget = Some(budget);
@@ -118,15 +145,26 @@ pub fn eval(config: &Config, files: &[PathBuf], budget: u64, json: bool) -> Resu
         .build()
         .context("starting the async runtime")?;
     let mut reports = Vec::new();
-    for file in files {
+    for (n, file) in files.iter().enumerate() {
         let started = Instant::now();
+        let before = telemetry::summary_tally();
+        let keep_dir = keep_dirs.as_ref().and_then(|d| d.get(n));
         let result = rt.block_on(async {
-            match &config.summarizer {
-                Some(cfg) => {
+            match (&config.summarizer, keep_dir) {
+                (Some(cfg), None) => {
                     let pass = LlmPass::llm(cfg).context("building the model summarizer")?;
-                    eval_file(file, &policy, budget, pass).await
+                    eval_file(file, &policy, budget, pass, MemoryLog::new()).await
                 }
-                None => eval_file(file, &policy, budget, Deterministic).await,
+                (None, None) => {
+                    eval_file(file, &policy, budget, Deterministic, MemoryLog::new()).await
+                }
+                (Some(cfg), Some(dir)) => {
+                    let pass = LlmPass::llm(cfg).context("building the model summarizer")?;
+                    eval_file(file, &policy, budget, pass, kept_log(dir)?).await
+                }
+                (None, Some(dir)) => {
+                    eval_file(file, &policy, budget, Deterministic, kept_log(dir)?).await
+                }
             }
         });
         let mut report = result.unwrap_or_else(|e| FileReport {
@@ -135,6 +173,27 @@ pub fn eval(config: &Config, files: &[PathBuf], budget: u64, json: bool) -> Resu
             ..FileReport::default()
         });
         report.seconds = started.elapsed().as_secs_f64();
+        let after = telemetry::summary_tally();
+        for (&(what, kind), &n) in &after {
+            let n = n.saturating_sub(before.get(&(what, kind)).copied().unwrap_or(0));
+            if n == 0 {
+                continue;
+            }
+            let into = if what == "rejected" {
+                &mut report.rejections
+            } else {
+                &mut report.escalations
+            };
+            *into.entry(kind.to_string()).or_default() += n;
+        }
+        if let Some(dir) = keep_dir {
+            eprintln!(
+                "  kept {} (read it with `contextfold --data {} history|assemble|describe CONVERSATION`; conversations: {})",
+                dir.display(),
+                dir.display(),
+                report.conversation_ids.join(", ")
+            );
+        }
         eprintln!(
             "  {}: {} turns in {:.1}s",
             report.file, report.turns, report.seconds
@@ -152,6 +211,11 @@ pub fn eval(config: &Config, files: &[PathBuf], budget: u64, json: bool) -> Resu
             "identifier_retention": total.identifier_retention,
             "identifiers": total.identifiers,
             "identifiers_retained": total.identifiers_retained,
+            "identifier_retention_in_text": total.identifier_retention_in_text,
+            "identifiers_retained_in_text": total.identifiers_retained_in_text,
+            "identifiers_only_in_appendix": total.identifiers_only_in_appendix,
+            "rejections": total.rejections,
+            "escalations": total.escalations,
             "compression_ratio": total.compression_ratio,
             "compression_by_depth": total.compression_by_depth,
             "calls": total.spend.calls,
@@ -171,17 +235,57 @@ pub fn eval(config: &Config, files: &[PathBuf], budget: u64, json: bool) -> Resu
     })
 }
 
-/// One file through a fresh in-memory pipeline.
-async fn eval_file<S: PassSummarizer>(
+/// The data directory kept for each file: `dir` itself for one file, a
+/// numbered directory per file under it for several. Refuses a directory
+/// that already holds a log, so runs never mix.
+fn keep_dirs(dir: &Path, files: &[PathBuf]) -> Result<Vec<PathBuf>> {
+    let dirs: Vec<PathBuf> = if files.len() == 1 {
+        vec![dir.to_path_buf()]
+    } else {
+        files
+            .iter()
+            .enumerate()
+            .map(|(n, f)| {
+                let stem = f
+                    .file_stem()
+                    .map_or("transcript".into(), |s| s.to_string_lossy().into_owned());
+                dir.join(format!("{:02}-{stem}", n + 1))
+            })
+            .collect()
+    };
+    for d in &dirs {
+        if d.join("log").exists() {
+            anyhow::bail!(
+                "--keep {}: {} already holds an event log; give an empty or new directory",
+                dir.display(),
+                d.display()
+            );
+        }
+    }
+    Ok(dirs)
+}
+
+/// The event log of a kept data directory.
+fn kept_log(dir: &Path) -> Result<SegmentLog> {
+    let log_dir = dir.join("log");
+    std::fs::create_dir_all(&log_dir).with_context(|| format!("creating {}", log_dir.display()))?;
+    SegmentLog::open(&log_dir)
+        .with_context(|| format!("opening the event log in {}", log_dir.display()))
+}
+
+/// One file through a fresh pipeline (its log in memory, or in a kept
+/// data directory).
+async fn eval_file<S: PassSummarizer, L: EventLog>(
     file: &Path,
     policy: &PolicyConfig,
     budget: u64,
     summarizer: S,
+    log: L,
 ) -> Result<FileReport> {
     let conversations = import::import_file(file, Format::Auto)
         .with_context(|| format!("importing {}", file.display()))?;
     let engine = Engine::open(MemoryBackend::default(), policy.clone())?;
-    let mut p = Pipeline::open(MemoryLog::new(), engine, summarizer).await?;
+    let mut p = Pipeline::open(log, engine, summarizer).await?;
     let mut report = FileReport {
         file: file.display().to_string(),
         format: conversations
@@ -189,6 +293,10 @@ async fn eval_file<S: PassSummarizer>(
             .map_or("-", |c| c.format.name())
             .to_string(),
         conversations: conversations.len(),
+        conversation_ids: conversations
+            .iter()
+            .map(|c| c.conversation.clone())
+            .collect(),
         ..FileReport::default()
     };
     let request = AssemblyRequest {
@@ -221,9 +329,11 @@ async fn eval_file<S: PassSummarizer>(
         report.raw_tokens += conv.raw_tokens();
         report.context_tokens += conv.context_tokens;
         report.fallback_summaries += conv.summaries.iter().filter(|s| s.fallback).count() as u64;
-        let (ids, kept) = identifier_retention(conv, &bodies, &out)?;
-        report.identifiers += ids;
-        report.identifiers_retained += kept;
+        let retention = identifier_retention(conv, &bodies, &out)?;
+        report.identifiers += retention.identifiers;
+        report.identifiers_retained += retention.retained;
+        report.identifiers_retained_in_text += retention.retained_in_text;
+        report.identifiers_only_in_appendix += retention.retained - retention.retained_in_text;
         for (depth, c) in compression_by_depth(conv) {
             report
                 .compression_by_depth
@@ -233,6 +343,8 @@ async fn eval_file<S: PassSummarizer>(
         }
     }
     report.identifier_retention = share(report.identifiers_retained, report.identifiers);
+    report.identifier_retention_in_text =
+        share(report.identifiers_retained_in_text, report.identifiers);
     report.compression_ratio = overall(&report.compression_by_depth);
     report.spend = spend(&mut p.log).await?;
     Ok(report)
@@ -283,13 +395,45 @@ pub fn compression_by_depth(conv: &Conversation) -> BTreeMap<u32, DepthCompressi
     out
 }
 
+/// The source's identifiers and how many the assembled context keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Retention {
+    pub identifiers: u64,
+    /// Found anywhere in the context.
+    pub retained: u64,
+    /// Found outside the "Exact identifiers" appendices.
+    pub retained_in_text: u64,
+}
+
+/// `text` without its "Exact identifiers" appendices: the heading line and
+/// the `- ` list lines after it.
+pub fn without_appendix(text: &str) -> String {
+    let heading = format!("{EXACT_IDENTIFIERS_HEADING}:");
+    let mut out = String::with_capacity(text.len());
+    let mut in_list = false;
+    for line in text.split_inclusive('\n') {
+        let bare = line.trim_end_matches(['\n', '\r']);
+        if bare.trim() == heading {
+            in_list = true;
+            continue;
+        }
+        if in_list && bare.starts_with("- ") {
+            continue;
+        }
+        in_list = false;
+        out.push_str(line);
+    }
+    out
+}
+
 /// The source's opaque identifiers (over every raw turn), and how many of
-/// them appear verbatim in the assembled context.
+/// them appear verbatim in the assembled context, with and without the
+/// "Exact identifiers" appendices.
 pub fn identifier_retention(
     conv: &Conversation,
     bodies: &dyn TurnBodies,
     assembled: &Assembled,
-) -> Result<(u64, u64)> {
+) -> Result<Retention> {
     let mut ids: Vec<String> = Vec::new();
     let mut seen = HashSet::new();
     for turn in &conv.turns {
@@ -305,14 +449,20 @@ pub fn identifier_retention(
         context.push_str(&m.searchable_text());
         context.push('\n');
     }
+    let text = without_appendix(&context);
     let kept = ids
         .iter()
         .filter(|id| context.contains(id.as_str()))
         .count();
-    Ok((ids.len() as u64, kept as u64))
+    let kept_in_text = ids.iter().filter(|id| text.contains(id.as_str())).count();
+    Ok(Retention {
+        identifiers: ids.len() as u64,
+        retained: kept as u64,
+        retained_in_text: kept_in_text as u64,
+    })
 }
 
-async fn spend(log: &mut MemoryLog) -> Result<SweepSpend> {
+async fn spend<L: EventLog>(log: &mut L) -> Result<SweepSpend> {
     let mut out = SweepSpend::default();
     let mut after = 0;
     loop {
@@ -353,6 +503,14 @@ fn totals(reports: &[FileReport]) -> FileReport {
         t.identifiers += r.identifiers;
         t.identifiers_retained += r.identifiers_retained;
         t.fallback_summaries += r.fallback_summaries;
+        t.identifiers_retained_in_text += r.identifiers_retained_in_text;
+        t.identifiers_only_in_appendix += r.identifiers_only_in_appendix;
+        for (k, n) in &r.rejections {
+            *t.rejections.entry(k.clone()).or_default() += n;
+        }
+        for (k, n) in &r.escalations {
+            *t.escalations.entry(k.clone()).or_default() += n;
+        }
         for (d, c) in &r.compression_by_depth {
             t.compression_by_depth.entry(*d).or_default().add(c);
         }
@@ -366,6 +524,7 @@ fn totals(reports: &[FileReport]) -> FileReport {
         t.seconds += r.seconds;
     }
     t.identifier_retention = share(t.identifiers_retained, t.identifiers);
+    t.identifier_retention_in_text = share(t.identifiers_retained_in_text, t.identifiers);
     t.compression_ratio = overall(&t.compression_by_depth);
     t
 }
@@ -436,6 +595,31 @@ fn print_table(reports: &[FileReport], total: &FileReport, budget: u64, summariz
         total.spend.sweeps,
         total.spend.stops
     );
+    println!(
+        "identifiers: {:.1}% in the summary text and turns ({}/{}), {} only in \"{}\" appendices",
+        100.0 * total.identifier_retention_in_text,
+        total.identifiers_retained_in_text,
+        total.identifiers,
+        total.identifiers_only_in_appendix,
+        EXACT_IDENTIFIERS_HEADING
+    );
+    println!(
+        "validation: rejections {}; escalations {}",
+        by_reason(&total.rejections),
+        by_reason(&total.escalations)
+    );
+}
+
+/// `kind n, kind n` or `none`.
+fn by_reason(counts: &BTreeMap<String, u64>) -> String {
+    if counts.is_empty() {
+        return "none".into();
+    }
+    counts
+        .iter()
+        .map(|(k, n)| format!("{k} {n}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// The last two path components: enough to tell the transcripts apart.
@@ -454,5 +638,23 @@ fn short(path: &str) -> String {
         format!("…{tail}")
     } else {
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_appendix_is_left_out_of_the_summary_text() {
+        // A refusal with the appended list scored 100% before (issue 14).
+        let text = "I'm sorry, but I can't assist with that.\n\nExact identifiers:\n- \
+                    1.2.840.10008.1.2.1\n- /testbed/pydicom/uid.py\nturn 3: edited uid.py";
+        let body = without_appendix(text);
+        assert!(!body.contains("1.2.840.10008.1.2.1"), "{body}");
+        assert!(!body.contains("/testbed/pydicom/uid.py"), "{body}");
+        assert!(body.contains("I'm sorry") && body.contains("turn 3: edited uid.py"));
+        // Lists elsewhere stay.
+        assert_eq!(without_appendix("Done:\n- a\n- b"), "Done:\n- a\n- b");
     }
 }

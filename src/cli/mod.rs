@@ -126,6 +126,11 @@ pub enum Command {
         /// Print one JSON object (the last line of output).
         #[arg(long)]
         json: bool,
+        /// Keep the run's data directory here (one numbered directory per
+        /// file when several), so its summaries can be read with
+        /// `--data DIR describe`, `history` and `assemble`.
+        #[arg(long, value_name = "DIR")]
+        keep: Option<PathBuf>,
         /// Transcript files (any format `import` reads).
         #[arg(required = true)]
         files: Vec<PathBuf>,
@@ -373,8 +378,9 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
         Command::Eval {
             budget,
             json,
+            keep,
             files,
-        } => eval::eval(&config, &files, budget, json),
+        } => eval::eval(&config, &files, budget, json, keep.as_deref()),
         Command::Serve {
             nats,
             roles,

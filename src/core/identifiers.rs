@@ -37,6 +37,9 @@ pub enum IdentifierKind {
     /// Issue or ticket ids: `#123`, `owner/repo#123`, `ABC-123`, `CVE-...`.
     Ticket,
     Version,
+    /// Dotted numeric object identifiers with five or more arcs
+    /// (`1.2.840.10008.1.2.1`, a DICOM transfer syntax UID), kept whole.
+    Oid,
     Date,
     /// Machine-made ids: `call_abc123`, `mia_li_3668`, `HAT136`, `4WQ150`.
     Token,
@@ -518,6 +521,12 @@ static RULES: LazyLock<Vec<Rule>> = LazyLock::new(|| {
         Rule {
             regex: compile(r"\bCVE-[0-9]{4}-[0-9]{4,7}\b|\b[A-Z][A-Z0-9]{1,9}-[0-9]{1,7}\b"),
             scan: scan_key_tickets,
+        },
+        Rule {
+            // Five or more numeric arcs: longer than an IPv4 address, so the
+            // version rule below cannot cut it into `1.2.840` and `10008.1.2`.
+            regex: compile(r"\b[0-9]+(?:\.[0-9]+){4,}\b"),
+            scan: |re, text, out| push_all(re, text, out, IdentifierKind::Oid),
         },
         Rule {
             regex: compile(
@@ -1099,6 +1108,32 @@ mod tests {
         has("ошибка E0308 в файле ./main.rs", "./main.rs");
         let got = ids("ünïcödé ✓ 日本語 — no identifiers here");
         assert!(got.is_empty(), "{got:?}");
+    }
+
+    #[test]
+    fn keeps_dotted_numeric_oids_whole() {
+        // A real model's source (issue 14): the transfer syntax UID.
+        let got = extract_with_kinds("transfer syntax 1.2.840.10008.1.2.1 is not supported.");
+        assert_eq!(
+            got,
+            vec![Identifier {
+                kind: IdentifierKind::Oid,
+                text: "1.2.840.10008.1.2.1".into()
+            }],
+        );
+        lacks("syntax 1.2.840.10008.1.2.1 here", "1.2.840");
+        lacks("syntax 1.2.840.10008.1.2.1 here", "10008.1.2");
+        // An address and a version beside it keep their kinds.
+        let got = extract_with_kinds("at 10.0.0.1:80 with 1.2.3 and 1.2.840.113619.2.55");
+        let kinds: Vec<_> = got.iter().map(|i| (i.kind, i.text.as_str())).collect();
+        assert_eq!(
+            kinds,
+            vec![
+                (IdentifierKind::IpAddress, "10.0.0.1:80"),
+                (IdentifierKind::Version, "1.2.3"),
+                (IdentifierKind::Oid, "1.2.840.113619.2.55"),
+            ]
+        );
     }
 
     #[test]

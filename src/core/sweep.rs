@@ -137,14 +137,104 @@ fn turn_source(
         .first()
         .map(|c| c.function.name.clone())
         .or_else(|| msg.name.clone());
+    let text = strip_injected(&msg.searchable_text(), tags);
+    // What is sent, not only what the turn costs in context: a large
+    // payload costs its stub there but is sent whole (until `fit_sources`).
+    // A turn's context cost (with its message overhead, about the source
+    // header sent with it) stays the floor, so other turns count as before.
+    let tokens = u64::from(turn.context_tokens).max(tokens::count_text(conv.encoding, &text));
     Ok(SourceItem {
         label: format!("turn {seq}"),
         role: Some(turn.role),
         tool,
-        text: strip_injected(&msg.searchable_text(), tags),
-        tokens: u64::from(turn.context_tokens),
+        text,
+        tokens,
         time: turn.time,
     })
+}
+
+/// The most tokens the sources of one prompt may send: a run's own count
+/// when larger (its items are what the fold replaces), else the leaf chunk.
+fn prompt_cap(policy: &PolicyConfig, run_tokens: u64) -> u64 {
+    policy.leaf_chunk_tokens.max(run_tokens).max(1)
+}
+
+/// The first part of `text` that, with a note of what was left out, counts
+/// at most `max` tokens (the note alone when nothing fits).
+fn excerpt(encoding: tokens::Encoding, text: &str, tokens_of_text: u64, max: u64) -> String {
+    let with_note = |end: usize| {
+        let head = &text[..end];
+        let omitted = tokens_of_text.saturating_sub(tokens::count_text(encoding, head));
+        format!("{head}\n[... {omitted} more tokens of this item not sent ...]")
+    };
+    let bounds: Vec<usize> = text
+        .char_indices()
+        .map(|(i, _)| i)
+        .chain(std::iter::once(text.len()))
+        .collect();
+    // Largest prefix (in chars) whose excerpt fits.
+    let (mut lo, mut hi) = (0usize, bounds.len() - 1);
+    while lo < hi {
+        let mid = (lo + hi).div_ceil(2);
+        if tokens::count_text(encoding, &with_note(bounds[mid])) <= max {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    with_note(bounds[lo])
+}
+
+/// Holds a prompt's sources to `cap` tokens sent: when they send more, the
+/// largest are cut to excerpts at one common level (the smaller are sent
+/// whole), each item's `tokens` recounted from what it now sends.
+pub fn fit_sources(
+    encoding: tokens::Encoding,
+    mut sources: Vec<SourceItem>,
+    cap: u64,
+) -> Vec<SourceItem> {
+    let total: u64 = sources.iter().map(|s| s.tokens).sum();
+    if total <= cap {
+        return sources;
+    }
+    // The highest level L with sum(min(tokens, L)) <= cap.
+    let (mut lo, mut hi) = (0u64, sources.iter().map(|s| s.tokens).max().unwrap_or(0));
+    while lo < hi {
+        let mid = (lo + hi).div_ceil(2);
+        let sum: u64 = sources.iter().map(|s| s.tokens.min(mid)).sum();
+        if sum <= cap {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    for s in &mut sources {
+        if s.tokens > lo {
+            s.text = excerpt(encoding, &s.text, s.tokens, lo);
+            s.tokens = tokens::count_text(encoding, &s.text);
+        }
+    }
+    sources
+}
+
+/// The rolling state's sources: the newest in-context turns since the
+/// last refresh (at most 60) that fit `cap` tokens sent, oldest first.
+fn fit_rolling_sources(
+    encoding: tokens::Encoding,
+    newest: Vec<SourceItem>,
+    cap: u64,
+) -> Vec<SourceItem> {
+    let mut total = 0u64;
+    let mut kept: Vec<SourceItem> = Vec::new();
+    for s in newest.into_iter().rev().take(60) {
+        if !kept.is_empty() && total + s.tokens > cap {
+            break;
+        }
+        total += s.tokens;
+        kept.push(s);
+    }
+    kept.reverse();
+    fit_sources(encoding, kept, cap)
 }
 
 fn summary_source(
@@ -267,10 +357,11 @@ pub fn snapshot_from(
                 _ => None,
             })
             .collect();
-        seqs[seqs.len().saturating_sub(60)..]
+        let newest = seqs[seqs.len().saturating_sub(60)..]
             .iter()
             .map(|&seq| turn_source(conv, bodies, seq, tags))
-            .collect::<Result<_, _>>()?
+            .collect::<Result<Vec<_>, _>>()?;
+        fit_rolling_sources(conv.encoding, newest, cfg.leaf_chunk_tokens)
     } else {
         Vec::new()
     };
@@ -380,6 +471,13 @@ impl SweepSnapshot {
                 (kind, depth, sources, source_tokens, i)
             }
         };
+        // Every prompt is bounded by what it sends (a large payload counts
+        // its stub in `source_tokens`, but its text is in `sources`).
+        let sources = fit_sources(
+            self.encoding,
+            sources,
+            prompt_cap(&self.policy, source_tokens),
+        );
         SummaryRequest {
             conversation: self.conversation.clone(),
             kind,
@@ -552,6 +650,134 @@ mod tests {
     use crate::core::fold::fold;
     use crate::core::message::ChatMessage;
     use crate::core::state::State;
+
+    fn job(rolling: bool) -> JobIssued {
+        JobIssued {
+            job_id: "j".into(),
+            reason: DebtReason::Manual,
+            urgent: true,
+            context_tokens: 0,
+            target_tokens: 0,
+            deadline_ms: 1000,
+            issued_at: 2,
+            instructions: None,
+            compact: true,
+            refresh_rolling_state: rolling,
+            max_calls: None,
+            max_tokens: None,
+        }
+    }
+
+    /// A conversation with a large tool payload among short turns.
+    fn with_large_payload(policy: &PolicyConfig, payload_tokens: usize) -> State {
+        let mut state = State::default();
+        let payload =
+            "dicom tag (0002,0010) value 1.2.840.10008.1.2.1 ok\n".repeat(payload_tokens / 20);
+        let turns = [
+            ChatMessage::text(
+                Role::User,
+                "read the file with the explicit VR transfer syntax and report its tags; "
+                    .repeat(30),
+            ),
+            ChatMessage::text(Role::Assistant, &payload),
+            ChatMessage::text(Role::User, "now fix the reader"),
+            ChatMessage::text(
+                Role::Assistant,
+                "the reader compares the syntax UID as a string",
+            ),
+            ChatMessage::text(Role::User, "and add a test"),
+        ];
+        for (i, t) in turns.into_iter().enumerate() {
+            let e = Envelope::new(
+                format!("t{i}"),
+                "c",
+                i as u64 + 1,
+                EventBody::TurnAppended(TurnAppended::from(t)),
+            );
+            fold(&mut state, policy, &e);
+        }
+        state
+    }
+
+    #[test]
+    fn a_large_payload_is_counted_as_sent_and_the_prompt_is_bounded() {
+        // Issue 14: a leaf accounted as 2,519 tokens was an 8,249-token
+        // prompt, because the payload was sent whole but counted as its stub.
+        let policy = PolicyConfig {
+            large_payload_threshold_tokens: 500,
+            leaf_chunk_tokens: 1000,
+            fresh_tail_count: 1,
+            ..PolicyConfig::default()
+        };
+        let state = with_large_payload(&policy, 6000);
+        let conv = &state.conversations["c"];
+        assert!(
+            conv.turns[1].large_payload,
+            "the payload is stubbed in context"
+        );
+        let snap = snapshot(conv, &job(true), &policy).unwrap();
+        for item in snap.items.iter().filter_map(|i| i.source.as_ref()) {
+            assert!(item.tokens >= tokens::count_text(conv.encoding, &item.text));
+        }
+        let payload = snap.items[1]
+            .source
+            .as_ref()
+            .expect("the payload is a source");
+        assert!(payload.tokens > 5000, "counted as sent: {}", payload.tokens);
+        let pass = snap.next_pass().unwrap_or_else(|| {
+            panic!(
+                "no leaf pass: {:?}",
+                snap.items.iter().map(|i| i.plan.tokens).collect::<Vec<_>>()
+            )
+        });
+        let req = snap.request(pass, false);
+        let sent: u64 = req
+            .sources
+            .iter()
+            .map(|s| tokens::count_text(conv.encoding, &s.text))
+            .sum();
+        assert!(
+            sent <= req.source_tokens(),
+            "the request counts what it sends"
+        );
+        assert!(
+            req.source_tokens() <= policy.leaf_chunk_tokens,
+            "{} tokens sent",
+            req.source_tokens()
+        );
+        assert!(req.sources.iter().any(|s| s.text.contains("not sent")));
+        // The rolling state's sources are capped the same way.
+        let rolling: u64 = snap.rolling_sources.iter().map(|s| s.tokens).sum();
+        assert!(
+            rolling <= policy.leaf_chunk_tokens,
+            "{rolling} rolling tokens"
+        );
+        assert!(!snap.rolling_sources.is_empty());
+    }
+
+    #[test]
+    fn fit_sources_cuts_only_the_largest_to_a_common_level() {
+        let enc = tokens::Encoding::O200kBase;
+        let item = |label: &str, text: String| SourceItem {
+            label: label.into(),
+            role: Some(Role::Tool),
+            tool: None,
+            tokens: tokens::count_text(enc, &text),
+            text,
+            time: 0,
+        };
+        let small = item("turn 1", "the user asked for a fix".into());
+        let big = item("turn 2", "word ".repeat(3000));
+        let fitted = fit_sources(enc, vec![small.clone(), big.clone()], 500);
+        assert_eq!(fitted[0], small, "a small source is sent whole");
+        let total: u64 = fitted.iter().map(|s| s.tokens).sum();
+        assert!(total <= 500 && total > 400, "{total}");
+        assert!(fitted[1].text.starts_with("word word"));
+        assert_eq!(fitted[1].tokens, tokens::count_text(enc, &fitted[1].text));
+        // Under the cap nothing changes.
+        let same = fit_sources(enc, vec![small.clone(), big.clone()], 10_000);
+        assert_eq!(same, vec![small, big]);
+    }
 
     #[test]
     fn a_rolling_state_through_the_last_possible_turn_leaves_nothing_to_read() {

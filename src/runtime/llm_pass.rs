@@ -372,8 +372,14 @@ impl<S: Summarizer> PassSummarizer for SummarizerPass<S> {
             Ok((state, calls)) => Ok((state, spend_of(&calls))),
             Err(e @ SummarizeError::RateLimited { .. }) => Err(Self::map_error(e, false)),
             Err(e) if e.is_auth() => Err(Self::map_error(e, false)),
-            // The model answered badly or not at all: the deterministic
-            // state is still better than a stale one; the calls are spent.
+            // A rejected answer is reported: the sweep writes the
+            // deterministic state (better than a stale one) and says why.
+            Err(e @ SummarizeError::Invalid { .. }) => Err(PassError::Failed {
+                reason: e.to_string(),
+                spend: spend_of(e.calls()),
+            }),
+            // No answer at all (timeouts, 5xx): the deterministic state is
+            // still better than a stale one; the calls are spent.
             Err(e) => Ok((fallback_summary::rolling_state(req), spend_of(e.calls()))),
         }
     }

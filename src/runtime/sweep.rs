@@ -275,6 +275,26 @@ where
                 summarizer.rolling_state_within(&req, allowance(&spent, &snap)),
             )
             .await;
+            // A rejected answer: the deterministic state is written and
+            // the sweep says why (not `done`).
+            let result = match result {
+                Ok(Err(PassError::Failed { reason, spend })) => {
+                    tracing::warn!(%reason, "rolling state answer rejected; writing the deterministic state");
+                    if stop == SweepStop::Done {
+                        stop = SweepStop::Failed;
+                    }
+                    let note = format!("rolling state: {reason}");
+                    detail = Some(match detail.take() {
+                        Some(d) => format!("{d}; {note}"),
+                        None => note,
+                    });
+                    Ok(Ok((
+                        crate::core::fallback_summary::rolling_state(&req),
+                        spend,
+                    )))
+                }
+                other => other,
+            };
             match result {
                 Ok(Ok((state, spend))) => {
                     add(&mut spent, spend);
@@ -367,4 +387,85 @@ fn add(total: &mut Spend, s: Spend) {
 /// measured in the same time as the turns.
 fn logical_time(issued_at: u64, started: Instant) -> u64 {
     issued_at + started.elapsed().as_millis() as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::event::{DebtReason, JobIssued, TurnAppended};
+    use crate::core::fold::fold;
+    use crate::core::message::{ChatMessage, Role};
+    use crate::core::policy::PolicyConfig;
+    use crate::core::state::State;
+
+    /// Summarizes deterministically; its rolling-state answers are rejected.
+    struct RejectsRolling;
+
+    impl PassSummarizer for RejectsRolling {
+        async fn summarize(
+            &self,
+            req: &SummaryRequest,
+        ) -> Result<(SummaryDraft, Spend), PassError> {
+            Deterministic.summarize(req).await
+        }
+        async fn rolling_state(
+            &self,
+            _req: &RollingStateRequest,
+        ) -> Result<(RollingState, Spend), PassError> {
+            Err(PassError::Failed {
+                reason:
+                    "rolling state rejected: copies the prompt's delimiter </data-3f9a1c0b77de>"
+                        .into(),
+                spend: Spend {
+                    calls: 1,
+                    ..Spend::default()
+                },
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn a_rejected_rolling_state_is_reported_not_done() {
+        let policy = PolicyConfig::default();
+        let mut state = State::default();
+        let turn = ChatMessage::text(Role::User, "rotate the key for 10.0.4.17:8443");
+        fold(
+            &mut state,
+            &policy,
+            &Envelope::new(
+                "t1",
+                "c",
+                1,
+                EventBody::TurnAppended(TurnAppended::from(turn)),
+            ),
+        );
+        let job = JobIssued {
+            job_id: "j".into(),
+            reason: DebtReason::Manual,
+            urgent: false,
+            context_tokens: 0,
+            target_tokens: 0,
+            deadline_ms: 5000,
+            issued_at: 2,
+            instructions: None,
+            compact: false,
+            refresh_rolling_state: true,
+            max_calls: None,
+            max_tokens: None,
+        };
+        let snap = crate::core::sweep::snapshot(&state.conversations["c"], &job, &policy).unwrap();
+        let mut out = Vec::new();
+        let ended = run_sweep(snap, &RejectsRolling, Duration::from_secs(5), |e| {
+            out.push(e)
+        })
+        .await;
+        assert_eq!(ended.stop, SweepStop::Failed, "{ended:?}");
+        let detail = ended.detail.clone().unwrap_or_default();
+        assert!(detail.contains("rolling state rejected"), "{detail}");
+        assert_eq!(ended.calls, 1, "the rejected call is spent");
+        // The deterministic state is written in its place.
+        assert!(out
+            .iter()
+            .any(|e| matches!(e.body, EventBody::RollingStateUpdated(_))));
+    }
 }

@@ -805,9 +805,35 @@ impl LlmSummarizer {
         let (answer, mut calls) = self.complete(&prompt, Some(400), max_calls).await?;
         let cleaned = super::validation::clean(&answer.content);
         match prompts::parse_rolling_state(&cleaned) {
-            Some(state) => Ok((state, calls)),
+            Some(state) => {
+                // The instructions only: the user part holds the sources.
+                match super::validation::check_rolling_state(req, &prompt.system, &state) {
+                    Ok(()) => Ok((state, calls)),
+                    Err(rejection) => {
+                        let reason = format!("rolling state rejected: {rejection}");
+                        tracing::warn!(
+                            conversation_id = %req.conversation,
+                            %reason,
+                            "rolling state rejected"
+                        );
+                        crate::telemetry::ValidationRejected {
+                            kind: rejection.kind(),
+                        }
+                        .emit();
+                        if let Some(last) = calls.last_mut() {
+                            last.outcome = CallOutcome::Invalid(reason.clone());
+                        }
+                        Err(SummarizeError::Invalid { reason, calls })
+                    }
+                }
+            }
             None => {
                 let reason = "rolling state answer has none of the five sections".to_string();
+                tracing::warn!(conversation_id = %req.conversation, %reason, "rolling state rejected");
+                crate::telemetry::ValidationRejected {
+                    kind: "rolling_state_unparsed",
+                }
+                .emit();
                 if let Some(last) = calls.last_mut() {
                     last.outcome = CallOutcome::Invalid(reason.clone());
                 }

@@ -16,8 +16,9 @@ use super::prompts::{self, EXACT_IDENTIFIERS_HEADING};
 use super::{
     CallOutcome, CallRecord, SummarizeError, Summarizer, SummarizerConfig, SummaryOutcome,
 };
+use crate::core::event::RollingState;
 use crate::core::identifiers;
-use crate::core::summary::{IdentifierPolicy, SummaryRequest};
+use crate::core::summary::{IdentifierPolicy, RollingStateRequest, SourceItem, SummaryRequest};
 use crate::core::tokens::{count_text, Encoding};
 use crate::telemetry;
 use regex::Regex;
@@ -50,6 +51,19 @@ pub enum Rejection {
     },
     /// Cut off by the output cap (finish_reason `length`).
     Truncated,
+    /// The model refused the task ("I'm sorry, but I can't assist with
+    /// that.") instead of summarizing.
+    Refusal(String),
+    /// The prompt's data delimiters (`<data-TAG>`, `</data-TAG>`) were
+    /// copied into the answer.
+    Delimiter(String),
+    /// The answer is a copy of the previous summary or of one source, not
+    /// a summary of the new span.
+    Copy(String),
+    /// The agent's first-person voice ("I ran ...") that no source has.
+    AgentVoice(String),
+    /// An outcome (tests passed, a file updated) that no source shows.
+    UnsupportedClaim(String),
 }
 
 impl Rejection {
@@ -64,6 +78,11 @@ impl Rejection {
             Rejection::NotSmaller { .. } => "not_smaller",
             Rejection::Oversized { .. } => "oversized",
             Rejection::Truncated => "truncated",
+            Rejection::Refusal(_) => "refusal",
+            Rejection::Delimiter(_) => "delimiter",
+            Rejection::Copy(_) => "copy",
+            Rejection::AgentVoice(_) => "agent_voice",
+            Rejection::UnsupportedClaim(_) => "unsupported_claim",
         }
     }
 }
@@ -93,6 +112,15 @@ impl fmt::Display for Rejection {
                 write!(f, "oversized: {tokens} tokens > cap {cap}")
             }
             Rejection::Truncated => write!(f, "truncated at the output cap"),
+            Rejection::Refusal(m) => write!(f, "refusal ({m})"),
+            Rejection::Delimiter(m) => write!(f, "copies the prompt's delimiter {m}"),
+            Rejection::Copy(m) => write!(f, "copy of {m}"),
+            Rejection::AgentVoice(m) => {
+                write!(f, "agent voice no source has ({m})")
+            }
+            Rejection::UnsupportedClaim(m) => {
+                write!(f, "claims an outcome no source shows ({m})")
+            }
         }
     }
 }
@@ -200,6 +228,184 @@ fn starts_with_word(text: &str, opening: &str) -> bool {
     }
 }
 
+fn delimiter_tag() -> &'static Regex {
+    static RE: OnceLock<Regex> = OnceLock::new();
+    RE.get_or_init(|| {
+        Regex::new(r"(?i)</?(?:data|previous-state|previous-summary)-[a-z0-9]*>")
+            .expect("constant regex")
+    })
+}
+
+fn refusal_phrase() -> &'static Regex {
+    static RE: OnceLock<Regex> = OnceLock::new();
+    RE.get_or_init(|| {
+        Regex::new(
+            r"(?i)\b(?:i'm sorry|i am sorry|sorry, but i|i apologi[sz]e|i (?:can't|cannot|can not|am unable to|'m unable to|won't|will not) (?:assist|help|comply|provide|fulfil|fulfill|do that|summari[sz]e|complete|continue))",
+        )
+        .expect("constant regex")
+    })
+}
+
+fn agent_voice() -> &'static Regex {
+    static RE: OnceLock<Regex> = OnceLock::new();
+    RE.get_or_init(|| {
+        Regex::new(
+            r"(?i)\b(?:i|we) (?:have |had |then |also |just |finally |first |now )?(?:ran|re-?ran|executed|tested|edited|modified|updated|changed|fixed|created|added|implemented|made|wrote|verified|confirmed|checked|applied|replaced|installed|opened|tried|searched)\b",
+        )
+        .expect("constant regex")
+    })
+}
+
+fn tests_passed_claim() -> &'static Regex {
+    static RE: OnceLock<Regex> = OnceLock::new();
+    RE.get_or_init(|| {
+        Regex::new(
+            r"(?i)\b(?:all (?:of )?(?:the )?tests?|the tests?|tests?|the test suite)\s+(?:have |has |now |all |then )*(?:passed|pass|passes|succeeded|are passing|were passing|ran successfully)\b",
+        )
+        .expect("constant regex")
+    })
+}
+
+fn tests_passed_evidence() -> &'static Regex {
+    static RE: OnceLock<Regex> = OnceLock::new();
+    RE.get_or_init(|| {
+        Regex::new(
+            r"(?i:\bpassed\b|\bpassing\b|\bsucceeded\b|\btests? pass(?:es)?\b)|\bOK\b|\bPASS",
+        )
+        .expect("constant regex")
+    })
+}
+
+fn edit_claim() -> &'static Regex {
+    static RE: OnceLock<Regex> = OnceLock::new();
+    RE.get_or_init(|| {
+        Regex::new(
+            r"(?i)\b(?:has|have|had) (?:now |already |successfully )*been (?:successfully )?(?:updated|edited|modified|changed|fixed|patched|rewritten|applied|resolved|implemented|corrected)\b",
+        )
+        .expect("constant regex")
+    })
+}
+
+fn edit_evidence() -> &'static Regex {
+    static RE: OnceLock<Regex> = OnceLock::new();
+    RE.get_or_init(|| {
+        Regex::new(
+            r"(?i)\b(?:updated|edited|modified|changed|fixed|patched|rewrote|rewritten|applied|resolved|implemented|replaced|wrote|written|corrected)\b",
+        )
+        .expect("constant regex")
+    })
+}
+
+/// Lowercased, apostrophes unified, whitespace collapsed.
+fn normalize(text: &str) -> String {
+    text.replace(['\u{2019}', '\u{2018}'], "'")
+        .to_lowercase()
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Word 4-grams of a normalized text (the whole text when shorter).
+fn shingles(words: &[&str]) -> std::collections::HashSet<String> {
+    if words.len() < 4 {
+        return std::iter::once(words.join(" ")).collect();
+    }
+    words.windows(4).map(|w| w.join(" ")).collect()
+}
+
+/// Share of `text`'s 4-grams found in `other` (both normalized).
+fn containment(text: &str, other: &str) -> f64 {
+    let words: Vec<&str> = text.split_whitespace().collect();
+    if words.is_empty() {
+        return 0.0;
+    }
+    let mine = shingles(&words);
+    let other_words: Vec<&str> = other.split_whitespace().collect();
+    let theirs = shingles(&other_words);
+    let shared = mine.iter().filter(|s| theirs.contains(*s)).count();
+    shared as f64 / mine.len() as f64
+}
+
+/// Of the answer's 4-grams, this share found in the previous summary (or
+/// in one source at least half the answer's size) makes it a copy.
+const COPY_CONTAINMENT: f64 = 0.9;
+
+/// A copy of the previous summary, or of one source: the answer adds
+/// nothing of the span it was asked to summarize.
+fn find_copy(req: &SummaryRequest, text: &str) -> Option<String> {
+    let norm = normalize(&delimiter_tag().replace_all(text, " "));
+    if norm.is_empty() {
+        return None;
+    }
+    if let Some(prev) = req.previous_summary.as_deref() {
+        let prev = normalize(prev);
+        if !prev.is_empty() && (norm == prev || containment(&norm, &prev) >= COPY_CONTAINMENT) {
+            return Some("the previous summary".into());
+        }
+    }
+    let words = norm.split_whitespace().count();
+    for source in &req.sources {
+        let src = normalize(&source.text);
+        if src.is_empty() {
+            continue;
+        }
+        let same_size = words * 2 >= src.split_whitespace().count();
+        if norm == src || (same_size && containment(&norm, &src) >= COPY_CONTAINMENT) {
+            return Some(format!("one source ({})", source.label));
+        }
+    }
+    None
+}
+
+/// Whether a source may show what happened (not a user stating the task).
+fn shows_work(source: &SourceItem) -> bool {
+    !matches!(source.role, Some(crate::core::message::Role::User))
+}
+
+/// Agent voice and claimed outcomes the sources do not contain. The rules
+/// are conservative: a phrase a source has verbatim passes, a test result
+/// passes when a non-user source shows one, an edit when a tool call or
+/// result or a non-user source naming an edit exists.
+fn find_unsupported(items: &[SourceItem], text: &str) -> Option<Rejection> {
+    let norm = normalize(text);
+    let sources: Vec<String> = items.iter().map(|s| normalize(&s.text)).collect();
+    if let Some(m) = agent_voice().find(&norm) {
+        let phrase = m.as_str();
+        if !sources.iter().any(|s| s.contains(phrase)) {
+            return Some(Rejection::AgentVoice(format!("{phrase:?}")));
+        }
+    }
+    if let Some(m) = tests_passed_claim().find(&norm) {
+        let shown = items
+            .iter()
+            .filter(|s| shows_work(s))
+            .any(|s| tests_passed_evidence().is_match(&s.text));
+        if !shown {
+            return Some(Rejection::UnsupportedClaim(format!("{:?}", m.as_str())));
+        }
+    }
+    if let Some(m) = edit_claim().find(&norm) {
+        let shown = items.iter().filter(|s| shows_work(s)).any(|s| {
+            s.tool.is_some()
+                || matches!(s.role, Some(crate::core::message::Role::Tool))
+                || edit_evidence().is_match(&s.text)
+        });
+        if !shown {
+            return Some(Rejection::UnsupportedClaim(format!("{:?}", m.as_str())));
+        }
+    }
+    None
+}
+
+/// A refusal the sources do not themselves contain.
+fn find_refusal(items: &[SourceItem], text: &str) -> Option<String> {
+    let norm = normalize(text);
+    let m = refusal_phrase().find(&norm)?;
+    let phrase = m.as_str();
+    let quoted = items.iter().any(|s| normalize(&s.text).contains(phrase));
+    (!quoted).then(|| format!("{phrase:?}"))
+}
+
 /// Removes what is safe to remove without a new call: a complete leading
 /// reasoning block (`<think>...</think>`, as reasoning models emit) and a
 /// one-line "Here is the summary:" preamble.
@@ -228,6 +434,12 @@ pub fn check(
     let lower = text.to_lowercase();
     if let Some(tag) = COT_TAGS.iter().find(|t| lower.contains(*t)) {
         return Err(Rejection::ChainOfThought(format!("tag {tag}")));
+    }
+    if let Some(m) = delimiter_tag().find(&text) {
+        return Err(Rejection::Delimiter(m.as_str().to_string()));
+    }
+    if let Some(phrase) = find_refusal(&req.sources, &text) {
+        return Err(Rejection::Refusal(phrase));
     }
     if let Some(m) = role_prefix().find(&text) {
         return Err(Rejection::Continuation(format!(
@@ -283,7 +495,68 @@ pub fn check(
             source_tokens,
         });
     }
+    if let Some(what) = find_copy(req, &text) {
+        return Err(Rejection::Copy(what));
+    }
+    if let Some(rejection) = find_unsupported(&req.sources, &text) {
+        return Err(rejection);
+    }
     Ok(text)
+}
+
+/// Checks a rolling-state answer like a summary: no delimiters, reasoning
+/// tags, refusals, role prefixes, copies of one source or of the prompt
+/// (`prompt_text`), agent voice or outcomes the sources do not show.
+pub fn check_rolling_state(
+    req: &RollingStateRequest,
+    prompt_text: &str,
+    state: &RollingState,
+) -> Result<(), Rejection> {
+    let text = prompts::format_rolling_state(state);
+    if let Some(m) = delimiter_tag().find(&text) {
+        return Err(Rejection::Delimiter(m.as_str().to_string()));
+    }
+    let lower = text.to_lowercase();
+    if let Some(tag) = COT_TAGS.iter().find(|t| lower.contains(*t)) {
+        return Err(Rejection::ChainOfThought(format!("tag {tag}")));
+    }
+    if let Some(phrase) = find_refusal(&req.sources, &text) {
+        return Err(Rejection::Refusal(phrase));
+    }
+    let prompt = normalize(prompt_text);
+    for section in [
+        &state.completed,
+        &state.in_progress,
+        &state.decisions,
+        &state.blockers,
+        &state.next,
+    ] {
+        if let Some(m) = role_prefix().find(section) {
+            return Err(Rejection::Continuation(format!(
+                "role prefix {:?}",
+                m.as_str().trim()
+            )));
+        }
+        let norm = normalize(section);
+        // Short sections ("none", a file name) may match anything.
+        if norm.split_whitespace().count() < 12 {
+            continue;
+        }
+        if containment(&norm, &prompt) >= COPY_CONTAINMENT {
+            return Err(Rejection::Copy("the prompt's instructions".into()));
+        }
+        if let Some(source) = req
+            .sources
+            .iter()
+            .find(|s| containment(&norm, &normalize(&s.text)) >= COPY_CONTAINMENT)
+        {
+            return Err(Rejection::Copy(format!("one source ({})", source.label)));
+        }
+    }
+    if let Some(rejection) = find_unsupported(&req.sources, &text) {
+        return Err(rejection);
+    }
+    Ok(())
 }
 
 /// Identifiers of the request's sources (what the strict policy protects).
@@ -322,6 +595,38 @@ pub fn append_identifiers(summary: &str, missing: &[String]) -> String {
         out.push_str(id);
     }
     out
+}
+
+/// Whether a retry's text is a better summary than the first draft's: it
+/// keeps strictly more of the source's identifiers, loses none the first
+/// kept, and is not collapsed to under half the first draft's words (a
+/// terse answer that names identifiers but drops the story is worse). A
+/// tie keeps the first.
+pub fn retry_is_better(ids: &[String], first: &str, retry: &str) -> bool {
+    let first_missing = missing_identifiers(ids, first);
+    let retry_missing = missing_identifiers(ids, retry);
+    let loses_kept = ids
+        .iter()
+        .any(|id| first.contains(id.as_str()) && !retry.contains(id.as_str()));
+    let first_words = first.split_whitespace().count();
+    let retry_words = retry.split_whitespace().count();
+    retry_missing.len() < first_missing.len() && !loses_kept && retry_words * 2 >= first_words
+}
+
+/// The bounded label of an answer the summarizer found unusable before
+/// any text check (the reason strings of `llm.rs`).
+pub fn unusable_kind(reason: &str) -> &'static str {
+    if reason.contains("finish_reason length") {
+        "truncated"
+    } else if reason.contains("reasoning only") {
+        "reasoning_only"
+    } else if reason.contains("refused") {
+        "refusal"
+    } else if reason.contains("rolling state") {
+        "rolling_state_unparsed"
+    } else {
+        "unusable"
+    }
 }
 
 /// Marks the last successful call of a batch as having produced rejected
@@ -409,7 +714,9 @@ impl<S: Summarizer> EscalatingSummarizer<S> {
                 calls: mut c,
             }) => {
                 calls.append(&mut c);
-                telemetry::ValidationRejected { kind: "unusable" }.emit();
+                let kind = unusable_kind(&reason);
+                tracing::warn!(summarizer = %self.inner.name(), %reason, kind, "summary rejected");
+                telemetry::ValidationRejected { kind }.emit();
                 Ok(Stage::Rejected(reason))
             }
             Err(SummarizeError::Unavailable {
@@ -439,10 +746,17 @@ impl<S: Summarizer> EscalatingSummarizer<S> {
         let retry = prompts::with_missing_identifiers(req, &missing);
         // Any failure of the retry keeps the valid first draft: identifiers
         // are then appended, never a reason to fail.
-        if let Ok(Stage::Accepted(better)) = self.attempt(&retry, calls).await {
-            let still = missing_identifiers(ids, &better.draft.content);
-            if still.len() <= missing.len() {
-                outcome.draft = better.draft;
+        // The retry passed `check` (a refusal does not); it replaces the
+        // first draft only when it is better, a tie keeps the first.
+        if let Ok(Stage::Accepted(retried)) = self.attempt(&retry, calls).await {
+            if retry_is_better(ids, &outcome.draft.content, &retried.draft.content) {
+                outcome.draft = retried.draft;
+            } else {
+                tracing::warn!(
+                    summarizer = %self.inner.name(),
+                    "identifier retry kept the first draft: the retry was not better"
+                );
+                telemetry::ValidationRejected { kind: "not_better" }.emit();
             }
         }
         let still = missing_identifiers(ids, &outcome.draft.content);
@@ -705,6 +1019,285 @@ mod tests {
 
     const SOURCE: &str =
         "Deploy of build 9fceb02d0ae5 to 10.0.4.17:8443 failed; see /var/log/app/deploy.log";
+
+    // Fixtures below are a real small model's answers (Qwen2.5-Coder-0.5B,
+    // issue 14 "What a real model showed").
+    const REFUSAL: &str = "I'm sorry, but I can't assist with that.";
+    const PREVIOUS: &str = "The user asked to fix the DICOM transfer syntax handling in \
+        pydicom so that explicit VR little endian files are read correctly; the assistant \
+        opened the reader module and looked at how the syntax UID is compared.";
+
+    fn with_previous(previous: &str) -> SummaryRequest {
+        SummaryRequest {
+            previous_summary: Some(previous.into()),
+            ..req(
+                "The assistant searched for the transfer syntax constant and found it in \
+                 pydicom/uid.py next to the other syntax UIDs.",
+                1000,
+                100,
+            )
+        }
+    }
+
+    #[test]
+    fn rejects_a_refusal_unless_a_source_has_it() {
+        assert!(
+            matches!(ok(REFUSAL), Err(Rejection::Refusal(_))),
+            "{:?}",
+            ok(REFUSAL)
+        );
+        assert!(matches!(
+            ok("I am sorry, I cannot help with summarizing this conversation."),
+            Err(Rejection::Refusal(_))
+        ));
+        assert_eq!(Rejection::Refusal("x".into()).kind(), "refusal");
+        // A source that is itself a refusal may be reported.
+        let r = req(
+            "assistant: I'm sorry, but I can't assist with that. The user then rephrased.",
+            1000,
+            100,
+        );
+        let text = "The assistant first answered \"I'm sorry, but I can't assist with that.\"; \
+                    the user rephrased the request about the deploy.";
+        assert!(check(&r, text, Encoding::O200kBase, 3.0).is_ok());
+    }
+
+    #[test]
+    fn rejects_a_copy_of_the_previous_summary_with_the_closing_delimiter() {
+        let r = with_previous(PREVIOUS);
+        let answer = format!("{PREVIOUS}\n</data-3f9a1c0b77de>");
+        let got = check(&r, &answer, Encoding::O200kBase, 3.0);
+        assert!(matches!(got, Err(Rejection::Delimiter(_))), "{got:?}");
+        // Without the delimiter it is still a copy.
+        let got = check(&r, PREVIOUS, Encoding::O200kBase, 3.0);
+        assert_eq!(got, Err(Rejection::Copy("the previous summary".into())));
+        // A summary of the new span that continues from the previous passes.
+        let text = "Continuing the DICOM fix, the assistant found the transfer syntax \
+                    constant in pydicom/uid.py beside the other syntax UIDs.";
+        assert!(check(&r, text, Encoding::O200kBase, 3.0).is_ok());
+    }
+
+    #[test]
+    fn rejects_a_copy_of_one_source() {
+        // A depth-1 summary byte-identical to the last leaf it condenses.
+        let mut r = req(
+            "The first leaf: the user reported the crash on startup.",
+            60,
+            40,
+        );
+        r.kind = SummaryKind::Condensed;
+        r.depth = 1;
+        r.sources.push(SourceItem {
+            label: "summary sum_2".into(),
+            role: None,
+            tool: None,
+            text: PREVIOUS.into(),
+            tokens: 60,
+            time: 0,
+        });
+        let got = check(&r, PREVIOUS, Encoding::O200kBase, 3.0);
+        assert_eq!(
+            got,
+            Err(Rejection::Copy("one source (summary sum_2)".into()))
+        );
+        assert_eq!(got.unwrap_err().kind(), "copy");
+    }
+
+    #[test]
+    fn rejects_agent_voice_and_outcomes_the_sources_do_not_show() {
+        // Sources that only state the task.
+        let task = req(
+            "<pr_description>Reading a file with transfer syntax 1.2.840.10008.1.2.1 \
+             raises KeyError.</pr_description> Can you help me implement the necessary \
+             changes to the repository so that the requirements are met?",
+            2000,
+            300,
+        );
+        let ran = "After making these changes, I ran the reproduce script to confirm the \
+                   fix. All the tests passed.";
+        let got = check(&task, ran, Encoding::O200kBase, 3.0);
+        assert!(matches!(got, Err(Rejection::AgentVoice(_))), "{got:?}");
+        let passed = "The reproduce script was run after the change. All the tests passed.";
+        let got = check(&task, passed, Encoding::O200kBase, 3.0);
+        assert!(
+            matches!(got, Err(Rejection::UnsupportedClaim(_))),
+            "{got:?}"
+        );
+        let updated = "The file has been updated to handle the explicit VR little endian \
+                       transfer syntax.";
+        let got = check(&task, updated, Encoding::O200kBase, 3.0);
+        assert!(
+            matches!(got, Err(Rejection::UnsupportedClaim(_))),
+            "{got:?}"
+        );
+        assert_eq!(got.unwrap_err().kind(), "unsupported_claim");
+    }
+
+    #[test]
+    fn accepts_outcomes_the_sources_show() {
+        let mut r = req(
+            "Fix the KeyError for transfer syntax 1.2.840.10008.1.2.1.",
+            2000,
+            300,
+        );
+        r.sources.push(SourceItem {
+            label: "turn 2".into(),
+            role: Some(Role::Assistant),
+            tool: Some("str_replace_editor".into()),
+            text: "str_replace pydicom/filereader.py".into(),
+            tokens: 20,
+            time: 0,
+        });
+        r.sources.push(SourceItem {
+            label: "turn 3".into(),
+            role: Some(Role::Tool),
+            tool: Some("bash".into()),
+            text: "python reproduce.py\n===== 12 passed in 0.41s =====".into(),
+            tokens: 20,
+            time: 0,
+        });
+        let text = "The assistant edited pydicom/filereader.py and the file has been updated \
+                    to handle transfer syntax 1.2.840.10008.1.2.1; after it ran the reproduce \
+                    script, all the tests passed.";
+        let got = check(&r, text, Encoding::O200kBase, 3.0);
+        assert!(got.is_ok(), "{got:?}");
+    }
+
+    #[tokio::test]
+    async fn a_refused_retry_never_replaces_a_valid_draft() {
+        let first = "The assistant investigated why the deploy failed and found the service \
+                     could not reach its backend after the last build was rolled out.";
+        let s = escalating(vec![Ok(first), Ok(REFUSAL)]);
+        let out = s.summarize(&req(SOURCE, 2000, 400)).await.unwrap();
+        assert!(!out.draft.fallback);
+        assert!(
+            out.draft.content.starts_with(first),
+            "{:?}",
+            out.draft.content
+        );
+        assert!(!out.draft.content.contains("sorry"));
+        assert!(out.draft.content.contains("- 9fceb02d0ae5"));
+        assert_eq!(out.calls.len(), 2);
+        assert!(
+            matches!(&out.calls[1].outcome, CallOutcome::Invalid(r) if r.starts_with("refusal")),
+            "{:?}",
+            out.calls[1].outcome
+        );
+    }
+
+    #[tokio::test]
+    async fn a_retry_that_is_no_better_keeps_the_first_draft() {
+        let first = "The deploy of build 9fceb02d0ae5 failed on the new host.";
+        // Same missing count (a tie): the first stays.
+        let tie = "The deploy of build 9fceb02d0ae5 failed again on the new host today.";
+        let s = escalating(vec![Ok(first), Ok(tie)]);
+        let out = s.summarize(&req(SOURCE, 2000, 400)).await.unwrap();
+        assert!(
+            out.draft.content.starts_with(first),
+            "{:?}",
+            out.draft.content
+        );
+        let ids: Vec<String> = ["9fceb02d0ae5", "10.0.4.17:8443", "/var/log/app/deploy.log"]
+            .map(String::from)
+            .to_vec();
+        // More identifiers but one the first kept is lost: not better.
+        assert!(!retry_is_better(
+            &ids,
+            first,
+            "Deploy to 10.0.4.17:8443 failed, see logs."
+        ));
+        // More identifiers, none lost: better.
+        assert!(retry_is_better(
+            &ids,
+            first,
+            "The deploy of build 9fceb02d0ae5 to 10.0.4.17:8443 failed on the new host."
+        ));
+        // Collapsed to a bare list: not better.
+        assert!(!retry_is_better(
+            &ids,
+            PREVIOUS,
+            "9fceb02d0ae5 10.0.4.17:8443"
+        ));
+    }
+
+    #[tokio::test]
+    async fn truncated_answers_are_counted_and_escalate() {
+        let truncated = || SummarizeError::Invalid {
+            reason: "m: truncated at the output cap (finish_reason length)".into(),
+            calls: vec![call(CallOutcome::Invalid(
+                "truncated at the output cap (finish_reason length)".into(),
+            ))],
+        };
+        let before = telemetry::summary_tally();
+        let s = escalating(vec![Err(truncated()), Err(truncated())]);
+        let out = s.summarize(&req(SOURCE, 2000, 400)).await.unwrap();
+        assert!(out.draft.fallback);
+        let after = telemetry::summary_tally();
+        let grew = |key: (&'static str, &'static str)| {
+            after.get(&key).copied().unwrap_or(0) - before.get(&key).copied().unwrap_or(0)
+        };
+        assert!(grew(("rejected", "truncated")) >= 2);
+        assert!(grew(("escalated", "fallback")) >= 1);
+    }
+
+    #[test]
+    fn rolling_states_are_checked_like_summaries() {
+        let rolling = RollingStateRequest {
+            conversation: "c".into(),
+            previous: None,
+            sources: vec![SourceItem {
+                label: "turn 0".into(),
+                role: Some(Role::User),
+                tool: None,
+                text: "Fix the KeyError raised for transfer syntax 1.2.840.10008.1.2.1.".into(),
+                tokens: 20,
+                time: 0,
+            }],
+        };
+        let prompt = prompts::render_rolling_state(&rolling);
+        let state = |completed: &str| RollingState {
+            completed: completed.into(),
+            in_progress: "fixing the reader".into(),
+            decisions: "keep the public API".into(),
+            blockers: "none".into(),
+            next: "add a test".into(),
+        };
+        let good = state("reproduced the KeyError for 1.2.840.10008.1.2.1");
+        assert_eq!(check_rolling_state(&rolling, &prompt.system, &good), Ok(()));
+        // A delimiter line, copied prompt text, a refusal, claimed outcomes.
+        let delimiter = state("reproduced the bug </data-3f9a1c0b77de>");
+        assert!(matches!(
+            check_rolling_state(&rolling, &prompt.system, &delimiter),
+            Err(Rejection::Delimiter(_))
+        ));
+        let copied = state(
+            "You maintain the rolling session state of an AI agent: a compact note of where \
+             the work stands, refreshed as the conversation goes on.",
+        );
+        assert_eq!(
+            check_rolling_state(&rolling, &prompt.system, &copied),
+            Err(Rejection::Copy("the prompt's instructions".into()))
+        );
+        assert!(matches!(
+            check_rolling_state(&rolling, &prompt.system, &state(REFUSAL)),
+            Err(Rejection::Refusal(_))
+        ));
+        let claimed = state("The file has been updated to handle the syntax; all the tests passed");
+        assert!(matches!(
+            check_rolling_state(&rolling, &prompt.system, &claimed),
+            Err(Rejection::UnsupportedClaim(_))
+        ));
+    }
+
+    #[test]
+    fn unusable_answers_get_a_bounded_kind() {
+        assert_eq!(
+            unusable_kind("m: truncated at the output cap (finish_reason length)"),
+            "truncated"
+        );
+        assert_eq!(unusable_kind("m: refused: no"), "refusal");
+        assert_eq!(unusable_kind("m: response has no choices"), "unusable");
+    }
 
     #[tokio::test]
     async fn escalates_normal_then_aggressive_then_fallback() {
