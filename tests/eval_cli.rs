@@ -84,6 +84,12 @@ fn a_small_budget_compacts_without_overflow() {
     let kept = f(&r, "identifiers_retained");
     let all = f(&r, "identifiers");
     assert!(all > 0.0 && (retention - kept / all).abs() < 1e-9);
+    // By kind: the kinds add up to the whole, and paths are among them.
+    let kinds = r["retention_by_kind"].as_object().expect("by kind");
+    let sum = |field: &str| -> f64 { kinds.values().map(|k| k[field].as_f64().unwrap()).sum() };
+    assert_eq!(sum("identifiers"), all, "{r}");
+    assert_eq!(sum("retained"), kept, "{r}");
+    assert!(kinds.contains_key("path"), "{r}");
     // With 8000 tokens for sessions of 14k and 145k, something was
     // summarized, and a summary is smaller than what it replaced.
     assert!(f(&r, "compression_ratio") > 1.0, "{r}");

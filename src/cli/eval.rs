@@ -101,6 +101,8 @@ pub struct FileReport {
     pub identifier_retention_in_text: f64,
     /// Identifiers found only in an "Exact identifiers" appendix.
     pub identifiers_only_in_appendix: u64,
+    /// Retention by the kind of identifier (paths, hashes, UUIDs, URLs, ...).
+    pub retention_by_kind: BTreeMap<&'static str, KindRetention>,
     pub compression_by_depth: BTreeMap<u32, DepthCompression>,
     pub compression_ratio: f64,
     pub fallback_summaries: u64,
@@ -214,6 +216,7 @@ pub fn eval(
             "identifier_retention_in_text": total.identifier_retention_in_text,
             "identifiers_retained_in_text": total.identifiers_retained_in_text,
             "identifiers_only_in_appendix": total.identifiers_only_in_appendix,
+            "retention_by_kind": total.retention_by_kind,
             "rejections": total.rejections,
             "escalations": total.escalations,
             "compression_ratio": total.compression_ratio,
@@ -334,6 +337,9 @@ async fn eval_file<S: PassSummarizer, L: EventLog>(
         report.identifiers_retained += retention.retained;
         report.identifiers_retained_in_text += retention.retained_in_text;
         report.identifiers_only_in_appendix += retention.retained - retention.retained_in_text;
+        for (kind, k) in &retention.by_kind {
+            report.retention_by_kind.entry(kind).or_default().add(k);
+        }
         for (depth, c) in compression_by_depth(conv) {
             report
                 .compression_by_depth
@@ -396,13 +402,31 @@ pub fn compression_by_depth(conv: &Conversation) -> BTreeMap<u32, DepthCompressi
 }
 
 /// The source's identifiers and how many the assembled context keeps.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Retention {
     pub identifiers: u64,
     /// Found anywhere in the context.
     pub retained: u64,
     /// Found outside the "Exact identifiers" appendices.
     pub retained_in_text: u64,
+    /// The same, by the kind of identifier (`identifiers::IdentifierKind`).
+    pub by_kind: BTreeMap<&'static str, KindRetention>,
+}
+
+/// Retention of one kind of identifier.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct KindRetention {
+    pub identifiers: u64,
+    pub retained: u64,
+    pub retained_in_text: u64,
+}
+
+impl KindRetention {
+    fn add(&mut self, other: &KindRetention) {
+        self.identifiers += other.identifiers;
+        self.retained += other.retained;
+        self.retained_in_text += other.retained_in_text;
+    }
 }
 
 /// `text` without its "Exact identifiers" appendices: the heading line and
@@ -434,12 +458,12 @@ pub fn identifier_retention(
     bodies: &dyn TurnBodies,
     assembled: &Assembled,
 ) -> Result<Retention> {
-    let mut ids: Vec<String> = Vec::new();
+    let mut ids: Vec<identifiers::Identifier> = Vec::new();
     let mut seen = HashSet::new();
     for turn in &conv.turns {
         let body = bodies.turn_body(conv, turn.seq)?;
-        for id in identifiers::extract(&body.message.searchable_text()) {
-            if seen.insert(id.clone()) {
+        for id in identifiers::extract_with_kinds(&body.message.searchable_text()) {
+            if seen.insert(id.text.clone()) {
                 ids.push(id);
             }
         }
@@ -450,15 +474,26 @@ pub fn identifier_retention(
         context.push('\n');
     }
     let text = without_appendix(&context);
-    let kept = ids
-        .iter()
-        .filter(|id| context.contains(id.as_str()))
-        .count();
-    let kept_in_text = ids.iter().filter(|id| text.contains(id.as_str())).count();
+    let mut by_kind: BTreeMap<&'static str, KindRetention> = BTreeMap::new();
+    for id in &ids {
+        let k = by_kind.entry(id.kind.as_str()).or_default();
+        k.identifiers += 1;
+        if context.contains(id.text.as_str()) {
+            k.retained += 1;
+        }
+        if text.contains(id.text.as_str()) {
+            k.retained_in_text += 1;
+        }
+    }
+    let mut all = KindRetention::default();
+    for k in by_kind.values() {
+        all.add(k);
+    }
     Ok(Retention {
-        identifiers: ids.len() as u64,
-        retained: kept as u64,
-        retained_in_text: kept_in_text as u64,
+        identifiers: all.identifiers,
+        retained: all.retained,
+        retained_in_text: all.retained_in_text,
+        by_kind,
     })
 }
 
@@ -505,6 +540,9 @@ fn totals(reports: &[FileReport]) -> FileReport {
         t.fallback_summaries += r.fallback_summaries;
         t.identifiers_retained_in_text += r.identifiers_retained_in_text;
         t.identifiers_only_in_appendix += r.identifiers_only_in_appendix;
+        for (kind, k) in &r.retention_by_kind {
+            t.retention_by_kind.entry(kind).or_default().add(k);
+        }
         for (k, n) in &r.rejections {
             *t.rejections.entry(k.clone()).or_default() += n;
         }
@@ -603,6 +641,15 @@ fn print_table(reports: &[FileReport], total: &FileReport, budget: u64, summariz
         total.identifiers_only_in_appendix,
         EXACT_IDENTIFIERS_HEADING
     );
+    println!("retention by kind (in the context / in the text apart from appendices):");
+    for (kind, k) in &total.retention_by_kind {
+        println!(
+            "  {kind:<11} {:>6.1}% / {:>5.1}%  of {}",
+            100.0 * share(k.retained, k.identifiers),
+            100.0 * share(k.retained_in_text, k.identifiers),
+            k.identifiers
+        );
+    }
     println!(
         "validation: rejections {}; escalations {}",
         by_reason(&total.rejections),
@@ -644,6 +691,59 @@ fn short(path: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Retention is counted per kind of identifier, from what the context
+    /// still holds.
+    #[test]
+    fn retention_is_reported_by_kind() {
+        use contextfold::core::assembly::{assemble, AssemblyRequest};
+        use contextfold::core::event::{Envelope, EventBody, TurnAppended};
+        use contextfold::core::fold::fold;
+        use contextfold::core::message::{ChatMessage, Role};
+        use contextfold::core::policy::PolicyConfig;
+        use contextfold::core::state::{Resident, State};
+        let policy = PolicyConfig::default();
+        let mut state = State::default();
+        for (i, text) in [
+            "read /src/a.rs for 123e4567-e89b-12d3-a456-426614174000",
+            "then https://example.com/x.html and /src/b.rs",
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let turn = TurnAppended::from(ChatMessage::text(Role::User, text.to_string()));
+            let e = Envelope::new(
+                format!("t{i}"),
+                "c",
+                1 + i as u64,
+                EventBody::TurnAppended(turn),
+            );
+            fold(&mut state, &policy, &e);
+        }
+        let conv = &state.conversations["c"];
+        let mut out = assemble(conv, &policy, &AssemblyRequest::default()).unwrap();
+        // The context lost the first turn.
+        out.messages.remove(0);
+        let r = identifier_retention(conv, &Resident, &out).unwrap();
+        let kind = |k: &str| r.by_kind.get(k).copied().unwrap_or_default();
+        assert_eq!(
+            (kind("path").identifiers, kind("path").retained),
+            (2, 1),
+            "{r:?}"
+        );
+        assert_eq!(
+            (kind("uuid").identifiers, kind("uuid").retained),
+            (1, 0),
+            "{r:?}"
+        );
+        assert_eq!(
+            (kind("url").identifiers, kind("url").retained),
+            (1, 1),
+            "{r:?}"
+        );
+        let sum: u64 = r.by_kind.values().map(|k| k.identifiers).sum();
+        assert_eq!(sum, r.identifiers);
+    }
 
     #[test]
     fn the_appendix_is_left_out_of_the_summary_text() {

@@ -45,6 +45,27 @@ pub enum IdentifierKind {
     Token,
 }
 
+impl IdentifierKind {
+    /// Its name in reports (`eval`'s retention by kind).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            IdentifierKind::Url => "url",
+            IdentifierKind::Path => "path",
+            IdentifierKind::Uuid => "uuid",
+            IdentifierKind::Hash => "hash",
+            IdentifierKind::IpAddress => "ip_address",
+            IdentifierKind::Host => "host",
+            IdentifierKind::Port => "port",
+            IdentifierKind::ErrorCode => "error_code",
+            IdentifierKind::Ticket => "ticket",
+            IdentifierKind::Version => "version",
+            IdentifierKind::Oid => "oid",
+            IdentifierKind::Date => "date",
+            IdentifierKind::Token => "token",
+        }
+    }
+}
+
 /// One identifier found in a text.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Identifier {
