@@ -856,23 +856,9 @@ fn truncate_to_tokens(text: &str, budget: u64) -> String {
     if tokens(text) <= budget {
         return text.to_string();
     }
-    let bounds: Vec<usize> = text
-        .char_indices()
-        .map(|(i, _)| i)
-        .chain(std::iter::once(text.len()))
-        .collect();
-    // Largest k with tokens(text[..bounds[k]]) <= budget; token counts of
-    // prefixes grow with the prefix.
-    let (mut lo, mut hi) = (0usize, bounds.len() - 1);
-    while lo < hi {
-        let mid = (lo + hi).div_ceil(2);
-        if tokens(&text[..bounds[mid]]) <= budget {
-            lo = mid;
-        } else {
-            hi = mid - 1;
-        }
-    }
-    let cut = &text[..bounds[lo]];
+    // Token counts of prefixes grow with the prefix.
+    let end = crate::core::tokens::longest_prefix(text, |end| tokens(&text[..end]) <= budget);
+    let cut = &text[..end];
     // Prefer ending at whitespace if one is close: a half word is noise.
     // BPE counts are not monotonic in the prefix, so the shorter cut is
     // measured again.

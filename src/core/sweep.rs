@@ -167,22 +167,11 @@ fn excerpt(encoding: tokens::Encoding, text: &str, tokens_of_text: u64, max: u64
         let omitted = tokens_of_text.saturating_sub(tokens::count_text(encoding, head));
         format!("{head}\n[... {omitted} more tokens of this item not sent ...]")
     };
-    let bounds: Vec<usize> = text
-        .char_indices()
-        .map(|(i, _)| i)
-        .chain(std::iter::once(text.len()))
-        .collect();
-    // Largest prefix (in chars) whose excerpt fits.
-    let (mut lo, mut hi) = (0usize, bounds.len() - 1);
-    while lo < hi {
-        let mid = (lo + hi).div_ceil(2);
-        if tokens::count_text(encoding, &with_note(bounds[mid])) <= max {
-            lo = mid;
-        } else {
-            hi = mid - 1;
-        }
-    }
-    with_note(bounds[lo])
+    // Largest prefix whose excerpt fits.
+    let end = tokens::longest_prefix(text, |end| {
+        tokens::count_text(encoding, &with_note(end)) <= max
+    });
+    with_note(end)
 }
 
 /// Holds a prompt's sources to `cap` tokens sent: when they send more, the

@@ -97,6 +97,28 @@ thread_local! {
     static PIECE_COUNTS: RefCell<PieceCounts> = RefCell::new(PieceCounts::default());
 }
 
+/// The byte length of the longest prefix of `text`, cut at a char
+/// boundary, for which `fits` holds (0 when none but the empty one does):
+/// a binary search, for `fits` that holds of every prefix shorter than one
+/// it holds of (a token budget over prefixes, as nearly as BPE allows).
+pub fn longest_prefix(text: &str, fits: impl Fn(usize) -> bool) -> usize {
+    let bounds: Vec<usize> = text
+        .char_indices()
+        .map(|(i, _)| i)
+        .chain(std::iter::once(text.len()))
+        .collect();
+    let (mut lo, mut hi) = (0usize, bounds.len() - 1);
+    while lo < hi {
+        let mid = (lo + hi).div_ceil(2);
+        if fits(bounds[mid]) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    bounds[lo]
+}
+
 /// Counts tokens of text (the same count as tiktoken's `encode_ordinary`).
 pub fn count_text(encoding: Encoding, text: &str) -> u64 {
     if text.is_empty() {
