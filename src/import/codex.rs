@@ -37,7 +37,7 @@
 //! A line that is not JSON, or a record or payload type this importer does
 //! not know, is reported as skipped (line and reason) and the rest is read.
 
-use super::draft::{self, content_from_parts, image_part, text_part, usage, Draft, ItemKind};
+use super::draft::{self, content_from_parts, image_url, text_part, usage, Draft, ItemKind};
 use super::timestamp::parse_iso8601;
 use super::{ImportError, Source};
 use crate::core::event::TurnAppended;
@@ -361,7 +361,7 @@ fn message_content(content: Option<&Value>) -> Result<Option<Content>, String> {
                     .get("image_url")
                     .and_then(|u| u.as_str().or_else(|| u.get("url").and_then(Value::as_str)));
                 if let Some(url) = url {
-                    out.push(image(url));
+                    out.push(image_url(url));
                 }
             }
             "refusal" => {
@@ -382,22 +382,6 @@ fn message_content(content: Option<&Value>) -> Result<Option<Content>, String> {
         return Ok(Some(Content::Text(text.join("\n"))));
     }
     Ok(content_from_parts(out))
-}
-
-fn image(url: &str) -> ContentPart {
-    if let Some((media, data)) = url
-        .strip_prefix("data:")
-        .and_then(|rest| rest.split_once(";base64,"))
-    {
-        return image_part(media, data);
-    }
-    let mut other = std::collections::BTreeMap::new();
-    other.insert("image_url".to_string(), serde_json::json!({ "url": url }));
-    ContentPart {
-        kind: "image_url".to_string(),
-        text: None,
-        other,
-    }
 }
 
 /// Adds a call to the assistant message right before it, or opens one.

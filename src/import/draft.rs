@@ -155,6 +155,24 @@ pub(crate) fn image_part(media_type: &str, base64: &str) -> ContentPart {
     }
 }
 
+/// An OpenAI `image_url` part for a URL as a transcript gives it: a data
+/// URL is split into its media type and data, any other kept as it is.
+pub(crate) fn image_url(url: &str) -> ContentPart {
+    if let Some((media, data)) = url
+        .strip_prefix("data:")
+        .and_then(|rest| rest.split_once(";base64,"))
+    {
+        return image_part(media, data);
+    }
+    let mut other = std::collections::BTreeMap::new();
+    other.insert("image_url".to_string(), serde_json::json!({ "url": url }));
+    ContentPart {
+        kind: "image_url".to_string(),
+        text: None,
+        other,
+    }
+}
+
 /// Provider usage from prompt / completion counts, `None` when all are absent.
 pub(crate) fn usage(
     prompt: Option<u64>,

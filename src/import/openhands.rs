@@ -28,7 +28,7 @@
 //! - Everything else (state changes, recalls, observations of commands the
 //!   user ran) is not part of what the model was told and is skipped.
 
-use super::draft::{self, content_from_parts, image_part, text_part, usage, Draft};
+use super::draft::{self, content_from_parts, image_url, text_part, usage, Draft};
 use super::openai::RawToolCall;
 use super::timestamp::parse_iso8601;
 use super::{ImportError, JsonShape, Source};
@@ -489,22 +489,6 @@ fn push_events(
         }
     }
     Ok(())
-}
-
-fn image_url(url: &str) -> ContentPart {
-    if let Some((media, data)) = url
-        .strip_prefix("data:")
-        .and_then(|rest| rest.split_once(";base64,"))
-    {
-        return image_part(media, data);
-    }
-    let mut other = std::collections::BTreeMap::new();
-    other.insert("image_url".to_string(), serde_json::json!({ "url": url }));
-    ContentPart {
-        kind: "image_url".to_string(),
-        text: None,
-        other,
-    }
 }
 
 #[cfg(test)]
