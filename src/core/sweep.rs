@@ -795,21 +795,7 @@ mod tests {
         for e in &events {
             fold(&mut state, &policy, e);
         }
-        let job = JobIssued {
-            job_id: "j".into(),
-            reason: DebtReason::Manual,
-            urgent: true,
-            context_tokens: 0,
-            target_tokens: 0,
-            deadline_ms: 1000,
-            issued_at: 2,
-            instructions: None,
-            compact: true,
-            refresh_rolling_state: true,
-            max_calls: None,
-            max_tokens: None,
-        };
-        let snap = snapshot(&state.conversations["c"], &job, &policy).unwrap();
+        let snap = snapshot(&state.conversations["c"], &job(true), &policy).unwrap();
         assert!(
             snap.rolling_sources.is_empty(),
             "{:?}",
