@@ -133,6 +133,9 @@ pub struct Engine<B: KvBackend> {
     /// When each resident conversation was last touched (the runtime's
     /// clock: eviction is outside the fold and never changes it).
     touched: HashMap<String, Instant>,
+    /// The time records are touched at: read once per commit, not once per
+    /// record (idle eviction counts in minutes; a batch is milliseconds).
+    clock: Instant,
     /// What the fold did since the last [`Engine::finish`] (emitted there).
     tally: t::FoldTally,
 }
@@ -239,6 +242,7 @@ impl<B: KvBackend> Engine<B> {
             held: Held::default(),
             residency: Residency::default(),
             touched: HashMap::new(),
+            clock: Instant::now(),
             tally: t::FoldTally::default(),
         }
     }
@@ -367,10 +371,11 @@ impl<B: KvBackend> Engine<B> {
     /// Loads `key` from the store unless it is resident (or new), and notes
     /// it as touched now.
     pub fn ensure_resident(&mut self, key: &str) -> Result<(), StoreError> {
+        let now = self.clock;
         match self.touched.get_mut(key) {
-            Some(at) => *at = Instant::now(),
+            Some(at) => *at = now,
             None => {
-                self.touched.insert(key.to_string(), Instant::now());
+                self.touched.insert(key.to_string(), now);
             }
         }
         if self.state.conversations.contains_key(key) || self.store.knows(key) {
@@ -386,10 +391,11 @@ impl<B: KvBackend> Engine<B> {
     /// then the least recently touched beyond the limit. Never while
     /// decisions are held (nothing is committed then).
     fn evict(&mut self) {
+        self.clock = Instant::now();
         if self.holding() || !self.dirty.is_empty() {
             return;
         }
-        let now = Instant::now();
+        let now = self.clock;
         let idle = self.residency.idle;
         let mut gone: Vec<String> = self
             .touched
