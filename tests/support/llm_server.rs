@@ -12,7 +12,6 @@
 
 #![allow(dead_code)]
 
-use std::net::TcpListener as StdListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -49,12 +48,7 @@ pub fn venv_bin(name: &str) -> Option<PathBuf> {
     None
 }
 
-fn free_port() -> u16 {
-    StdListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
-}
+include!("free_port.rs");
 
 fn http() -> reqwest::Client {
     reqwest::Client::builder()

@@ -13,7 +13,7 @@
 
 use std::fs;
 use std::io::{BufRead, BufReader};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
@@ -80,11 +80,7 @@ fn parse_version(s: &str) -> Option<(u64, u64, u64)> {
     ))
 }
 
-/// A port nobody listens on right now (the kernel's pick for port 0).
-pub fn free_port() -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral loopback port");
-    listener.local_addr().expect("local addr").port()
-}
+include!("free_port.rs");
 
 /// Waits until a server on `port` greets with its INFO line, or the child dies.
 fn wait_accepting(child: &mut Child, port: u16, log: &Path) -> Result<(), String> {
@@ -262,6 +258,19 @@ pub struct NatsCluster {
 /// JetStream meta leader is elected after the nodes accept connections.
 pub fn start_cluster(n: usize) -> NatsCluster {
     assert!(n >= 1, "a cluster needs at least one node");
+    let mut last_error = String::new();
+    // A port picked free can still be taken before a node binds it: retry
+    // the whole cluster on fresh ports (the nodes started so far are dropped).
+    for _ in 0..3 {
+        match try_start_cluster(n) {
+            Ok(cluster) => return cluster,
+            Err(e) => last_error = e,
+        }
+    }
+    panic!("could not start a {n}-node cluster: {last_error}");
+}
+
+fn try_start_cluster(n: usize) -> Result<NatsCluster, String> {
     let cluster_ports: Vec<u16> = (0..n).map(|_| free_port()).collect();
     let client_ports: Vec<u16> = (0..n).map(|_| free_port()).collect();
     let mut nodes = Vec::with_capacity(n);
@@ -284,12 +293,23 @@ pub fn start_cluster(n: usize) -> NatsCluster {
             routes.join(","),
         ];
         let dir = tempfile::tempdir().expect("temp dir for a cluster node");
-        match NatsServer::spawn(dir, client_ports[i], &extra) {
-            Ok(node) => nodes.push(node),
-            Err(e) => panic!("starting cluster node {i}: {e}"),
+        let node = NatsServer::spawn(dir, client_ports[i], &extra)
+            .map_err(|e| format!("starting cluster node {i}: {e}"))?;
+        nodes.push(node);
+    }
+    // A node greets on its client port before it binds its route port, so a
+    // route port taken by someone else shows only as the node dying just after.
+    std::thread::sleep(Duration::from_millis(200));
+    for (i, node) in nodes.iter_mut().enumerate() {
+        let exited = node
+            .child
+            .as_mut()
+            .map(|c| matches!(c.try_wait(), Ok(Some(_))));
+        if exited != Some(false) {
+            return Err(format!("cluster node {i} exited: {}", node.log_tail(5)));
         }
     }
-    NatsCluster { nodes }
+    Ok(NatsCluster { nodes })
 }
 
 impl NatsCluster {
