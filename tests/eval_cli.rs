@@ -287,6 +287,28 @@ async fn refusals_are_counted_and_the_kept_data_dir_is_readable() {
         text.contains("summary"),
         "no summary in the kept history: {text}"
     );
+    // The kept log replays under the policy eval folded with (recorded in
+    // it), not today's default: its summaries apply, none is refused.
+    let status = Command::new(env!("CARGO_BIN_EXE_contextfold"))
+        .args([
+            "--data",
+            keep_dir.to_str().unwrap_or_default(),
+            "status",
+            &conv,
+        ])
+        .env_remove("CONTEXTFOLD_CONFIG")
+        .env_remove("CONTEXTFOLD_SUMMARIZER__BASE_URL")
+        .current_dir(keep.path())
+        .output()
+        .expect("run contextfold status");
+    let stderr = String::from_utf8_lossy(&status.stderr);
+    assert!(status.status.success(), "{stderr}");
+    assert!(!stderr.contains("rejected"), "{stderr}");
+    let s: Value = serde_json::from_slice(&status.stdout).expect("status JSON");
+    assert!(
+        s["turns"]["summarized"].as_u64().unwrap_or(0) > 0,
+        "the kept summaries do not apply: {s}"
+    );
     // A second run into the same directory is refused, not mixed in.
     let again = eval(
         &["--keep", keep_dir.to_str().unwrap_or_default()],

@@ -287,7 +287,15 @@ async fn eval_file<S: PassSummarizer, L: EventLog>(
 ) -> Result<FileReport> {
     let conversations = import::import_file(file, Format::Auto)
         .with_context(|| format!("importing {}", file.display()))?;
-    let engine = Engine::open(MemoryBackend::default(), policy.clone())?;
+    let mut engine = Engine::open(MemoryBackend::default(), policy.clone())?;
+    // The policy eval folds under (its window is the budget) goes into the
+    // log first: a kept data dir read later by `history`/`assemble` must
+    // replay under it, not under the configuration of the day, or every
+    // summary's cut point is refused as stale.
+    engine.record_policy_as(
+        contextfold::core::event::EMBEDDED_PARTITION_KEY.into(),
+        "eval",
+    );
     let mut p = Pipeline::open(log, engine, summarizer).await?;
     let mut report = FileReport {
         file: file.display().to_string(),
