@@ -162,6 +162,7 @@ fn raw_newest() -> Option<Shape> {
         request: AssemblyRequest {
             budget: Some(CONTEXT_TOKENS),
             prompt: None,
+            prompt_aware_eviction: false,
         },
     })
 }
@@ -219,6 +220,7 @@ fn raw_all() -> Shape {
         request: AssemblyRequest {
             budget: Some(budget),
             prompt: None,
+            prompt_aware_eviction: false,
         },
     }
 }

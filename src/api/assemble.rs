@@ -21,6 +21,12 @@ pub struct AssembleRequest {
     /// The prompt about to be sent; its tokens are reserved from the budget.
     #[serde(default)]
     pub prompt: Option<String>,
+    /// Prompt-aware eviction (default false): when the context older than
+    /// the fresh tail does not all fit, keep the items most relevant to
+    /// `prompt` rather than the newest; the reply's `chosen_by_relevance`
+    /// lists the items kept that way.
+    #[serde(default)]
+    pub prompt_aware_eviction: bool,
     /// The context the agent already holds (from an earlier reply's
     /// `delta`): when it is still the start of the context, only the
     /// messages after it are sent. The reply then carries a `delta`.
@@ -150,6 +156,7 @@ pub fn assemble_borrowed(
         &AssemblyRequest {
             budget: req.budget,
             prompt: req.prompt.clone(),
+            prompt_aware_eviction: req.prompt_aware_eviction,
         },
     )?;
     let (left_out_count, left_out_tokens) = cap_left_out(&mut assembled.left_out);
@@ -175,6 +182,7 @@ mod tests {
             conversation: CONV.into(),
             budget,
             prompt: None,
+            prompt_aware_eviction: false,
             since: None,
         }
     }

@@ -606,6 +606,7 @@ mod tests {
             conversation: testing::CONV.into(),
             budget: Some(2_000),
             prompt: None,
+            prompt_aware_eviction: false,
             // With the `delta` field.
             since: Some(assemble::Since {
                 messages: 0,

@@ -119,6 +119,9 @@ pub struct FileReport {
     pub rejections: BTreeMap<String, u64>,
     /// Escalations by kind (`aggressive`, `fallback`).
     pub escalations: BTreeMap<String, u64>,
+    /// Prompt-aware eviction measured before every user turn, that turn as
+    /// the prompt.
+    pub prompt_aware: PromptAwareEffect,
     pub spend: SweepSpend,
     pub seconds: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -228,6 +231,7 @@ pub fn eval(
             "identifiers_that_matter_retained": total.identifiers_that_matter_retained,
             "retention_of_identifiers_that_matter": total.retention_of_identifiers_that_matter,
             "retention_by_kind": total.retention_by_kind,
+            "prompt_aware": total.prompt_aware,
             "rejections": total.rejections,
             "escalations": total.escalations,
             "compression_ratio": total.compression_ratio,
@@ -324,8 +328,43 @@ async fn eval_file<S: PassSummarizer, L: EventLog>(
     let request = AssemblyRequest {
         budget: Some(budget),
         prompt: None,
+        prompt_aware_eviction: false,
     };
+    report.prompt_aware.budget = PromptAwareEffect::budget(budget);
     for event in conversations.iter().flat_map(|c| &c.events) {
+        // Before each user turn: would prompt-aware eviction, given that
+        // turn as the prompt, keep other items than the newest?
+        if let EventBody::TurnAppended(t) = &event.body {
+            if let (Role::User, Some(conv)) = (
+                t.message.role,
+                p.engine.state.conversations.get(&event.conversation),
+            ) {
+                let prompt = t.message.text_content();
+                // A quarter of the budget: compaction keeps the context
+                // under the budget itself, so eviction happens when an
+                // agent asks for less (a smaller model, room for tools).
+                let plain = AssemblyRequest {
+                    budget: Some(PromptAwareEffect::budget(budget)),
+                    prompt: Some(prompt),
+                    prompt_aware_eviction: false,
+                };
+                let aware = AssemblyRequest {
+                    prompt_aware_eviction: true,
+                    ..plain.clone()
+                };
+                let bodies = p.engine.bodies();
+                let a = assembly::assemble_from(conv, &bodies, policy, &plain)?;
+                if !a.left_out.is_empty() {
+                    let b = assembly::assemble_from(conv, &bodies, policy, &aware)?;
+                    let e = &mut report.prompt_aware;
+                    e.evicting_assemblies += 1;
+                    if a.sources != b.sources {
+                        e.changed += 1;
+                    }
+                    e.items_chosen_by_relevance += b.chosen_by_relevance.len() as u64;
+                }
+            }
+        }
         p.ingest(std::slice::from_ref(event)).await?;
         if !matches!(event.body, EventBody::TurnAppended(_)) {
             continue;
@@ -458,6 +497,27 @@ impl KindRetention {
         self.retained_in_text += other.retained_in_text;
         self.matter += other.matter;
         self.matter_retained += other.matter_retained;
+    }
+}
+
+/// How often prompt-aware eviction would change what is kept, at an
+/// assembly budget of [`PromptAwareEffect::budget`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct PromptAwareEffect {
+    /// The assembly budget measured at.
+    pub budget: u64,
+    /// Assemblies before a user turn where the older context did not all fit.
+    pub evicting_assemblies: u64,
+    /// Of those, the ones where prompt-aware eviction kept other items.
+    pub changed: u64,
+    /// Items kept for their relevance in place of newer ones.
+    pub items_chosen_by_relevance: u64,
+}
+
+impl PromptAwareEffect {
+    /// A quarter of eval's budget.
+    pub fn budget(eval_budget: u64) -> u64 {
+        (eval_budget / 4).max(1)
     }
 }
 
@@ -606,6 +666,10 @@ fn totals(reports: &[FileReport]) -> FileReport {
         t.identifiers_retained_in_text += r.identifiers_retained_in_text;
         t.identifiers_only_in_appendix += r.identifiers_only_in_appendix;
         t.identifiers_that_matter += r.identifiers_that_matter;
+        t.prompt_aware.budget = r.prompt_aware.budget;
+        t.prompt_aware.evicting_assemblies += r.prompt_aware.evicting_assemblies;
+        t.prompt_aware.changed += r.prompt_aware.changed;
+        t.prompt_aware.items_chosen_by_relevance += r.prompt_aware.items_chosen_by_relevance;
         t.identifiers_that_matter_retained += r.identifiers_that_matter_retained;
         for (kind, k) in &r.retention_by_kind {
             t.retention_by_kind.entry(kind).or_default().add(k);
@@ -731,6 +795,13 @@ fn print_table(reports: &[FileReport], total: &FileReport, budget: u64, summariz
             k.matter
         );
     }
+    println!(
+        "prompt-aware eviction (before each user turn, that turn as the prompt, budget {}): {} of {} evicting assemblies keep other items, {} items chosen by relevance",
+        PromptAwareEffect::budget(budget),
+        total.prompt_aware.changed,
+        total.prompt_aware.evicting_assemblies,
+        total.prompt_aware.items_chosen_by_relevance
+    );
     println!(
         "validation: rejections {}; escalations {}",
         by_reason(&total.rejections),

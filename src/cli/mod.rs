@@ -99,6 +99,11 @@ pub enum Command {
         /// The prompt about to be sent: its tokens are reserved from the budget.
         #[arg(long)]
         prompt: Option<String>,
+        /// Prompt-aware eviction: when the older context does not all fit,
+        /// keep what is most relevant to `--prompt` rather than the newest
+        /// (the output says which items were chosen by relevance).
+        #[arg(long, requires = "prompt")]
+        prompt_aware: bool,
         /// Print JSON (messages in OpenAI chat shape plus accounting).
         #[arg(long)]
         json: bool,
@@ -342,11 +347,16 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
             at,
             budget,
             prompt,
+            prompt_aware,
             json,
             nats,
         } => {
             if nats.servers.is_empty() {
-                let request = AssemblyRequest { budget, prompt };
+                let request = AssemblyRequest {
+                    budget,
+                    prompt,
+                    prompt_aware_eviction: prompt_aware,
+                };
                 local::assemble(&config, &conversation, at.as_deref(), request, json)
             } else {
                 let output = if json { Output::Json } else { Output::Text };
@@ -354,6 +364,7 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
                     conversation,
                     budget,
                     prompt,
+                    prompt_aware_eviction: prompt_aware,
                     since: None,
                 };
                 query::run(&config, &nats, Query::Assemble(request), output)

@@ -5,6 +5,7 @@
 
 use crate::core::message::{ChatMessage, Content, Role};
 use crate::core::policy::{self, PlanView, PolicyConfig};
+use crate::core::relevance;
 use crate::core::state::{BodyError, ContextItem, Conversation, Resident, TurnBodies, TurnBody};
 use crate::core::tokens;
 use serde::{Deserialize, Serialize};
@@ -19,6 +20,12 @@ pub struct AssemblyRequest {
     pub budget: Option<u64>,
     /// The prompt about to be sent; its tokens are reserved from the budget.
     pub prompt: Option<String>,
+    /// Prompt-aware eviction (off unless asked): when the context older than
+    /// the fresh tail does not all fit, keep the older items most relevant
+    /// to `prompt` instead of the newest ones ([`relevance`]). Without a
+    /// prompt, or when everything fits, it changes nothing.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub prompt_aware_eviction: bool,
 }
 
 /// Where an assembled message came from.
@@ -60,6 +67,10 @@ pub struct Assembled<M = ChatMessage> {
     /// The fresh tail alone does not fit the budget: it is sent whole anyway.
     pub over_budget: bool,
     pub left_out: Vec<LeftOut>,
+    /// With prompt-aware eviction: the items kept for their relevance to
+    /// the prompt where the newest would have been kept otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub chosen_by_relevance: Vec<Source>,
 }
 
 const STUB_NOTE: &str = "no result was recorded for this tool call";
@@ -169,6 +180,7 @@ impl AssembledRef {
             fresh_tail_tokens: self.fresh_tail_tokens,
             over_budget: self.over_budget,
             left_out: self.left_out,
+            chosen_by_relevance: self.chosen_by_relevance,
         }
     }
 }
@@ -198,16 +210,13 @@ pub fn assemble_from(
         (msg, t)
     });
 
-    // Units are tool groups: [start, end) with a boundary at both ends.
-    // Walk back from the end, the fresh tail always taken whole, until a
-    // unit does not fit: it and everything older is left out. Messages are
-    // collected newest first, then reversed.
-    let mut messages = Vec::with_capacity(n + 1);
-    let mut sources = Vec::with_capacity(n + 1);
-    let mut used = prompt_tokens;
-    let mut fresh_tail_tokens = 0;
+    // Units are tool groups: [start, end) with a boundary at both ends,
+    // newest first. The fresh tail is always taken whole; older units are
+    // taken newest first until one does not fit: it and everything older
+    // is left out (or, with prompt-aware eviction, the most relevant older
+    // units that fit are kept instead).
+    let mut units: Vec<Unit> = Vec::new();
     let mut end = n;
-    let mut left_end = 0; // items [0, left_end) are left out
     while end > 0 {
         let mut start = end - 1;
         while start > 0 && !policy::is_boundary(conv, start) {
@@ -216,14 +225,69 @@ pub fn assemble_from(
         let missing = missing_results(conv, bodies, start, end, end == n)?;
         let mut t: u64 = (start..end).map(|i| conv.item(i).tokens()).sum();
         t += missing.iter().map(|id| stub_tokens(enc, id)).sum::<u64>();
-        if start >= tail {
-            fresh_tail_tokens += t;
-        } else if used + t > budget {
-            left_end = end;
+        units.push(Unit {
+            start,
+            end,
+            tokens: t,
+            missing,
+            fresh: start >= tail,
+        });
+        end = start;
+    }
+    let mut used = prompt_tokens;
+    let mut fresh_tail_tokens = 0;
+    let mut keep = vec![false; units.len()];
+    let mut by_newest = 0; // units [0, by_newest) kept newest first
+    for (u, unit) in units.iter().enumerate() {
+        if unit.fresh {
+            fresh_tail_tokens += unit.tokens;
+        } else if used + unit.tokens > budget {
             break;
         }
-        used += t;
-        for call_id in missing.into_iter().rev() {
+        used += unit.tokens;
+        keep[u] = true;
+        by_newest = u + 1;
+    }
+    let mut chosen_by_relevance = Vec::new();
+    let prompt = req.prompt.as_deref().filter(|p| !p.trim().is_empty());
+    if let (true, Some(prompt), true) = (req.prompt_aware_eviction, prompt, by_newest < units.len())
+    {
+        let relevant = relevance::choose(
+            conv,
+            bodies,
+            prompt,
+            &units,
+            budget,
+            prompt_tokens + fresh_tail_tokens,
+        )?;
+        if let Some(choice) = relevant {
+            used = choice.used;
+            for (u, unit) in units.iter().enumerate() {
+                let kept = choice.keep[u];
+                if kept && !keep[u] {
+                    for i in unit.start..unit.end {
+                        chosen_by_relevance.push(source_of(conv, conv.context[i]));
+                    }
+                }
+                keep[u] = kept;
+            }
+            chosen_by_relevance.reverse();
+        }
+    }
+    let mut messages = Vec::with_capacity(n + 1);
+    let mut sources = Vec::with_capacity(n + 1);
+    let mut left_out = Vec::new();
+    for (u, unit) in units.into_iter().enumerate() {
+        if !keep[u] {
+            for i in (unit.start..unit.end).rev() {
+                left_out.push(LeftOut {
+                    source: source_of(conv, conv.context[i]),
+                    tokens: conv.item(i).tokens(),
+                });
+            }
+            continue;
+        }
+        for call_id in unit.missing.into_iter().rev() {
             messages.push(SentMessage::Built(Box::new(ChatMessage {
                 role: Role::Tool,
                 content: Some(Content::Text(STUB_NOTE.into())),
@@ -233,19 +297,13 @@ pub fn assemble_from(
             })));
             sources.push(Source::MissingToolResult { call_id });
         }
-        for i in (start..end).rev() {
+        for i in (unit.start..unit.end).rev() {
             let item = conv.context[i];
             messages.push(render(conv, bodies, cfg, item, i >= tail)?);
             sources.push(source_of(conv, item));
         }
-        end = start;
     }
-    let left_out = (0..left_end)
-        .map(|i| LeftOut {
-            source: source_of(conv, conv.context[i]),
-            tokens: conv.item(i).tokens(),
-        })
-        .collect();
+    left_out.reverse();
     let over_budget = fresh_tail_tokens + prompt_tokens > budget;
     // The rolling state is the first thing to go when space is short.
     if let Some((msg, t)) = rolling.filter(|(_, t)| used + t <= budget) {
@@ -264,7 +322,19 @@ pub fn assemble_from(
         fresh_tail_tokens,
         over_budget,
         left_out,
+        chosen_by_relevance,
     })
+}
+
+/// A tool group of the context: items `[start, end)`, sent or left out
+/// whole (no tool result without its call).
+pub(crate) struct Unit {
+    pub start: usize,
+    pub end: usize,
+    /// Its items' tokens, with the stubs for results never recorded.
+    pub tokens: u64,
+    missing: Vec<String>,
+    pub fresh: bool,
 }
 
 /// Tokens of the stub result for `call_id`: exactly what `count_message`
@@ -639,6 +709,7 @@ mod tests {
             &AssemblyRequest {
                 budget: Some(60),
                 prompt: None,
+                prompt_aware_eviction: false,
             },
         )
         .unwrap();
@@ -667,10 +738,101 @@ mod tests {
                 &cfg,
                 &AssemblyRequest {
                     budget: Some(60),
-                    prompt: None
+                    prompt: None,
+                    prompt_aware_eviction: false,
                 }
             )
             .unwrap()
+        );
+    }
+
+    /// With prompt-aware eviction the old rounds the prompt is about are
+    /// kept in place of newer ones, said in `chosen_by_relevance`; the
+    /// context stays valid and within the budget; off, nothing changes.
+    #[test]
+    fn prompt_aware_eviction_keeps_what_the_prompt_is_about() {
+        let cfg = PolicyConfig {
+            fresh_tail_count: 2,
+            ..PolicyConfig::default()
+        };
+        let mut state = State::default();
+        let topics = [
+            "ledger", "invoice", "rotation", "webhook", "billing", "quota",
+        ];
+        for (round, topic) in topics.iter().enumerate() {
+            let round = round as u64;
+            let call_id = format!("call_{round}");
+            let mut call = ChatMessage::text(Role::Assistant, format!("checking the {topic}"));
+            call.tool_calls = vec![ToolCall {
+                id: call_id.clone(),
+                kind: "function".into(),
+                function: FunctionCall {
+                    name: "grep".into(),
+                    arguments: format!("{{\"q\":\"{topic}\"}}"),
+                },
+            }];
+            let mut result = ChatMessage::text(
+                Role::Tool,
+                format!("src/{topic}.rs: {} lines about {topic}", 40 + round),
+            );
+            result.tool_call_id = Some(call_id);
+            let question = ChatMessage::text(Role::User, format!("Look into the {topic} code."));
+            for (k, m) in [question, call, result].into_iter().enumerate() {
+                fold(&mut state, &cfg, &turn(round * 3 + k as u64, m));
+            }
+        }
+        let conv = &state.conversations["c:acct"];
+        let request = |aware: bool| AssemblyRequest {
+            budget: Some(150),
+            prompt: Some("What did the invoice search find?".into()),
+            prompt_aware_eviction: aware,
+        };
+        let plain = assemble(conv, &cfg, &request(false)).unwrap();
+        let aware = assemble(conv, &cfg, &request(true)).unwrap();
+        let seqs = |a: &Assembled| -> Vec<u64> {
+            a.sources
+                .iter()
+                .filter_map(|s| match s {
+                    Source::Turn { seq } => Some(*seq),
+                    _ => None,
+                })
+                .collect()
+        };
+        // The invoice round is turns 3..=5; the newest-first context has
+        // no room for it.
+        assert!(!plain.left_out.is_empty());
+        assert!(!seqs(&plain).contains(&4), "{:?}", seqs(&plain));
+        assert!(plain.chosen_by_relevance.is_empty());
+        let kept = seqs(&aware);
+        assert!(
+            kept.contains(&3) && kept.contains(&4) && kept.contains(&5),
+            "{kept:?}"
+        );
+        assert!(
+            aware.chosen_by_relevance.contains(&Source::Turn { seq: 4 }),
+            "{:?}",
+            aware.chosen_by_relevance
+        );
+        assert!(kept.windows(2).all(|w| w[0] < w[1]), "{kept:?}");
+        check_tool_pairing(&aware.messages).unwrap();
+        assert!(
+            aware.tokens + aware.prompt_tokens <= 150,
+            "{}",
+            aware.tokens
+        );
+        // Everything sent or left out, once.
+        assert_eq!(
+            aware.sources.len() + aware.left_out.len(),
+            plain.sources.len() + plain.left_out.len()
+        );
+        // Without a prompt the flag changes nothing.
+        let no_prompt = |aware: bool| AssemblyRequest {
+            prompt: None,
+            ..request(aware)
+        };
+        assert_eq!(
+            assemble(conv, &cfg, &no_prompt(true)).unwrap(),
+            assemble(conv, &cfg, &no_prompt(false)).unwrap()
         );
     }
 
