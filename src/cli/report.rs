@@ -178,8 +178,27 @@ fn print_accounting(out: &Assembled) {
 }
 
 fn accounting(out: &Assembled) -> String {
+    let relevant = if out.chosen_by_relevance.is_empty() {
+        String::new()
+    } else {
+        let items: Vec<String> = out
+            .chosen_by_relevance
+            .iter()
+            .map(|s| match s {
+                Source::Turn { seq } => format!("turn {seq}"),
+                Source::Summary { id, .. } => id.clone(),
+                Source::RollingState => "rolling state".to_string(),
+                Source::MissingToolResult { call_id } => format!("stub for {call_id}"),
+            })
+            .collect();
+        format!(
+            "; {} kept for their relevance to the prompt: {}",
+            items.len(),
+            items.join(", ")
+        )
+    };
     format!(
-        "== {} messages, {} tokens of budget {} (fresh tail {}); {} items left out{}",
+        "== {} messages, {} tokens of budget {} (fresh tail {}); {} items left out{}{relevant}",
         out.messages.len(),
         out.tokens,
         out.budget,
