@@ -8,9 +8,9 @@
 //! spend counted too), and that an exhausted spend window refuses without
 //! calling the model.
 
-mod support;
 #[path = "support/llm_server.rs"]
 mod llm_server;
+mod support;
 
 use contextfold::core::message::{ChatMessage, Role};
 use contextfold::core::tokens::{count_message, Encoding};
@@ -159,9 +159,7 @@ async fn recall_answers_from_the_relevant_turn_within_the_cap_and_counts_its_spe
     let sources = reply["sources"].as_array().expect("sources");
     assert!(!sources.is_empty());
     assert!(
-        sources
-            .iter()
-            .any(|s| s["kind"] == "turn" && s["seq"] == 0),
+        sources.iter().any(|s| s["kind"] == "turn" && s["seq"] == 0),
         "the needle's turn is read: {sources:#?}"
     );
     let read: u64 = sources.iter().filter_map(|s| s["tokens"].as_u64()).sum();
@@ -224,7 +222,11 @@ async fn recall_answers_from_the_relevant_turn_within_the_cap_and_counts_its_spe
     // The audit shows both recalls.
     let (ok, out, err) = run(&data, &["audit", CONV, "--json"], &[]);
     assert!(ok, "{err}");
-    assert_eq!(out.matches("\"kind\": \"recall_answered\"").count(), 2, "{out}");
+    assert_eq!(
+        out.matches("\"kind\": \"recall_answered\"").count(),
+        2,
+        "{out}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -256,7 +258,11 @@ async fn a_deadline_shorter_than_the_server_cancels_the_call_and_says_so() {
     while server.disconnects().is_empty() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert_eq!(server.disconnects().len(), 1, "the call in flight was closed");
+    assert_eq!(
+        server.disconnects().len(),
+        1,
+        "the call in flight was closed"
+    );
     // The cancelled call counts in the spend window.
     let after = spend_window(&data);
     assert_eq!(
