@@ -11,6 +11,7 @@ use contextfold::config::Config;
 use contextfold::core::assembly::{self, Assembled, AssemblyRequest};
 use contextfold::core::event::EventBody;
 use contextfold::core::identifiers;
+use contextfold::core::message::Role;
 use contextfold::core::policy::PolicyConfig;
 use contextfold::core::state::{ContextItem, Conversation, TurnBodies};
 use contextfold::import::{self, Format};
@@ -26,7 +27,7 @@ use contextfold::store::memory_backend::MemoryBackend;
 use contextfold::summarizer::prompts::EXACT_IDENTIFIERS_HEADING;
 use contextfold::telemetry;
 use serde::Serialize;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
@@ -101,6 +102,13 @@ pub struct FileReport {
     pub identifier_retention_in_text: f64,
     /// Identifiers found only in an "Exact identifiers" appendix.
     pub identifiers_only_in_appendix: u64,
+    /// Identifiers that matter ([`matters`]): mentioned by two turns or
+    /// more, or by the user. The retention goal is on these: every
+    /// identifier of a long session does not fit its budget (the pi
+    /// session's 1,738 cost 33,755 tokens listed one per line).
+    pub identifiers_that_matter: u64,
+    pub identifiers_that_matter_retained: u64,
+    pub retention_of_identifiers_that_matter: f64,
     /// Retention by the kind of identifier (paths, hashes, UUIDs, URLs, ...).
     pub retention_by_kind: BTreeMap<&'static str, KindRetention>,
     pub compression_by_depth: BTreeMap<u32, DepthCompression>,
@@ -216,6 +224,9 @@ pub fn eval(
             "identifier_retention_in_text": total.identifier_retention_in_text,
             "identifiers_retained_in_text": total.identifiers_retained_in_text,
             "identifiers_only_in_appendix": total.identifiers_only_in_appendix,
+            "identifiers_that_matter": total.identifiers_that_matter,
+            "identifiers_that_matter_retained": total.identifiers_that_matter_retained,
+            "retention_of_identifiers_that_matter": total.retention_of_identifiers_that_matter,
             "retention_by_kind": total.retention_by_kind,
             "rejections": total.rejections,
             "escalations": total.escalations,
@@ -345,6 +356,8 @@ async fn eval_file<S: PassSummarizer, L: EventLog>(
         report.identifiers_retained += retention.retained;
         report.identifiers_retained_in_text += retention.retained_in_text;
         report.identifiers_only_in_appendix += retention.retained - retention.retained_in_text;
+        report.identifiers_that_matter += retention.matter;
+        report.identifiers_that_matter_retained += retention.matter_retained;
         for (kind, k) in &retention.by_kind {
             report.retention_by_kind.entry(kind).or_default().add(k);
         }
@@ -357,6 +370,10 @@ async fn eval_file<S: PassSummarizer, L: EventLog>(
         }
     }
     report.identifier_retention = share(report.identifiers_retained, report.identifiers);
+    report.retention_of_identifiers_that_matter = share(
+        report.identifiers_that_matter_retained,
+        report.identifiers_that_matter,
+    );
     report.identifier_retention_in_text =
         share(report.identifiers_retained_in_text, report.identifiers);
     report.compression_ratio = overall(&report.compression_by_depth);
@@ -417,6 +434,9 @@ pub struct Retention {
     pub retained: u64,
     /// Found outside the "Exact identifiers" appendices.
     pub retained_in_text: u64,
+    /// Identifiers that matter ([`matters`]), and how many are in the context.
+    pub matter: u64,
+    pub matter_retained: u64,
     /// The same, by the kind of identifier (`identifiers::IdentifierKind`).
     pub by_kind: BTreeMap<&'static str, KindRetention>,
 }
@@ -427,6 +447,8 @@ pub struct KindRetention {
     pub identifiers: u64,
     pub retained: u64,
     pub retained_in_text: u64,
+    pub matter: u64,
+    pub matter_retained: u64,
 }
 
 impl KindRetention {
@@ -434,7 +456,27 @@ impl KindRetention {
         self.identifiers += other.identifiers;
         self.retained += other.retained;
         self.retained_in_text += other.retained_in_text;
+        self.matter += other.matter;
+        self.matter_retained += other.matter_retained;
     }
+}
+
+/// How a conversation's turns mention one identifier.
+#[derive(Debug, Default)]
+pub struct Mentions {
+    /// Distinct turns that mention it.
+    pub turns: u32,
+    /// Whether a user turn does.
+    pub by_user: bool,
+}
+
+/// Whether an identifier matters to an agent resuming the work: the user
+/// named it, or the work came back to it (two turns or more mention it).
+/// One mention in one tool output (a directory listing, a file's imports)
+/// is what a summary may drop; the turn itself stays in the log, and
+/// `grep`/`expand` reach it.
+pub fn matters(m: &Mentions) -> bool {
+    m.by_user || m.turns >= 2
 }
 
 /// `text` without its "Exact identifiers" appendices: the heading line and
@@ -467,13 +509,21 @@ pub fn identifier_retention(
     assembled: &Assembled,
 ) -> Result<Retention> {
     let mut ids: Vec<identifiers::Identifier> = Vec::new();
-    let mut seen = HashSet::new();
+    // Per identifier: the turns that mention it, and whether the user did.
+    let mut mentions: HashMap<String, Mentions> = HashMap::new();
     for turn in &conv.turns {
         let body = bodies.turn_body(conv, turn.seq)?;
+        let mut here = HashSet::new();
         for id in identifiers::extract_with_kinds(&body.message.searchable_text()) {
-            if seen.insert(id.text.clone()) {
-                ids.push(id);
+            if !here.insert(id.text.clone()) {
+                continue;
             }
+            let m = mentions.entry(id.text.clone()).or_insert_with(|| {
+                ids.push(id.clone());
+                Mentions::default()
+            });
+            m.turns += 1;
+            m.by_user |= body.message.role == Role::User;
         }
     }
     let mut context = String::new();
@@ -486,8 +536,13 @@ pub fn identifier_retention(
     for id in &ids {
         let k = by_kind.entry(id.kind.as_str()).or_default();
         k.identifiers += 1;
-        if context.contains(id.text.as_str()) {
+        let kept = context.contains(id.text.as_str());
+        if kept {
             k.retained += 1;
+        }
+        if mentions.get(&id.text).is_some_and(matters) {
+            k.matter += 1;
+            k.matter_retained += u64::from(kept);
         }
         if text.contains(id.text.as_str()) {
             k.retained_in_text += 1;
@@ -501,6 +556,8 @@ pub fn identifier_retention(
         identifiers: all.identifiers,
         retained: all.retained,
         retained_in_text: all.retained_in_text,
+        matter: all.matter,
+        matter_retained: all.matter_retained,
         by_kind,
     })
 }
@@ -548,6 +605,8 @@ fn totals(reports: &[FileReport]) -> FileReport {
         t.fallback_summaries += r.fallback_summaries;
         t.identifiers_retained_in_text += r.identifiers_retained_in_text;
         t.identifiers_only_in_appendix += r.identifiers_only_in_appendix;
+        t.identifiers_that_matter += r.identifiers_that_matter;
+        t.identifiers_that_matter_retained += r.identifiers_that_matter_retained;
         for (kind, k) in &r.retention_by_kind {
             t.retention_by_kind.entry(kind).or_default().add(k);
         }
@@ -570,6 +629,10 @@ fn totals(reports: &[FileReport]) -> FileReport {
         t.seconds += r.seconds;
     }
     t.identifier_retention = share(t.identifiers_retained, t.identifiers);
+    t.retention_of_identifiers_that_matter = share(
+        t.identifiers_that_matter_retained,
+        t.identifiers_that_matter,
+    );
     t.identifier_retention_in_text = share(t.identifiers_retained_in_text, t.identifiers);
     t.compression_ratio = overall(&t.compression_by_depth);
     t
@@ -578,7 +641,7 @@ fn totals(reports: &[FileReport]) -> FileReport {
 fn print_table(reports: &[FileReport], total: &FileReport, budget: u64, summarizer: &str) {
     println!("contextfold eval: budget {budget} tokens, summarizer {summarizer}");
     println!(
-        "{:<44} {:>5} {:>6} {:>10} {:>8} {:>9} {:>5} {:>10} {:>7} {:>7} {:>7} {:>6} {:>9}",
+        "{:<44} {:>5} {:>6} {:>10} {:>8} {:>9} {:>5} {:>10} {:>8} {:>7} {:>7} {:>7} {:>6} {:>9}",
         "file",
         "convs",
         "turns",
@@ -587,6 +650,7 @@ fn print_table(reports: &[FileReport], total: &FileReport, budget: u64, summariz
         "max asm",
         "ovf",
         "ids kept",
+        "matter",
         "d0",
         "d1",
         "d2+",
@@ -613,7 +677,7 @@ fn print_table(reports: &[FileReport], total: &FileReport, budget: u64, summariz
             format!("{:.1}x", deep.ratio)
         };
         println!(
-            "{:<44} {:>5} {:>6} {:>10} {:>8} {:>9} {:>5} {:>9.1}% {:>7} {:>7} {:>7} {:>6} {:>9}",
+            "{:<44} {:>5} {:>6} {:>10} {:>8} {:>9} {:>5} {:>9.1}% {:>7.1}% {:>7} {:>7} {:>7} {:>6} {:>9}",
             short(&r.file),
             r.conversations,
             r.turns,
@@ -622,6 +686,7 @@ fn print_table(reports: &[FileReport], total: &FileReport, budget: u64, summariz
             r.max_assembled_tokens,
             r.overflows,
             100.0 * r.identifier_retention,
+            100.0 * r.retention_of_identifiers_that_matter,
             depth(0),
             depth(1),
             deep,
@@ -649,13 +714,21 @@ fn print_table(reports: &[FileReport], total: &FileReport, budget: u64, summariz
         total.identifiers_only_in_appendix,
         EXACT_IDENTIFIERS_HEADING
     );
-    println!("retention by kind (in the context / in the text apart from appendices):");
+    println!(
+        "identifiers that matter (named by the user or by two turns or more): {:.1}% ({}/{})",
+        100.0 * total.retention_of_identifiers_that_matter,
+        total.identifiers_that_matter_retained,
+        total.identifiers_that_matter
+    );
+    println!("retention by kind (in the context / in the text apart from appendices / of those that matter):");
     for (kind, k) in &total.retention_by_kind {
         println!(
-            "  {kind:<11} {:>6.1}% / {:>5.1}%  of {}",
+            "  {kind:<11} {:>6.1}% / {:>5.1}%  of {:<5}  {:>6.1}% of {}",
             100.0 * share(k.retained, k.identifiers),
             100.0 * share(k.retained_in_text, k.identifiers),
-            k.identifiers
+            k.identifiers,
+            100.0 * share(k.matter_retained, k.matter),
+            k.matter
         );
     }
     println!(

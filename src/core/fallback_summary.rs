@@ -40,7 +40,7 @@ pub const MODEL: &str = "deterministic";
 /// What [`SummaryDraft::provider`] says for this summarizer.
 pub const PROVIDER: &str = "contextfold";
 /// Part of the summary id: change it whenever the output changes.
-pub const PROMPT_VERSION: &str = "det-1";
+pub const PROMPT_VERSION: &str = "det-2";
 
 /// Sizes are measured in this encoding whatever the conversation's model:
 /// the summary must be comparable with other summaries of any conversation.
@@ -117,18 +117,7 @@ fn write_summary(req: &SummaryRequest) -> String {
     };
     let ids = match req.identifier_policy {
         IdentifierPolicy::Off => Vec::new(),
-        IdentifierPolicy::Strict | IdentifierPolicy::Custom(_) => {
-            let mut ids = notes.child_identifiers.clone();
-            let mut seen: HashSet<String> = ids.iter().cloned().collect();
-            for source in &req.sources {
-                for id in identifiers::extract(&source.text) {
-                    if seen.insert(id.clone()) {
-                        ids.push(id);
-                    }
-                }
-            }
-            ids
-        }
+        IdentifierPolicy::Strict | IdentifierPolicy::Custom(_) => ranked_identifiers(&req.sources),
     };
     let header = header_line(req, condensed);
     if let Some(text) = render_within(&notes, &ids, &header, budget) {
@@ -137,10 +126,89 @@ fn write_summary(req: &SummaryRequest) -> String {
     truncate_to_tokens(&verbatim, budget)
 }
 
+/// The sources' identifiers, the ones that matter most first: what room
+/// there is goes to them (`render_once` lists in this order).
+///
+/// Which matter: the ones the user named, then the ones the most sources
+/// mention (a path read, edited and tested; for a condensed summary, an
+/// identifier several children kept), then the newest (the work still
+/// open), then the longest: a full path first, so its suffixes (`main.ts`,
+/// `src/main.ts`) are already quoted by it and cost nothing. One mention in
+/// one tool output (a directory listing, a file's imports) comes last. A
+/// child summary lists its identifiers in this order already (its asks
+/// first), so among children the best place an identifier had decides, and
+/// on a tie the older child's: its first identifiers are the task the
+/// session started with, while newer work is still in newer summaries.
+fn ranked_identifiers(sources: &[SourceItem]) -> Vec<String> {
+    struct Seen {
+        by_user: bool,
+        sources: u32,
+        /// Best position in a child summary's own order (0 for turns).
+        rank: usize,
+        newest: usize,
+    }
+    let mut order: Vec<String> = Vec::new();
+    let mut seen: std::collections::HashMap<String, Seen> = std::collections::HashMap::new();
+    for (at, source) in sources.iter().enumerate() {
+        let mut here: HashSet<String> = HashSet::new();
+        for id in identifiers::extract(&source.text) {
+            if !here.insert(id.clone()) {
+                continue;
+            }
+            let by_user = source.role == Some(Role::User);
+            let child = source.role.is_none();
+            let rank = if child { here.len() } else { 0 };
+            // Recency and length order turns only (see above).
+            let at = if child { 0 } else { at };
+            match seen.get_mut(&id) {
+                Some(s) => {
+                    s.by_user |= by_user;
+                    s.sources += 1;
+                    s.rank = s.rank.min(rank);
+                    s.newest = at;
+                }
+                None => {
+                    seen.insert(
+                        id.clone(),
+                        Seen {
+                            by_user,
+                            sources: 1,
+                            rank,
+                            newest: at,
+                        },
+                    );
+                    order.push(id);
+                }
+            }
+        }
+    }
+    // A stable sort: equal keys keep their first-seen order, so the same
+    // sources always give the same list.
+    order.sort_by(|a, b| {
+        let (sa, sb) = (&seen[a], &seen[b]);
+        sb.by_user
+            .cmp(&sa.by_user)
+            .then(sb.sources.cmp(&sa.sources))
+            .then(sa.rank.cmp(&sb.rank))
+            .then(sb.newest.cmp(&sa.newest))
+            .then(if sa.rank == 0 && sb.rank == 0 {
+                b.len().cmp(&a.len())
+            } else {
+                std::cmp::Ordering::Equal
+            })
+    });
+    order
+}
+
 fn header_line(req: &SummaryRequest, condensed: bool) -> String {
     let first = req.sources.first().map_or("", |s| s.label.as_str());
     let last = req.sources.last().map_or("", |s| s.label.as_str());
-    let span = if first == last {
+    // Children are named by count, not by id: two summary ids cost some 40
+    // tokens, all of a small condensed summary's room, and the DAG (and the
+    // `<context_summary turns=...>` wrapper) says which they are.
+    let span = if condensed && req.sources.iter().all(|s| s.role.is_none()) {
+        format!("{} summaries", req.sources.len())
+    } else if first == last {
         first.to_string()
     } else {
         format!("{first} … {last}")
@@ -718,19 +786,30 @@ fn render_once(notes: &Notes, ids: &[String], header: &str, budget: u64) -> Opti
         .filter(|&i| !narrative.contains(ids[i].as_str()))
         .collect();
     let mut id_room = room.saturating_sub(used);
+    let mut all_listed = missing.is_empty();
     if !missing.is_empty() && id_room > line_cost(ids_heading) {
+        all_listed = true;
         id_room -= line_cost(ids_heading);
+        let mut listed = String::new();
         for &i in &missing {
+            // A suffix of a path already listed is quoted by it.
+            if listed.contains(ids[i].as_str()) {
+                continue;
+            }
             if id_costs[i] <= id_room {
                 id_room -= id_costs[i];
                 chosen.ids.push(i);
+                listed.push_str(&ids[i]);
+                listed.push('\n');
+            } else {
+                all_listed = false;
             }
         }
         used = room - id_room;
     }
     // Room left: more narrative, in section order; the identifier list is
     // then recomputed, and can only shrink.
-    if chosen.ids.len() == missing.len() {
+    if all_listed {
         let mut left = room.saturating_sub(used);
         for (g, group) in groups.iter().enumerate() {
             let spent = fill_group(
@@ -751,7 +830,10 @@ fn render_once(notes: &Notes, ids: &[String], header: &str, budget: u64) -> Opti
             },
             ids,
         );
-        chosen.ids = (0..ids.len())
+        chosen.ids = chosen
+            .ids
+            .iter()
+            .copied()
             .filter(|&i| !narrative.contains(ids[i].as_str()))
             .collect();
     }
@@ -1177,7 +1259,7 @@ mod tests {
         assert!(draft.fallback);
         assert_eq!(draft.model, "deterministic");
         assert_eq!(draft.provider, "contextfold");
-        assert_eq!(draft.prompt_version, "det-1");
+        assert_eq!(draft.prompt_version, "det-2");
     }
 
     #[test]
@@ -1457,6 +1539,64 @@ mod tests {
         let content = summarize(&req).content;
         let (kept, all) = retention(&content, &req.sources);
         assert_eq!(kept, all, "{content}");
+    }
+
+    #[test]
+    fn identifiers_the_user_named_or_the_work_repeated_are_kept_first() {
+        // A listing of 300 files seen once, between a path the user named
+        // and one the assistant came back to: not all fit, those two do.
+        let listing: String = (0..300)
+            .map(|i| format!("vendor/pkg{i:03}/generated/module_{i:03}_bindings.rs\n"))
+            .collect();
+        let sources = vec![
+            turn(
+                0,
+                Role::User,
+                "please fix crates/core/src/ledger.rs, it panics",
+            ),
+            turn(1, Role::Tool, &listing),
+            turn(
+                2,
+                Role::Assistant,
+                "reading crates/core/src/journal_index.rs",
+            ),
+            turn(3, Role::Tool, &listing.replace("vendor", "third_party")),
+            turn(
+                4,
+                Role::Assistant,
+                "patched crates/core/src/journal_index.rs",
+            ),
+        ];
+        let content = summarize(&leaf(sources, 300)).content;
+        assert!(tokens(&content) <= 300, "{content}");
+        assert!(content.contains("crates/core/src/ledger.rs"), "{content}");
+        assert!(
+            content.contains("crates/core/src/journal_index.rs"),
+            "{content}"
+        );
+    }
+
+    #[test]
+    fn a_suffix_of_a_listed_path_is_not_listed_again() {
+        let long = "/home/dev/work/project/packages/agent/src/session_store.ts";
+        let mut sources = vec![turn(
+            0,
+            Role::User,
+            &format!("look at {long} and session_store.ts and src/session_store.ts"),
+        )];
+        for i in 1..40 {
+            sources.push(turn(i, Role::Tool, &"filler output line\n".repeat(60)));
+        }
+        let content = summarize(&leaf(sources, 400)).content;
+        let listed: Vec<&str> = content
+            .split("## Exact identifiers")
+            .nth(1)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains("session_store.ts"))
+            .collect();
+        assert!(content.contains(long), "{content}");
+        assert!(listed.len() <= 1, "{listed:?}");
     }
 
     #[test]
