@@ -23,6 +23,7 @@
 
 use crate::core::policy::{PolicyConfig, PolicyError};
 use crate::nats::NatsConfig;
+use crate::runtime::recall::RecallConfig;
 use crate::secret::redact_url;
 use crate::summarizer::SummarizerConfig;
 use serde::{Deserialize, Serialize};
@@ -32,11 +33,12 @@ use std::path::{Path, PathBuf};
 pub const DEFAULT_DATA_DIR: &str = ".contextfold";
 
 /// Top-level sections an environment override may name.
-const SECTIONS: [&str; 7] = [
+const SECTIONS: [&str; 8] = [
     "data_dir",
     "store",
     "policy",
     "summarizer",
+    "recall",
     "nats",
     "http",
     "log",
@@ -162,6 +164,9 @@ pub struct Config {
     /// summaries are written by the model at its `base_url`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub summarizer: Option<SummarizerConfig>,
+    /// The model that answers `recall` (`[recall]`): its own endpoint and
+    /// model, or the summarizer's; the cap and deadline of a recall.
+    pub recall: RecallConfig,
     /// How `serve` and `publish` reach NATS, and the JetStream layout.
     pub nats: NatsConfig,
     /// The operators' HTTP server of `serve` (`/metrics`, `/healthz`,
@@ -209,6 +214,7 @@ impl Default for Config {
             store: StoreConfig::default(),
             policy: PolicyConfig::default(),
             summarizer: None,
+            recall: RecallConfig::default(),
             nats: NatsConfig::default(),
             http: HttpConfig::default(),
             log: LogConfig::default(),
@@ -291,7 +297,7 @@ pub enum ConfigError {
     #[error(
         "environment variable {var} is not a configuration key ({reason}); the nearest \
          known one is {nearest}. Overrides are CONTEXTFOLD_<SECTION>__<KEY> with sections \
-         data_dir, store, policy, summarizer, nats, http and log; the variables that are not keys are \
+         data_dir, store, policy, summarizer, recall, nats, http and log; the variables that are not keys are \
          listed in the README"
     )]
     UnknownEnv {
@@ -421,7 +427,16 @@ impl Config {
             .and_then(|s| s.get("api_key_env"))
             .and_then(toml::Value::as_str)
             .map_or_else(|| SummarizerConfig::default().api_key_env, str::to_string);
-        if let Some((var, path)) = unknown.into_iter().find(|(var, _)| *var != api_key_env) {
+        // So may the recall model's.
+        let recall_key_env = table
+            .get("recall")
+            .and_then(|s| s.get("api_key_env"))
+            .and_then(toml::Value::as_str)
+            .map(str::to_string);
+        if let Some((var, path)) = unknown
+            .into_iter()
+            .find(|(var, _)| *var != api_key_env && Some(var) != recall_key_env.as_ref())
+        {
             let reason = if path.iter().any(String::is_empty) {
                 "an empty segment between `__`".to_string()
             } else {
@@ -468,6 +483,13 @@ impl Config {
                     detail,
                 })?;
         }
+        config
+            .recall
+            .validate()
+            .map_err(|detail| ConfigError::Invalid {
+                origin: String::new(),
+                detail,
+            })?;
         config.nats.validate().map_err(|e| ConfigError::Invalid {
             origin: String::new(),
             detail: format!("[nats] {e}"),
@@ -490,6 +512,9 @@ impl Config {
         *servers = servers.iter().map(|s| redact_url(s)).collect();
         if let Some(s) = &mut shown.summarizer {
             s.base_url = redact_url(&s.base_url);
+        }
+        if let Some(url) = &mut shown.recall.base_url {
+            *url = redact_url(url);
         }
         shown
     }

@@ -15,8 +15,9 @@ use contextfold::core::event::{CompactionRequested, EVENT_VERSION};
 use contextfold::core::event::{
     ConversationReset, Covers, Debt, DebtCleared, DebtReason, Encoding, Envelope, EventBody,
     EventRejected, JobIssued, MemoryFlushRequested, ModelDeclared, PolicyRecorded,
-    ProviderErrorObserved, ProviderUsage, RollingState, RollingStateUpdated, SummaryKind,
-    SummaryRecorded, SummaryRejected, SweepEnded, SweepStop, TurnAppended,
+    ProviderErrorObserved, ProviderUsage, RecallAnswered, RecallOutcome, RollingState,
+    RollingStateUpdated, SummaryKind, SummaryRecorded, SummaryRejected, SweepEnded, SweepStop,
+    TurnAppended,
 };
 use contextfold::core::message::{ChatMessage, Content, ContentPart, FunctionCall, Role, ToolCall};
 use jsonschema::{Registry, Validator};
@@ -473,6 +474,27 @@ fn samples() -> Vec<Envelope> {
         previous: None,
         recorded_by: None,
         policy: Box::new(policy),
+    }));
+
+    // recall_answered: an answer, and a deadline with its detail.
+    let recall = RecallAnswered {
+        question_digest: "9a1c3f5e7b2d4f6a8c0e1a3b".into(),
+        outcome: RecallOutcome::Answered,
+        detail: None,
+        model: Some("gpt-4o-mini".into()),
+        calls: 1,
+        tokens_spent: 4_210,
+        cost_micros: 690,
+        prompt_tokens: 3_990,
+        sources: vec!["sum_2f4e6a8c0b1d3f5a".into(), "turn 41".into()],
+    };
+    push(EventBody::RecallAnswered(recall.clone()));
+    push(EventBody::RecallAnswered(RecallAnswered {
+        outcome: RecallOutcome::Deadline,
+        detail: Some("deadline of 30000 ms passed; the call in flight was cancelled".into()),
+        model: None,
+        sources: Vec::new(),
+        ..recall
     }));
 
     // The envelope's own range: an old version and the largest time.
@@ -984,6 +1006,21 @@ fn invalid_cases() -> Vec<(&'static str, &'static str, Vec<Edit>)> {
             "rolling_state_updated",
             "missing through_turn",
             vec![Remove("/payload/through_turn")],
+        ),
+        (
+            "recall_answered",
+            "unknown outcome",
+            vec![Set("/payload/outcome", json!("maybe"))],
+        ),
+        (
+            "recall_answered",
+            "missing question digest",
+            vec![Remove("/payload/question_digest")],
+        ),
+        (
+            "recall_answered",
+            "calls past u32",
+            vec![Set("/payload/calls", json!(u64::from(u32::MAX) + 1))],
         ),
     ]
 }

@@ -5,7 +5,8 @@
 //!
 //! Operations (bodies documented in `docs/api.md`): `assemble`, `status`,
 //! `grep`, `describe`, `expand`, `compact` (builds the event to publish;
-//! the transport publishes it) and `history`. [`handle`] is the single JSON
+//! the transport publishes it), `history` and `recall` (plans what a model
+//! reads; the transport runs the model and publishes the spend). [`handle`] is the single JSON
 //! dispatch any transport can serve; [`handle_view`] adds the ownership
 //! check a partitioned runtime needs ([`StateView`]). Errors are always a
 //! structured reply (`{"error": {"code", "message", ...}}`), never silence.
@@ -18,6 +19,7 @@ pub mod expand;
 pub mod grep;
 pub mod history;
 pub mod nats_service;
+pub mod recall;
 pub mod status;
 #[cfg(test)]
 pub(crate) mod testing;
@@ -36,6 +38,7 @@ pub use describe::{DescribeRequest, DescribeResponse};
 pub use expand::{ExpandRequest, ExpandResponse};
 pub use grep::{GrepRequest, GrepResponse};
 pub use history::{HistoryRequest, HistoryResponse};
+pub use recall::{RecallRequest, RecallResponse};
 pub use status::{StatusRequest, StatusResponse};
 
 /// Largest request body accepted; larger ones are a `bad_request`.
@@ -56,10 +59,11 @@ pub enum Op {
     Expand,
     Compact,
     History,
+    Recall,
 }
 
 impl Op {
-    pub const ALL: [Op; 7] = [
+    pub const ALL: [Op; 8] = [
         Op::Assemble,
         Op::Status,
         Op::Grep,
@@ -67,6 +71,7 @@ impl Op {
         Op::Expand,
         Op::Compact,
         Op::History,
+        Op::Recall,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -78,6 +83,7 @@ impl Op {
             Op::Expand => "expand",
             Op::Compact => "compact",
             Op::History => "history",
+            Op::Recall => "recall",
         }
     }
 
@@ -107,6 +113,23 @@ pub enum ApiError {
     },
     #[error("internal error: {0}")]
     Internal(String),
+    /// The spend window has nothing left for a model call.
+    #[error("recall of {conversation:?} refused: {detail}; it opens again as older spend leaves the window (`status` shows its `spend_window`)")]
+    SpendExhausted {
+        conversation: String,
+        detail: String,
+    },
+    /// The model did not answer within the deadline; the call in flight
+    /// was cancelled.
+    #[error("recall of {conversation:?} passed its deadline of {deadline_ms} ms: the model call in flight was cancelled ({calls} calls, counted in the spend window); ask with a smaller max_tokens or raise recall.deadline_ms")]
+    DeadlineExceeded {
+        conversation: String,
+        deadline_ms: u64,
+        calls: u32,
+    },
+    /// No model answered (none configured, unavailable, key refused).
+    #[error("{0}")]
+    ModelFailed(String),
 }
 
 impl From<BodyError> for ApiError {
@@ -132,6 +155,9 @@ pub enum ErrorCode {
     BadRequest,
     NotOwner,
     Internal,
+    SpendExhausted,
+    DeadlineExceeded,
+    ModelFailed,
 }
 
 impl ErrorCode {
@@ -141,6 +167,9 @@ impl ErrorCode {
             ErrorCode::BadRequest => "bad_request",
             ErrorCode::NotOwner => "not_owner",
             ErrorCode::Internal => "internal",
+            ErrorCode::SpendExhausted => "spend_exhausted",
+            ErrorCode::DeadlineExceeded => "deadline_exceeded",
+            ErrorCode::ModelFailed => "model_failed",
         }
     }
 
@@ -151,6 +180,9 @@ impl ErrorCode {
             ErrorCode::BadRequest => 400,
             ErrorCode::NotOwner => 503,
             ErrorCode::Internal => 500,
+            ErrorCode::SpendExhausted => 429,
+            ErrorCode::DeadlineExceeded => 504,
+            ErrorCode::ModelFailed => 502,
         }
     }
 }
@@ -182,17 +214,24 @@ impl ApiError {
             ApiError::BadRequest(_) => ErrorCode::BadRequest,
             ApiError::NotOwner { .. } => ErrorCode::NotOwner,
             ApiError::Internal(_) => ErrorCode::Internal,
+            ApiError::SpendExhausted { .. } => ErrorCode::SpendExhausted,
+            ApiError::DeadlineExceeded { .. } => ErrorCode::DeadlineExceeded,
+            ApiError::ModelFailed(_) => ErrorCode::ModelFailed,
         }
     }
 
     pub fn body(&self) -> ErrorBody {
         let (retry_after_ms, conversation) = match self {
-            ApiError::UnknownConversation { conversation } => (None, Some(conversation.clone())),
+            ApiError::UnknownConversation { conversation }
+            | ApiError::SpendExhausted { conversation, .. }
+            | ApiError::DeadlineExceeded { conversation, .. } => (None, Some(conversation.clone())),
             ApiError::NotOwner {
                 conversation,
                 retry_after_ms,
             } => (Some(*retry_after_ms), Some(conversation.clone())),
-            ApiError::BadRequest(_) | ApiError::Internal(_) => (None, None),
+            ApiError::BadRequest(_) | ApiError::Internal(_) | ApiError::ModelFailed(_) => {
+                (None, None)
+            }
         };
         ErrorBody {
             code: self.code(),
@@ -357,6 +396,14 @@ pub fn answer(op: Op, body: &[u8], held: Held<'_>) -> Result<Vec<u8>, ApiError> 
             Op::Expand => encode(&expand::expand(state, bodies, &parse_request(op, body)?)?),
             Op::Compact => encode(&compact::compact(state, policy, &parse_request(op, body)?)?),
             Op::History => encode(&history::history(state, bodies, &parse_request(op, body)?)?),
+            Op::Recall => {
+                parse_request::<RecallRequest>(op, body)?;
+                return Err(ApiError::bad(
+                    "recall runs a model, and this transport answers from state only: ask \
+                     `contextfold recall` on the embedded store (recall over NATS is not served \
+                     yet)",
+                ));
+            }
         })
     });
     match std::panic::catch_unwind(run) {

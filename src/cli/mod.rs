@@ -7,6 +7,7 @@ mod eval;
 mod local;
 mod publish;
 mod query;
+mod recall;
 mod report;
 mod serve;
 mod whatif;
@@ -219,6 +220,24 @@ pub enum Command {
         #[command(flatten)]
         nats: serve::NatsArgs,
     },
+    /// Answer a question about a conversation's history with a model that
+    /// reads the most relevant turns and summaries under a token cap and a
+    /// deadline (`[recall]`); prints the answer, then the sources it read.
+    /// Its spend is recorded in the embedded log and counts in the
+    /// conversation's spend window.
+    Recall {
+        conversation: String,
+        question: String,
+        /// Cap on the tokens the model reads (default `recall.max_tokens`).
+        #[arg(long)]
+        max_tokens: Option<u64>,
+        /// Print the API's JSON response.
+        #[arg(long)]
+        json: bool,
+        /// Idempotency key (default: a fresh one per invocation).
+        #[arg(long)]
+        request_id: Option<String>,
+    },
     /// Every compaction decision of a conversation in log order, with its
     /// reason, context tokens before and after, summaries, model, calls,
     /// tokens, cost and outcomes, from the embedded log folded in memory.
@@ -371,6 +390,22 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
             }
         }
         Command::Rebuild => local::rebuild(&config),
+        Command::Recall {
+            conversation,
+            question,
+            max_tokens,
+            json,
+            request_id,
+        } => recall::recall(
+            &config,
+            contextfold::api::RecallRequest {
+                conversation,
+                question,
+                max_tokens,
+                request_id,
+            },
+            json,
+        ),
         Command::Audit {
             conversation,
             json,

@@ -10,7 +10,9 @@
 //! Nothing here reads a conversation's history or summary text: the log's
 //! events are the record.
 
-use crate::core::event::{Covers, DebtReason, Envelope, EventBody, SummaryKind, SweepStop};
+use crate::core::event::{
+    Covers, DebtReason, Envelope, EventBody, RecallOutcome, SummaryKind, SweepStop,
+};
 use crate::core::overflow;
 use crate::core::policy::{self, PolicyConfig};
 use crate::core::state::{ContextItem, Conversation};
@@ -250,6 +252,17 @@ pub enum What {
     },
     RollingStateUpdated {
         through_turn: u64,
+    },
+    /// A delegated recall's model calls (counted in the spend window).
+    RecallAnswered {
+        outcome: RecallOutcome,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        model: Option<String>,
+        calls: u32,
+        tokens_spent: u64,
+        cost_micros: u64,
+        prompt_tokens: u64,
+        sources: usize,
     },
     MemoryFlush {
         cycle: u64,
@@ -828,6 +841,24 @@ impl Builder {
                     through_turn: r.through_turn,
                 },
             ),
+            EventBody::RecallAnswered(r) => {
+                self.totals.calls += u64::from(r.calls);
+                self.totals.tokens_spent += r.tokens_spent;
+                self.totals.cost_micros += r.cost_micros;
+                self.push(
+                    index,
+                    step,
+                    What::RecallAnswered {
+                        outcome: r.outcome,
+                        model: r.model.clone(),
+                        calls: r.calls,
+                        tokens_spent: r.tokens_spent,
+                        cost_micros: r.cost_micros,
+                        prompt_tokens: r.prompt_tokens,
+                        sources: r.sources.len(),
+                    },
+                )
+            }
             EventBody::MemoryFlushRequested(m) => self.push(
                 index,
                 step,
@@ -1131,6 +1162,21 @@ pub fn render_text(a: &Audit) -> String {
             What::RollingStateUpdated { through_turn } => {
                 format!("rolling state updated through turn {through_turn}")
             }
+            What::RecallAnswered {
+                outcome,
+                model,
+                calls,
+                tokens_spent,
+                cost_micros,
+                prompt_tokens,
+                sources,
+            } => format!(
+                "recall {}: read {sources} sources ({prompt_tokens} tokens), {calls} calls, \
+                 {tokens_spent} tokens, ${:.4}{}",
+                outcome.as_str(),
+                *cost_micros as f64 / 1e6,
+                model.as_ref().map_or(String::new(), |m| format!(" ({m})"))
+            ),
             What::MemoryFlush { cycle, reason } => {
                 format!("memory flush requested (cycle {cycle}, {reason})")
             }

@@ -66,6 +66,8 @@ pub enum EventBody {
     SummaryRecorded(SummaryRecorded),
     SweepEnded(SweepEnded),
     RollingStateUpdated(RollingStateUpdated),
+    // ---- of the API's model calls ----
+    RecallAnswered(RecallAnswered),
     // ---- of the partition, not of a conversation ----
     PolicyRecorded(PolicyRecorded),
 }
@@ -89,12 +91,13 @@ impl EventBody {
             EventBody::SummaryRecorded(_) => "summary_recorded",
             EventBody::SweepEnded(_) => "sweep_ended",
             EventBody::RollingStateUpdated(_) => "rolling_state_updated",
+            EventBody::RecallAnswered(_) => "recall_answered",
             EventBody::PolicyRecorded(_) => "policy_recorded",
         }
     }
 
     /// Every event type's wire name, for schemas and docs.
-    pub const TYPE_NAMES: [&'static str; 16] = [
+    pub const TYPE_NAMES: [&'static str; 17] = [
         "turn_appended",
         "provider_error_observed",
         "compaction_requested",
@@ -111,6 +114,7 @@ impl EventBody {
         "sweep_ended",
         "rolling_state_updated",
         "policy_recorded",
+        "recall_answered",
     ];
 
     /// The types an agent may write, and the only ones that can make new
@@ -446,6 +450,58 @@ pub struct SweepEnded {
     pub retry_after_ms: Option<u64>,
 }
 
+/// How a delegated recall ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RecallOutcome {
+    /// The model answered.
+    Answered,
+    /// The deadline passed: the call in flight was cancelled.
+    Deadline,
+    /// No model answered (unavailable, refused key, unusable answer).
+    Failed,
+}
+
+impl RecallOutcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RecallOutcome::Answered => "answered",
+            RecallOutcome::Deadline => "deadline",
+            RecallOutcome::Failed => "failed",
+        }
+    }
+}
+
+/// A delegated recall ran: a model read part of the conversation's history
+/// to answer a question (`recall` in the API). Written by the service after
+/// the model call, whatever its outcome, so that what it spent counts in
+/// the conversation's spend window like a sweep's; it changes nothing else.
+/// The question itself is not kept, only its digest.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RecallAnswered {
+    /// `core::recall::question_digest` of the question.
+    pub question_digest: String,
+    pub outcome: RecallOutcome,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+    /// The model that answered (or was asked last).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// Model calls made, tokens and money spent.
+    #[serde(default)]
+    pub calls: u32,
+    #[serde(default)]
+    pub tokens_spent: u64,
+    #[serde(default)]
+    pub cost_micros: u64,
+    /// Tokens of the prompt the model was given (our count).
+    #[serde(default)]
+    pub prompt_tokens: u64,
+    /// What it was given to read, as cited: `turn 12`, `sum_…`.
+    #[serde(default)]
+    pub sources: Vec<String>,
+}
+
 /// The policy every later event of the partition is folded under, until
 /// the next `policy_recorded`: the whole effective `[policy]` section, so
 /// the log alone reproduces what the service decided, whatever the
@@ -753,6 +809,7 @@ mod direct {
             "summary_recorded" => EventBody::SummaryRecorded(map.next_value()?),
             "sweep_ended" => EventBody::SweepEnded(map.next_value()?),
             "rolling_state_updated" => EventBody::RollingStateUpdated(map.next_value()?),
+            "recall_answered" => EventBody::RecallAnswered(map.next_value()?),
             "policy_recorded" => EventBody::PolicyRecorded(map.next_value()?),
             other => return Err(de::Error::custom(format!("unknown type {other:?}"))),
         })

@@ -234,6 +234,7 @@ impl FoldContext<'_> {
             EventBody::ConversationReset(r) => self.reset(r),
             EventBody::SummaryRecorded(s) => self.summary_recorded(s),
             EventBody::SweepEnded(s) => self.sweep_ended(s),
+            EventBody::RecallAnswered(r) => self.recall_answered(r),
             EventBody::RollingStateUpdated(r) => {
                 if let (Some(pending), Some(id)) = (&mut self.conv.pending_job, &r.job_id) {
                     if &pending.job.job_id == id {
@@ -1040,6 +1041,49 @@ impl FoldContext<'_> {
                 }),
             );
         }
+        FoldStatus::Applied
+    }
+
+    /// A delegated recall's model calls count in the spend window (the
+    /// conversation's, and the partition's under a partition-wide limit)
+    /// at the event's time; nothing else changes.
+    fn recall_answered(&mut self, r: &RecallAnswered) -> FoldStatus {
+        let now = self.event.time;
+        let window = self.policy.summary_call_window_ms;
+        let entry = SpendEntry {
+            time: now,
+            // Not a job: the event id keeps it apart from every job's.
+            job_id: self.event.id.clone(),
+            conversation: String::new(),
+            calls: r.calls,
+            tokens: r.tokens_spent,
+            cost_micros: r.cost_micros,
+            reserved_until: None,
+        };
+        self.conv.spend.prune(now, window);
+        if spend::has_partition_limits(self.policy) {
+            self.global.prune(now, window);
+            self.global.record(SpendEntry {
+                conversation: self.conv.key.clone(),
+                ..entry.clone()
+            });
+        }
+        self.conv.spend.record(entry);
+        self.history(
+            "recall_answered",
+            format!(
+                "{}: {} calls, {} tokens, {} micro-dollars; read {} sources in {} tokens{}",
+                r.outcome.as_str(),
+                r.calls,
+                r.tokens_spent,
+                r.cost_micros,
+                r.sources.len(),
+                r.prompt_tokens,
+                r.model
+                    .as_deref()
+                    .map_or(String::new(), |m| format!(" ({m})"))
+            ),
+        );
         FoldStatus::Applied
     }
 

@@ -211,6 +211,19 @@ impl<L: EventLog, B: KvBackend, S: PassSummarizer> Pipeline<L, B, S> {
         Ok(())
     }
 
+    /// Appends events the service itself writes (a recall's spend, for
+    /// example: `Origin::Service`, so the fold accepts what agents may not
+    /// write) and folds them with whatever they lead to; one sync and one
+    /// state commit.
+    pub async fn record(&mut self, events: &[Envelope]) -> Result<(), PipelineError> {
+        for e in events {
+            self.log
+                .append_deferred(Origin::Service, Encoding::Msgpack, &e.to_msgpack())
+                .await?;
+        }
+        self.catch_up().await.map(|_| ())
+    }
+
     /// Catches up and runs every pending job.
     pub async fn settle(&mut self) -> Result<(), PipelineError> {
         self.catch_up().await.map(|_| ())

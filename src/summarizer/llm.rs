@@ -163,6 +163,17 @@ struct Answer {
     model: String,
 }
 
+/// A prompt answered through the model chain ([`LlmSummarizer::complete_prompt`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completion {
+    /// The answer's text, as the model wrote it.
+    pub content: String,
+    /// The model that answered (as the server named it).
+    pub model: String,
+    /// Every call made for it, failed attempts included.
+    pub calls: Vec<CallRecord>,
+}
+
 /// Parses `Retry-After` (delay-seconds or HTTP date) and `retry-after-ms`
 /// into a delay in milliseconds from `now_ms`. `retry-after-ms` wins when
 /// both are present (it is the more precise).
@@ -782,6 +793,25 @@ impl LlmSummarizer {
                 self.provider,
                 failures.join("; ")
             ),
+            calls,
+        })
+    }
+
+    /// Answers any prompt through the model chain, with the same timeouts,
+    /// retries, rate-limit and auth handling as a summary, and at most
+    /// `max_calls` calls when given: for callers that are not summaries
+    /// (delegated recall). The text is returned as it is; checking it is the
+    /// caller's business.
+    pub async fn complete_prompt(
+        &self,
+        prompt: &Prompt,
+        max_output: Option<u64>,
+        max_calls: Option<u32>,
+    ) -> Result<Completion, SummarizeError> {
+        let (answer, calls) = self.complete(prompt, max_output, max_calls).await?;
+        Ok(Completion {
+            content: answer.content,
+            model: answer.model,
             calls,
         })
     }

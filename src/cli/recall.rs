@@ -1,0 +1,134 @@
+//! `contextfold recall CONV QUESTION`: delegated recall on the embedded
+//! store. The request is planned by the API's pure handler
+//! (`api::recall::prepare`) from the state as the log leaves it, the model
+//! is asked under the deadline (`runtime::recall`), and the
+//! `recall_answered` event carrying its spend is appended to the embedded
+//! log and folded before the answer is printed, whatever the outcome, so
+//! `status` shows the spend in the conversation's spend window.
+
+use super::local::{open_pipeline, require_data, runtime};
+use anyhow::{Context, Result};
+use contextfold::api::recall::{self, RecallRequest, RecallResponse};
+use contextfold::api::{decode_reply, ReplyError};
+use contextfold::config::Config;
+use contextfold::core::recall::RecallSource;
+use contextfold::runtime::recall::Recaller;
+use std::io::Write;
+use std::process::ExitCode;
+
+/// Answers a recall from the embedded store (the reply's JSON bytes, or
+/// an error reply).
+async fn recall_locally(config: &Config, mut request: RecallRequest) -> Result<Vec<u8>> {
+    require_data(config)?;
+    let recaller = Recaller::new(&config.recall, config.summarizer.as_ref())?;
+    if request.request_id.is_none() {
+        request.request_id = Some(super::query::fresh_request_id());
+    }
+    let mut pipeline = open_pipeline(config).await?;
+    let limits = recaller.limits();
+    let engine = &pipeline.engine;
+    let prepared = engine.with_conversation(&request.conversation, |state, bodies| {
+        recall::prepare(state, bodies, &engine.policy, &request, &limits)
+    })?;
+    let prepared = match prepared {
+        Ok(p) => p,
+        Err(e) => return Ok(e.to_json()),
+    };
+    let run = recaller.run(&prepared).await;
+    pipeline
+        .record(&[recall::answered_event(&prepared, &run)])
+        .await
+        .context("recording the recall's spend in the embedded log")?;
+    Ok(match recall::response(&prepared, &run, true) {
+        Ok(response) => serde_json::to_vec(&response).context("encoding the response")?,
+        Err(e) => e.to_json(),
+    })
+}
+
+/// A value's wire name (`user`, `leaf`).
+fn wire<T: serde::Serialize>(value: &T) -> String {
+    serde_json::to_value(value)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default()
+}
+
+fn describe_source(s: &RecallSource) -> String {
+    match s {
+        RecallSource::Turn {
+            seq,
+            role,
+            tokens,
+            expanded_from,
+            ..
+        } => format!(
+            "turn {seq} ({}, {tokens} tokens{})",
+            wire(role),
+            expanded_from
+                .as_ref()
+                .map_or(String::new(), |f| format!(", expanded from {f}"))
+        ),
+        RecallSource::Summary {
+            id,
+            summary_kind,
+            depth,
+            first_turn,
+            last_turn,
+            tokens,
+        } => format!(
+            "{id} ({} summary, depth {depth}, turns {first_turn}-{last_turn}, {tokens} tokens)",
+            wire(summary_kind)
+        ),
+    }
+}
+
+/// The answer, then the sources it read.
+fn render(r: &RecallResponse) -> String {
+    let mut out = format!(
+        "{}\n\nsources ({}, {} of {} tokens read",
+        r.answer.trim(),
+        r.sources.len(),
+        r.tokens,
+        r.max_tokens
+    );
+    if r.left_out > 0 {
+        out.push_str(&format!(", {} matching items left out", r.left_out));
+    }
+    out.push_str("):\n");
+    for s in &r.sources {
+        out.push_str(&format!("  {}\n", describe_source(s)));
+    }
+    out.push_str(&format!(
+        "model {} at {}: {} call(s), {} tokens, ${:.4}, {} of {} ms\n",
+        r.model,
+        r.provider,
+        r.calls,
+        r.tokens_spent,
+        r.cost_micros as f64 / 1e6,
+        r.elapsed_ms,
+        r.deadline_ms
+    ));
+    out
+}
+
+pub fn recall(config: &Config, request: RecallRequest, json: bool) -> Result<ExitCode> {
+    let rt = runtime()?;
+    let reply = rt.block_on(recall_locally(config, request))?;
+    let response: RecallResponse = decode_reply(&reply).map_err(|e| match e {
+        ReplyError::Api(body) => anyhow::anyhow!("{} ({})", body.message, body.code.as_str()),
+        ReplyError::Malformed(m) => anyhow::anyhow!("malformed recall reply: {m}"),
+    })?;
+    let text = if json {
+        serde_json::to_string_pretty(&response).context("encoding the response")?
+    } else {
+        render(&response)
+    };
+    let mut out = std::io::stdout().lock();
+    match writeln!(out, "{}", text.trim_end()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(ExitCode::SUCCESS),
+        other => {
+            other.context("writing the response")?;
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
