@@ -27,8 +27,8 @@
 
 use crate::core::assembly::payload_stub;
 use crate::core::event::{Covers, SummaryKind};
-use crate::core::identifiers;
 use crate::core::message::{ChatMessage, Role};
+use crate::core::relevance::{self, terms, Term};
 use crate::core::state::{BodyError, Conversation, TurnBodies};
 use crate::core::tokens::{count_message, count_text, Encoding};
 use serde::{Deserialize, Serialize};
@@ -43,18 +43,6 @@ pub const NOT_IN_HISTORY: &str = "not in the history";
 
 /// Longest question accepted, in characters.
 pub const MAX_QUESTION_CHARS: usize = 4000;
-
-/// How much an identifier of the question weighs against a word.
-const IDENTIFIER_WEIGHT: f64 = 3.0;
-
-/// Words that say nothing about which part of the history is meant.
-const STOP_WORDS: &[&str] = &[
-    "about", "after", "again", "all", "and", "any", "are", "was", "were", "been", "before", "but",
-    "can", "could", "did", "does", "doing", "for", "from", "had", "has", "have", "how", "into",
-    "its", "just", "not", "now", "our", "out", "said", "say", "should", "that", "the", "their",
-    "them", "then", "there", "these", "they", "this", "those", "what", "when", "where", "which",
-    "who", "why", "will", "with", "would", "you", "your", "tell", "give",
-];
 
 /// One item the model reads.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -138,48 +126,6 @@ pub enum RecallError {
     Body(#[from] BodyError),
 }
 
-/// One term of the question.
-#[derive(Debug, Clone, PartialEq)]
-struct Term {
-    /// Lower-cased for words, exact for identifiers.
-    text: String,
-    exact: bool,
-    weight: f64,
-}
-
-/// The terms of a question: its identifiers (exact), then its words.
-fn terms(question: &str) -> Vec<Term> {
-    let mut out: Vec<Term> = Vec::new();
-    for id in identifiers::extract(question) {
-        if !out.iter().any(|t| t.exact && t.text == id) {
-            out.push(Term {
-                text: id,
-                exact: true,
-                weight: IDENTIFIER_WEIGHT,
-            });
-        }
-    }
-    let lowered = question.to_lowercase();
-    for word in lowered.split(|c: char| !(c.is_alphanumeric() || c == '_')) {
-        if word.chars().count() < 3 || STOP_WORDS.contains(&word) {
-            continue;
-        }
-        if !out.iter().any(|t| !t.exact && t.text == word) {
-            out.push(Term {
-                text: word.to_string(),
-                exact: false,
-                weight: 1.0,
-            });
-        }
-    }
-    out
-}
-
-/// Occurrences of `needle` in `haystack` (non-overlapping, at most 64).
-fn occurrences(haystack: &str, needle: &str) -> usize {
-    haystack.match_indices(needle).take(64).count()
-}
-
 /// A turn or summary that may be read, with its rendered excerpt.
 struct Candidate {
     item: Item,
@@ -188,8 +134,6 @@ struct Candidate {
     excerpt: String,
     /// Tokens of the excerpt and its separator.
     tokens: u64,
-    /// Term index -> occurrences.
-    hits: Vec<(usize, usize)>,
     score: f64,
     /// Newer items win ties.
     recency: u64,
@@ -323,7 +267,6 @@ fn candidates(
             },
             tokens,
             excerpt,
-            hits: Vec::new(),
             score: 0.0,
             recency: s.last_turn,
         });
@@ -351,7 +294,6 @@ fn candidates(
             },
             tokens,
             excerpt,
-            hits: Vec::new(),
             score: 0.0,
             recency: t.seq,
         });
@@ -361,32 +303,10 @@ fn candidates(
 
 /// Scores every candidate against the terms (see the module doc).
 fn score(candidates: &mut [Candidate], terms: &[Term]) {
-    let mut df = vec![0usize; terms.len()];
-    for c in candidates.iter_mut() {
-        let lowered = c.excerpt.to_lowercase();
-        for (i, t) in terms.iter().enumerate() {
-            let n = if t.exact {
-                occurrences(&c.excerpt, &t.text)
-            } else {
-                occurrences(&lowered, &t.text)
-            };
-            if n > 0 {
-                c.hits.push((i, n));
-                df[i] += 1;
-            }
-        }
-    }
-    let n = candidates.len() as f64;
-    for c in candidates.iter_mut() {
-        c.score = c
-            .hits
-            .iter()
-            .map(|&(i, count)| {
-                let idf = ((n + 1.0) / (df[i] as f64 + 0.5)).ln().max(0.05);
-                let repeats = 1.0 + 0.25 * (count.min(9) - 1) as f64;
-                terms[i].weight * idf * repeats
-            })
-            .sum();
+    let texts: Vec<&str> = candidates.iter().map(|c| c.excerpt.as_str()).collect();
+    let scores = relevance::scores(terms, &texts);
+    for (c, score) in candidates.iter_mut().zip(scores) {
+        c.score = score;
     }
 }
 

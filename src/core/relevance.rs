@@ -18,7 +18,6 @@
 use crate::core::assembly::Unit;
 use crate::core::identifiers;
 use crate::core::state::{BodyError, ContextItem, Conversation, TurnBodies};
-use std::collections::BTreeSet;
 
 /// What prompt-aware eviction keeps.
 #[derive(Debug, Clone, PartialEq)]
@@ -29,37 +28,96 @@ pub(crate) struct Choice {
     pub used: u64,
 }
 
-/// Words too common to say what a prompt is about.
+/// How much an identifier of the prompt weighs against a word.
+const IDENTIFIER_WEIGHT: f64 = 3.0;
+
+/// Words that say nothing about which part of the history is meant.
 const STOP_WORDS: &[&str] = &[
-    "the", "and", "for", "are", "but", "not", "you", "all", "any", "can", "had", "her", "was",
-    "one", "our", "out", "has", "have", "what", "when", "where", "which", "who", "why", "how",
-    "this", "that", "these", "those", "with", "from", "into", "about", "then", "than", "them",
-    "they", "there", "their", "will", "would", "could", "should", "does", "did", "done", "been",
-    "being", "were", "your", "yours", "just", "also", "only", "some", "more", "most", "such",
-    "very", "over", "again", "let", "lets", "please", "now", "use", "using", "make", "need",
-    "want", "get", "got", "its", "it's", "i'm", "don't",
+    "about", "after", "again", "all", "and", "any", "are", "was", "were", "been", "before", "but",
+    "can", "could", "did", "does", "doing", "for", "from", "had", "has", "have", "how", "into",
+    "its", "just", "not", "now", "our", "out", "said", "say", "should", "that", "the", "their",
+    "them", "then", "there", "these", "they", "this", "those", "what", "when", "where", "which",
+    "who", "why", "will", "with", "would", "you", "your", "tell", "give", "please", "let", "also",
+    "only", "some", "more", "most", "very", "over", "than", "want", "need",
 ];
 
-/// The prompt's distinct terms, lowercased, in first-seen order.
-pub fn terms(prompt: &str) -> Vec<String> {
-    let mut seen = BTreeSet::new();
-    let mut out = Vec::new();
+/// One term of a prompt or question.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Term {
+    /// Lower-cased for words, exact for identifiers.
+    pub text: String,
+    pub exact: bool,
+    pub weight: f64,
+}
+
+/// The terms of a prompt: its identifiers (paths, hashes, ids: matched
+/// exactly), then its words of three characters or more that are not stop
+/// words (lower-cased).
+pub fn terms(prompt: &str) -> Vec<Term> {
+    let mut out: Vec<Term> = Vec::new();
     for id in identifiers::extract(prompt) {
-        let t = id.to_lowercase();
-        if seen.insert(t.clone()) {
-            out.push(t);
+        if !out.iter().any(|t| t.exact && t.text == id) {
+            out.push(Term {
+                text: id,
+                exact: true,
+                weight: IDENTIFIER_WEIGHT,
+            });
         }
     }
-    for word in prompt.split(|c: char| !(c.is_alphanumeric() || c == '_' || c == '\'')) {
-        let w = word.trim_matches('\'').to_lowercase();
-        if w.chars().count() < 3 || STOP_WORDS.contains(&w.as_str()) {
+    let lowered = prompt.to_lowercase();
+    for word in lowered.split(|c: char| !(c.is_alphanumeric() || c == '_')) {
+        if word.chars().count() < 3 || STOP_WORDS.contains(&word) {
             continue;
         }
-        if seen.insert(w.clone()) {
-            out.push(w);
+        if !out.iter().any(|t| !t.exact && t.text == word) {
+            out.push(Term {
+                text: word.to_string(),
+                exact: false,
+                weight: 1.0,
+            });
         }
     }
     out
+}
+
+/// Occurrences of `needle` in `haystack` (non-overlapping, at most 64).
+fn occurrences(haystack: &str, needle: &str) -> usize {
+    haystack.match_indices(needle).take(64).count()
+}
+
+/// Each text's relevance to `terms`: per term found, its weight times its
+/// inverse document frequency over `texts` (a term every text holds counts
+/// for little), a little more when it is repeated. 0 for a text holding
+/// none.
+pub fn scores(terms: &[Term], texts: &[&str]) -> Vec<f64> {
+    let mut hits: Vec<Vec<(usize, usize)>> = vec![Vec::new(); texts.len()];
+    let mut df = vec![0usize; terms.len()];
+    for (text, hits) in texts.iter().zip(&mut hits) {
+        let lowered = text.to_lowercase();
+        for (i, t) in terms.iter().enumerate() {
+            let n = if t.exact {
+                occurrences(text, &t.text)
+            } else {
+                occurrences(&lowered, &t.text)
+            };
+            if n > 0 {
+                hits.push((i, n));
+                df[i] += 1;
+            }
+        }
+    }
+    let n = texts.len() as f64;
+    hits.iter()
+        .map(|hits| {
+            hits.iter()
+                .map(|&(i, count)| {
+                    let idf = ((n + 1.0) / (df[i] as f64 + 0.5)).ln().max(0.05);
+                    let repeats = 1.0 + 0.25 * (count.min(9) - 1) as f64;
+                    terms[i].weight * idf * repeats
+                })
+                .sum()
+        })
+        .collect()
 }
 
 /// Chooses the older units to keep by relevance to `prompt`, within
@@ -77,15 +135,13 @@ pub(crate) fn choose(
     if terms.is_empty() {
         return Ok(None);
     }
-    // Which terms each older unit holds.
-    let mut holds: Vec<Vec<usize>> = vec![Vec::new(); units.len()];
-    let mut df = vec![0u32; terms.len()];
-    let mut older = 0u32;
+    // The older units' texts, scored together.
+    let mut older: Vec<usize> = Vec::new();
+    let mut texts: Vec<String> = Vec::new();
     for (u, unit) in units.iter().enumerate() {
         if unit.fresh {
             continue;
         }
-        older += 1;
         let mut text = String::new();
         for i in unit.start..unit.end {
             match conv.context[i] {
@@ -96,27 +152,22 @@ pub(crate) fn choose(
             }
             text.push('\n');
         }
-        let text = text.to_lowercase();
-        for (t, term) in terms.iter().enumerate() {
-            if text.contains(term.as_str()) {
-                holds[u].push(t);
-                df[t] += 1;
-            }
-        }
+        older.push(u);
+        texts.push(text);
     }
-    let idf: Vec<f64> = df
-        .iter()
-        .map(|&d| ((1.0 + f64::from(older)) / (1.0 + f64::from(d))).ln() + 1e-9)
-        .collect();
-    let score = |u: usize| -> f64 { holds[u].iter().map(|&t| idf[t]).sum() };
+    let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+    let mut score = vec![0.0f64; units.len()];
+    for (&u, s) in older.iter().zip(scores(&terms, &refs)) {
+        score[u] = s;
+    }
     let mut keep: Vec<bool> = units.iter().map(|u| u.fresh).collect();
     let mut used = used;
     // Relevant units first (best score, then newest), then the newest of
     // the rest: index order is newest first, and the sort is stable.
-    let mut order: Vec<usize> = (0..units.len()).filter(|&u| !units[u].fresh).collect();
-    order.sort_by(|&a, &b| score(b).total_cmp(&score(a)));
+    let mut order = older;
+    order.sort_by(|&a, &b| score[b].total_cmp(&score[a]));
     let (relevant, rest): (Vec<usize>, Vec<usize>) =
-        order.into_iter().partition(|&u| !holds[u].is_empty());
+        order.into_iter().partition(|&u| score[u] > 0.0);
     let mut rest = rest;
     rest.sort_unstable();
     for u in relevant.into_iter().chain(rest) {
@@ -133,17 +184,20 @@ mod tests {
     use super::*;
 
     #[test]
-    fn terms_drop_stop_words_and_keep_identifiers() {
-        let t = terms("What did we decide about src/billing/invoice.rs and the K-7731 token?");
-        assert!(t.contains(&"src/billing/invoice.rs".to_string()), "{t:?}");
-        assert!(t.contains(&"decide".to_string()), "{t:?}");
-        assert!(t.contains(&"token".to_string()), "{t:?}");
-        assert!(!t.contains(&"the".to_string()), "{t:?}");
-        assert!(!t.contains(&"what".to_string()), "{t:?}");
+    fn a_prompt_of_stop_words_has_no_terms() {
+        assert!(terms("what is it? and then?").is_empty());
     }
 
     #[test]
-    fn a_prompt_of_stop_words_has_no_terms() {
-        assert!(terms("what is it? and then?").is_empty());
+    fn a_rare_identifier_outweighs_a_common_word() {
+        let t = terms("where is the config parsed in src/config/load.rs?");
+        let texts = [
+            "the config is read here",
+            "src/config/load.rs parses it",
+            "config config config",
+        ];
+        let s = scores(&t, &texts);
+        assert!(s[1] > s[0] && s[1] > s[2], "{s:?}");
+        assert_eq!(scores(&t, &["nothing relevant"]), vec![0.0]);
     }
 }
