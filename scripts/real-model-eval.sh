@@ -28,8 +28,11 @@
 #                               second core to contextfold and anything else)
 #   LLAMA_CTX                   llama-server context size (default 8192)
 #   REAL_MODEL_FILES            space-separated transcript paths relative to
-#                               the transcripts folder (default: the set below)
-#   REAL_MODEL_BUDGET, REAL_MODEL_LEAF_CHUNK_TOKENS: see choose_settings
+#                               the transcripts folder (default: five, in step 5)
+#   REAL_MODEL_BUDGET (6000), REAL_MODEL_LEAF_CHUNK_TOKENS (1500),
+#   REAL_MODEL_TARGET_TOKENS (300), REAL_MODEL_CALL_TIMEOUT_MS (240000),
+#   REAL_MODEL_SWEEP_DEADLINE_MS (900000), REAL_MODEL_EVAL_TIMEOUT_S (3000),
+#   REAL_MODEL_TEMPERATURE (0.2): the eval's settings; the run prints why.
 # Options: --setup-only (install and build, then stop).
 set -euo pipefail
 
@@ -47,7 +50,7 @@ setup_only=0
 for arg in "$@"; do
     case "$arg" in
         --setup-only) setup_only=1 ;;
-        -h|--help) sed -n '2,32p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,/^# Options/p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "real-model-eval: unknown argument $arg (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -234,9 +237,10 @@ done < <(compgen -e | grep '^CONTEXTFOLD_' || true)
 cf() { env "${cf_unset[@]}" "$@"; }
 
 # --- 5. what to run, and with which settings ---------------------------------
-# ~60-100 prompt tokens/s and ~10 generated tokens/s on one core: a call on
+# ~60-100 prompt tokens/s and ~10-20 generated tokens/s on one core: a call on
 # a 1,500-token leaf chunk (plus ~500 tokens of instructions) takes about
-# 25-35 s to read and 20-40 s to write 300 tokens, so about a minute.
+# 20-30 s to read and 5-25 s to write its 100-450 tokens: ~30 s a call, 28
+# calls and 14 minutes for the model eval in the first run here.
 default_files="swe-agent_SWE-agent/pydicom__pydicom-1458.traj
 swe-agent_SWE-agent/marshmallow-code__marshmallow-1867.function_calling.traj
 mini-swe-agent_SWE-agent/github_issue.traj.json
@@ -273,7 +277,7 @@ read_env=(
 )
 
 cat <<SETTINGS
-== settings (chosen so the model run takes minutes on 2 cores at ~60-100 prompt tokens/s, ~10 generated tokens/s):
+== settings (chosen so the model run takes minutes on 2 cores at ~60-100 prompt tokens/s, ~10-20 generated tokens/s):
    files (under $transcripts):
 $(for f in "${files[@]}"; do printf '     %s\n' "${f#"$transcripts"/}"; done)
    --budget $budget: the two SWE-agent runs (14k and 7k raw tokens) compact several
@@ -282,8 +286,9 @@ $(for f in "${files[@]}"; do printf '     %s\n' "${f#"$transcripts"/}"; done)
      leaves almost nothing raw.
    leaf_chunk_tokens $leaf_chunk (default 20000): a leaf call reads ~$leaf_chunk tokens + ~500 of
      instructions, 20-35 s at these speeds; more chunks, shorter calls.
-   leaf/condensed_target_tokens $target (default 2400/2000): output is capped at 3x the target;
-     ~$target generated tokens is 30 s, 2400 would be 4 minutes a call.
+   leaf/condensed_target_tokens $target (default 2400/2000): a summary aims at 12% of its source
+     (~180 tokens for a full chunk) up to this cap, and output over 3x its target is cut and
+     rejected (truncated); ~200 generated tokens take 10-20 s here, 2400 would take minutes.
    summarizer.call_timeout_ms $call_timeout_ms (default 60000): a slow call is not a failure here.
    sweep_deadline_ms = compact_until_under_deadline_ms = $sweep_deadline_ms: a sweep of several calls
      finishes instead of stopping at the default 2 minutes.
