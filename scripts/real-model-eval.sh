@@ -544,7 +544,13 @@ PY
     {
         echo
         echo "== delegated recall on $conv: $question"
-        cf "${model_env[@]}" "${read_env[@]}" "$cf_bin" --data "$dir" recall "$conv" "$question" 2>&1 \
+        # The model reads ~90 prompt tokens/s here: a 2,500-token cap and a
+        # five-minute deadline, not the 30 s default meant for hosted models.
+        cf "${model_env[@]}" "${read_env[@]}" \
+            CONTEXTFOLD_RECALL__MAX_TOKENS=2500 \
+            CONTEXTFOLD_RECALL__MAX_ANSWER_TOKENS=300 \
+            CONTEXTFOLD_RECALL__DEADLINE_MS=300000 \
+            "$cf_bin" --data "$dir" recall "$conv" "$question" 2>&1 \
             || echo "(recall failed, exit $?)"
     } | tee -a "$report"
 else

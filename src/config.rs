@@ -51,7 +51,7 @@ const SECTIONS: [&str; 8] = [
 /// directory, where the tests find Prometheus and whether they must,
 /// whether the deploy/ checks must find their tools, and whether the audit
 /// page test must find Chromium and where it saves its screenshot.
-pub const NON_CONFIG_VARS: [&str; 14] = [
+pub const NON_CONFIG_VARS: [&str; 16] = [
     "CONTEXTFOLD_CONFIG",
     "CONTEXTFOLD_LOG",
     "CONTEXTFOLD_VENV",
@@ -66,6 +66,9 @@ pub const NON_CONFIG_VARS: [&str; 14] = [
     "CONTEXTFOLD_REQUIRE_DEPLOY_TOOLS",
     "CONTEXTFOLD_REQUIRE_BROWSER",
     "CONTEXTFOLD_SCREENSHOT_DIR",
+    // scripts/real-model-eval.sh: its binary and its cache.
+    "CONTEXTFOLD_BIN",
+    "CONTEXTFOLD_REAL_MODEL_DIR",
 ];
 
 /// Prefixes of benchmark knobs (`CONTEXTFOLD_BENCH_SCALE`, ...), skipped

@@ -342,6 +342,11 @@ fn find_copy(req: &SummaryRequest, text: &str) -> Option<String> {
         if !prev.is_empty() && (norm == prev || containment(&norm, &prev) >= COPY_CONTAINMENT) {
             return Some("the previous summary".into());
         }
+        // The previous summary restated whole, with something added: the
+        // context would then hold it twice (a real 0.5B model's answer).
+        if !prev.is_empty() && containment(&prev, &norm) >= COPY_CONTAINMENT {
+            return Some("the previous summary, restated in full".into());
+        }
     }
     let words = norm.split_whitespace().count();
     for source in &req.sources {
@@ -1074,6 +1079,34 @@ mod tests {
         // A summary of the new span that continues from the previous passes.
         let text = "Continuing the DICOM fix, the assistant found the transfer syntax \
                     constant in pydicom/uid.py beside the other syntax UIDs.";
+        assert!(check(&r, text, Encoding::O200kBase, 3.0).is_ok());
+    }
+
+    /// Qwen2.5-Coder-0.5B's leaf over pydicom turn 2 (real-model eval):
+    /// the previous leaf's paragraph word for word, then one of its own.
+    #[test]
+    fn rejects_an_answer_that_restates_the_previous_summary() {
+        const QWEN_PREVIOUS: &str = "The conversation segment discusses how to correctly use \
+            the special interface to solve a timeDelta serialization precision issue in a \
+            Python project. The user is provided with a demonstration of how to reproduce \
+            the bug and submit their changes to the code base.";
+        let r = with_previous(QWEN_PREVIOUS);
+        let answer = format!(
+            "{QWEN_PREVIOUS}\n\nThe conversation segment also includes instructions on how \
+             to solve this issue on your own. The user is re-implementing the bug in their \
+             environment and running the bug reproduction script to make sure that the bug \
+             has indeed been fixed."
+        );
+        let got = check(&r, &answer, Encoding::O200kBase, 3.0);
+        assert_eq!(
+            got,
+            Err(Rejection::Copy(
+                "the previous summary, restated in full".into()
+            ))
+        );
+        // Naming the previous summary's subject again is not a restatement.
+        let text = "Continuing the timeDelta precision fix, the assistant opened \
+                    pydicom/valuerep.py and found the rounding in the DSfloat constructor.";
         assert!(check(&r, text, Encoding::O200kBase, 3.0).is_ok());
     }
 
