@@ -978,3 +978,166 @@ async fn a_transcript_published_at_once_settles_without_a_job_loop() {
     }
     service.shutdown().await;
 }
+
+/// `recall` over NATS (issue 14): a running service plans it on the
+/// owner's state, asks its `[recall]` model, stores the spend as a
+/// `recall_answered` event in the events stream and answers; the CLI asks
+/// with `--nats`, and the conversation's spend window then counts the call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recall_over_nats_asks_the_model_and_counts_its_spend() {
+    let rules = serde_json::json!({"rules": [
+        {"name": "recall", "when": {"model_matches": "recaller"},
+         "respond": {"content": "The deploy key is K-7731 (turn 10)."}}
+    ]});
+    let Some(llm) = llm_server::FakeLlm::start(&rules.to_string()).await else {
+        return;
+    };
+    let server = NatsServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let stderr = std::fs::File::create(dir.path().join("serve.log")).unwrap();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_contextfold"))
+        .arg("--data")
+        .arg(dir.path().join("serve"))
+        .args(["serve", "--nats", &server.url()])
+        .env_remove("CONTEXTFOLD_CONFIG")
+        .env_remove("CONTEXTFOLD_SUMMARIZER__BASE_URL")
+        .env("CONTEXTFOLD_RECALL__BASE_URL", llm.base_url())
+        .env("CONTEXTFOLD_RECALL__MODEL", "recaller")
+        .env("OPENAI_API_KEY", "test-key-not-secret")
+        .stderr(stderr)
+        .kill_on_drop(true)
+        .spawn()
+        .expect("contextfold serve starts");
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let up = Instant::now() + Duration::from_secs(30);
+    while client
+        .request("cf.admin.status", "{}".into())
+        .await
+        .is_err()
+    {
+        assert!(Instant::now() < up, "serve did not come up");
+        assert!(child.try_wait().unwrap().is_none(), "serve exited");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let key = "agent:recall";
+    let mut events = turns(key, 0..10, 30);
+    events.push(Envelope::new(
+        format!("{key}#needle"),
+        key,
+        1_700_000_100_000,
+        EventBody::TurnAppended(contextfold::core::event::TurnAppended::from(
+            contextfold::core::message::ChatMessage::text(
+                contextfold::core::message::Role::User,
+                "Remember: the deploy key is K-7731.",
+            ),
+        )),
+    ));
+    raw_publish(&client, &events).await;
+    let status_body = serde_json::json!({ "conversation": key }).to_string();
+    let status = |client: async_nats::Client| {
+        let body = status_body.clone();
+        async move {
+            let reply = client
+                .request(format!("cf.api.status.{}", token(key)), body.into())
+                .await
+                .ok()?;
+            serde_json::from_slice::<serde_json::Value>(&reply.payload).ok()
+        }
+    };
+    let folded = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(s) = status(client.clone()).await {
+            if s["turns"]["total"].as_u64() == Some(11) {
+                break;
+            }
+        }
+        assert!(Instant::now() < folded, "the turns were not folded");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // Without a request id over NATS: refused, saying why, no model call.
+    let bare = serde_json::json!({"conversation": key, "question": "What is the deploy key?"});
+    let reply = client
+        .request(
+            format!("cf.api.recall.{}", token(key)),
+            bare.to_string().into(),
+        )
+        .await
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&reply.payload).unwrap();
+    assert_eq!(v["error"]["code"], "bad_request", "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("request_id"),
+        "{v}"
+    );
+    assert_eq!(llm.total().await, 0);
+
+    let (ok, stdout, stderr) = cli(
+        &dir.path().join("cli"),
+        &[
+            "recall",
+            "--nats",
+            &server.url(),
+            key,
+            "What is the deploy key?",
+            "--json",
+            "--request-id",
+            "r-1",
+        ],
+    )
+    .await;
+    assert!(ok, "{stdout}\n{stderr}");
+    let answer: serde_json::Value = serde_json::from_str(&stdout).expect("recall JSON");
+    assert!(
+        answer["answer"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("K-7731"),
+        "{answer}"
+    );
+    let sources = answer["sources"].as_array().cloned().unwrap_or_default();
+    assert!(
+        sources.iter().any(|s| s["seq"].as_u64() == Some(10)),
+        "the needle's turn is not among the sources: {answer}"
+    );
+    assert!(
+        answer["tokens"].as_u64() <= answer["max_tokens"].as_u64(),
+        "{answer}"
+    );
+    assert_eq!(llm.total().await, 1);
+
+    // The spend is folded from the events stream into the spend window.
+    let counted = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(s) = status(client.clone()).await {
+            if s["spend_window"]["calls"].as_u64().unwrap_or(0) >= 1 {
+                break;
+            }
+            assert!(
+                Instant::now() < counted,
+                "the recall's spend is not counted: {s}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The same request id again: answered, the spend event deduplicated.
+    let (ok, stdout, stderr) = cli(
+        &dir.path().join("cli"),
+        &[
+            "recall",
+            "--nats",
+            &server.url(),
+            key,
+            "What is the deploy key?",
+            "--request-id",
+            "r-1",
+        ],
+    )
+    .await;
+    assert!(ok, "{stdout}\n{stderr}");
+    assert!(stdout.contains("K-7731"), "{stdout}");
+    child.kill().await.unwrap();
+}

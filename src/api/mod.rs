@@ -399,9 +399,9 @@ pub fn answer(op: Op, body: &[u8], held: Held<'_>) -> Result<Vec<u8>, ApiError> 
             Op::Recall => {
                 parse_request::<RecallRequest>(op, body)?;
                 return Err(ApiError::bad(
-                    "recall runs a model, and this transport answers from state only: ask \
-                     `contextfold recall` on the embedded store (recall over NATS is not served \
-                     yet)",
+                    "recall runs a model, and this transport answers from state only: ask a \
+                     `contextfold serve` over NATS (`contextfold recall --nats URL`) or \
+                     `contextfold recall` on the embedded store",
                 ));
             }
         })

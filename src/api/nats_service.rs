@@ -20,6 +20,15 @@
 //! one partition subscription per partition held, reconciled as leases
 //! move, over an [`EngineView`] of the folder's engines.
 //!
+//! `recall` runs a model, so it is not answered from state alone: the
+//! owner plans it from the conversation's state ([`crate::api::recall`]),
+//! asks the model under the recall deadline ([`ServiceConfig::recall`]),
+//! stores the `recall_answered` event carrying the spend in the events
+//! stream (on the service subject, deduplicated by its id, so a retried
+//! request with the same `request_id` is counted once) and only then
+//! answers. A crash before the event is stored loses the answer and its
+//! spend record together; the caller retries with the same `request_id`.
+//!
 //! The operation and conversation come from the subject; the JSON body goes to
 //! [`crate::api::answer_view`] on a blocking thread (a regex over a long
 //! conversation must not stall the async workers). Error replies also carry
@@ -27,7 +36,7 @@
 //! `Nats-Service-Error`, so generic NATS tools see them as errors. A reply
 //! too large for the server becomes an error reply: never silence.
 
-use crate::api::{answer_view, ApiError, CompactResponse, Held, Op, Target};
+use crate::api::{answer_view, recall, ApiError, CompactResponse, Held, Op, Target};
 pub use crate::api::{LocalState, StateView};
 use crate::core::event::Encoding;
 use crate::core::policy::PolicyConfig;
@@ -35,6 +44,7 @@ use crate::core::state::{Conversation, State};
 use crate::nats::event_log::event_headers;
 use crate::nats::folder::{EngineMap, SharedEngine};
 use crate::nats::subjects::{partition_of, SubjectError, Subjects};
+use crate::runtime::recall::{RecallSetupError, Recaller};
 use crate::store::KvBackend;
 use async_nats::jetstream;
 use async_nats::{Client, HeaderMap, PublishErrorKind, RequestErrorKind, Subject};
@@ -72,7 +82,39 @@ pub struct ServiceConfig {
     /// stream (`<prefix>.svc.<conversation>`, the service subject) before answering. Off only
     /// where no events stream exists (tests of the bare service).
     pub publish_compactions: bool,
+    /// The model `recall` asks, or why there is none.
+    pub recall: RecallService,
 }
+
+/// Whether this service answers `recall`.
+#[derive(Clone)]
+pub enum RecallService {
+    /// Answered with this model.
+    On(Arc<Recaller>),
+    /// Refused, saying why (no model configured).
+    Off(String),
+}
+
+impl std::fmt::Debug for RecallService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RecallService::On(r) => write!(f, "On({} at {})", r.model(), r.endpoint()),
+            RecallService::Off(why) => write!(f, "Off({why:?})"),
+        }
+    }
+}
+
+impl PartialEq for RecallService {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (RecallService::On(a), RecallService::On(b)) => Arc::ptr_eq(a, b),
+            (RecallService::Off(a), RecallService::Off(b)) => a == b,
+            _ => false,
+        }
+    }
+}
+
+impl Eq for RecallService {}
 
 impl Default for ServiceConfig {
     fn default() -> Self {
@@ -84,6 +126,7 @@ impl Default for ServiceConfig {
             forward_partitions: None,
             forward_timeout: Duration::from_secs(3),
             publish_compactions: true,
+            recall: RecallService::Off(RecallSetupError::NoModel.to_string()),
         }
     }
 }
@@ -219,6 +262,7 @@ async fn serve<V: StateView>(
     let retry_ms = config.not_owner_retry_ms;
     let subjects = Subjects::new(&config.prefix)?;
     let compactions = config.publish_compactions.then(|| subjects.clone());
+    let recall = config.recall.clone();
     tracing::info!(subject = %filter, group = %config.queue_group, "API service started");
     let task_filter = filter.clone();
     let task = tokio::spawn(async move {
@@ -254,6 +298,7 @@ async fn serve<V: StateView>(
             let route = route.clone();
             let compactions = compactions.clone();
             let subjects = subjects.clone();
+            let recall = recall.clone();
             in_flight.spawn(async move {
                 let _permit = permit;
                 let Some(reply) = message.reply else {
@@ -270,17 +315,30 @@ async fn serve<V: StateView>(
                 let op = addressed.op.clone();
                 let body = message.payload;
                 let body_for_handler = body.clone();
-                let result = tokio::task::spawn_blocking(move || {
+                let result = if op == Op::Recall.as_str() {
+                    answer_recall(
+                        &client,
+                        &subjects,
+                        &recall,
+                        view.clone(),
+                        addressed.conversation.clone(),
+                        &body,
+                        retry_ms,
+                    )
+                    .await
+                } else {
+                    tokio::task::spawn_blocking(move || {
                     let target = match &addressed.conversation {
                         Some(c) => Target::Conversation(c),
                         None => Target::Global,
                     };
                     answer_view(&addressed.op, target, &body_for_handler, view.as_ref(), retry_ms)
-                })
-                .await
-                .unwrap_or_else(|e| {
-                    Err(ApiError::Internal(format!("the request task failed: {e}")))
-                });
+                    })
+                    .await
+                    .unwrap_or_else(|e| {
+                        Err(ApiError::Internal(format!("the request task failed: {e}")))
+                    })
+                };
                 let result = match result {
                     Ok(reply) if compactions.is_some() && op == Op::Compact.as_str() => {
                         let subjects = compactions.as_ref().expect("checked above");
@@ -297,11 +355,19 @@ async fn serve<V: StateView>(
                             timeout,
                         },
                     ) if !conversation.is_empty() => {
+                        // A recall waits on its model: the owner answers
+                        // within the recall deadline, not a state read's.
+                        let timeout = match &recall {
+                            RecallService::On(r) if op == Op::Recall.as_str() => {
+                                (*timeout).max(r.deadline() + Duration::from_secs(5))
+                            }
+                            _ => *timeout,
+                        };
                         let relayed = forward(
                             &client,
                             prefix,
                             *partitions,
-                            *timeout,
+                            timeout,
                             &op,
                             &conversation,
                             body,
@@ -353,6 +419,83 @@ async fn round_trip(client: &Client) -> Result<(), String> {
         Ok(None) => Err("the connection closed".into()),
         Err(_) => Err(format!("no answer within {limit:?}")),
     }
+}
+
+/// Answers `recall` for `conversation` (see the module doc): plans it on
+/// the owner's state, asks the model, stores the spend event, replies.
+async fn answer_recall<V: StateView>(
+    client: &Client,
+    subjects: &Subjects,
+    recall: &RecallService,
+    view: Arc<V>,
+    conversation: Option<String>,
+    body: &[u8],
+    retry_ms: u64,
+) -> Result<Vec<u8>, ApiError> {
+    let Some(key) = conversation else {
+        return Err(ApiError::bad(
+            "recall is about one conversation: send it on its conversation's subject",
+        ));
+    };
+    let request: recall::RecallRequest = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad(format!("invalid recall request: {e}")))?;
+    if request.conversation != key {
+        return Err(ApiError::bad(format!(
+            "the request names conversation {:?} but was sent on the subject of {key:?}: send it \
+             on its own conversation's subject",
+            request.conversation
+        )));
+    }
+    if request.request_id.as_deref().is_none_or(str::is_empty) {
+        return Err(ApiError::bad(
+            "a recall over NATS needs `request_id` (an idempotency key: a retried request with \
+             the same one is answered and counted once)",
+        ));
+    }
+    let recaller = match recall {
+        RecallService::On(r) => r.clone(),
+        RecallService::Off(why) => {
+            return Err(ApiError::bad(format!(
+                "this service does not answer recall: {why}"
+            )))
+        }
+    };
+    let limits = recaller.limits();
+    let prepared = tokio::task::spawn_blocking(move || {
+        view.with_state(Some(&key), |held| match held {
+            Some(held) => recall::prepare(held.state, held.bodies, held.policy, &request, &limits),
+            None => Err(ApiError::NotOwner {
+                conversation: key.clone(),
+                retry_after_ms: retry_ms,
+            }),
+        })
+    })
+    .await
+    .unwrap_or_else(|e| Err(ApiError::Internal(format!("the request task failed: {e}"))))?;
+    let run = recaller.run(&prepared).await;
+    let event = recall::answered_event(&prepared, &run);
+    let subject = subjects
+        .service(&event.conversation)
+        .map_err(|e| ApiError::BadRequest(format!("cannot route the conversation: {e}")))?;
+    let stored = async {
+        jetstream::new(client.clone())
+            .publish_with_headers(
+                subject,
+                event_headers(&event.id, Encoding::Json),
+                event.encode(Encoding::Json).into(),
+            )
+            .await?
+            .await
+    };
+    stored.await.map_err(|e| {
+        ApiError::Internal(format!(
+            "cannot store the recall's spend {} in the events stream: {e}",
+            event.id
+        ))
+    })?;
+    let response = recall::response(&prepared, &run, true)?;
+    serde_json::to_vec(&response)
+        .map_err(|e| ApiError::Internal(format!("cannot encode the recall answer: {e}")))
 }
 
 /// Stores a `compact` answer's event in the events stream (deduplicated by

@@ -237,6 +237,10 @@ pub enum Command {
         /// Idempotency key (default: a fresh one per invocation).
         #[arg(long)]
         request_id: Option<String>,
+        /// Ask a running `contextfold serve` over NATS (its model answers,
+        /// its events stream records the spend) instead of the embedded store.
+        #[command(flatten)]
+        nats: serve::NatsArgs,
     },
     /// Every compaction decision of a conversation in log order, with its
     /// reason, context tokens before and after, summaries, model, calls,
@@ -396,8 +400,10 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
             max_tokens,
             json,
             request_id,
+            nats,
         } => recall::recall(
             &config,
+            &nats,
             contextfold::api::RecallRequest {
                 conversation,
                 question,

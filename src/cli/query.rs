@@ -35,6 +35,7 @@ pub enum Query {
     Expand(ExpandRequest),
     Compact(CompactRequest),
     History(HistoryRequest),
+    Recall(contextfold::api::RecallRequest),
 }
 
 impl Query {
@@ -47,6 +48,7 @@ impl Query {
             Query::Expand(_) => Op::Expand,
             Query::Compact(_) => Op::Compact,
             Query::History(_) => Op::History,
+            Query::Recall(_) => Op::Recall,
         }
     }
 
@@ -60,6 +62,7 @@ impl Query {
             Query::Expand(r) => Some(&r.conversation),
             Query::Compact(r) => Some(&r.conversation),
             Query::History(r) => Some(&r.conversation),
+            Query::Recall(r) => Some(&r.conversation),
         }
     }
 
@@ -73,6 +76,7 @@ impl Query {
             Query::Expand(r) => serde_json::to_vec(r),
             Query::Compact(r) => serde_json::to_vec(r),
             Query::History(r) => serde_json::to_vec(r),
+            Query::Recall(r) => serde_json::to_vec(r),
         };
         body.context("encoding the request")
     }
@@ -147,7 +151,19 @@ async fn ask_locally(config: &Config, query: &Query) -> Result<Vec<u8>> {
 
 /// Asks a running service; `not_owner` (a partition moving between
 /// processes) is asked again after the hinted pause.
-async fn ask_over_nats(config: &Config, nats: &NatsArgs, query: &Query) -> Result<Vec<u8>> {
+pub(super) async fn ask_over_nats(
+    config: &Config,
+    nats: &NatsArgs,
+    query: &Query,
+) -> Result<Vec<u8>> {
+    // A recall waits on the service's model: this side's recall deadline
+    // (the service's own, when both read one configuration) and a margin.
+    let timeout = match query {
+        Query::Recall(_) => {
+            Duration::from_millis(config.recall.deadline_ms) + Duration::from_secs(15)
+        }
+        _ => REQUEST_TIMEOUT,
+    };
     let cfg = nats.apply(&config.nats);
     let servers = cfg.connection.display_servers();
     let subjects = cfg.subjects()?;
@@ -169,7 +185,7 @@ async fn ask_over_nats(config: &Config, nats: &NatsArgs, query: &Query) -> Resul
     loop {
         let request = async_nats::Request::new()
             .payload(body.clone().into())
-            .timeout(Some(REQUEST_TIMEOUT));
+            .timeout(Some(timeout));
         let reply = match client.send_request(subject.clone(), request).await {
             Ok(message) => message.payload.to_vec(),
             Err(e) => match e.kind() {
@@ -178,10 +194,9 @@ async fn ask_over_nats(config: &Config, nats: &NatsArgs, query: &Query) -> Resul
                      (role api, prefix {:?}) running there?",
                     cfg.prefix
                 ),
-                async_nats::client::RequestErrorKind::TimedOut => bail!(
-                    "no answer on {subject} within {} s",
-                    REQUEST_TIMEOUT.as_secs()
-                ),
+                async_nats::client::RequestErrorKind::TimedOut => {
+                    bail!("no answer on {subject} within {} s", timeout.as_secs())
+                }
                 _ => bail!("asking {subject}: {e}"),
             },
         };

@@ -4,9 +4,13 @@
 //! is asked under the deadline (`runtime::recall`), and the
 //! `recall_answered` event carrying its spend is appended to the embedded
 //! log and folded before the answer is printed, whatever the outcome, so
-//! `status` shows the spend in the conversation's spend window.
+//! `status` shows the spend in the conversation's spend window. With
+//! `--nats`, a running service answers (`api::nats_service`: its model,
+//! its events stream records the spend).
 
 use super::local::{open_pipeline, require_data, runtime};
+use super::query::{ask_over_nats, Query};
+use super::serve::NatsArgs;
 use anyhow::{Context, Result};
 use contextfold::api::recall::{self, RecallRequest, RecallResponse};
 use contextfold::api::{decode_reply, ReplyError};
@@ -111,9 +115,21 @@ fn render(r: &RecallResponse) -> String {
     out
 }
 
-pub fn recall(config: &Config, request: RecallRequest, json: bool) -> Result<ExitCode> {
+pub fn recall(
+    config: &Config,
+    nats: &NatsArgs,
+    mut request: RecallRequest,
+    json: bool,
+) -> Result<ExitCode> {
     let rt = runtime()?;
-    let reply = rt.block_on(recall_locally(config, request))?;
+    let reply = if nats.servers.is_empty() {
+        rt.block_on(recall_locally(config, request))?
+    } else {
+        if request.request_id.is_none() {
+            request.request_id = Some(super::query::fresh_request_id());
+        }
+        rt.block_on(ask_over_nats(config, nats, &Query::Recall(request)))?
+    };
     let response: RecallResponse = decode_reply(&reply).map_err(|e| match e {
         ReplyError::Api(body) => anyhow::anyhow!("{} ({})", body.message, body.code.as_str()),
         ReplyError::Malformed(m) => anyhow::anyhow!("malformed recall reply: {m}"),

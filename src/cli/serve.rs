@@ -4,12 +4,14 @@
 use super::audit::NatsSource;
 use anyhow::{Context, Result};
 use clap::Args;
+use contextfold::api::nats_service::RecallService;
 use contextfold::config::Config;
 use contextfold::http::audit_page::{self, Late};
 use contextfold::http::{Check, HttpListener, OpsState, ReadyProbe, ReadyReport, Refresh};
 use contextfold::nats::serve::{shutdown_signal, Roles, ServeOptions, Service};
 use contextfold::nats::NatsConfig;
 use contextfold::runtime::llm_pass::{ExternalPass, LlmPass};
+use contextfold::runtime::recall::{RecallSetupError, Recaller};
 use contextfold::runtime::sweep::{Deterministic, PassSummarizer};
 use contextfold::secret::{redact_url, Secret};
 use contextfold::telemetry;
@@ -138,6 +140,16 @@ pub fn serve(
     opts.policy = config.policy.clone();
     opts.flush_every = config.store.flush_every;
     opts.store = config.store.clone();
+    // `recall` over NATS asks `[recall]`'s model (the summarizer's when it
+    // names none); without any, the API refuses recall saying so.
+    opts.recall = match Recaller::new(&config.recall, config.summarizer.as_ref()) {
+        Ok(r) => {
+            tracing::info!(model = r.model(), endpoint = %r.endpoint(), "recall answered over NATS");
+            RecallService::On(Arc::new(r))
+        }
+        Err(e @ RecallSetupError::NoModel) => RecallService::Off(e.to_string()),
+        Err(e) => return Err(e).context("the [recall] model cannot be asked"),
+    };
     if let Some(n) = concurrency {
         opts.summarizer.concurrency = n.max(1);
     }

@@ -125,6 +125,8 @@ pub struct ServeOptions {
     pub member_name: Option<String>,
     pub folder: FolderSettings,
     pub summarizer: SummarizerSettings,
+    /// The model the API role's `recall` asks (off: refused with why).
+    pub recall: crate::api::nats_service::RecallService,
 }
 
 impl ServeOptions {
@@ -149,6 +151,7 @@ impl ServeOptions {
             member_name: None,
             folder,
             summarizer,
+            recall: ServiceConfig::default().recall,
         }
     }
 
@@ -384,6 +387,7 @@ impl Service {
                 let config = ServiceConfig {
                     prefix: opts.nats.prefix.clone(),
                     forward_partitions: Some(opts.nats.partitions),
+                    recall: opts.recall.clone(),
                     ..ServiceConfig::default()
                 };
                 let held = move || engines.held();

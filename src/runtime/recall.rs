@@ -222,6 +222,11 @@ impl Recaller {
         &self.model.model
     }
 
+    /// How long a recall may take, every call included.
+    pub fn deadline(&self) -> Duration {
+        Duration::from_millis(self.deadline_ms)
+    }
+
     /// The endpoint, credentials hidden.
     pub fn endpoint(&self) -> String {
         redact_url(&self.model.base_url)
