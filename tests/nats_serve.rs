@@ -459,6 +459,44 @@ async fn two_instances_split_partitions_and_a_kill_moves_them_to_the_survivor() 
     a.shutdown().await;
 }
 
+/// Starts `contextfold serve` on `server` with its data and log
+/// (`serve.log`) under `dir`, the caller's summarizer settings removed and
+/// `env` set, and returns it with a client once the API answers (serve has
+/// set up the streams by then: publish after).
+async fn spawn_serve(
+    server: &NatsServer,
+    dir: &Path,
+    env: &[(&str, &str)],
+) -> (tokio::process::Child, async_nats::Client) {
+    let stderr = std::fs::File::create(dir.join("serve.log")).unwrap();
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_contextfold"));
+    command
+        .arg("--data")
+        .arg(dir.join("serve"))
+        .args(["serve", "--nats", &server.url()])
+        .env_remove("CONTEXTFOLD_CONFIG")
+        .env_remove("CONTEXTFOLD_SUMMARIZER__BASE_URL")
+        .env("OPENAI_API_KEY", "test-key-not-secret")
+        .stderr(stderr)
+        .kill_on_drop(true);
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    let mut child = command.spawn().expect("contextfold serve starts");
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let up = Instant::now() + Duration::from_secs(30);
+    while client
+        .request("cf.admin.status", "{}".into())
+        .await
+        .is_err()
+    {
+        assert!(Instant::now() < up, "serve did not come up");
+        assert!(child.try_wait().unwrap().is_none(), "serve exited");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    (child, client)
+}
+
 /// Runs the `contextfold` binary without blocking the runtime.
 async fn cli(data: &Path, args: &[&str]) -> (bool, String, String) {
     let out = tokio::process::Command::from(support::cli::command(data, args))
@@ -585,36 +623,20 @@ async fn the_serve_binary_summarizes_with_the_configured_model() {
     };
     let server = NatsServer::start();
     let dir = tempfile::tempdir().unwrap();
-    let stderr = std::fs::File::create(dir.path().join("serve.log")).unwrap();
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_contextfold"))
-        .arg("--data")
-        .arg(dir.path().join("serve"))
-        .args(["serve", "--nats", &server.url()])
-        .env_remove("CONTEXTFOLD_CONFIG")
-        .env("CONTEXTFOLD_SUMMARIZER__BASE_URL", llm.base_url())
-        .env("CONTEXTFOLD_SUMMARIZER__MODEL", "good")
-        .env("OPENAI_API_KEY", "test-key-not-secret")
-        .env("CONTEXTFOLD_POLICY__DEFAULT_CONTEXT_WINDOW", "6000")
-        .env("CONTEXTFOLD_POLICY__FRESH_TAIL_COUNT", "6")
-        .env("CONTEXTFOLD_POLICY__LEAF_CHUNK_TOKENS", "1200")
-        .env("CONTEXTFOLD_POLICY__LEAF_TARGET_TOKENS", "200")
-        .stderr(stderr)
-        .kill_on_drop(true)
-        .spawn()
-        .expect("contextfold serve starts");
-
-    // Once the API answers, serve has set up the streams: publish then.
-    let client = async_nats::connect(server.url()).await.unwrap();
-    let up = Instant::now() + Duration::from_secs(30);
-    while client
-        .request("cf.admin.status", "{}".into())
-        .await
-        .is_err()
-    {
-        assert!(Instant::now() < up, "serve did not come up");
-        assert!(child.try_wait().unwrap().is_none(), "serve exited");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let base = llm.base_url();
+    let (mut child, client) = spawn_serve(
+        &server,
+        dir.path(),
+        &[
+            ("CONTEXTFOLD_SUMMARIZER__BASE_URL", base.as_str()),
+            ("CONTEXTFOLD_SUMMARIZER__MODEL", "good"),
+            ("CONTEXTFOLD_POLICY__DEFAULT_CONTEXT_WINDOW", "6000"),
+            ("CONTEXTFOLD_POLICY__FRESH_TAIL_COUNT", "6"),
+            ("CONTEXTFOLD_POLICY__LEAF_CHUNK_TOKENS", "1200"),
+            ("CONTEXTFOLD_POLICY__LEAF_TARGET_TOKENS", "200"),
+        ],
+    )
+    .await;
     let key = "agent:model/one";
     // What the agent itself would watch to tell its user: the service's
     // events about its conversation.
@@ -994,31 +1016,16 @@ async fn recall_over_nats_asks_the_model_and_counts_its_spend() {
     };
     let server = NatsServer::start();
     let dir = tempfile::tempdir().unwrap();
-    let stderr = std::fs::File::create(dir.path().join("serve.log")).unwrap();
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_contextfold"))
-        .arg("--data")
-        .arg(dir.path().join("serve"))
-        .args(["serve", "--nats", &server.url()])
-        .env_remove("CONTEXTFOLD_CONFIG")
-        .env_remove("CONTEXTFOLD_SUMMARIZER__BASE_URL")
-        .env("CONTEXTFOLD_RECALL__BASE_URL", llm.base_url())
-        .env("CONTEXTFOLD_RECALL__MODEL", "recaller")
-        .env("OPENAI_API_KEY", "test-key-not-secret")
-        .stderr(stderr)
-        .kill_on_drop(true)
-        .spawn()
-        .expect("contextfold serve starts");
-    let client = async_nats::connect(server.url()).await.unwrap();
-    let up = Instant::now() + Duration::from_secs(30);
-    while client
-        .request("cf.admin.status", "{}".into())
-        .await
-        .is_err()
-    {
-        assert!(Instant::now() < up, "serve did not come up");
-        assert!(child.try_wait().unwrap().is_none(), "serve exited");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let base = llm.base_url();
+    let (mut child, client) = spawn_serve(
+        &server,
+        dir.path(),
+        &[
+            ("CONTEXTFOLD_RECALL__BASE_URL", base.as_str()),
+            ("CONTEXTFOLD_RECALL__MODEL", "recaller"),
+        ],
+    )
+    .await;
     let key = "agent:recall";
     let mut events = turns(key, 0..10, 30);
     events.push(Envelope::new(

@@ -38,7 +38,7 @@
 
 use crate::api::{answer_view, recall, ApiError, CompactResponse, Held, Op, Target};
 pub use crate::api::{LocalState, StateView};
-use crate::core::event::Encoding;
+use crate::core::event::{Encoding, Envelope};
 use crate::core::policy::PolicyConfig;
 use crate::core::state::{Conversation, State};
 use crate::nats::event_log::event_headers;
@@ -474,6 +474,22 @@ async fn answer_recall<V: StateView>(
     .unwrap_or_else(|e| Err(ApiError::Internal(format!("the request task failed: {e}"))))?;
     let run = recaller.run(&prepared).await;
     let event = recall::answered_event(&prepared, &run);
+    store_event(client, subjects, &event, "the recall's spend").await?;
+    let response = recall::response(&prepared, &run, true)?;
+    serde_json::to_vec(&response)
+        .map_err(|e| ApiError::Internal(format!("cannot encode the recall answer: {e}")))
+}
+
+/// Stores an event the service writes for a caller (`what` it is, for the
+/// error) in the events stream, on the conversation's service subject:
+/// the caller's permission was on the request subject. JetStream
+/// deduplicates it by its id, so a retried request is stored once.
+async fn store_event(
+    client: &Client,
+    subjects: &Subjects,
+    event: &Envelope,
+    what: &str,
+) -> Result<(), ApiError> {
     let subject = subjects
         .service(&event.conversation)
         .map_err(|e| ApiError::BadRequest(format!("cannot route the conversation: {e}")))?;
@@ -487,15 +503,12 @@ async fn answer_recall<V: StateView>(
             .await?
             .await
     };
-    stored.await.map_err(|e| {
+    stored.await.map(drop).map_err(|e| {
         ApiError::Internal(format!(
-            "cannot store the recall's spend {} in the events stream: {e}",
+            "cannot store {what} {} in the events stream: {e}",
             event.id
         ))
-    })?;
-    let response = recall::response(&prepared, &run, true)?;
-    serde_json::to_vec(&response)
-        .map_err(|e| ApiError::Internal(format!("cannot encode the recall answer: {e}")))
+    })
 }
 
 /// Stores a `compact` answer's event in the events stream (deduplicated by
@@ -507,28 +520,7 @@ async fn publish_compaction(
 ) -> Result<Vec<u8>, ApiError> {
     let mut response: CompactResponse = serde_json::from_slice(reply)
         .map_err(|e| ApiError::Internal(format!("cannot read the compact answer: {e}")))?;
-    let event = &response.event;
-    // The service asks for it on its own subject: the caller's permission
-    // was on the request subject.
-    let subject = subjects
-        .service(&event.conversation)
-        .map_err(|e| ApiError::BadRequest(format!("cannot route the conversation: {e}")))?;
-    let stored = async {
-        jetstream::new(client.clone())
-            .publish_with_headers(
-                subject,
-                event_headers(&event.id, Encoding::Json),
-                event.encode(Encoding::Json).into(),
-            )
-            .await?
-            .await
-    };
-    stored.await.map_err(|e| {
-        ApiError::Internal(format!(
-            "cannot store the compaction request {} in the events stream: {e}",
-            event.id
-        ))
-    })?;
+    store_event(client, subjects, &response.event, "the compaction request").await?;
     response.published = true;
     serde_json::to_vec(&response)
         .map_err(|e| ApiError::Internal(format!("cannot encode the compact answer: {e}")))
