@@ -546,9 +546,12 @@ PY
         echo "== delegated recall on $conv: $question"
         # The model reads ~90 prompt tokens/s here: a 2,500-token cap and a
         # five-minute deadline, not the 30 s default meant for hosted models.
+        # The eval spent the conversation's spend window (24 calls): the
+        # recall is allowed more, else it is refused as spend_exhausted.
         cf "${model_env[@]}" "${read_env[@]}" \
+            CONTEXTFOLD_POLICY__SUMMARY_MAX_CALLS_PER_WINDOW=100 \
             CONTEXTFOLD_RECALL__MAX_TOKENS=2500 \
-            CONTEXTFOLD_RECALL__MAX_ANSWER_TOKENS=300 \
+            CONTEXTFOLD_RECALL__MAX_ANSWER_TOKENS=600 \
             CONTEXTFOLD_RECALL__DEADLINE_MS=300000 \
             "$cf_bin" --data "$dir" recall "$conv" "$question" 2>&1 \
             || echo "(recall failed, exit $?)"
