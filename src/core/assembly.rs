@@ -215,8 +215,15 @@ pub fn assemble_from(
     // taken newest first until one does not fit: it and everything older
     // is left out (or, with prompt-aware eviction, the most relevant older
     // units that fit are kept instead).
+    let prompt = req.prompt.as_deref().filter(|p| !p.trim().is_empty());
+    let aware = req.prompt_aware_eviction && prompt.is_some();
     let mut units: Vec<Unit> = Vec::new();
+    let mut keep: Vec<bool> = Vec::new();
+    let mut used = prompt_tokens;
+    let mut fresh_tail_tokens = 0;
+    let mut evicting = false;
     let mut end = n;
+    let mut left_end = 0; // items [0, left_end) are left out unseen
     while end > 0 {
         let mut start = end - 1;
         while start > 0 && !policy::is_boundary(conv, start) {
@@ -225,33 +232,35 @@ pub fn assemble_from(
         let missing = missing_results(conv, bodies, start, end, end == n)?;
         let mut t: u64 = (start..end).map(|i| conv.item(i).tokens()).sum();
         t += missing.iter().map(|id| stub_tokens(enc, id)).sum::<u64>();
+        let fresh = start >= tail;
+        let fits = fresh || (!evicting && used + t <= budget);
+        if !fits && !evicting {
+            evicting = true;
+            // Without prompt-aware eviction nothing older is looked at
+            // (a long raw conversation costs what is sent, not its length).
+            if !aware {
+                left_end = end;
+                break;
+            }
+        }
+        if fresh {
+            fresh_tail_tokens += t;
+        }
+        if fits {
+            used += t;
+        }
         units.push(Unit {
             start,
             end,
             tokens: t,
             missing,
-            fresh: start >= tail,
+            fresh,
         });
+        keep.push(fits);
         end = start;
     }
-    let mut used = prompt_tokens;
-    let mut fresh_tail_tokens = 0;
-    let mut keep = vec![false; units.len()];
-    let mut by_newest = 0; // units [0, by_newest) kept newest first
-    for (u, unit) in units.iter().enumerate() {
-        if unit.fresh {
-            fresh_tail_tokens += unit.tokens;
-        } else if used + unit.tokens > budget {
-            break;
-        }
-        used += unit.tokens;
-        keep[u] = true;
-        by_newest = u + 1;
-    }
     let mut chosen_by_relevance = Vec::new();
-    let prompt = req.prompt.as_deref().filter(|p| !p.trim().is_empty());
-    if let (true, Some(prompt), true) = (req.prompt_aware_eviction, prompt, by_newest < units.len())
-    {
+    if let (true, Some(prompt)) = (aware && evicting, prompt) {
         let relevant = relevance::choose(
             conv,
             bodies,
@@ -303,6 +312,10 @@ pub fn assemble_from(
             sources.push(source_of(conv, item));
         }
     }
+    left_out.extend((0..left_end).rev().map(|i| LeftOut {
+        source: source_of(conv, conv.context[i]),
+        tokens: conv.item(i).tokens(),
+    }));
     left_out.reverse();
     let over_budget = fresh_tail_tokens + prompt_tokens > budget;
     // The rolling state is the first thing to go when space is short.
