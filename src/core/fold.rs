@@ -979,15 +979,7 @@ impl FoldContext<'_> {
             cost_micros: s.cost_micros,
             reserved_until: None,
         };
-        self.conv.spend.prune(now, window);
-        if spend::has_partition_limits(self.policy) {
-            self.global.prune(now, window);
-            self.global.record(SpendEntry {
-                conversation: self.conv.key.clone(),
-                ..entry.clone()
-            });
-        }
-        self.conv.spend.record(entry);
+        self.record_spend(entry, now, window);
         // What the fold accepted of this job, never what the sweep claims:
         // a sweep cannot know which of its summaries a concurrent change
         // made stale.
@@ -1044,6 +1036,20 @@ impl FoldContext<'_> {
         FoldStatus::Applied
     }
 
+    /// Records spend in the conversation's window and, under a
+    /// partition-wide limit, in the partition's, both pruned to `now`.
+    fn record_spend(&mut self, entry: SpendEntry, now: u64, window: u64) {
+        self.conv.spend.prune(now, window);
+        if spend::has_partition_limits(self.policy) {
+            self.global.prune(now, window);
+            self.global.record(SpendEntry {
+                conversation: self.conv.key.clone(),
+                ..entry.clone()
+            });
+        }
+        self.conv.spend.record(entry);
+    }
+
     /// A delegated recall's model calls count in the spend window (the
     /// conversation's, and the partition's under a partition-wide limit)
     /// at the event's time; nothing else changes.
@@ -1060,15 +1066,7 @@ impl FoldContext<'_> {
             cost_micros: r.cost_micros,
             reserved_until: None,
         };
-        self.conv.spend.prune(now, window);
-        if spend::has_partition_limits(self.policy) {
-            self.global.prune(now, window);
-            self.global.record(SpendEntry {
-                conversation: self.conv.key.clone(),
-                ..entry.clone()
-            });
-        }
-        self.conv.spend.record(entry);
+        self.record_spend(entry, now, window);
         self.history(
             "recall_answered",
             format!(
