@@ -102,7 +102,7 @@ pub enum Output {
     Text,
 }
 
-fn api_error(e: ReplyError) -> anyhow::Error {
+pub(super) fn api_error(e: ReplyError) -> anyhow::Error {
     match e {
         ReplyError::Api(body) => anyhow::anyhow!("{} ({})", body.message, body.code.as_str()),
         ReplyError::Malformed(m) => anyhow::anyhow!("the service sent a malformed reply: {m}"),
@@ -225,7 +225,11 @@ pub fn run(config: &Config, nats: &NatsArgs, query: Query, output: Output) -> Re
     } else {
         rt.block_on(ask_over_nats(config, nats, &query))?
     };
-    let text = render(&reply, output)?;
+    print_answer(&render(&reply, output)?)
+}
+
+/// Prints an answer on stdout.
+pub(super) fn print_answer(text: &str) -> Result<ExitCode> {
     let mut out = std::io::stdout().lock();
     match writeln!(out, "{}", text.trim_end()) {
         // Piped into `head`: the reader has what it wanted.

@@ -9,25 +9,21 @@
 //! its events stream records the spend).
 
 use super::local::{open_pipeline, require_data, runtime};
-use super::query::{ask_over_nats, Query};
+use super::query::{api_error, ask_over_nats, print_answer, Query};
 use super::serve::NatsArgs;
 use anyhow::{Context, Result};
+use contextfold::api::decode_reply;
 use contextfold::api::recall::{self, RecallRequest, RecallResponse};
-use contextfold::api::{decode_reply, ReplyError};
 use contextfold::config::Config;
 use contextfold::core::recall::RecallSource;
 use contextfold::runtime::recall::Recaller;
-use std::io::Write;
 use std::process::ExitCode;
 
 /// Answers a recall from the embedded store (the reply's JSON bytes, or
 /// an error reply).
-async fn recall_locally(config: &Config, mut request: RecallRequest) -> Result<Vec<u8>> {
+async fn recall_locally(config: &Config, request: RecallRequest) -> Result<Vec<u8>> {
     require_data(config)?;
     let recaller = Recaller::new(&config.recall, config.summarizer.as_ref())?;
-    if request.request_id.is_none() {
-        request.request_id = Some(super::query::fresh_request_id());
-    }
     let mut pipeline = open_pipeline(config).await?;
     let limits = recaller.limits();
     let engine = &pipeline.engine;
@@ -122,29 +118,19 @@ pub fn recall(
     json: bool,
 ) -> Result<ExitCode> {
     let rt = runtime()?;
+    if request.request_id.is_none() {
+        request.request_id = Some(super::query::fresh_request_id());
+    }
     let reply = if nats.servers.is_empty() {
         rt.block_on(recall_locally(config, request))?
     } else {
-        if request.request_id.is_none() {
-            request.request_id = Some(super::query::fresh_request_id());
-        }
         rt.block_on(ask_over_nats(config, nats, &Query::Recall(request)))?
     };
-    let response: RecallResponse = decode_reply(&reply).map_err(|e| match e {
-        ReplyError::Api(body) => anyhow::anyhow!("{} ({})", body.message, body.code.as_str()),
-        ReplyError::Malformed(m) => anyhow::anyhow!("malformed recall reply: {m}"),
-    })?;
+    let response: RecallResponse = decode_reply(&reply).map_err(api_error)?;
     let text = if json {
         serde_json::to_string_pretty(&response).context("encoding the response")?
     } else {
         render(&response)
     };
-    let mut out = std::io::stdout().lock();
-    match writeln!(out, "{}", text.trim_end()) {
-        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(ExitCode::SUCCESS),
-        other => {
-            other.context("writing the response")?;
-            Ok(ExitCode::SUCCESS)
-        }
-    }
+    print_answer(&text)
 }
