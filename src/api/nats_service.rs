@@ -62,7 +62,7 @@ pub const DEFAULT_PREFIX: &str = "cf";
 pub const DEFAULT_QUEUE_GROUP: &str = "contextfold-api";
 
 /// How the service subscribes and answers.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct ServiceConfig {
     /// Subjects are `<prefix>.api.<op>.<token>`, `<prefix>.admin.<op>` and
     /// `<prefix>.api.p.<partition>.<op>.<token>`.
@@ -87,34 +87,13 @@ pub struct ServiceConfig {
 }
 
 /// Whether this service answers `recall`.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub enum RecallService {
     /// Answered with this model.
     On(Arc<Recaller>),
     /// Refused, saying why (no model configured).
     Off(String),
 }
-
-impl std::fmt::Debug for RecallService {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            RecallService::On(r) => write!(f, "On({} at {})", r.model(), r.endpoint()),
-            RecallService::Off(why) => write!(f, "Off({why:?})"),
-        }
-    }
-}
-
-impl PartialEq for RecallService {
-    fn eq(&self, other: &Self) -> bool {
-        match (self, other) {
-            (RecallService::On(a), RecallService::On(b)) => Arc::ptr_eq(a, b),
-            (RecallService::Off(a), RecallService::Off(b)) => a == b,
-            _ => false,
-        }
-    }
-}
-
-impl Eq for RecallService {}
 
 impl Default for ServiceConfig {
     fn default() -> Self {
