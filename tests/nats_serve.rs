@@ -459,44 +459,6 @@ async fn two_instances_split_partitions_and_a_kill_moves_them_to_the_survivor() 
     a.shutdown().await;
 }
 
-/// Starts `contextfold serve` on `server` with its data and log
-/// (`serve.log`) under `dir`, the caller's summarizer settings removed and
-/// `env` set, and returns it with a client once the API answers (serve has
-/// set up the streams by then: publish after).
-async fn spawn_serve(
-    server: &NatsServer,
-    dir: &Path,
-    env: &[(&str, &str)],
-) -> (tokio::process::Child, async_nats::Client) {
-    let stderr = std::fs::File::create(dir.join("serve.log")).unwrap();
-    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_contextfold"));
-    command
-        .arg("--data")
-        .arg(dir.join("serve"))
-        .args(["serve", "--nats", &server.url()])
-        .env_remove("CONTEXTFOLD_CONFIG")
-        .env_remove("CONTEXTFOLD_SUMMARIZER__BASE_URL")
-        .env("OPENAI_API_KEY", "test-key-not-secret")
-        .stderr(stderr)
-        .kill_on_drop(true);
-    for (k, v) in env {
-        command.env(k, v);
-    }
-    let mut child = command.spawn().expect("contextfold serve starts");
-    let client = async_nats::connect(server.url()).await.unwrap();
-    let up = Instant::now() + Duration::from_secs(30);
-    while client
-        .request("cf.admin.status", "{}".into())
-        .await
-        .is_err()
-    {
-        assert!(Instant::now() < up, "serve did not come up");
-        assert!(child.try_wait().unwrap().is_none(), "serve exited");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    (child, client)
-}
-
 /// Runs the `contextfold` binary without blocking the runtime.
 async fn cli(data: &Path, args: &[&str]) -> (bool, String, String) {
     let out = tokio::process::Command::from(support::cli::command(data, args))

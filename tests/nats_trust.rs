@@ -401,26 +401,7 @@ async fn a_folder_replaying_history_reissues_no_finished_job_whatever_the_dedup_
 async fn the_serve_binary_stops_on_sigterm_after_poison() {
     let server = NatsServer::start();
     let dir = tempfile::tempdir().unwrap();
-    let stderr = std::fs::File::create(dir.path().join("serve.log")).unwrap();
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_contextfold"))
-        .arg("--data")
-        .arg(dir.path().join("serve"))
-        .args(["serve", "--nats", &server.url()])
-        .env_remove("CONTEXTFOLD_CONFIG")
-        .stderr(stderr)
-        .kill_on_drop(true)
-        .spawn()
-        .expect("serve starts");
-    let client = async_nats::connect(server.url()).await.unwrap();
-    let up = Instant::now() + Duration::from_secs(30);
-    while client
-        .request("cf.admin.status", "{}".into())
-        .await
-        .is_err()
-    {
-        assert!(Instant::now() < up, "serve did not come up");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let (mut child, client) = spawn_serve(&server, dir.path(), &[]).await;
     for i in 0..16 {
         let empty = br#"{"id":"p","conversation":"","type":"turn_appended","payload":{"message":{"role":"user","content":"x"}}}"#;
         publish_bytes(&client, &format!("cf.in.poison-{i}"), empty.to_vec()).await;

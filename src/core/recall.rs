@@ -646,22 +646,15 @@ mod tests {
 
     #[test]
     fn plans_are_deterministic() {
-        let a = plan(
-            conv(),
-            &Resident,
-            "billing host key",
-            3000,
-            Encoding::O200kBase,
-        )
-        .unwrap();
-        let b = plan(
-            conv(),
-            &Resident,
-            "billing host key",
-            3000,
-            Encoding::O200kBase,
-        )
-        .unwrap();
-        assert_eq!(a, b);
+        let once = || {
+            plan(
+                conv(),
+                &Resident,
+                "billing host key",
+                3000,
+                Encoding::O200kBase,
+            )
+        };
+        assert_eq!(once().unwrap(), once().unwrap());
     }
 }
