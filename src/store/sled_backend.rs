@@ -22,6 +22,21 @@ use sled::transaction::{ConflictableTransactionError, TransactionError, Transact
 use sled::Transactional;
 use std::path::{Path, PathBuf};
 
+/// How long [`SledBackend::open`] waits for the lock of a database this
+/// process has just closed. sled 0.34 releases its `flock` on the background
+/// flusher thread, which `Db::drop` signals but does not join (sled issues
+/// #1234, #1289), so a reopen right after a drop can meet the old handle's
+/// lock for a few milliseconds. Another process holding the database keeps
+/// it far longer, and is reported after this wait.
+const LOCK_RELEASE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Whether sled failed to take the database's lock. sled 0.34.7 reports it
+/// as `ErrorKind::Other` with the `flock` error only in the message, so the
+/// message is what tells it apart from other I/O errors.
+fn is_lock_contention(e: &std::io::Error) -> bool {
+    e.to_string().starts_with("could not acquire lock on")
+}
+
 /// sled's segment size: its maximum, to make the truncations that can
 /// deadlock sled 0.34.7 rare (see the module documentation).
 pub const SEGMENT_BYTES: usize = 16 << 20;
@@ -62,11 +77,21 @@ impl SledBackend {
             path: path.display().to_string(),
             detail,
         };
-        let db = sled::Config::new()
-            .path(path)
-            .segment_size(SEGMENT_BYTES)
-            .open()
-            .map_err(|e| open_error(e.to_string()))?;
+        let config = sled::Config::new().path(path).segment_size(SEGMENT_BYTES);
+        let deadline = std::time::Instant::now() + LOCK_RELEASE_WAIT;
+        let mut pause = std::time::Duration::from_millis(5);
+        let db = loop {
+            match config.open() {
+                Ok(db) => break db,
+                Err(sled::Error::Io(e))
+                    if is_lock_contention(&e) && std::time::Instant::now() < deadline =>
+                {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(std::time::Duration::from_millis(100));
+                }
+                Err(e) => return Err(open_error(e.to_string())),
+            }
+        };
         let mut trees = Vec::with_capacity(Table::ALL.len());
         for table in Table::ALL {
             debug_assert_eq!(table_index(table), trees.len());
