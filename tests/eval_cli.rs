@@ -4,6 +4,9 @@
 //! and the model path against fakellm on loopback, whose own request count
 //! must match the calls the report says were spent.
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 #[path = "support/llm_server.rs"]
 mod llm_server;
 
@@ -153,7 +156,13 @@ async fn the_model_path_reports_the_calls_the_server_saw() {
     let Some(a) = transcript("swe-agent_SWE-agent/pydicom__pydicom-1458.traj") else {
         return;
     };
+    // The run's demonstration (another task: marshmallow's TimeDelta fix)
+    // is never sent; the request that covers it names it.
     let rules = json!({"rules": [
+        {"name": "demonstration-sent", "when": {"messages_contain": "marshmallow"},
+         "respond": {"content": "The agent fixed marshmallow's TimeDelta rounding."}},
+        {"name": "demonstration-named", "when": {"messages_contain": "user (demonstration)"},
+         "respond": {"content": "The agent was given the pydicom issue about float pixel data and reproduced the failure."}},
         {"name": "rolling", "when": {"messages_contain": "In progress"},
          "respond": {"content": "Completed: reproduced the bug\nIn progress: fixing the reader\nDecisions: keep the public API\nBlockers: none\nNext: add a test"}},
         {"name": "summary", "when": {"model_matches": "m-eval"},
@@ -198,6 +207,13 @@ async fn the_model_path_reports_the_calls_the_server_saw() {
     );
     assert!(f(&r, "tokens_spent") > 0.0);
     assert_eq!(r["overflows"], json!(0));
+    let by_rule = server.by_rule().await;
+    assert_eq!(by_rule.get("demonstration-sent"), None, "{by_rule:?}");
+    assert!(by_rule.get("demonstration-named") > Some(&0), "{by_rule:?}");
+    assert!(
+        f(&r, "identifiers_only_in_demonstrations") > 0.0,
+        "marshmallow's identifiers are counted apart: {r}"
+    );
 }
 
 /// A model that refuses every request (a real small model's answer, issue

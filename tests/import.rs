@@ -3,6 +3,9 @@
 //! raw files with simple, independent readings of each format, and checked
 //! against the figures the data README states where it states them.
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use contextfold::core::event::{Encoding, Envelope, EventBody, TurnAppended};
 use contextfold::core::message::Role;
 use contextfold::import::{
@@ -346,7 +349,23 @@ fn openai_message_arrays_and_swe_agent_histories_keep_every_message() {
                 raw["content"].as_str().unwrap(),
                 "{rel}"
             );
+            // SWE-agent's demonstration of another task is named so, and
+            // nothing else is.
+            assert_eq!(
+                t.message.is_demonstration(),
+                raw["is_demo"].as_bool() == Some(true),
+                "{rel}"
+            );
         }
+    }
+    if let Some((path, _)) = read_json("swe-agent_SWE-agent/pydicom__pydicom-1458.traj") {
+        let convs = import_file(&path, Format::SweAgent).unwrap();
+        let demos: Vec<usize> = turns(&convs[0])
+            .enumerate()
+            .filter(|(_, t)| t.message.is_demonstration())
+            .map(|(i, _)| i)
+            .collect();
+        assert_eq!(demos, [1], "the pydicom run shows one demonstration");
     }
     // The function-calling replay reuses call ids; each answer still finds its call.
     if let Some(path) =

@@ -109,6 +109,9 @@ pub struct FileReport {
     pub identifiers_that_matter: u64,
     pub identifiers_that_matter_retained: u64,
     pub retention_of_identifiers_that_matter: f64,
+    /// Identifiers only a demonstration of another task names (SWE-agent's
+    /// `is_demo`): not this conversation's, so not counted above.
+    pub identifiers_only_in_demonstrations: u64,
     /// Retention by the kind of identifier (paths, hashes, UUIDs, URLs, ...).
     pub retention_by_kind: BTreeMap<&'static str, KindRetention>,
     pub compression_by_depth: BTreeMap<u32, DepthCompression>,
@@ -230,6 +233,7 @@ pub fn eval(
             "identifiers_that_matter": total.identifiers_that_matter,
             "identifiers_that_matter_retained": total.identifiers_that_matter_retained,
             "retention_of_identifiers_that_matter": total.retention_of_identifiers_that_matter,
+            "identifiers_only_in_demonstrations": total.identifiers_only_in_demonstrations,
             "retention_by_kind": total.retention_by_kind,
             "prompt_aware": total.prompt_aware,
             "rejections": total.rejections,
@@ -388,7 +392,7 @@ async fn eval_file<S: PassSummarizer, L: EventLog>(
         report.final_assembled_tokens += out.tokens;
         report.turns += conv.turns.len() as u64;
         report.raw_tokens += conv.raw_tokens();
-        report.context_tokens += conv.context_tokens;
+        report.context_tokens += conv.context.tokens();
         report.fallback_summaries += conv.summaries.iter().filter(|s| s.fallback).count() as u64;
         let retention = identifier_retention(conv, &bodies, &out)?;
         report.identifiers += retention.identifiers;
@@ -397,6 +401,7 @@ async fn eval_file<S: PassSummarizer, L: EventLog>(
         report.identifiers_only_in_appendix += retention.retained - retention.retained_in_text;
         report.identifiers_that_matter += retention.matter;
         report.identifiers_that_matter_retained += retention.matter_retained;
+        report.identifiers_only_in_demonstrations += retention.only_in_demonstrations;
         for (kind, k) in &retention.by_kind {
             report.retention_by_kind.entry(kind).or_default().add(k);
         }
@@ -476,6 +481,8 @@ pub struct Retention {
     /// Identifiers that matter ([`matters`]), and how many are in the context.
     pub matter: u64,
     pub matter_retained: u64,
+    /// Identifiers only demonstrations name (not counted in the others).
+    pub only_in_demonstrations: u64,
     /// The same, by the kind of identifier (`identifiers::IdentifierKind`).
     pub by_kind: BTreeMap<&'static str, KindRetention>,
 }
@@ -560,9 +567,9 @@ pub fn without_appendix(text: &str) -> String {
     out
 }
 
-/// The source's opaque identifiers (over every raw turn), and how many of
-/// them appear verbatim in the assembled context, with and without the
-/// "Exact identifiers" appendices.
+/// The source's opaque identifiers (over every raw turn but demonstrations
+/// of another task), and how many of them appear verbatim in the assembled
+/// context, with and without the "Exact identifiers" appendices.
 pub fn identifier_retention(
     conv: &Conversation,
     bodies: &dyn TurnBodies,
@@ -571,8 +578,17 @@ pub fn identifier_retention(
     let mut ids: Vec<identifiers::Identifier> = Vec::new();
     // Per identifier: the turns that mention it, and whether the user did.
     let mut mentions: HashMap<String, Mentions> = HashMap::new();
+    // A demonstration's identifiers are another task's (a pydicom run's
+    // demonstration names marshmallow's files); summaries leave them out.
+    let mut in_demonstrations: HashSet<String> = HashSet::new();
     for turn in &conv.turns {
         let body = bodies.turn_body(conv, turn.seq)?;
+        if body.message.is_demonstration() {
+            for id in identifiers::extract(&body.message.searchable_text()) {
+                in_demonstrations.insert(id);
+            }
+            continue;
+        }
         let mut here = HashSet::new();
         for id in identifiers::extract_with_kinds(&body.message.searchable_text()) {
             if !here.insert(id.text.clone()) {
@@ -612,7 +628,12 @@ pub fn identifier_retention(
     for k in by_kind.values() {
         all.add(k);
     }
+    let only_in_demonstrations = in_demonstrations
+        .iter()
+        .filter(|id| !mentions.contains_key(id.as_str()))
+        .count() as u64;
     Ok(Retention {
+        only_in_demonstrations,
         identifiers: all.identifiers,
         retained: all.retained,
         retained_in_text: all.retained_in_text,
@@ -671,6 +692,7 @@ fn totals(reports: &[FileReport]) -> FileReport {
         t.prompt_aware.changed += r.prompt_aware.changed;
         t.prompt_aware.items_chosen_by_relevance += r.prompt_aware.items_chosen_by_relevance;
         t.identifiers_that_matter_retained += r.identifiers_that_matter_retained;
+        t.identifiers_only_in_demonstrations += r.identifiers_only_in_demonstrations;
         for (kind, k) in &r.retention_by_kind {
             t.retention_by_kind.entry(kind).or_default().add(k);
         }
@@ -784,6 +806,12 @@ fn print_table(reports: &[FileReport], total: &FileReport, budget: u64, summariz
         total.identifiers_that_matter_retained,
         total.identifiers_that_matter
     );
+    if total.identifiers_only_in_demonstrations > 0 {
+        println!(
+            "not counted: {} identifiers only a demonstration of another task names",
+            total.identifiers_only_in_demonstrations
+        );
+    }
     println!("retention by kind (in the context / in the text apart from appendices / of those that matter):");
     for (kind, k) in &total.retention_by_kind {
         println!(
@@ -823,8 +851,9 @@ fn by_reason(counts: &BTreeMap<String, u64>) -> String {
 
 /// The last two path components: enough to tell the transcripts apart.
 fn short(path: &str) -> String {
-    let parts: Vec<&str> = path.rsplit('/').take(2).collect();
-    let s = parts.into_iter().rev().collect::<Vec<_>>().join("/");
+    let mut parts: Vec<&str> = path.rsplit('/').take(2).collect();
+    parts.reverse();
+    let s = parts.join("/");
     if s.chars().count() > 44 {
         let tail: String = s
             .chars()

@@ -82,7 +82,18 @@ pub struct FunctionCall {
     pub arguments: String,
 }
 
+/// The `name` an importer gives a message its source marks as a
+/// demonstration: an example of another task the harness shows the agent
+/// (SWE-agent's `is_demo`), not this conversation's work. Summaries do not
+/// report it as the task; the turn itself stays in the log.
+pub const DEMONSTRATION_NAME: &str = "demonstration";
+
 impl ChatMessage {
+    /// Whether this is a demonstration of another task ([`DEMONSTRATION_NAME`]).
+    pub fn is_demonstration(&self) -> bool {
+        self.role != Role::Tool && self.name.as_deref() == Some(DEMONSTRATION_NAME)
+    }
+
     pub fn text(role: Role, text: impl Into<String>) -> Self {
         ChatMessage {
             role,

@@ -137,12 +137,31 @@ fn turn_source(
         .first()
         .map(|c| c.function.name.clone())
         .or_else(|| msg.name.clone());
-    let text = strip_injected(&msg.searchable_text(), tags);
+    let text = if msg.is_demonstration() {
+        // Another task's example: sent whole, a small model summarizes it as
+        // the task (a pydicom run's first leaf described marshmallow's
+        // demonstrated fix). What it is goes instead; `expand` shows it.
+        format!(
+            "(A demonstration of another task, shown to the agent as an example of the \
+             interface: {} tokens, not this conversation's work, left out here.)",
+            turn.context_tokens
+        )
+    } else {
+        strip_injected(&msg.searchable_text(), tags)
+    };
     // What is sent, not only what the turn costs in context: a large
-    // payload costs its stub there but is sent whole (until `fit_sources`).
-    // A turn's context cost (with its message overhead, about the source
-    // header sent with it) stays the floor, so other turns count as before.
-    let tokens = u64::from(turn.context_tokens).max(tokens::count_text(conv.encoding, &text));
+    // payload costs its stub there but is sent whole (until `fit_sources`),
+    // so it is counted again. Any other turn is sent as it was counted at
+    // the fold (less what `strip_injected` removes, or a demonstration's
+    // note): its context cost, with its message overhead about the source
+    // header sent with it. Counting every turn of every snapshot again was
+    // a tenth of `run`'s CPU.
+    let context_tokens = u64::from(turn.context_tokens);
+    let tokens = if turn.large_payload {
+        context_tokens.max(tokens::count_text(conv.encoding, &text))
+    } else {
+        context_tokens
+    };
     Ok(SourceItem {
         label: format!("turn {seq}"),
         role: Some(turn.role),
@@ -359,7 +378,7 @@ pub fn snapshot_from(
         job: job.clone(),
         encoding: conv.encoding,
         budget: levels.budget,
-        context_tokens: conv.context_tokens,
+        context_tokens: conv.context.tokens(),
         prefix_target_tokens: levels.prefix_target_tokens,
         items,
         policy: cfg.clone(),
@@ -659,7 +678,6 @@ mod tests {
 
     /// A conversation with a large tool payload among short turns.
     fn with_large_payload(policy: &PolicyConfig, payload_tokens: usize) -> State {
-        let mut state = State::default();
         let payload =
             "dicom tag (0002,0010) value 1.2.840.10008.1.2.1 ok\n".repeat(payload_tokens / 20);
         let turns = [
@@ -676,6 +694,12 @@ mod tests {
             ),
             ChatMessage::text(Role::User, "and add a test"),
         ];
+        folded(policy, turns)
+    }
+
+    /// Conversation `c` with `turns`, one a millisecond.
+    fn folded(policy: &PolicyConfig, turns: impl IntoIterator<Item = ChatMessage>) -> State {
+        let mut state = State::default();
         for (i, t) in turns.into_iter().enumerate() {
             let e = Envelope::new(
                 format!("t{i}"),
@@ -742,6 +766,46 @@ mod tests {
             "{rolling} rolling tokens"
         );
         assert!(!snap.rolling_sources.is_empty());
+    }
+
+    #[test]
+    fn a_demonstration_of_another_task_is_named_not_sent() {
+        // Issue 14: a pydicom run's first leaf, written by a real small
+        // model, described the marshmallow fix SWE-agent demonstrates.
+        let policy = PolicyConfig {
+            fresh_tail_count: 1,
+            ..PolicyConfig::default()
+        };
+        let mut demo = ChatMessage::text(
+            Role::User,
+            "Here is a demonstration: fix marshmallow/fields.py TimeDelta rounding",
+        );
+        demo.name = Some(crate::core::message::DEMONSTRATION_NAME.into());
+        let state = folded(
+            &policy,
+            [
+                demo,
+                ChatMessage::text(Role::User, "fix pydicom's float pixel data read"),
+                ChatMessage::text(Role::Assistant, "reproduced it"),
+            ],
+        );
+        let conv = &state.conversations["c"];
+        let snap = snapshot(conv, &job(false), &policy).unwrap();
+        let sources: Vec<&SourceItem> = snap
+            .items
+            .iter()
+            .filter_map(|i| i.source.as_ref())
+            .collect();
+        let demo = sources[0];
+        assert_eq!(demo.tool.as_deref(), Some("demonstration"));
+        assert!(
+            demo.text.contains("demonstration of another task"),
+            "{}",
+            demo.text
+        );
+        assert!(!demo.text.contains("marshmallow"), "{}", demo.text);
+        assert!(demo.tokens >= u64::from(conv.turns[0].context_tokens));
+        assert!(sources[1].text.contains("pydicom"), "other turns are sent");
     }
 
     #[test]

@@ -9,6 +9,9 @@
 //! tool messages name their calls in `tool_call_ids` (a list) and the model is
 //! `replay_config.agent.model.name` (`replay_config` is an object or a JSON
 //! string). ReAct-style trajectories without tool calls read the same way.
+//! A message marked `is_demo` (the demonstration of another task SWE-agent
+//! shows the agent) is named [`DEMONSTRATION_NAME`], so summaries know it is
+//! not the task.
 //!
 //! Roles: `developer` reads as `system`; legacy `function` messages answer the
 //! assistant's `function_call` (given a call id `function_call_<n>`).
@@ -18,7 +21,9 @@ use super::draft::Draft;
 use super::ImportError;
 use super::{JsonShape, Source};
 use crate::core::event::TurnAppended;
-use crate::core::message::{ChatMessage, Content, FunctionCall, Role, ToolCall};
+use crate::core::message::{
+    ChatMessage, Content, FunctionCall, Role, ToolCall, DEMONSTRATION_NAME,
+};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::Value;
@@ -41,6 +46,9 @@ pub(crate) struct RawMessage {
     /// Legacy single function call.
     #[serde(default)]
     pub function_call: Option<RawFunction>,
+    /// SWE-agent marks the demonstration of another task it shows the agent.
+    #[serde(default)]
+    pub is_demo: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -106,7 +114,12 @@ impl Converter {
                 .map(RawToolCall::into_tool_call)
                 .collect(),
             tool_call_id: raw.tool_call_id,
-            name: raw.name,
+            // A demonstration is named so: summaries must not report it as
+            // the conversation's task (see `DEMONSTRATION_NAME`).
+            name: match raw.name {
+                None if raw.is_demo => Some(DEMONSTRATION_NAME.to_string()),
+                name => name,
+            },
         };
         if role == Role::Assistant {
             self.open_function_call = None;

@@ -9,14 +9,14 @@
 //! continued or obeyed.
 
 use crate::core::event::{RollingState, SummaryKind};
-use crate::core::message::Role;
+use crate::core::message::{Role, DEMONSTRATION_NAME};
 use crate::core::summary::{
     IdentifierPolicy, RollingStateRequest, SourceItem, SummaryRequest, ROLLING_SECTION_MAX_CHARS,
     ROLLING_STATE_MAX_CHARS,
 };
 
 /// Version of every prompt in this module.
-pub const PROMPT_VERSION: &str = "cf-prompt-v2";
+pub const PROMPT_VERSION: &str = "cf-prompt-v3";
 
 /// Phrase that opens the identifier retry instruction (also what tests and
 /// scripted servers recognise a retry by).
@@ -97,6 +97,9 @@ fn source_header(item: &SourceItem) -> String {
             format!("[{}] assistant (tool call: {}):", item.label, tool)
         }
         (Some(Role::Tool), Some(tool)) => format!("[{}] tool result ({}):", item.label, tool),
+        (Some(role), Some(DEMONSTRATION_NAME)) => {
+            format!("[{}] {} (demonstration):", item.label, role.as_str())
+        }
         (Some(role), Some(tool)) => format!("[{}] {} (tool {}):", item.label, role.as_str(), tool),
         (Some(role), None) => format!("[{}] {}:", item.label, role.as_str()),
         (None, _) => format!("[{}]:", item.label),
@@ -488,6 +491,22 @@ mod tests {
                 &leaf(),
                 &["/var/log/app/deploy.log".into(), "4f2a9c0e71b3".into()],
             ))
+            .to_text(),
+        ));
+        cases.push((
+            "leaf_with_demonstration",
+            render(&SummaryRequest {
+                sources: std::iter::once(turn(
+                    "turn 0",
+                    Role::User,
+                    Some(DEMONSTRATION_NAME),
+                    "(A demonstration of another task, shown to the agent as an example of the \
+                     interface: 4834 tokens, not this conversation's work, left out here.)",
+                ))
+                .chain(leaf().sources)
+                .collect(),
+                ..leaf()
+            })
             .to_text(),
         ));
         cases.push(("condensed_depth1", render(&condensed(1)).to_text()));
