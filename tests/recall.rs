@@ -8,6 +8,9 @@
 //! spend counted too), and that an exhausted spend window refuses without
 //! calling the model.
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 #[path = "support/llm_server.rs"]
 mod llm_server;
 mod support;
@@ -65,6 +68,21 @@ fn events_file(dir: &Path) -> std::path::PathBuf {
     let path = dir.join("events.jsonl");
     std::fs::write(&path, lines.join("\n") + "\n").expect("write events");
     path
+}
+
+/// A loopback model answering `answer` to every request.
+async fn answering(answer: &'static str) -> ScriptedServer {
+    ScriptedServer::start(move |_| Scripted::json(200, completion(MODEL, answer))).await
+}
+
+/// The `[recall]` model settings for `server`, then `extra`.
+fn recall_env<'a>(server: &'a str, extra: &[(&'a str, &'a str)]) -> Vec<(&'a str, &'a str)> {
+    let mut env = vec![
+        ("CONTEXTFOLD_RECALL__BASE_URL", server),
+        ("CONTEXTFOLD_RECALL__MODEL", MODEL),
+    ];
+    env.extend_from_slice(extra);
+    env
 }
 
 /// `contextfold --data DATA ARGS` with the test policy and `env`.
@@ -128,13 +146,9 @@ fn compacted() -> tempfile::TempDir {
 async fn recall_answers_from_the_relevant_turn_within_the_cap_and_counts_its_spend() {
     let dir = compacted();
     let data = dir.path().join("data");
-    let server = ScriptedServer::start(|_| Scripted::json(200, completion(MODEL, ANSWER))).await;
+    let server = answering(ANSWER).await;
     let base = server.base_url();
-    let env = [
-        ("CONTEXTFOLD_RECALL__BASE_URL", base.as_str()),
-        ("CONTEXTFOLD_RECALL__MODEL", MODEL),
-        ("CONTEXTFOLD_SUMMARIZER__MAX_RETRIES", "0"),
-    ];
+    let env = recall_env(&base, &[("CONTEXTFOLD_SUMMARIZER__MAX_RETRIES", "0")]);
     let before = spend_window(&data);
     let cap = 1500u64;
     let (ok, out, err, _) = run_async(
@@ -153,6 +167,7 @@ async fn recall_answers_from_the_relevant_turn_within_the_cap_and_counts_its_spe
     assert!(ok, "recall failed: {err}");
     let reply = support::cli::json_of(&out);
     assert_eq!(reply["answer"], ANSWER);
+    assert_eq!(reply["unsupported"], json!([]), "every citation was read");
     assert_eq!(reply["model"], MODEL);
     assert_eq!(reply["calls"], 1);
     assert_eq!(reply["tokens_spent"], 120, "the server's usage: 100 + 20");
@@ -219,12 +234,35 @@ async fn recall_answers_from_the_relevant_turn_within_the_cap_and_counts_its_spe
     assert!(out.starts_with(ANSWER), "{out}");
     assert!(out.contains("\nsources ("), "{out}");
     assert!(out.contains("  turn 0 (user"), "{out}");
-    // The audit shows both recalls.
+    assert!(!out.contains("not in what the model read"), "{out}");
+
+    // An answer citing a turn it was not given and a path from nowhere is
+    // passed on, with both named.
+    const INVENTED: &str =
+        "Rotate K-7731 (turn 0); its copy is in /etc/billing/keys.pem (turn 4242).";
+    let invents = answering(INVENTED).await;
+    let base = invents.base_url();
+    let env = recall_env(&base, &[]);
+    let question = "Which deploy key K-7731 must be rotated?";
+    let (ok, out, err, _) = run_async(&data, &["recall", CONV, question, "--json"], &env).await;
+    assert!(ok, "{err}");
+    let reply = support::cli::json_of(&out);
+    assert_eq!(
+        reply["unsupported"],
+        json!(["turn 4242", "/etc/billing/keys.pem"])
+    );
+    let (ok, out, err, _) = run_async(&data, &["recall", CONV, question], &env).await;
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("not in what the model read (2): turn 4242, /etc/billing/keys.pem"),
+        "{out}"
+    );
+    // The audit shows every recall.
     let (ok, out, err) = run(&data, &["audit", CONV, "--json"], &[]);
     assert!(ok, "{err}");
     assert_eq!(
         out.matches("\"kind\": \"recall_answered\"").count(),
-        2,
+        4,
         "{out}"
     );
 }
@@ -242,11 +280,7 @@ async fn a_deadline_shorter_than_the_server_cancels_the_call_and_says_so() {
     let (ok, out, err, took) = run_async(
         &data,
         &["recall", CONV, "Which deploy key must be rotated?"],
-        &[
-            ("CONTEXTFOLD_RECALL__BASE_URL", base.as_str()),
-            ("CONTEXTFOLD_RECALL__MODEL", MODEL),
-            ("CONTEXTFOLD_RECALL__DEADLINE_MS", "400"),
-        ],
+        &recall_env(&base, &[("CONTEXTFOLD_RECALL__DEADLINE_MS", "400")]),
     )
     .await;
     assert!(!ok, "a deadline is an error: {out}");
@@ -276,13 +310,12 @@ async fn a_deadline_shorter_than_the_server_cancels_the_call_and_says_so() {
 async fn an_exhausted_spend_window_refuses_without_calling_the_model() {
     let dir = compacted();
     let data = dir.path().join("data");
-    let server = ScriptedServer::start(|_| Scripted::json(200, completion(MODEL, ANSWER))).await;
+    let server = answering(ANSWER).await;
     let base = server.base_url();
-    let env = [
-        ("CONTEXTFOLD_RECALL__BASE_URL", base.as_str()),
-        ("CONTEXTFOLD_RECALL__MODEL", MODEL),
-        ("CONTEXTFOLD_POLICY__SUMMARY_MAX_CALLS_PER_WINDOW", "1"),
-    ];
+    let env = recall_env(
+        &base,
+        &[("CONTEXTFOLD_POLICY__SUMMARY_MAX_CALLS_PER_WINDOW", "1")],
+    );
     let (ok, _, err, _) = run_async(&data, &["recall", CONV, "Which deploy key?"], &env).await;
     assert!(ok, "the one call the window allows: {err}");
     assert_eq!(server.received().len(), 1);

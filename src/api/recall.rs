@@ -77,6 +77,12 @@ pub struct RecallResponse {
     pub answer: String,
     /// What the model read, in the order it read it.
     pub sources: Vec<RecallSource>,
+    /// What the answer names that the model was not given: cited ids not
+    /// among `sources`, identifiers neither they nor the question hold
+    /// ([`recall::unsupported_in_answer`]). Empty when every citation and
+    /// identifier checks out.
+    #[serde(default)]
+    pub unsupported: Vec<String>,
     pub max_tokens: u64,
     /// Tokens of the prompt it was sent (our count; never over `max_tokens`).
     pub tokens: u64,
@@ -271,6 +277,7 @@ pub fn response(
             conversation: prepared.conversation.clone(),
             answer: answer.clone(),
             sources: prepared.plan.sources.clone(),
+            unsupported: recall::unsupported_in_answer(&prepared.plan, answer),
             max_tokens: prepared.max_tokens,
             tokens: prepared.plan.tokens,
             matched: prepared.plan.matched,

@@ -5,7 +5,7 @@
 //! `recall_answered` event carrying its spend is appended to the embedded
 //! log and folded before the answer is printed, whatever the outcome, so
 //! `status` shows the spend in the conversation's spend window. With
-//! `--nats`, a running service answers (`api::nats_service`: its model,
+//! `--nats`, a running service answers (`nats::api_role`: its model,
 //! its events stream records the spend).
 
 use super::local::{open_pipeline, require_data, runtime};
@@ -97,6 +97,13 @@ fn render(r: &RecallResponse) -> String {
     out.push_str("):\n");
     for s in &r.sources {
         out.push_str(&format!("  {}\n", describe_source(s)));
+    }
+    if !r.unsupported.is_empty() {
+        out.push_str(&format!(
+            "not in what the model read ({}): {}\n",
+            r.unsupported.len(),
+            r.unsupported.join(", ")
+        ));
     }
     out.push_str(&format!(
         "model {} at {}: {} call(s), {} tokens, ${:.4}, {} of {} ms\n",

@@ -27,10 +27,12 @@
 
 use crate::core::assembly::payload_stub;
 use crate::core::event::{Covers, SummaryKind};
+use crate::core::identifiers;
 use crate::core::message::{ChatMessage, Role};
 use crate::core::relevance::{self, terms, Term};
 use crate::core::state::{BodyError, Conversation, TurnBodies};
 use crate::core::tokens::{count_message, count_text, Encoding};
+use lazy_regex::regex;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeSet, HashMap};
 
@@ -197,6 +199,35 @@ fn data_tag(question: &str, excerpts: &[&str]) -> String {
 }
 
 /// The instructions the model answers under.
+/// What an answer names that the model was not given: cited ids (`turn 12`,
+/// `sum_…`) that are not among the excerpts, and opaque identifiers (paths,
+/// hashes, ...) that neither the excerpts nor the question hold, each once,
+/// in the answer's order. A small model cites a turn it never read or
+/// completes a path from habit; the reply says so rather than passing it
+/// on as read. Pure: the same plan and answer give the same list.
+pub fn unsupported_in_answer(plan: &RecallPlan, answer: &str) -> Vec<String> {
+    let read: BTreeSet<String> = plan.sources.iter().map(RecallSource::citation).collect();
+    let cited = citation_pattern()
+        .find_iter(answer)
+        .map(|m| m.as_str().split_whitespace().collect::<Vec<_>>().join(" "))
+        .filter(|c| !read.contains(c));
+    let named = identifiers::extract(answer).into_iter().filter(|id| {
+        !read.contains(id) && !citation_pattern().is_match(id) && !plan.user.contains(id.as_str())
+    });
+    let mut out: Vec<String> = Vec::new();
+    for s in cited.chain(named) {
+        if !out.contains(&s) {
+            out.push(s);
+        }
+    }
+    out
+}
+
+/// `turn 12` or a summary id, as the instructions ask answers to cite.
+fn citation_pattern() -> &'static regex::Regex {
+    regex!(r"\bturn\s+\d+\b|\bsum_[0-9a-f]{8,}\b")
+}
+
 pub fn system_prompt() -> String {
     format!(
         "You answer a question about the earlier history of a conversation between a user and \
@@ -502,6 +533,31 @@ mod tests {
         assert!(
             !words.contains(&"what") && !words.contains(&"the"),
             "{words:?}"
+        );
+    }
+
+    #[test]
+    fn an_answer_citing_what_was_not_read_is_flagged() {
+        let conv = conv();
+        let p = plan(
+            conv,
+            &Resident,
+            "Which deploy key K-7731 must be rotated?",
+            1500,
+            Encoding::O200kBase,
+        )
+        .unwrap();
+        assert!(p.sources.iter().any(|s| s.citation() == "turn 0"));
+        // Cited as read, and naming only what the excerpts and the question hold.
+        assert_eq!(
+            unsupported_in_answer(&p, "K-7731 must be rotated (turn 0)."),
+            Vec::<String>::new()
+        );
+        // A turn the model was not given, and a path no excerpt holds.
+        let invented = "K-7731, see turn 9999 and pydicom/overlays/numpy_handler.py; turn  9999.";
+        assert_eq!(
+            unsupported_in_answer(&p, invented),
+            ["turn 9999", "pydicom/overlays/numpy_handler.py"]
         );
     }
 
