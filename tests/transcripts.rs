@@ -21,6 +21,9 @@
 //! Every turn of every conversation is checked, the multi-conversation
 //! corpora (aider: 704 sessions, tau-bench: 200) included.
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use contextfold::core::assembly::{self, Assembled, AssemblyRequest, Source};
 use contextfold::core::event::{Covers, Envelope, EventBody, SummaryKind};
 use contextfold::core::policy::{self, PolicyConfig};
@@ -268,7 +271,7 @@ fn check_structure(conv: &Conversation) -> Result<(), String> {
 /// threshold has no raw run outside the fresh tail big enough to summarize.
 fn check_compaction_kept_up(conv: &Conversation, policy: &PolicyConfig) -> Result<(), String> {
     let levels = policy::levels(conv, policy);
-    if conv.context_tokens <= levels.threshold_tokens {
+    if conv.context.tokens() <= levels.threshold_tokens {
         return Ok(());
     }
     let tail = policy::fresh_tail_start(conv, policy);
@@ -281,7 +284,8 @@ fn check_compaction_kept_up(conv: &Conversation, policy: &PolicyConfig) -> Resul
         return Err(format!(
             "settled at {} tokens (threshold {}) with {raw} raw tokens outside the fresh tail \
              left uncompacted",
-            conv.context_tokens, levels.threshold_tokens
+            conv.context.tokens(),
+            levels.threshold_tokens
         ));
     }
     Ok(())

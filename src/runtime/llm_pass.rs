@@ -31,13 +31,12 @@
 //! the right job.
 
 use crate::core::event::RollingState;
-use crate::core::fallback_summary;
 use crate::core::summary::{RollingStateRequest, SummaryDraft, SummaryRequest};
 use crate::runtime::sweep::{Allowance, PassError, PassSummarizer, Spend};
 use crate::summarizer::external::{ExternalSummarizer, WithFallback};
 use crate::summarizer::{
-    CallCapped, CallLog, CallRecord, EscalatingSummarizer, LlmSummarizer, SummarizeError,
-    Summarizer, SummarizerConfig, SummaryOutcome,
+    CallCapped, CallLog, CallRecord, DeterministicSummarizer, EscalatingSummarizer, LlmSummarizer,
+    SummarizeError, Summarizer, SummarizerConfig, SummaryOutcome,
 };
 use std::sync::{Arc, Mutex};
 
@@ -359,7 +358,10 @@ impl<S: Summarizer> PassSummarizer for SummarizerPass<S> {
         allowance: Allowance,
     ) -> Result<(RollingState, Spend), PassError> {
         let Some(llm) = &self.rolling else {
-            return Ok((fallback_summary::rolling_state(req), Spend::default()));
+            return Ok((
+                DeterministicSummarizer::rolling_state_off_runtime(req).await,
+                Spend::default(),
+            ));
         };
         self.start_pass();
         let estimate: u64 = req.sources.iter().map(|s| s.tokens).sum();
@@ -380,7 +382,10 @@ impl<S: Summarizer> PassSummarizer for SummarizerPass<S> {
             }),
             // No answer at all (timeouts, 5xx): the deterministic state is
             // still better than a stale one; the calls are spent.
-            Err(e) => Ok((fallback_summary::rolling_state(req), spend_of(e.calls()))),
+            Err(e) => Ok((
+                DeterministicSummarizer::rolling_state_off_runtime(req).await,
+                spend_of(e.calls()),
+            )),
         }
     }
 

@@ -160,7 +160,7 @@ impl SummarizerConfig {
         chain
     }
 
-    /// The provider name: configured, or the host[:port] of the base URL.
+    /// The provider name: configured, or the `host[:port]` of the base URL.
     pub fn provider_name(&self) -> String {
         if let Some(p) = self.provider.as_deref().filter(|p| !p.trim().is_empty()) {
             return p.trim().to_string();

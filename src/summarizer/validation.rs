@@ -3,8 +3,11 @@
 //!
 //! [`check`] rejects, with a reason: empty text, chain-of-thought or
 //! reasoning-only output, a continuation of the conversation (answering the
-//! user, role prefixes), output not smaller than its source, and output over
-//! `summary_max_overage_factor` x target. [`EscalatingSummarizer`] runs
+//! user, role prefixes), output not smaller than its source, output over
+//! `summary_max_overage_factor` x target, a refusal, a copy of the previous
+//! summary or of one source, the prompt's delimiters, the agent's voice, and
+//! outcomes no source shows (tests passed, a file edited, or a fix done when
+//! the newest edit a tool answered was refused). [`EscalatingSummarizer`] runs
 //! normal -> aggressive (shorter target) -> the deterministic fallback
 //! (marked `fallback`), and under the strict identifier policy makes sure
 //! every opaque identifier of the source survives: one retry naming the
@@ -21,9 +24,46 @@ use crate::core::identifiers;
 use crate::core::summary::{IdentifierPolicy, RollingStateRequest, SourceItem, SummaryRequest};
 use crate::core::tokens::{count_text, Encoding};
 use crate::telemetry;
+use lazy_regex::regex;
 use regex::Regex;
+use std::borrow::Cow;
 use std::fmt;
-use std::sync::OnceLock;
+
+/// What an answer copied instead of summarizing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Copied {
+    /// The previous summary: most of the answer is in it.
+    PreviousSummary,
+    /// The previous summary restated whole, with something added (the
+    /// context would hold it twice).
+    PreviousSummaryRestated,
+    /// One source, by its label.
+    Source(String),
+    /// The prompt's own instructions (a rolling-state section).
+    Instructions,
+}
+
+impl Copied {
+    /// Whether the answer echoed the previous summary: the next attempt is
+    /// then sent without it.
+    pub fn is_previous_summary(&self) -> bool {
+        matches!(
+            self,
+            Copied::PreviousSummary | Copied::PreviousSummaryRestated
+        )
+    }
+}
+
+impl fmt::Display for Copied {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Copied::PreviousSummary => write!(f, "the previous summary"),
+            Copied::PreviousSummaryRestated => write!(f, "the previous summary, restated in full"),
+            Copied::Source(label) => write!(f, "one source ({label})"),
+            Copied::Instructions => write!(f, "the prompt's instructions"),
+        }
+    }
+}
 
 /// Why a model's text is not a summary.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,7 +99,7 @@ pub enum Rejection {
     Delimiter(String),
     /// The answer is a copy of the previous summary or of one source, not
     /// a summary of the new span.
-    Copy(String),
+    Copy(Copied),
     /// The agent's first-person voice ("I ran ...") that no source has.
     AgentVoice(String),
     /// An outcome (tests passed, a file updated) that no source shows.
@@ -131,37 +171,23 @@ pub fn output_cap(target_tokens: u64, overage_factor: f64) -> u64 {
 }
 
 fn reasoning_block() -> &'static Regex {
-    static RE: OnceLock<Regex> = OnceLock::new();
-    RE.get_or_init(|| {
-        Regex::new(r"(?is)^\s*<(think|thinking|reasoning|reflection)>.*?</(think|thinking|reasoning|reflection)>\s*")
-            .expect("constant regex")
-    })
+    regex!(
+        r"(?is)^\s*<(think|thinking|reasoning|reflection)>.*?</(think|thinking|reasoning|reflection)>\s*"
+    )
 }
 
 fn preamble() -> &'static Regex {
-    static RE: OnceLock<Regex> = OnceLock::new();
-    RE.get_or_init(|| {
-        Regex::new(r"(?i)^\s*(here is|here's|below is)\b[^\n]{0,60}\bsummary\b[^\n]{0,40}:\s*\n")
-            .expect("constant regex")
-    })
+    regex!(r"(?i)^\s*(here is|here's|below is)\b[^\n]{0,60}\bsummary\b[^\n]{0,40}:\s*\n")
 }
 
 fn role_prefix() -> &'static Regex {
-    static RE: OnceLock<Regex> = OnceLock::new();
-    RE.get_or_init(|| {
-        Regex::new(r"(?i)^\s*[*_#>\s]*(assistant|user|system|human|ai|tool|model)\s*[*_]*\s*:")
-            .expect("constant regex")
-    })
+    regex!(r"(?i)^\s*[*_#>\s]*(assistant|user|system|human|ai|tool|model)\s*[*_]*\s*:")
 }
 
 fn self_talk_line() -> &'static Regex {
-    static RE: OnceLock<Regex> = OnceLock::new();
-    RE.get_or_init(|| {
-        Regex::new(
-            r"(?im)^\s*(?:[-*]\s*)?(?:step \d+\s*[:.)-]\s*)?(?:first,? |then,? |next,? |now,? |so,? |okay,? |ok,? |wait,? |hmm,? )?(?:i need to|i should|i will|i'll|i must|i have to|let me|let's|we need to)\b",
-        )
-        .expect("constant regex")
-    })
+    regex!(
+        r"(?im)^\s*(?:[-*]\s*)?(?:step \d+\s*[:.)-]\s*)?(?:first,? |then,? |next,? |now,? |so,? |okay,? |ok,? |wait,? |hmm,? )?(?:i need to|i should|i will|i'll|i must|i have to|let me|let's|we need to)\b"
+    )
 }
 
 const COT_TAGS: [&str; 8] = [
@@ -229,71 +255,77 @@ fn starts_with_word(text: &str, opening: &str) -> bool {
 }
 
 fn delimiter_tag() -> &'static Regex {
-    static RE: OnceLock<Regex> = OnceLock::new();
-    RE.get_or_init(|| {
-        Regex::new(r"(?i)</?(?:data|previous-state|previous-summary)-[a-z0-9]*>")
-            .expect("constant regex")
-    })
+    regex!(r"(?i)</?(?:data|previous-state|previous-summary)-[a-z0-9]*>")
 }
 
 fn refusal_phrase() -> &'static Regex {
-    static RE: OnceLock<Regex> = OnceLock::new();
-    RE.get_or_init(|| {
-        Regex::new(
-            r"(?i)\b(?:i'm sorry|i am sorry|sorry, but i|i apologi[sz]e|i (?:can't|cannot|can not|am unable to|'m unable to|won't|will not) (?:assist|help|comply|provide|fulfil|fulfill|do that|summari[sz]e|complete|continue))",
-        )
-        .expect("constant regex")
-    })
+    regex!(
+        r"(?i)\b(?:i'm sorry|i am sorry|sorry, but i|i apologi[sz]e|i (?:can't|cannot|can not|am unable to|'m unable to|won't|will not) (?:assist|help|comply|provide|fulfil|fulfill|do that|summari[sz]e|complete|continue))"
+    )
 }
 
 fn agent_voice() -> &'static Regex {
-    static RE: OnceLock<Regex> = OnceLock::new();
-    RE.get_or_init(|| {
-        Regex::new(
-            r"(?i)\b(?:i|we) (?:have |had |then |also |just |finally |first |now )?(?:ran|re-?ran|executed|tested|edited|modified|updated|changed|fixed|created|added|implemented|made|wrote|verified|confirmed|checked|applied|replaced|installed|opened|tried|searched)\b",
-        )
-        .expect("constant regex")
-    })
+    regex!(
+        r"(?i)\b(?:i|we) (?:have |had |then |also |just |finally |first |now )?(?:ran|re-?ran|executed|tested|edited|modified|updated|changed|fixed|created|added|implemented|made|wrote|verified|confirmed|checked|applied|replaced|installed|opened|tried|searched)\b"
+    )
 }
 
 fn tests_passed_claim() -> &'static Regex {
-    static RE: OnceLock<Regex> = OnceLock::new();
-    RE.get_or_init(|| {
-        Regex::new(
-            r"(?i)\b(?:all (?:of )?(?:the )?tests?|the tests?|tests?|the test suite)\s+(?:have |has |now |all |then )*(?:passed|pass|passes|succeeded|are passing|were passing|ran successfully)\b",
-        )
-        .expect("constant regex")
-    })
+    regex!(
+        r"(?i)\b(?:all (?:of )?(?:the )?tests?|the tests?|tests?|the test suite)\s+(?:have |has |now |all |then )*(?:passed|pass|passes|succeeded|are passing|were passing|ran successfully)\b"
+    )
 }
 
 fn tests_passed_evidence() -> &'static Regex {
-    static RE: OnceLock<Regex> = OnceLock::new();
-    RE.get_or_init(|| {
-        Regex::new(
-            r"(?i:\bpassed\b|\bpassing\b|\bsucceeded\b|\btests? pass(?:es)?\b)|\bOK\b|\bPASS",
-        )
-        .expect("constant regex")
-    })
+    regex!(r"(?i:\bpassed\b|\bpassing\b|\bsucceeded\b|\btests? pass(?:es)?\b)|\bOK\b|\bPASS")
 }
 
 fn edit_claim() -> &'static Regex {
-    static RE: OnceLock<Regex> = OnceLock::new();
-    RE.get_or_init(|| {
-        Regex::new(
-            r"(?i)\b(?:has|have|had) (?:now |already |successfully )*been (?:successfully )?(?:updated|edited|modified|changed|fixed|patched|rewritten|applied|resolved|implemented|corrected)\b",
-        )
-        .expect("constant regex")
-    })
+    regex!(
+        r"(?i)\b(?:has|have|had) (?:now |already |successfully )*been (?:successfully )?(?:updated|edited|modified|changed|fixed|patched|rewritten|applied|resolved|implemented|corrected)\b"
+    )
 }
 
 fn edit_evidence() -> &'static Regex {
-    static RE: OnceLock<Regex> = OnceLock::new();
-    RE.get_or_init(|| {
-        Regex::new(
-            r"(?i)\b(?:updated|edited|modified|changed|fixed|patched|rewrote|rewritten|applied|resolved|implemented|replaced|wrote|written|corrected)\b",
-        )
-        .expect("constant regex")
-    })
+    regex!(
+        r"(?i)\b(?:updated|edited|modified|changed|fixed|patched|rewrote|rewritten|applied|resolved|implemented|replaced|wrote|written|corrected)\b"
+    )
+}
+
+/// A fix told as done: "the error is fixed", "the change was applied".
+fn fix_claim() -> &'static Regex {
+    regex!(
+        r"(?i)\b(?:is|was|were|are|got|gets) (?:now |then |finally |successfully )*(?:fixed|resolved|solved|patched|applied|corrected)\b"
+    )
+}
+
+/// A tool's answer that an edit was refused (SWE-agent's linter: "E999
+/// IndentationError ... Your changes have NOT been applied").
+fn edit_refused() -> &'static Regex {
+    regex!(
+        r"(?i)\b(?:changes|edits?) (?:have|has|were|was) not been applied\b|\bnot been applied\b|\bedit (?:failed|was rejected)\b|\bE999\b"
+    )
+}
+
+/// Whether the newest tool result that tells an edit's outcome refused it:
+/// then no fix or edit is done as of these sources, whatever the assistant
+/// said it would change.
+fn last_edit_refused(items: &[SourceItem]) -> bool {
+    for s in items
+        .iter()
+        .rev()
+        .filter(|s| matches!(s.role, Some(crate::core::message::Role::Tool)))
+    {
+        // A refusal first: it also says how the edit "would have looked if
+        // applied".
+        if edit_refused().is_match(&s.text) {
+            return true;
+        }
+        if edit_evidence().is_match(&s.text) {
+            return false;
+        }
+    }
+    false
 }
 
 /// Lowercased, apostrophes unified, whitespace collapsed.
@@ -332,7 +364,7 @@ const COPY_CONTAINMENT: f64 = 0.9;
 
 /// A copy of the previous summary, or of one source: the answer adds
 /// nothing of the span it was asked to summarize.
-fn find_copy(req: &SummaryRequest, text: &str) -> Option<String> {
+fn find_copy(req: &SummaryRequest, text: &str) -> Option<Copied> {
     let norm = normalize(&delimiter_tag().replace_all(text, " "));
     if norm.is_empty() {
         return None;
@@ -340,12 +372,12 @@ fn find_copy(req: &SummaryRequest, text: &str) -> Option<String> {
     if let Some(prev) = req.previous_summary.as_deref() {
         let prev = normalize(prev);
         if !prev.is_empty() && (norm == prev || containment(&norm, &prev) >= COPY_CONTAINMENT) {
-            return Some("the previous summary".into());
+            return Some(Copied::PreviousSummary);
         }
         // The previous summary restated whole, with something added: the
         // context would then hold it twice (a real 0.5B model's answer).
         if !prev.is_empty() && containment(&prev, &norm) >= COPY_CONTAINMENT {
-            return Some("the previous summary, restated in full".into());
+            return Some(Copied::PreviousSummaryRestated);
         }
     }
     let words = norm.split_whitespace().count();
@@ -356,7 +388,7 @@ fn find_copy(req: &SummaryRequest, text: &str) -> Option<String> {
         }
         let same_size = words * 2 >= src.split_whitespace().count();
         if norm == src || (same_size && containment(&norm, &src) >= COPY_CONTAINMENT) {
-            return Some(format!("one source ({})", source.label));
+            return Some(Copied::Source(source.label.clone()));
         }
     }
     None
@@ -370,7 +402,9 @@ fn shows_work(source: &SourceItem) -> bool {
 /// Agent voice and claimed outcomes the sources do not contain. The rules
 /// are conservative: a phrase a source has verbatim passes, a test result
 /// passes when a non-user source shows one, an edit when a tool call or
-/// result or a non-user source naming an edit exists.
+/// result or a non-user source naming an edit exists, unless the newest
+/// edit outcome a tool gave was a refusal: then neither an edit nor a fix
+/// ("the error is fixed") passes.
 fn find_unsupported(items: &[SourceItem], text: &str) -> Option<Rejection> {
     let norm = normalize(text);
     let sources: Vec<String> = items.iter().map(|s| normalize(&s.text)).collect();
@@ -387,6 +421,14 @@ fn find_unsupported(items: &[SourceItem], text: &str) -> Option<Rejection> {
             .any(|s| tests_passed_evidence().is_match(&s.text));
         if !shown {
             return Some(Rejection::UnsupportedClaim(format!("{:?}", m.as_str())));
+        }
+    }
+    if let Some(m) = edit_claim().find(&norm).or_else(|| fix_claim().find(&norm)) {
+        if last_edit_refused(items) {
+            return Some(Rejection::UnsupportedClaim(format!(
+                "{:?} while the last edit in the sources was not applied",
+                m.as_str()
+            )));
         }
     }
     if let Some(m) = edit_claim().find(&norm) {
@@ -548,14 +590,14 @@ pub fn check_rolling_state(
             continue;
         }
         if containment(&norm, &prompt) >= COPY_CONTAINMENT {
-            return Err(Rejection::Copy("the prompt's instructions".into()));
+            return Err(Rejection::Copy(Copied::Instructions));
         }
         if let Some(source) = req
             .sources
             .iter()
             .find(|s| containment(&norm, &normalize(&s.text)) >= COPY_CONTAINMENT)
         {
-            return Err(Rejection::Copy(format!("one source ({})", source.label)));
+            return Err(Rejection::Copy(Copied::Source(source.label.clone())));
         }
     }
     if let Some(rejection) = find_unsupported(&req.sources, &text) {
@@ -656,7 +698,11 @@ pub struct EscalatingSummarizer<S> {
 enum Stage {
     Accepted(SummaryOutcome),
     /// The text was rejected (or the answer unusable): escalate.
-    Rejected(String),
+    Rejected {
+        reason: String,
+        /// The answer echoed the previous summary.
+        copied_previous: bool,
+    },
     /// No model could answer: go to the fallback if configured.
     Unavailable(String),
 }
@@ -685,16 +731,25 @@ impl<S: Summarizer> EscalatingSummarizer<S> {
         out
     }
 
-    /// One call through the inner summarizer plus validation.
+    /// One call through the inner summarizer with `req`, its answer
+    /// validated against `against`: `req` itself, or `req` with the
+    /// previous summary it was sent without (an answer must not copy it
+    /// even when it was not shown).
     async fn attempt(
         &self,
         req: &SummaryRequest,
+        against: &SummaryRequest,
         calls: &mut Vec<CallRecord>,
     ) -> Result<Stage, SummarizeError> {
         match self.inner.summarize(req).await {
             Ok(mut outcome) => {
                 let encoding = Encoding::for_model(Some(&outcome.draft.model));
-                let checked = check(req, &outcome.draft.content, encoding, self.overage_factor);
+                let checked = check(
+                    against,
+                    &outcome.draft.content,
+                    encoding,
+                    self.overage_factor,
+                );
                 match checked {
                     Ok(text) => {
                         outcome.draft.content = text;
@@ -703,6 +758,8 @@ impl<S: Summarizer> EscalatingSummarizer<S> {
                     }
                     Err(rejection) => {
                         let reason = rejection.to_string();
+                        let copied_previous =
+                            matches!(&rejection, Rejection::Copy(c) if c.is_previous_summary());
                         mark_invalid(&mut outcome.calls, &reason);
                         calls.append(&mut outcome.calls);
                         tracing::warn!(summarizer = %self.inner.name(), %reason, "summary rejected");
@@ -710,7 +767,10 @@ impl<S: Summarizer> EscalatingSummarizer<S> {
                             kind: rejection.kind(),
                         }
                         .emit();
-                        Ok(Stage::Rejected(reason))
+                        Ok(Stage::Rejected {
+                            reason,
+                            copied_previous,
+                        })
                     }
                 }
             }
@@ -722,7 +782,10 @@ impl<S: Summarizer> EscalatingSummarizer<S> {
                 let kind = unusable_kind(&reason);
                 tracing::warn!(summarizer = %self.inner.name(), %reason, kind, "summary rejected");
                 telemetry::ValidationRejected { kind }.emit();
-                Ok(Stage::Rejected(reason))
+                Ok(Stage::Rejected {
+                    reason,
+                    copied_previous: false,
+                })
             }
             Err(SummarizeError::Unavailable {
                 reason,
@@ -740,6 +803,7 @@ impl<S: Summarizer> EscalatingSummarizer<S> {
     async fn keep_identifiers(
         &self,
         req: &SummaryRequest,
+        against: &SummaryRequest,
         ids: &[String],
         mut outcome: SummaryOutcome,
         calls: &mut Vec<CallRecord>,
@@ -753,7 +817,7 @@ impl<S: Summarizer> EscalatingSummarizer<S> {
         // are then appended, never a reason to fail.
         // The retry passed `check` (a refusal does not); it replaces the
         // first draft only when it is better, a tie keeps the first.
-        if let Ok(Stage::Accepted(retried)) = self.attempt(&retry, calls).await {
+        if let Ok(Stage::Accepted(retried)) = self.attempt(&retry, against, calls).await {
             if retry_is_better(ids, &outcome.draft.content, &retried.draft.content) {
                 outcome.draft = retried.draft;
             } else {
@@ -780,18 +844,34 @@ impl<S: Summarizer> Summarizer for EscalatingSummarizer<S> {
         };
         let mut calls: Vec<CallRecord> = Vec::new();
         let mut why_fallback = String::new();
-        for (i, stage_req) in [req.clone(), self.aggressive(req)].into_iter().enumerate() {
-            if i > 0 {
+        let mut copied_previous = false;
+        for i in 0..2 {
+            // What is validated: the stage's request with the previous
+            // summary, whether or not it is sent.
+            let against = if i == 0 {
+                Cow::Borrowed(req)
+            } else {
                 telemetry::Escalated { kind: "aggressive" }.emit();
-            }
-            let stage = match self.attempt(&stage_req, &mut calls).await {
+                Cow::Owned(self.aggressive(req))
+            };
+            // A small model that echoed the previous summary echoes it
+            // again when shown it: the retry is sent without it.
+            let stage_req = if i > 0 && copied_previous {
+                Cow::Owned(SummaryRequest {
+                    previous_summary: None,
+                    ..against.as_ref().clone()
+                })
+            } else {
+                Cow::Borrowed(against.as_ref())
+            };
+            let stage = match self.attempt(&stage_req, &against, &mut calls).await {
                 Ok(stage) => stage,
                 Err(e) => return Err(e.prepend_calls(calls)),
             };
             match stage {
                 Stage::Accepted(outcome) => {
                     let mut outcome = if strict {
-                        self.keep_identifiers(&stage_req, &ids, outcome, &mut calls)
+                        self.keep_identifiers(&stage_req, &against, &ids, outcome, &mut calls)
                             .await
                     } else {
                         outcome
@@ -799,7 +879,13 @@ impl<S: Summarizer> Summarizer for EscalatingSummarizer<S> {
                     outcome.calls = calls;
                     return Ok(outcome);
                 }
-                Stage::Rejected(reason) => why_fallback = reason,
+                Stage::Rejected {
+                    reason,
+                    copied_previous: copied,
+                } => {
+                    why_fallback = reason;
+                    copied_previous = copied;
+                }
                 Stage::Unavailable(reason) => {
                     why_fallback = reason;
                     break;
@@ -812,7 +898,7 @@ impl<S: Summarizer> Summarizer for EscalatingSummarizer<S> {
             "writing the deterministic fallback summary"
         );
         telemetry::Escalated { kind: "fallback" }.emit();
-        let mut draft = DeterministicSummarizer::draft(req);
+        let mut draft = DeterministicSummarizer::draft_off_runtime(req).await;
         if strict {
             let still = missing_identifiers(&ids, &draft.content);
             draft.content = append_identifiers(&draft.content, &still);
@@ -1075,7 +1161,7 @@ mod tests {
         assert!(matches!(got, Err(Rejection::Delimiter(_))), "{got:?}");
         // Without the delimiter it is still a copy.
         let got = check(&r, PREVIOUS, Encoding::O200kBase, 3.0);
-        assert_eq!(got, Err(Rejection::Copy("the previous summary".into())));
+        assert_eq!(got, Err(Rejection::Copy(Copied::PreviousSummary)));
         // A summary of the new span that continues from the previous passes.
         let text = "Continuing the DICOM fix, the assistant found the transfer syntax \
                     constant in pydicom/uid.py beside the other syntax UIDs.";
@@ -1098,12 +1184,7 @@ mod tests {
              has indeed been fixed."
         );
         let got = check(&r, &answer, Encoding::O200kBase, 3.0);
-        assert_eq!(
-            got,
-            Err(Rejection::Copy(
-                "the previous summary, restated in full".into()
-            ))
-        );
+        assert_eq!(got, Err(Rejection::Copy(Copied::PreviousSummaryRestated)));
         // Naming the previous summary's subject again is not a restatement.
         let text = "Continuing the timeDelta precision fix, the assistant opened \
                     pydicom/valuerep.py and found the rounding in the DSfloat constructor.";
@@ -1131,7 +1212,7 @@ mod tests {
         let got = check(&r, PREVIOUS, Encoding::O200kBase, 3.0);
         assert_eq!(
             got,
-            Err(Rejection::Copy("one source (summary sum_2)".into()))
+            Err(Rejection::Copy(Copied::Source("summary sum_2".into())))
         );
         assert_eq!(got.unwrap_err().kind(), "copy");
     }
@@ -1164,6 +1245,64 @@ mod tests {
             "{got:?}"
         );
         assert_eq!(got.unwrap_err().kind(), "unsupported_claim");
+    }
+
+    /// Qwen2.5-Coder-0.5B's leaf over marshmallow-1867 turns 14-15 (real-model
+    /// eval): the assistant proposed an edit, the linter refused it (E999),
+    /// and the summary said the error was fixed.
+    #[test]
+    fn rejects_a_fix_claimed_over_a_refused_edit() {
+        let mut r = req("Fix the TimeDelta rounding in marshmallow.", 2000, 300);
+        r.sources.push(SourceItem {
+            label: "turn 14".into(),
+            role: Some(Role::Assistant),
+            tool: Some("edit".into()),
+            text: "To fix this issue, we should ensure that the division results in a float, \
+                   and then round the result to the nearest integer before converting it to an \
+                   int. Let's make the necessary edit to the code."
+                .into(),
+            tokens: 60,
+            time: 0,
+        });
+        let refused = SourceItem {
+            label: "turn 15".into(),
+            role: Some(Role::Tool),
+            tool: Some("edit".into()),
+            text: "Your proposed edit has introduced new syntax error(s). Please read this error \
+                   message carefully and then retry editing the file.\n\nERRORS:\n- E999 \
+                   IndentationError: unexpected indent\n\nThis is how your edit would have \
+                   looked if applied\n...\nYour changes have NOT been applied. Please fix your \
+                   edit command and try again."
+                .into(),
+            tokens: 80,
+            time: 0,
+        };
+        r.sources.push(refused.clone());
+        const QWEN: &str = "The conversation segment below introduces a new syntax error in the \
+            `fields.py` file, which prevents the rounding of milliseconds precision. The error \
+            is fixed by ensuring that the division results in a float and then rounding the \
+            result to the nearest integer before converting it to an int. This ensures that \
+            the milliseconds precision is preserved as expected.";
+        let got = check(&r, QWEN, Encoding::O200kBase, 3.0);
+        assert!(
+            matches!(&got, Err(Rejection::UnsupportedClaim(m)) if m.contains("not applied")),
+            "{got:?}"
+        );
+        let edited = "The file has been updated to round the division.";
+        assert!(check(&r, edited, Encoding::O200kBase, 3.0).is_err());
+        // Telling the refusal as it was passes.
+        let told = "The assistant proposed rounding the division in `fields.py`; the edit \
+                    was refused with E999 IndentationError and not applied.";
+        let got = check(&r, told, Encoding::O200kBase, 3.0);
+        assert!(got.is_ok(), "{got:?}");
+        // A later edit the tool accepted makes the fix true.
+        r.sources.push(SourceItem {
+            label: "turn 17".into(),
+            text: "File updated. Please review the changes and make sure they are correct.".into(),
+            ..refused
+        });
+        let got = check(&r, QWEN, Encoding::O200kBase, 3.0);
+        assert!(got.is_ok(), "{got:?}");
     }
 
     #[test]
@@ -1216,6 +1355,44 @@ mod tests {
             "{:?}",
             out.calls[1].outcome
         );
+    }
+
+    #[tokio::test]
+    async fn a_retry_after_a_copy_of_the_previous_summary_is_sent_without_it() {
+        // 13 of the real 0.5B model's 16 rejections were copies of the
+        // previous summary: shown it again, it echoes it again.
+        let fresh = "Continuing the DICOM fix, the assistant found the transfer syntax \
+                     constant in pydicom/uid.py beside the other syntax UIDs.";
+        let s = escalating(vec![Ok(PREVIOUS), Ok(fresh)]);
+        let out = s.summarize(&with_previous(PREVIOUS)).await.unwrap();
+        assert!(!out.draft.fallback, "{:?}", out.draft.content);
+        assert!(
+            out.draft.content.starts_with(fresh),
+            "{:?}",
+            out.draft.content
+        );
+        let seen = s.inner().seen.lock().unwrap().clone();
+        assert_eq!(seen.len(), 2);
+        assert!(seen[0].previous_summary.is_some());
+        assert!(seen[1].aggressive);
+        assert_eq!(
+            seen[1].previous_summary, None,
+            "the retry is sent without it"
+        );
+        // A copy is refused even when the previous summary was not shown.
+        let s = escalating(vec![Ok(PREVIOUS), Ok(PREVIOUS)]);
+        let out = s.summarize(&with_previous(PREVIOUS)).await.unwrap();
+        assert!(out.draft.fallback);
+        assert!(
+            matches!(&out.calls[1].outcome, CallOutcome::Invalid(r) if r.starts_with("copy of the previous summary")),
+            "{:?}",
+            out.calls[1].outcome
+        );
+        // Any other rejection keeps the previous summary in the retry.
+        let s = escalating(vec![Ok(REFUSAL), Ok(fresh)]);
+        s.summarize(&with_previous(PREVIOUS)).await.unwrap();
+        let seen = s.inner().seen.lock().unwrap().clone();
+        assert!(seen[1].previous_summary.is_some());
     }
 
     #[tokio::test]
@@ -1309,7 +1486,7 @@ mod tests {
         );
         assert_eq!(
             check_rolling_state(&rolling, &prompt.system, &copied),
-            Err(Rejection::Copy("the prompt's instructions".into()))
+            Err(Rejection::Copy(Copied::Instructions))
         );
         assert!(matches!(
             check_rolling_state(&rolling, &prompt.system, &state(REFUSAL)),

@@ -1,0 +1,259 @@
+//! Fitting the budget: which lines and identifiers are chosen, measured
+//! with the real tokenizer, and the cut to size when not even the
+//! structure fits.
+
+use super::*;
+
+pub(super) fn line_cost(line: &str) -> u64 {
+    tokens(line) + 1
+}
+
+/// Renders the sections and identifiers within `budget` tokens, or `None`
+/// when not even the header fits.
+pub(super) fn render_within(
+    notes: &Notes,
+    ids: &[String],
+    header: &str,
+    budget: u64,
+) -> Option<String> {
+    let mut room = budget;
+    // The per-line estimate (each line counted alone, plus its newline) can
+    // differ from the count of the joined text by a few tokens; shrink and
+    // retry on the rare overshoot.
+    for _ in 0..4 {
+        let text = render_once(notes, ids, header, room)?;
+        let used = tokens(&text);
+        if used <= budget {
+            return Some(text);
+        }
+        room = room.checked_sub(used - budget + 8)?;
+    }
+    None
+}
+
+pub(super) struct Chosen {
+    /// Per group: indices into its lines.
+    pub(super) lines: Vec<BTreeSet<usize>>,
+    pub(super) ids: Vec<usize>,
+}
+
+pub(super) fn render_once(
+    notes: &Notes,
+    ids: &[String],
+    header: &str,
+    budget: u64,
+) -> Option<String> {
+    let header_cost = line_cost(header);
+    if header_cost > budget {
+        return None;
+    }
+    let room = budget - header_cost;
+    let groups = notes.groups();
+    let costs: Vec<Vec<u64>> = groups
+        .iter()
+        .map(|g| g.lines.iter().map(|(_, l)| line_cost(l)).collect())
+        .collect();
+    let id_costs: Vec<u64> = ids.iter().map(|id| line_cost(id)).collect();
+    let ids_heading = "## Exact identifiers";
+    let all_ids_cost: u64 = id_costs.iter().sum::<u64>() + line_cost(ids_heading);
+    let reserve = all_ids_cost.min(room * IDENTIFIER_RESERVE_PERCENT / 100);
+    let narrative_room = room - reserve;
+
+    let mut chosen = Chosen {
+        lines: vec![BTreeSet::new(); groups.len()],
+        ids: Vec::new(),
+    };
+    let mut headings_paid: BTreeSet<SectionId> = BTreeSet::new();
+    let mut used = 0u64;
+    // First pass: each group up to its share of the narrative room.
+    for (g, group) in groups.iter().enumerate() {
+        let share = narrative_room * group.share / 100;
+        used += fill_group(
+            group,
+            &costs[g],
+            share,
+            &mut chosen.lines[g],
+            &mut headings_paid,
+        );
+    }
+    // Then the identifiers the narrative does not already quote.
+    let narrative = render_text(header, &groups, &chosen, ids);
+    let missing: Vec<usize> = (0..ids.len())
+        .filter(|&i| !narrative.contains(ids[i].as_str()))
+        .collect();
+    let mut id_room = room.saturating_sub(used);
+    let mut all_listed = missing.is_empty();
+    if !missing.is_empty() && id_room > line_cost(ids_heading) {
+        all_listed = true;
+        id_room -= line_cost(ids_heading);
+        let mut listed = String::new();
+        for &i in &missing {
+            // A suffix of a path already listed is quoted by it.
+            if listed.contains(ids[i].as_str()) {
+                continue;
+            }
+            if id_costs[i] <= id_room {
+                id_room -= id_costs[i];
+                chosen.ids.push(i);
+                listed.push_str(&ids[i]);
+                listed.push('\n');
+            } else {
+                all_listed = false;
+            }
+        }
+        used = room - id_room;
+    }
+    // Room left: more narrative, in section order; the identifier list is
+    // then recomputed, and can only shrink.
+    if all_listed {
+        let mut left = room.saturating_sub(used);
+        for (g, group) in groups.iter().enumerate() {
+            let spent = fill_group(
+                group,
+                &costs[g],
+                left,
+                &mut chosen.lines[g],
+                &mut headings_paid,
+            );
+            left = left.saturating_sub(spent);
+        }
+        let narrative = render_text(
+            header,
+            &groups,
+            &Chosen {
+                lines: chosen.lines.clone(),
+                ids: Vec::new(),
+            },
+            ids,
+        );
+        chosen.ids = chosen
+            .ids
+            .iter()
+            .copied()
+            .filter(|&i| !narrative.contains(ids[i].as_str()))
+            .collect();
+    }
+    Some(render_text(header, &groups, &chosen, ids))
+}
+
+/// Adds lines of `group` in its keep order while they fit `room`; returns
+/// the tokens spent (a section heading is paid by its first line).
+pub(super) fn fill_group(
+    group: &Group,
+    costs: &[u64],
+    room: u64,
+    chosen: &mut BTreeSet<usize>,
+    headings_paid: &mut BTreeSet<SectionId>,
+) -> u64 {
+    let heading_cost = line_cost(group.section.heading());
+    let mut spent = 0u64;
+    for i in keep_order(group.keep, group.lines.len()) {
+        if chosen.contains(&i) {
+            continue;
+        }
+        let extra = if headings_paid.contains(&group.section) {
+            0
+        } else {
+            heading_cost
+        };
+        let cost = costs[i] + extra;
+        if spent + cost > room {
+            continue;
+        }
+        spent += cost;
+        headings_paid.insert(group.section);
+        chosen.insert(i);
+    }
+    spent
+}
+
+pub(super) fn keep_order(keep: Keep, n: usize) -> Vec<usize> {
+    match keep {
+        Keep::Newest => (0..n).rev().collect(),
+        Keep::Ends => {
+            let mut order = Vec::with_capacity(n);
+            let (mut lo, mut hi) = (0usize, n);
+            while lo < hi {
+                order.push(lo);
+                lo += 1;
+                if lo < hi {
+                    hi -= 1;
+                    order.push(hi);
+                }
+            }
+            order
+        }
+    }
+}
+
+pub(super) fn render_text(
+    header: &str,
+    groups: &[Group],
+    chosen: &Chosen,
+    ids: &[String],
+) -> String {
+    let mut out = String::from(header);
+    let sections = [
+        SectionId::Asked,
+        SectionId::Done,
+        SectionId::Decisions,
+        SectionId::Open,
+        SectionId::Files,
+    ];
+    for section in sections {
+        // Lines of every group of this section, in source order.
+        let mut lines: Vec<(usize, usize, &str)> = Vec::new();
+        for (g, group) in groups.iter().enumerate() {
+            if group.section != section {
+                continue;
+            }
+            for &i in &chosen.lines[g] {
+                let (at, line) = &group.lines[i];
+                lines.push((*at, g, line.as_str()));
+            }
+        }
+        if lines.is_empty() {
+            continue;
+        }
+        lines.sort_by_key(|&(at, g, _)| (at, g));
+        out.push('\n');
+        out.push_str(section.heading());
+        for (_, _, line) in lines {
+            out.push('\n');
+            out.push_str(line);
+        }
+    }
+    if !chosen.ids.is_empty() {
+        out.push_str("\n## Exact identifiers");
+        for &i in &chosen.ids {
+            out.push('\n');
+            out.push_str(&ids[i]);
+        }
+    }
+    out
+}
+
+/// The longest prefix of `text` (cut on a char boundary, preferably at a
+/// line or word end) that is at most `budget` tokens.
+pub(super) fn truncate_to_tokens(text: &str, budget: u64) -> String {
+    if tokens(text) <= budget {
+        return text.to_string();
+    }
+    // Token counts of prefixes grow with the prefix.
+    let end = crate::core::tokens::longest_prefix(text, |end| tokens(&text[..end]) <= budget);
+    let cut = &text[..end];
+    // Prefer ending at whitespace if one is close: a half word is noise.
+    // BPE counts are not monotonic in the prefix, so the shorter cut is
+    // measured again.
+    match cut.rfind(char::is_whitespace) {
+        Some(at) if cut.len() - at <= 40 && at > 0 => {
+            let shorter = cut[..at].trim_end();
+            if tokens(shorter) <= budget {
+                shorter.to_string()
+            } else {
+                cut.to_string()
+            }
+        }
+        _ => cut.to_string(),
+    }
+}
