@@ -10,10 +10,12 @@
 //! - [`telemetry`]: every metric name, and the operational events that log
 //!   and count them.
 //! - [`http`]: the operators' HTTP server (`/metrics`, `/healthz`, `/readyz`).
+//! - [`blocking`]: pure CPU work of the async adapters, off their workers.
 //! - [`secret`]: secrets that are never printed, and URLs without their
 //!   credentials.
 
 pub mod api;
+pub mod blocking;
 pub mod config;
 pub mod core;
 pub mod demo;

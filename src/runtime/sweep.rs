@@ -8,6 +8,7 @@ use crate::core::event::{
 };
 use crate::core::summary::{RollingStateRequest, SummaryDraft, SummaryRequest};
 use crate::core::sweep::{summary_event, Pass, SweepSnapshot};
+use crate::summarizer::DeterministicSummarizer;
 use crate::telemetry as t;
 use std::future::Future;
 use std::time::{Duration, Instant};
@@ -91,7 +92,7 @@ pub struct Deterministic;
 impl PassSummarizer for Deterministic {
     async fn summarize(&self, req: &SummaryRequest) -> Result<(SummaryDraft, Spend), PassError> {
         Ok((
-            crate::core::fallback_summary::summarize(req),
+            DeterministicSummarizer::draft_off_runtime(req).await,
             Spend::default(),
         ))
     }
@@ -100,9 +101,29 @@ impl PassSummarizer for Deterministic {
         req: &RollingStateRequest,
     ) -> Result<(RollingState, Spend), PassError> {
         Ok((
-            crate::core::fallback_summary::rolling_state(req),
+            DeterministicSummarizer::rolling_state_off_runtime(req).await,
             Spend::default(),
         ))
+    }
+}
+
+/// Runs `plan` over the snapshot on the blocking pool and hands the
+/// snapshot back with its answer: a pass's prompt cuts large sources to
+/// excerpts token count by token count, pure CPU that must not hold the
+/// async workers ([`crate::blocking`]). The sweep is dropped with a runtime
+/// that shuts down before the pool could run it.
+async fn planned<R: Send + 'static>(
+    snap: SweepSnapshot,
+    plan: impl FnOnce(&SweepSnapshot) -> R + Send + 'static,
+) -> (SweepSnapshot, R) {
+    match crate::blocking::run(move || {
+        let answer = plan(&snap);
+        (snap, answer)
+    })
+    .await
+    {
+        Some(done) => done,
+        None => std::future::pending().await,
     }
 }
 
@@ -186,7 +207,8 @@ where
             detail = Some(format!("deadline of {} ms reached", deadline.as_millis()));
             break SweepStop::Deadline;
         };
-        let request = snap.request(pass, false);
+        let (back, request) = planned(snap, move |s| s.request(pass, false)).await;
+        snap = back;
         let pass_started = Instant::now();
         let result = tokio::time::timeout(
             remaining,
@@ -267,7 +289,14 @@ where
     let rolling_allowed = !over_budget(&spent, &snap)
         && !matches!(stop, SweepStop::Deadline | SweepStop::Failed)
         && retry_after_ms.is_none();
-    if let Some(req) = snap.rolling_request().filter(|_| rolling_allowed) {
+    let rolling_request = if rolling_allowed {
+        let (back, request) = planned(snap, SweepSnapshot::rolling_request).await;
+        snap = back;
+        request
+    } else {
+        None
+    };
+    if let Some(req) = rolling_request {
         let remaining = deadline.saturating_sub(started.elapsed());
         if !remaining.is_zero() {
             let result = tokio::time::timeout(
@@ -289,7 +318,7 @@ where
                         None => note,
                     });
                     Ok(Ok((
-                        crate::core::fallback_summary::rolling_state(&req),
+                        DeterministicSummarizer::rolling_state_off_runtime(&req).await,
                         spend,
                     )))
                 }

@@ -1,10 +1,15 @@
 //! The deterministic summarizer: the core's fallback summary behind the
 //! [`Summarizer`] trait. It makes no call, cannot fail, and marks its output
 //! `fallback` so it is re-summarized by a model later.
+//!
+//! It is pure CPU work (a 20,000-token leaf is tokenized several times
+//! over), so on a runtime it is written on the blocking pool
+//! ([`crate::blocking`]).
 
 use super::{SummarizeError, Summarizer, SummaryOutcome};
+use crate::core::event::RollingState;
 use crate::core::fallback_summary;
-use crate::core::summary::{SummaryDraft, SummaryRequest};
+use crate::core::summary::{RollingStateRequest, SummaryDraft, SummaryRequest};
 
 #[derive(Debug, Clone, Copy, Default)]
 pub struct DeterministicSummarizer;
@@ -16,12 +21,31 @@ impl DeterministicSummarizer {
         draft.fallback = true;
         draft
     }
+
+    /// [`Self::draft`] on the blocking pool (see the module doc).
+    pub async fn draft_off_runtime(req: &SummaryRequest) -> SummaryDraft {
+        let owned = req.clone();
+        // A runtime shutting down leaves the work to this thread.
+        match crate::blocking::run(move || Self::draft(&owned)).await {
+            Some(draft) => draft,
+            None => Self::draft(req),
+        }
+    }
+
+    /// The deterministic rolling state, on the blocking pool.
+    pub async fn rolling_state_off_runtime(req: &RollingStateRequest) -> RollingState {
+        let owned = req.clone();
+        match crate::blocking::run(move || fallback_summary::rolling_state(&owned)).await {
+            Some(state) => state,
+            None => fallback_summary::rolling_state(req),
+        }
+    }
 }
 
 impl Summarizer for DeterministicSummarizer {
     async fn summarize(&self, req: &SummaryRequest) -> Result<SummaryOutcome, SummarizeError> {
         Ok(SummaryOutcome {
-            draft: Self::draft(req),
+            draft: Self::draft_off_runtime(req).await,
             calls: Vec::new(),
         })
     }

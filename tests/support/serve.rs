@@ -8,6 +8,7 @@ use async_nats::jetstream;
 use base64::Engine as _;
 use contextfold::core::event::Envelope;
 use contextfold::core::policy::PolicyConfig;
+use contextfold::core::state::Conversation;
 use contextfold::log::EventLog;
 use contextfold::nats::config::StorageKind;
 use contextfold::nats::event_log::NatsEventLog;
@@ -69,6 +70,17 @@ pub fn held(s: &Service) -> BTreeSet<u32> {
         .unwrap_or_default()
 }
 
+/// `key` as the engine of its partition holds it: resident, or only in
+/// its store (a new lease tenure opens the store with nothing resident).
+/// `None` while the partition is not held here or the conversation is
+/// unknown.
+pub fn conversation_of(s: &Service, key: &str) -> Option<Conversation> {
+    let engine = s.engines()?.get(partition_of(key))?;
+    let e = engine.lock().unwrap();
+    e.with_conversation(key, |state, _| state.conversations.get(key).cloned())
+        .unwrap()
+}
+
 /// Conversation -> (turns, summaries, state hash) over the partitions held.
 pub fn conversations(s: &Service) -> BTreeMap<String, (usize, usize, String)> {
     let mut out = BTreeMap::new();
@@ -78,16 +90,19 @@ pub fn conversations(s: &Service) -> BTreeMap<String, (usize, usize, String)> {
     for p in engines.partitions() {
         if let Some(engine) = engines.get(p) {
             let e = engine.lock().unwrap();
-            for (key, conv) in &e.state.conversations {
+            // Resident or not: a new tenure has nothing resident.
+            e.each_conversation(|_, conv| {
                 out.insert(
-                    key.clone(),
+                    conv.key.clone(),
                     (
                         conv.turns.len(),
                         conv.summaries.len(),
                         conv.hash_with(&e.bodies()).unwrap(),
                     ),
                 );
-            }
+                Ok::<(), contextfold::store::StoreError>(())
+            })
+            .unwrap();
         }
     }
     out
