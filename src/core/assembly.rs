@@ -503,6 +503,7 @@ fn excerpt(text: &str, event_id: &str) -> String {
 /// fingerprint exactly when they hold the same messages in the same order
 /// (up to a blake3 collision). An agent that holds the first messages of a
 /// context can thus ask for the rest only (`assemble`'s `since`).
+#[allow(clippy::expect_used)] // only a bug reaches the expect (see its message)
 pub fn fingerprints<M: Borrow<ChatMessage>>(
     messages: &[M],
     prefix: usize,
@@ -577,7 +578,7 @@ mod tests {
         let c = ChatMessage::text(Role::User, "three");
         let list = [a.clone(), b.clone(), c.clone()];
         let (p2, all) = fingerprints(&list, 2);
-        assert_eq!(fingerprints(&list[..2], 0).1, p2.clone().unwrap());
+        assert_eq!(fingerprints(&list[..2], 0).1, p2.unwrap());
         assert_eq!(fingerprints(&list, 3).0.unwrap(), all);
         assert_eq!(fingerprints(&list, 4).0, None);
         assert_eq!(
@@ -588,7 +589,7 @@ mod tests {
         assert_ne!(fingerprints(&[b.clone(), a.clone(), c.clone()], 0).1, all);
         let merged = ChatMessage::text(Role::User, "onetwo");
         assert_ne!(fingerprints(&[merged], 0).1, fingerprints(&list[..2], 0).1);
-        let mut renamed = c.clone();
+        let mut renamed = c;
         renamed.name = Some("x".into());
         assert_ne!(fingerprints(&[a, b, renamed], 0).1, all);
     }
@@ -684,7 +685,7 @@ mod tests {
             .map(|m| tokens::count_message(conv.encoding, m))
             .sum();
         assert_eq!(out.tokens, sent);
-        assert_eq!(out.tokens, conv.context_tokens);
+        assert_eq!(out.tokens, conv.context.tokens());
     }
 
     /// What does not fit is listed oldest first, tool groups included, and
@@ -745,7 +746,7 @@ mod tests {
         }
         check_tool_pairing(&out.messages).unwrap();
         assert_eq!(
-            out.clone().into_owned(),
+            out.into_owned(),
             assemble(
                 conv,
                 &cfg,

@@ -54,8 +54,8 @@ impl Snapshot {
         };
         let levels = policy::levels(conv, policy);
         Snapshot {
-            context_tokens: conv.context_tokens,
-            context_bytes: conv.context_bytes,
+            context_tokens: conv.context.tokens(),
+            context_bytes: conv.context.bytes(),
             turns: conv.turns.len() as u64,
             summaries: conv.summaries.len() as u64,
             budget: levels.budget,

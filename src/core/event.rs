@@ -376,7 +376,7 @@ pub enum Covers {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SummaryRecorded {
-    /// Content address: see [`crate::core::ids::summary_id`].
+    /// Content address: see [`crate::core::state::summary_id`].
     pub summary_id: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub job_id: Option<String>,
@@ -646,11 +646,13 @@ impl Envelope {
     }
 
     /// MessagePack with named fields.
+    #[allow(clippy::expect_used)] // only a bug reaches the expect (see its message)
     pub fn to_msgpack(&self) -> Vec<u8> {
         // Serializing owned, well-formed data into a Vec cannot fail.
         rmp_serde::to_vec_named(self).expect("msgpack encoding of an event")
     }
 
+    #[allow(clippy::expect_used)] // only a bug reaches the expect (see its message)
     pub fn to_json(&self) -> String {
         serde_json::to_string(self).expect("json encoding of an event")
     }

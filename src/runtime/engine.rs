@@ -157,7 +157,8 @@ pub struct Engine<B: KvBackend> {
 ///     digest).
 /// 11: the layout and the policy are apart in the store's meta, which
 ///     keeps the policy in force (the log records it: `policy_recorded`).
-pub const STATE_LAYOUT: u32 = 11;
+/// 12: the head keeps the context's sums as one `ContextWindow`.
+pub const STATE_LAYOUT: u32 = 12;
 
 /// What the store records of its layout: a store of another layout is
 /// rebuilt from the log by a process that folds, and refused by a reader.
@@ -167,6 +168,7 @@ pub fn layout_fingerprint() -> String {
 
 /// A fingerprint of a policy (its every field): what `policy_recorded`
 /// events, member records and `doctor` compare.
+#[allow(clippy::expect_used)] // only a bug reaches the expect (see its message)
 pub fn policy_fingerprint(policy: &PolicyConfig) -> String {
     let bytes = rmp_serde::to_vec(policy).expect("policy serializes");
     blake3::hash(&bytes).to_hex()[..16].to_string()
@@ -776,13 +778,13 @@ impl<B: KvBackend> Engine<B> {
                     self.tally.redelivered += 1;
                 }
             }
-            FoldStatus::Rejected(reason) => {
+            FoldStatus::Rejected(rejection) => {
                 t::EventRejected {
                     conversation_id: &conversation,
                     event_id: &id,
                     stream_seq: self.position,
-                    kind: "fold",
-                    reason,
+                    kind: rejection.kind(),
+                    reason: &rejection.to_string(),
                 }
                 .emit();
             }

@@ -153,7 +153,7 @@ fn variant_message() -> impl Strategy<Value = ChatMessage> {
                         let (a, b) = spelled.split_at(half);
                         (a.to_string(), b.to_string())
                     } else {
-                        (spelled.clone(), String::new())
+                        (spelled, String::new())
                     };
                     msg.content = Some(Content::Parts(
                         [a, b]
@@ -241,7 +241,10 @@ proptest! {
                 state = rmp_serde::from_slice(&bytes).expect("state deserializes");
                 for (key, conv) in state.conversations.iter_mut() {
                     let old = &before.conversations[key];
-                    for seq in conv.guard_seqs().collect::<Vec<_>>() {
+                    // Collected: the loop writes to `conv` the iterator borrows.
+                    #[allow(clippy::needless_collect)]
+                    let guarded: Vec<u64> = conv.guard_seqs().collect();
+                    for seq in guarded {
                         let body = old.bodies.get(seq).expect("a guarded body");
                         let (sketch, digest) = super::guard_read(body);
                         conv.bodies.remember_guard(seq, sketch, digest);
@@ -266,7 +269,12 @@ proptest! {
             let outcome = fold_counted(&mut state, &policy, &event, Some(10));
             let conv = &state.conversations["c:guard"];
             match expected {
-                Err(reason) => prop_assert_eq!(outcome.status, FoldStatus::Rejected(reason)),
+                Err(reason) => {
+                    let FoldStatus::Rejected(rejection) = &outcome.status else {
+                        return Err(TestCaseError::fail(format!("not rejected: {:?}", outcome.status)));
+                    };
+                    prop_assert_eq!(rejection.to_string(), reason);
+                }
                 Ok(in_context) => {
                     prop_assert_eq!(outcome.status, FoldStatus::Applied);
                     let turn = conv.turns.last().expect("the turn was kept");

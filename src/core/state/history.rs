@@ -41,11 +41,11 @@ impl From<Stored> for HistoryLog {
 
 impl Serialize for HistoryLog {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let (hi, lo) = self.chain.split_at(8);
+        let [h0, h1, h2, h3, h4, h5, h6, h7, l0, l1, l2, l3, l4, l5, l6, l7] = self.chain;
         Stored(
             self.len,
-            u64::from_be_bytes(hi.try_into().expect("8 bytes")),
-            u64::from_be_bytes(lo.try_into().expect("8 bytes")),
+            u64::from_be_bytes([h0, h1, h2, h3, h4, h5, h6, h7]),
+            u64::from_be_bytes([l0, l1, l2, l3, l4, l5, l6, l7]),
         )
         .serialize(s)
     }
@@ -123,6 +123,7 @@ impl HistoryLog {
 }
 
 /// The digest of the entries up to `entry`, from that of those before it.
+#[allow(clippy::expect_used)] // only a bug reaches the expect (see its message)
 fn link(chain: &[u8; 16], entry: &HistoryEntry) -> [u8; 16] {
     let mut h = blake3::Hasher::new();
     h.update(chain);

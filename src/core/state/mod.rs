@@ -19,6 +19,7 @@
 
 mod applied;
 mod bodies;
+mod context;
 mod history;
 
 pub use applied::AppliedIds;
@@ -26,6 +27,7 @@ pub use bodies::{
     body_size, BodyError, GuardedTurn, Resident, ResidentBodies, ResidentTexts, TurnBodies,
     TurnBody,
 };
+pub use context::ContextWindow;
 pub use history::HistoryLog;
 
 use crate::core::event::{Covers, Debt, RollingState, SummaryKind};
@@ -357,13 +359,8 @@ pub struct Conversation {
     /// Compaction decisions and results, for `history` and audit (in a
     /// store once committed: read through [`TurnBodies::history`]).
     pub history: HistoryLog,
-    /// What the agent would see now, oldest first. Anything but a push
-    /// must count itself in `context_edits`.
-    pub context: Vec<ContextItem>,
-    /// Sum of the context items' tokens.
-    pub context_tokens: u64,
-    /// Bytes of the raw turns in context.
-    pub context_bytes: u64,
+    /// What the agent would see now, oldest first, with its sums.
+    pub context: ContextWindow,
     pub debt: Option<Debt>,
     pub pending_job: Option<PendingJob>,
     /// Jobs issued so far (job ids are derived from it).
@@ -389,31 +386,11 @@ pub struct Conversation {
     pub stale_summaries: u64,
     pub last_overflow_tokens: Option<u64>,
     #[serde(skip)]
-    pub context_edits: ContextEdits,
-    #[serde(skip)]
     pub bodies: ResidentBodies,
     /// Summary texts not handed to a store yet (read through
     /// [`TurnBodies::summary_text`]).
     #[serde(skip)]
     pub summary_texts: ResidentTexts,
-}
-
-/// How many times `context` changed other than by appending: the store
-/// writes appended items only while this stays the same, the whole list
-/// otherwise. Bookkeeping, not state: not serialized, hashed or compared.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct ContextEdits(pub u64);
-
-impl ContextEdits {
-    pub fn record(&mut self) {
-        self.0 = self.0.wrapping_add(1);
-    }
-}
-
-impl PartialEq for ContextEdits {
-    fn eq(&self, _: &ContextEdits) -> bool {
-        true
-    }
 }
 
 impl Conversation {
@@ -428,9 +405,7 @@ impl Conversation {
             summaries: Vec::new(),
             applied: AppliedIds::default(),
             history: HistoryLog::default(),
-            context: Vec::new(),
-            context_tokens: 0,
-            context_bytes: 0,
+            context: ContextWindow::default(),
             debt: None,
             pending_job: None,
             jobs_issued: 0,
@@ -449,7 +424,6 @@ impl Conversation {
             duplicates_dropped: 0,
             stale_summaries: 0,
             last_overflow_tokens: None,
-            context_edits: ContextEdits::default(),
             bodies: ResidentBodies::default(),
             summary_texts: ResidentTexts::default(),
         }
@@ -584,6 +558,7 @@ impl StateHasher {
         self.0.update(key.as_bytes());
         self.0.update(hash.as_bytes());
     }
+    #[allow(clippy::expect_used)] // only a bug reaches the expect (see its message)
     pub fn finish(mut self, unattributed_rejections: u64, spend: &SpendWindow) -> String {
         self.0.update(&unattributed_rejections.to_le_bytes());
         // Only when used, so states without a global window hash as before.
@@ -600,6 +575,7 @@ impl State {
     /// same policy give the same hash on any machine. For a state folded in
     /// memory, which holds every conversation and body; a store-backed
     /// engine hashes through its store (`Engine::state_hash`).
+    #[allow(clippy::expect_used)] // only a bug reaches the expect (see its message)
     pub fn hash(&self) -> String {
         self.hash_with(&Resident)
             .expect("a state folded in memory holds every body it folded")
@@ -618,6 +594,7 @@ impl Conversation {
     /// A stable hash of this conversation's state, bodies included: its
     /// MessagePack form (field order fixed by the struct, maps are
     /// BTreeMaps, the one HashSet is skipped), then every turn's body.
+    #[allow(clippy::expect_used)] // only a bug reaches the expect (see its message)
     pub fn hash_with(&self, bodies: &dyn TurnBodies) -> Result<String, BodyError> {
         let mut hasher = blake3::Hasher::new();
         hasher.update(&rmp_serde::to_vec(self).expect("state serializes"));
@@ -633,6 +610,7 @@ impl Conversation {
     }
 
     /// [`Conversation::hash_with`] the bodies it holds (folded in memory).
+    #[allow(clippy::expect_used)] // only a bug reaches the expect (see its message)
     pub fn hash(&self) -> String {
         self.hash_with(&Resident)
             .expect("a conversation folded in memory holds every body it folded")

@@ -1,0 +1,324 @@
+//! The fold: `fold(state, event)` applies one event to a partition's state
+//! and returns the decisions it took (debt changes, jobs, rejections) as
+//! events with deterministic ids, to be published to the log.
+//!
+//! Pure and deterministic: time comes from events, ids are derived from the
+//! causing event, and a decision seen again in the log changes nothing.
+//!
+//! Here: dispatch (`FoldContext::apply`) and how a decision is recorded.
+//! Each kind of event is handled in its own module: `turns` (admission and
+//! the guards' bookkeeping), `summaries` (acceptance and placement),
+//! `sweeps` (a sweep's or a recall's end and its spend), `debt` (what
+//! raises debt and the scheduler that issues jobs); `guards` is the text
+//! identity the duplicate and flood guards compare by.
+
+use crate::core::assembly;
+use crate::core::event::*;
+use crate::core::message::{ChatMessage, Content, Role};
+use crate::core::overflow;
+use crate::core::policy::{self, PolicyConfig};
+use crate::core::spend;
+use crate::core::state::{
+    call_digest, derived_event_id, event_digest, id_digest, summary_id, tool_ids_of, turn_count,
+    ContextItem, Conversation, IdDigest, PendingJob, ResidentBodies, SeenDigest, SeenTurn,
+    SpendEntry, SpendWindow, State, Summary, Turn, TurnBody,
+};
+use crate::core::tokens;
+use std::cell::RefCell;
+use std::sync::Arc;
+
+mod debt;
+mod guards;
+mod rejection;
+mod summaries;
+mod sweeps;
+mod turns;
+
+pub use guards::guard_read;
+use guards::*;
+pub use rejection::{Rejection, SummaryRejection, TurnRejection};
+
+/// What became of one event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FoldStatus {
+    Applied,
+    /// Its id was already applied: nothing changed.
+    Duplicate,
+    /// Rejected with a reason (also recorded as an `event_rejected` or
+    /// `summary_rejected` decision).
+    Rejected(Rejection),
+    /// The conversation matches an `ignore_sessions` glob.
+    Ignored,
+}
+
+/// The result of folding one event.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FoldOutcome {
+    pub status: FoldStatus,
+    /// Decisions to publish, in order.
+    pub decisions: Vec<Envelope>,
+}
+
+/// Folds one event into the state.
+pub fn fold(state: &mut State, policy: &PolicyConfig, event: &Envelope) -> FoldOutcome {
+    fold_counted(state, policy, event, None)
+}
+
+/// Folds one event whose turn tokens were already counted (by the same
+/// encoding the conversation uses), so counting can run ahead of the fold.
+pub fn fold_counted(
+    state: &mut State,
+    policy: &PolicyConfig,
+    event: &Envelope,
+    turn_tokens: Option<u64>,
+) -> FoldOutcome {
+    fold_with(state, policy, event, turn_tokens, None)
+}
+
+/// [`fold_counted`] for an event the caller owns (one just decoded): a
+/// turn moves into the state instead of being copied there. Same result.
+pub fn fold_owned(
+    state: &mut State,
+    policy: &PolicyConfig,
+    mut event: Envelope,
+    turn_tokens: Option<u64>,
+) -> FoldOutcome {
+    let turn = match &mut event.body {
+        EventBody::TurnAppended(t) => Some(Arc::new(TurnBody::new(
+            &event.id,
+            std::mem::replace(t, empty_turn()),
+        ))),
+        _ => None,
+    };
+    fold_with(state, policy, &event, turn_tokens, turn)
+}
+
+/// What is left in an event whose turn was moved out; never read.
+fn empty_turn() -> TurnAppended {
+    TurnAppended::from(ChatMessage {
+        role: Role::User,
+        content: None,
+        tool_calls: Vec::new(),
+        tool_call_id: None,
+        name: None,
+    })
+}
+
+/// `turn` is the event's turn, already moved out of it when given.
+fn fold_with(
+    state: &mut State,
+    policy: &PolicyConfig,
+    event: &Envelope,
+    turn_tokens: Option<u64>,
+    turn: Option<Arc<TurnBody>>,
+) -> FoldOutcome {
+    if policy::session_matches(&policy.ignore_sessions, &event.conversation) {
+        return FoldOutcome {
+            status: FoldStatus::Ignored,
+            decisions: Vec::new(),
+        };
+    }
+    let State {
+        conversations,
+        spend: global,
+        ..
+    } = state;
+    // Look up before inserting: `entry` would allocate the key every event.
+    if !conversations.contains_key(&event.conversation) {
+        conversations.insert(
+            event.conversation.clone(),
+            Conversation::new(&event.conversation),
+        );
+    }
+    let Some(conv) = conversations.get_mut(&event.conversation) else {
+        unreachable!("the conversation was just inserted");
+    };
+    let event_digest = id_digest(&event.id);
+    if conv.has_applied_digest(&event_digest) {
+        return FoldOutcome {
+            status: FoldStatus::Duplicate,
+            decisions: Vec::new(),
+        };
+    }
+    let mut cx = FoldContext {
+        conv,
+        global,
+        policy,
+        event,
+        event_digest,
+        turn_tokens,
+        turn,
+        decisions: Vec::new(),
+    };
+    let status = cx.apply();
+    FoldOutcome {
+        status,
+        decisions: cx.decisions,
+    }
+}
+
+/// The id a rejection gives a record that has none of its own (bytes that
+/// never became an event, or an id too long to repeat): derived from the
+/// bytes, so replaying the same log rejects the same way.
+pub fn undecodable_id(bytes: &[u8]) -> String {
+    let digest = blake3::hash(bytes).to_hex();
+    format!("undecodable_{}", &digest[..20])
+}
+
+/// Records a record that intake refused (see [`crate::core::intake`]) in
+/// the conversation its transport vouches for, as an `event_rejected`
+/// decision; returns it. Refusing the same record again changes nothing.
+/// The refused event's own id is not consumed: a forged event must not
+/// keep the real one with that id out.
+pub fn reject_record(
+    state: &mut State,
+    conversation: &str,
+    rejected_id: &str,
+    event_type: Option<&str>,
+    reason: &str,
+    time: u64,
+) -> Envelope {
+    let env = Envelope::new(
+        derived_event_id(rejected_id, "event_rejected"),
+        conversation,
+        time,
+        EventBody::EventRejected(EventRejected {
+            rejected_id: rejected_id.to_string(),
+            event_type: event_type.map(str::to_string),
+            reason: reason.to_string(),
+        }),
+    );
+    if !state.conversations.contains_key(conversation) {
+        state
+            .conversations
+            .insert(conversation.to_string(), Conversation::new(conversation));
+    }
+    if let Some(conv) = state.conversations.get_mut(conversation) {
+        if !conv.has_applied(&env.id) {
+            conv.mark_applied(&env.id);
+            conv.rejections += 1;
+            conv.push_history(time, &env.id, "event_rejected", reason.to_string());
+        }
+    }
+    env
+}
+
+struct FoldContext<'a> {
+    conv: &'a mut Conversation,
+    /// The partition's spend window across conversations.
+    global: &'a mut SpendWindow,
+    policy: &'a PolicyConfig,
+    event: &'a Envelope,
+    event_digest: IdDigest,
+    turn_tokens: Option<u64>,
+    /// The turn, when the caller gave it up: it is kept without a copy.
+    turn: Option<Arc<TurnBody>>,
+    decisions: Vec<Envelope>,
+}
+
+impl FoldContext<'_> {
+    fn apply(&mut self) -> FoldStatus {
+        let event = self.event;
+        self.conv.last_time = self.conv.last_time.max(event.time);
+        let status = match &event.body {
+            EventBody::TurnAppended(t) => match self.turn.take() {
+                Some(owned) => self.turn_appended(&owned.turn, Some(&owned)),
+                None => self.turn_appended(t, None),
+            },
+            EventBody::ProviderErrorObserved(e) => self.provider_error(e),
+            EventBody::CompactionRequested(r) => self.compaction_requested(r),
+            EventBody::ModelDeclared(m) => {
+                self.conv.model = Some(m.model.clone());
+                if m.context_window.is_some() {
+                    self.conv.context_window = m.context_window;
+                }
+                if self.conv.turns.is_empty() {
+                    self.conv.encoding = tokens::Encoding::for_model(Some(&m.model));
+                }
+                FoldStatus::Applied
+            }
+            EventBody::ConversationReset(r) => self.reset(r),
+            EventBody::SummaryRecorded(s) => self.summary_recorded(s),
+            EventBody::SweepEnded(s) => self.sweep_ended(s),
+            EventBody::RecallAnswered(r) => self.recall_answered(r),
+            EventBody::RollingStateUpdated(r) => {
+                if let (Some(pending), Some(id)) = (&mut self.conv.pending_job, &r.job_id) {
+                    if &pending.job.job_id == id {
+                        pending.rolling_refreshed = true;
+                    }
+                }
+                self.conv.rolling = Some(r.state.clone());
+                self.conv.rolling_through = Some(r.through_turn);
+                self.conv.rolling_due = false;
+                self.conv.turns_since_rolling = 0;
+                self.conv.consecutive_tool_calls = 0;
+                FoldStatus::Applied
+            }
+            EventBody::EventRejected(r) => {
+                // A rejection made by a runtime that could not decode bytes.
+                self.conv.rejections += 1;
+                self.history("event_rejected", r.reason.clone());
+                FoldStatus::Applied
+            }
+            body if body.is_decision() => {
+                // A decision this fold did not take (another policy wrote it):
+                // kept for audit, never acted on.
+                self.history(
+                    body.type_name(),
+                    "observed, not derived by this policy".into(),
+                );
+                FoldStatus::Applied
+            }
+            _ => FoldStatus::Applied,
+        };
+        if status == FoldStatus::Applied && event.body.is_agent_event() {
+            self.conv.awaiting_input = false;
+        }
+        match &status {
+            // A rejected summary already produced its `summary_rejected`.
+            FoldStatus::Rejected(reason)
+                if !matches!(event.body, EventBody::SummaryRecorded(_)) =>
+            {
+                self.conv.rejections += 1;
+                let reason = reason.to_string();
+                self.history("event_rejected", reason.clone());
+                self.decide(
+                    "event_rejected",
+                    EventBody::EventRejected(EventRejected {
+                        rejected_id: event.id.clone(),
+                        event_type: Some(event.type_name().to_string()),
+                        reason,
+                    }),
+                );
+            }
+            _ => {}
+        }
+        // A rejected event's id is still consumed: a redelivery is a no-op.
+        self.conv.mark_applied_digest(self.event_digest);
+        if status != FoldStatus::Duplicate {
+            self.evaluate();
+        }
+        status
+    }
+
+    fn history(&mut self, event_type: &str, detail: String) {
+        let (time, id) = (self.event.time, self.event.id.clone());
+        self.conv.push_history(time, &id, event_type, detail);
+    }
+
+    fn decide(&mut self, what: &str, body: EventBody) {
+        let env = Envelope::new(
+            derived_event_id(&self.event.id, what),
+            self.conv.key.clone(),
+            self.event.time,
+            body,
+        );
+        self.conv.mark_applied(&env.id);
+        self.decisions.push(env);
+    }
+}
+
+#[cfg(test)]
+mod guard_tests;
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,1148 @@
+use super::*;
+use crate::core::message::ChatMessage;
+use crate::core::message::{ContentPart, FunctionCall, ToolCall};
+use proptest::prelude::*;
+
+const T0: u64 = 1_700_000_000_000;
+
+fn policy() -> PolicyConfig {
+    PolicyConfig {
+        default_context_window: 2_000,
+        fresh_tail_count: 2,
+        // Three of the tests' turns a chunk.
+        leaf_chunk_tokens: 600,
+        rolling_every_turns: 1_000_000,
+        rolling_tool_loop: 1_000_000,
+        rolling_threshold: 1.0,
+        summary_max_calls_per_window: 5,
+        summary_max_cost_micros_per_window: Some(1_000),
+        ..PolicyConfig::default()
+    }
+}
+
+fn turn(conv: &str, i: u64, time: u64) -> Envelope {
+    let role = if i.is_multiple_of(2) {
+        Role::User
+    } else {
+        Role::Assistant
+    };
+    Envelope::new(
+        format!("{conv}-t{i}"),
+        conv,
+        time,
+        EventBody::TurnAppended(TurnAppended::from(ChatMessage::text(
+            role,
+            format!("turn {i}: {}", "words of a turn ".repeat(40)),
+        ))),
+    )
+}
+
+fn jobs(decisions: &[Envelope]) -> Vec<JobIssued> {
+    decisions
+        .iter()
+        .filter_map(|d| match &d.body {
+            EventBody::JobIssued(j) => Some(j.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Folds turns until a job is issued; returns it and the next turn index.
+fn until_job(
+    state: &mut State,
+    p: &PolicyConfig,
+    conv: &str,
+    from: u64,
+    time: u64,
+) -> (JobIssued, u64) {
+    for i in from..from + 200 {
+        let out = fold(state, p, &turn(conv, i, time + (i - from) * 1_000));
+        if let Some(j) = jobs(&out.decisions).pop() {
+            return (j, i + 1);
+        }
+    }
+    panic!("no job issued");
+}
+
+fn ended(job: &JobIssued, committed: u32, stop: SweepStop) -> SweepEnded {
+    SweepEnded {
+        job_id: job.job_id.clone(),
+        passes: committed.max(1),
+        committed,
+        stop,
+        detail: None,
+        calls: 1,
+        tokens_spent: 100,
+        cost_micros: 10,
+        retry_after_ms: None,
+    }
+}
+
+/// Runs up to `passes` passes of `job` as its worker would (the
+/// deterministic summarizer on the job's snapshot) and folds each
+/// summary at `time`; returns how many the fold accepted.
+fn commit(
+    state: &mut State,
+    p: &PolicyConfig,
+    conv: &str,
+    job: &JobIssued,
+    passes: u32,
+    time: u64,
+) -> u32 {
+    let mut snap = crate::core::sweep::snapshot(&state.conversations[conv], job, p).unwrap();
+    let mut accepted = 0;
+    for _ in 0..passes {
+        let Some(pass) = snap.next_pass() else { break };
+        let draft = crate::core::fallback_summary::summarize(&snap.request(pass, false));
+        let rec = snap.record(pass, &draft);
+        snap.apply(pass, &rec);
+        let e = crate::core::sweep::summary_event(conv, time, rec);
+        if fold(state, p, &e).status == FoldStatus::Applied {
+            accepted += 1;
+        }
+    }
+    accepted
+}
+
+fn event(s: SweepEnded, conv: &str, time: u64) -> Envelope {
+    Envelope::new(
+        format!("se-{}-{time}", s.job_id),
+        conv,
+        time,
+        EventBody::SweepEnded(s),
+    )
+}
+
+#[test]
+fn a_turn_bigger_than_the_target_is_a_large_payload() {
+    let p = policy(); // budget 2000, target 1000
+    let mut state = State::default();
+    let big = Envelope::new(
+        "big",
+        "c",
+        T0,
+        EventBody::TurnAppended(TurnAppended::from(ChatMessage::text(
+            Role::User,
+            "a line of a long log\n".repeat(300),
+        ))),
+    );
+    fold(&mut state, &p, &big);
+    let turn = &state.conversations["c"].turns[0];
+    assert!(turn.tokens > 1_000 && u64::from(turn.tokens) < p.large_payload_threshold_tokens);
+    assert!(turn.large_payload, "{} tokens kept whole", turn.tokens);
+    assert!(
+        turn.context_tokens < 100,
+        "a stub costs {} tokens",
+        turn.context_tokens
+    );
+    fold(&mut state, &p, &turn_small("c", 1));
+    assert!(!state.conversations["c"].turns[1].large_payload);
+}
+
+fn turn_small(conv: &str, i: u64) -> Envelope {
+    turn(conv, i, T0 + i)
+}
+
+#[test]
+fn a_rate_limit_delays_the_next_job_even_after_progress() {
+    let p = policy();
+    let mut state = State::default();
+    let (job, next) = until_job(&mut state, &p, "c", 0, T0);
+    assert_eq!(commit(&mut state, &p, "c", &job, 1, job.issued_at + 5), 1);
+    let mut s = ended(&job, 1, SweepStop::SpendLimit);
+    s.retry_after_ms = Some(20_000);
+    let out = fold(&mut state, &p, &event(s, "c", job.issued_at + 10));
+    assert!(jobs(&out.decisions).is_empty());
+    let conv = &state.conversations["c"];
+    assert_eq!(conv.spend.retry_at, job.issued_at + 20_010);
+    assert_eq!(conv.spend.backoff_until, 0, "progress: no backoff");
+    // Turns before the delay get no job, however far over the threshold.
+    for i in next..next + 10 {
+        let out = fold(&mut state, &p, &turn("c", i, job.issued_at + 5_000 + i));
+        assert!(jobs(&out.decisions).is_empty(), "job before Retry-After");
+    }
+    let out = fold(
+        &mut state,
+        &p,
+        &turn("c", next + 10, job.issued_at + 20_011),
+    );
+    assert_eq!(
+        jobs(&out.decisions).len(),
+        1,
+        "the job comes back after the delay"
+    );
+}
+
+#[test]
+fn backoff_only_after_rounds_without_progress() {
+    let p = policy();
+    // (summaries the fold accepts, what the sweep claims, its stop)
+    for (accepted, claimed, stop, backoff) in [
+        (2, 2, SweepStop::Deadline, false),
+        (1, 1, SweepStop::NoProgress, false),
+        (0, 0, SweepStop::Deadline, true),
+        (0, 0, SweepStop::Failed, true),
+        (0, 0, SweepStop::Done, true),
+        // A claim of work the fold never accepted is no progress.
+        (0, 1, SweepStop::Done, true),
+        (0, 3, SweepStop::IterationCap, true),
+    ] {
+        let mut state = State::default();
+        let (job, next) = until_job(&mut state, &p, "c", 0, T0);
+        let done = commit(&mut state, &p, "c", &job, accepted, job.issued_at + 5);
+        assert_eq!(done, accepted);
+        let e = event(ended(&job, claimed, stop), "c", job.issued_at + 10);
+        let out = fold(&mut state, &p, &e);
+        let conv = &state.conversations["c"];
+        let why = format!("{accepted} accepted, {claimed} claimed, {stop:?}");
+        assert_eq!(conv.spend.backoff_until > 0, backoff, "{why}");
+        assert_eq!(conv.awaiting_input, backoff, "{why}");
+        let history = &conv.history;
+        let line = history
+            .resident()
+            .iter()
+            .rfind(|h| h.event_type == "sweep_ended");
+        let line = line.map(|h| h.detail.clone()).unwrap_or_default();
+        assert!(line.contains(&format!("{accepted} committed")), "{line}");
+        if backoff {
+            // No job on its end, nor on the next turn: the backoff holds.
+            assert!(jobs(&out.decisions).is_empty(), "{why}");
+            let out = fold(&mut state, &p, &turn("c", next, job.issued_at + 20));
+            assert!(jobs(&out.decisions).is_empty(), "{why}");
+        }
+    }
+}
+
+#[test]
+fn a_leaf_that_skips_the_oldest_raw_turn_is_refused() {
+    let p = policy();
+    let mut state = State::default();
+    let (job, _) = until_job(&mut state, &p, "c", 0, T0);
+    // The worker's second pass, planned after a first pass that never
+    // reached the fold (stale, or from an expired job's worker).
+    let mut snap = crate::core::sweep::snapshot(&state.conversations["c"], &job, &p).unwrap();
+    let first = snap.next_pass().expect("a first pass");
+    let draft = crate::core::fallback_summary::summarize(&snap.request(first, false));
+    let rec = snap.record(first, &draft);
+    snap.apply(first, &rec);
+    let second = snap.next_pass().expect("a second pass");
+    let draft = crate::core::fallback_summary::summarize(&snap.request(second, false));
+    let rec = snap.record(second, &draft);
+    let e = crate::core::sweep::summary_event("c", job.issued_at + 1, rec);
+    let out = fold(&mut state, &p, &e);
+    let FoldStatus::Rejected(reason) = &out.status else {
+        panic!("accepted a leaf after raw turns: {:?}", out.status);
+    };
+    assert!(
+        matches!(
+            reason,
+            Rejection::Summary(SummaryRejection::NotOldestRaw { first: 3, oldest })
+                if oldest == "0"
+        ),
+        "{reason}"
+    );
+    assert_eq!(reason.kind(), "summary_stale");
+    assert!(
+        out.decisions
+            .iter()
+            .any(|d| matches!(d.body, EventBody::SummaryRejected(_))),
+        "the refusal is recorded"
+    );
+    let conv = &state.conversations["c"];
+    assert!(conv.summaries.is_empty());
+    assert_eq!(conv.pending_job.as_ref().map(|j| j.committed), Some(0));
+}
+
+#[test]
+fn an_expired_job_without_progress_backs_off_and_one_with_progress_does_not() {
+    let p = policy();
+    for progress in [false, true] {
+        let mut state = State::default();
+        let (job, next) = until_job(&mut state, &p, "c", 0, T0);
+        if progress {
+            assert_eq!(commit(&mut state, &p, "c", &job, 1, job.issued_at + 1), 1);
+        }
+        // The worker vanished: a turn long after its deadline expires it.
+        let late = job.issued_at + 2 * job.deadline_ms + 60_001;
+        let out = fold(&mut state, &p, &turn("c", next, late));
+        let conv = &state.conversations["c"];
+        assert!(conv
+            .history
+            .resident()
+            .iter()
+            .any(|h| h.event_type == "job_expired"));
+        if progress {
+            assert_eq!(jobs(&out.decisions).len(), 1, "its successor at once");
+            assert!(!conv.awaiting_input);
+        } else {
+            assert!(jobs(&out.decisions).is_empty(), "re-issued at once");
+            assert!(conv.awaiting_input);
+            assert!(conv.spend.backoff_until > late);
+            // Its sweep_ended, arriving after all, changes nothing more.
+            let before = conv.spend.backoff_until;
+            let e = event(ended(&job, 1, SweepStop::Done), "c", late + 1);
+            let out = fold(&mut state, &p, &e);
+            assert!(jobs(&out.decisions).is_empty());
+            assert_eq!(state.conversations["c"].spend.backoff_until, before);
+        }
+    }
+}
+
+#[test]
+fn results_of_old_jobs_issue_no_job_while_awaiting_input() {
+    let p = policy();
+    let mut state = State::default();
+    let (job, next) = until_job(&mut state, &p, "c", 0, T0);
+    let manual = Envelope::new(
+        "m1",
+        "c",
+        job.issued_at + 1,
+        EventBody::CompactionRequested(CompactionRequested::default()),
+    );
+    fold(&mut state, &p, &manual);
+    if let Some(pending) = &mut state.conversations.get_mut("c").unwrap().pending_job {
+        pending.job.urgent = true;
+    }
+    let e = event(ended(&job, 0, SweepStop::Failed), "c", job.issued_at + 2);
+    fold(&mut state, &p, &e);
+    // An urgent debt ignores the backoff; the late end of some older
+    // job is still no reason for a new one.
+    let stale = SweepEnded {
+        job_id: "job_older".into(),
+        ..ended(&job, 1, SweepStop::Done)
+    };
+    let out = fold(&mut state, &p, &event(stale, "c", job.issued_at + 3));
+    assert!(
+        jobs(&out.decisions).is_empty(),
+        "issued on an old job's end"
+    );
+    let out = fold(&mut state, &p, &turn("c", next, job.issued_at + 4));
+    assert_eq!(jobs(&out.decisions).len(), 1, "agent input brings it back");
+}
+
+#[test]
+fn a_barren_sweep_is_not_retried_on_its_own_end() {
+    let p = policy();
+    let mut state = State::default();
+    let (job, next) = until_job(&mut state, &p, "c", 0, T0);
+    // Urgent: no backoff, so only the barren-end rule stops a retry loop.
+    let manual = Envelope::new(
+        "m1",
+        "c",
+        job.issued_at + 1,
+        EventBody::CompactionRequested(CompactionRequested::default()),
+    );
+    fold(&mut state, &p, &manual);
+    let mut urgent = job.clone();
+    urgent.urgent = true;
+    if let Some(pending) = &mut state.conversations.get_mut("c").unwrap().pending_job {
+        pending.job.urgent = true;
+    }
+    let e = event(ended(&urgent, 0, SweepStop::Failed), "c", job.issued_at + 2);
+    let out = fold(&mut state, &p, &e);
+    assert!(jobs(&out.decisions).is_empty(), "retried on its own end");
+    let conv = &state.conversations["c"];
+    assert!(
+        conv.debt.as_ref().is_some_and(|d| d.urgent),
+        "a failed urgent round keeps its debt"
+    );
+    let out = fold(&mut state, &p, &turn("c", next, job.issued_at + 3));
+    let again = jobs(&out.decisions);
+    assert_eq!(again.len(), 1, "the next inbound event retries");
+    assert!(again[0].urgent);
+}
+
+#[test]
+fn a_debt_recorded_during_a_rolling_refresh_gets_its_job_when_it_ends() {
+    let p = PolicyConfig {
+        rolling_every_turns: 2,
+        ..policy()
+    };
+    let mut state = State::default();
+    let (rolling, mut next) = until_job(&mut state, &p, "c", 0, T0);
+    assert!(
+        !rolling.compact && rolling.refresh_rolling_state,
+        "{rolling:?}"
+    );
+    // Turns go on while it runs, until the threshold records a debt.
+    let mut time = rolling.issued_at;
+    while state.conversations["c"].debt.is_none() {
+        time += 1_000;
+        let out = fold(&mut state, &p, &turn("c", next, time));
+        assert!(jobs(&out.decisions).is_empty(), "one job at a time");
+        next += 1;
+    }
+    let state_of = |job: &JobIssued, time: u64| {
+        Envelope::new(
+            format!("rs_{}", job.job_id),
+            "c",
+            time,
+            EventBody::RollingStateUpdated(RollingStateUpdated {
+                state: RollingState::default(),
+                through_turn: next - 1,
+                job_id: Some(job.job_id.clone()),
+            }),
+        )
+    };
+    let refreshed = SweepEnded {
+        passes: 0,
+        ..ended(&rolling, 0, SweepStop::Done)
+    };
+    fold(&mut state, &p, &state_of(&rolling, time + 1));
+    let out = fold(&mut state, &p, &event(refreshed, "c", time + 1));
+    let issued = jobs(&out.decisions);
+    assert_eq!(
+        issued.len(),
+        1,
+        "the debt's job, without waiting for a turn"
+    );
+    assert!(issued[0].compact, "{:?}", issued[0]);
+}
+
+#[test]
+fn a_rolling_refresh_that_wrote_nothing_is_no_progress() {
+    let p = PolicyConfig {
+        rolling_every_turns: 2,
+        ..policy()
+    };
+    let mut state = State::default();
+    let (rolling, next) = until_job(&mut state, &p, "c", 0, T0);
+    assert!(!rolling.compact && rolling.refresh_rolling_state);
+    // Done, but no rolling state came (the call was refused): the same
+    // job again at once would be refused the same way.
+    let barren = SweepStop::Done;
+    let out = fold(
+        &mut state,
+        &p,
+        &event(ended(&rolling, 0, barren), "c", rolling.issued_at + 5),
+    );
+    assert!(jobs(&out.decisions).is_empty(), "re-issued on its own end");
+    let conv = &state.conversations["c"];
+    assert!(conv.rolling_due && conv.awaiting_input);
+    assert!(conv.spend.backoff_until > rolling.issued_at);
+    let out = fold(&mut state, &p, &turn("c", next, rolling.issued_at + 10));
+    assert!(jobs(&out.decisions).is_empty(), "issued in backoff");
+}
+
+#[test]
+fn spend_counts_in_a_sliding_window_of_calls_tokens_and_money() {
+    let p = policy();
+    let mut state = State::default();
+    let (job, mut next) = until_job(&mut state, &p, "c", 0, T0);
+    assert_eq!(job.max_calls, Some(5));
+    // A productive round that spent the whole money allowance.
+    assert_eq!(commit(&mut state, &p, "c", &job, 1, job.issued_at + 5), 1);
+    let mut s = ended(&job, 1, SweepStop::Done);
+    s.cost_micros = 1_000;
+    fold(&mut state, &p, &event(s, "c", job.issued_at + 10));
+    let window_end = job.issued_at + p.summary_call_window_ms;
+    let mut t = job.issued_at + 1_000;
+    while t < window_end {
+        let out = fold(&mut state, &p, &turn("c", next, t));
+        assert!(
+            jobs(&out.decisions).is_empty(),
+            "job with no money left at {t}"
+        );
+        next += 1;
+        t += 30_000;
+    }
+    // The window slides past the spending job: compaction may resume.
+    let out = fold(&mut state, &p, &turn("c", next, window_end));
+    assert_eq!(jobs(&out.decisions).len(), 1);
+    assert!(state.conversations["c"].spend.recent.is_empty(), "pruned");
+}
+
+#[test]
+fn the_partition_window_reserves_and_shares_calls() {
+    let p = PolicyConfig {
+        summary_max_calls_per_window_global: Some(4),
+        ..policy()
+    };
+    let mut state = State::default();
+    let (a, _) = until_job(&mut state, &p, "a", 0, T0);
+    assert_eq!(a.max_calls, Some(4), "alone, a may use the whole window");
+    // b asks while a's allowance is reserved: nothing is left for it.
+    for i in 0..200 {
+        let out = fold(&mut state, &p, &turn("b", i, T0 + 100_000 + i * 1_000));
+        assert!(
+            jobs(&out.decisions).is_empty(),
+            "b was granted calls a holds"
+        );
+        if !state.spend.waiting.is_empty() {
+            break;
+        }
+    }
+
+    assert_eq!(state.spend.waiting.len(), 1, "b waits for a share");
+    // a ends having spent 1 call: b gets its fair share, half of 4.
+    fold(
+        &mut state,
+        &p,
+        &event(ended(&a, 1, SweepStop::Done), "a", T0 + 400_000),
+    );
+    let (b, _) = until_job(&mut state, &p, "b", 500, T0 + 401_000);
+    assert_eq!(b.max_calls, Some(2), "{b:?}");
+    assert!(state.spend.waiting.is_empty(), "b no longer waits");
+}
+
+/// The digest as it was first written: build the strings, hash them.
+fn reference(msg: &ChatMessage) -> (IdDigest, usize) {
+    let normalized = normalize(&msg.searchable_text());
+    let digest = id_digest(&format!(
+        "{}\u{0}{}\u{0}{}",
+        msg.role.as_str(),
+        msg.tool_call_id.as_deref().unwrap_or(""),
+        normalized
+    ));
+    (digest, normalized.chars().count())
+}
+
+/// Text with every kind of whitespace and case the normalizer treats
+/// specially, long enough to cross its buffer.
+fn text() -> impl Strategy<Value = String> {
+    let pieces = prop::sample::select(vec![
+        "a",
+        "Z",
+        "Hello",
+        " ",
+        "  ",
+        "\t",
+        "\n",
+        "\r\n",
+        "\u{0B}",
+        "\u{0C}",
+        "\u{85}",
+        "\u{A0}",
+        "\u{3000}",
+        "\u{2028}",
+        "İ",
+        "Σ",
+        "ẞ",
+        "ǅ",
+        "日本語",
+        "é",
+        "É",
+        "🙂",
+        "(",
+        "{\"k\":1}",
+        "x",
+    ]);
+    let prose = "[ -~]{0,40}|[ -~\t\n]{0,40}|[A-Za-z ]{0,40}";
+    prop::collection::vec(prop_oneof![pieces.prop_map(String::from), prose], 0..40)
+        .prop_map(|v| v.concat())
+}
+
+fn message() -> impl Strategy<Value = ChatMessage> {
+    (
+        0usize..4,
+        prop::option::of(text()),
+        prop::collection::vec(prop::option::of(text()), 0..4),
+        any::<bool>(),
+        prop::collection::vec((text(), text()), 0..3),
+        prop::option::of("[a-z_0-9]{0,12}"),
+    )
+        .prop_map(|(role, plain, parts, use_parts, calls, call_id)| {
+            let role = [Role::System, Role::User, Role::Assistant, Role::Tool][role];
+            let content = if use_parts {
+                Some(Content::Parts(
+                    parts
+                        .into_iter()
+                        .map(|text| ContentPart {
+                            kind: "text".into(),
+                            text,
+                            other: Default::default(),
+                        })
+                        .collect(),
+                ))
+            } else {
+                plain.map(Content::Text)
+            };
+            ChatMessage {
+                role,
+                content,
+                tool_calls: calls
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, (name, arguments))| ToolCall {
+                        id: format!("call_{i}"),
+                        kind: "function".into(),
+                        function: FunctionCall { name, arguments },
+                    })
+                    .collect(),
+                tool_call_id: call_id,
+                name: None,
+            }
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    /// The streamed digest is byte for byte the digest of the built
+    /// strings, so states folded before and after hash the same.
+    #[test]
+    fn streamed_turn_digest_is_the_reference_digest(msg in message()) {
+        prop_assert_eq!(turn_digest(&msg), reference(&msg));
+    }
+}
+
+/// Moving a turn into the state folds exactly as copying it.
+#[test]
+fn owned_and_borrowed_folds_agree() {
+    let policy = PolicyConfig::default();
+    let mut call = ChatMessage::text(Role::Assistant, "Reading it.");
+    call.tool_calls = vec![ToolCall {
+        id: "call_1".into(),
+        kind: "function".into(),
+        function: FunctionCall {
+            name: "read_file".into(),
+            arguments: r#"{"path":"src/main.rs"}"#.into(),
+        },
+    }];
+    let mut result = ChatMessage::text(Role::Tool, "fn main() {}");
+    result.tool_call_id = Some("call_1".into());
+    let mut orphan = ChatMessage::text(Role::Tool, "nobody asked");
+    orphan.tool_call_id = Some("call_9".into());
+    let events: Vec<Envelope> = [
+        ChatMessage::text(Role::User, "Where is the entry point of this crate?"),
+        call,
+        result,
+        orphan,
+        ChatMessage::text(Role::User, "Where is the entry point of this crate?"),
+    ]
+    .into_iter()
+    .enumerate()
+    .map(|(n, message)| {
+        Envelope::new(
+            format!("e{n}"),
+            "c:owned",
+            1_700_000_000_000 + n as u64 * 1000,
+            EventBody::TurnAppended(TurnAppended::from(message)),
+        )
+    })
+    .collect();
+    let (mut borrowed, mut owned) = (State::default(), State::default());
+    for e in events.iter().chain(&events) {
+        let a = fold_counted(&mut borrowed, &policy, e, None);
+        let b = fold_owned(&mut owned, &policy, e.clone(), None);
+        assert_eq!(a, b);
+    }
+    assert_eq!(borrowed.hash(), owned.hash());
+    assert_eq!(borrowed, owned);
+    assert_eq!(borrowed.conversations["c:owned"].turns.len(), 4);
+}
+
+#[test]
+fn streamed_turn_digest_crosses_its_buffer() {
+    let long = "Word\tÉTÉ  \u{3000}İ ".repeat(3000);
+    for role in [Role::User, Role::Tool] {
+        let mut msg = ChatMessage::text(role, long.clone());
+        msg.tool_call_id = Some("call_1".into());
+        assert_eq!(turn_digest(&msg), reference(&msg));
+    }
+}
+
+// ---- re-summarization of deterministic fallback summaries ----
+
+use crate::core::fallback_summary;
+use crate::core::sweep::{self, Pass};
+
+/// Runs the conversation's pending job in process, as a sweep would:
+/// every pass answered by the deterministic summarizer, marked as a
+/// model's when `model`. A re-summarization the "model" could not do
+/// (fallback again) is not recorded. Returns every decision.
+fn run_job(state: &mut State, p: &PolicyConfig, conv: &str, model: bool) -> Vec<Envelope> {
+    let c = &state.conversations[conv];
+    let pending = c.pending_job.clone().expect("a pending job");
+    let mut snap = sweep::snapshot(c, &pending.job, p).unwrap();
+    let time = c.last_time + 100;
+    let mut decisions = Vec::new();
+    let mut committed = 0;
+    while let Some(pass) = snap.next_pass() {
+        let req = snap.request(pass, false);
+        let mut draft = fallback_summary::summarize(&req);
+        if model {
+            draft.fallback = false;
+            draft.model = "test-model".into();
+            draft.provider = "test".into();
+            draft.prompt_version = "model-v1".into();
+        } else if matches!(pass, Pass::Resummarize(_)) {
+            break;
+        }
+        let rec = snap.record(pass, &draft);
+        if rec.tokens >= rec.source_tokens || committed > 100 {
+            break;
+        }
+        snap.apply(pass, &rec);
+        let out = fold(state, p, &sweep::summary_event(conv, time, rec));
+        assert_eq!(out.status, FoldStatus::Applied, "{:?}", out.decisions);
+        decisions.extend(out.decisions);
+        committed += 1;
+    }
+    let end = SweepEnded {
+        job_id: pending.job.job_id,
+        passes: committed.max(1),
+        committed,
+        stop: if committed > 0 {
+            SweepStop::Done
+        } else {
+            SweepStop::NoProgress
+        },
+        detail: None,
+        calls: 0,
+        tokens_spent: 0,
+        cost_micros: 0,
+        retry_after_ms: None,
+    };
+    decisions.extend(fold(state, p, &event(end, conv, time + 1)).decisions);
+    decisions
+}
+
+fn debts_recorded(decisions: &[Envelope]) -> Vec<DebtReason> {
+    decisions
+        .iter()
+        .filter_map(|d| match &d.body {
+            EventBody::DebtRecorded(debt) | EventBody::DebtUpdated(debt) => Some(debt.reason),
+            _ => None,
+        })
+        .collect()
+}
+
+fn fallbacks_in_context(state: &State, conv: &str) -> Vec<Summary> {
+    state.conversations[conv]
+        .fallback_summaries_in_context()
+        .cloned()
+        .collect()
+}
+
+fn assert_accounting(conv: &Conversation) {
+    let sum: u64 = conv.context.iter().map(|&i| conv.item_tokens(i)).sum();
+    assert_eq!(
+        conv.context.tokens(),
+        sum,
+        "context tokens are the items' sum"
+    );
+}
+
+/// Turns and fallback-only jobs until fallback summaries are in context
+/// and no job is pending; returns the next turn index.
+fn with_fallbacks(state: &mut State, p: &PolicyConfig, conv: &str) -> u64 {
+    let (_, next) = until_job(state, p, conv, 0, T0);
+    let decisions = run_job(state, p, conv, false);
+    assert!(!fallbacks_in_context(state, conv).is_empty());
+    assert!(state.conversations[conv].pending_job.is_none());
+    assert!(!debts_recorded(&decisions).contains(&DebtReason::Resummarize));
+    next
+}
+
+#[test]
+fn a_deterministic_only_deployment_never_owes_resummarization() {
+    let p = policy();
+    let mut state = State::default();
+    let mut next = 0;
+    let mut all = Vec::new();
+    for round in 0..4 {
+        let (_, n) = until_job(&mut state, &p, "c", next, T0 + round * 1_000_000);
+        all.extend(run_job(&mut state, &p, "c", false));
+        next = n;
+    }
+    assert!(!fallbacks_in_context(&state, "c").is_empty());
+    assert!(
+        state.conversations["c"].summaries.len() > 2,
+        "several rounds"
+    );
+    assert!(!debts_recorded(&all).contains(&DebtReason::Resummarize));
+    assert!(state.conversations["c"]
+        .debt
+        .as_ref()
+        .is_none_or(|d| d.reason != DebtReason::Resummarize));
+}
+
+#[test]
+fn a_model_summary_raises_resummarization_which_replaces_every_fallback() {
+    let p = policy();
+    let mut state = State::default();
+    let next = with_fallbacks(&mut state, &p, "c");
+    let old = fallbacks_in_context(&state, "c");
+    // The next compaction is done by a model: evidence it is back.
+    let (_, _) = until_job(&mut state, &p, "c", next, T0 + 1_000_000);
+    let decisions = run_job(&mut state, &p, "c", true);
+    assert_eq!(
+        debts_recorded(&decisions).last(),
+        Some(&DebtReason::Resummarize)
+    );
+    // Not a compaction cycle: no memory flush for it.
+    assert!(!decisions.iter().any(|d| matches!(
+        &d.body,
+        EventBody::MemoryFlushRequested(m) if m.reason == DebtReason::Resummarize
+    )));
+    let job = jobs(&decisions).pop().expect("a re-summarization job");
+    assert_eq!(job.reason, DebtReason::Resummarize);
+    assert!(!job.urgent, "routine: spend window and backoff apply");
+
+    let decisions = run_job(&mut state, &p, "c", true);
+    assert!(fallbacks_in_context(&state, "c").is_empty());
+    assert!(decisions.iter().any(|d| matches!(
+        &d.body,
+        EventBody::DebtCleared(c) if c.reason.contains("no deterministic fallback")
+    )));
+    let conv = &state.conversations["c"];
+    assert!(conv.debt.is_none());
+    assert_accounting(conv);
+    for x in &old {
+        // Lossless: the fallback stays in the DAG, out of context, and a
+        // model summary over exactly its sources took its place.
+        let k = conv.summary_index(&x.id).expect("kept in the DAG");
+        assert!(!conv.context.contains(&ContextItem::Summary(k)));
+        let new = conv
+            .summaries
+            .iter()
+            .find(|s| s.supersedes.as_deref() == Some(x.id.as_str()))
+            .expect("a replacement");
+        assert!(!new.fallback);
+        assert_eq!(
+            (new.kind, new.depth, &new.covers),
+            (x.kind, x.depth, &x.covers)
+        );
+        assert_eq!((new.first_turn, new.last_turn), (x.first_turn, x.last_turn));
+        assert_eq!(new.source_tokens, x.source_tokens);
+        let at = conv.summary_index(&new.id).expect("recorded");
+        assert!(conv.context.contains(&ContextItem::Summary(at)));
+    }
+}
+
+/// A fallback leaf in context and a model leaf over the same turns.
+fn resummary_of(state: &State, conv: &str) -> (Summary, SummaryRecorded) {
+    let c = &state.conversations[conv];
+    let x = c
+        .fallback_summaries_in_context()
+        .next()
+        .expect("a fallback")
+        .clone();
+    let content = "Asked and done, as a model tells it.".to_string();
+    let rec = SummaryRecorded {
+        summary_id: summary_id(&c.key, x.kind, x.depth, &x.covers, &content, "model-v1"),
+        job_id: None,
+        kind: x.kind,
+        depth: x.depth,
+        covers: x.covers.clone(),
+        content,
+        source_tokens: x.source_tokens,
+        tokens: 10,
+        model: "test-model".into(),
+        provider: "test".into(),
+        prompt_version: "model-v1".into(),
+        fallback: false,
+        supersedes: Some(x.id.clone()),
+    };
+    (x, rec)
+}
+
+fn readdress(conv: &str, mut rec: SummaryRecorded) -> SummaryRecorded {
+    rec.summary_id = summary_id(
+        conv,
+        rec.kind,
+        rec.depth,
+        &rec.covers,
+        &rec.content,
+        &rec.prompt_version,
+    );
+    rec
+}
+
+#[test]
+fn a_resummary_is_accepted_in_the_place_of_its_fallback() {
+    let p = policy();
+    let mut state = State::default();
+    with_fallbacks(&mut state, &p, "c");
+    let (x, rec) = resummary_of(&state, "c");
+    let before = state.conversations["c"].clone();
+    let pos = before
+        .context
+        .iter()
+        .position(|&i| i == ContextItem::Summary(before.summary_index(&x.id).unwrap()))
+        .unwrap();
+    let out = fold(
+        &mut state,
+        &p,
+        &sweep::summary_event("c", T0 + 9_000_000, rec.clone()),
+    );
+    assert_eq!(out.status, FoldStatus::Applied);
+    let conv = &state.conversations["c"];
+    let k = conv.summary_index(&rec.summary_id).unwrap();
+    assert_eq!(conv.context[pos], ContextItem::Summary(k), "same position");
+    assert_eq!(conv.context.len(), before.context.len());
+    assert_eq!(
+        conv.context.tokens(),
+        before.context.tokens() - x.tokens + conv.summaries[k as usize].tokens
+    );
+    assert_eq!(conv.context.bytes(), before.context.bytes());
+    assert_accounting(conv);
+    assert_eq!(
+        conv.summaries[k as usize].supersedes.as_deref(),
+        Some(x.id.as_str())
+    );
+    // Its sources' parents are the replacement from now on.
+    assert!(conv.summary_index(&x.id).is_some());
+}
+
+#[test]
+fn a_resummary_that_does_not_match_is_rejected_whole() {
+    let p = policy();
+    let mut state = State::default();
+    with_fallbacks(&mut state, &p, "c");
+    let (x, good) = resummary_of(&state, "c");
+    let model_leaf = {
+        // A model summary in context, to be wrongly "superseded".
+        let mut s2 = state.clone();
+        fold(
+            &mut s2,
+            &p,
+            &sweep::summary_event("c", T0 + 9_000_000, good.clone()),
+        );
+        s2
+    };
+    let Covers::Turns { first, last } = x.covers else {
+        panic!("a leaf")
+    };
+    let cases: Vec<(&str, State, SummaryRecorded)> = vec![
+        (
+            "unknown summary",
+            state.clone(),
+            readdress(
+                "c",
+                SummaryRecorded {
+                    supersedes: Some("sum_nope".into()),
+                    ..good.clone()
+                },
+            ),
+        ),
+        (
+            "fallback summary cannot supersede",
+            state.clone(),
+            readdress(
+                "c",
+                SummaryRecorded {
+                    fallback: true,
+                    ..good.clone()
+                },
+            ),
+        ),
+        (
+            "must match",
+            state.clone(),
+            readdress(
+                "c",
+                SummaryRecorded {
+                    covers: Covers::Turns {
+                        first,
+                        last: last + 1,
+                    },
+                    ..good.clone()
+                },
+            ),
+        ),
+        (
+            "must match",
+            state.clone(),
+            readdress(
+                "c",
+                SummaryRecorded {
+                    kind: SummaryKind::Condensed,
+                    depth: 1,
+                    ..good.clone()
+                },
+            ),
+        ),
+        (
+            "content address",
+            state.clone(),
+            SummaryRecorded {
+                content: "tampered".into(),
+                ..good.clone()
+            },
+        ),
+        (
+            // The fallback was already replaced: stale.
+            "no longer in context",
+            model_leaf.clone(),
+            readdress(
+                "c",
+                SummaryRecorded {
+                    content: "another model's take".into(),
+                    ..good.clone()
+                },
+            ),
+        ),
+        (
+            "not a deterministic fallback",
+            model_leaf,
+            readdress(
+                "c",
+                SummaryRecorded {
+                    supersedes: Some(good.summary_id.clone()),
+                    content: "a model over a model".into(),
+                    ..good
+                },
+            ),
+        ),
+    ];
+    for (why, mut st, rec) in cases {
+        let before = st.conversations["c"].clone();
+        let out = fold(&mut st, &p, &sweep::summary_event("c", T0 + 9_100_000, rec));
+        let FoldStatus::Rejected(reason) = &out.status else {
+            panic!("{why}: accepted");
+        };
+        let reason = reason.to_string();
+        assert!(reason.contains(why), "{why}: {reason}");
+        assert!(out
+            .decisions
+            .iter()
+            .any(|d| matches!(&d.body, EventBody::SummaryRejected(r) if r.reason == reason)));
+        let conv = &st.conversations["c"];
+        assert_eq!(conv.context, before.context, "{why}: nothing applied");
+        assert_eq!(conv.context.tokens(), before.context.tokens());
+        assert_eq!(conv.summaries.len(), before.summaries.len());
+    }
+}
+
+#[test]
+fn a_condensed_summary_of_depth_zero_is_rejected() {
+    // Its children's expected depth was depth - 1: an overflow.
+    let p = policy();
+    let mut state = State::default();
+    with_fallbacks(&mut state, &p, "c");
+    let mut ids: Vec<String> = state.conversations["c"]
+        .summaries
+        .iter()
+        .map(|s| s.id.clone())
+        .collect();
+    ids.extend(ids.clone());
+    let (_, leaf) = resummary_of(&state, "c");
+    let rec = readdress(
+        "c",
+        SummaryRecorded {
+            kind: SummaryKind::Condensed,
+            depth: 0,
+            covers: Covers::Summaries { ids },
+            supersedes: None,
+            ..leaf
+        },
+    );
+    let out = fold(
+        &mut state,
+        &p,
+        &sweep::summary_event("c", T0 + 9_100_000, rec),
+    );
+    let FoldStatus::Rejected(reason) = &out.status else {
+        panic!("accepted: {:?}", out.decisions);
+    };
+    assert_eq!(
+        *reason,
+        Rejection::Summary(SummaryRejection::CondensedDepth),
+        "{reason}"
+    );
+}
+
+#[test]
+fn a_threshold_trigger_takes_over_a_pending_resummarization() {
+    let p = policy();
+    let mut state = State::default();
+    let next = with_fallbacks(&mut state, &p, "c");
+    let (_, next) = until_job(&mut state, &p, "c", next, T0 + 1_000_000);
+    let decisions = run_job(&mut state, &p, "c", true);
+    let job = jobs(&decisions).pop().expect("a re-summarization job");
+    assert_eq!(job.reason, DebtReason::Resummarize);
+    let cycle = state.conversations["c"].cycle;
+    // Turns arrive while it runs, until compaction is owed again.
+    let mut taken = Vec::new();
+    for i in next..next + 40 {
+        let out = fold(&mut state, &p, &turn("c", i, T0 + 2_000_000 + i * 1_000));
+        taken.extend(out.decisions);
+        if debts_recorded(&taken).contains(&DebtReason::Threshold) {
+            break;
+        }
+    }
+    assert_eq!(debts_recorded(&taken), vec![DebtReason::Threshold]);
+    let conv = &state.conversations["c"];
+    let debt = conv.debt.as_ref().expect("one debt");
+    assert_eq!(debt.reason, DebtReason::Threshold);
+    assert_eq!(conv.cycle, cycle + 1, "compaction starts a cycle");
+    assert!(taken
+        .iter()
+        .any(|d| matches!(&d.body, EventBody::MemoryFlushRequested(m) if m.reason == DebtReason::Threshold)));
+    // The re-summarization job fails; its end issues nothing, and the
+    // next turn gets the compaction job.
+    let failed = SweepEnded {
+        committed: 0,
+        stop: SweepStop::NoProgress,
+        ..ended(&job, 0, SweepStop::NoProgress)
+    };
+    let out = fold(&mut state, &p, &event(failed, "c", T0 + 3_000_000));
+    assert!(jobs(&out.decisions).is_empty());
+    assert_eq!(
+        state.conversations["c"].debt.as_ref().map(|d| d.reason),
+        Some(DebtReason::Threshold)
+    );
+}
+
+#[test]
+fn a_trigger_with_nothing_to_compact_leaves_a_resummarization_alone() {
+    let p = policy();
+    let mut state = State::default();
+    let next = with_fallbacks(&mut state, &p, "c");
+    let (_, next) = until_job(&mut state, &p, "c", next, T0 + 1_000_000);
+    let decisions = run_job(&mut state, &p, "c", true);
+    let job = jobs(&decisions).pop().expect("a re-summarization job");
+    // The model failed again: backoff, the debt stays.
+    let failed = ended(&job, 0, SweepStop::NoProgress);
+    fold(&mut state, &p, &event(failed, "c", T0 + 2_000_000));
+    // Everything raw is fresh tail and nothing condenses: over the
+    // threshold, a trigger has no compaction work. It must neither take
+    // the debt over nor let it be cleared and raised again every turn.
+    let q = PolicyConfig {
+        fresh_tail_count: 10_000,
+        // Capped at the budget: the tail holds every raw turn in context.
+        fresh_tail_max_tokens: Some(u64::MAX),
+        leaf_fanout: 10_000,
+        condensed_fanout: 10_000,
+        ..p.clone()
+    };
+    let mut all = Vec::new();
+    let mut i = next;
+    while {
+        let conv = &state.conversations["c"];
+        conv.context.tokens() <= policy::levels(conv, &q).threshold_tokens
+    } {
+        let out = fold(&mut state, &q, &turn("c", i, T0 + 2_100_000 + i * 1_000));
+        all.extend(out.decisions);
+        i += 1;
+    }
+    // Events that change nothing, over the threshold: no flapping.
+    for k in 0..5 {
+        let declared = Envelope::new(
+            format!("model-{k}"),
+            "c",
+            T0 + 2_900_000 + k,
+            EventBody::ModelDeclared(ModelDeclared {
+                model: "gpt-4o".into(),
+                context_window: None,
+            }),
+        );
+        all.extend(fold(&mut state, &q, &declared).decisions);
+    }
+    let conv = &state.conversations["c"];
+    assert!(conv.context.tokens() > policy::levels(conv, &q).threshold_tokens);
+    assert!(
+        !all.iter().any(|d| matches!(
+            d.body,
+            EventBody::DebtRecorded(_) | EventBody::DebtUpdated(_) | EventBody::DebtCleared(_)
+        )),
+        "{all:?}"
+    );
+    assert_eq!(
+        conv.debt.as_ref().map(|d| d.reason),
+        Some(DebtReason::Resummarize)
+    );
+    assert!(jobs(&all).is_empty(), "in backoff");
+}
