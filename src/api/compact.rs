@@ -135,10 +135,10 @@ pub fn compact(
 
     let mut warnings = Vec::new();
     let target = req.target_tokens.unwrap_or(levels.target_tokens);
-    if conv.context_tokens <= target {
+    if conv.context.tokens() <= target {
         warnings.push(format!(
             "context is at {} tokens, already at or under the target of {target}: the request will be recorded and cleared without compacting",
-            conv.context_tokens
+            conv.context.tokens()
         ));
     }
     if req.keep_recent_tokens.is_some() {
@@ -247,7 +247,7 @@ mod tests {
     fn a_request_that_would_change_nothing_is_flagged() {
         let (state, policy) = testing::folded();
         let mut r = req();
-        r.target_tokens = Some(testing::conv(state).context_tokens);
+        r.target_tokens = Some(testing::conv(state).context.tokens());
         r.keep_recent_tokens = Some(500);
         let out = compact(state, policy, &r).unwrap();
         assert_eq!(out.warnings.len(), 2, "{:?}", out.warnings);

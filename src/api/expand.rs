@@ -261,7 +261,7 @@ mod tests {
         };
         let part = expand(state, &Resident, &req(&leaf.id, Some(first_tokens), 0)).unwrap();
         assert_eq!(part.items.len(), 1);
-        let cut = part.cut.clone().expect("the cap cut it");
+        let cut = part.cut.expect("the cap cut it");
         assert_eq!(cut.items, full.total_items - 1);
         assert_eq!(cut.tokens, full.total_tokens - first_tokens);
         let rest = expand(

@@ -18,7 +18,6 @@ pub mod describe;
 pub mod expand;
 pub mod grep;
 pub mod history;
-pub mod nats_service;
 pub mod recall;
 pub mod status;
 #[cfg(test)]
@@ -246,7 +245,7 @@ impl ApiError {
         encode(&ErrorReply { error: self.body() })
     }
 
-    fn bad(message: impl Into<String>) -> ApiError {
+    pub(crate) fn bad(message: impl Into<String>) -> ApiError {
         ApiError::BadRequest(message.into())
     }
 }
@@ -278,6 +277,7 @@ pub fn decode_reply<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ReplyError> 
 /// reply is hundreds of KB of message text, and escaping it byte by byte
 /// was most of the handler's time (SIMD escaping halves it; see
 /// `benches/nats_assemble.rs`). Same JSON (tested against serde_json).
+#[allow(clippy::expect_used)] // only a bug reaches the expect (see its message)
 fn encode<T: Serialize>(value: &T) -> Vec<u8> {
     // Response types hold only strings, numbers, maps with string keys and
     // JSON values: serializing them to a Vec cannot fail.

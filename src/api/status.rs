@@ -716,7 +716,7 @@ pub fn conversation_status(
     turns.summarized = eligible.saturating_sub(turns.in_context);
     let tokens = TokenCounts {
         raw: conv.raw_tokens(),
-        context: conv.context_tokens,
+        context: conv.context.tokens(),
         budget: levels.budget,
         threshold: levels.threshold_tokens,
         target: levels.target_tokens,
@@ -800,12 +800,13 @@ pub fn conversation_status(
                 levels.budget
             ),
         });
-    } else if conv.context_tokens > levels.budget {
+    } else if conv.context.tokens() > levels.budget {
         reasons.push(HealthReason {
             code: HealthCode::ContextOverBudget,
             message: format!(
                 "context is {} tokens, over the budget of {}: assembly leaves the oldest items out",
-                conv.context_tokens, levels.budget
+                conv.context.tokens(),
+                levels.budget
             ),
         });
     }
@@ -1221,7 +1222,7 @@ mod tests {
         let json = serde_json::to_value(&g).unwrap();
         assert_eq!(json["spend_exhausted_conversations"], 1, "{json}");
         // A reply of an older serve, without these fields, still decodes.
-        let mut old = json.clone();
+        let mut old = json;
         for f in [
             "spend_backoff_conversations",
             "spend_exhausted_conversations",

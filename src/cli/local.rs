@@ -420,6 +420,8 @@ pub(super) fn input_records(file: Option<&Path>, format: &str) -> Result<InputRe
             .into_owned()
     });
     let conversations = import::import_bytes(&bytes, format, &name)?;
+    // Collected: the records borrow the imported conversations, dropped here.
+    #[allow(clippy::needless_collect)]
     let records: Vec<Input> = conversations
         .iter()
         .flat_map(|c| c.events.iter())

@@ -58,7 +58,7 @@ pub fn conversation_report(
         turns: conv.turns.len(),
         raw_tokens: conv.raw_tokens(),
         context_before: before,
-        context_after: conv.context_tokens,
+        context_after: conv.context.tokens(),
         summaries_by_depth: by_depth,
         compression_ratio: if summary_tokens == 0 {
             1.0

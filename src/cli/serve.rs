@@ -4,10 +4,10 @@
 use super::audit::NatsSource;
 use anyhow::{Context, Result};
 use clap::Args;
-use contextfold::api::nats_service::RecallService;
 use contextfold::config::Config;
 use contextfold::http::audit_page::{self, Late};
 use contextfold::http::{Check, HttpListener, OpsState, ReadyProbe, ReadyReport, Refresh};
+use contextfold::nats::api_role::RecallService;
 use contextfold::nats::serve::{shutdown_signal, Roles, ServeOptions, Service};
 use contextfold::nats::NatsConfig;
 use contextfold::runtime::llm_pass::{ExternalPass, LlmPass};

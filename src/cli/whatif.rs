@@ -217,7 +217,7 @@ fn measure<B: KvBackend>(engine: &Engine<B>, key: &str, meter: &mut Meter) -> Re
     let policy = &engine.policy;
     engine.with_conversation(key, |state, _| {
         if let Some(conv) = state.conversations.get(key) {
-            meter.measure(conv.context_tokens, policy::budget(conv, policy));
+            meter.measure(conv.context.tokens(), policy::budget(conv, policy));
         }
     })?;
     Ok(())

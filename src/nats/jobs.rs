@@ -35,6 +35,7 @@ pub fn snapshot_object_name(job_id: &str) -> String {
     format!("jobs/{job_id}")
 }
 
+#[allow(clippy::expect_used)] // only a bug reaches the expect (see its message)
 fn encode<T: Serialize>(value: &T) -> Vec<u8> {
     // Owned, well-formed data serializes into a Vec without failing.
     rmp_serde::to_vec_named(value).expect("job messages serialize")

@@ -11,8 +11,11 @@
 //! - [`folder`]: the folder role (one engine per held partition).
 //! - [`jobs`]: the compaction job on the work queue.
 //! - [`summarizer_role`]: stateless workers running jobs from the queue.
+//! - [`api_role`]: the API over NATS request/reply (public and per-partition
+//!   subjects, forwarding to the owner, recall with its spend event).
 //! - [`serve`]: every role of one process, started and stopped together.
 
+pub mod api_role;
 pub mod config;
 pub mod connect;
 pub mod event_log;

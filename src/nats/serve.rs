@@ -18,9 +18,9 @@
 //! folders finish their batch (commit, then ack), and only then the leases
 //! are released, so the next owner starts from a committed position.
 
-use crate::api::nats_service::{self, EngineView, HeldEngines, ServiceConfig};
 use crate::core::policy::PolicyConfig;
 use crate::http::{Check, ReadyProbe, ReadyReport, Refresh};
+use crate::nats::api_role::{self, EngineView, HeldEngines, ServiceConfig};
 use crate::nats::config::NatsConfig;
 use crate::nats::folder::{EngineFactory, EngineMap, FolderRole, FolderSettings};
 use crate::nats::leases::{generate_member_id, LeaseRunner, LeaseSettings, PartitionLeases};
@@ -126,7 +126,7 @@ pub struct ServeOptions {
     pub folder: FolderSettings,
     pub summarizer: SummarizerSettings,
     /// The model the API role's `recall` asks (off: refused with why).
-    pub recall: crate::api::nats_service::RecallService,
+    pub recall: crate::nats::api_role::RecallService,
 }
 
 impl ServeOptions {
@@ -394,7 +394,7 @@ impl Service {
                 let client = client.clone();
                 let stop_rx = stop_rx.clone();
                 api = Some(tokio::spawn(async move {
-                    if let Err(e) = nats_service::run(client, view, config, held, stop_rx).await {
+                    if let Err(e) = api_role::run(client, view, config, held, stop_rx).await {
                         tracing::error!(error = %e, "api role stopped");
                     }
                 }));

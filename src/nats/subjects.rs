@@ -723,7 +723,7 @@ mod tests {
         fn any_key_round_trips_through_one_valid_token(key in "\\PC{1,64}|[A-Za-z0-9_-]{1,16}|[.:/ *>~]{1,8}") {
             let token = encode_conversation(&key).unwrap();
             prop_assert!(is_valid_literal_token(&token), "{:?} -> {:?}", key, token);
-            prop_assert_eq!(decode_conversation(&token).unwrap(), key.clone());
+            prop_assert_eq!(decode_conversation(&token).unwrap(), key.as_str());
             let s = Subjects::new("cf").unwrap();
             let subject = s.inbound(&key).unwrap();
             prop_assert_eq!(subject.split('.').count(), 3);

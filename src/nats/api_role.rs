@@ -318,12 +318,11 @@ async fn serve<V: StateView>(
                         Err(ApiError::Internal(format!("the request task failed: {e}")))
                     })
                 };
-                let result = match result {
-                    Ok(reply) if compactions.is_some() && op == Op::Compact.as_str() => {
-                        let subjects = compactions.as_ref().expect("checked above");
+                let result = match (result, compactions.as_ref()) {
+                    (Ok(reply), Some(subjects)) if op == Op::Compact.as_str() => {
                         publish_compaction(&client, subjects, &reply).await
                     }
-                    other => other,
+                    (other, _) => other,
                 };
                 match (result, &route) {
                     (
@@ -715,6 +714,7 @@ impl<H: HeldEngines> StateView for EngineView<H> {
             .collect()
     }
 
+    #[allow(clippy::expect_used)] // only a bug reaches the expect (see its message)
     fn with_state<R>(
         &self,
         conversation: Option<&str>,
