@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Runs the memory and speed benches of two trees in one session, one after
+# the other, so "before" and "after" come from the same machine in the same
+# state (the page cache, the other core's load, the build flags).
+#
+#   scripts/bench-side-by-side.sh BEFORE_TREE [OUT_DIR]
+#
+# BEFORE_TREE is a checkout of the older commit beside this one, e.g.
+#   git worktree add ../before b992a76
+# OUT_DIR (default target/side-by-side) receives one file per bench and
+# tree, and summary.txt with the lines that carry the numbers.
+#
+# In order: release builds of both trees; `cargo bench --bench fold` and
+# `--bench assembly` in each tree (divan, same corpus from ../shared/data);
+# `--bench nats_ingest` alternating before/after for ROUNDS passes (default
+# 2); then this tree's process benches `fleet_memory` and `takeover` with
+# both binaries (CONTEXTFOLD_BENCH_BINS). Benches a tree does not have are
+# skipped and said so. Knobs the benches read (CONTEXTFOLD_FLEET_*,
+# CONTEXTFOLD_TAKEOVER_*, CONTEXTFOLD_BENCH_EVENTS, ...) pass through.
+# About 45 minutes on 2 cores, most of it the two release builds.
+set -euo pipefail
+
+after="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+before="$(cd "${1:?usage: $0 BEFORE_TREE [OUT_DIR]}" && pwd)"
+out="${2:-$after/target/side-by-side}"
+rounds="${ROUNDS:-2}"
+mkdir -p "$out"
+: > "$out/summary.txt"
+
+# nats-server as the tests find it; the older tree has no virtualenv.
+export CONTEXTFOLD_NATS_SERVER="${CONTEXTFOLD_NATS_SERVER:-$after/.venv/bin/nats-server}"
+[ -x "$CONTEXTFOLD_NATS_SERVER" ] || "$after/scripts/install-nats.sh"
+
+label() { [ "$1" = "$before" ] && echo before || echo after; }
+has_bench() { [ -f "$1/benches/$2.rs" ]; }
+note() { echo "$*" | tee -a "$out/summary.txt"; }
+
+note "side by side: before $(git -C "$before" rev-parse --short HEAD) ($before), after $(git -C "$after" rev-parse --short HEAD) ($after), $(date -u +%FT%TZ)"
+for tree in "$before" "$after"; do
+    echo "== building $(label "$tree")"
+    (cd "$tree" && cargo build --release --locked --quiet \
+        && cargo bench --locked --no-run --quiet --bench fold --bench assembly --bench nats_ingest)
+done
+
+for bench in fold assembly; do
+    for tree in "$before" "$after"; do
+        file="$out/$bench.$(label "$tree").txt"
+        if ! has_bench "$tree" "$bench"; then
+            note "$bench: $(label "$tree") has no such bench"
+            continue
+        fi
+        echo "== $bench, $(label "$tree")"
+        (cd "$tree" && cargo bench --locked --quiet --bench "$bench") > "$file" 2>&1
+    done
+done
+
+for round in $(seq 1 "$rounds"); do
+    for tree in "$before" "$after"; do
+        file="$out/nats_ingest.$(label "$tree").$round.txt"
+        echo "== nats_ingest, $(label "$tree"), pass $round"
+        (cd "$tree" && cargo bench --locked --quiet --bench nats_ingest) > "$file" 2>&1
+        note "nats_ingest $(label "$tree") pass $round: $(grep -iE 'ratio' "$file" | tail -1)"
+    done
+done
+
+export CONTEXTFOLD_BENCH_BINS="before=$before/target/release/contextfold,after=$after/target/release/contextfold"
+for bench in fleet_memory takeover; do
+    echo "== $bench, both binaries"
+    (cd "$after" && cargo bench --locked --quiet --bench "$bench") > "$out/$bench.txt" 2>&1
+done
+note "outputs in $out"
