@@ -11,6 +11,9 @@
 //!
 //! Run: `cargo bench --bench assembly`.
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 #[path = "support/transcripts.rs"]
 mod transcripts;
 

@@ -9,6 +9,9 @@
 //! CONTEXTFOLD_BENCH_DIR=/path   # where the log is written (default: a temp dir)
 //! ```
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use contextfold::core::event::{Encoding, Origin};
 use contextfold::log::segment::{SegmentLog, RECORD_OVERHEAD};
 use std::process::ExitCode;

@@ -39,6 +39,9 @@
 //! CONTEXTFOLD_BENCH_DIR=/work/tmp       # scratch space (default: temp dir)
 //! ```
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 #[allow(dead_code)]
 #[path = "support/procs.rs"]
 mod procs;
@@ -364,12 +367,13 @@ fn run_one(
     let m = procs::measure(cmd, Some(&out), Some(&err))?;
     if !m.success {
         let tail = std::fs::read_to_string(&err).unwrap_or_default();
-        let tail: Vec<&str> = tail.lines().rev().take(8).collect();
+        let lines: Vec<&str> = tail.lines().collect();
+        let last = &lines[lines.len().saturating_sub(8)..];
         return Err(format!(
             "{} {} failed: {}",
             bin.label,
             args.join(" "),
-            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            last.join("\n")
         ));
     }
     Ok(m)

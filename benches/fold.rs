@@ -30,6 +30,9 @@
 //!
 //! Run: `cargo bench --bench fold`. The throughput column is events/s.
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 #[path = "support/transcripts.rs"]
 mod transcripts;
 

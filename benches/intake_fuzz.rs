@@ -71,6 +71,9 @@
 //! build), fewer inputs: `CONTEXTFOLD_BENCH_FUZZ_N=100000 cargo test
 //! --bench intake_fuzz`.
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use contextfold::core::event::{
     CompactionRequested, ConversationReset, Covers, DebtCleared, DebtReason, DecodeError, Encoding,
     Envelope, EventBody, EventRejected, JobIssued, MemoryFlushRequested, ModelDeclared, Origin,

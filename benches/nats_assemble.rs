@@ -2,7 +2,7 @@
 //! 26,500 turns (goal: p99 under 2 ms).
 //!
 //! The bench starts its own nats-server and serves the API
-//! (`api::nats_service::start`, default settings) over a `LocalState`
+//! (`nats::api_role::start`, default settings) over a `LocalState`
 //! holding one of the 26,500-turn shapes of `support/shapes.rs`
 //! (`compacted`: summaries plus raw turns, about 125k tokens, assembled
 //! whole; `raw_newest_155k`: uncompacted, a 155k-token budget;
@@ -42,6 +42,9 @@
 //! them. nats-server is looked up as the integration tests do; without one
 //! the bench says so and exits successfully.
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 #[path = "support/transcripts.rs"]
 mod transcripts;
 
@@ -54,10 +57,10 @@ mod shapes;
 mod nats_server;
 
 use bytes::Bytes;
-use contextfold::api::nats_service::{self, ServiceConfig};
 use contextfold::api::{answer_view, assemble as assemble_api, LocalState, Target};
 use contextfold::core::assembly;
 use contextfold::core::state::{Resident, State};
+use contextfold::nats::api_role::{self, ServiceConfig};
 use futures::StreamExt;
 use nats_server::NatsServer;
 use serde_json::json;
@@ -248,7 +251,7 @@ async fn bench_shape(name: &str, server: &NatsServer, requests: usize) -> Result
         return Ok(());
     }
     let floor = percentiles(echo(server, &client, reply_bytes, requests).await?);
-    let service = nats_service::start(
+    let service = api_role::start(
         async_nats::connect(server.url()).await?,
         view.clone(),
         ServiceConfig {

@@ -47,6 +47,9 @@
 //! (`CONTEXTFOLD_NATS_SERVER`, `$CONTEXTFOLD_VENV/bin`, `.venv/bin`);
 //! without one the bench says so and exits successfully.
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 // The integration tests' nats-server harness; not all of it is used here.
 #[allow(dead_code)]
 #[path = "../tests/support/nats_server.rs"]

@@ -17,6 +17,9 @@
 //! CONTEXTFOLD_BENCH_WINDOW=32000         # declared window (compaction)
 //! ```
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use contextfold::core::event::{Envelope, EventBody, ModelDeclared, TurnAppended};
 use contextfold::core::message::{ChatMessage, FunctionCall, Role, ToolCall};
 use contextfold::core::policy::PolicyConfig;

@@ -18,6 +18,9 @@
 //! CONTEXTFOLD_SOAK_STALL_SECS=30
 //! ```
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use contextfold::store::{KvBackend, Table, Write};
 use std::path::Path;
 use std::process::{Command, ExitCode};

@@ -39,6 +39,9 @@
 //! (`CONTEXTFOLD_NATS_SERVER`, `$CONTEXTFOLD_VENV/bin`, `.venv/bin`);
 //! without one the bench says so and exits successfully.
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 #[allow(dead_code)]
 #[path = "../tests/support/nats_server.rs"]
 mod nats_server;

@@ -12,6 +12,9 @@
 //! Run: `cargo bench --bench tokens`. One iteration counts a whole corpus;
 //! the throughput column is text bytes per second.
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 #[path = "../tests/corpus/mod.rs"]
 mod corpus;
 

@@ -524,6 +524,7 @@ impl Config {
 
     /// The configuration as TOML, for `contextfold config`: secrets and URL
     /// credentials appear as `***`.
+    #[allow(clippy::expect_used)] // only a bug reaches the expect (see its message)
     pub fn to_toml(&self) -> String {
         toml::to_string_pretty(&self.redacted()).expect("config serializes")
     }

@@ -5,6 +5,9 @@
 //! service against a real nats-server (skipped with a message when none is
 //! installed, unless `CONTEXTFOLD_REQUIRE_NATS` is set).
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod support;
 
 use contextfold::api::compact::{event_id_for_request, CompactResponse};
@@ -12,7 +15,6 @@ use contextfold::api::describe::DescribeResponse;
 use contextfold::api::expand::ExpandResponse;
 use contextfold::api::grep::{GrepResponse, MatchSource};
 use contextfold::api::history::HistoryResponse;
-use contextfold::api::nats_service::{self, ServiceConfig};
 use contextfold::api::status::{HealthStatus, StatusResponse};
 use contextfold::api::{
     decode_reply, handle, handle_view, AssembleResponse, ErrorBody, ErrorCode, Held, LocalState,
@@ -23,6 +25,7 @@ use contextfold::core::message::{ChatMessage, FunctionCall, Role, ToolCall};
 use contextfold::core::policy::PolicyConfig;
 use contextfold::core::state::{ContextItem, State};
 use contextfold::log::memory::MemoryLog;
+use contextfold::nats::api_role::{self, ServiceConfig};
 use contextfold::nats::subjects::encode_conversation;
 use contextfold::runtime::embedded::Pipeline;
 use contextfold::runtime::engine::Engine;
@@ -237,7 +240,7 @@ fn status_global_and_per_conversation() {
     };
     let conv = &state().conversations[CONV];
     assert_eq!(c.turns.total, conv.turns.len() as u64);
-    assert_eq!(c.tokens.context, conv.context_tokens);
+    assert_eq!(c.tokens.context, conv.context.tokens());
     assert_eq!(
         c.tokens.context,
         c.tokens.summarized_prefix + c.tokens.frontier
@@ -433,7 +436,7 @@ fn every_error_code() {
     // internal: a state whose context names a turn it does not hold.
     let mut broken = state().clone();
     let conv = broken.conversations.get_mut(CONV).unwrap();
-    conv.context.push(ContextItem::Turn(1_000_000));
+    conv.context.push(ContextItem::Turn(1_000_000), 0, 0);
     for op in ["status", "assemble"] {
         let reply = handle(
             op,
@@ -583,7 +586,7 @@ async fn nats_serves_every_operation_and_structured_errors() {
         return;
     };
     let view = Arc::new(LocalState::new(state().clone(), policy()));
-    let service = nats_service::start(client.clone(), view, service_config())
+    let service = api_role::start(client.clone(), view, service_config())
         .await
         .unwrap();
     assert_eq!(service.subject_filter(), "cf.api.*.* cf.admin.*");
@@ -666,7 +669,7 @@ async fn nats_forwards_to_the_partition_owner_or_says_not_owner() {
         inner: LocalState::new(State::default(), policy()),
         owns: |_| false,
     });
-    let plain = nats_service::start(client.clone(), stranger.clone(), service_config())
+    let plain = api_role::start(client.clone(), stranger.clone(), service_config())
         .await
         .unwrap();
     let reply = ask(&client, "assemble", json!({"conversation": CONV})).await;
@@ -676,7 +679,7 @@ async fn nats_forwards_to_the_partition_owner_or_says_not_owner() {
     assert_eq!(header(&reply, "Nats-Service-Error-Code"), Some("503"));
     plain.stop().await;
 
-    let forwarding = nats_service::start(
+    let forwarding = api_role::start(
         client.clone(),
         stranger,
         ServiceConfig {
@@ -698,7 +701,7 @@ async fn nats_forwards_to_the_partition_owner_or_says_not_owner() {
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
     let owner_client = async_nats::connect(server.url()).await.unwrap();
-    let owner = nats_service::start_partition(
+    let owner = api_role::start_partition(
         owner_client,
         Arc::new(LocalState::new(state().clone(), policy())),
         service_config(),
@@ -746,7 +749,7 @@ async fn nats_a_started_service_answers_the_next_request() {
     };
     let view = Arc::new(LocalState::new(state().clone(), policy()));
     for attempt in 0..40 {
-        let service = nats_service::start(
+        let service = api_role::start(
             async_nats::connect(server.url()).await.unwrap(),
             view.clone(),
             service_config(),
@@ -774,11 +777,7 @@ async fn nats_queue_group_answers_each_request_once() {
     for _ in 0..2 {
         let c = async_nats::connect(server.url()).await.unwrap();
         let view = Arc::new(LocalState::new(state().clone(), policy()));
-        services.push(
-            nats_service::start(c, view, service_config())
-                .await
-                .unwrap(),
-        );
+        services.push(api_role::start(c, view, service_config()).await.unwrap());
     }
     let inbox = client.new_inbox();
     let mut replies = client.subscribe(format!("{inbox}.*")).await.unwrap();
@@ -848,7 +847,7 @@ async fn nats_reply_over_max_payload_becomes_an_error_reply() {
     ));
     let folded = fold(&policy(), &input);
     let view = Arc::new(LocalState::new(folded, policy()));
-    let service = nats_service::start(client.clone(), view, service_config())
+    let service = api_role::start(client.clone(), view, service_config())
         .await
         .unwrap();
     let reply = ask(
@@ -879,7 +878,7 @@ async fn nats_run_follows_the_held_partitions_and_stops_on_shutdown() {
     let partition = contextfold::nats::subjects::partition_of(CONV, 16).unwrap();
     let held = Arc::new(std::sync::Mutex::new(Vec::<u32>::new()));
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
-    let role = tokio::spawn(nats_service::run(
+    let role = tokio::spawn(api_role::run(
         async_nats::connect(server.url()).await.unwrap(),
         Arc::new(LocalState::new(state().clone(), policy())),
         ServiceConfig {

@@ -3,6 +3,9 @@
 //! SVG (parsed) holding one mark per compaction and per overflow; then a
 //! 1,000-turn session, whose picture must stay legible.
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod support;
 
 use serde_json::{json, Value};

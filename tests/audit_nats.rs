@@ -6,6 +6,9 @@
 //! Needs nats-server (`CONTEXTFOLD_NATS_SERVER`, see scripts/test.sh);
 //! skips without one unless `CONTEXTFOLD_REQUIRE_NATS` is set.
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod support;
 
 use std::collections::BTreeSet;

@@ -12,6 +12,9 @@
 //! Without chromium the test skips, unless `CONTEXTFOLD_REQUIRE_BROWSER`
 //! is set (scripts/test.sh sets it), which makes it fail.
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod support;
 
 use serde_json::Value;

@@ -2,6 +2,9 @@
 //! event types or roles, orphan tool results, oversized payloads and invalid
 //! UTF-8 are each rejected with a reason, and every other event is folded.
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use contextfold::core::event::*;
 use contextfold::core::intake::Address;
 use contextfold::core::message::{ChatMessage, Role};

@@ -2,6 +2,9 @@
 //! request into the local log once per idempotency key, and the other
 //! queries answer with the API's JSON.
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod support;
 
 use contextfold::core::event::{Envelope, EventBody, TurnAppended};

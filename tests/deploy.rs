@@ -25,6 +25,9 @@
 //! `--http ADDR` is left out of the command lines checked, each with a
 //! message saying so.
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use regex::Regex;
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};

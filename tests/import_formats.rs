@@ -4,6 +4,9 @@
 //! Expected counts are computed here from the raw records with a reading of
 //! each format independent of the importer's.
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use contextfold::core::event::{EventBody, TurnAppended};
 use contextfold::core::message::Role;
 use contextfold::import::{

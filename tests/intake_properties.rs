@@ -9,6 +9,9 @@
 //! `benches/intake_fuzz.rs` runs a million such records; this is its fast
 //! property-test counterpart.
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use contextfold::core::event::*;
 use contextfold::core::intake::Address;
 use contextfold::core::message::{ChatMessage, FunctionCall, Role, ToolCall};
@@ -235,7 +238,7 @@ fn record() -> impl Strategy<Value = Rec> {
             };
             let address = match addressing {
                 Addressing::Unaddressed => Address::Unaddressed,
-                Addressing::Own => Address::Conversation(e.conversation.clone()),
+                Addressing::Own => Address::Conversation(e.conversation),
                 Addressing::Other(k) => Address::Conversation(k),
                 Addressing::Unroutable => Address::Unroutable("not a conversation's token".into()),
             };
@@ -308,7 +311,7 @@ proptest! {
 
         let mut again = open();
         again.apply_batch(log.clone()).unwrap();
-        prop_assert_eq!(again.state_hash().unwrap(), hash.clone(), "the same records in one batch");
+        prop_assert_eq!(again.state_hash().unwrap(), hash.as_str(), "the same records in one batch");
 
         engine.commit().expect("a memory store commits");
         let reopened = Engine::open(engine.store().backend().clone(), small_policy())

@@ -23,6 +23,9 @@
 //! - and the conversation settles: no job is pending at the end but one
 //!   whose worker died.
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use contextfold::core::event::*;
 use contextfold::core::fold;
 use contextfold::core::message::{ChatMessage, FunctionCall, Role, ToolCall};

@@ -5,6 +5,9 @@
 //! to do and never contains the password. `serve`'s start line and
 //! `contextfold config` show the credentials as `***`.
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod support;
 
 use contextfold::config::Config;

@@ -4,6 +4,9 @@
 //!
 //! Needs the pinned nats-server: run `scripts/install-nats.sh` first.
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod support;
 
 use async_nats::jetstream::{self, consumer::pull, stream::StorageType};

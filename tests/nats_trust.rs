@@ -7,6 +7,9 @@
 //!
 //! Needs the pinned nats-server: run `scripts/install-nats.sh` first.
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod support;
 use support::nats_server::NatsServer;
 use support::policy::small_policy;

@@ -8,6 +8,9 @@
 //! `CONTEXTFOLD_REQUIRE_PROMETHEUS` is set. `CONTEXTFOLD_PROMETHEUS` names
 //! the binary when it is not `prometheus` on the `PATH`.
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod support;
 
 use std::path::PathBuf;

@@ -4,6 +4,9 @@
 //! state, whatever the configuration that replays it. Also: read-only
 //! commands never write the store, and `replay --policy` (what-if).
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use contextfold::core::event::{Encoding, EventBody, Origin};
 use contextfold::core::policy::PolicyConfig;
 use contextfold::log::memory::MemoryLog;
@@ -559,10 +562,10 @@ impl Tally {
     fn after<B: contextfold::store::KvBackend>(&mut self, engine: &Engine<B>, key: &str) {
         let conv = engine.materialized_conversation(key).unwrap().unwrap();
         let budget = contextfold::core::policy::budget(&conv, &engine.policy);
-        self.peak = self.peak.max(conv.context_tokens);
-        self.sum += conv.context_tokens;
+        self.peak = self.peak.max(conv.context.tokens());
+        self.sum += conv.context.tokens();
         self.n += 1;
-        self.over += u64::from(conv.context_tokens > budget);
+        self.over += u64::from(conv.context.tokens() > budget);
     }
     fn numbers<B: contextfold::store::KvBackend>(&self, engine: &Engine<B>, key: &str) -> Numbers {
         let mut depths = std::collections::BTreeMap::new();

@@ -3,6 +3,9 @@
 //! partition's own part of the stream; a process folding the same stream
 //! under yet another policy is reported, naming both fingerprints.
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use contextfold::core::event::{is_partition_key, EventBody};
 use contextfold::core::policy::PolicyConfig;
 use contextfold::nats::serve::Service;

@@ -3,6 +3,9 @@
 //! once a model summary shows it is back, through real sweeps
 //! (`run_sweep`) whose events are folded like any other.
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use contextfold::api::describe::{describe, DescribeRequest, DescribeResponse, NodeRef};
 use contextfold::core::event::*;
 use contextfold::core::fallback_summary;
@@ -202,7 +205,7 @@ impl Harness {
             assert_eq!((new.first_turn, new.last_turn), (x.first_turn, x.last_turn));
         }
         let sum: u64 = conv.context.iter().map(|&i| conv.item_tokens(i)).sum();
-        assert_eq!(conv.context_tokens, sum);
+        assert_eq!(conv.context.tokens(), sum);
         // `describe` links both ways and finds what holds the fallback now.
         for x in old {
             let req = DescribeRequest {

@@ -11,6 +11,9 @@
 //! Validation is offline: every schema file is registered under a fixed base
 //! URI, so the relative `$ref`s between files resolve from memory.
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use contextfold::core::event::{CompactionRequested, EVENT_VERSION};
 use contextfold::core::event::{
     ConversationReset, Covers, Debt, DebtCleared, DebtReason, Encoding, Envelope, EventBody,
@@ -1078,7 +1081,7 @@ fn invalid_messages_are_rejected_by_schema_and_decoder() {
             "arguments null",
             json!({"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": null}}]}),
         ),
-        ("not an object", json!([good.clone()])),
+        ("not an object", json!([good])),
     ] {
         assert!(
             schemas.check("chat_message", &bad).is_err(),

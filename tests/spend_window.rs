@@ -20,6 +20,9 @@
 //! llmock and fakellm come from scripts/install-test-llm.sh; without them
 //! those tests print SKIPPED unless CONTEXTFOLD_REQUIRE_LLM_SERVERS is set.
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 #[path = "support/llm_server.rs"]
 mod llm_server;
 

@@ -6,6 +6,9 @@
 //! arbitrary point, and checks that every commit survived whole or not at
 //! all, in order, and that everything before the last flush survived.
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use contextfold::store::{KvBackend, Table, Write};
 use proptest::prelude::*;
 use std::collections::BTreeMap;

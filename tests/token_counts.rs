@@ -4,6 +4,9 @@
 //! in both encodings. A difference is reported with the message, the text
 //! and both counts.
 
+// Tests and benches fail loudly: a panic is their report.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 #[allow(dead_code)] // the aider corpus is for the benchmark
 mod corpus;
 

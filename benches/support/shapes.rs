@@ -79,7 +79,7 @@ fn describe(name: &str, s: &Shape, built: std::time::Duration) {
         s.conv.turns.len(),
         s.conv.context.len(),
         s.conv.summaries_in_context_by_depth(),
-        s.conv.context_tokens,
+        s.conv.context.tokens(),
         out.messages.len(),
         out.tokens,
         out.budget,
@@ -213,7 +213,7 @@ fn synthetic_turns() -> Vec<Envelope> {
 fn raw_all() -> Shape {
     let policy = raw_policy();
     let conv = fold_all(&synthetic_turns(), &policy);
-    let budget = conv.context_tokens.max(CONTEXT_TOKENS);
+    let budget = conv.context.tokens().max(CONTEXT_TOKENS);
     Shape {
         conv,
         policy,

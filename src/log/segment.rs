@@ -110,6 +110,7 @@ fn record_checksum(length: [u8; 4], encoding: u8, payload: &[u8]) -> u32 {
 }
 
 /// Appends one framed record to `out`. The caller has checked the size.
+#[allow(clippy::expect_used)] // only a bug reaches the expect (see its message)
 fn frame_record(out: &mut Vec<u8>, origin: Origin, encoding: Encoding, payload: &[u8]) {
     let length = u32::try_from(payload.len())
         .expect("payload length was checked against the record limit")
@@ -547,6 +548,7 @@ impl SegmentLog {
         Ok(())
     }
 
+    #[allow(clippy::expect_used)] // only a bug reaches the expect (see its message)
     fn newest(&mut self) -> &mut Segment {
         self.segments
             .last_mut()

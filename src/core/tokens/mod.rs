@@ -7,7 +7,7 @@
 //! or Qwen than characters / 4, and it keeps counts stable across models.
 //! The BPE engine is `bpe-openai` (same counts as tiktoken-rs, faster: see
 //! `benches/tokens.rs` and the README), fed by our own pre-tokenizer
-//! ([`pretokenizer`]: the same pieces, mostly without the regex) and a memo
+//! (`pretokenizer`: the same pieces, mostly without the regex) and a memo
 //! of the counts of short pieces; tiktoken-rs stays available for the
 //! comparison and as the reference in tests.
 

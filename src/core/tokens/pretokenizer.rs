@@ -29,6 +29,7 @@ struct Patterns {
 }
 
 impl Patterns {
+    #[allow(clippy::expect_used)] // only a bug reaches the expect (see its message)
     fn new(main: &str) -> Patterns {
         let regex = Regex::new_many(&[main, r"\s+\s", r"\s+"])
             .expect("the pre-tokenization patterns compile");
