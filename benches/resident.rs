@@ -99,15 +99,32 @@ fn main() {
             &text(seed, 1800),
         );
     }
+    // The same on the one blocking-pool thread the runtime may use: the
+    // deterministic summaries are drafted there (`contextfold::blocking`),
+    // and each thread has its own memo (bounded, not state). The thread
+    // is kept for the whole bench so it is not replaced by a fresh one.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .max_blocking_threads(1)
+        .thread_keep_alive(std::time::Duration::from_secs(24 * 3600))
+        .build()
+        .expect("runtime");
+    let before_pool = LIVE.load(Ordering::Relaxed);
+    rt.block_on(rt.spawn_blocking(|| {
+        for seed in 0..200 {
+            contextfold::core::tokens::count_text(
+                contextfold::core::tokens::Encoding::O200kBase,
+                &text(seed, 1800),
+            );
+        }
+    }))
+    .expect("blocking pool");
+    let pool_caches = LIVE.load(Ordering::Relaxed) - before_pool;
     let baseline = LIVE.load(Ordering::Relaxed);
     let backend =
         RedbBackend::open_with_cache(&dir.path().join("state.redb"), 1 << 20).expect("redb");
     let store = StateStore::with_cache(backend, Arc::new(BodyCache::new(0)));
     let engine = Engine::open_with(store, PolicyConfig::default()).expect("engine");
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
     let log = SegmentLog::open(&dir.path().join("log")).expect("log");
     let mut pipeline = rt
         .block_on(Pipeline::open(log, engine, Deterministic))
@@ -244,6 +261,9 @@ fn main() {
     println!(
         "  size_of::<Turn>()                {} B",
         std::mem::size_of::<Turn>()
+    );
+    println!(
+        "  token memos of the blocking-pool thread {pool_caches} B (primed before counting, not state)"
     );
     println!("  engine opened                    {} B", opened - baseline);
     println!(
