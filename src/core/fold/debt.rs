@@ -70,6 +70,17 @@ impl FoldContext<'_> {
         FoldStatus::Applied
     }
 
+    /// The debt is paid: dropped, with a history entry and a `debt_cleared`
+    /// decision saying why.
+    fn clear_debt(&mut self, reason: String) {
+        self.conv.debt = None;
+        self.history("debt_cleared", reason.clone());
+        self.decide(
+            "debt_cleared",
+            EventBody::DebtCleared(DebtCleared { reason }),
+        );
+    }
+
     /// Records a new debt or coalesces a trigger into the pending one.
     pub(super) fn raise_debt(
         &mut self,
@@ -280,14 +291,8 @@ impl FoldContext<'_> {
             .as_ref()
             .is_some_and(|d| d.reason == DebtReason::Resummarize);
         if resummarizing && self.conv.fallback_summaries_in_context().next().is_none() {
-            let reason = "no deterministic fallback summary is left in context".to_string();
-            self.conv.debt = None;
             cleared = true;
-            self.history("debt_cleared", reason.clone());
-            self.decide(
-                "debt_cleared",
-                EventBody::DebtCleared(DebtCleared { reason }),
-            );
+            self.clear_debt("no deterministic fallback summary is left in context".to_string());
         }
         // Debt that is paid: under target, or nothing left to compact.
         if let Some(debt) = self
@@ -312,13 +317,8 @@ impl FoldContext<'_> {
                 } else {
                     format!("context at {tokens} tokens but nothing outside the fresh tail is left to compact")
                 };
-                self.conv.debt = None;
                 cleared = true;
-                self.history("debt_cleared", reason.clone());
-                self.decide(
-                    "debt_cleared",
-                    EventBody::DebtCleared(DebtCleared { reason }),
-                );
+                self.clear_debt(reason);
             }
         }
         self.maybe_owe_resummary(cleared, &levels);
