@@ -29,6 +29,8 @@
 //! not.
 //!
 //! Run: `cargo bench --bench fold`. The throughput column is events/s.
+//! `CONTEXTFOLD_BENCH_CORPORA=all,pi` loads only the corpora named (divan
+//! filters benches, not their arguments): what a profiler run wants.
 
 // Tests and benches fail loudly: a panic is their report.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -159,13 +161,31 @@ fn load(name: &'static str, events: Vec<Envelope>) -> Option<Corpus> {
     })
 }
 
+/// Whether `CONTEXTFOLD_BENCH_CORPORA` (a comma list; unset: all) names it.
+fn wanted(name: &str) -> bool {
+    match std::env::var("CONTEXTFOLD_BENCH_CORPORA") {
+        Ok(list) => list.split(',').any(|n| n.trim() == name),
+        Err(_) => true,
+    }
+}
+
 fn corpora() -> &'static [Corpus] {
     LOADED.get_or_init(|| {
-        CORPORA
+        let loaded: Vec<Corpus> = CORPORA
             .iter()
+            .filter(|(name, _)| wanted(name))
             .filter_map(|(name, files)| load(name, transcripts::events_of(files)?))
-            .chain(load("synthetic-short", short_turns()))
-            .collect()
+            .chain(
+                wanted("synthetic-short")
+                    .then(|| load("synthetic-short", short_turns()))
+                    .flatten(),
+            )
+            .collect();
+        assert!(
+            !loaded.is_empty(),
+            "CONTEXTFOLD_BENCH_CORPORA names no corpus: all, tau-bench, pi, claude-code, synthetic-short"
+        );
+        loaded
     })
 }
 
@@ -247,7 +267,7 @@ fn decode_and_fold(bencher: Bencher, input: Input) {
 }
 
 fn main() {
-    if corpora().len() == 1 {
+    if corpora().iter().all(|c| c.name == "synthetic-short") && wanted("all") {
         eprintln!("no transcript found: only the synthetic corpus is measured");
     }
     divan::main();
