@@ -20,6 +20,7 @@
 mod applied;
 mod bodies;
 mod context;
+mod conversations;
 mod history;
 
 pub use applied::AppliedIds;
@@ -28,6 +29,7 @@ pub use bodies::{
     TurnBody,
 };
 pub use context::ContextWindow;
+pub use conversations::Conversations;
 pub use history::HistoryLog;
 
 use crate::core::event::{Covers, Debt, RollingState, SummaryKind};
@@ -81,7 +83,7 @@ pub type DigestSet = HashSet<IdDigest, BuildHasherDefault<DigestHasher>>;
 /// Everything a partition's folder knows.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct State {
-    pub conversations: BTreeMap<String, Conversation>,
+    pub conversations: Conversations,
     /// Events rejected before they could be attributed to a conversation.
     pub unattributed_rejections: u64,
     /// The partition's spend window across its conversations (used when a
