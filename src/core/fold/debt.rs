@@ -15,7 +15,7 @@ impl FoldContext<'_> {
             return FoldStatus::Applied;
         }
         self.conv.last_overflow_tokens = verdict.requested_tokens;
-        let levels = policy::levels(self.conv, self.policy);
+        let levels = self.levels();
         let mut target = levels.target_tokens;
         if let Some(limit) = verdict.limit_tokens {
             // The provider told us its real limit: aim under it.
@@ -33,7 +33,7 @@ impl FoldContext<'_> {
     }
 
     pub(super) fn compaction_requested(&mut self, r: &CompactionRequested) -> FoldStatus {
-        let levels = policy::levels(self.conv, self.policy);
+        let levels = self.levels();
         let target = r.target_tokens.unwrap_or(levels.target_tokens);
         self.history(
             "compaction_requested",
@@ -89,7 +89,7 @@ impl FoldContext<'_> {
         target: u64,
         instructions: Option<String>,
     ) {
-        let levels = policy::levels(self.conv, self.policy);
+        let levels = self.levels();
         let now = self.event.time;
         match &mut self.conv.debt {
             None => {
@@ -217,7 +217,7 @@ impl FoldContext<'_> {
         if policy::session_matches(&self.policy.stateless_sessions, &self.conv.key) {
             return;
         }
-        let levels = policy::levels(self.conv, self.policy);
+        let levels = self.levels();
         let tokens = self.conv.context.tokens();
         let over_bytes = self
             .policy

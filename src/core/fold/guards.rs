@@ -39,12 +39,21 @@ impl<'m> Probe<'m> {
         graphic_at_least(self.msg, min) || self.digest().1 >= min
     }
 
-    /// Whether it is identical to `seen` (same digest), a turn whose body
-    /// is in `bodies` (they keep every body a seen turn needs).
-    /// Computes (and keeps) `seen`'s sketch and digest only when needed.
-    pub(super) fn same_as(&mut self, seen: &mut SeenTurn, bodies: &ResidentBodies) -> bool {
+    /// Whether it is identical to `seen` (same digest), a turn of `turns`
+    /// whose body is in `bodies` (they keep every body a seen turn needs).
+    /// Computes (and keeps) `seen`'s sketch and digest only when needed:
+    /// a seen turn of another role, or a result for another call, differs
+    /// in what the digest hashes before its text, so neither text is read
+    /// (in a burst of tool calls and results, most pairs are such).
+    pub(super) fn same_as(
+        &mut self,
+        seen: &mut SeenTurn,
+        turns: &[Turn],
+        bodies: &ResidentBodies,
+    ) -> bool {
         let theirs = match seen.digest {
             SeenDigest::Known(d) => d,
+            SeenDigest::Of(seq) if !self.may_equal(turns.get(seq as usize)) => return false,
             SeenDigest::Of(seq) => match (bodies.get(seq), bodies.guard(seq)) {
                 (Some(body), _) => {
                     let msg = &body.message;
@@ -73,6 +82,22 @@ impl<'m> Probe<'m> {
             return false;
         }
         theirs == self.digest().0
+    }
+
+    /// Whether the digests may be equal by what a folded turn keeps: its
+    /// role, and for a tool result the digest of the call id it answers
+    /// (which the digest hashes whole). `None`: not known, so they may.
+    fn may_equal(&self, turn: Option<&Turn>) -> bool {
+        let Some(turn) = turn else {
+            return true;
+        };
+        if turn.role != self.msg.role {
+            return false;
+        }
+        match (turn.result_for(), self.msg.tool_call_id.as_deref()) {
+            (Some(theirs), Some(ours)) if turn.role == Role::Tool => theirs == call_digest(ours),
+            _ => true,
+        }
     }
 
     /// How it is remembered once it is turn `seq`.

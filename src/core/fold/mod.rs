@@ -83,11 +83,13 @@ pub fn fold_owned(
     mut event: Envelope,
     turn_tokens: Option<u64>,
 ) -> FoldOutcome {
+    // The id moves with the turn (the fold reads it from there): a copy
+    // was an allocation and a free per turn.
     let turn = match &mut event.body {
-        EventBody::TurnAppended(t) => Some(Arc::new(TurnBody::new(
-            &event.id,
-            std::mem::replace(t, empty_turn()),
-        ))),
+        EventBody::TurnAppended(t) => Some(Arc::new(TurnBody {
+            event_id: std::mem::take(&mut event.id).into_boxed_str(),
+            turn: std::mem::replace(t, empty_turn()),
+        })),
         _ => None,
     };
     fold_with(state, policy, &event, turn_tokens, turn)
@@ -104,7 +106,8 @@ fn empty_turn() -> TurnAppended {
     })
 }
 
-/// `turn` is the event's turn, already moved out of it when given.
+/// `turn` is the event's turn, already moved out of it with its id when
+/// given.
 fn fold_with(
     state: &mut State,
     policy: &PolicyConfig,
@@ -123,17 +126,13 @@ fn fold_with(
         spend: global,
         ..
     } = state;
-    // Look up before inserting: `entry` would allocate the key every event.
-    if !conversations.contains_key(&event.conversation) {
-        conversations.insert(
-            event.conversation.clone(),
-            Conversation::new(&event.conversation),
-        );
-    }
-    let Some(conv) = conversations.get_mut(&event.conversation) else {
-        unreachable!("the conversation was just inserted");
-    };
-    let event_digest = id_digest(&event.id);
+    let conv = conversations.get_or_insert_with(&event.conversation, || {
+        Conversation::new(&event.conversation)
+    });
+    // Shared with the context, which reads the id from it.
+    let body = turn.clone();
+    let id = body.as_deref().map_or(event.id.as_str(), |b| &b.event_id);
+    let event_digest = id_digest(id);
     if conv.has_applied_digest(&event_digest) {
         return FoldOutcome {
             status: FoldStatus::Duplicate,
@@ -145,10 +144,12 @@ fn fold_with(
         global,
         policy,
         event,
+        id,
         event_digest,
         turn_tokens,
         turn,
         decisions: Vec::new(),
+        levels: None,
     };
     let status = cx.apply();
     FoldOutcome {
@@ -209,11 +210,15 @@ struct FoldContext<'a> {
     global: &'a mut SpendWindow,
     policy: &'a PolicyConfig,
     event: &'a Envelope,
+    /// The event's id (read it here: a turn given up took it along).
+    id: &'a str,
     event_digest: IdDigest,
     turn_tokens: Option<u64>,
     /// The turn, when the caller gave it up: it is kept without a copy.
     turn: Option<Arc<TurnBody>>,
     decisions: Vec<Envelope>,
+    /// The conversation's levels, resolved once per event ([`FoldContext::levels`]).
+    levels: Option<policy::Levels>,
 }
 
 impl FoldContext<'_> {
@@ -232,6 +237,8 @@ impl FoldContext<'_> {
                 if m.context_window.is_some() {
                     self.conv.context_window = m.context_window;
                 }
+                // They decide the levels.
+                self.levels = None;
                 if self.conv.turns.is_empty() {
                     self.conv.encoding = tokens::Encoding::for_model(Some(&m.model));
                 }
@@ -285,7 +292,7 @@ impl FoldContext<'_> {
                 self.decide(
                     "event_rejected",
                     EventBody::EventRejected(EventRejected {
-                        rejected_id: event.id.clone(),
+                        rejected_id: self.id.to_string(),
                         event_type: Some(event.type_name().to_string()),
                         reason,
                     }),
@@ -301,14 +308,23 @@ impl FoldContext<'_> {
         status
     }
 
+    /// The conversation's budget and trigger levels: they depend on its
+    /// model, window and key, which only a `model_declared` changes, so
+    /// they are resolved once per event, not at every use.
+    fn levels(&mut self) -> policy::Levels {
+        *self
+            .levels
+            .get_or_insert_with(|| policy::levels(self.conv, self.policy))
+    }
+
     fn history(&mut self, event_type: &str, detail: String) {
-        let (time, id) = (self.event.time, self.event.id.clone());
-        self.conv.push_history(time, &id, event_type, detail);
+        self.conv
+            .push_history(self.event.time, self.id, event_type, detail);
     }
 
     fn decide(&mut self, what: &str, body: EventBody) {
         let env = Envelope::new(
-            derived_event_id(&self.event.id, what),
+            derived_event_id(self.id, what),
             self.conv.key.clone(),
             self.event.time,
             body,

@@ -108,7 +108,7 @@ impl FoldContext<'_> {
         let entry = SpendEntry {
             time: now,
             // Not a job: the event id keeps it apart from every job's.
-            job_id: self.event.id.clone(),
+            job_id: self.id.to_string(),
             conversation: String::new(),
             calls: r.calls,
             tokens: r.tokens_spent,

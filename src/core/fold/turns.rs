@@ -39,6 +39,7 @@ impl FoldContext<'_> {
         let seq = self.conv.turns.len() as u64;
         let mut probe = Probe::new(msg);
         let Conversation {
+            turns,
             bodies,
             flood,
             recent_user_turns,
@@ -53,7 +54,7 @@ impl FoldContext<'_> {
         let count = match flood
             .counts
             .iter_mut()
-            .find_map(|(seen, c)| probe.same_as(seen, bodies).then_some(c))
+            .find_map(|(seen, c)| probe.same_as(seen, turns, bodies).then_some(c))
         {
             Some(c) => {
                 *c += 1;
@@ -95,7 +96,7 @@ impl FoldContext<'_> {
             recent_user_turns.retain(|(t, _)| now.saturating_sub(*t) <= window);
             if recent_user_turns
                 .iter_mut()
-                .any(|(_, seen)| probe.same_as(seen, bodies))
+                .any(|(_, seen)| probe.same_as(seen, turns, bodies))
             {
                 in_context = false;
                 self.conv.duplicates_dropped += 1;
@@ -155,7 +156,7 @@ impl FoldContext<'_> {
         // A turn bigger than the compaction target could never be kept in
         // a context that respects the budget (and may hold the fresh tail
         // over it): it is a large payload there too, whatever the knob says.
-        let levels = policy::levels(self.conv, self.policy);
+        let levels = self.levels();
         let large = tokens
             > self
                 .policy
@@ -165,7 +166,7 @@ impl FoldContext<'_> {
             // Shown as a stub: it costs what the stub message costs.
             tokens::count_message(
                 self.conv.encoding,
-                &assembly::payload_stub_message(msg, &self.event.id, tokens),
+                &assembly::payload_stub_message(msg, self.id, tokens),
             )
         } else {
             tokens
@@ -186,7 +187,7 @@ impl FoldContext<'_> {
         self.conv.turns.push(Turn {
             seq,
             time: self.event.time,
-            event: event_digest(&self.event.id),
+            event: event_digest(self.id),
             tokens: turn_count(tokens),
             context_tokens: turn_count(context_tokens),
             bytes: turn_count(bytes),
@@ -198,10 +199,7 @@ impl FoldContext<'_> {
         });
         self.conv.bodies.insert(
             seq,
-            shared.map_or_else(
-                || Arc::new(TurnBody::new(&self.event.id, t.clone())),
-                Arc::clone,
-            ),
+            shared.map_or_else(|| Arc::new(TurnBody::new(self.id, t.clone())), Arc::clone),
         );
         if in_context {
             self.conv

@@ -81,7 +81,10 @@ pub fn levels(conv: &Conversation, cfg: &PolicyConfig) -> Levels {
     if target >= threshold {
         target = threshold * 0.66;
     }
-    let share = |s: f64| (budget as f64 * s).floor() as u64;
+    // `as u64` truncates, which is the floor of a product that is not
+    // negative, and saturates a negative one to 0 as the floor's would be:
+    // no `floor` call (a libm call on baseline x86-64, every turn).
+    let share = |s: f64| (budget as f64 * s) as u64;
     Levels {
         budget,
         threshold_tokens: share(threshold),
