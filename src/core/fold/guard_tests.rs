@@ -76,6 +76,57 @@ fn only_kelvin_and_dotted_i_lowercase_into_ascii() {
     }
 }
 
+/// What makes `searchable_bytes` an upper bound of the normalized length.
+#[test]
+fn no_char_lowercases_to_more_chars_than_its_bytes() {
+    for c in (0..=0x10FFFFu32).filter_map(char::from_u32) {
+        assert!(
+            c.to_lowercase().count() <= c.len_utf8(),
+            "{c:?} (U+{:04X})",
+            c as u32
+        );
+    }
+}
+
+/// The normalized length never exceeds `searchable_bytes`, whatever the
+/// shape: parts, tool calls, whitespace, case.
+#[test]
+fn searchable_bytes_bound_the_normalized_length() {
+    let mut calls = ChatMessage::text(Role::Assistant, "İİ  K\n x");
+    calls.tool_calls = vec![ToolCall {
+        id: "c1".into(),
+        kind: "function".into(),
+        function: FunctionCall {
+            name: "İ".into(),
+            arguments: "{ \"a\":  1 }".into(),
+        },
+    }];
+    for msg in [
+        ChatMessage::text(Role::User, ""),
+        ChatMessage::text(Role::User, "Check file 12."),
+        ChatMessage::text(Role::User, "İİİİ"),
+        ChatMessage::text(Role::User, "  a \t\n b  "),
+        calls,
+    ] {
+        let (_, chars) = turn_digest(&msg);
+        assert!(chars <= searchable_bytes(&msg), "{msg:?}: {chars}");
+    }
+}
+
+proptest! {
+    #[test]
+    fn searchable_bytes_bound_any_text(text in any::<String>(), args in any::<String>()) {
+        let mut msg = ChatMessage::text(Role::User, text);
+        msg.tool_calls = vec![ToolCall {
+            id: "c".into(),
+            kind: "function".into(),
+            function: FunctionCall { name: "f".into(), arguments: args },
+        }];
+        let (_, chars) = turn_digest(&msg);
+        prop_assert!(chars <= searchable_bytes(&msg));
+    }
+}
+
 /// Spellings that normalize the same: case, whitespace, the Kelvin sign and
 /// the dotted capital I.
 fn respell(text: &str, choices: &[u8]) -> String {

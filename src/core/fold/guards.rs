@@ -34,9 +34,12 @@ impl<'m> Probe<'m> {
     }
 
     /// Whether its normalized text has at least `min` characters: its
-    /// count of ASCII graphic characters is a lower bound.
+    /// count of ASCII graphic characters is a lower bound, the bytes of
+    /// the text it normalizes an upper bound; only between the two is
+    /// the text normalized (and digested) to count.
     pub(super) fn normalized_chars_at_least(&mut self, min: usize) -> bool {
-        graphic_at_least(self.msg, min) || self.digest().1 >= min
+        graphic_at_least(self.msg, min)
+            || (searchable_bytes(self.msg) >= min && self.digest().1 >= min)
     }
 
     /// Whether it is identical to `seen` (same digest), a turn of `turns`
@@ -149,6 +152,29 @@ pub(super) fn graphic_at_least(msg: &ChatMessage, min: usize) -> bool {
         take("()");
     }
     left == 0
+}
+
+/// The bytes of the text [`turn_digest`] normalizes (with its separators),
+/// or more: an upper bound of the normalized text's characters, since a
+/// byte becomes at most one character (whitespace runs collapse to one
+/// space, and the one character whose lowercase is two, `İ`, takes two
+/// bytes: `tests::no_char_lowercases_to_more_chars_than_its_bytes`).
+pub(super) fn searchable_bytes(msg: &ChatMessage) -> usize {
+    let text = match &msg.content {
+        None => 0,
+        Some(Content::Text(t)) => t.len(),
+        Some(Content::Parts(parts)) => parts
+            .iter()
+            .filter_map(|p| p.text.as_deref())
+            .map(|t| t.len() + 1)
+            .sum(),
+    };
+    let calls: usize = msg
+        .tool_calls
+        .iter()
+        .map(|c| c.function.name.len() + c.function.arguments.len() + 3)
+        .sum();
+    text + calls
 }
 
 /// A cheap function of what [`turn_digest`] hashes (role, tool call id and
