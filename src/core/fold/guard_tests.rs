@@ -76,6 +76,19 @@ fn only_kelvin_and_dotted_i_lowercase_into_ascii() {
     }
 }
 
+/// `msg` with one tool call of `name` and `arguments`.
+fn with_call(mut msg: ChatMessage, name: &str, arguments: &str) -> ChatMessage {
+    msg.tool_calls = vec![ToolCall {
+        id: "c1".into(),
+        kind: "function".into(),
+        function: FunctionCall {
+            name: name.into(),
+            arguments: arguments.into(),
+        },
+    }];
+    msg
+}
+
 /// What makes `searchable_bytes` an upper bound of the normalized length.
 #[test]
 fn no_char_lowercases_to_more_chars_than_its_bytes() {
@@ -92,15 +105,11 @@ fn no_char_lowercases_to_more_chars_than_its_bytes() {
 /// shape: parts, tool calls, whitespace, case.
 #[test]
 fn searchable_bytes_bound_the_normalized_length() {
-    let mut calls = ChatMessage::text(Role::Assistant, "İİ  K\n x");
-    calls.tool_calls = vec![ToolCall {
-        id: "c1".into(),
-        kind: "function".into(),
-        function: FunctionCall {
-            name: "İ".into(),
-            arguments: "{ \"a\":  1 }".into(),
-        },
-    }];
+    let calls = with_call(
+        ChatMessage::text(Role::Assistant, "İİ  K\n x"),
+        "İ",
+        "{ \"a\":  1 }",
+    );
     for msg in [
         ChatMessage::text(Role::User, ""),
         ChatMessage::text(Role::User, "Check file 12."),
@@ -116,12 +125,7 @@ fn searchable_bytes_bound_the_normalized_length() {
 proptest! {
     #[test]
     fn searchable_bytes_bound_any_text(text in any::<String>(), args in any::<String>()) {
-        let mut msg = ChatMessage::text(Role::User, text);
-        msg.tool_calls = vec![ToolCall {
-            id: "c".into(),
-            kind: "function".into(),
-            function: FunctionCall { name: "f".into(), arguments: args },
-        }];
+        let msg = with_call(ChatMessage::text(Role::User, text), "f", &args);
         let (_, chars) = turn_digest(&msg);
         prop_assert!(chars <= searchable_bytes(&msg));
     }

@@ -92,7 +92,7 @@ pub fn fold_owned(
         })),
         _ => None,
     };
-    fold_with(state, policy, &event, turn_tokens, turn)
+    fold_with(state, policy, &event, turn_tokens, turn.as_ref())
 }
 
 /// What is left in an event whose turn was moved out; never read.
@@ -113,7 +113,7 @@ fn fold_with(
     policy: &PolicyConfig,
     event: &Envelope,
     turn_tokens: Option<u64>,
-    turn: Option<Arc<TurnBody>>,
+    turn: Option<&Arc<TurnBody>>,
 ) -> FoldOutcome {
     if policy::session_matches(&policy.ignore_sessions, &event.conversation) {
         return FoldOutcome {
@@ -129,9 +129,7 @@ fn fold_with(
     let conv = conversations.get_or_insert_with(&event.conversation, || {
         Conversation::new(&event.conversation)
     });
-    // Shared with the context, which reads the id from it.
-    let body = turn.clone();
-    let id = body.as_deref().map_or(event.id.as_str(), |b| &b.event_id);
+    let id = turn.map_or(event.id.as_str(), |b| &b.event_id);
     let event_digest = id_digest(id);
     if conv.has_applied_digest(&event_digest) {
         return FoldOutcome {
@@ -215,7 +213,7 @@ struct FoldContext<'a> {
     event_digest: IdDigest,
     turn_tokens: Option<u64>,
     /// The turn, when the caller gave it up: it is kept without a copy.
-    turn: Option<Arc<TurnBody>>,
+    turn: Option<&'a Arc<TurnBody>>,
     decisions: Vec<Envelope>,
     /// The conversation's levels, resolved once per event ([`FoldContext::levels`]).
     levels: Option<policy::Levels>,
@@ -226,8 +224,8 @@ impl FoldContext<'_> {
         let event = self.event;
         self.conv.last_time = self.conv.last_time.max(event.time);
         let status = match &event.body {
-            EventBody::TurnAppended(t) => match self.turn.take() {
-                Some(owned) => self.turn_appended(&owned.turn, Some(&owned)),
+            EventBody::TurnAppended(t) => match self.turn {
+                Some(owned) => self.turn_appended(&owned.turn, Some(owned)),
                 None => self.turn_appended(t, None),
             },
             EventBody::ProviderErrorObserved(e) => self.provider_error(e),
