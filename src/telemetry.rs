@@ -119,8 +119,20 @@ pub const VALIDATION_REJECTIONS: &str = "contextfold_validation_rejections_total
 /// Escalations after a refused or failed summary; label `kind`
 /// (`aggressive`, `fallback`).
 pub const ESCALATIONS: &str = "contextfold_escalations_total";
-/// Spend windows closed (the allowance of a conversation ran out).
+/// Spend windows closed on a debt (its summarizer calls, tokens or money
+/// ran out), counted once per closing; label `window` (`spend_window`,
+/// `urgent_spend_window`, `partition_window`).
 pub const SPEND_WINDOWS_CLOSED: &str = "contextfold_spend_windows_closed_total";
+/// Backoffs after a compaction round that made no progress.
+pub const NO_PROGRESS_BACKOFFS: &str = "contextfold_no_progress_backoffs_total";
+/// Jobs given up because no `sweep_ended` came by their expiry (their
+/// worker vanished).
+pub const JOBS_EXPIRED: &str = "contextfold_jobs_expired_total";
+/// Jobs the log showed pending that were queued again when a partition's
+/// history ended (their work item was not in the queue).
+pub const JOBS_REQUEUED: &str = "contextfold_jobs_requeued_total";
+/// `clock_ticked` events recorded for quiet partitions; label `partition`.
+pub const CLOCK_TICKS: &str = "contextfold_clock_ticks_total";
 /// Processes seen folding one stream under different policies: a policy
 /// recorded by another process after this one recorded its own, or a live
 /// member announcing another policy fingerprint.
@@ -240,7 +252,31 @@ pub const FAMILIES: &[(&str, Kind, &str)] = &[
         "summaries refused by validation, by kind",
     ),
     (ESCALATIONS, Kind::Counter, "summary escalations, by kind"),
-    (SPEND_WINDOWS_CLOSED, Kind::Counter, "spend windows closed"),
+    (
+        SPEND_WINDOWS_CLOSED,
+        Kind::Counter,
+        "spend windows closed on a debt, by window",
+    ),
+    (
+        NO_PROGRESS_BACKOFFS,
+        Kind::Counter,
+        "backoffs after a compaction round without progress",
+    ),
+    (
+        JOBS_EXPIRED,
+        Kind::Counter,
+        "jobs given up with no sweep_ended by their expiry",
+    ),
+    (
+        JOBS_REQUEUED,
+        Kind::Counter,
+        "pending jobs queued again when a partition's history ended",
+    ),
+    (
+        CLOCK_TICKS,
+        Kind::Counter,
+        "clock ticks recorded for quiet partitions, by partition",
+    ),
     (
         POLICY_CONFLICTS,
         Kind::Counter,
@@ -798,6 +834,8 @@ impl Escalated {
 /// compaction waits for the backoff.
 pub struct SpendWindowClosed<'a> {
     pub conversation_id: &'a str,
+    /// `core::spend::Wait::as_str` of a spend wait.
+    pub window: &'static str,
 }
 
 impl SpendWindowClosed<'_> {
@@ -807,9 +845,86 @@ impl SpendWindowClosed<'_> {
         }
         tracing::info!(
             conversation_id = self.conversation_id,
+            window = self.window,
             "spend window closed"
         );
-        metrics::counter!(SPEND_WINDOWS_CLOSED).increment(1);
+        metrics::counter!(SPEND_WINDOWS_CLOSED, "window" => self.window).increment(1);
+    }
+}
+
+/// A compaction round made no progress: the conversation backs off.
+pub struct NoProgressBackoff<'a> {
+    pub conversation_id: &'a str,
+    /// The end of the backoff (the partition's clock, ms).
+    pub until: u64,
+}
+
+impl NoProgressBackoff<'_> {
+    pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
+        tracing::info!(
+            conversation_id = self.conversation_id,
+            until = self.until,
+            "compaction round made no progress; backing off"
+        );
+        metrics::counter!(NO_PROGRESS_BACKOFFS).increment(1);
+    }
+}
+
+/// A pending job whose work item was not in the queue was queued again.
+pub struct JobRequeued<'a> {
+    pub conversation_id: &'a str,
+    pub job_id: &'a str,
+}
+
+impl JobRequeued<'_> {
+    pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
+        tracing::info!(
+            conversation_id = self.conversation_id,
+            job_id = self.job_id,
+            "pending job was not in the queue; queued again"
+        );
+        metrics::counter!(JOBS_REQUEUED).increment(1);
+    }
+}
+
+/// A quiet partition recorded a `clock_ticked`.
+pub struct ClockTicked {
+    pub partition: u32,
+}
+
+impl ClockTicked {
+    pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
+        tracing::debug!(partition = self.partition, "clock tick recorded");
+        metrics::counter!(CLOCK_TICKS, "partition" => self.partition.to_string()).increment(1);
+    }
+}
+
+/// A job's worker vanished: the fold gave the job up at its expiry.
+pub struct JobExpired<'a> {
+    pub conversation_id: &'a str,
+    pub job_id: &'a str,
+}
+
+impl JobExpired<'_> {
+    pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
+        tracing::warn!(
+            conversation_id = self.conversation_id,
+            job_id = self.job_id,
+            "job expired without a sweep_ended; its worker vanished"
+        );
+        metrics::counter!(JOBS_EXPIRED).increment(1);
     }
 }
 

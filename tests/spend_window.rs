@@ -381,7 +381,13 @@ async fn manual_compaction_and_overflow_bypass_the_backoff() {
         fallback_on_unavailable: false,
         ..summarizer(&server.base_url())
     };
-    let mut p = memory_pipeline(policy(24), &cfg).await;
+    // The longest backoff from the first round without progress, so
+    // that it holds through the turns below.
+    let policy = PolicyConfig {
+        no_progress_backoff_ms: 1_800_000,
+        ..policy(24)
+    };
+    let mut p = memory_pipeline(policy, &cfg).await;
     let (a, b) = ("agent:manual", "agent:overflow");
     let mut time = T0;
     let mut i = 0;
@@ -472,8 +478,13 @@ async fn manual_compaction_and_overflow_bypass_the_backoff() {
         urgent_reasons.contains(&DebtReason::Overflow),
         "{urgent_reasons:?}"
     );
-    // The backoff itself still holds for routine work.
-    assert!(conv(&p, a).spend.backoff_until > time);
+    // An agent that asks again ends the backoff, and the progress its
+    // round made starts the count of rounds without progress over.
+    for key in [a, b] {
+        let spend = conv(&p, key).spend;
+        assert!(spend.backoff_until <= time, "{key}: {spend:?}");
+        assert_eq!(spend.rounds_without_progress, 0, "{key}");
+    }
 }
 
 #[tokio::test]

@@ -684,6 +684,7 @@ fn judge_status(g: &GlobalStatus) -> Vec<Finding> {
         ));
     }
     out.push(judge_spend(g));
+    out.push(judge_debts(g));
     let stuck: Vec<&str> = g
         .health
         .reasons
@@ -710,6 +711,37 @@ fn judge_status(g: &GlobalStatus) -> Vec<Finding> {
     out
 }
 
+/// Debts that should move and do not (stuck), or cannot (blocked): the
+/// "every debt ends" invariant, as the service sees it now.
+fn judge_debts(g: &GlobalStatus) -> Finding {
+    let check = "debts";
+    if g.stuck_conversations == 0 && g.blocked_conversations == 0 {
+        return Finding::new(
+            Level::Ok,
+            check,
+            format!("{} owed, each with a job out or a wait that ends", g.debts),
+        );
+    }
+    let mut what = Vec::new();
+    if g.stuck_conversations > 0 {
+        what.push(format!(
+            "{} stuck (no job out and no wait ending, e.g. {}): their partitions folded no record \
+             or tick since their time came; check the partition health above and the serve logs, \
+             or send `compact` to one to make it go on now",
+            g.stuck_conversations,
+            g.stuck.join(", ")
+        ));
+    }
+    if g.blocked_conversations > 0 {
+        what.push(format!(
+            "{} blocked: a spend limit of [policy] is 0, so no summarizer call is ever allowed; \
+             raise summary_max_*_per_window in every process's [policy]",
+            g.blocked_conversations
+        ));
+    }
+    Finding::new(Level::Warn, check, what.join("; "))
+}
+
 /// Spend windows closed now (at the newest event time the serve folded):
 /// conversations whose routine summarization waits, and partitions whose
 /// partition-wide window is used up.
@@ -719,7 +751,7 @@ fn judge_spend(g: &GlobalStatus) -> Finding {
     if g.spend_backoff_conversations > 0 {
         closed.push(format!(
             "{} conversation(s) in backoff after a round without progress \
-             (summary_spend_backoff_ms)",
+             (no_progress_backoff_ms, doubling up to summary_spend_backoff_ms)",
             g.spend_backoff_conversations
         ));
     }
@@ -752,7 +784,7 @@ fn judge_spend(g: &GlobalStatus) -> Finding {
     }
     let until = g
         .spend_paused_until
-        .map(|t| format!(" until {t} (event time, ms)"))
+        .map(|t| format!(" until {t} (the partitions' clock, ms)"))
         .unwrap_or_default();
     Finding::new(
         Level::Warn,

@@ -899,6 +899,8 @@ impl<S: Summarizer> Summarizer for EscalatingSummarizer<S> {
         );
         telemetry::Escalated { kind: "fallback" }.emit();
         let mut draft = DeterministicSummarizer::draft_off_runtime(req).await;
+        // Written in a model's place: re-summarized when one answers again.
+        draft.fallback = true;
         if strict {
             let still = missing_identifiers(&ids, &draft.content);
             draft.content = append_identifiers(&draft.content, &still);

@@ -6,8 +6,10 @@
 //! a job's snapshot) take the very same decisions.
 
 pub mod config;
+pub mod schedule;
 
 pub use config::{PolicyConfig, PolicyError, ThresholdOverride};
+pub use schedule::{schedule, Blocked, Grant, Schedule, Wait};
 
 use crate::core::glob::SessionGlob;
 use crate::core::message::Role;

@@ -19,6 +19,7 @@
 
 mod applied;
 mod bodies;
+mod clock;
 mod context;
 mod conversations;
 mod history;
@@ -28,6 +29,7 @@ pub use bodies::{
     body_size, BodyError, GuardedTurn, Resident, ResidentBodies, ResidentTexts, TurnBodies,
     TurnBody,
 };
+pub use clock::PartitionClock;
 pub use context::ContextWindow;
 pub use conversations::Conversations;
 pub use history::HistoryLog;
@@ -90,6 +92,9 @@ pub struct State {
     /// `*_global` spend limit is set).
     #[serde(default)]
     pub spend: SpendWindow,
+    /// The partition's clock and the conversations waiting for it.
+    #[serde(default)]
+    pub clock: PartitionClock,
 }
 
 /// One turn as folded: what the fold decides on, without its body
@@ -238,6 +243,10 @@ pub struct PendingJob {
     /// The fold took a rolling session state from this job.
     #[serde(default)]
     pub rolling_refreshed: bool,
+    /// When the job left: the clock when its `job_issued` came back from
+    /// the log (it is given up twice its deadline after that).
+    #[serde(default)]
+    pub left_at: Option<u64>,
 }
 
 impl PendingJob {
@@ -246,12 +255,13 @@ impl PendingJob {
             job,
             committed: 0,
             rolling_refreshed: false,
+            left_at: None,
         }
     }
 
     /// The job changed the state: a summary or a rolling state of it was
-    /// accepted. A job without progress is followed by backoff and waits
-    /// for agent input, never by the same job again at once.
+    /// accepted. A job without progress is followed by a backoff, never by
+    /// the same job again at once.
     pub fn made_progress(&self) -> bool {
         self.committed > 0 || self.rolling_refreshed
     }
@@ -374,10 +384,6 @@ pub struct Conversation {
     pub turns_since_rolling: u64,
     pub consecutive_tool_calls: u64,
     pub rolling_due: bool,
-    /// The last job ended (or expired) without progress: no job is issued
-    /// until agent input (a turn, an error, a request) comes after it.
-    #[serde(default)]
-    pub awaiting_input: bool,
     pub rolling: Option<RollingState>,
     pub rolling_through: Option<u64>,
     /// Recent long user turns (time, turn) for duplicate detection.
@@ -417,7 +423,6 @@ impl Conversation {
             turns_since_rolling: 0,
             consecutive_tool_calls: 0,
             rolling_due: false,
-            awaiting_input: false,
             rolling: None,
             rolling_through: None,
             recent_user_turns: Vec::new(),
@@ -561,13 +566,20 @@ impl StateHasher {
         self.0.update(hash.as_bytes());
     }
     #[allow(clippy::expect_used)] // only a bug reaches the expect (see its message)
-    pub fn finish(mut self, unattributed_rejections: u64, spend: &SpendWindow) -> String {
+    pub fn finish(
+        mut self,
+        unattributed_rejections: u64,
+        spend: &SpendWindow,
+        clock: &PartitionClock,
+    ) -> String {
         self.0.update(&unattributed_rejections.to_le_bytes());
         // Only when used, so states without a global window hash as before.
         if *spend != SpendWindow::default() {
             self.0
                 .update(&rmp_serde::to_vec(spend).expect("spend serializes"));
         }
+        self.0
+            .update(&rmp_serde::to_vec(clock).expect("the clock serializes"));
         self.0.finalize().to_hex()[..32].to_string()
     }
 }
@@ -588,7 +600,7 @@ impl State {
         for (key, conv) in &self.conversations {
             hasher.conversation(key, &conv.hash_with(bodies)?);
         }
-        Ok(hasher.finish(self.unattributed_rejections, &self.spend))
+        Ok(hasher.finish(self.unattributed_rejections, &self.spend, &self.clock))
     }
 }
 
