@@ -38,7 +38,7 @@
 
 use crate::api::{answer_view, recall, ApiError, CompactResponse, Held, Op, Target};
 pub use crate::api::{LocalState, StateView};
-use crate::core::event::{Encoding, Envelope};
+use crate::core::event::{Encoding, Envelope, Origin};
 use crate::core::policy::PolicyConfig;
 use crate::core::state::{Conversation, State};
 use crate::nats::event_log::event_headers;
@@ -475,7 +475,10 @@ async fn store_event(
         jetstream::new(client.clone())
             .publish_with_headers(
                 subject,
-                event_headers(&event.id, Encoding::Json),
+                event_headers(
+                    &crate::nats::msg_id::of(Origin::Service, None, &event.conversation, &event.id),
+                    Encoding::Json,
+                ),
                 event.encode(Encoding::Json).into(),
             )
             .await?

@@ -22,6 +22,7 @@ pub mod event_log;
 pub mod folder;
 pub mod jobs;
 pub mod leases;
+pub mod msg_id;
 pub mod publish;
 pub mod serve;
 pub mod setup;

@@ -500,7 +500,15 @@ impl<S: PassSummarizer + 'static> SummarizerRole<S> {
         self.js
             .publish_with_headers(
                 subject,
-                event_headers(&e.id, Encoding::Msgpack),
+                event_headers(
+                    &crate::nats::msg_id::of(
+                        crate::core::event::Origin::Service,
+                        None,
+                        &e.conversation,
+                        &e.id,
+                    ),
+                    Encoding::Msgpack,
+                ),
                 e.to_msgpack().into(),
             )
             .await
