@@ -311,7 +311,7 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Publish inbound events to NATS as an agent would (Nats-Msg-Id = event id).
+    /// Publish inbound events to NATS as an agent would (Nats-Msg-Id scoped to the conversation, keyed by the credentials given).
     Publish {
         #[command(flatten)]
         nats: serve::NatsArgs,
