@@ -49,9 +49,10 @@ const SECTIONS: [&str; 8] = [
 /// tests find nats-server and the mock LLM servers and whether they must,
 /// golden-file blessing, shared test data, the store crash test's
 /// directory, where the tests find Prometheus and whether they must,
-/// whether the deploy/ checks must find their tools, and whether the audit
-/// page test must find Chromium and where it saves its screenshot.
-pub const NON_CONFIG_VARS: [&str; 16] = [
+/// whether the deploy/ checks must find their tools, whether the audit
+/// page test must find Chromium and where it saves its screenshot, and the
+/// convergence tests' fault point (`nats::folder::Fault`).
+pub const NON_CONFIG_VARS: [&str; 17] = [
     "CONTEXTFOLD_CONFIG",
     "CONTEXTFOLD_LOG",
     "CONTEXTFOLD_VENV",
@@ -66,6 +67,7 @@ pub const NON_CONFIG_VARS: [&str; 16] = [
     "CONTEXTFOLD_REQUIRE_DEPLOY_TOOLS",
     "CONTEXTFOLD_REQUIRE_BROWSER",
     "CONTEXTFOLD_SCREENSHOT_DIR",
+    "CONTEXTFOLD_TEST_FAULT",
     // scripts/real-model-eval.sh: its binary and its cache.
     "CONTEXTFOLD_BIN",
     "CONTEXTFOLD_REAL_MODEL_DIR",

@@ -113,6 +113,37 @@ pub struct FolderSettings {
     /// (`CONTEXTFOLD_BENCH_GATHER_MS`) commits 100k events in about 390
     /// batches at 5 ms and about 150 at 50 ms.
     pub gather_wait: Duration,
+    /// A test's fault point ([`Fault`]); `None` in service.
+    pub fault: Option<Fault>,
+}
+
+/// A fault point the convergence tests crash the folder at, named by the
+/// environment variable [`FAULT_VAR`] (read by `serve`; never set in
+/// service).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Abort the process once a batch's decisions are stored, before its
+    /// jobs are queued (the first batch that issues a job): what a kill -9
+    /// between the two leaves.
+    AbortAfterJobDecisions,
+}
+
+/// The variable naming a [`Fault`] (`abort_after_job_decisions`).
+pub const FAULT_VAR: &str = "CONTEXTFOLD_TEST_FAULT";
+
+impl Fault {
+    /// The fault the environment names, if any (unknown names are
+    /// ignored with a warning: it is a test hook, not configuration).
+    pub fn from_env() -> Option<Fault> {
+        let name = std::env::var(FAULT_VAR).ok()?;
+        match name.as_str() {
+            "abort_after_job_decisions" => Some(Fault::AbortAfterJobDecisions),
+            other => {
+                tracing::warn!(fault = other, "unknown {FAULT_VAR}; ignored");
+                None
+            }
+        }
+    }
 }
 
 impl Default for FolderSettings {
@@ -123,6 +154,7 @@ impl Default for FolderSettings {
             max_inline_job_bytes: 256 * 1024,
             retry_backoff: Duration::from_millis(200),
             gather_wait: Duration::from_millis(50),
+            fault: None,
         }
     }
 }
@@ -771,6 +803,20 @@ impl<B: KvBackend + 'static> FolderRole<B> {
     ) -> bool {
         if effects.is_empty() {
             return true;
+        }
+        if self.settings.fault == Some(Fault::AbortAfterJobDecisions) && !effects.jobs.is_empty() {
+            let decisions = Effects {
+                decisions: effects.decisions.clone(),
+                ..Effects::default()
+            };
+            if Box::pin(self.publish_effects(lease, health, &decisions, shutdown)).await {
+                tracing::error!(
+                    partition = lease.partition(),
+                    "{FAULT_VAR}: aborting after the decisions were stored, before the jobs"
+                );
+                std::process::abort();
+            }
+            return false;
         }
         let mut backoff = self.settings.retry_backoff;
         // Effects already stored, by index, so a retry sends only the rest.

@@ -137,6 +137,7 @@ impl ServeOptions {
     pub fn new(nats: NatsConfig, data_dir: impl Into<PathBuf>) -> Self {
         let summarizer = SummarizerSettings::from_config(&nats);
         let folder = FolderSettings {
+            fault: crate::nats::folder::Fault::from_env(),
             max_inline_job_bytes: usize::try_from(nats.max_inline_payload_bytes)
                 .unwrap_or(usize::MAX),
             ..FolderSettings::default()

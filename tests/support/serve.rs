@@ -226,12 +226,30 @@ pub async fn spawn_serve(
     dir: &Path,
     env: &[(&str, &str)],
 ) -> (tokio::process::Child, async_nats::Client) {
-    let stderr = std::fs::File::create(dir.join("serve.log")).unwrap();
+    let env: Vec<(String, String)> = env
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    spawn_serve_at(&server.url(), dir, &env).await
+}
+
+/// [`spawn_serve`] on the server (or cluster: comma-separated URLs) at
+/// `url`.
+pub async fn spawn_serve_at(
+    url: &str,
+    dir: &Path,
+    env: &[(String, String)],
+) -> (tokio::process::Child, async_nats::Client) {
+    let stderr = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join("serve.log"))
+        .unwrap();
     let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_contextfold"));
     command
         .arg("--data")
         .arg(dir.join("serve"))
-        .args(["serve", "--nats", &server.url()])
+        .args(["serve", "--nats", url])
         .env_remove("CONTEXTFOLD_CONFIG")
         .env_remove("CONTEXTFOLD_SUMMARIZER__BASE_URL")
         .env("OPENAI_API_KEY", "test-key-not-secret")
@@ -241,7 +259,7 @@ pub async fn spawn_serve(
         command.env(k, v);
     }
     let mut child = command.spawn().expect("contextfold serve starts");
-    let client = async_nats::connect(server.url()).await.unwrap();
+    let client = async_nats::connect(url).await.unwrap();
     let up = Instant::now() + Duration::from_secs(30);
     while client
         .request("cf.admin.status", "{}".into())
