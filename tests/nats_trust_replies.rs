@@ -226,7 +226,8 @@ async fn the_service_answers_only_on_inboxes_and_counts_every_other_reply_subjec
         ("jobs", 1),
         ("other", 1),
     ] {
-        let line = format!("contextfold_api_replies_refused_total{{family=\"{family}\"}} {expected}");
+        let line =
+            format!("contextfold_api_replies_refused_total{{family=\"{family}\"}} {expected}");
         assert!(text.contains(&line), "no `{line}` in:\n{text}");
     }
     service.shutdown().await;

@@ -4,6 +4,7 @@
 //! single-node setup talking to `nats://127.0.0.1:4222`.
 
 use crate::nats::connect::NatsOptions;
+use crate::nats::replies::{ReplyPolicy, DEFAULT_REPLY_PREFIXES};
 use crate::nats::subjects::{validate_prefix, Subjects};
 use crate::nats::NatsError;
 use serde::{Deserialize, Serialize};
@@ -69,6 +70,15 @@ pub struct NatsConfig {
     pub job_max_deliver: i64,
     /// How long dead letters are kept. Default 604800000 (7 days).
     pub dead_letter_max_age_ms: u64,
+    /// Subject prefixes (whole tokens) the API answers on: a request whose
+    /// reply subject lies below none of them, nor below
+    /// `connection.inbox_prefix`, gets no answer and is counted
+    /// (`contextfold_api_replies_refused_total`), so no requester can make
+    /// the service publish on a lease key, another conversation's subject
+    /// or a JetStream API (docs/subjects.md, "Replies and inboxes"). None may
+    /// start with `$` or overlap `prefix`. Default `["_INBOX", "_R_"]`
+    /// (client inboxes; replies through imported services).
+    pub reply_prefixes: Vec<String>,
 }
 
 impl Default for NatsConfig {
@@ -89,6 +99,7 @@ impl Default for NatsConfig {
             job_ack_wait_ms: 30_000,
             job_max_deliver: 5,
             dead_letter_max_age_ms: 7 * 24 * 3600 * 1000,
+            reply_prefixes: DEFAULT_REPLY_PREFIXES.map(str::to_string).to_vec(),
         }
     }
 }
@@ -164,7 +175,26 @@ impl NatsConfig {
         if self.job_ack_wait_ms < 1_000 {
             return Err(bad("job_ack_wait_ms", "must be at least 1000".into()));
         }
+        self.reply_policy()?;
         Ok(())
+    }
+
+    /// The reply subjects the API answers on: `reply_prefixes` and the
+    /// connection's own inbox prefix (forwarded requests come back there).
+    pub fn reply_policy(&self) -> Result<ReplyPolicy, NatsError> {
+        ReplyPolicy::new(&self.reply_prefixes, &self.prefix).map_err(|e| NatsError::Config {
+            field: "reply_prefixes",
+            reason: e.to_string(),
+        })?;
+        let own = self.connection.inbox_prefix.as_deref().unwrap_or("_INBOX");
+        ReplyPolicy::new(
+            self.reply_prefixes.iter().map(String::as_str).chain([own]),
+            &self.prefix,
+        )
+        .map_err(|e| NatsError::Config {
+            field: "connection.inbox_prefix",
+            reason: format!("the service's replies come back there: {e}"),
+        })
     }
 
     /// Subject and resource names for this prefix.
@@ -241,6 +271,18 @@ mod tests {
             ),
             ("lease_renew_ms", Box::new(|c| c.lease_renew_ms = 8_000)),
             ("job_max_deliver", Box::new(|c| c.job_max_deliver = 0)),
+            (
+                "reply_prefixes",
+                Box::new(|c| c.reply_prefixes = vec!["$KV".into()]),
+            ),
+            (
+                "reply_prefixes",
+                Box::new(|c| c.reply_prefixes.push("cf.svc".into())),
+            ),
+            (
+                "connection.inbox_prefix",
+                Box::new(|c| c.connection.inbox_prefix = Some("cf.inbox".into())),
+            ),
         ];
         for (field, change) in cases {
             let mut c = NatsConfig::default();

@@ -388,6 +388,7 @@ impl Service {
                     prefix: opts.nats.prefix.clone(),
                     forward_partitions: Some(opts.nats.partitions),
                     recall: opts.recall.clone(),
+                    replies: opts.nats.reply_policy()?,
                     ..ServiceConfig::default()
                 };
                 let held = move || engines.held();
