@@ -15,6 +15,7 @@ use contextfold::api::{DescribeRequest, ExpandRequest, StatusRequest};
 use contextfold::config::Config;
 use contextfold::core::assembly::AssemblyRequest;
 use contextfold::core::audit;
+use contextfold::http::access::PageAccess;
 use contextfold::http::audit_page::{self, AuditSource, PageError};
 use contextfold::nats::event_log::NatsEventLog;
 use contextfold::nats::subjects::{partition_of, Subjects};
@@ -121,6 +122,8 @@ pub fn ui(config: &Config, nats: &NatsArgs, addr: std::net::SocketAddr) -> Resul
         .enable_all()
         .build()
         .context("starting the async runtime")?;
+    // Beyond loopback the page needs a token: refused before listening.
+    let access = PageAccess::new(addr, &config.http).context("contextfold ui cannot listen so")?;
     rt.block_on(async {
         let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| {
             format!("cannot listen on {addr} (is the port in use? choose another with --port)")
@@ -134,15 +137,16 @@ pub fn ui(config: &Config, nats: &NatsArgs, addr: std::net::SocketAddr) -> Resul
         } else {
             Arc::new(NatsSource::connect(config, &nats.apply(&config.nats)).await?)
         };
-        println!("contextfold ui: http://{local}/ (Ctrl-C to stop)");
-        std::io::stdout().flush()?;
-        if !local.ip().is_loopback() {
-            eprintln!(
-                "warning: {local} is not a loopback address: the page shows conversation \
-                 content without authentication"
+        if access.needs_token() {
+            println!(
+                "contextfold ui: http://{local}/ (open http://{local}/?token=<[http] token> once; \
+                 Ctrl-C to stop)"
             );
+        } else {
+            println!("contextfold ui: http://{local}/ (Ctrl-C to stop)");
         }
-        axum::serve(listener, audit_page::router(source))
+        std::io::stdout().flush()?;
+        axum::serve(listener, audit_page::router(source, access))
             .with_graceful_shutdown(async {
                 let _ = tokio::signal::ctrl_c().await;
             })
