@@ -17,6 +17,7 @@ use contextfold::core::assembly::AssemblyRequest;
 use contextfold::core::audit;
 use contextfold::http::access::PageAccess;
 use contextfold::http::audit_page::{self, AuditSource, PageError};
+use contextfold::nats::api_role::ask_owner;
 use contextfold::nats::event_log::NatsEventLog;
 use contextfold::nats::subjects::{partition_of, Subjects};
 use contextfold::nats::NatsConfig;
@@ -135,7 +136,9 @@ pub fn ui(config: &Config, nats: &NatsArgs, addr: std::net::SocketAddr) -> Resul
                 turn: std::sync::Mutex::new(()),
             })
         } else {
-            Arc::new(NatsSource::connect(config, &nats.apply(&config.nats)).await?)
+            Arc::new(
+                NatsSource::connect(config, &nats.apply(&config.nats), AskRoute::Public).await?,
+            )
         };
         if access.needs_token() {
             println!(
@@ -312,21 +315,38 @@ impl AuditSource for Embedded {
 /// The most conversations the page of a NATS deployment lists.
 const MAX_LISTED: usize = 500;
 
+/// How the page asks the API role.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum AskRoute {
+    /// On the public subjects `<prefix>.api.<op>.<token>`, as any client
+    /// (`ui --nats`, with an operator's permissions).
+    Public,
+    /// The partition owner directly, on `<prefix>.api.p.<p>.<op>.<token>`,
+    /// as the API role forwards (`serve --audit-page`, with the service
+    /// user's permissions, which do not include the public subjects).
+    Owner,
+}
+
 /// The page's source over a NATS deployment: the conversations the events
 /// stream names, their status, describe and expand from the API role
-/// (request/reply, as any client asks), the audit and what the model saw
+/// (request/reply, on the [`AskRoute`]), the audit and what the model saw
 /// at an event from the conversation's partition of the stream, folded in
-/// this process. Publishes nothing.
+/// this process. Publishes nothing but its requests.
 pub(super) struct NatsSource {
     config: Config,
     partitions: u32,
     subjects: Subjects,
+    route: AskRoute,
     client: async_nats::Client,
     js: async_nats::jetstream::Context,
 }
 
 impl NatsSource {
-    pub(super) async fn connect(config: &Config, nats: &NatsConfig) -> Result<NatsSource> {
+    pub(super) async fn connect(
+        config: &Config,
+        nats: &NatsConfig,
+        route: AskRoute,
+    ) -> Result<NatsSource> {
         let servers = nats.connection.display_servers();
         let (client, _version) = nats
             .connection
@@ -337,6 +357,7 @@ impl NatsSource {
             config: config.clone(),
             partitions: nats.partitions,
             subjects: nats.subjects()?,
+            route,
             js: async_nats::jetstream::new(client.clone()),
             client,
         })
@@ -361,12 +382,29 @@ impl NatsSource {
         conversation: &str,
         body: &impl serde::Serialize,
     ) -> Result<serde_json::Value, PageError> {
-        let subject = self.subjects.api(op, conversation).map_err(failed)?;
         let body = serde_json::to_vec(body).map_err(failed)?;
+        let timeout = std::time::Duration::from_secs(30);
+        if self.route == AskRoute::Owner {
+            let reply = self.block(async {
+                ask_owner(
+                    &self.client,
+                    self.subjects.prefix(),
+                    self.partitions,
+                    timeout,
+                    op,
+                    conversation,
+                    body.into(),
+                )
+                .await
+                .map_err(|e| anyhow::anyhow!("asking the owner of {conversation:?}: {e}"))
+            })?;
+            return api_answer(&reply);
+        }
+        let subject = self.subjects.api(op, conversation).map_err(failed)?;
         let reply = self.block(async {
             let request = async_nats::Request::new()
                 .payload(body.into())
-                .timeout(Some(std::time::Duration::from_secs(30)));
+                .timeout(Some(timeout));
             self.client
                 .send_request(subject.clone(), request)
                 .await

@@ -1,7 +1,7 @@
 //! `contextfold serve`: every role over NATS in one process (or the ones
 //! `--roles` names), until SIGTERM or SIGINT.
 
-use super::audit::NatsSource;
+use super::audit::{AskRoute, NatsSource};
 use anyhow::{Context, Result};
 use clap::Args;
 use contextfold::config::Config;
@@ -179,7 +179,7 @@ pub fn serve(
             // is (the streams exist then); until then it says so.
             let (config, nats) = (config.clone(), opts.nats.clone());
             tokio::spawn(async move {
-                match NatsSource::connect(&config, &nats).await {
+                match NatsSource::connect(&config, &nats, AskRoute::Owner).await {
                     Ok(source) => page.set(Arc::new(source)),
                     Err(e) => tracing::error!(error = %format!("{e:#}"), "audit page: no NATS"),
                 }

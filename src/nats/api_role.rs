@@ -533,6 +533,37 @@ async fn publish_compaction(
         .map_err(|e| ApiError::Internal(format!("cannot encode the compact answer: {e}")))
 }
 
+/// Asks the owner of `conversation`'s partition directly, on
+/// `<prefix>.api.p.<partition>.<op>.<token>` (the subjects a public API
+/// process forwards to, which the service user may publish), asking again
+/// through a lease handover within `timeout`; returns the owner's reply
+/// body (an answer, or an API error as JSON). For a client in the service's
+/// own process, such as `serve`'s audit page, which needs no permission on
+/// the public subjects that way.
+pub async fn ask_owner(
+    client: &Client,
+    prefix: &str,
+    partitions: u32,
+    timeout: Duration,
+    op: Op,
+    conversation: &str,
+    body: Bytes,
+) -> Result<Bytes, ApiError> {
+    let retry_ms = crate::api::DEFAULT_NOT_OWNER_RETRY_MS;
+    forward(
+        client,
+        prefix,
+        partitions,
+        timeout,
+        op.as_str(),
+        conversation,
+        body,
+        retry_ms,
+    )
+    .await
+    .map(|(_, payload)| payload)
+}
+
 /// Asks the owner of the conversation's partition and returns its reply
 /// as is (headers included); no owner answering is `not_owner`.
 #[allow(clippy::too_many_arguments)]

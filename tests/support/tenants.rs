@@ -27,6 +27,15 @@ pub const TENANTS_USERS: [&str; 7] = [
     "GLOBEX_AGENT_1",
 ];
 
+/// Every NKey variable of `nats-shared-service.conf`.
+pub const SHARED_USERS: [&str; 5] = [
+    "CF_ACME_SERVICE",
+    "CF_GLOBEX_SERVICE",
+    "ACME_OPERATOR",
+    "ACME_AGENT_1",
+    "GLOBEX_AGENT_1",
+];
+
 /// NKey users for one server: the example's variable name and a fresh
 /// key pair.
 pub struct Users(BTreeMap<&'static str, KeyPair>);
