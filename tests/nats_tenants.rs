@@ -46,7 +46,10 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use support::policy::small_policy;
-use support::tenants::{service_nats_config, violations_by, Users, SHARED_CONF, TENANTS_CONF};
+use support::tenants::{
+    service_nats_config, violations_by, Users, SHARED_CONF, SHARED_USERS, TENANTS_CONF,
+    TENANTS_USERS,
+};
 
 const PARTITIONS: u32 = 4;
 /// What the examples permit: agent-1 owns `agent-1`, agent-2 `team:alpha`.
@@ -349,15 +352,7 @@ fn operations(key: &str) -> Vec<(&'static str, Value)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_reaches_only_its_own_conversation() {
-    let users = Users::generate(&[
-        "ACME_SERVICE",
-        "ACME_OPERATOR",
-        "ACME_AGENT_1",
-        "ACME_AGENT_2",
-        "GLOBEX_SERVICE",
-        "GLOBEX_OPERATOR",
-        "GLOBEX_AGENT_1",
-    ]);
+    let users = Users::generate(&TENANTS_USERS);
     let server = users.server(TENANTS_CONF);
     let url = server.url();
     let dir = tempfile::tempdir().unwrap();
@@ -627,15 +622,7 @@ async fn an_agent_reaches_only_its_own_conversation() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tenant_accounts_share_nothing() {
-    let users = Users::generate(&[
-        "ACME_SERVICE",
-        "ACME_OPERATOR",
-        "ACME_AGENT_1",
-        "ACME_AGENT_2",
-        "GLOBEX_SERVICE",
-        "GLOBEX_OPERATOR",
-        "GLOBEX_AGENT_1",
-    ]);
+    let users = Users::generate(&TENANTS_USERS);
     let server = users.server(TENANTS_CONF);
     let url = server.url();
     let dir = tempfile::tempdir().unwrap();
@@ -749,13 +736,7 @@ async fn tenant_accounts_share_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_service_account_serves_each_tenant_under_its_own_prefix() {
-    let users = Users::generate(&[
-        "CF_ACME_SERVICE",
-        "CF_GLOBEX_SERVICE",
-        "ACME_OPERATOR",
-        "ACME_AGENT_1",
-        "GLOBEX_AGENT_1",
-    ]);
+    let users = Users::generate(&SHARED_USERS);
     let server = users.server(SHARED_CONF);
     let url = server.url();
     let dir = tempfile::tempdir().unwrap();

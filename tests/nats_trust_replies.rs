@@ -64,6 +64,12 @@ async fn stored_on(events: &mut jetstream::stream::Stream, filter: &str) -> u64 
     counts.iter().map(|(_, n)| *n as u64).sum()
 }
 
+/// The job stream's last sequence: how many jobs were ever queued.
+async fn last_job(service: &Service) -> u64 {
+    let mut jobs = service.infrastructure().jobs.clone();
+    jobs.info().await.unwrap().state.last_sequence
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_service_answers_only_on_inboxes_and_counts_every_other_reply_subject() {
     let metrics = telemetry::install_prometheus().unwrap();
@@ -103,15 +109,7 @@ async fn the_service_answers_only_on_inboxes_and_counts_every_other_reply_subjec
         .unwrap();
     let js = jetstream::new(service.client().clone());
     let mut events = service.infrastructure().events.clone();
-    let jobs_before = js
-        .get_stream("CF_JOBS")
-        .await
-        .unwrap()
-        .info()
-        .await
-        .unwrap()
-        .state
-        .last_sequence;
+    let jobs_before = last_job(&service).await;
 
     // (label of the refusal metric, reply subject the agent names)
     let families = [
@@ -195,15 +193,7 @@ async fn the_service_answers_only_on_inboxes_and_counts_every_other_reply_subjec
     if js.get_stream("CF_DEAD").await.is_err() {
         harm.push("the dead-letter stream CF_DEAD was deleted".to_string());
     }
-    let jobs_after = js
-        .get_stream("CF_JOBS")
-        .await
-        .unwrap()
-        .info()
-        .await
-        .unwrap()
-        .state
-        .last_sequence;
+    let jobs_after = last_job(&service).await;
     if jobs_after != jobs_before {
         harm.push(format!(
             "{} message(s) queued as jobs",

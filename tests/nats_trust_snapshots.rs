@@ -21,7 +21,6 @@ use contextfold::nats::setup::ensure;
 use contextfold::runtime::sweep::{Deterministic, PassError, PassSummarizer, Spend};
 use futures::{StreamExt, TryStreamExt};
 use std::path::Path;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 use support::nats_server::NatsServer;
 use support::policy::small_policy;
@@ -72,14 +71,7 @@ async fn serve<S: PassSummarizer + 'static>(url: &str, data: &Path, summarizer: 
     opts.summarizer =
         contextfold::nats::summarizer_role::SummarizerSettings::from_config(&opts.nats);
     opts.summarizer.poll = Duration::from_millis(100);
-    let service = Service::start(opts, Arc::new(summarizer))
-        .await
-        .expect("serve starts");
-    wait_until("all partitions held", Duration::from_secs(10), || {
-        held(&service).len() == 16
-    })
-    .await;
-    service
+    start_alone_with(opts, summarizer).await
 }
 
 /// Asks `conv` to compact and returns the `sweep_ended` that ends its job.
