@@ -196,9 +196,10 @@ pub struct HttpConfig {
     /// request naming any other host is refused (DNS rebinding). Default
     /// none.
     pub allowed_hosts: Vec<String>,
-    /// Token the audit page and its API require (at least 16 characters;
-    /// `CONTEXTFOLD_HTTP__TOKEN`); needed when the page listens beyond
-    /// loopback, which is refused without it. Never printed. Default none.
+    /// Token the audit page and its API require (at least 16 letters,
+    /// digits or `-._~`; `CONTEXTFOLD_HTTP__TOKEN`); needed when the page
+    /// listens beyond loopback, which is refused without it. Never
+    /// printed. Default none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token: Option<crate::secret::Secret>,
 }
@@ -595,6 +596,25 @@ mod tests {
         assert_eq!(c.data_dir, PathBuf::from("/tmp/x"));
         assert_eq!(c.policy.ignore_sessions, vec!["cron:**".parse().unwrap()]);
         assert_eq!(c.policy.fresh_tail_count, 64);
+    }
+
+    #[test]
+    fn the_http_token_is_read_verbatim_and_never_shown() {
+        let c = Config::load_with_env(
+            None,
+            env(&[
+                ("CONTEXTFOLD_HTTP__TOKEN", "0123456789012345"),
+                ("CONTEXTFOLD_HTTP__ALLOWED_HOSTS", r#"["audit.internal"]"#),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(
+            c.http.token.as_ref().map(crate::secret::Secret::expose),
+            Some("0123456789012345")
+        );
+        assert_eq!(c.http.allowed_hosts, ["audit.internal"]);
+        assert!(!c.to_toml().contains("0123456789012345"));
+        assert!(!format!("{c:?}").contains("0123456789012345"));
     }
 
     #[test]

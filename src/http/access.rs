@@ -61,6 +61,11 @@ pub enum AccessError {
     )]
     TokenTooShort(usize),
     #[error(
+        "[http] token holds characters other than letters, digits and `-._~`: it travels in a \
+         URL and a cookie (e.g. `openssl rand -hex 16`)"
+    )]
+    TokenCharacters,
+    #[error(
         "[http] allowed_hosts entry {0:?} is not a host name or address (no scheme, port or path)"
     )]
     Host(String),
@@ -94,6 +99,14 @@ impl PageAccess {
         let token = match &http.token {
             Some(t) if t.expose().chars().count() < MIN_TOKEN_CHARS => {
                 return Err(AccessError::TokenTooShort(t.expose().chars().count()))
+            }
+            Some(t)
+                if !t
+                    .expose()
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-._~".contains(&b)) =>
+            {
+                return Err(AccessError::TokenCharacters)
             }
             Some(t) => Some(Arc::new(digest(t))),
             None if !listen.ip().is_loopback() => {
@@ -376,6 +389,10 @@ mod tests {
         assert!(matches!(
             access("0.0.0.0:8765", &[], Some("short")),
             Err(AccessError::TokenTooShort(5))
+        ));
+        assert!(matches!(
+            access("0.0.0.0:8765", &[], Some("0123456789abcdef;x=1")),
+            Err(AccessError::TokenCharacters)
         ));
         assert!(matches!(
             access("127.0.0.1:1", &["http://x"], None),
