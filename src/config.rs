@@ -181,15 +181,29 @@ pub struct Config {
     pub log: LogConfig,
 }
 
-/// `[http]`: the operators' HTTP server of `serve`.
+/// `[http]`: the operators' HTTP server of `serve`, and who may read the
+/// audit page (`serve --audit-page`, `contextfold ui`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct HttpConfig {
     /// Address to listen on (`127.0.0.1:9464`); unset (the default): no
-    /// HTTP server. `serve --http ADDR` overrides it. The endpoints carry
-    /// no authentication: keep it on loopback or a private network.
+    /// HTTP server. `serve --http ADDR` overrides it. `/metrics`,
+    /// `/healthz` and `/readyz` carry no authentication and no conversation
+    /// data: keep them on loopback or a private network.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub listen: Option<std::net::SocketAddr>,
+    /// Host names (or addresses) besides the listen address and
+    /// `localhost` under which the audit page may be opened, e.g. the
+    /// machine's name or a reverse proxy's (`["audit.internal"]`); a
+    /// request naming any other host is refused (DNS rebinding). Default
+    /// none.
+    pub allowed_hosts: Vec<String>,
+    /// Token the audit page and its API require (at least 16 letters,
+    /// digits or `-._~`; `CONTEXTFOLD_HTTP__TOKEN`); needed when the page
+    /// listens beyond loopback, which is refused without it. Never
+    /// printed. Default none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token: Option<crate::secret::Secret>,
 }
 
 /// `[log]`: the binary's log output (the filter is `CONTEXTFOLD_LOG`).
@@ -584,6 +598,25 @@ mod tests {
         assert_eq!(c.data_dir, PathBuf::from("/tmp/x"));
         assert_eq!(c.policy.ignore_sessions, vec!["cron:**".parse().unwrap()]);
         assert_eq!(c.policy.fresh_tail_count, 64);
+    }
+
+    #[test]
+    fn the_http_token_is_read_verbatim_and_never_shown() {
+        let c = Config::load_with_env(
+            None,
+            env(&[
+                ("CONTEXTFOLD_HTTP__TOKEN", "0123456789012345"),
+                ("CONTEXTFOLD_HTTP__ALLOWED_HOSTS", r#"["audit.internal"]"#),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(
+            c.http.token.as_ref().map(crate::secret::Secret::expose),
+            Some("0123456789012345")
+        );
+        assert_eq!(c.http.allowed_hosts, ["audit.internal"]);
+        assert!(!c.to_toml().contains("0123456789012345"));
+        assert!(!format!("{c:?}").contains("0123456789012345"));
     }
 
     #[test]

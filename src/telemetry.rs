@@ -159,6 +159,18 @@ pub const BODY_CACHE_MISSES: &str = "contextfold_body_cache_misses_total";
 /// Whether this process is ready (`/readyz`), 1 or 0 (gauge).
 pub const READY: &str = "contextfold_ready";
 
+// ---- trust boundary ----------------------------------------------------------
+
+/// API requests refused unanswered because their reply subject is no
+/// inbox; label `family`: what the subject is
+/// ([`crate::nats::replies::ReplyFamily`]: `kv`, `jetstream_api`,
+/// `service_events`, `inbound`, `jobs`, `other`, ...).
+pub const API_REPLIES_REFUSED: &str = "contextfold_api_replies_refused_total";
+/// Requests of the audit page refused; label `reason`: `host` (a Host
+/// header naming no allowed address: DNS rebinding), `origin` (a
+/// cross-site Origin) or `token` (missing or wrong token).
+pub const HTTP_REQUESTS_REFUSED: &str = "contextfold_http_requests_refused_total";
+
 /// Every metric with its kind, unit and description, for `describe_*` and
 /// docs/operations.md.
 pub const FAMILIES: &[(&str, Kind, &str)] = &[
@@ -304,6 +316,16 @@ pub const FAMILIES: &[(&str, Kind, &str)] = &[
         "body reads that went to the state store",
     ),
     (READY, Kind::Gauge, "1 when /readyz answers 200, else 0"),
+    (
+        API_REPLIES_REFUSED,
+        Kind::Counter,
+        "API requests left unanswered because their reply subject is no inbox, by family",
+    ),
+    (
+        HTTP_REQUESTS_REFUSED,
+        Kind::Counter,
+        "audit page requests refused, by reason (host, origin, token)",
+    ),
 ];
 
 /// What kind of metric a family is.
@@ -1008,6 +1030,101 @@ impl Readiness {
             return;
         }
         metrics::gauge!(READY).set(if self.ready { 1.0 } else { 0.0 });
+    }
+}
+
+/// Seconds since the epoch of the last refused-reply log line, and the
+/// refusals not logged since: a flood of refused requests is counted in
+/// full but logged at most once a second.
+static REPLY_REFUSALS_LOGGED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static REPLY_REFUSALS_UNLOGGED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// An API request was left unanswered: its reply subject is no inbox.
+pub struct ReplyRefused<'a> {
+    /// A closed set: [`crate::nats::replies::ReplyFamily::as_str`].
+    pub family: &'static str,
+    /// The operation asked (a closed set, `unknown` when none).
+    pub op: &'static str,
+    /// The conversation the request subject names (bounded by the subject
+    /// parser; empty for `admin`).
+    pub conversation_id: &'a str,
+    /// A bounded, escaped start of the reply subject
+    /// ([`crate::nats::replies::log_excerpt`]).
+    pub reply: &'a str,
+}
+
+impl ReplyRefused<'_> {
+    pub fn emit(self) {
+        use std::sync::atomic::Ordering;
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
+        metrics::counter!(API_REPLIES_REFUSED, "family" => self.family).increment(1);
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let last = REPLY_REFUSALS_LOGGED.load(Ordering::Relaxed);
+        if now <= last
+            || REPLY_REFUSALS_LOGGED
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_err()
+        {
+            REPLY_REFUSALS_UNLOGGED.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let unlogged = REPLY_REFUSALS_UNLOGGED.swap(0, Ordering::Relaxed);
+        tracing::warn!(
+            family = self.family,
+            op = self.op,
+            conversation_id = self.conversation_id,
+            reply = self.reply,
+            unlogged,
+            "API request refused unanswered: its reply subject is no inbox (a requester may \
+             name only an inbox; see [nats] reply_prefixes); `unlogged` more since the last \
+             such line, all counted in contextfold_api_replies_refused_total"
+        );
+    }
+}
+
+/// Why the audit page refused a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HttpRefusal {
+    /// The Host header names no allowed address (DNS rebinding).
+    Host,
+    /// A cross-site Origin.
+    Origin,
+    /// The token is missing or wrong.
+    Token,
+}
+
+impl HttpRefusal {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HttpRefusal::Host => "host",
+            HttpRefusal::Origin => "origin",
+            HttpRefusal::Token => "token",
+        }
+    }
+}
+
+/// The audit page refused a request (answered 403 or 401).
+pub struct HttpRequestRefused<'a> {
+    pub reason: HttpRefusal,
+    /// The path asked (bounded and escaped by the caller).
+    pub path: &'a str,
+}
+
+impl HttpRequestRefused<'_> {
+    pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
+        tracing::debug!(
+            reason = self.reason.as_str(),
+            path = self.path,
+            "audit page request refused"
+        );
+        metrics::counter!(HTTP_REQUESTS_REFUSED, "reason" => self.reason.as_str()).increment(1);
     }
 }
 

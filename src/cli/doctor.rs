@@ -14,6 +14,7 @@ use contextfold::config::Config;
 use contextfold::nats::leases::{live_member_records, owner_of, LiveMember};
 use contextfold::nats::setup::{
     dead_letter_stream_config, events_stream_config, incompatibilities, jobs_stream_config,
+    payload_stream_name,
 };
 use contextfold::nats::NatsConfig;
 use contextfold::nats::Subjects;
@@ -447,6 +448,8 @@ pub async fn diagnose(cfg: &NatsConfig, stores: &Stores) -> Vec<Finding> {
         }
     }
 
+    out.push(check_payloads(&js, cfg, &subjects).await);
+
     let bucket = subjects.lease_bucket();
     let check = format!("leases ({bucket})");
     match js.get_key_value(&bucket).await {
@@ -503,6 +506,61 @@ pub async fn diagnose(cfg: &NatsConfig, stores: &Stores) -> Vec<Finding> {
     }
     out.extend(serve_status(&client, &subjects).await);
     out
+}
+
+/// The job-snapshot object store: present, and its `max_age` the
+/// configured `payload_max_age_ms`, so snapshots a crash left behind
+/// expire.
+async fn check_payloads(js: &jetstream::Context, cfg: &NatsConfig, subjects: &Subjects) -> Finding {
+    let bucket = subjects.payload_bucket();
+    let check = format!("object store {bucket}");
+    let want = cfg.payload_max_age();
+    match stream_info(js, &payload_stream_name(&bucket)).await {
+        Ok(Some(info)) => {
+            let held = format!("{} bytes held", info.state.bytes);
+            let have = info.config.max_age;
+            if have == want {
+                Finding::new(
+                    Level::Ok,
+                    check,
+                    format!("{held}, snapshots expire after {} ms", want.as_millis()),
+                )
+            } else if have.is_zero() {
+                Finding::new(
+                    Level::Warn,
+                    check,
+                    format!(
+                        "{held}; no max_age: job snapshots a crash left behind are kept for ever; \
+                         restart `contextfold serve` of this version (it sets max_age = \
+                         payload_max_age_ms, {} ms)",
+                        want.as_millis()
+                    ),
+                )
+            } else {
+                Finding::new(
+                    Level::Warn,
+                    check,
+                    format!(
+                        "{held}; max_age is {} ms, this configuration's payload_max_age_ms is {} \
+                         ms: give every process the same setting (serve applies it at start)",
+                        have.as_millis(),
+                        want.as_millis()
+                    ),
+                )
+            }
+        }
+        Ok(None) => Finding::new(
+            Level::Fail,
+            check,
+            "missing: start `contextfold serve` once (it creates it), with the same [nats] \
+             prefix as here",
+        ),
+        Err(e) => Finding::new(
+            Level::Fail,
+            check,
+            format!("cannot read it ({e}): check this user's JetStream permissions"),
+        ),
+    }
 }
 
 /// Whether the live members (processes that fold: roles folder or api)

@@ -269,7 +269,8 @@ pub enum Command {
     /// The audit page over the embedded store: conversations, timeline
     /// chart, what the model saw at each event, the summary DAG.
     Ui {
-        /// Listen on this address (loopback by default).
+        /// Listen on this address (loopback by default; beyond loopback
+        /// the page needs `[http] token`, CONTEXTFOLD_HTTP__TOKEN).
         #[arg(long, default_value = "127.0.0.1")]
         host: std::net::IpAddr,
         /// Port (0: any free one; the URL is printed).
@@ -291,12 +292,15 @@ pub enum Command {
         #[arg(long)]
         concurrency: Option<usize>,
         /// Serve /metrics, /healthz and /readyz on this address
-        /// (`127.0.0.1:9464`; overrides `[http] listen`). Unauthenticated:
-        /// keep it on loopback or a private network.
+        /// (`127.0.0.1:9464`; overrides `[http] listen`). Unauthenticated
+        /// and without conversation data: keep it on loopback or a private
+        /// network.
         #[arg(long, value_name = "ADDR")]
         http: Option<std::net::SocketAddr>,
-        /// Also serve the audit page at `/` of the HTTP server (it shows
-        /// conversation content without authentication: loopback only).
+        /// Also serve the audit page at `/` of the HTTP server. It shows
+        /// conversation content: it answers only requests naming this
+        /// server, and beyond loopback needs `[http] token`
+        /// (CONTEXTFOLD_HTTP__TOKEN), without which it refuses to start.
         #[arg(long)]
         audit_page: bool,
     },

@@ -43,6 +43,7 @@ use crate::core::policy::PolicyConfig;
 use crate::core::state::{Conversation, State};
 use crate::nats::event_log::event_headers;
 use crate::nats::folder::{EngineMap, SharedEngine};
+use crate::nats::replies::{log_excerpt, ReplyPolicy};
 use crate::nats::subjects::{partition_of, SubjectError, Subjects};
 use crate::runtime::recall::{RecallSetupError, Recaller};
 use crate::store::KvBackend;
@@ -84,6 +85,9 @@ pub struct ServiceConfig {
     pub publish_compactions: bool,
     /// The model `recall` asks, or why there is none.
     pub recall: RecallService,
+    /// The reply subjects answered ([`crate::nats::replies`]): a request
+    /// replying anywhere else is refused unanswered and counted.
+    pub replies: ReplyPolicy,
 }
 
 /// Whether this service answers `recall`.
@@ -106,6 +110,7 @@ impl Default for ServiceConfig {
             forward_timeout: Duration::from_secs(3),
             publish_compactions: true,
             recall: RecallService::Off(RecallSetupError::NoModel.to_string()),
+            replies: ReplyPolicy::default_for(DEFAULT_PREFIX),
         }
     }
 }
@@ -242,6 +247,7 @@ async fn serve<V: StateView>(
     let subjects = Subjects::new(&config.prefix)?;
     let compactions = config.publish_compactions.then(|| subjects.clone());
     let recall = config.recall.clone();
+    let replies = Arc::new(config.replies.clone());
     tracing::info!(subject = %filter, group = %config.queue_group, "API service started");
     let task_filter = filter.clone();
     let task = tokio::spawn(async move {
@@ -278,12 +284,35 @@ async fn serve<V: StateView>(
             let compactions = compactions.clone();
             let subjects = subjects.clone();
             let recall = recall.clone();
+            let replies = replies.clone();
             in_flight.spawn(async move {
                 let _permit = permit;
                 let Some(reply) = message.reply else {
-                    tracing::warn!(subject = %message.subject, "API request without a reply subject; nothing to answer to");
+                    tracing::warn!(subject = %log_excerpt(&message.subject, 200), "API request without a reply subject; nothing to answer to");
                     return;
                 };
+                // Before anything is read or done: a reply subject that is
+                // no inbox gets nothing (see crate::nats::replies).
+                if let Err(family) = replies.admit(reply.as_str(), &subjects) {
+                    let addressed = subjects.parse_api_subject(message.subject.as_str()).ok();
+                    let op = addressed
+                        .as_ref()
+                        .and_then(|a| Op::parse(&a.op))
+                        .map_or("unknown", Op::as_str);
+                    let conversation = addressed
+                        .as_ref()
+                        .and_then(|a| a.conversation.as_deref())
+                        .map(|c| log_excerpt(c, 128))
+                        .unwrap_or_default();
+                    crate::telemetry::ReplyRefused {
+                        family: family.as_str(),
+                        op,
+                        conversation_id: &conversation,
+                        reply: &log_excerpt(reply.as_str(), 64),
+                    }
+                    .emit();
+                    return;
+                }
                 let addressed = match subjects.parse_api_subject(message.subject.as_str()) {
                     Ok(a) => a,
                     Err(e) => {
@@ -505,6 +534,37 @@ async fn publish_compaction(
     response.published = true;
     serde_json::to_vec(&response)
         .map_err(|e| ApiError::Internal(format!("cannot encode the compact answer: {e}")))
+}
+
+/// Asks the owner of `conversation`'s partition directly, on
+/// `<prefix>.api.p.<partition>.<op>.<token>` (the subjects a public API
+/// process forwards to, which the service user may publish), asking again
+/// through a lease handover within `timeout`; returns the owner's reply
+/// body (an answer, or an API error as JSON). For a client in the service's
+/// own process, such as `serve`'s audit page, which needs no permission on
+/// the public subjects that way.
+pub async fn ask_owner(
+    client: &Client,
+    prefix: &str,
+    partitions: u32,
+    timeout: Duration,
+    op: Op,
+    conversation: &str,
+    body: Bytes,
+) -> Result<Bytes, ApiError> {
+    let retry_ms = crate::api::DEFAULT_NOT_OWNER_RETRY_MS;
+    forward(
+        client,
+        prefix,
+        partitions,
+        timeout,
+        op.as_str(),
+        conversation,
+        body,
+        retry_ms,
+    )
+    .await
+    .map(|(_, payload)| payload)
 }
 
 /// Asks the owner of the conversation's partition and returns its reply

@@ -282,6 +282,9 @@ async fn watch_member_policies(
     }
 }
 
+/// How long a `/metrics` scrape waits for one JetStream read.
+pub const METRICS_READ_LIMIT: Duration = Duration::from_secs(2);
+
 /// A running `serve` process.
 pub struct Service {
     client: async_nats::Client,
@@ -389,6 +392,7 @@ impl Service {
                     prefix: opts.nats.prefix.clone(),
                     forward_partitions: Some(opts.nats.partitions),
                     recall: opts.recall.clone(),
+                    replies: opts.nats.reply_policy()?,
                     ..ServiceConfig::default()
                 };
                 let held = move || engines.held();
@@ -481,7 +485,9 @@ impl Service {
 
     /// Reads the gauges that cost a JetStream request (consumer lag per
     /// held partition, jobs queued and in flight), for each `/metrics`
-    /// scrape. A failed read leaves the gauge at its last value.
+    /// scrape: all at once, each within [`METRICS_READ_LIMIT`], so a scrape
+    /// never waits on a slow or refused request (a refused one only times
+    /// out). A failed read leaves the gauge at its last value.
     pub fn metrics_refresh(&self) -> Refresh {
         let events = self.infra.events.clone();
         let jobs = self.infra.jobs.clone();
@@ -495,22 +501,35 @@ impl Service {
             Box::pin(async move {
                 let held = engines.map(|e| e.partitions()).unwrap_or_default();
                 telemetry::PartitionsHeld { count: held.len() }.emit();
-                for p in held {
-                    if let Ok(info) = events.consumer_info(subjects.folder_consumer(p)).await {
-                        telemetry::ConsumerLag {
-                            partition: p,
-                            pending: info.num_pending,
+                let lags = held.into_iter().map(|p| {
+                    let name = subjects.folder_consumer(p);
+                    let events = &events;
+                    async move {
+                        let read =
+                            tokio::time::timeout(METRICS_READ_LIMIT, events.consumer_info(name));
+                        if let Ok(Ok(info)) = read.await {
+                            telemetry::ConsumerLag {
+                                partition: p,
+                                pending: info.num_pending,
+                            }
+                            .emit();
+                        }
+                    }
+                });
+                let queue = async {
+                    let read = tokio::time::timeout(
+                        METRICS_READ_LIMIT,
+                        jobs.consumer_info(subjects.summarizer_consumer()),
+                    );
+                    if let Ok(Ok(info)) = read.await {
+                        telemetry::JobQueue {
+                            queued: info.num_pending,
+                            running: info.num_ack_pending as u64,
                         }
                         .emit();
                     }
-                }
-                if let Ok(info) = jobs.consumer_info(subjects.summarizer_consumer()).await {
-                    telemetry::JobQueue {
-                        queued: info.num_pending,
-                        running: info.num_ack_pending as u64,
-                    }
-                    .emit();
-                }
+                };
+                futures::join!(futures::future::join_all(lags), queue);
             })
         })
     }

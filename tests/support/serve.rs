@@ -16,7 +16,7 @@ use contextfold::nats::serve::{Roles, ServeOptions, Service};
 use contextfold::nats::setup::{ensure, Infrastructure};
 use contextfold::nats::subjects;
 use contextfold::nats::{NatsConfig, NatsOptions};
-use contextfold::runtime::sweep::Deterministic;
+use contextfold::runtime::sweep::{Deterministic, PassSummarizer};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::sync::Arc;
@@ -54,7 +54,15 @@ pub async fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> b
 /// Starts a serve process alone on the server and waits until it holds
 /// every partition.
 pub async fn start_alone(opts: ServeOptions) -> Service {
-    let service = Service::start(opts, Arc::new(Deterministic))
+    start_alone_with(opts, Deterministic).await
+}
+
+/// [`start_alone`] with `summarizer`.
+pub async fn start_alone_with<S: PassSummarizer + 'static>(
+    opts: ServeOptions,
+    summarizer: S,
+) -> Service {
+    let service = Service::start(opts, Arc::new(summarizer))
         .await
         .expect("serve starts");
     wait_until("all partitions held", Duration::from_secs(10), || {
