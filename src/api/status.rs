@@ -346,6 +346,9 @@ pub enum HealthCode {
     StuckDebt,
     /// A debt that cannot go on whatever the time (a spend limit of 0).
     BlockedDebt,
+    /// Context over the threshold with nothing a compaction could take:
+    /// the fresh tail and summaries that cannot condense further.
+    Incompressible,
     /// Degraded conversations (global status only).
     DegradedConversations,
     /// A partition cannot fold or publish and is retrying (global only).
@@ -836,6 +839,35 @@ pub fn conversation_status(
                 "context is {} tokens, over the budget of {}: assembly leaves the oldest items out",
                 conv.context.tokens(),
                 levels.budget
+            ),
+        });
+    }
+    if conv.debt.is_none()
+        && conv.context.tokens() > levels.threshold_tokens
+        && fresh_tail <= levels.budget
+        && policy::next_compaction(
+            conv,
+            policy,
+            policy::Standing {
+                context_tokens: conv.context.tokens(),
+                target_tokens: levels.target_tokens,
+                budget: levels.budget,
+                prefix_target_tokens: levels.prefix_target_tokens,
+                urgent: false,
+            },
+        )
+        .is_none()
+    {
+        reasons.push(HealthReason {
+            code: HealthCode::Incompressible,
+            message: format!(
+                "context is {} tokens, over the threshold of {}, and nothing is left to compact: \
+                 the fresh tail is {fresh_tail} tokens and the {} summaries in context cannot \
+                 condense further (raise the budget, lower fresh_tail_count, or compact with \
+                 instructions)",
+                conv.context.tokens(),
+                levels.threshold_tokens,
+                summary_tokens
             ),
         });
     }

@@ -305,14 +305,18 @@ impl FoldContext<'_> {
             .is_some_and(|d| d.reason != DebtReason::Resummarize);
         let routine_work = (tokens > levels.threshold_tokens || over_bytes)
             && !compaction_debt
-            && (policy::next_leaf_chunk_with(
+            && policy::next_compaction(
                 &*self.conv,
                 self.policy,
-                true,
-                tokens <= levels.budget,
+                policy::Standing {
+                    context_tokens: tokens,
+                    target_tokens: levels.target_tokens,
+                    budget: levels.budget,
+                    prefix_target_tokens: levels.prefix_target_tokens,
+                    urgent: false,
+                },
             )
-            .is_some()
-                || policy::next_condensation(&*self.conv, self.policy, false, false).is_some());
+            .is_some();
         if tokens > levels.threshold_tokens && (routine_work || compaction_debt) {
             self.raise_debt(DebtReason::Threshold, false, levels.target_tokens, None);
         }
@@ -377,11 +381,19 @@ impl FoldContext<'_> {
         };
         let conv: &Conversation = self.conv;
         let over = tokens > debt.target_tokens;
-        let reach_back = !(debt.urgent || tokens > policy::budget(conv, self.policy));
-        let work_left =
-            policy::next_leaf_chunk_with(conv, self.policy, over || debt.urgent, reach_back)
-                .is_some()
-                || policy::next_condensation(conv, self.policy, false, debt.urgent).is_some();
+        let levels = policy::levels(conv, self.policy);
+        let work_left = policy::next_compaction(
+            conv,
+            self.policy,
+            policy::Standing {
+                context_tokens: tokens,
+                target_tokens: debt.target_tokens,
+                budget: levels.budget,
+                prefix_target_tokens: levels.prefix_target_tokens,
+                urgent: debt.urgent,
+            },
+        )
+        .is_some();
         if over && work_left {
             return false;
         }
