@@ -51,8 +51,8 @@ const SECTIONS: [&str; 8] = [
 /// directory, where the tests find Prometheus and whether they must,
 /// whether the deploy/ checks must find their tools, whether the audit
 /// page test must find Chromium and where it saves its screenshot, and the
-/// convergence tests' fault point (`nats::folder::Fault`).
-pub const NON_CONFIG_VARS: [&str; 17] = [
+/// convergence tests' fault point (`nats::folder::Fault`) and matrix.
+pub const NON_CONFIG_VARS: [&str; 18] = [
     "CONTEXTFOLD_CONFIG",
     "CONTEXTFOLD_LOG",
     "CONTEXTFOLD_VENV",
@@ -68,6 +68,7 @@ pub const NON_CONFIG_VARS: [&str; 17] = [
     "CONTEXTFOLD_REQUIRE_BROWSER",
     "CONTEXTFOLD_SCREENSHOT_DIR",
     "CONTEXTFOLD_TEST_FAULT",
+    "CONTEXTFOLD_CONVERGENCE",
     // scripts/real-model-eval.sh: its binary and its cache.
     "CONTEXTFOLD_BIN",
     "CONTEXTFOLD_REAL_MODEL_DIR",

@@ -221,6 +221,12 @@ fn serve_env(case: &Case, model: Option<&ScriptedServer>, replicas: u32) -> Vec<
     }
     if let Some(server) = model {
         env.extend([
+            // Spend windows of seconds, not minutes: a window a failing
+            // model used up reopens within the test.
+            (
+                "CONTEXTFOLD_POLICY__SUMMARY_CALL_WINDOW_MS".to_string(),
+                "15000".to_string(),
+            ),
             (
                 "CONTEXTFOLD_SUMMARIZER__BASE_URL".to_string(),
                 server.base_url(),
@@ -266,35 +272,49 @@ async fn publish(client: &async_nats::Client, events: &[Envelope], how: Publish)
             }
         }
     };
-    let mut acks = Vec::new();
-    for e in ordered {
-        let subject = subjects.inbound(&e.conversation).unwrap();
-        let headers = event_headers(
-            &msg_id::of(Origin::Agent, None, &e.conversation, &e.id),
-            Encoding::Msgpack,
-        );
-        // A leader election may refuse a publish for a moment: retried.
-        let ack = loop {
-            match js
-                .publish_with_headers(subject.clone(), headers.clone(), e.to_msgpack().into())
-                .await
-            {
-                Ok(ack) => break ack,
-                Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+    // In chunks: publish, wait for every acknowledgement, publish again
+    // what was not stored (a leader election in the way). The message ids
+    // make a retry store nothing twice.
+    let chunk = if how == Publish::Paced { 1 } else { 256 };
+    for events in ordered.chunks(chunk) {
+        let mut left: Vec<&Envelope> = events.to_vec();
+        let mut attempts = 0;
+        while !left.is_empty() {
+            attempts += 1;
+            assert!(
+                attempts < 600,
+                "events not stored after {attempts} attempts"
+            );
+            let mut pending = Vec::new();
+            for e in &left {
+                let subject = subjects.inbound(&e.conversation).unwrap();
+                let headers = event_headers(
+                    &msg_id::of(Origin::Agent, None, &e.conversation, &e.id),
+                    Encoding::Msgpack,
+                );
+                let ack = js
+                    .publish_with_headers(subject, headers, e.to_msgpack().into())
+                    .await;
+                pending.push((*e, ack));
             }
-        };
-        acks.push(ack);
+            let mut failed = Vec::new();
+            for (e, ack) in pending {
+                let stored = match ack {
+                    Ok(ack) => ack.await.is_ok(),
+                    Err(_) => false,
+                };
+                if !stored {
+                    failed.push(e);
+                }
+            }
+            if !failed.is_empty() {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            left = failed;
+        }
         if how == Publish::Paced {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        if acks.len() >= 256 {
-            for ack in acks.drain(..) {
-                let _ = ack.await;
-            }
-        }
-    }
-    for ack in acks {
-        let _ = ack.await;
     }
 }
 
@@ -313,8 +333,13 @@ async fn status_of(client: &async_nats::Client, key: &str) -> Option<Value> {
     (v["scope"] == "conversation").then_some(v)
 }
 
-/// Whether a conversation has converged, and if not, why not.
-fn converged(s: &Value) -> Result<(), String> {
+/// Whether a conversation has converged, and if not, why not: every one
+/// of its `turns` turns folded (kept or refused) first.
+fn converged(s: &Value, turns: u64) -> Result<(), String> {
+    let folded = s["turns"]["total"].as_u64().unwrap_or(0) + s["rejections"].as_u64().unwrap_or(0);
+    if folded < turns {
+        return Err(format!("{folded} of {turns} turns folded"));
+    }
     let context = s["tokens"]["context"].as_u64().unwrap_or(u64::MAX);
     let threshold = s["tokens"]["threshold"].as_u64().unwrap_or(0);
     let budget = s["tokens"]["budget"].as_u64().unwrap_or(0);
@@ -332,7 +357,11 @@ fn converged(s: &Value) -> Result<(), String> {
         }
         return Err(format!("a debt still waits: {debt}"));
     }
-    if context <= threshold || fresh_tail > budget {
+    let counted = s["health"]["reasons"].as_array().is_some_and(|r| {
+        r.iter()
+            .any(|r| r["code"] == "incompressible" || r["code"] == "over_budget")
+    });
+    if context <= threshold || fresh_tail > budget || counted {
         Ok(())
     } else {
         Err(format!(
@@ -392,7 +421,7 @@ async fn run_case(case: Case, limit: Duration) -> Outcome {
     let dir = tempfile::tempdir().unwrap();
     let servers = if case.mode == Mode::ClusterNodeKilled {
         let cluster = start_cluster(3);
-        wait_for_jetstream(&cluster.url_list()).await;
+        wait_for_jetstream(&cluster.urls()[0]).await;
         Servers::Cluster(cluster)
     } else {
         Servers::One(NatsServer::start())
@@ -413,9 +442,12 @@ async fn run_case(case: Case, limit: Duration) -> Outcome {
     }
     let (mut child, client) = spawn_serve_at(&servers.url(), dir.path(), &env).await;
     let events: Vec<Envelope> = case.transcripts.iter().flat_map(|t| t.events()).collect();
-    let mut keys: Vec<String> = events.iter().map(|e| e.conversation.clone()).collect();
-    keys.sort();
-    keys.dedup();
+    let mut turns: BTreeMap<String, u64> = BTreeMap::new();
+    for e in &events {
+        let n = turns.entry(e.conversation.clone()).or_default();
+        *n += u64::from(matches!(e.body, EventBody::TurnAppended(_)));
+    }
+    let keys: Vec<String> = turns.keys().cloned().collect();
     let started = Instant::now();
     match case.mode {
         Mode::ClusterNodeKilled => {
@@ -453,12 +485,15 @@ async fn run_case(case: Case, limit: Duration) -> Outcome {
     loop {
         let mut pending = Vec::new();
         for key in &keys {
-            if statuses.get(key).is_some_and(|s| converged(s).is_ok()) {
+            if statuses
+                .get(key)
+                .is_some_and(|s| converged(s, turns[key]).is_ok())
+            {
                 continue;
             }
             match status_of(&client, key).await {
                 Some(s) => {
-                    if let Err(why) = converged(&s) {
+                    if let Err(why) = converged(&s, turns[key]) {
                         last.insert(key.clone(), why);
                         pending.push(key.clone());
                     }
@@ -476,7 +511,7 @@ async fn run_case(case: Case, limit: Duration) -> Outcome {
             let mut regressed = Vec::new();
             for key in &keys {
                 let s = status_of(&client, key).await.expect("status");
-                if let Err(why) = converged(&s) {
+                if let Err(why) = converged(&s, turns[key]) {
                     regressed.push(format!("{key}: {why}"));
                 }
                 statuses.insert(key.clone(), s);
@@ -524,6 +559,9 @@ async fn run_case(case: Case, limit: Duration) -> Outcome {
         requeued,
     };
     for s in statuses.values() {
+        if std::env::var_os("CONVERGENCE_DEBUG").is_some() {
+            eprintln!("STATUS {s}");
+        }
         let context = s["tokens"]["context"].as_f64().unwrap_or(0.0);
         let threshold = s["tokens"]["threshold"].as_f64().unwrap_or(1.0).max(1.0);
         outcome.worst_share = outcome.worst_share.max(context / threshold);

@@ -267,7 +267,11 @@ pub async fn spawn_serve_at(
         command.env(k, v);
     }
     let mut child = command.spawn().expect("contextfold serve starts");
-    let client = async_nats::connect(url).await.unwrap();
+    let servers: Vec<async_nats::ServerAddr> = url
+        .split(',')
+        .map(|u| u.parse().expect("a server URL"))
+        .collect();
+    let client = async_nats::connect(servers).await.unwrap();
     let up = Instant::now() + Duration::from_secs(30);
     while client
         .request("cf.admin.status", "{}".into())
