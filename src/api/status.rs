@@ -77,9 +77,17 @@ pub struct GlobalStatus {
     /// Up to [`MAX_LISTED_DEGRADED`] stuck conversation keys.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub stuck: Vec<String>,
-    /// The partitions this process folds (over NATS; empty locally).
+    /// The partitions these totals cover (over NATS: every process's,
+    /// gathered by the one that answered; empty locally).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub partitions: Vec<PartitionHealth>,
+    /// How many partitions the service has (over NATS).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partitions_total: Option<u32>,
+    /// Partitions whose owner did not answer in time: these totals leave
+    /// them out (`partial`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub missing_partitions: Vec<u32>,
     pub health: Health,
 }
 
@@ -355,6 +363,9 @@ pub enum HealthCode {
     PartitionRetrying,
     /// A partition dead-lettered records (global only): see `cf.dead.partition.<p>`.
     DeadLetters,
+    /// Partitions whose owner did not answer: the totals leave them out
+    /// (global only).
+    PartitionsMissing,
 }
 
 /// How one partition this process folds is doing (global status over
@@ -537,6 +548,8 @@ pub fn global_status_with(
         stuck_conversations: 0,
         stuck: Vec::new(),
         partitions: Vec::new(),
+        partitions_total: None,
+        missing_partitions: Vec::new(),
         health: Health::from_reasons(Vec::new()),
     };
     let mut by_depth: BTreeMap<u32, u64> = BTreeMap::new();
@@ -628,6 +641,81 @@ pub fn global_status_with(
     }
     g.health = Health::from_reasons(reasons);
     Ok(g)
+}
+
+impl GlobalStatus {
+    /// These totals and `other`'s, of other partitions, as one: what
+    /// `cf.admin.status` answers when several processes hold the service's
+    /// partitions.
+    pub fn merge(mut self, other: GlobalStatus) -> GlobalStatus {
+        self.conversations += other.conversations;
+        self.turns += other.turns;
+        self.raw_tokens += other.raw_tokens;
+        self.context_tokens += other.context_tokens;
+        self.summaries += other.summaries;
+        let mut depths: BTreeMap<u32, u64> = BTreeMap::new();
+        for d in self
+            .summaries_by_depth
+            .iter()
+            .chain(&other.summaries_by_depth)
+        {
+            *depths.entry(d.depth).or_insert(0) += d.total;
+        }
+        self.summaries_by_depth = depths
+            .into_iter()
+            .map(|(depth, total)| DepthTotal { depth, total })
+            .collect();
+        self.fallback_summaries_in_context += other.fallback_summaries_in_context;
+        self.pending_jobs += other.pending_jobs;
+        self.debts += other.debts;
+        self.urgent_debts += other.urgent_debts;
+        self.rejections += other.rejections;
+        self.unattributed_rejections += other.unattributed_rejections;
+        self.stale_summaries += other.stale_summaries;
+        self.duplicates_dropped += other.duplicates_dropped;
+        self.newest_event_time = self.newest_event_time.max(other.newest_event_time);
+        self.degraded_conversations += other.degraded_conversations;
+        self.degraded.extend(other.degraded);
+        self.degraded.truncate(MAX_LISTED_DEGRADED);
+        self.spend_backoff_conversations += other.spend_backoff_conversations;
+        self.spend_exhausted_conversations += other.spend_exhausted_conversations;
+        self.spend_paused_until = self.spend_paused_until.max(other.spend_paused_until);
+        self.blocked_conversations += other.blocked_conversations;
+        self.stuck_conversations += other.stuck_conversations;
+        self.stuck.extend(other.stuck);
+        self.stuck.truncate(MAX_LISTED_DEGRADED);
+        self.partitions.extend(other.partitions);
+        self.partitions.sort_by_key(|p| p.partition);
+        self.partitions_total = self.partitions_total.or(other.partitions_total);
+        self.missing_partitions.extend(other.missing_partitions);
+        let mut reasons = std::mem::take(&mut self.health.reasons);
+        for r in other.health.reasons {
+            if !reasons.contains(&r) {
+                reasons.push(r);
+            }
+        }
+        self.health = Health::from_reasons(reasons);
+        self
+    }
+
+    /// Marks partitions whose owner did not answer (their totals are left
+    /// out), with the reason in the health.
+    pub fn missing(mut self, partitions: Vec<u32>) -> GlobalStatus {
+        if partitions.is_empty() {
+            return self;
+        }
+        let mut reasons = std::mem::take(&mut self.health.reasons);
+        reasons.push(HealthReason {
+            code: HealthCode::PartitionsMissing,
+            message: format!(
+                "partitions {partitions:?} did not answer in time: these totals leave them out \
+                 (is a process holding them? `doctor` checks the leases)"
+            ),
+        });
+        self.health = Health::from_reasons(reasons);
+        self.missing_partitions = partitions;
+        self
+    }
 }
 
 /// Adds partition health to a global status, and its reasons to the

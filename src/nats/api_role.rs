@@ -4,7 +4,10 @@
 //!   operation and conversation, so NATS permissions can scope what a
 //!   client may read or compact (docs/subjects.md). The body must name the
 //!   subject's conversation. `<prefix>.admin.status` answers for the whole
-//!   service, for operators. Every API process joins one queue group on
+//!   service, for operators: the answering process asks the owner of each
+//!   partition it does not hold for that partition's own status
+//!   (`<prefix>.api.p.<partition>.status.~`), adds them up, and names the
+//!   partitions nobody answered for (`missing_partitions`). Every API process joins one queue group on
 //!   `<prefix>.api.*.*` and `<prefix>.admin.*`, so each request is answered
 //!   once. A process that does not own the conversation forwards the
 //!   request to `<prefix>.api.p.<partition>.<op>.<token>` when it knows the
@@ -36,7 +39,9 @@
 //! `Nats-Service-Error`, so generic NATS tools see them as errors. A reply
 //! too large for the server becomes an error reply: never silence.
 
-use crate::api::{answer_view, recall, ApiError, CompactResponse, Held, Op, Target};
+use crate::api::{
+    answer_view, recall, ApiError, CompactResponse, Held, Op, StatusResponse, Target,
+};
 pub use crate::api::{LocalState, StateView};
 use crate::core::event::{Encoding, Envelope, Origin};
 use crate::core::policy::PolicyConfig;
@@ -313,6 +318,27 @@ async fn serve<V: StateView>(
                     .emit();
                     return;
                 }
+                if let Some(partition) = subjects.parse_partition_status(message.subject.as_str()) {
+                    let view = view.clone();
+                    let result = tokio::task::spawn_blocking(move || {
+                        match view.partition_status(partition) {
+                            Some(status) => status.and_then(|g| {
+                                serde_json::to_vec(&StatusResponse::Global(Box::new(g)))
+                                    .map_err(|e| ApiError::Internal(e.to_string()))
+                            }),
+                            None => Err(ApiError::NotOwner {
+                                conversation: String::new(),
+                                retry_after_ms: retry_ms,
+                            }),
+                        }
+                    })
+                    .await
+                    .unwrap_or_else(|e| {
+                        Err(ApiError::Internal(format!("the request task failed: {e}")))
+                    });
+                    send_reply(&client, reply, result).await;
+                    return;
+                }
                 let addressed = match subjects.parse_api_subject(message.subject.as_str()) {
                     Ok(a) => a,
                     Err(e) => {
@@ -321,6 +347,7 @@ async fn serve<V: StateView>(
                     }
                 };
                 let op = addressed.op.clone();
+                let global = addressed.conversation.is_none();
                 let body = message.payload;
                 let body_for_handler = body.clone();
                 let result = if op == Op::Recall.as_str() {
@@ -350,6 +377,21 @@ async fn serve<V: StateView>(
                 let result = match (result, compactions.as_ref()) {
                     (Ok(reply), Some(subjects)) if op == Op::Compact.as_str() => {
                         publish_compaction(&client, subjects, &reply).await
+                    }
+                    (other, _) => other,
+                };
+                // The whole service's status: what this process holds, and
+                // every other partition from the process that holds it.
+                let result = match (result, &route) {
+                    (
+                        Ok(local),
+                        Route::Public {
+                            forward: Some(partitions),
+                            timeout,
+                            ..
+                        },
+                    ) if op == Op::Status.as_str() && global => {
+                        gather_status(&client, &subjects, local, *partitions, *timeout).await
                     }
                     (other, _) => other,
                 };
@@ -403,6 +445,52 @@ async fn serve<V: StateView>(
         task: Some(task),
         filter,
     })
+}
+
+/// The global status of the whole service from this process's `local`
+/// one: each partition this process does not hold is asked of its owner
+/// (`<prefix>.api.p.<p>.status.~`), all at once, each within `timeout`;
+/// one that does not answer is named in `missing_partitions`.
+async fn gather_status(
+    client: &Client,
+    subjects: &Subjects,
+    local: Vec<u8>,
+    partitions: u32,
+    timeout: Duration,
+) -> Result<Vec<u8>, ApiError> {
+    let StatusResponse::Global(local) = serde_json::from_slice(&local)
+        .map_err(|e| ApiError::Internal(format!("cannot read this process's status: {e}")))?
+    else {
+        return Err(ApiError::Internal("a global status was expected".into()));
+    };
+    let held: Vec<u32> = local.partitions.iter().map(|p| p.partition).collect();
+    let others: Vec<u32> = (0..partitions).filter(|p| !held.contains(p)).collect();
+    let asks = others.iter().map(|&p| {
+        let request = async_nats::Request::new()
+            .payload(Bytes::from_static(b"{}"))
+            .timeout(Some(timeout));
+        let subject = subjects.partition_status(p);
+        async move {
+            let answer = client.send_request(subject, request).await.ok()?;
+            match serde_json::from_slice::<StatusResponse>(&answer.payload).ok()? {
+                StatusResponse::Global(g) => Some(*g),
+                StatusResponse::Conversation(_) => None,
+            }
+        }
+    });
+    let answers = futures::future::join_all(asks).await;
+    let mut total = *local;
+    total.partitions_total = Some(partitions);
+    let mut missing = Vec::new();
+    for (p, answer) in others.into_iter().zip(answers) {
+        match answer {
+            Some(g) => total = total.merge(g),
+            None => missing.push(p),
+        }
+    }
+    let total = total.missing(missing);
+    serde_json::to_vec(&StatusResponse::Global(Box::new(total)))
+        .map_err(|e| ApiError::Internal(e.to_string()))
 }
 
 /// Returns once the server has processed everything `client` sent before
@@ -834,6 +922,21 @@ impl<H: HeldEngines> StateView for EngineView<H> {
                 f(Some(Held::resident(&merged, &policy)))
             }
         }
+    }
+
+    fn partition_status(
+        &self,
+        partition: u32,
+    ) -> Option<Result<crate::api::status::GlobalStatus, ApiError>> {
+        let mut health = self.engines.health(partition)?;
+        let engine = self.engines.engine(partition)?;
+        let engine = engine.lock().unwrap_or_else(|p| p.into_inner());
+        health.spend_window = crate::api::status::partition_window(&engine.state, &engine.policy);
+        let status =
+            crate::api::status::global_status_with(&engine.state, &engine.policy, |each| {
+                engine.each_conversation(|state, conv| each(state, conv))
+            });
+        Some(status.map(|g| crate::api::status::with_partitions(g, vec![health])))
     }
 
     fn each_conversation(
