@@ -7,9 +7,9 @@
 //!   service, for operators: the answering process asks the owner of each
 //!   partition it does not hold for that partition's own status
 //!   (`<prefix>.api.p.<partition>.status.~`), adds them up, and names the
-//!   partitions nobody answered for (`missing_partitions`). Every API process joins one queue group on
-//!   `<prefix>.api.*.*` and `<prefix>.admin.*`, so each request is answered
-//!   once. A process that does not own the conversation forwards the
+//!   partitions nobody answered for (`missing_partitions`). Every API
+//!   process joins one queue group on `<prefix>.api.*.*` and
+//!   `<prefix>.admin.*`, so each request is answered once. A process that does not own the conversation forwards the
 //!   request to `<prefix>.api.p.<partition>.<op>.<token>` when it knows the
 //!   partition count
 //!   ([`ServiceConfig::forward_partitions`]) and relays the owner's reply;
