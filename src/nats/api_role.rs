@@ -9,10 +9,11 @@
 //!   (`<prefix>.api.p.<partition>.status.~`), adds them up, and names the
 //!   partitions nobody answered for (`missing_partitions`). Every API
 //!   process joins one queue group on `<prefix>.api.*.*` and
-//!   `<prefix>.admin.*`, so each request is answered once. A process that does not own the conversation forwards the
-//!   request to `<prefix>.api.p.<partition>.<op>.<token>` when it knows the
-//!   partition count
-//!   ([`ServiceConfig::forward_partitions`]) and relays the owner's reply;
+//!   `<prefix>.admin.*`, so each request is answered once. A process that
+//!   does not own the conversation forwards the request to
+//!   `<prefix>.api.p.<partition>.<op>.<token>` when it knows the partition
+//!   count ([`ServiceConfig::forward_partitions`]) and relays the owner's
+//!   reply;
 //!   otherwise, or when no owner answers, it replies `not_owner` with a
 //!   retry hint.
 //! - `<prefix>.api.p.<partition>.<op>.<token>`: answered by the partition's owner
