@@ -57,6 +57,10 @@ pub const EVENTS_DUPLICATE: &str = "contextfold_events_duplicate_total";
 pub const EVENTS_REJECTED: &str = "contextfold_events_rejected_total";
 /// Events the policy ignores (ignored or stateless sessions).
 pub const EVENTS_IGNORED: &str = "contextfold_events_ignored_total";
+/// Agent events refused over their conversation's intake quota without a
+/// record each (the first of an episode counts among the rejections,
+/// `kind="over_quota"`).
+pub const EVENTS_THROTTLED: &str = "contextfold_events_throttled_total";
 /// State-store commits (state and stream position written together).
 pub const STATE_COMMITS: &str = "contextfold_state_commits_total";
 /// Records per folder batch (histogram).
@@ -175,6 +179,11 @@ pub const HTTP_REQUESTS_REFUSED: &str = "contextfold_http_requests_refused_total
 /// docs/operations.md.
 pub const FAMILIES: &[(&str, Kind, &str)] = &[
     (EVENTS_FOLDED, Kind::Counter, "events the fold applied"),
+    (
+        EVENTS_THROTTLED,
+        Kind::Counter,
+        "agent events refused over their conversation's intake quota without a record each",
+    ),
     (
         EVENTS_DUPLICATE,
         Kind::Counter,
@@ -441,6 +450,9 @@ pub struct FoldTally {
     pub own_decisions: u64,
     /// Events of ignored or stateless sessions.
     pub ignored: u64,
+    /// Agent events refused over their conversation's intake quota without
+    /// a record each (the first of an episode is a rejection).
+    pub throttled: u64,
 }
 
 impl FoldTally {
@@ -461,6 +473,9 @@ impl FoldTally {
         }
         if self.ignored > 0 {
             metrics::counter!(EVENTS_IGNORED).increment(self.ignored);
+        }
+        if self.throttled > 0 {
+            metrics::counter!(EVENTS_THROTTLED).increment(self.throttled);
         }
     }
 }

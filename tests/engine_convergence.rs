@@ -215,7 +215,7 @@ impl Sim {
                     snap.conversation.clone(),
                     snap.job.issued_at,
                     EventBody::SweepEnded(SweepEnded {
-                        job_id: snap.job.job_id.clone(),
+                        job_id: snap.job.job_id,
                         passes: 1,
                         committed: 0,
                         stop: SweepStop::Failed,

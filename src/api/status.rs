@@ -116,6 +116,9 @@ pub struct ConversationStatus {
     pub spend_window: SpendStatus,
     pub rolling_state: RollingStatus,
     pub rejections: u64,
+    /// Agent events refused over the conversation's intake quota.
+    #[serde(default)]
+    pub over_quota: u64,
     pub health: Health,
 }
 
@@ -345,6 +348,8 @@ pub enum HealthCode {
     ContextOverBudget,
     /// Events of this conversation were rejected (see `history`).
     Rejections,
+    /// Its agent publishes over the intake quota: events are refused.
+    OverQuota,
     /// An urgent debt older than `compact_until_under_deadline_ms`.
     StalledDebt,
     /// A job older than its deadline with no `sweep_ended`.
@@ -959,6 +964,16 @@ pub fn conversation_status(
             ),
         });
     }
+    if conv.quota.refusing {
+        reasons.push(HealthReason {
+            code: HealthCode::OverQuota,
+            message: format!(
+                "its agent publishes faster than the intake quota allows: {} events refused so \
+                 far (policy.intake_events_per_second, intake_bytes_per_second)",
+                conv.quota.refused
+            ),
+        });
+    }
     if conv.rejections > 0 {
         reasons.push(HealthReason {
             code: HealthCode::Rejections,
@@ -1029,6 +1044,7 @@ pub fn conversation_status(
             due: conv.rolling_due,
         },
         rejections: conv.rejections,
+        over_quota: conv.quota.refused,
         health: Health::from_reasons(reasons),
     })
 }

@@ -955,8 +955,14 @@ impl<B: KvBackend> Engine<B> {
                 .emit();
             }
             FoldStatus::Ignored => self.tally.ignored += 1,
+            FoldStatus::Throttled => self.tally.throttled += 1,
         }
-        if outcome.status != FoldStatus::Duplicate && outcome.status != FoldStatus::Ignored {
+        if outcome.status == FoldStatus::Throttled {
+            // Counted in the conversation; nothing else to record.
+            if !self.dirty.contains(&conversation) {
+                self.dirty.insert(conversation.clone());
+            }
+        } else if outcome.status != FoldStatus::Duplicate && outcome.status != FoldStatus::Ignored {
             if let (Some(original), Some(conv)) = (
                 clamped_from,
                 self.state.conversations.get_mut(&conversation),

@@ -62,6 +62,10 @@ pub enum FoldStatus {
     Rejected(Rejection),
     /// The conversation matches an `ignore_sessions` glob.
     Ignored,
+    /// Over the conversation's intake quota while it is already refusing:
+    /// counted, its id consumed, nothing recorded (the first refusal of an
+    /// episode is `Rejected`, with its `event_rejected`).
+    Throttled,
 }
 
 /// The result of folding one event.
@@ -363,6 +367,11 @@ struct FoldContext<'a> {
 impl FoldContext<'_> {
     fn apply(&mut self) -> FoldStatus {
         let event = self.event;
+        if event.body.is_agent_event() {
+            if let Some(status) = self.over_quota() {
+                return status;
+            }
+        }
         self.conv.last_time = self.conv.last_time.max(event.time);
         let status = match &event.body {
             EventBody::TurnAppended(t) => match self.turn {
@@ -451,6 +460,71 @@ impl FoldContext<'_> {
         *self
             .levels
             .get_or_insert_with(|| policy::levels(self.conv, self.policy))
+    }
+
+    /// Takes the event from the conversation's intake quota; when it is
+    /// over it, refuses it: the first of an episode with a record (an
+    /// `event_rejected`), the others counted only, each id consumed. None:
+    /// admitted.
+    fn over_quota(&mut self) -> Option<FoldStatus> {
+        let p = self.policy;
+        let rates = (
+            p.intake_events_per_second,
+            p.intake_burst_events,
+            p.intake_bytes_per_second,
+            p.intake_burst_bytes,
+        );
+        if rates.0.is_none() && rates.2.is_none() {
+            return None;
+        }
+        let bytes = match &self.event.body {
+            EventBody::TurnAppended(t) => t.message.text_bytes() as u64,
+            _ => 0,
+        } + 256;
+        let now = self.now;
+        let quota = &mut self.conv.quota;
+        if quota.take(now, bytes, rates) {
+            if quota.refusing {
+                quota.refusing = false;
+                let refused = quota.refused;
+                self.history(
+                    "quota",
+                    format!(
+                        "admitting again: {refused} events refused over the intake quota so far"
+                    ),
+                );
+            }
+            return None;
+        }
+        quota.refused += 1;
+        let first = !quota.refusing;
+        quota.refusing = true;
+        self.conv.mark_applied_digest(self.event_digest);
+        if !first {
+            return Some(FoldStatus::Throttled);
+        }
+        let limit = format!(
+            "{} events/s with bursts of {}, {} bytes/s with bursts of {}",
+            p.intake_events_per_second
+                .map_or("unlimited".to_string(), |r| r.to_string()),
+            p.intake_burst_events,
+            p.intake_bytes_per_second
+                .map_or("unlimited".to_string(), |r| r.to_string()),
+            p.intake_burst_bytes
+        );
+        let rejection = Rejection::OverQuota { limit };
+        self.conv.rejections += 1;
+        let reason = rejection.to_string();
+        self.history("event_rejected", reason.clone());
+        self.decide(
+            "event_rejected",
+            EventBody::EventRejected(EventRejected {
+                rejected_id: self.id.to_string(),
+                event_type: Some(self.event.type_name().to_string()),
+                reason,
+            }),
+        );
+        Some(FoldStatus::Rejected(rejection))
     }
 
     fn history(&mut self, event_type: &str, detail: String) {

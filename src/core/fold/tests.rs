@@ -1369,3 +1369,76 @@ fn a_job_end_wakes_the_conversations_waiting_for_the_partition() {
     let out = wake(&mut state, &p, end, "tick");
     assert!(out.issued.iter().any(|(c, _)| c == "b"), "{out:?}");
 }
+
+#[test]
+fn a_flood_is_refused_over_the_quota_with_one_record_and_admitted_again_as_the_rate_falls() {
+    let p = PolicyConfig {
+        intake_events_per_second: Some(10),
+        intake_burst_events: 50,
+        ..policy()
+    };
+    let mut state = State::default();
+    let flood: Vec<Envelope> = (0..200)
+        .map(|i| {
+            Envelope::new(
+                format!("flood-{i}"),
+                "c",
+                T0,
+                EventBody::TurnAppended(TurnAppended::from(ChatMessage::text(
+                    Role::User,
+                    format!("message {i}"),
+                ))),
+            )
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    let mut records = 0;
+    // 200 events stored within 100 ms: the burst of 50 (100 ms refill
+    // less than one more at 10/s).
+    for (i, e) in flood.iter().enumerate() {
+        let out = fold_at(&mut state, &p, e, T0 + i as u64 / 2);
+        records += out
+            .decisions
+            .iter()
+            .filter(|d| matches!(d.body, EventBody::EventRejected(_)))
+            .count();
+        statuses.push(out.status);
+    }
+    let admitted = statuses
+        .iter()
+        .filter(|s| **s == FoldStatus::Applied)
+        .count();
+    let throttled = statuses
+        .iter()
+        .filter(|s| **s == FoldStatus::Throttled)
+        .count();
+    assert_eq!(admitted, 50, "the burst");
+    assert_eq!(records, 1, "one record for the episode, not one per event");
+    assert_eq!(throttled, 200 - 50 - 1);
+    let conv = &state.conversations["c"];
+    assert_eq!(conv.quota.refused, 150);
+    assert_eq!(conv.turns.len(), 50);
+    // A refused id is consumed: the same event later changes nothing.
+    let again = fold_at(&mut state, &p, &flood[199], T0 + 60_000);
+    assert_eq!(again.status, FoldStatus::Duplicate);
+    // A second later, the rate lets the agent in again.
+    let next = Envelope::new(
+        "after",
+        "c",
+        T0 + 2_000,
+        EventBody::TurnAppended(TurnAppended::from(ChatMessage::text(Role::User, "back"))),
+    );
+    assert_eq!(
+        fold_at(&mut state, &p, &next, T0 + 2_000).status,
+        FoldStatus::Applied
+    );
+    assert!(!state.conversations["c"].quota.refusing);
+    // Replaying gives the same admissions (the buckets run on stored time).
+    let mut replay = State::default();
+    for (i, e) in flood.iter().enumerate() {
+        fold_at(&mut replay, &p, e, T0 + i as u64 / 2);
+    }
+    fold_at(&mut replay, &p, &flood[199], T0 + 60_000);
+    fold_at(&mut replay, &p, &next, T0 + 2_000);
+    assert_eq!(replay.hash(), state.hash());
+}

@@ -69,6 +69,16 @@ pub struct PolicyConfig {
     /// Replay-flood guard: identical tool/assistant turns allowed in one second.
     pub flood_max_other_per_second: u32,
 
+    /// Intake quota of one conversation: agent events admitted per second
+    /// (a token bucket on the partition's clock), and how many may come at
+    /// once (a backfill of a long session). Over it, events are refused
+    /// (counted; one record per episode). Unset: no quota.
+    pub intake_events_per_second: Option<u32>,
+    pub intake_burst_events: u32,
+    /// The same in bytes of message text.
+    pub intake_bytes_per_second: Option<u64>,
+    pub intake_burst_bytes: u64,
+
     /// Conversations matching these globs are not folded at all.
     pub ignore_sessions: Vec<SessionGlob>,
     /// Conversations matching these globs are folded but never compacted.
@@ -138,6 +148,10 @@ impl Default for PolicyConfig {
             duplicate_window_ms: 60_000,
             flood_max_user_per_second: 3,
             flood_max_other_per_second: 32,
+            intake_events_per_second: Some(100),
+            intake_burst_events: 20_000,
+            intake_bytes_per_second: Some(1024 * 1024),
+            intake_burst_bytes: 64 * 1024 * 1024,
             ignore_sessions: Vec::new(),
             stateless_sessions: Vec::new(),
             strip_injected_context_tags: vec![

@@ -267,6 +267,72 @@ impl PendingJob {
     }
 }
 
+/// A conversation's intake quota: two token buckets (events, and bytes of
+/// message text) refilled on the partition's clock, so a replay admits and
+/// refuses the same events. A flood from one agent is refused at the cost
+/// of counting it, and its neighbours' turns, jobs and answers are not
+/// held up behind it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IntakeQuota {
+    /// Events left, in thousandths (full when `at` is 0).
+    pub events_milli: u64,
+    pub bytes: u64,
+    /// When the buckets were last refilled (the partition's clock).
+    pub at: u64,
+    /// Events refused over the quota, ever.
+    pub refused: u64,
+    /// Refusing now: the next refusal is counted without a record.
+    pub refusing: bool,
+}
+
+impl IntakeQuota {
+    /// Takes one event of `bytes` bytes at `now`; false when a bucket is
+    /// short (nothing is taken then).
+    pub fn take(
+        &mut self,
+        now: u64,
+        bytes: u64,
+        rates: (Option<u32>, u32, Option<u64>, u64),
+    ) -> bool {
+        let (events_per_s, burst_events, bytes_per_s, burst_bytes) = rates;
+        let full = self.at == 0;
+        let elapsed = now.saturating_sub(self.at);
+        if let Some(rate) = events_per_s {
+            let cap = u64::from(burst_events).saturating_mul(1000);
+            self.events_milli = if full {
+                cap
+            } else {
+                self.events_milli
+                    .saturating_add(elapsed.saturating_mul(u64::from(rate)))
+                    .min(cap)
+            };
+        }
+        if let Some(rate) = bytes_per_s {
+            self.bytes = if full {
+                burst_bytes
+            } else {
+                // Bytes per millisecond, as the rate allows.
+                self.bytes
+                    .saturating_add(elapsed.saturating_mul(rate) / 1000)
+                    .min(burst_bytes)
+            };
+        }
+        self.at = now.max(self.at).max(1);
+        let events_ok = events_per_s.is_none() || self.events_milli >= 1000;
+        let bytes_ok = bytes_per_s.is_none() || self.bytes >= bytes;
+        if !(events_ok && bytes_ok) {
+            return false;
+        }
+        if events_per_s.is_some() {
+            self.events_milli -= 1000;
+        }
+        if bytes_per_s.is_some() {
+            self.bytes -= bytes;
+        }
+        true
+    }
+}
+
 /// One line of a conversation's compaction history (for audit).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct HistoryEntry {
@@ -390,6 +456,9 @@ pub struct Conversation {
     pub recent_user_turns: Vec<(u64, SeenTurn)>,
     pub flood: FloodWindow,
     pub rejections: u64,
+    /// The conversation's intake quota (its token buckets).
+    #[serde(default)]
+    pub quota: IntakeQuota,
     pub duplicates_dropped: u64,
     pub stale_summaries: u64,
     pub last_overflow_tokens: Option<u64>,
@@ -428,6 +497,7 @@ impl Conversation {
             recent_user_turns: Vec::new(),
             flood: FloodWindow::default(),
             rejections: 0,
+            quota: IntakeQuota::default(),
             duplicates_dropped: 0,
             stale_summaries: 0,
             last_overflow_tokens: None,
