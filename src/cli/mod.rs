@@ -4,6 +4,7 @@
 pub(crate) mod audit;
 mod doctor;
 mod eval;
+mod gateway;
 mod local;
 mod publish;
 mod query;
@@ -311,6 +312,11 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// An LLM gateway in front of an upstream provider (OpenAI Chat
+    /// Completions, OpenAI Responses, Anthropic Messages): keeps every turn,
+    /// and past the budget sends the model contextfold's assembled context
+    /// (docs/gateway.md). Embedded store by default; a deployment with --nats.
+    Gateway(gateway::GatewayArgs),
     /// Publish inbound events to NATS as an agent would (Nats-Msg-Id = event id).
     Publish {
         #[command(flatten)]
@@ -446,6 +452,7 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
             serve::serve(&config, &nats, roles, concurrency, audit_page)
         }
         Command::Doctor { nats, json } => doctor::doctor(&config, &nats, json),
+        Command::Gateway(args) => gateway::gateway(config, args),
         Command::Publish { nats, file, format } => {
             publish::publish(&config, &nats, file.as_deref(), &format)
         }
