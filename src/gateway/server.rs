@@ -80,6 +80,8 @@ pub struct Gateway {
     /// Per conversation: the usage the last response reported, and the
     /// budget a Codex compaction set (compaction.rs).
     usage: Mutex<HashMap<Arc<str>, UsageSeen>>,
+    /// Responses streaming whose turn is not handed to the store yet.
+    in_flight: std::sync::atomic::AtomicU64,
 }
 
 fn now_ms() -> u64 {
@@ -145,6 +147,7 @@ impl Gateway {
             canon: quick_cache::sync::Cache::new(200_000),
             rest_tokens: quick_cache::sync::Cache::new(10_000),
             usage: Mutex::new(HashMap::new()),
+            in_flight: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -264,11 +267,17 @@ async fn handle(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
         }
         ("GET", "/contextfold/v1/readyz") => {
             let ready = gw.store.reachable();
+            let in_flight = gw.in_flight.load(std::sync::atomic::Ordering::SeqCst);
+            let pending = gw.store.pending();
             let body = serde_json::json!({
                 "ready": ready || gw.config.on_store_unavailable == StoreUnavailable::FailOpen,
                 "store": gw.store.kind,
                 "store_reachable": ready,
                 "spooled": gw.store.spool.as_ref().map_or(0, |s| s.len()),
+                "responses_in_flight": in_flight,
+                "turns_pending": pending,
+                "settled": in_flight == 0 && pending == 0,
+                "conversations": gw.index.conversations(),
             });
             let status = if ready || gw.config.on_store_unavailable == StoreUnavailable::FailOpen {
                 StatusCode::OK
@@ -611,6 +620,13 @@ async fn surface_request(ctx: Ctx, surface: Surface, body: Bytes) -> Response {
                 .zip(decision.block.as_ref().map(|b| b.summary_ids.as_slice())),
         },
     );
+    if decision.context == "assembled" {
+        crate::telemetry::GatewayTokensSaved {
+            surface: surface.as_str(),
+            tokens: client_tokens.saturating_sub(decision.sent_tokens),
+        }
+        .emit();
+    }
     let _ = input_text_item;
     forward(ctx, surface, &parsed, body.clone(), Some(res), decision).await
 }
@@ -916,8 +932,14 @@ fn stream_back(
     let limit = gw.config.max_stored_response_bytes;
     let tee = res.map(|res| {
         let gw = gw.clone();
+        gw.in_flight
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let on_done: tee::OnDone = Box::new(move |bytes, complete| {
-            let work = move || store_response(&gw, surface, stream, &bytes, complete, &res, model);
+            let work = move || {
+                store_response(&gw, surface, stream, &bytes, complete, &res, model);
+                gw.in_flight
+                    .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+            };
             match tokio::runtime::Handle::try_current() {
                 Ok(h) => {
                     h.spawn(async move { work() });

@@ -226,6 +226,9 @@ enum Command {
 /// Counts of the store, for `/readyz`, doctor and tests.
 #[derive(Debug, Default)]
 pub struct StoreHealth {
+    /// Turns handed to the store.
+    pub handed: std::sync::atomic::AtomicU64,
+    /// Turns stored.
     pub published: std::sync::atomic::AtomicU64,
     pub failed: std::sync::atomic::AtomicU64,
     pub reachable: std::sync::atomic::AtomicBool,
@@ -247,6 +250,9 @@ impl Store {
             return;
         }
         let n = events.len();
+        self.health
+            .handed
+            .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
         if self.tx.send(Command::Publish(events)).is_err() {
             self.health
                 .failed
@@ -269,6 +275,13 @@ impl Store {
         if self.tx.send(Command::Close(tx)).is_ok() {
             let _ = rx.await;
         }
+    }
+
+    /// Turns handed over and neither stored, spooled nor refused yet.
+    pub fn pending(&self) -> u64 {
+        use std::sync::atomic::Ordering::Relaxed;
+        let done = self.health.published.load(Relaxed) + self.health.failed.load(Relaxed);
+        self.health.handed.load(Relaxed).saturating_sub(done)
     }
 
     pub fn reachable(&self) -> bool {

@@ -566,3 +566,52 @@ pub fn stored_messages(data: &Path, conversation: &str) -> Vec<Value> {
     );
     v["messages"].as_array().cloned().unwrap_or_default()
 }
+
+/// Waits until every turn the gateway took is stored (`/readyz` says
+/// `settled`).
+pub async fn settle(base: &str) {
+    let client = reqwest::Client::new();
+    for _ in 0..1000 {
+        if let Ok(r) = client
+            .get(format!("{base}/contextfold/v1/readyz"))
+            .send()
+            .await
+        {
+            if let Ok(v) = r.json::<Value>().await {
+                if v["settled"] == true {
+                    return;
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("the gateway at {base} did not settle");
+}
+
+/// The small policy of the assembly tests: a 20,000-token window, so a
+/// few dozen long turns compact, and a hundred short ones do not.
+pub const SMALL_POLICY: &str = r#"
+[policy]
+default_context_window = 20000
+fresh_tail_count = 6
+leaf_chunk_tokens = 4000
+leaf_target_tokens = 300
+condensed_target_tokens = 300
+leaf_fanout = 3
+condensed_fanout = 2
+"#;
+
+/// A long user turn with identifiers: `i`-th of a session.
+pub fn long_turn(i: usize) -> String {
+    let mut s = format!(
+        "Step {i}: edit src/module_{i}.rs and run the tests for ticket CF-{}. ",
+        1000 + i
+    );
+    for k in 0..60 {
+        s.push_str(&format!(
+            "Observation {i}.{k}: the function handler_{i}_{k} returns {} items. ",
+            i * k
+        ));
+    }
+    s
+}
