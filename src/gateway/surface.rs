@@ -443,7 +443,11 @@ fn part_of(p: Value) -> Result<ContentPart, String> {
     })
 }
 
-fn finish(kind: ItemKind, messages: Vec<ChatMessage>, enc: tokens::Encoding) -> Canon {
+fn finish(kind: ItemKind, mut messages: Vec<ChatMessage>, enc: tokens::Encoding) -> Canon {
+    // Injected text beside real content is not a turn of its own.
+    if messages.len() > 1 && messages.iter().any(|m| !only_reminders(m)) {
+        messages.retain(|m| !only_reminders(m));
+    }
     let message_digests: Vec<[u8; 16]> = messages.iter().map(message_digest).collect();
     let mut h = blake3::Hasher::new();
     for d in &message_digests {
