@@ -2,7 +2,8 @@
 # Installs the real clients tests/gateway_*.rs drive through the gateway
 # (never a hosted API: every test points them at loopback servers):
 #   - the official `openai` and `anthropic` Python SDKs (and `zstandard`,
-#     to send zstd request bodies as Codex does) into ./.venv-gateway;
+#     to send zstd request bodies as Codex does, and `httpx` for the raw
+#     requests Codex makes that the SDK does not) into ./.venv-gateway;
 #   - the Codex CLI (`@openai/codex`) and Claude Code
 #     (`@anthropic-ai/claude-code`) from npm into ./.npm-gateway.
 # Versions are pinned so a release cannot change what the tests see.
@@ -16,8 +17,8 @@ if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
 fi
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-    "openai==3.57.0" "anthropic==2.16.0" "zstandard==0.25.0"
-"$venv/bin/python" -c 'import openai, anthropic, zstandard'
+    "openai==3.57.0" "anthropic==2.16.0" "zstandard==0.25.0" "httpx==0.28.1"
+"$venv/bin/python" -c 'import openai, anthropic, zstandard, httpx'
 
 if command -v npm >/dev/null 2>&1; then
     mkdir -p "$root/.npm-gateway"

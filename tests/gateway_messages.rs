@@ -74,11 +74,26 @@ async fn anthropic_sdk_session_through_the_gateway() {
     let out = run_python(&python, SESSION, &[&g.base]).await;
     settle(&g.base).await;
 
-    let convs: Vec<&str> = out["convs"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
-    assert!(convs.iter().all(|c| *c == convs[0]), "one conversation: {convs:?}");
-    assert_ne!(out["other"].as_str().unwrap(), convs[0], "same system prompt and key, another task");
+    let convs: Vec<&str> = out["convs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert!(
+        convs.iter().all(|c| *c == convs[0]),
+        "one conversation: {convs:?}"
+    );
+    assert_ne!(
+        out["other"].as_str().unwrap(),
+        convs[0],
+        "same system prompt and key, another task"
+    );
     assert!(out["events"].as_u64().unwrap() > 8, "{out}");
-    assert_eq!(out["blocks"], serde_json::json!(["thinking", "tool_use", "tool_use"]));
+    assert_eq!(
+        out["blocks"],
+        serde_json::json!(["thinking", "tool_use", "tool_use"])
+    );
     assert_eq!(out["signature"], "sig-2");
     assert_eq!(out["bad"]["status"], 400);
     assert_eq!(out["bad"]["type"], "invalid_request_error");
@@ -86,23 +101,45 @@ async fn anthropic_sdk_session_through_the_gateway() {
     let posts = upstream.model_requests();
     assert_eq!(posts.len(), 4, "the bad request never reached the upstream");
     let streamed = &posts[1];
-    assert_eq!(streamed.header("anthropic-beta"), Some("interleaved-thinking-2025-05-14,context-management-2025-06-27"));
-    assert_eq!(streamed.json()["context_management"]["edits"][0]["type"], "clear_tool_uses_20250919");
-    assert_eq!(streamed.json()["system"][0]["cache_control"]["type"], "ephemeral");
+    assert_eq!(
+        streamed.header("anthropic-beta"),
+        Some("interleaved-thinking-2025-05-14,context-management-2025-06-27")
+    );
+    assert_eq!(
+        streamed.json()["context_management"]["edits"][0]["type"],
+        "clear_tool_uses_20250919"
+    );
+    assert_eq!(
+        streamed.json()["system"][0]["cache_control"]["type"],
+        "ephemeral"
+    );
     assert_eq!(posts[2].json()["messages"], out["sent_last"]);
     for r in &posts {
         // The client's credential, as the SDK sent it (this SDK version
         // sends it as a bearer token).
-        let credential = r
-            .header("x-api-key")
-            .or_else(|| r.header("authorization").and_then(|a| a.strip_prefix("Bearer ")));
+        let credential = r.header("x-api-key").or_else(|| {
+            r.header("authorization")
+                .and_then(|a| a.strip_prefix("Bearer "))
+        });
         assert_eq!(credential, Some("sk-ant-client"), "{:?}", r.headers);
     }
 
     g.stop();
     let stored = stored_messages(dir.path(), convs[0]);
     let roles: Vec<&str> = stored.iter().map(|m| m["role"].as_str().unwrap()).collect();
-    assert_eq!(roles, ["user", "assistant", "user", "assistant", "tool", "tool", "assistant"], "{stored:#?}");
+    assert_eq!(
+        roles,
+        [
+            "user",
+            "assistant",
+            "user",
+            "assistant",
+            "tool",
+            "tool",
+            "assistant"
+        ],
+        "{stored:#?}"
+    );
     // Thinking kept with its signature; both calls; results paired.
     assert_eq!(stored[1]["content"][0]["type"], "thinking");
     assert_eq!(stored[1]["content"][0]["signature"], "sig-1");

@@ -572,6 +572,9 @@ async fn surface_request(ctx: Ctx, surface: Surface, body: Bytes) -> Response {
             ));
         }
     }
+    if surface == Surface::Responses {
+        merge_calls(&mut events);
+    }
     let published = events.len();
     gw.store.publish(events);
     crate::telemetry::GatewayTurnsPublished { turns: published }.emit();
@@ -1020,9 +1023,41 @@ fn store_response(
         let entry = usage.entry(res.conversation.clone()).or_insert((0, None));
         entry.0 = total;
     }
+    if surface == Surface::Responses {
+        merge_calls(&mut events);
+    }
     let n = events.len();
     gw.store.publish(events);
     crate::telemetry::GatewayTurnsPublished { turns: n }.emit();
+}
+
+/// Responses lists parallel calls as one item each; a stored turn holds
+/// them together (one assistant turn, its results after it), as the other
+/// surfaces do and as tool pairing expects. The turn keeps the first
+/// call's id, so either side storing the same calls stores one turn.
+fn merge_calls(events: &mut Vec<Envelope>) {
+    fn calls_only(e: &Envelope) -> bool {
+        matches!(&e.body, EventBody::TurnAppended(t)
+            if t.message.role == crate::core::message::Role::Assistant
+                && t.message.content.is_none()
+                && !t.message.tool_calls.is_empty())
+    }
+    let mut out: Vec<Envelope> = Vec::with_capacity(events.len());
+    for e in events.drain(..) {
+        if calls_only(&e) && out.last().is_some_and(calls_only) {
+            if let (Some(prev), EventBody::TurnAppended(t)) = (out.last_mut(), e.body) {
+                if let EventBody::TurnAppended(p) = &mut prev.body {
+                    p.message.tool_calls.extend(t.message.tool_calls);
+                    if p.usage.is_none() {
+                        p.usage = t.usage;
+                    }
+                }
+            }
+            continue;
+        }
+        out.push(e);
+    }
+    *events = out;
 }
 
 #[allow(clippy::too_many_arguments)]
