@@ -288,6 +288,17 @@ async fn handle(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
         }
         _ => {}
     }
+    // A WebSocket upgrade (Codex tries one first for Responses): the
+    // gateway speaks HTTP; 426 sends the client to it at once.
+    if header_str(&parts.headers, "upgrade").is_some_and(|u| u.eq_ignore_ascii_case("websocket")) {
+        let mut r = error(
+            shape,
+            ErrorKind::InvalidRequest,
+            "the contextfold gateway serves HTTP, not WebSocket: send the request over HTTP",
+        );
+        *r.status_mut() = StatusCode::UPGRADE_REQUIRED;
+        return r;
+    }
     let Some((tenant, key_is_credential)) = gw.tenant(&parts.headers) else {
         return error(
             shape,
@@ -425,6 +436,9 @@ struct Decision {
     sent_tokens: u64,
     block: Option<Arc<SummaryBlock>>,
     active_tokens: Option<u64>,
+    /// What the assembled prefix is made of (the block's summaries, or the
+    /// summary the client kept): a change is a new prompt-cache prefix.
+    prefix_key: Vec<String>,
 }
 
 fn turn_event(
@@ -533,6 +547,7 @@ async fn surface_request(ctx: Ctx, surface: Surface, body: Bytes) -> Response {
                 context: "forwarded",
                 block: None,
                 active_tokens: None,
+                prefix_key: Vec::new(),
                 body: body.clone(),
             },
         )
@@ -620,7 +635,7 @@ async fn surface_request(ctx: Ctx, surface: Surface, body: Bytes) -> Response {
             sent_tokens: decision.sent_tokens,
             active: decision
                 .active_tokens
-                .zip(decision.block.as_ref().map(|b| b.summary_ids.as_slice())),
+                .map(|t| (t, decision.prefix_key.as_slice())),
         },
     );
     if decision.context == "assembled" {
@@ -657,6 +672,7 @@ fn decide(
         sent_tokens: client_tokens,
         block: block.clone(),
         active_tokens: None,
+        prefix_key: Vec::new(),
     };
     let Some(span) = parsed.items_span.clone() else {
         return decision;
@@ -693,6 +709,7 @@ fn decide(
                 let tokens = rest + kept + b.tokens;
                 if tokens < client_tokens {
                     decision.active_tokens = Some(tokens);
+                    decision.prefix_key = b.summary_ids.clone();
                     if active {
                         let items: Vec<&str> = (0..head)
                             .map(&item_str)
@@ -718,6 +735,11 @@ fn decide(
                 if tokens < client_tokens {
                     decision.active_tokens = Some(tokens);
                     decision.block = None;
+                    decision.prefix_key = vec![canons[k]
+                        .digest
+                        .iter()
+                        .map(|b| format!("{b:02x}"))
+                        .collect()];
                     if active {
                         let items: Vec<&str> = (0..head)
                             .chain(k..parsed.items.len())
@@ -1143,6 +1165,7 @@ fn answer_compaction(
         surface: surface.as_str(),
     }
     .emit();
+    gw.ledger.compaction_answered(conv);
     let mut r = Response::new(Body::from(bytes));
     r.headers_mut()
         .insert("content-type", HeaderValue::from_static(content_type));

@@ -32,6 +32,8 @@ pub struct ConversationReport {
     pub cache_write_tokens_active: u64,
     /// Times the active mode's prefix (the summary block) changed.
     pub prefix_changes: u64,
+    /// Compactions the client asked for and the gateway answered.
+    pub compactions_answered: u64,
     #[serde(skip)]
     last_client: u64,
     #[serde(skip)]
@@ -61,6 +63,7 @@ pub struct Totals {
     pub cache_write_tokens_client: u64,
     pub cache_write_tokens_active: u64,
     pub prefix_changes: u64,
+    pub compactions_answered: u64,
 }
 
 #[derive(Debug, Serialize)]
@@ -117,6 +120,13 @@ impl Ledger {
         }
     }
 
+    pub fn compaction_answered(&self, conversation: &str) {
+        let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        map.entry(conversation.to_string())
+            .or_default()
+            .compactions_answered += 1;
+    }
+
     pub fn report(&self, mode: &'static str) -> Report {
         let map = self.0.lock().unwrap_or_else(|p| p.into_inner());
         let mut t = Totals {
@@ -132,6 +142,7 @@ impl Ledger {
             t.cache_write_tokens_client += r.cache_write_tokens_client;
             t.cache_write_tokens_active += r.cache_write_tokens_active;
             t.prefix_changes += r.prefix_changes;
+            t.compactions_answered += r.compactions_answered;
         }
         t.tokens_saved = t.tokens_client.saturating_sub(t.tokens_active);
         Report {
