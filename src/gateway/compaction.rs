@@ -37,6 +37,75 @@ use std::sync::Arc;
 /// The first words of Codex's compaction prompt (custom providers).
 pub const CODEX_CHECKPOINT_PROMPT: &str = "You are performing a CONTEXT CHECKPOINT COMPACTION";
 
+/// Words of Claude Code's compaction prompt (its `/compact` and its
+/// auto-compaction send the history with it as the last user turn).
+pub const CLAUDE_CODE_COMPACT_PROMPT: &str =
+    "Your task is to create a detailed summary of the conversation so far";
+
+/// Whether a user turn's text is a harness's compaction prompt (not a
+/// turn of the conversation).
+pub fn is_harness_prompt(text: &str) -> bool {
+    text.starts_with(CODEX_CHECKPOINT_PROMPT) || text.contains(CLAUDE_CODE_COMPACT_PROMPT)
+}
+
+/// Whether a Messages request is Claude Code asking for a compaction.
+pub fn is_claude_code_compaction(items: &[Arc<Canon>]) -> bool {
+    items.last().is_some_and(|c| {
+        c.kind == ItemKind::User
+            && c.messages
+                .iter()
+                .any(|m| m.text_content().contains(CLAUDE_CODE_COMPACT_PROMPT))
+    })
+}
+
+/// An Anthropic Messages answer holding `text` (SSE when `stream`).
+pub fn messages_answer(
+    id: &str,
+    model: &str,
+    text: &str,
+    input_tokens: u64,
+    stream: bool,
+) -> (Vec<u8>, &'static str) {
+    let usage = json!({"input_tokens": input_tokens, "output_tokens": 0});
+    if !stream {
+        let v = json!({
+            "id": id, "type": "message", "role": "assistant", "model": model,
+            "content": [{"type": "text", "text": text}],
+            "stop_reason": "end_turn", "stop_sequence": null, "usage": usage,
+        });
+        return (v.to_string().into_bytes(), "application/json");
+    }
+    let events = [
+        (
+            "message_start",
+            json!({"type": "message_start", "message": {
+            "id": id, "type": "message", "role": "assistant", "model": model, "content": [],
+            "stop_reason": null, "stop_sequence": null, "usage": usage}}),
+        ),
+        (
+            "content_block_start",
+            json!({"type": "content_block_start", "index": 0,
+            "content_block": {"type": "text", "text": ""}}),
+        ),
+        (
+            "content_block_delta",
+            json!({"type": "content_block_delta", "index": 0,
+            "delta": {"type": "text_delta", "text": text}}),
+        ),
+        (
+            "content_block_stop",
+            json!({"type": "content_block_stop", "index": 0}),
+        ),
+        (
+            "message_delta",
+            json!({"type": "message_delta",
+            "delta": {"stop_reason": "end_turn", "stop_sequence": null}, "usage": {"output_tokens": 0}}),
+        ),
+        ("message_stop", json!({"type": "message_stop"})),
+    ];
+    (sse(&events), "text/event-stream")
+}
+
 /// Whether `x-codex-turn-metadata` marks a compaction.
 pub fn is_codex_compaction(turn_metadata: Option<&str>) -> bool {
     turn_metadata
@@ -70,7 +139,7 @@ pub fn summary_text(
         })
         .filter(|c| c.summary_of.is_none())
         .flat_map(|c| c.messages.iter())
-        .filter(|m| !m.text_content().starts_with(CODEX_CHECKPOINT_PROMPT))
+        .filter(|m| !is_harness_prompt(&m.text_content()))
         .enumerate()
         .map(|(i, m)| SourceItem {
             label: format!("turn {}", i + 1),

@@ -555,7 +555,8 @@ async fn surface_request(ctx: Ctx, surface: Surface, body: Bytes) -> Response {
     };
     let conv = res.conversation.clone();
     let turn_metadata = header_str(&ctx.headers, "x-codex-turn-metadata").map(str::to_string);
-    let codex_compaction = compaction::is_codex_compaction(turn_metadata.as_deref());
+    let codex_compaction = compaction::is_codex_compaction(turn_metadata.as_deref())
+        || (surface == Surface::Messages && compaction::is_claude_code_compaction(&canons));
     let trigger = canons
         .last()
         .is_some_and(|c| c.kind == ItemKind::CompactionTrigger);
@@ -569,10 +570,9 @@ async fn surface_request(ctx: Ctx, surface: Surface, body: Bytes) -> Response {
         };
         if codex_compaction
             && c.kind == ItemKind::User
-            && c.messages.iter().any(|m| {
-                m.text_content()
-                    .starts_with(compaction::CODEX_CHECKPOINT_PROMPT)
-            })
+            && c.messages
+                .iter()
+                .any(|m| compaction::is_harness_prompt(&m.text_content()))
         {
             continue;
         }
@@ -1137,14 +1137,17 @@ fn answer_compaction(
             text_tokens,
             parsed.stream,
         ),
+        (Surface::Messages, _) => compaction::messages_answer(
+            &id,
+            &model,
+            // Claude Code keeps what is inside <summary>.
+            &format!("<summary>\n{text}\n</summary>"),
+            text_tokens,
+            parsed.stream,
+        ),
         _ => {
-            // Chat and Messages have no compaction contract: a plain answer.
+            // Chat has no compaction contract: a plain answer.
             let v = match surface {
-                Surface::Messages => serde_json::json!({
-                    "id": id, "type": "message", "role": "assistant", "model": model,
-                    "content": [{"type": "text", "text": text}],
-                    "stop_reason": "end_turn", "usage": {"input_tokens": text_tokens, "output_tokens": 0},
-                }),
                 _ => serde_json::json!({
                     "id": id, "object": "chat.completion", "model": model,
                     "choices": [{"index": 0, "finish_reason": "stop",

@@ -8,7 +8,8 @@
 //! time: role, text, tool calls and results, reasoning and thinking by
 //! their opaque content. What clients move or inject is left out of it:
 //! Anthropic `cache_control` breakpoints, `<system-reminder>` text (Claude
-//! Code), Responses item `id`s and `status`.
+//! Code), Anthropic `thinking` blocks of earlier turns (clients drop them,
+//! the API ignores them there), Responses item `id`s and `status`.
 
 use crate::core::message::{ChatMessage, Content, ContentPart, FunctionCall, Role, ToolCall};
 use crate::core::tokens;
@@ -233,8 +234,18 @@ pub fn parse(surface: Surface, body: &[u8]) -> Result<Parsed<'_>, ParseError> {
                 }
             }
         }
-        // Claude Code: `user_<hash>_account_<uuid>_session_<uuid>`.
+        // Claude Code: a JSON object with its `session_id`, or (older
+        // versions) `user_<hash>_account_<uuid>_session_<uuid>`.
         match m.get("user_id") {
+            Some(Value::String(s)) if s.starts_with('{') => serde_json::from_str::<Value>(s)
+                .ok()
+                .and_then(|v| {
+                    v.get("session_id")
+                        .and_then(Value::as_str)
+                        .map(str::to_string)
+                })
+                .filter(|id| !id.is_empty())
+                .map(|id| format!("claude-code-{id}")),
             Some(Value::String(s)) => s
                 .find("session_")
                 .map(|i| format!("claude-code-{}", &s[i + "session_".len()..])),
@@ -323,7 +334,12 @@ pub fn message_digest(m: &ChatMessage) -> [u8; 16] {
         None | Some(Content::Text(_)) => {}
         Some(Content::Parts(parts)) => {
             for p in parts {
-                if p.text.as_deref().is_some_and(is_reminder) {
+                // Clients drop earlier turns' thinking (the API ignores it
+                // there): the turn is the same without it.
+                if p.text.as_deref().is_some_and(is_reminder)
+                    || p.kind == "thinking"
+                    || p.kind == "redacted_thinking"
+                {
                     continue;
                 }
                 h.update(&[1]);
@@ -735,6 +751,22 @@ mod tests {
         assert_eq!(
             canonicalize(Surface::Messages, only, ENC).unwrap().kind,
             ItemKind::Injected
+        );
+    }
+
+    #[test]
+    fn an_assistant_turn_echoed_without_its_thinking_is_the_same_turn() {
+        let reply = r#"{"role":"assistant","content":[{"type":"thinking","thinking":"hm","signature":"s"},{"type":"text","text":"done"}]}"#;
+        let echo = r#"{"role":"assistant","content":[{"type":"text","text":"done"}]}"#;
+        let a = canonicalize(Surface::Messages, reply, ENC).unwrap();
+        let b = canonicalize(Surface::Messages, echo, ENC).unwrap();
+        assert_eq!(a.digest, b.digest);
+        assert_eq!(
+            a.messages[0].content,
+            canonicalize(Surface::Messages, reply, ENC)
+                .unwrap()
+                .messages[0]
+                .content
         );
     }
 

@@ -117,8 +117,10 @@ fn text_of(content: &Value) -> String {
         Value::Array(parts) => parts
             .iter()
             .filter_map(|p| p.get("text").and_then(Value::as_str))
-            .collect::<Vec<_>>()
-            .join("\n"),
+            .filter(|t| !t.starts_with("<system-reminder>"))
+            .next_back()
+            .unwrap_or_default()
+            .to_string(),
         _ => String::new(),
     }
 }
