@@ -137,6 +137,12 @@ fn last_user_text(path: &str, body: &Value) -> String {
         body["messages"].as_array().cloned().unwrap_or_default()
     };
     for item in items.iter().rev() {
+        let results = item["content"]
+            .as_array()
+            .is_some_and(|c| c.iter().any(|b| b["type"] == "tool_result"));
+        if results {
+            return "after tools".into();
+        }
         if item["role"] == "user" {
             let t = text_of(&item["content"]);
             if !t.is_empty() {
