@@ -19,9 +19,11 @@
 //! the divergent item, gets the shared prefix and the new items. Never a
 //! system prompt, `prompt_cache_key` or API key alone.
 //!
-//! Event ids are `gw-<H(conversation, chain)>.<n>`: a function of the
-//! conversation and the whole prefix, so a retried or replayed request
-//! publishes the ids it published before and the fold changes nothing.
+//! Event ids are `gw-<H(conversation, chain before the item)>.<n>`: the
+//! turn that follows this exact history in this conversation. A retried or
+//! replayed request publishes the ids it published before, and a retried
+//! request answered differently (by this replica or another) publishes its
+//! answer under the first answer's id: the fold keeps one, changes nothing.
 //!
 //! The index is memory (a restart forgets it): conversation ids and event
 //! ids are derived from content, so after a restart an unkeyed
@@ -74,6 +76,9 @@ pub struct Resolution {
     pub keyed_by: KeyedBy,
     /// Per request item: its chain value, when it is a turn.
     pub chains: Vec<Option<Chain>>,
+    /// Per request item: the chain value before it (what its event ids
+    /// are derived from: the turn that follows this exact history).
+    pub prevs: Vec<Option<Chain>>,
     /// Items to publish, in order (for a fork: the shared prefix too).
     pub new_items: Vec<usize>,
     /// Where the response's turn goes: the position after the last item,
@@ -119,7 +124,8 @@ pub fn link(prev: &Chain, digest: &[u8; 16]) -> Chain {
     h(&[prev, digest])
 }
 
-/// The id of the `n`-th turn of the item at `chain` in `conversation`.
+/// The id of the `n`-th turn of the item that follows `chain` (the history
+/// before it) in `conversation`.
 pub fn event_id(conversation: &str, chain: &Chain, n: usize) -> String {
     format!(
         "gw-{}.{n}",
@@ -221,10 +227,12 @@ impl Index {
             };
 
         let mut chains = vec![None; items.len()];
+        let mut prevs = vec![None; items.len()];
         let mut walk: Vec<(usize, Chain)> = Vec::new();
         let mut prev = seed;
         for (i, c) in items.iter().enumerate().skip(start) {
             if is_turn(c.kind) {
+                prevs[i] = Some(prev);
                 prev = link(&prev, &c.digest);
                 chains[i] = Some(prev);
                 walk.push((i, prev));
@@ -266,6 +274,7 @@ impl Index {
                         conversation: conv,
                         keyed_by,
                         chains,
+                        prevs,
                         new_items: Vec::new(),
                         tail: (next, seed),
                         forked_from: None,
@@ -310,6 +319,7 @@ impl Index {
             conversation,
             keyed_by,
             chains,
+            prevs,
             new_items: new_walk.iter().map(|(i, _)| *i).collect(),
             tail: (tail_pos, last),
             forked_from,

@@ -565,7 +565,7 @@ async fn surface_request(ctx: Ctx, surface: Surface, body: Bytes) -> Response {
     // The request's new turns, before anything else can fail.
     let mut events = Vec::new();
     for &i in &res.new_items {
-        let (Some(chain), c) = (res.chains[i], &canons[i]) else {
+        let (Some(chain), c) = (res.prevs[i], &canons[i]) else {
             continue;
         };
         if codex_compaction
@@ -1014,6 +1014,7 @@ fn store_response(
         } else {
             None
         };
+        let before = tail.1;
         let Some(chain) = gw
             .index
             .append_response(&res.conversation, tail, &c.digest, id)
@@ -1031,7 +1032,7 @@ fn store_response(
             }
             events.push(turn_event(
                 &res.conversation,
-                keying::event_id(&res.conversation, &chain, n),
+                keying::event_id(&res.conversation, &before, n),
                 m.clone(),
                 done.model.clone().or(model.clone()),
                 meta,

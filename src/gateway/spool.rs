@@ -60,10 +60,52 @@ impl Spool {
         self.len() == 0
     }
 
+    /// The spooled turns, oldest first, left in place while they are
+    /// published ([`Spool::drop_front`] removes those that were).
+    pub fn snapshot(&self) -> Vec<Envelope> {
+        let q = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        q.iter().cloned().collect()
+    }
+
+    /// Removes the `n` oldest turns (published), and writes the file.
+    pub fn drop_front(&self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let mut q = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        let n = n.min(q.len());
+        q.drain(..n);
+        crate::telemetry::GatewaySpooled { pending: q.len() }.emit();
+        if let Some(path) = &self.path {
+            if let Err(e) = write_all(path, &q) {
+                crate::telemetry::GatewayStoreFailed {
+                    error: &format!("writing the spool {}: {e}", path.display()),
+                }
+                .emit();
+            }
+        }
+    }
+
     /// Takes every spooled turn (oldest first) to publish.
     pub fn take(&self) -> Vec<Envelope> {
         let mut q = self.pending.lock().unwrap_or_else(|p| p.into_inner());
         q.drain(..).collect()
+    }
+
+    /// Adds turns after those waiting (NATS is away: they wait their turn,
+    /// in order), and writes the file.
+    pub fn append(&self, events: Vec<Envelope>) {
+        let mut q = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        q.extend(events);
+        crate::telemetry::GatewaySpooled { pending: q.len() }.emit();
+        if let Some(path) = &self.path {
+            if let Err(e) = write_all(path, &q) {
+                crate::telemetry::GatewayStoreFailed {
+                    error: &format!("writing the spool {}: {e}", path.display()),
+                }
+                .emit();
+            }
+        }
     }
 
     /// Puts turns that could not be published back at the head, and

@@ -241,6 +241,8 @@ pub struct Store {
     pub health: Arc<StoreHealth>,
     pub kind: &'static str,
     pub spool: Option<Arc<Spool>>,
+    /// The NATS connection, whose state says at once when NATS is away.
+    client: Option<async_nats::Client>,
 }
 
 impl Store {
@@ -285,9 +287,15 @@ impl Store {
     }
 
     pub fn reachable(&self) -> bool {
-        self.health
-            .reachable
-            .load(std::sync::atomic::Ordering::Relaxed)
+        let connected = self
+            .client
+            .as_ref()
+            .is_none_or(|c| c.connection_state() == async_nats::connection::State::Connected);
+        connected
+            && self
+                .health
+                .reachable
+                .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The embedded store under `config.data_dir` (segment log + redb).
@@ -381,6 +389,7 @@ impl Store {
                 health,
                 kind: "embedded",
                 spool: None,
+                client: None,
             }),
             Ok(Err(e)) => Err(std::io::Error::other(e)),
             Err(_) => Err(std::io::Error::other("the store thread stopped")),
@@ -406,7 +415,7 @@ impl Store {
             .store(true, std::sync::atomic::Ordering::Relaxed);
         tokio::spawn(run_nats(
             publisher,
-            client,
+            client.clone(),
             subjects,
             rx,
             blocks.clone(),
@@ -419,6 +428,7 @@ impl Store {
             health,
             kind: "nats",
             spool: Some(spool),
+            client: Some(client),
         })
     }
 }
@@ -520,11 +530,11 @@ async fn run_nats(
             _ = retry.tick() => {
                 // Spooled turns go out when NATS takes them again.
                 if !spool.is_empty() {
-                    let pending = spool.take();
+                    let pending = spool.snapshot();
                     let (stored, left) = publish_all(&publisher, pending).await;
                     health.published.fetch_add(stored as u64, std::sync::atomic::Ordering::Relaxed);
                     health.reachable.store(left.is_empty(), std::sync::atomic::Ordering::Relaxed);
-                    spool.put_back(left);
+                    spool.drop_front(stored);
                 }
                 continue;
             }
@@ -539,6 +549,14 @@ async fn run_nats(
                 return;
             }
             Command::Publish(events) => {
+                if !spool.is_empty() {
+                    // Older turns wait: these go after them, in order.
+                    health
+                        .failed
+                        .fetch_add(events.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                    spool.append(events);
+                    continue;
+                }
                 let touched: BTreeSet<String> =
                     events.iter().map(|e| e.conversation.clone()).collect();
                 let (stored, left) = publish_all(&publisher, events).await;
