@@ -51,6 +51,13 @@ pub struct Behaviour {
     pub chunk_delay: Duration,
     /// Pause before answering at all.
     pub delay: Duration,
+    /// Chat answers to give, in order (a transcript replayed): each is the
+    /// assistant message of the next completion.
+    pub script: Option<Arc<Mutex<std::collections::VecDeque<Value>>>>,
+    /// Requests whose last user text holds this are answered after
+    /// `slow_delay`.
+    pub slow_marker: Option<String>,
+    pub slow_delay: Duration,
 }
 
 struct Inner {
@@ -217,6 +224,25 @@ async fn answer(State(inner): State<Arc<Inner>>, req: Request) -> Response {
             "message": format!("This model's maximum context length is 8192 tokens. However, your messages resulted in {input_tokens} tokens. Please reduce the length of the messages."),
             "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}}),
         );
+    }
+    if behaviour
+        .slow_marker
+        .as_deref()
+        .is_some_and(|m| text.contains(m))
+    {
+        tokio::time::sleep(behaviour.slow_delay).await;
+    }
+    if path.ends_with("/chat/completions") {
+        if let Some(script) = &behaviour.script {
+            if let Some(message) = script.lock().unwrap().pop_front() {
+                return json_reply(
+                    200,
+                    json!({"id": format!("chatcmpl-{n}"), "object": "chat.completion", "created": 1, "model": "m-test",
+                    "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                    "usage": {"prompt_tokens": input_tokens, "completion_tokens": 7, "total_tokens": input_tokens + 7}}),
+                );
+            }
+        }
     }
     let tools = text.contains("TOOLS");
     let reply = format!(
