@@ -285,7 +285,9 @@ pub enum Command {
     Serve {
         #[command(flatten)]
         nats: serve::NatsArgs,
-        /// Roles of this process: folder, summarizer, api (comma-separated) or all.
+        /// Roles of this process: folder, summarizer, api, gateway
+        /// (comma-separated) or all (every one but the gateway, which
+        /// needs `[gateway] upstream`).
         #[arg(long, default_value = "folder,summarizer,api")]
         roles: contextfold::nats::serve::Roles,
         /// Compaction jobs run at once by the summarizer role.
