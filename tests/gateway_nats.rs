@@ -188,3 +188,78 @@ async fn nats_mode_replicas_and_failures() {
     drop((ga, gb, gc));
     service.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_runs_the_gateway_role() {
+    let nats = NatsServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let up = Upstream::start(Behaviour::default()).await;
+    let port = gw::free_port();
+    let conf = dir.path().join("c.toml");
+    std::fs::write(
+        &conf,
+        format!(
+            "[gateway]\nupstream = \"{}\"\nlisten = \"127.0.0.1:{port}\"\n",
+            up.base
+        ),
+    )
+    .unwrap();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_contextfold"))
+        .arg("--config")
+        .arg(&conf)
+        .arg("--data")
+        .arg(dir.path())
+        .args([
+            "serve",
+            "--roles",
+            "folder,summarizer,api,gateway",
+            "--nats",
+            &nats.url(),
+        ])
+        .env_remove("CONTEXTFOLD_CONFIG")
+        .spawn()
+        .unwrap();
+    let base = format!("http://127.0.0.1:{port}");
+    let client = reqwest::Client::new();
+    let mut up_now = false;
+    for _ in 0..200 {
+        if client
+            .get(format!("{base}/contextfold/v1/healthz"))
+            .send()
+            .await
+            .is_ok()
+        {
+            up_now = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(up_now, "serve's gateway role listens");
+    let msgs = [json!({"role": "user", "content": "through serve's gateway role"})];
+    let r = post(&base, &msgs).await;
+    assert!(r.status().is_success());
+    settle(&base).await;
+    // The deployment serve runs stored the turns: ask its API.
+    let mut stored = 0;
+    for _ in 0..100 {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_contextfold"))
+            .arg("--data")
+            .arg(dir.path())
+            .args(["status", "nats-session", "--nats", &nats.url()])
+            .env_remove("CONTEXTFOLD_CONFIG")
+            .output()
+            .unwrap();
+        if let Ok(v) = serde_json::from_slice::<Value>(&out.stdout) {
+            stored = v["turns"]["total"].as_u64().unwrap_or(0);
+            if stored == 2 {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(stored, 2);
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let _ = child.wait();
+}

@@ -14,7 +14,11 @@ use gw::{cli_json, long_turn, settle, stored_messages, Behaviour, GatewayProc, U
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
-async fn chat(base: &str, headers: &[(&str, &str)], msgs: &[Value]) -> (u16, reqwest::header::HeaderMap, Value) {
+async fn chat(
+    base: &str,
+    headers: &[(&str, &str)],
+    msgs: &[Value],
+) -> (u16, reqwest::header::HeaderMap, Value) {
     let mut req = reqwest::Client::new()
         .post(format!("{base}/v1/chat/completions"))
         .json(&json!({"model": "gpt-4o", "messages": msgs}));
@@ -28,7 +32,10 @@ async fn chat(base: &str, headers: &[(&str, &str)], msgs: &[Value]) -> (u16, req
 }
 
 fn conv_of(h: &reqwest::header::HeaderMap) -> String {
-    h["x-contextfold-conversation"].to_str().unwrap().to_string()
+    h["x-contextfold-conversation"]
+        .to_str()
+        .unwrap()
+        .to_string()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -37,7 +44,10 @@ async fn a_rewind_forks_and_a_replay_stores_nothing_twice() {
     let dir = tempfile::tempdir().unwrap();
     let mut g = GatewayProc::start(dir.path(), &up.base, "", &[]);
     let sys = json!({"role": "system", "content": "S"});
-    let mut msgs = vec![sys.clone(), json!({"role": "user", "content": "plan the migration"})];
+    let mut msgs = vec![
+        sys.clone(),
+        json!({"role": "user", "content": "plan the migration"}),
+    ];
     let (_, h, v) = chat(&g.base, &[], &msgs).await;
     let root = conv_of(&h);
     msgs.push(v["choices"][0]["message"].clone());
@@ -76,7 +86,10 @@ async fn an_overflow_is_recorded_and_retried_with_the_assembled_context() {
     let up = Upstream::start(Behaviour::default()).await;
     let dir = tempfile::tempdir().unwrap();
     // A budget the gateway thinks is large; the upstream overflows first.
-    let config = format!("{}\n[gateway]\nretry_overflow = true\nbudget_tokens = 1000000\n", gw::SMALL_POLICY);
+    let config = format!(
+        "{}\n[gateway]\nretry_overflow = true\nbudget_tokens = 1000000\n",
+        gw::SMALL_POLICY
+    );
     let mut g = GatewayProc::start(dir.path(), &up.base, &config, &[]);
     let mut msgs = vec![json!({"role": "system", "content": "S"})];
     for i in 0..45 {
@@ -87,7 +100,10 @@ async fn an_overflow_is_recorded_and_retried_with_the_assembled_context() {
         settle(&g.base).await;
     }
     let size = up.model_requests().last().unwrap().body.len();
-    up.set(Behaviour { overflow_over_bytes: Some(size / 2), ..Behaviour::default() });
+    up.set(Behaviour {
+        overflow_over_bytes: Some(size / 2),
+        ..Behaviour::default()
+    });
     msgs.push(json!({"role": "user", "content": "one more"}));
     let (status, h, v) = chat(&g.base, &[("x-contextfold-conversation", "ovf")], &msgs).await;
     assert_eq!(status, 200, "retried with the assembled context: {v}");
@@ -105,7 +121,11 @@ async fn an_overflow_is_recorded_and_retried_with_the_assembled_context() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_the_opt_in_an_overflow_goes_back_unchanged() {
-    let up = Upstream::start(Behaviour { overflow_over_bytes: Some(10), ..Behaviour::default() }).await;
+    let up = Upstream::start(Behaviour {
+        overflow_over_bytes: Some(10),
+        ..Behaviour::default()
+    })
+    .await;
     let dir = tempfile::tempdir().unwrap();
     let g = GatewayProc::start(dir.path(), &up.base, "", &[]);
     let (status, _, v) = chat(&g.base, &[], &[json!({"role": "user", "content": "hi"})]).await;
@@ -137,8 +157,21 @@ key = "gk-globex-0002"
 "#;
     let g = GatewayProc::start(dir.path(), &up.base, config, &[]);
     let same = [json!({"role": "user", "content": "the same first words"})];
-    let (s1, h1, _) = chat(&g.base, &[("x-contextfold-key", "gk-acme-0001"), ("authorization", "Bearer sk-client")], &same).await;
-    let (s2, h2, _) = chat(&g.base, &[("authorization", "Bearer gk-globex-0002")], &same).await;
+    let (s1, h1, _) = chat(
+        &g.base,
+        &[
+            ("x-contextfold-key", "gk-acme-0001"),
+            ("authorization", "Bearer sk-client"),
+        ],
+        &same,
+    )
+    .await;
+    let (s2, h2, _) = chat(
+        &g.base,
+        &[("authorization", "Bearer gk-globex-0002")],
+        &same,
+    )
+    .await;
     assert_eq!((s1, s2), (200, 200));
     assert!(conv_of(&h1).starts_with("acme/"), "{}", conv_of(&h1));
     assert!(conv_of(&h2).starts_with("globex/"), "{}", conv_of(&h2));
@@ -149,9 +182,15 @@ key = "gk-globex-0002"
     assert_eq!(posts.len(), 2, "the refused request never went upstream");
     // acme's held credential replaced the client's; globex's gateway key
     // (its bearer token) never left the gateway.
-    assert_eq!(posts[0].header("authorization"), Some("Bearer sk-upstream-acme"));
+    assert_eq!(
+        posts[0].header("authorization"),
+        Some("Bearer sk-upstream-acme")
+    );
     assert_eq!(posts[1].header("authorization"), None);
-    assert!(posts.iter().all(|p| p.headers.iter().all(|(n, _)| !n.starts_with("x-contextfold"))));
+    assert!(posts.iter().all(|p| p
+        .headers
+        .iter()
+        .all(|(n, _)| !n.starts_with("x-contextfold"))));
     // A body over the limit: 413 in the provider's shape, nothing upstream.
     let big = [json!({"role": "user", "content": "x".repeat(70_000)})];
     let (s4, _, v4) = chat(&g.base, &[("x-contextfold-key", "gk-acme-0001")], &big).await;
@@ -163,16 +202,95 @@ key = "gk-globex-0002"
         .map(|i| {
             let base = base.clone();
             tokio::spawn(async move {
-                chat(&base, &[("x-contextfold-key", "gk-acme-0001")], &[json!({"role": "user", "content": format!("SLOW {i}")})]).await
+                chat(
+                    &base,
+                    &[("x-contextfold-key", "gk-acme-0001")],
+                    &[json!({"role": "user", "content": format!("SLOW {i}")})],
+                )
+                .await
             })
         })
         .collect();
     tokio::time::sleep(Duration::from_millis(300)).await;
     let started = Instant::now();
-    let (s5, _, _) = chat(&g.base, &[("x-contextfold-key", "gk-globex-0002")], &[json!({"role": "user", "content": "quick one"})]).await;
+    let (s5, _, _) = chat(
+        &g.base,
+        &[("x-contextfold-key", "gk-globex-0002")],
+        &[json!({"role": "user", "content": "quick one"})],
+    )
+    .await;
     assert_eq!(s5, 200);
-    assert!(started.elapsed() < Duration::from_secs(2), "globex waited {:?} behind acme", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "globex waited {:?} behind acme",
+        started.elapsed()
+    );
     for s in slow {
         assert_eq!(s.await.unwrap().0, 200);
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_mid_stream_leaves_a_partial_turn_marked_aborted() {
+    let up = Upstream::start(Behaviour {
+        chunk_delay: Duration::from_millis(150),
+        ..Behaviour::default()
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut g = GatewayProc::start(dir.path(), &up.base, "", &[]);
+    let mut r = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", g.base))
+        .header("x-contextfold-conversation", "leaver")
+        .json(&json!({"model": "gpt-4o", "stream": true,
+            "messages": [{"role": "user", "content": "tell me a long story about the gateway"}]}))
+        .send()
+        .await
+        .unwrap();
+    let first = r.chunk().await.unwrap().unwrap();
+    let second = r.chunk().await.unwrap().unwrap();
+    assert!(!first.is_empty() && !second.is_empty());
+    drop(r);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    settle(&g.base).await;
+    g.stop();
+    let turn = cli_json(dir.path(), &["describe", "leaver", "1"]);
+    let text = turn.to_string();
+    assert!(text.contains("\"aborted\":true"), "{text}");
+    let content = turn["message"]["content"].as_str().unwrap();
+    assert!(content.starts_with("reply"), "what arrived is kept: {text}");
+    assert!(!content.contains("gateway"), "the stream was cut: {text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn doctor_checks_the_upstream() {
+    let up = Upstream::start(Behaviour::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let conf = dir.path().join("c.toml");
+    std::fs::write(&conf, format!("[gateway]\nupstream = \"{}\"\n", up.base)).unwrap();
+    let run = |conf: &std::path::Path| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_contextfold"))
+            .arg("--config")
+            .arg(conf)
+            .arg("--data")
+            .arg(dir.path())
+            .args(["doctor", "--json", "--nats", "nats://127.0.0.1:9"])
+            .output()
+            .unwrap();
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["check"] == "gateway upstream")
+            .cloned()
+            .unwrap()
+    };
+    let ok = run(&conf);
+    assert_eq!(ok["level"], "ok", "{ok}");
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, "[gateway]\nupstream = \"http://127.0.0.1:9\"\n").unwrap();
+    let fail = run(&bad);
+    assert_eq!(fail["level"], "fail", "{fail}");
+    assert!(fail["detail"].as_str().unwrap().contains("unreachable"));
 }

@@ -48,6 +48,8 @@ pub const CONVERSATION_HEADER: &str = "x-contextfold-conversation";
 pub const KEYED_BY_HEADER: &str = "x-contextfold-keyed-by";
 pub const CONTEXT_HEADER: &str = "x-contextfold-context";
 pub const TOKENS_HEADER: &str = "x-contextfold-tokens";
+/// Microseconds the gateway spent before calling the upstream.
+pub const ADDED_HEADER: &str = "x-contextfold-added-us";
 /// Request header: the gateway key of a tenant.
 pub const KEY_HEADER: &str = "x-contextfold-key";
 
@@ -984,6 +986,9 @@ fn stream_back(
     }
     resp.headers_mut()
         .insert(CONTEXT_HEADER, HeaderValue::from_static(context));
+    if let Ok(v) = HeaderValue::from_str(&added.as_micros().to_string()) {
+        resp.headers_mut().insert(ADDED_HEADER, v);
+    }
     resp
 }
 
