@@ -86,10 +86,12 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 
 async fn case(name: &str, window: u64, rounds: usize) {
     let up = upstream().await;
-    let mut config = Config::default();
-    config.policy = PolicyConfig {
-        default_context_window: window,
-        ..PolicyConfig::default()
+    let mut config = Config {
+        policy: PolicyConfig {
+            default_context_window: window,
+            ..PolicyConfig::default()
+        },
+        ..Config::default()
     };
     config.gateway.listen = "127.0.0.1:0".parse().unwrap();
     config.gateway.upstream = Some(up.clone());

@@ -1153,14 +1153,12 @@ fn answer_compaction(
         ),
         _ => {
             // Chat has no compaction contract: a plain answer.
-            let v = match surface {
-                _ => serde_json::json!({
+            let v = serde_json::json!({
                     "id": id, "object": "chat.completion", "model": model,
                     "choices": [{"index": 0, "finish_reason": "stop",
                                  "message": {"role": "assistant", "content": text}}],
                     "usage": {"prompt_tokens": text_tokens, "completion_tokens": 0, "total_tokens": text_tokens},
-                }),
-            };
+            });
             (v.to_string().into_bytes(), "application/json")
         }
     };

@@ -124,8 +124,7 @@ fn text_of(content: &Value) -> String {
         Value::Array(parts) => parts
             .iter()
             .filter_map(|p| p.get("text").and_then(Value::as_str))
-            .filter(|t| !t.starts_with("<system-reminder>"))
-            .next_back()
+            .rfind(|t| !t.starts_with("<system-reminder>"))
             .unwrap_or_default()
             .to_string(),
         _ => String::new(),
