@@ -128,6 +128,14 @@ async fn openai_sdk_session_through_the_gateway() {
         .iter()
         .all(|r| r.header("authorization") == Some("Bearer sk-client")));
 
+    // The metrics count what happened.
+    let metrics = g.get_text("/contextfold/v1/metrics");
+    assert!(
+        metrics.contains("contextfold_gateway_requests_total{surface=\"chat_completions\",outcome=\"forwarded\"} 4"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("contextfold_gateway_upstream_errors_total{surface=\"chat_completions\",class=\"rate_limited\"} 1"));
+    assert!(metrics.contains("contextfold_gateway_added_latency_seconds_bucket"));
     g.stop();
     let stored = stored_messages(dir.path(), convs[0]);
     let roles: Vec<&str> = stored.iter().map(|m| m["role"].as_str().unwrap()).collect();

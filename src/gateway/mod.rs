@@ -82,6 +82,10 @@ pub async fn start(
     store: Store,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<Running, GatewayError> {
+    // Its metrics are served at /contextfold/v1/metrics.
+    if crate::telemetry::install_prometheus().is_ok() {
+        crate::telemetry::describe();
+    }
     let gateway = Arc::new(Gateway::new(
         config.gateway.clone(),
         policy_budget(config),

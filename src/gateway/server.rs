@@ -264,6 +264,17 @@ async fn handle(State(gw): State<Arc<Gateway>>, req: Request) -> Response {
             let body = serde_json::to_vec_pretty(&gw.ledger.report(mode)).unwrap_or_default();
             return json_response(StatusCode::OK, body);
         }
+        ("GET", "/contextfold/v1/metrics") => {
+            let text = crate::telemetry::install_prometheus()
+                .map(|h| h.render())
+                .unwrap_or_else(|e| format!("# metrics unavailable: {e}\n"));
+            let mut r = Response::new(Body::from(text));
+            r.headers_mut().insert(
+                "content-type",
+                HeaderValue::from_static("text/plain; version=0.0.4"),
+            );
+            return r;
+        }
         ("GET", "/contextfold/v1/healthz") => {
             return json_response(StatusCode::OK, b"{\"ok\":true}".to_vec())
         }

@@ -517,6 +517,14 @@ impl GatewayProc {
         let _ = self.child.wait();
     }
 
+    pub fn get_text(&self, path: &str) -> String {
+        let out = Command::new("curl")
+            .args(["-sS", &format!("{}{path}", self.base)])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
     pub fn get(&self, path: &str) -> Value {
         let out = Command::new("curl")
             .args(["-sS", &format!("{}{path}", self.base)])
