@@ -245,11 +245,6 @@ pub struct GatewayConfig {
     /// Requests in flight to the upstream per tenant (default 64): one
     /// tenant's slow upstream fills its own allowance, never another's.
     pub max_in_flight_per_tenant: usize,
-    /// Turns a Codex conversation must add after an answered compaction
-    /// before the gateway reports the upstream's usage again (default 2):
-    /// until then it reports the tokens of what it sent, so Codex never
-    /// compacts on every turn.
-    pub compaction_min_turns: u64,
     /// Where turns wait when NATS cannot take them (default
     /// `<data_dir>/gateway-spool`).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -310,7 +305,6 @@ impl Default for GatewayConfig {
             upstream_timeout_ms: 600_000,
             upstream_connect_timeout_ms: 10_000,
             max_in_flight_per_tenant: 64,
-            compaction_min_turns: 2,
             spool_dir: None,
             tenants: Vec::new(),
         }
