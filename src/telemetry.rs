@@ -174,6 +174,34 @@ pub const API_REPLIES_REFUSED: &str = "contextfold_api_replies_refused_total";
 /// header naming no allowed address: DNS rebinding), `origin` (a
 /// cross-site Origin) or `token` (missing or wrong token).
 pub const HTTP_REQUESTS_REFUSED: &str = "contextfold_http_requests_refused_total";
+// ---- gateway ---------------------------------------------------------------
+
+/// Requests the gateway answered; labels `surface` (`chat_completions`,
+/// `responses`, `messages`) and `outcome` (`forwarded`, `assembled`,
+/// `expanded`, `answered`, `rejected`, `refused`, `upstream_error`).
+pub const GATEWAY_REQUESTS: &str = "contextfold_gateway_requests_total";
+/// Time the gateway added before the upstream was called (histogram);
+/// label `surface`.
+pub const GATEWAY_ADDED_SECONDS: &str = "contextfold_gateway_added_latency_seconds";
+/// Tokens not sent upstream because the assembled context replaced the
+/// client's history; label `surface`.
+pub const GATEWAY_TOKENS_SAVED: &str = "contextfold_gateway_tokens_saved_total";
+/// Times a conversation's summary block changed: each is one change of the
+/// prefix the provider's prompt cache sees.
+pub const GATEWAY_CACHE_PREFIX_CHANGES: &str = "contextfold_gateway_cache_prefix_changes_total";
+/// Turns the gateway handed to the store.
+pub const GATEWAY_TURNS_PUBLISHED: &str = "contextfold_gateway_turns_published_total";
+/// Upstream failures; labels `surface` and `class` (`overflow`,
+/// `rate_limited`, `client_error`, `server_error`, `unreachable`,
+/// `timeout`).
+pub const GATEWAY_UPSTREAM_ERRORS: &str = "contextfold_gateway_upstream_errors_total";
+/// Compactions the gateway answered from contextfold; label `surface`.
+pub const GATEWAY_COMPACTIONS_ANSWERED: &str = "contextfold_gateway_compactions_answered_total";
+/// Turns waiting in the spool for NATS (gauge).
+pub const GATEWAY_SPOOLED: &str = "contextfold_gateway_spooled_turns";
+/// Turns the store could not take (embedded write failures, permanent
+/// NATS refusals).
+pub const GATEWAY_STORE_FAILURES: &str = "contextfold_gateway_store_failures_total";
 
 /// Every metric with its kind, unit and description, for `describe_*` and
 /// docs/operations.md.
@@ -334,6 +362,51 @@ pub const FAMILIES: &[(&str, Kind, &str)] = &[
         HTTP_REQUESTS_REFUSED,
         Kind::Counter,
         "audit page requests refused, by reason (host, origin, token)",
+    ),
+    (
+        GATEWAY_REQUESTS,
+        Kind::Counter,
+        "gateway requests, by surface and outcome",
+    ),
+    (
+        GATEWAY_ADDED_SECONDS,
+        Kind::Histogram,
+        "time the gateway added before calling the upstream, by surface",
+    ),
+    (
+        GATEWAY_TOKENS_SAVED,
+        Kind::Counter,
+        "tokens the assembled context kept from the upstream, by surface",
+    ),
+    (
+        GATEWAY_CACHE_PREFIX_CHANGES,
+        Kind::Counter,
+        "summary block changes (prompt-cache prefix changes)",
+    ),
+    (
+        GATEWAY_TURNS_PUBLISHED,
+        Kind::Counter,
+        "turns the gateway handed to the store",
+    ),
+    (
+        GATEWAY_UPSTREAM_ERRORS,
+        Kind::Counter,
+        "upstream failures, by surface and class",
+    ),
+    (
+        GATEWAY_COMPACTIONS_ANSWERED,
+        Kind::Counter,
+        "compactions answered from contextfold, by surface",
+    ),
+    (
+        GATEWAY_SPOOLED,
+        Kind::Gauge,
+        "turns waiting for NATS in the spool",
+    ),
+    (
+        GATEWAY_STORE_FAILURES,
+        Kind::Counter,
+        "turns the store could not take",
     ),
 ];
 
@@ -1140,6 +1213,136 @@ impl HttpRequestRefused<'_> {
             "audit page request refused"
         );
         metrics::counter!(HTTP_REQUESTS_REFUSED, "reason" => self.reason.as_str()).increment(1);
+    }
+}
+
+/// The gateway answered a request.
+pub struct GatewayRequest {
+    /// A closed set: the surface's label.
+    pub surface: &'static str,
+    /// A closed set (see [`GATEWAY_REQUESTS`]).
+    pub outcome: &'static str,
+    /// Time from the request's arrival to the upstream call (or the answer).
+    pub added: Duration,
+}
+
+impl GatewayRequest {
+    pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
+        tracing::debug!(
+            surface = self.surface,
+            outcome = self.outcome,
+            added_us = self.added.as_micros() as u64,
+            "gateway request"
+        );
+        metrics::counter!(GATEWAY_REQUESTS, "surface" => self.surface, "outcome" => self.outcome)
+            .increment(1);
+        metrics::histogram!(GATEWAY_ADDED_SECONDS, "surface" => self.surface)
+            .record(self.added.as_secs_f64());
+    }
+}
+
+/// The assembled context kept tokens from the upstream.
+pub struct GatewayTokensSaved {
+    pub surface: &'static str,
+    pub tokens: u64,
+}
+
+impl GatewayTokensSaved {
+    pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
+        metrics::counter!(GATEWAY_TOKENS_SAVED, "surface" => self.surface).increment(self.tokens);
+    }
+}
+
+/// A conversation's summary block changed (a new prompt-cache prefix).
+pub struct GatewayBlockChanged;
+
+impl GatewayBlockChanged {
+    pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
+        metrics::counter!(GATEWAY_CACHE_PREFIX_CHANGES).increment(1);
+    }
+}
+
+/// Turns handed to the store.
+pub struct GatewayTurnsPublished {
+    pub turns: usize,
+}
+
+impl GatewayTurnsPublished {
+    pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
+        metrics::counter!(GATEWAY_TURNS_PUBLISHED).increment(self.turns as u64);
+    }
+}
+
+/// The upstream failed or answered with an error.
+pub struct GatewayUpstreamError {
+    pub surface: &'static str,
+    /// A closed set (see [`GATEWAY_UPSTREAM_ERRORS`]).
+    pub class: &'static str,
+}
+
+impl GatewayUpstreamError {
+    pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
+        tracing::info!(surface = self.surface, class = self.class, "upstream error");
+        metrics::counter!(GATEWAY_UPSTREAM_ERRORS, "surface" => self.surface, "class" => self.class).increment(1);
+    }
+}
+
+/// A compaction was answered from contextfold.
+pub struct GatewayCompactionAnswered {
+    pub surface: &'static str,
+}
+
+impl GatewayCompactionAnswered {
+    pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
+        tracing::info!(surface = self.surface, "compaction answered");
+        metrics::counter!(GATEWAY_COMPACTIONS_ANSWERED, "surface" => self.surface).increment(1);
+    }
+}
+
+/// The spool changed.
+pub struct GatewaySpooled {
+    pub pending: usize,
+}
+
+impl GatewaySpooled {
+    pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
+        metrics::gauge!(GATEWAY_SPOOLED).set(self.pending as f64);
+    }
+}
+
+/// The store could not take turns.
+pub struct GatewayStoreFailed<'a> {
+    pub error: &'a str,
+}
+
+impl GatewayStoreFailed<'_> {
+    pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
+        tracing::warn!(error = self.error, "gateway store failure");
+        metrics::counter!(GATEWAY_STORE_FAILURES).increment(1);
     }
 }
 

@@ -864,7 +864,9 @@ pub fn doctor(config: &Config, nats: &NatsArgs, json: bool) -> Result<ExitCode> 
         dir: config.data_dir.join("nats").join(&cfg.prefix),
         fingerprint: policy_fingerprint(&config.policy),
     };
-    let findings = runtime()?.block_on(diagnose(&cfg, &stores));
+    let rt = runtime()?;
+    let mut findings = rt.block_on(diagnose(&cfg, &stores));
+    findings.extend(rt.block_on(gateway_upstream(config)));
     let failed = findings.iter().any(|f| f.level == Level::Fail);
     let mut out = std::io::stdout().lock();
     let written = if json {
@@ -886,6 +888,42 @@ pub fn doctor(config: &Config, nats: &NatsArgs, json: bool) -> Result<ExitCode> 
         ExitCode::FAILURE
     } else {
         ExitCode::SUCCESS
+    })
+}
+
+/// The gateway's upstream, when `[gateway]` names one: does it answer
+/// `GET /v1/models`? (Credentials: `OPENAI_API_KEY` when set; a 401 or 403
+/// is a warning, since clients bring their own.)
+async fn gateway_upstream(config: &Config) -> Option<Finding> {
+    let g = &config.gateway;
+    g.upstream.as_ref().or(g.upstream_chat.as_ref())?;
+    let check = "gateway upstream";
+    let upstream = match contextfold::gateway::upstream::Upstream::new(g) {
+        Ok(u) => u,
+        Err(e) => return Some(Finding::new(Level::Fail, check, e.to_string())),
+    };
+    let url = contextfold::secret::redact_url(upstream.base(None).unwrap_or_default());
+    Some(match upstream.check(None).await {
+        Ok(status) if (200..300).contains(&status) => {
+            Finding::new(Level::Ok, check, format!("{url} answers GET /v1/models ({status})"))
+        }
+        Ok(status @ (401 | 403)) => Finding::new(
+            Level::Warn,
+            check,
+            format!(
+                "{url} answers but refuses the credential ({status}): clients bring their own,                  or set the tenants' upstream_api_key"
+            ),
+        ),
+        Ok(status) => Finding::new(
+            Level::Fail,
+            check,
+            format!("{url} answers GET /v1/models with {status}: check [gateway] upstream"),
+        ),
+        Err(e) => Finding::new(
+            Level::Fail,
+            check,
+            format!("{url} is unreachable ({e}): check [gateway] upstream and the network"),
+        ),
     })
 }
 

@@ -4,6 +4,7 @@
 pub(crate) mod audit;
 mod doctor;
 mod eval;
+mod gateway;
 mod local;
 mod publish;
 mod query;
@@ -285,7 +286,9 @@ pub enum Command {
     Serve {
         #[command(flatten)]
         nats: serve::NatsArgs,
-        /// Roles of this process: folder, summarizer, api (comma-separated) or all.
+        /// Roles of this process: folder, summarizer, api, gateway
+        /// (comma-separated) or all (every one but the gateway, which
+        /// needs `[gateway] upstream`).
         #[arg(long, default_value = "folder,summarizer,api")]
         roles: contextfold::nats::serve::Roles,
         /// Compaction jobs run at once by the summarizer role.
@@ -315,6 +318,11 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// An LLM gateway in front of an upstream provider (OpenAI Chat
+    /// Completions, OpenAI Responses, Anthropic Messages): keeps every turn,
+    /// and past the budget sends the model contextfold's assembled context
+    /// (docs/gateway.md). Embedded store by default; a deployment with --nats.
+    Gateway(gateway::GatewayArgs),
     /// Publish inbound events to NATS as an agent would (Nats-Msg-Id scoped to the conversation, keyed by the credentials given).
     Publish {
         #[command(flatten)]
@@ -450,6 +458,7 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
             serve::serve(&config, &nats, roles, concurrency, audit_page)
         }
         Command::Doctor { nats, json } => doctor::doctor(&config, &nats, json),
+        Command::Gateway(args) => gateway::gateway(config, args),
         Command::Publish { nats, file, format } => {
             publish::publish(&config, &nats, file.as_deref(), &format)
         }

@@ -146,6 +146,8 @@ pub fn serve(
         _ => None,
     };
     let mut opts = ServeOptions::new(nats.apply(&config.nats), config.data_dir.clone());
+    let with_gateway = roles.gateway;
+    let gateway_only = with_gateway && !(roles.folder || roles.summarizer || roles.api);
     opts.roles = roles;
     opts.policy = config.policy.clone();
     opts.flush_every = config.store.flush_every;
@@ -166,6 +168,41 @@ pub fn serve(
     let servers = opts.nats.connection.display_servers();
     let http = config.http.listen;
     runtime()?.block_on(async {
+        // The gateway role: the LLM gateway storing turns in this
+        // deployment (turns it takes before the streams exist are spooled).
+        let gateway = if with_gateway {
+            let mut gconfig = config.clone();
+            gconfig.nats = opts.nats.clone();
+            gconfig
+                .gateway
+                .validate()
+                .map_err(|e| anyhow::anyhow!("[gateway] {e}"))?;
+            let store = contextfold::gateway::open_store(&gconfig, true)
+                .await
+                .context("opening the gateway's store")?;
+            let running = contextfold::gateway::start(
+                &gconfig,
+                store,
+                contextfold::nats::serve::shutdown_signal(),
+            )
+            .await
+            .context("starting the gateway")?;
+            eprintln!(
+                "contextfold serve: gateway listening on http://{}",
+                running.addr
+            );
+            Some(running)
+        } else {
+            None
+        };
+        if gateway_only {
+            if let Some(running) = gateway {
+                let g = running.gateway.clone();
+                running.task.await.context("the gateway stopped")?;
+                g.store.close().await;
+            }
+            return Ok(ExitCode::SUCCESS);
+        }
         let page = audit_page.then(|| Arc::new(Late::default()));
         let ops = match http {
             Some(addr) => {

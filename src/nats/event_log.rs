@@ -51,7 +51,7 @@ pub fn encoding_of(headers: Option<&HeaderMap>, payload: &[u8]) -> Encoding {
 }
 
 /// Headers for publishing one event with message id `msg_id`
-/// ([`crate::nats::msg_id::MsgIds::of`]).
+/// ([`crate::nats::msg_id::of`]).
 pub fn event_headers(msg_id: &str, encoding: Encoding) -> HeaderMap {
     let mut headers = HeaderMap::new();
     headers.insert(NATS_MESSAGE_ID, msg_id);

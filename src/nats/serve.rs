@@ -48,6 +48,9 @@ pub struct Roles {
     pub folder: bool,
     pub summarizer: bool,
     pub api: bool,
+    /// The LLM gateway (`src/gateway/`) on `[gateway] listen`, storing
+    /// turns in this deployment. Never part of `all`: it needs an upstream.
+    pub gateway: bool,
 }
 
 impl Default for Roles {
@@ -57,6 +60,7 @@ impl Default for Roles {
             folder: true,
             summarizer: true,
             api: true,
+            gateway: false,
         }
     }
 }
@@ -70,6 +74,7 @@ impl FromStr for Roles {
             folder: false,
             summarizer: false,
             api: false,
+            gateway: false,
         };
         for name in s.split(',').map(str::trim).filter(|n| !n.is_empty()) {
             match name {
@@ -77,16 +82,17 @@ impl FromStr for Roles {
                 "folder" => roles.folder = true,
                 "summarizer" => roles.summarizer = true,
                 "api" => roles.api = true,
+                "gateway" => roles.gateway = true,
                 other => {
                     return Err(format!(
-                        "unknown role {other:?}: use folder, summarizer, api (comma-separated) \
-                         or all"
+                        "unknown role {other:?}: use folder, summarizer, api, gateway \
+                         (comma-separated) or all"
                     ))
                 }
             }
         }
-        if !(roles.folder || roles.summarizer || roles.api) {
-            return Err("no role given: use folder, summarizer, api or all".to_string());
+        if !(roles.folder || roles.summarizer || roles.api || roles.gateway) {
+            return Err("no role given: use folder, summarizer, api, gateway or all".to_string());
         }
         Ok(roles)
     }
@@ -98,6 +104,7 @@ impl fmt::Display for Roles {
             (self.folder, "folder"),
             (self.summarizer, "summarizer"),
             (self.api, "api"),
+            (self.gateway, "gateway"),
         ]
         .iter()
         .filter(|(on, _)| *on)
