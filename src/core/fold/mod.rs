@@ -477,8 +477,10 @@ impl FoldContext<'_> {
         if rates.0.is_none() && rates.2.is_none() {
             return None;
         }
-        let bytes = match &self.event.body {
-            EventBody::TurnAppended(t) => t.message.text_bytes() as u64,
+        // A turn given up by the caller is no longer in the event.
+        let bytes = match (&self.event.body, self.turn) {
+            (EventBody::TurnAppended(_), Some(owned)) => owned.turn.message.text_bytes() as u64,
+            (EventBody::TurnAppended(t), None) => t.message.text_bytes() as u64,
             _ => 0,
         } + 256;
         let now = self.now;
