@@ -709,3 +709,135 @@ async fn kill_the_lease_bucket_leader(check_replay: bool) {
     a.shutdown().await;
     b.shutdown().await;
 }
+
+/// `contextfold publish` as a user runs it, with stderr captured.
+fn publish_command(
+    urls: &str,
+    file: &Path,
+    data: &Path,
+    extra: &[&str],
+) -> tokio::process::Command {
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_contextfold"));
+    command
+        .arg("--data")
+        .arg(data)
+        .args(["publish", "--nats", urls])
+        .args(extra)
+        .arg(file)
+        .env_remove("CONTEXTFOLD_CONFIG")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    command
+}
+
+fn write_events(path: &Path, convs: usize, turns_each: usize) -> usize {
+    use std::io::Write;
+    let mut out = std::io::BufWriter::new(std::fs::File::create(path).unwrap());
+    let mut n = 0;
+    for i in 0..turns_each {
+        for c in 0..convs {
+            let event = turn(&format!("pub-{c}"), i as u64);
+            writeln!(out, "{}", event.to_json()).unwrap();
+            n += 1;
+        }
+    }
+    out.flush().unwrap();
+    n
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_waits_through_a_leader_election_and_stores_every_event_once() {
+    let mut cluster = start_cluster(3);
+    wait_for_jetstream(&cluster.nodes[0].url()).await;
+    let urls = cluster.urls();
+    let dir = tempfile::tempdir().unwrap();
+    // The streams as serve would create them (no serve runs: the stream
+    // holds exactly what publish stored).
+    let cfg = cluster_options(&urls, dir.path(), "setup").nats;
+    let (_client, _js, infra) = loop {
+        let (client, _) = cfg.connection.connect().await.expect("connect");
+        let js = jetstream::new(client.clone());
+        match contextfold::nats::setup::ensure(&js, &cfg).await {
+            Ok(infra) => break (client, js, infra),
+            Err(e) => {
+                eprintln!("setup not ready yet: {e}");
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+        }
+    };
+    let file = dir.path().join("events.jsonl");
+    let total = write_events(&file, 50, 400);
+    let mut events = infra.events.clone();
+    let leader = events
+        .info()
+        .await
+        .unwrap()
+        .cluster
+        .as_ref()
+        .and_then(|c| c.leader.clone())
+        .unwrap();
+
+    let log = dir.path().join("publish.log");
+    let mut child = publish_command(&urls.join(","), &file, dir.path(), &[])
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .expect("contextfold publish starts");
+    // Once it has stored some, the events stream loses its leader.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while events.info().await.map(|i| i.state.messages).unwrap_or(0) < 2_000 {
+        assert!(Instant::now() < deadline, "publish stored nothing");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cluster.kill_node(cluster.index_of(&leader).unwrap());
+    let status = tokio::time::timeout(Duration::from_secs(120), child.wait()).await;
+    let stderr = std::fs::read_to_string(&log).unwrap();
+    eprintln!("{stderr}");
+    let status = status.expect("publish ends within 2 minutes").unwrap();
+    assert!(status.success(), "publish failed: {stderr}");
+    assert!(
+        stderr.contains("waiting for the events stream's leader"),
+        "publish did not say what it waited for: {stderr}"
+    );
+    // Every event stored, none twice (the stream would hold more).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let stored = loop {
+        match events.info().await {
+            Ok(info) => break info.state.messages,
+            Err(e) => {
+                assert!(Instant::now() < deadline, "stream info: {e}");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    };
+    assert_eq!(stored, total as u64, "{stderr}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_gives_up_after_its_retries_and_says_what_to_check() {
+    // A server where no serve ever created the events stream.
+    let server = NatsServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("events.jsonl");
+    write_events(&file, 2, 2);
+    let started = Instant::now();
+    let out = publish_command(&server.url(), &file, dir.path(), &["--retry-for", "2"])
+        .output()
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(started.elapsed() < Duration::from_secs(30), "{stderr}");
+    assert!(
+        stderr.contains("waiting for the events stream's leader"),
+        "{stderr}"
+    );
+    for what in [
+        "did not store 4 event(s)",
+        "`nats stream info CF_EVENTS`",
+        "`contextfold serve` ran once",
+        "stores nothing twice",
+    ] {
+        assert!(stderr.contains(what), "missing {what:?} in: {stderr}");
+    }
+}
