@@ -541,7 +541,8 @@ enum WriteFailure {
 /// The answer to a request this member had in flight.
 enum Outcome {
     Heartbeat(Result<u64, String>),
-    Watch(Result<kv::Watch, String>),
+    /// A new watch (boxed: it is far larger than every other answer).
+    Watch(Result<Box<kv::Watch>, String>),
     Renewed {
         partition: u32,
         sent: Instant,
@@ -737,7 +738,7 @@ impl Runner {
         preference.sort_by_cached_key(|p| std::cmp::Reverse(rank(&self.member, *p)));
         self.preference = preference;
         let mut requests: FuturesUnordered<Request> = FuturesUnordered::new();
-        let mut watcher: Option<kv::Watch> = None;
+        let mut watcher: Option<Box<kv::Watch>> = None;
         let mut rounds = tokio::time::interval(self.settings.renew);
         rounds.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -886,8 +887,14 @@ impl Runner {
             // Creating the watch creates a consumer: give it the TTL.
             let limit = self.settings.ttl.max(self.settings.request_timeout());
             self.started.push(
-                async move { Outcome::Watch(bounded(limit, kv.watch_with_history(">")).await) }
-                    .boxed(),
+                async move {
+                    Outcome::Watch(
+                        bounded(limit, kv.watch_with_history(">"))
+                            .await
+                            .map(Box::new),
+                    )
+                }
+                .boxed(),
             );
         }
     }
@@ -1436,7 +1443,7 @@ fn lease_owner(value: &[u8]) -> Option<String> {
 
 /// The next entry of the watch, or never while there is none.
 async fn next_entry(
-    watcher: &mut Option<kv::Watch>,
+    watcher: &mut Option<Box<kv::Watch>>,
 ) -> Option<Result<kv::Entry, kv::WatcherError>> {
     match watcher {
         Some(w) => w.next().await,
