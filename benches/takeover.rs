@@ -611,17 +611,18 @@ struct Trickle {
 }
 
 impl Trickle {
-    fn start(urls: &str) -> Result<Trickle, String> {
+    fn start(urls: &[String]) -> Result<Trickle, String> {
         let stop = Arc::new(AtomicBool::new(false));
         let acks: Acks = Arc::default();
-        let (flag, sink, urls) = (stop.clone(), acks.clone(), urls.to_string());
+        let (flag, sink, urls) = (stop.clone(), acks.clone(), urls.to_vec());
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .map_err(|e| format!("tokio runtime: {e}"))?;
         let thread = std::thread::spawn(move || {
             rt.block_on(async move {
-                let Ok(client) = async_nats::connect(urls.as_str()).await else {
+                let Ok(client) = async_nats::connect(urls.as_slice()).await else {
+                    eprintln!("trickle: cannot connect to {urls:?}");
                     return;
                 };
                 let js = async_nats::jetstream::new(client);
@@ -755,7 +756,7 @@ fn kill_scenario(
         )
     };
     let mut serves = [start("a", 0)?, start("b", 0)?];
-    let trickle = Trickle::start(&url)?;
+    let trickle = Trickle::start(std::slice::from_ref(&url))?;
     wait_all_folding(&[&serves[0], &serves[1]], Duration::from_secs(60))?;
     let (mut every, mut each) = (Vec::new(), Vec::new());
     for k in 0..kills {
@@ -803,18 +804,21 @@ fn kill_scenario(
         loop {
             let since = Instant::now() - Duration::from_secs(1);
             let (x, y) = (
-                serves[0].folding_since(since).len(),
-                serves[1].folding_since(since).len(),
+                serves[0].folding_since(since),
+                serves[1].folding_since(since),
             );
-            if x > 0 && y > 0 && x + y >= SPREAD_PARTITIONS as usize {
+            // Split again (each folds its own share, none both).
+            if x.len() >= 6 && y.len() >= 6 && x.is_disjoint(&y) && x.len() + y.len() == 16 {
                 break;
             }
             if Instant::now() > deadline {
                 return Err(format!(
-                    "kill {k}: no rebalance after the restart ({x}+{y})"
+                    "kill {k}: no rebalance after the restart ({} + {})",
+                    x.len(),
+                    y.len()
                 ));
             }
-            std::thread::sleep(Duration::from_millis(50));
+            std::thread::sleep(Duration::from_millis(100));
         }
     }
     drop(trickle);
@@ -866,6 +870,7 @@ fn node_scenario(
 ) -> Result<(), String> {
     let mut cluster = start_cluster(3);
     rt.block_on(wait_for_jetstream(&cluster.nodes[0].url()));
+    let url_list = cluster.urls();
     let urls = cluster.url_list();
     let dir = root.join(format!("{}-node", bin.label));
     let logs = dir.join("logs");
@@ -897,13 +902,13 @@ fn node_scenario(
     };
     let a = start("a")?;
     let b = start("b")?;
-    let trickle = Trickle::start(&urls)?;
+    let trickle = Trickle::start(&url_list)?;
     wait_all_folding(&[&a, &b], Duration::from_secs(60))?;
     // The lease bucket taking writes: a probe key, every 50 ms.
     let probes: Arc<Mutex<Vec<Instant>>> = Arc::default();
     let stop = Arc::new(AtomicBool::new(false));
     let prober = {
-        let (probes, stop, urls) = (probes.clone(), stop.clone(), urls.clone());
+        let (probes, stop, urls) = (probes.clone(), stop.clone(), url_list.clone());
         std::thread::spawn(move || {
             let Ok(rt) = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -912,7 +917,7 @@ fn node_scenario(
                 return;
             };
             rt.block_on(async move {
-                let Ok(client) = async_nats::connect(urls.as_str()).await else {
+                let Ok(client) = async_nats::connect(urls.as_slice()).await else {
                     return;
                 };
                 let js = async_nats::jetstream::new(client);
@@ -931,9 +936,54 @@ fn node_scenario(
             });
         })
     };
+    // Every partition's consumer answering (its own raft group): when it
+    // answers again after a kill.
+    let consumers: Arc<Mutex<Vec<(u32, Instant)>>> = Arc::default();
+    let consumer_prober = {
+        let (consumers, stop, urls) = (consumers.clone(), stop.clone(), url_list.clone());
+        std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async move {
+                let Ok(client) = async_nats::connect(urls.as_slice()).await else {
+                    return;
+                };
+                let js = async_nats::jetstream::new(client);
+                let Ok(events) = js.get_stream("CF_EVENTS").await else {
+                    return;
+                };
+                while !stop.load(Ordering::Acquire) {
+                    let asked = (0..SPREAD_PARTITIONS).map(|p| {
+                        let events = events.clone();
+                        async move {
+                            let info = events.consumer_info(format!("cf_fold_{p}"));
+                            let answered =
+                                tokio::time::timeout(Duration::from_millis(300), info).await;
+                            (p, matches!(answered, Ok(Ok(_))))
+                        }
+                    });
+                    let answered = futures::future::join_all(asked).await;
+                    let now = Instant::now();
+                    if let Ok(mut v) = consumers.lock() {
+                        v.extend(
+                            answered
+                                .into_iter()
+                                .filter(|(_, ok)| *ok)
+                                .map(|(p, _)| (p, now)),
+                        );
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            });
+        })
+    };
     let owners = |rt: &tokio::runtime::Runtime| -> Result<BTreeMap<u32, String>, String> {
         rt.block_on(async {
-            let client = async_nats::connect(urls.as_str())
+            let client = async_nats::connect(url_list.as_slice())
                 .await
                 .map_err(|e| format!("connect: {e}"))?;
             let js = async_nats::jetstream::new(client);
@@ -952,14 +1002,17 @@ fn node_scenario(
     };
     let leader_of = |rt: &tokio::runtime::Runtime, stream: &str| -> Option<String> {
         rt.block_on(async {
-            let client = async_nats::connect(urls.as_str()).await.ok()?;
+            let client = async_nats::connect(url_list.as_slice()).await.ok()?;
             let js = async_nats::jetstream::new(client);
             let mut s = js.get_stream(stream).await.ok()?;
             s.info().await.ok()?.cluster.clone()?.leader
         })
     };
-    let (mut publish_back, mut bucket_back, mut fold_back, mut beyond, mut moved) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), 0usize);
+    let (mut publish_back, mut bucket_back, mut fold_back, mut moved) =
+        (Vec::new(), Vec::new(), Vec::new(), 0usize);
+    // After the re-election: partitions whose consumer kept its leader;
+    // after their consumer's own election: the others.
+    let (mut beyond, mut beyond_consumer) = (Vec::new(), Vec::new());
     for k in 0..node_kills {
         let before = owners(rt)?;
         let leader = leader_of(rt, "KV_cf_leases").ok_or("no lease bucket leader")?;
@@ -1003,9 +1056,24 @@ fn node_scenario(
         );
         publish_back.push(events_again - killed);
         bucket_back.push(kv_again - killed);
-        for d in back.values() {
+        let consumer_back: BTreeMap<u32, Duration> = consumers
+            .lock()
+            .map(|v| {
+                let mut out = BTreeMap::new();
+                for (p, t) in v.iter().filter(|(_, t)| *t > killed) {
+                    out.entry(*p).or_insert(*t - killed);
+                }
+                out
+            })
+            .unwrap_or_default();
+        for (p, d) in &back {
             fold_back.push(*d);
-            beyond.push(d.saturating_sub(re_election));
+            match consumer_back.get(p) {
+                Some(c) if *c > Duration::from_secs(1) => {
+                    beyond_consumer.push(d.saturating_sub(re_election.max(*c)));
+                }
+                _ => beyond.push(d.saturating_sub(re_election)),
+            }
         }
         moved += changed;
         cluster.restart_node(victim);
@@ -1015,6 +1083,7 @@ fn node_scenario(
     }
     stop.store(true, Ordering::Release);
     let _ = prober.join();
+    let _ = consumer_prober.join();
     drop(trickle);
     table.set(
         "node kill -> events stream stores again: median / worst",
@@ -1032,9 +1101,14 @@ fn node_scenario(
         median_worst(fold_back),
     );
     table.set(
-        "  of which after the re-election: median / worst",
+        "  minus the re-election (its consumer kept its leader)",
         col,
         median_worst(beyond),
+    );
+    table.set(
+        "  minus its consumer's own election (the others)",
+        col,
+        median_worst(beyond_consumer),
     );
     table.set(
         "node kill -> partitions that changed hands (all kills)",
