@@ -16,6 +16,21 @@
 //! 3. One more turn, then `serve` starts on an empty data dir B (**new
 //!    owner**: no local state, the stream is the only copy).
 //!
+//! Two more scenarios, with 16 partitions and a turn to every partition
+//! every 50 ms (each sent again until stored, as an agent with retries):
+//!
+//! - **kill**: two `serve` processes; `CONTEXTFOLD_TAKEOVER_KILLS` times,
+//!   SIGKILL of one (alternating; it restarts on its store after): from
+//!   the kill until the other folds each partition the killed one held
+//!   (median and worst per kill: all of them; and per partition).
+//! - **node**: a 3-node cluster, streams and buckets at 3 replicas, two
+//!   `serve` processes connected to every node; `CONTEXTFOLD_TAKEOVER_NODE_KILLS`
+//!   times, SIGKILL of the node leading the lease bucket (restarted after):
+//!   when the events stream stores again and the lease bucket takes writes
+//!   (the cluster's re-election), when each partition folds again (the end
+//!   of its longest stretch without a batch), that minus the re-election,
+//!   and how many partitions changed hands though no `serve` died.
+//!
 //! Measured from the child's stderr (`--log-format json`,
 //! `CONTEXTFOLD_LOG=contextfold=info,contextfold::telemetry=debug`), each
 //! line stamped as it arrives: process start -> `partition lease`
@@ -33,6 +48,9 @@
 //! CONTEXTFOLD_TAKEOVER_CONVERSATIONS=200
 //! CONTEXTFOLD_TAKEOVER_PARTITIONS=1        # [nats] partitions
 //! CONTEXTFOLD_TAKEOVER_TIMEOUT_SECS=900    # longest wait for any step
+//! CONTEXTFOLD_TAKEOVER_SCENARIOS=history,kill,node
+//! CONTEXTFOLD_TAKEOVER_KILLS=6             # kill -9 rounds
+//! CONTEXTFOLD_TAKEOVER_NODE_KILLS=3        # NATS node kills
 //! ```
 //!
 //! nats-server is looked up as the integration tests do
@@ -50,12 +68,14 @@ mod nats_server;
 #[path = "support/procs.rs"]
 mod procs;
 
-use nats_server::NatsServer;
+use nats_server::{start_cluster, wait_for_jetstream, NatsServer};
 use procs::{Bin, Rng, Table};
 use serde_json::json;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{ExitCode, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -64,7 +84,7 @@ use std::time::{Duration, Instant};
 enum Seen {
     LeaseAcquired,
     FolderStarted,
-    Batch(u64),
+    Batch { partition: u32, records: u64 },
 }
 
 /// A running `serve` whose stderr is read and stamped by a thread.
@@ -85,7 +105,23 @@ impl Serve {
         log: &Path,
         partitions: u64,
     ) -> Result<Serve, String> {
+        Serve::start_with(bin, url, data, name, log, partitions, &[])
+    }
+
+    /// [`Serve::start`] with more configuration in the environment.
+    fn start_with(
+        bin: &Bin,
+        url: &str,
+        data: &Path,
+        name: &str,
+        log: &Path,
+        partitions: u64,
+        env: &[(&str, &str)],
+    ) -> Result<Serve, String> {
         let mut cmd = procs::command(bin);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
         cmd.args([
             "serve",
             "--nats",
@@ -162,6 +198,51 @@ impl Serve {
         }
     }
 
+    /// SIGKILL, as a crash, then reap.
+    fn kill9(mut self) {
+        // SAFETY: signalling our own child, not yet reaped.
+        unsafe { libc::kill(self.pid as libc::pid_t, libc::SIGKILL) };
+        let _ = procs::wait4(self.pid);
+        self.reaped = true;
+        if let Some(r) = self.reader.take() {
+            let _ = r.join();
+        }
+    }
+
+    fn exited(&self) -> bool {
+        self.reader.as_ref().is_some_and(|r| r.is_finished())
+    }
+
+    /// When `partition` was first folded at or after `since`.
+    fn folded_after(&self, partition: u32, since: Instant) -> Option<Instant> {
+        self.seen().into_iter().find_map(|(t, e)| match e {
+            Seen::Batch { partition: p, .. } if p == partition && t >= since => Some(t),
+            _ => None,
+        })
+    }
+
+    /// Partitions folded at or after `since`.
+    fn folding_since(&self, since: Instant) -> BTreeSet<u32> {
+        self.seen()
+            .into_iter()
+            .filter_map(|(t, e)| match e {
+                Seen::Batch { partition, .. } if t >= since => Some(partition),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Times of the batches folded for `partition`.
+    fn batches_of(&self, partition: u32) -> Vec<Instant> {
+        self.seen()
+            .into_iter()
+            .filter_map(|(t, e)| match e {
+                Seen::Batch { partition: p, .. } if p == partition => Some(t),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// SIGTERM, then reap: (time to exit, peak RSS).
     fn stop(mut self) -> Result<(Duration, u64), String> {
         let asked = Instant::now();
@@ -194,9 +275,10 @@ fn classify(line: &str) -> Option<Seen> {
             Some(Seen::LeaseAcquired)
         }
         "folder started" => Some(Seen::FolderStarted),
-        "batch folded" => Some(Seen::Batch(
-            f.get("records").and_then(|r| r.as_u64()).unwrap_or(0),
-        )),
+        "batch folded" => Some(Seen::Batch {
+            partition: f.get("partition").and_then(|p| p.as_u64()).unwrap_or(0) as u32,
+            records: f.get("records").and_then(|r| r.as_u64()).unwrap_or(0),
+        }),
         _ => None,
     }
 }
@@ -207,7 +289,10 @@ fn first(seen: &[(Instant, Seen)], pred: impl Fn(&Seen) -> bool) -> Option<Insta
 
 fn folded(seen: &[(Instant, Seen)]) -> u64 {
     seen.iter()
-        .map(|(_, s)| if let Seen::Batch(n) = s { *n } else { 0 })
+        .map(|(_, s)| match s {
+            Seen::Batch { records, .. } => *records,
+            _ => 0,
+        })
         .sum()
 }
 
@@ -215,8 +300,8 @@ fn folded(seen: &[(Instant, Seen)]) -> u64 {
 fn caught_up(seen: &[(Instant, Seen)], expected: u64) -> Option<Instant> {
     let mut sum = 0;
     for (t, s) in seen {
-        if let Seen::Batch(n) = s {
-            sum += n;
+        if let Seen::Batch { records, .. } = s {
+            sum += records;
             if sum >= expected {
                 return Some(*t);
             }
@@ -360,7 +445,7 @@ fn takeover(
     let seen = s.seen();
     let lease = first(&seen, |e| matches!(e, Seen::LeaseAcquired));
     let started = first(&seen, |e| matches!(e, Seen::FolderStarted));
-    let batch = first(&seen, |e| matches!(e, Seen::Batch(_)));
+    let batch = first(&seen, |e| matches!(e, Seen::Batch { .. }));
     let done = caught_up(&seen, expected);
     let since = |t: Option<Instant>, from: Option<Instant>| Some(t?.duration_since(from?));
     table.set(
@@ -440,7 +525,7 @@ fn run_bin(
         let last = seen
             .iter()
             .rev()
-            .find(|(_, e)| matches!(e, Seen::Batch(_)))
+            .find(|(_, e)| matches!(e, Seen::Batch { .. }))
             .map(|(t, _)| *t);
         if folded(&seen) >= head && last.is_some_and(|t| t.elapsed() > Duration::from_secs(2)) {
             table.set(
@@ -497,6 +582,544 @@ fn run_bin(
     Ok(())
 }
 
+/// Partitions of the kill and node scenarios (the default).
+const SPREAD_PARTITIONS: u32 = 16;
+
+/// One conversation per partition (of [`SPREAD_PARTITIONS`]).
+fn one_conversation_per_partition() -> Vec<String> {
+    let mut by: BTreeMap<u32, String> = BTreeMap::new();
+    let mut i = 0;
+    while by.len() < SPREAD_PARTITIONS as usize {
+        let key = format!("tk-{i}");
+        if let Ok(p) = contextfold::nats::subjects::partition_of(&key, SPREAD_PARTITIONS) {
+            by.entry(p).or_insert(key);
+        }
+        i += 1;
+    }
+    by.into_values().collect()
+}
+
+/// What the trickle got stored: (partition, acknowledged at, first sent at).
+type Acks = Arc<Mutex<Vec<(u32, Instant, Instant)>>>;
+
+/// A turn to every partition every 50 ms, each sent again (same id) until
+/// stored, as an agent with retries would; on its own thread and runtime.
+struct Trickle {
+    stop: Arc<AtomicBool>,
+    acks: Acks,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Trickle {
+    fn start(urls: &[String]) -> Result<Trickle, String> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let acks: Acks = Arc::default();
+        let (flag, sink, urls) = (stop.clone(), acks.clone(), urls.to_vec());
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| format!("tokio runtime: {e}"))?;
+        let thread = std::thread::spawn(move || {
+            rt.block_on(async move {
+                let Ok(client) = async_nats::connect(urls.as_slice()).await else {
+                    eprintln!("trickle: cannot connect to {urls:?}");
+                    return;
+                };
+                let js = async_nats::jetstream::new(client);
+                let convs = one_conversation_per_partition();
+                let mut round = 0u64;
+                while !flag.load(Ordering::Acquire) {
+                    let began = Instant::now();
+                    for (p, conv) in convs.iter().enumerate() {
+                        let id = format!("{conv}:trickle:{round}");
+                        let body = json!({
+                            "id": id, "conversation": conv, "version": 1,
+                            "time": 1_760_000_000_000u64 + round * 50, "type": "turn_appended",
+                            "payload": {"message": {"role": "user", "content": format!("turn {round}")}},
+                        })
+                        .to_string();
+                        let sent = Instant::now();
+                        while !flag.load(Ordering::Acquire) {
+                            let mut headers = async_nats::HeaderMap::new();
+                            headers.insert("Nats-Msg-Id", id.as_str());
+                            headers.insert("Content-Type", "application/json");
+                            let publish = js.publish_with_headers(
+                                format!("cf.in.{conv}"),
+                                headers,
+                                body.clone().into(),
+                            );
+                            let stored = match publish.await {
+                                Ok(ack) => tokio::time::timeout(Duration::from_secs(1), ack)
+                                    .await
+                                    .is_ok_and(|a| a.is_ok()),
+                                Err(_) => false,
+                            };
+                            if stored {
+                                if let Ok(mut v) = sink.lock() {
+                                    v.push((p as u32, Instant::now(), sent));
+                                }
+                                break;
+                            }
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                        }
+                    }
+                    round += 1;
+                    if let Some(rest) = Duration::from_millis(50).checked_sub(began.elapsed()) {
+                        tokio::time::sleep(rest).await;
+                    }
+                }
+            });
+        });
+        Ok(Trickle {
+            stop,
+            acks,
+            thread: Some(thread),
+        })
+    }
+
+    /// When the first turn sent after `since` was stored.
+    fn stored_again(&self, since: Instant) -> Option<Instant> {
+        let acks = self.acks.lock().ok()?;
+        acks.iter()
+            .filter(|(_, acked, sent)| *sent > since && *acked > since)
+            .map(|(_, acked, _)| *acked)
+            .min()
+    }
+}
+
+impl Drop for Trickle {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn median_worst(mut v: Vec<Duration>) -> String {
+    if v.is_empty() {
+        return "-".into();
+    }
+    v.sort();
+    format!(
+        "{} / {} (n={})",
+        procs::secs(v[v.len() / 2]),
+        procs::secs(v[v.len() - 1]),
+        v.len()
+    )
+}
+
+/// Waits until `serves` fold every partition between them (in the last
+/// second), or fails after `limit`.
+fn wait_all_folding(serves: &[&Serve], limit: Duration) -> Result<(), String> {
+    let deadline = Instant::now() + limit;
+    loop {
+        let since = Instant::now() - Duration::from_secs(1);
+        let folding: BTreeSet<u32> = serves.iter().flat_map(|s| s.folding_since(since)).collect();
+        if folding.len() == SPREAD_PARTITIONS as usize {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(format!(
+                "after {limit:?} only {} of {SPREAD_PARTITIONS} partitions fold",
+                folding.len()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// kill -9 of the process holding partitions, `kills` times (alternating,
+/// the killed one restarted after): when every one of its partitions is
+/// folding again under the other.
+fn kill_scenario(
+    bin: &Bin,
+    col: usize,
+    table: &mut Table,
+    kills: usize,
+    root: &Path,
+) -> Result<(), String> {
+    let nats = NatsServer::start();
+    let url = nats.url();
+    let dir = root.join(format!("{}-kill", bin.label));
+    let logs = dir.join("logs");
+    std::fs::create_dir_all(&logs).map_err(|e| format!("{}: {e}", logs.display()))?;
+    let p = u64::from(SPREAD_PARTITIONS);
+    let start = |name: &str, n: usize| {
+        Serve::start(
+            bin,
+            &url,
+            &dir.join(format!("data-{name}")),
+            &format!("cf-{name}"),
+            &logs.join(format!("{name}-{n}.log")),
+            p,
+        )
+    };
+    let mut serves = [start("a", 0)?, start("b", 0)?];
+    let trickle = Trickle::start(std::slice::from_ref(&url))?;
+    wait_all_folding(&[&serves[0], &serves[1]], Duration::from_secs(60))?;
+    let (mut every, mut each) = (Vec::new(), Vec::new());
+    for k in 0..kills {
+        let victim = k % 2;
+        let since = Instant::now() - Duration::from_secs(1);
+        let held = serves[victim].folding_since(since);
+        if held.is_empty() {
+            return Err(format!("kill {k}: the victim folds no partition"));
+        }
+        let [a, b] = serves;
+        let (dead, survivor) = if victim == 0 { (a, b) } else { (b, a) };
+        dead.kill9();
+        let killed = Instant::now();
+        let deadline = killed + Duration::from_secs(120);
+        let mut again: BTreeMap<u32, Duration> = BTreeMap::new();
+        while again.len() < held.len() {
+            for p in &held {
+                if let Some(t) = survivor.folded_after(*p, killed) {
+                    again.entry(*p).or_insert(t - killed);
+                }
+            }
+            if Instant::now() > deadline {
+                return Err(format!("kill {k}: {held:?} not folded again"));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        eprintln!(
+            "[{}] kill {k}: {} partitions folding again after {:?}",
+            bin.label,
+            held.len(),
+            again.values().max()
+        );
+        every.extend(again.values().max().copied());
+        each.extend(again.values().copied());
+        // The killed one comes back (new member, same store) and takes its
+        // share again before the next kill.
+        let name = if victim == 0 { "a" } else { "b" };
+        let back = start(name, k + 1)?;
+        serves = if victim == 0 {
+            [back, survivor]
+        } else {
+            [survivor, back]
+        };
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let since = Instant::now() - Duration::from_secs(1);
+            let (x, y) = (
+                serves[0].folding_since(since),
+                serves[1].folding_since(since),
+            );
+            // Split again (each folds its own share, none both).
+            if x.len() >= 6 && y.len() >= 6 && x.is_disjoint(&y) && x.len() + y.len() == 16 {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "kill {k}: no rebalance after the restart ({} + {})",
+                    x.len(),
+                    y.len()
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    drop(trickle);
+    table.set(
+        "kill -9 -> all its partitions folding again: median / worst",
+        col,
+        median_worst(every),
+    );
+    table.set(
+        "kill -9 -> a partition folding again: median / worst",
+        col,
+        median_worst(each),
+    );
+    for s in serves {
+        let _ = s.stop();
+    }
+    Ok(())
+}
+
+/// Per partition, the end of the longest stretch without a folded batch
+/// that ends after `killed`, from either process.
+fn folding_back(serves: &[&Serve], killed: Instant) -> BTreeMap<u32, Duration> {
+    let mut out = BTreeMap::new();
+    for p in 0..SPREAD_PARTITIONS {
+        let mut times: Vec<Instant> = serves.iter().flat_map(|s| s.batches_of(p)).collect();
+        times.sort();
+        if let Some(w) = times
+            .windows(2)
+            .filter(|w| w[1] > killed)
+            .max_by_key(|w| w[1] - w[0])
+        {
+            out.insert(p, w[1] - killed);
+        }
+    }
+    out
+}
+
+/// A 3-node cluster, every stream and bucket at 3 replicas, two processes
+/// and the trickle; `node_kills` times the lease bucket's leader node is
+/// killed (and restarted after): how long folding stops, against the
+/// cluster's own re-election, and whether partitions changed hands.
+fn node_scenario(
+    bin: &Bin,
+    col: usize,
+    table: &mut Table,
+    node_kills: usize,
+    root: &Path,
+    rt: &tokio::runtime::Runtime,
+) -> Result<(), String> {
+    let mut cluster = start_cluster(3);
+    rt.block_on(wait_for_jetstream(&cluster.nodes[0].url()));
+    let url_list = cluster.urls();
+    let urls = cluster.url_list();
+    let dir = root.join(format!("{}-node", bin.label));
+    let logs = dir.join("logs");
+    std::fs::create_dir_all(&logs).map_err(|e| format!("{}: {e}", logs.display()))?;
+    let p = u64::from(SPREAD_PARTITIONS);
+    let start = |name: &str| -> Result<Serve, String> {
+        // JetStream may still be settling: a serve whose setup fails exits.
+        for attempt in 0..20 {
+            let s = Serve::start_with(
+                bin,
+                &urls,
+                &dir.join(format!("data-{name}")),
+                &format!("cf-{name}"),
+                &logs.join(format!("{name}-{attempt}.log")),
+                p,
+                &[("CONTEXTFOLD_NATS__REPLICAS", "3")],
+            )?;
+            let up = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < up && !s.exited() {
+                if first(&s.seen(), |e| matches!(e, Seen::LeaseAcquired)).is_some() {
+                    return Ok(s);
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            drop(s);
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        Err(format!("{name}: serve does not start on the cluster"))
+    };
+    let a = start("a")?;
+    let b = start("b")?;
+    let trickle = Trickle::start(&url_list)?;
+    wait_all_folding(&[&a, &b], Duration::from_secs(60))?;
+    // The lease bucket taking writes: a probe key, every 50 ms.
+    let probes: Arc<Mutex<Vec<Instant>>> = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let prober = {
+        let (probes, stop, urls) = (probes.clone(), stop.clone(), url_list.clone());
+        std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async move {
+                let Ok(client) = async_nats::connect(urls.as_slice()).await else {
+                    return;
+                };
+                let js = async_nats::jetstream::new(client);
+                let Ok(kv) = js.get_key_value("cf_leases").await else {
+                    return;
+                };
+                while !stop.load(Ordering::Acquire) {
+                    let put = kv.put("probe.writes", "x".into());
+                    if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_millis(500), put).await {
+                        if let Ok(mut v) = probes.lock() {
+                            v.push(Instant::now());
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            });
+        })
+    };
+    // Every partition's consumer answering (its own raft group): when it
+    // answers again after a kill.
+    let consumers: Arc<Mutex<Vec<(u32, Instant)>>> = Arc::default();
+    let consumer_prober = {
+        let (consumers, stop, urls) = (consumers.clone(), stop.clone(), url_list.clone());
+        std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async move {
+                let Ok(client) = async_nats::connect(urls.as_slice()).await else {
+                    return;
+                };
+                let js = async_nats::jetstream::new(client);
+                let Ok(events) = js.get_stream("CF_EVENTS").await else {
+                    return;
+                };
+                while !stop.load(Ordering::Acquire) {
+                    let asked = (0..SPREAD_PARTITIONS).map(|p| {
+                        let events = events.clone();
+                        async move {
+                            let info = events.consumer_info(format!("cf_fold_{p}"));
+                            let answered =
+                                tokio::time::timeout(Duration::from_millis(300), info).await;
+                            (p, matches!(answered, Ok(Ok(_))))
+                        }
+                    });
+                    let answered = futures::future::join_all(asked).await;
+                    let now = Instant::now();
+                    if let Ok(mut v) = consumers.lock() {
+                        v.extend(
+                            answered
+                                .into_iter()
+                                .filter(|(_, ok)| *ok)
+                                .map(|(p, _)| (p, now)),
+                        );
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            });
+        })
+    };
+    let owners = |rt: &tokio::runtime::Runtime| -> Result<BTreeMap<u32, String>, String> {
+        rt.block_on(async {
+            let client = async_nats::connect(url_list.as_slice())
+                .await
+                .map_err(|e| format!("connect: {e}"))?;
+            let js = async_nats::jetstream::new(client);
+            let kv = js
+                .get_key_value("cf_leases")
+                .await
+                .map_err(|e| format!("lease bucket: {e}"))?;
+            let mut out = BTreeMap::new();
+            for p in 0..SPREAD_PARTITIONS {
+                if let Ok(Some(o)) = contextfold::nats::leases::owner_of(&kv, p).await {
+                    out.insert(p, o);
+                }
+            }
+            Ok(out)
+        })
+    };
+    let leader_of = |rt: &tokio::runtime::Runtime, stream: &str| -> Option<String> {
+        rt.block_on(async {
+            let client = async_nats::connect(url_list.as_slice()).await.ok()?;
+            let js = async_nats::jetstream::new(client);
+            let mut s = js.get_stream(stream).await.ok()?;
+            s.info().await.ok()?.cluster.clone()?.leader
+        })
+    };
+    let (mut publish_back, mut bucket_back, mut fold_back, mut moved) =
+        (Vec::new(), Vec::new(), Vec::new(), 0usize);
+    // After the re-election: partitions whose consumer kept its leader;
+    // after their consumer's own election: the others.
+    let (mut beyond, mut beyond_consumer) = (Vec::new(), Vec::new());
+    for k in 0..node_kills {
+        let before = owners(rt)?;
+        let leader = leader_of(rt, "KV_cf_leases").ok_or("no lease bucket leader")?;
+        let events_leader = leader_of(rt, "CF_EVENTS");
+        let victim = cluster.index_of(&leader).ok_or("leader is not ours")?;
+        cluster.kill_node(victim);
+        let killed = Instant::now();
+        // Back: the events stream stores again, the bucket takes writes,
+        // every partition folds again; then 3 s more to see the rest.
+        let deadline = killed + Duration::from_secs(120);
+        let (events_again, kv_again) = loop {
+            let e = trickle.stored_again(killed);
+            let kv = probes
+                .lock()
+                .ok()
+                .and_then(|v| v.iter().find(|t| **t > killed).copied());
+            if let (Some(e), Some(kv)) = (e, kv) {
+                break (e, kv);
+            }
+            if Instant::now() > deadline {
+                return Err(format!("node kill {k}: the cluster did not come back"));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let re_election = events_again.max(kv_again) - killed;
+        std::thread::sleep(Duration::from_secs(3));
+        wait_all_folding(&[&a, &b], Duration::from_secs(60))?;
+        std::thread::sleep(Duration::from_secs(2));
+        let back = folding_back(&[&a, &b], killed);
+        let after = owners(rt)?;
+        let changed = (0..SPREAD_PARTITIONS)
+            .filter(|p| before.get(p) != after.get(p))
+            .count();
+        eprintln!(
+            "[{}] node kill {k}: {leader} (events leader {events_leader:?}); events back {:?}, \
+             bucket back {:?}, folding back {:?}; {changed} partitions changed hands",
+            bin.label,
+            events_again - killed,
+            kv_again - killed,
+            back
+        );
+        publish_back.push(events_again - killed);
+        bucket_back.push(kv_again - killed);
+        let consumer_back: BTreeMap<u32, Duration> = consumers
+            .lock()
+            .map(|v| {
+                let mut out = BTreeMap::new();
+                for (p, t) in v.iter().filter(|(_, t)| *t > killed) {
+                    out.entry(*p).or_insert(*t - killed);
+                }
+                out
+            })
+            .unwrap_or_default();
+        for (p, d) in &back {
+            fold_back.push(*d);
+            match consumer_back.get(p) {
+                Some(c) if *c > Duration::from_secs(1) => {
+                    beyond_consumer.push(d.saturating_sub(re_election.max(*c)));
+                }
+                _ => beyond.push(d.saturating_sub(re_election)),
+            }
+        }
+        moved += changed;
+        cluster.restart_node(victim);
+        // The cluster whole again before the next kill.
+        std::thread::sleep(Duration::from_secs(5));
+        wait_all_folding(&[&a, &b], Duration::from_secs(60))?;
+    }
+    stop.store(true, Ordering::Release);
+    let _ = prober.join();
+    let _ = consumer_prober.join();
+    drop(trickle);
+    table.set(
+        "node kill -> events stream stores again: median / worst",
+        col,
+        median_worst(publish_back),
+    );
+    table.set(
+        "node kill -> lease bucket takes writes: median / worst",
+        col,
+        median_worst(bucket_back),
+    );
+    table.set(
+        "node kill -> a partition folding again: median / worst",
+        col,
+        median_worst(fold_back),
+    );
+    table.set(
+        "  minus the re-election (its consumer kept its leader)",
+        col,
+        median_worst(beyond),
+    );
+    table.set(
+        "  minus its consumer's own election (the others)",
+        col,
+        median_worst(beyond_consumer),
+    );
+    table.set(
+        "node kill -> partitions that changed hands (all kills)",
+        col,
+        moved.to_string(),
+    );
+    let _ = a.stop();
+    let _ = b.stop();
+    Ok(())
+}
+
 fn bench() -> Result<(), String> {
     if let Err(e) = nats_server::find_binary() {
         println!("takeover: skipped: {e}");
@@ -531,9 +1154,24 @@ fn bench() -> Result<(), String> {
         .enable_all()
         .build()
         .map_err(|e| format!("tokio runtime: {e}"))?;
+    let scenarios = std::env::var("CONTEXTFOLD_TAKEOVER_SCENARIOS")
+        .unwrap_or_else(|_| "history,kill,node".to_string());
+    let wants = |s: &str| scenarios.split(',').any(|x| x.trim() == s);
+    let kills = procs::env_u64("CONTEXTFOLD_TAKEOVER_KILLS", 6)? as usize;
+    let node_kills = procs::env_u64("CONTEXTFOLD_TAKEOVER_NODE_KILLS", 3)? as usize;
     let mut table = Table::new(bins.iter().map(|b| b.label.clone()));
     for (col, bin) in bins.iter().enumerate() {
-        run_bin(bin, col, &mut table, &k, &root, &rt)?;
+        if wants("history") {
+            run_bin(bin, col, &mut table, &k, &root, &rt)?;
+        }
+        if wants("kill") && kills > 0 {
+            eprintln!("[{}] kill -9, {kills} times ...", bin.label);
+            kill_scenario(bin, col, &mut table, kills, &root)?;
+        }
+        if wants("node") && node_kills > 0 {
+            eprintln!("[{}] NATS node kill, {node_kills} times ...", bin.label);
+            node_scenario(bin, col, &mut table, node_kills, &root, &rt)?;
+        }
     }
     println!();
     print!("{}", table.render());

@@ -91,15 +91,25 @@ async fn setup_is_idempotent_and_refuses_breaking_changes() {
         Err(e) => panic!("expected an incompatibility, got {e}"),
         Ok(_) => panic!("expected an incompatibility, setup succeeded"),
     }
-    // A different lease TTL would break fencing between processes: refused.
+    // Every lease says its own TTL, so processes may differ; but a lease
+    // must not outlive its key (the bucket's max_age, 30 s): refused.
     let other_ttl = NatsConfig {
         lease_ttl_ms: 20_000,
         ..cfg.clone()
     };
-    assert!(matches!(
-        ensure(&js, &other_ttl).await,
-        Err(NatsError::Incompatible { .. })
-    ));
+    ensure(&js, &other_ttl).await.expect("a TTL within max_age");
+    let too_long = NatsConfig {
+        lease_ttl_ms: 40_000,
+        ..cfg.clone()
+    };
+    match ensure(&js, &too_long).await {
+        Err(NatsError::Incompatible { resource, detail }) => {
+            assert_eq!(resource, "KV bucket cf_leases");
+            assert!(detail.contains("max_age"), "{detail}");
+        }
+        Err(e) => panic!("expected an incompatibility, got {e}"),
+        Ok(_) => panic!("a lease TTL beyond the bucket's max_age was accepted"),
+    }
     // A wider dedup window is applied in place.
     let wider = NatsConfig {
         dedup_window_ms: 300_000,
@@ -397,6 +407,8 @@ fn absorb(runner: &mut LeaseRunner, held: &mut BTreeMap<u32, contextfold::nats::
             LeaseEvent::Released { partition } | LeaseEvent::Lost { partition, .. } => {
                 held.remove(&partition);
             }
+            // The handle kept says whether it is held right now.
+            LeaseEvent::Lapsed { .. } | LeaseEvent::Resumed { .. } => {}
         }
     }
 }

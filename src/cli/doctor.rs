@@ -1025,6 +1025,7 @@ mod tests {
                 member: id.into(),
                 held: 8,
                 policy_fingerprint: fp.map(Into::into),
+                ttl_ms: Some(1_500),
             }),
         };
         let same = [member("a-1", Some("fp-a")), member("b-2", Some("fp-a"))];

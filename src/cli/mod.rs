@@ -333,6 +333,14 @@ pub enum Command {
         /// Transcript format when FILE is a transcript.
         #[arg(long, default_value = "auto")]
         format: String,
+        /// How long to keep sending again, with a jittered exponential
+        /// backoff, events the stream did not store for a reason that
+        /// passes (no leader during an election, no answer, no responders,
+        /// a lost connection), counted from the first failure and afresh
+        /// after any progress; 0 fails at once. Retries reuse the message
+        /// ids, so nothing is stored twice.
+        #[arg(long, value_name = "SECONDS", default_value_t = 60)]
+        retry_for: u64,
     },
 }
 
@@ -459,9 +467,18 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
         }
         Command::Doctor { nats, json } => doctor::doctor(&config, &nats, json),
         Command::Gateway(args) => gateway::gateway(config, args),
-        Command::Publish { nats, file, format } => {
-            publish::publish(&config, &nats, file.as_deref(), &format)
-        }
+        Command::Publish {
+            nats,
+            file,
+            format,
+            retry_for,
+        } => publish::publish(
+            &config,
+            &nats,
+            file.as_deref(),
+            &format,
+            std::time::Duration::from_secs(retry_for),
+        ),
         Command::Config => {
             print!("{}", config.to_toml());
             Ok(ExitCode::SUCCESS)

@@ -4,16 +4,37 @@
 //! its conversation and keyed by the credentials given), so a re-run with
 //! the same credentials stores nothing twice and no other agent can take
 //! an event's id first.
+//!
+//! Up to [`IN_FLIGHT`] publishes await the stream's acknowledgement at once.
+//! An event the stream did not store for a reason that passes (no leader
+//! during an election, no answer in time, no responders, a lost
+//! connection) is sent again, with the same message id, after a jittered
+//! exponential backoff: first every event already in flight is settled,
+//! then the unstored ones go again in their order, and only then new ones.
+//! A retry therefore never stores an event twice (the stream drops a
+//! repeated id within its dedup window, 2 minutes by default, far longer
+//! than the retries). While it waits it says for what
+//! (`waiting for the events stream's leader (attempt 3, 1.6 s)`); after
+//! `--retry-for` seconds without progress it gives up and says what to
+//! check. A refusal that passes no retry (larger than the server or stream
+//! takes) fails at once.
 
 use super::serve::{runtime, NatsArgs};
 use anyhow::{bail, Context, Result};
-use async_nats::jetstream::{self, context::PublishAckFuture};
+use async_nats::jetstream::context::{PublishError, PublishErrorKind};
+use async_nats::jetstream::publish::PublishAck;
+use async_nats::jetstream::{self};
+use backon::BackoffBuilder;
+use bytes::Bytes;
 use contextfold::config::Config;
-use contextfold::core::event::Envelope;
-use contextfold::core::event::Origin;
+use contextfold::core::event::{Encoding, Envelope, Origin};
 use contextfold::nats::event_log::event_headers;
 use contextfold::nats::msg_id::{self, AgentKey};
-use std::collections::{BTreeSet, VecDeque};
+use contextfold::nats::publish::PublishFailure;
+use futures::future::BoxFuture;
+use futures::stream::FuturesOrdered;
+use futures::{FutureExt, StreamExt};
+use std::collections::BTreeSet;
 use std::io::Write;
 use std::path::Path;
 use std::process::ExitCode;
@@ -22,6 +43,15 @@ use std::time::{Duration, Instant};
 /// Publishes awaiting the stream's acknowledgement at once.
 const IN_FLIGHT: usize = 512;
 
+/// The first wait before sending unstored events again; it doubles (plus
+/// up to as much again at random) up to [`RETRY_MAX_DELAY`].
+const RETRY_FIRST_DELAY: Duration = Duration::from_millis(200);
+const RETRY_MAX_DELAY: Duration = Duration::from_secs(5);
+
+/// How long one publish waits for the stream's acknowledgement: an
+/// election takes seconds, and a shorter wait lets the retries say so.
+const ACK_WAIT: Duration = Duration::from_secs(2);
+
 #[derive(Debug, Default)]
 struct Tally {
     published: u64,
@@ -29,14 +59,134 @@ struct Tally {
     invalid: u64,
 }
 
+/// An event's index and what the stream answered to its publish.
+type Acked = BoxFuture<'static, (usize, Result<PublishAck, PublishError>)>;
+
+/// One event to publish, as it goes on the wire.
+struct Outgoing {
+    id: String,
+    /// `Nats-Msg-Id`: the id scoped and keyed ([`msg_id::of`]).
+    msg_id: String,
+    subject: String,
+    encoding: Encoding,
+    bytes: Bytes,
+}
+
+/// Why an event was not stored, as far as waiting can change it.
+#[derive(Debug)]
+enum NotStored {
+    /// Publishing the same bytes again cannot succeed.
+    Permanent(String),
+    /// A leader election, a timeout, a lost connection: worth waiting for.
+    Passing {
+        waiting_for: &'static str,
+        detail: String,
+    },
+}
+
+fn classify(e: &PublishError) -> NotStored {
+    let detail = e.to_string();
+    // The same judgement as the service's own publishes.
+    let failure = PublishFailure::NotStored {
+        what: String::new(),
+        detail: detail.clone(),
+    };
+    if e.kind() == PublishErrorKind::MaxPayloadExceeded || failure.is_permanent() {
+        return NotStored::Permanent(detail);
+    }
+    let (waiting_for, detail) = match e.kind() {
+        PublishErrorKind::TimedOut => (
+            "the events stream's leader",
+            format!("no answer within {} s", ACK_WAIT.as_secs()),
+        ),
+        // What a stream without a leader answers (and one that does not
+        // exist: the message on giving up says both).
+        PublishErrorKind::StreamNotFound => (
+            "the events stream's leader",
+            "no responders: the stream has no leader (or does not exist)".to_string(),
+        ),
+        PublishErrorKind::BrokenPipe => ("the connection to NATS", detail),
+        _ if detail.contains("leader") || detail.contains("unavailable") => {
+            ("the events stream's leader", detail)
+        }
+        _ => ("the events stream", detail),
+    };
+    NotStored::Passing {
+        waiting_for,
+        detail,
+    }
+}
+
+/// The retry state of one run: the backoff of the current outage.
+struct Retry {
+    limit: Duration,
+    backoff: backon::ExponentialBackoff,
+    attempt: u32,
+    since: Option<Instant>,
+}
+
+impl Retry {
+    fn new(limit: Duration) -> Retry {
+        Retry {
+            limit,
+            backoff: Retry::schedule(),
+            attempt: 0,
+            since: None,
+        }
+    }
+
+    fn schedule() -> backon::ExponentialBackoff {
+        backon::ExponentialBuilder::default()
+            .with_jitter()
+            .with_min_delay(RETRY_FIRST_DELAY)
+            .with_max_delay(RETRY_MAX_DELAY)
+            .without_max_times()
+            .build()
+    }
+
+    /// An event was stored: the next outage gets a fresh budget.
+    fn progressed(&mut self) {
+        if self.since.take().is_some() {
+            self.backoff = Retry::schedule();
+            self.attempt = 0;
+        }
+    }
+
+    /// How long to wait before sending again, or `None` once the budget
+    /// of this outage is spent.
+    fn next_wait(&mut self) -> Option<Duration> {
+        let since = *self.since.get_or_insert_with(Instant::now);
+        let wait = self.backoff.next()?;
+        if since.elapsed() + wait > self.limit {
+            return None;
+        }
+        self.attempt += 1;
+        Some(wait)
+    }
+}
+
 pub fn publish(
     config: &Config,
     nats: &NatsArgs,
     file: Option<&Path>,
     format: &str,
+    retry_for: Duration,
 ) -> Result<ExitCode> {
     let cfg = nats.apply(&config.nats);
     let subjects = cfg.subjects()?;
+    // A retry must stay within the window in which the stream drops a
+    // repeated message id, or an event whose first copy was stored (its
+    // acknowledgement lost) could be stored again.
+    let dedup = cfg.dedup_window();
+    if retry_for + ACK_WAIT * 2 >= dedup {
+        bail!(
+            "--retry-for {} s is too long: a retried event must be sent again within the events \
+             stream's dedup window ({} s, dedup_window_ms) minus {} s, or it could be stored twice",
+            retry_for.as_secs(),
+            dedup.as_secs(),
+            (ACK_WAIT * 2).as_secs()
+        );
+    }
     let input = super::local::read_input(file, format)?;
     let servers = cfg.connection.display_servers();
     runtime()?.block_on(async {
@@ -45,7 +195,9 @@ pub fn publish(
             .connect()
             .await
             .with_context(|| format!("connecting to {servers}"))?;
-        let js = jetstream::new(client.clone());
+        let js = jetstream::ContextBuilder::new()
+            .timeout(ACK_WAIT)
+            .build(client.clone());
         let (_, auth) = cfg.connection.resolve()?;
         let key = AgentKey::from_secret(&auth.identity_secret()?);
         if key.is_none() {
@@ -54,12 +206,9 @@ pub fn publish(
                  so anyone who may publish on this server could take them first (docs/subjects.md)"
             );
         }
-        let started = Instant::now();
-        let total = input.len();
         let mut tally = Tally::default();
         let mut conversations = BTreeSet::new();
-        let mut pending: VecDeque<PublishAckFuture> = VecDeque::with_capacity(IN_FLIGHT);
-        let mut last_progress = Instant::now();
+        let mut events = Vec::with_capacity(input.len());
         for super::local::Input {
             at,
             encoding,
@@ -70,33 +219,129 @@ pub fn publish(
                 Ok(e) => e,
                 Err(e) => {
                     tally.invalid += 1;
-                    eprintln!("\n{at} skipped: {e}");
+                    eprintln!("{at} skipped: {e}");
                     continue;
                 }
             };
             let subject = subjects
                 .inbound(&event.conversation)
                 .with_context(|| format!("{at} ({})", event.id))?;
-            conversations.insert(event.conversation.clone());
-            if pending.len() >= IN_FLIGHT {
-                if let Some(ack) = pending.pop_front() {
-                    settle(ack, &mut tally).await?;
-                }
-            }
+            let msg_id = msg_id::of(Origin::Agent, key.as_ref(), &event.conversation, &event.id);
+            conversations.insert(event.conversation);
             // JSONL lines go out as the bytes given (as an agent would send
             // them); imported transcripts as MessagePack.
-            let ack = js
-                .publish_with_headers(
-                    subject,
-                    event_headers(
-                        &msg_id::of(Origin::Agent, key.as_ref(), &event.conversation, &event.id),
-                        encoding,
-                    ),
-                    bytes.into(),
-                )
-                .await
-                .with_context(|| format!("publishing event {}", event.id))?;
-            pending.push_back(ack);
+            events.push(Outgoing {
+                id: event.id,
+                msg_id,
+                subject,
+                encoding,
+                bytes: bytes.into(),
+            });
+        }
+        let started = Instant::now();
+        let total = events.len();
+        let mut retry = Retry::new(retry_for);
+        let mut sent_again = 0u64;
+        // Events not stored yet that go again, in their order, before any
+        // new one; and what is awaited, oldest first.
+        let mut again: BTreeSet<usize> = BTreeSet::new();
+        // Awaited together, so that in an outage their timeouts run at once
+        // rather than one after another.
+        let mut pending: FuturesOrdered<Acked> = FuturesOrdered::new();
+        let mut next = 0usize;
+        // An outage: what it waits for and the last error; nothing new is
+        // sent until what is in flight is settled and the backoff waited.
+        let mut outage: Option<(&'static str, String)> = None;
+        let mut last_progress = Instant::now();
+        loop {
+            while outage.is_none() && pending.len() < IN_FLIGHT {
+                let i = match again.pop_first() {
+                    Some(i) => {
+                        sent_again += 1;
+                        i
+                    }
+                    None if next < total => {
+                        next += 1;
+                        next - 1
+                    }
+                    None => break,
+                };
+                let e = &events[i];
+                let sent = js
+                    .publish_with_headers(
+                        e.subject.clone(),
+                        event_headers(&e.msg_id, e.encoding),
+                        e.bytes.clone(),
+                    )
+                    .await;
+                match sent {
+                    Ok(ack) => pending.push_back(async move { (i, ack.await) }.boxed()),
+                    Err(err) => match classify(&err) {
+                        NotStored::Permanent(detail) => {
+                            bail!("publishing event {}: {detail}", e.id)
+                        }
+                        NotStored::Passing {
+                            waiting_for,
+                            detail,
+                        } => {
+                            again.insert(i);
+                            outage = Some((waiting_for, detail));
+                        }
+                    },
+                }
+            }
+            if let Some((i, stored)) = pending.next().await {
+                match stored {
+                    Ok(ack) => {
+                        if ack.duplicate {
+                            tally.duplicates += 1;
+                        } else {
+                            tally.published += 1;
+                        }
+                        retry.progressed();
+                    }
+                    Err(err) => match classify(&err) {
+                        NotStored::Permanent(detail) => {
+                            bail!("the events stream refused event {}: {detail}", events[i].id)
+                        }
+                        NotStored::Passing {
+                            waiting_for,
+                            detail,
+                        } => {
+                            again.insert(i);
+                            outage = Some((waiting_for, detail));
+                        }
+                    },
+                }
+            } else if let Some((waiting_for, detail)) = outage.take() {
+                let Some(wait) = retry.next_wait() else {
+                    let first = again.first().map_or("", |i| events[*i].id.as_str());
+                    bail!(
+                        "the events stream did not store {} event(s) (the first: {first}), still \
+                         after {} s of retries: {detail}. Check that the NATS servers at \
+                         {servers} are up and that their JetStream has a leader for stream {} \
+                         (`nats stream info {}`), that `contextfold serve` ran once against them \
+                         (it creates the stream), and that this user may publish to {}.in.>. \
+                         Published so far: {} new, {} duplicates; running this again publishes \
+                         the rest and stores nothing twice.",
+                        again.len() + (total - next),
+                        retry_for.as_secs(),
+                        subjects.events_stream(),
+                        subjects.events_stream(),
+                        subjects.prefix(),
+                        tally.published,
+                        tally.duplicates,
+                    );
+                };
+                eprintln!(
+                    "\rwaiting for {waiting_for} (attempt {}, {:.1} s): {detail}",
+                    retry.attempt,
+                    wait.as_secs_f64()
+                );
+                tokio::time::sleep(wait).await;
+            } else if again.is_empty() && next >= total {
+                break;
+            }
             if last_progress.elapsed() >= Duration::from_millis(500) {
                 last_progress = Instant::now();
                 eprint!(
@@ -107,13 +352,15 @@ pub fn publish(
                 let _ = std::io::stderr().flush();
             }
         }
-        while let Some(ack) = pending.pop_front() {
-            settle(ack, &mut tally).await?;
-        }
         let secs = started.elapsed().as_secs_f64();
+        let retried = if sent_again > 0 {
+            format!(", {sent_again} sent again after waiting")
+        } else {
+            String::new()
+        };
         eprintln!(
             "\rpublished {} events in {} conversation(s) to {servers} ({} new, {} duplicates, {} \
-             invalid) in {secs:.2} s ({:.0}/s)",
+             invalid{retried}) in {secs:.2} s ({:.0}/s)",
             tally.published + tally.duplicates,
             conversations.len(),
             tally.published,
@@ -132,14 +379,56 @@ pub fn publish(
     })
 }
 
-async fn settle(ack: PublishAckFuture, tally: &mut Tally) -> Result<()> {
-    let ack = ack
-        .await
-        .context("the events stream did not store an event (is `contextfold serve` set up?)")?;
-    if ack.duplicate {
-        tally.duplicates += 1;
-    } else {
-        tally.published += 1;
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn waits_grow_with_jitter_and_end_with_the_budget() {
+        let mut retry = Retry::new(Duration::from_secs(3));
+        let first = retry.next_wait().unwrap();
+        assert!(
+            first >= RETRY_FIRST_DELAY && first < RETRY_FIRST_DELAY * 2,
+            "{first:?}"
+        );
+        assert_eq!(retry.attempt, 1);
+        let mut total = first;
+        while let Some(w) = retry.next_wait() {
+            assert!(w <= RETRY_MAX_DELAY * 2, "{w:?}");
+            total += w;
+        }
+        // Nothing was slept here: the budget counts wall time, and the
+        // schedule alone stops once a wait would end past it.
+        assert!(retry.attempt >= 3, "{}", retry.attempt);
+        assert!(total >= RETRY_FIRST_DELAY * 7, "{total:?}");
+        // Progress gives the next outage a fresh budget.
+        retry.progressed();
+        assert_eq!(retry.attempt, 0);
+        assert!(retry.next_wait().is_some());
     }
-    Ok(())
+
+    #[test]
+    fn size_refusals_are_permanent_and_the_rest_say_what_they_wait_for() {
+        let permanent = PublishError::new(PublishErrorKind::MaxPayloadExceeded);
+        assert!(matches!(classify(&permanent), NotStored::Permanent(_)));
+        let timed_out = PublishError::new(PublishErrorKind::TimedOut);
+        match classify(&timed_out) {
+            NotStored::Passing { waiting_for, .. } => {
+                assert_eq!(waiting_for, "the events stream's leader")
+            }
+            other => panic!("{other:?}"),
+        }
+        let no_responders = PublishError::new(PublishErrorKind::StreamNotFound);
+        assert!(matches!(
+            classify(&no_responders),
+            NotStored::Passing { .. }
+        ));
+        let broken = PublishError::new(PublishErrorKind::BrokenPipe);
+        match classify(&broken) {
+            NotStored::Passing { waiting_for, .. } => {
+                assert_eq!(waiting_for, "the connection to NATS")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
 }

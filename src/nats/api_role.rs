@@ -467,13 +467,23 @@ async fn gather_status(
     let held: Vec<u32> = local.partitions.iter().map(|p| p.partition).collect();
     let others: Vec<u32> = (0..partitions).filter(|p| !held.contains(p)).collect();
     let asks = others.iter().map(|&p| {
-        let request = async_nats::Request::new()
-            .payload(Bytes::from_static(b"{}"))
-            .timeout(Some(timeout));
         let subject = subjects.partition_status(p);
         async move {
-            let answer = client.send_request(subject, request).await.ok()?;
-            match serde_json::from_slice::<StatusResponse>(&answer.payload).ok()? {
+            // Retried through a handover as a forwarded request is.
+            let not_owner = || ApiError::NotOwner {
+                conversation: String::new(),
+                retry_after_ms: 0,
+            };
+            let (_, payload) = ask_partition(
+                client,
+                subject,
+                Bytes::from_static(b"{}"),
+                timeout,
+                not_owner,
+            )
+            .await
+            .ok()?;
+            match serde_json::from_slice::<StatusResponse>(&payload).ok()? {
                 StatusResponse::Global(g) => Some(*g),
                 StatusResponse::Conversation(_) => None,
             }
@@ -682,6 +692,19 @@ async fn forward(
         .map_err(|e| ApiError::Internal(e.to_string()))?
         .api_for_partition(partition, op, conversation)
         .map_err(|e| ApiError::BadRequest(format!("cannot route the conversation: {e}")))?;
+    ask_partition(client, subject, body, timeout, not_owner).await
+}
+
+/// Asks whoever holds a partition on its subject `subject` and returns the
+/// reply as is (headers included); no owner answering in `timeout` is
+/// `not_owner()`.
+async fn ask_partition(
+    client: &Client,
+    subject: String,
+    body: Bytes,
+    timeout: Duration,
+    not_owner: impl Fn() -> ApiError,
+) -> Result<(HeaderMap, Bytes), ApiError> {
     // A lease in handover leaves a moment with no owner, or with the old
     // owner still subscribed but no longer holding it: ask again, backing
     // off, within the forward budget, so clients rarely see it.

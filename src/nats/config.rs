@@ -52,15 +52,25 @@ pub struct NatsConfig {
     /// ever (the log is the truth: only set this with snapshots elsewhere).
     /// Default 0.
     pub events_max_age_ms: u64,
-    /// Lifetime of a partition lease and of a member heartbeat without
-    /// renewal (the lease bucket's `max_age`). Every process must agree.
-    /// Default 10000.
+    /// How long a partition lease (and a member heartbeat) lasts without
+    /// renewal: the other members take a lease over once they have watched
+    /// its key go unrenewed this long, so a dead process's partitions fold
+    /// again under another after about this (see `nats::leases` for why no
+    /// two processes ever fold a partition at once). Written into every
+    /// lease and heartbeat, so processes need not agree on it; the lease
+    /// bucket's `max_age` must not be shorter (it is 30 s when created, or
+    /// this if longer). Default 1500.
     pub lease_ttl_ms: u64,
-    /// How often leases and heartbeats are renewed and partitions
-    /// rebalanced. Default 2000.
+    /// How often leases and heartbeats are renewed (every renewal in flight
+    /// at once, each waited for at most half of `lease_ttl_ms -
+    /// lease_margin_ms - lease_renew_ms`). Default 250.
     pub lease_renew_ms: u64,
-    /// A holder stops using a lease this long before it could expire for
-    /// others (covers clock drift and in-flight work). Default 3000.
+    /// A holder stops using a lease this long before others may take it
+    /// over: it covers the check before a commit and the commit itself,
+    /// and clock-rate drift. A holder that cannot renew (NATS unreachable,
+    /// a leader election) stops folding `lease_ttl_ms - lease_margin_ms`
+    /// after its last renewal and resumes with its next one if its key is
+    /// still its own. Default 500.
     pub lease_margin_ms: u64,
     /// A summarizer that neither acks nor reports progress for this long
     /// loses the job to another. Default 30000.
@@ -104,9 +114,9 @@ impl Default for NatsConfig {
             max_message_bytes: 1024 * 1024,
             max_inline_payload_bytes: 256 * 1024,
             events_max_age_ms: 0,
-            lease_ttl_ms: 10_000,
-            lease_renew_ms: 2_000,
-            lease_margin_ms: 3_000,
+            lease_ttl_ms: 1_500,
+            lease_renew_ms: 250,
+            lease_margin_ms: 500,
             job_ack_wait_ms: 30_000,
             job_max_deliver: 5,
             dead_letter_max_age_ms: 7 * 24 * 3600 * 1000,
@@ -163,7 +173,9 @@ impl NatsConfig {
         if self.lease_ttl_ms < 1_000 {
             return Err(bad(
                 "lease_ttl_ms",
-                "must be at least 1000 (the server expires keys with about 1 s precision)".into(),
+                "must be at least 1000: a renewal round, with its requests' timeouts, has to fit \
+                 well inside it"
+                    .into(),
             ));
         }
         if self.lease_margin_ms == 0 || self.lease_margin_ms >= self.lease_ttl_ms {
@@ -267,7 +279,10 @@ mod tests {
         assert_eq!(c.partitions, 16);
         assert_eq!(c.replicas, 1);
         assert_eq!(c.dedup_window_ms, 120_000);
-        assert_eq!(c.lease_ttl_ms, 10_000);
+        assert_eq!(
+            (c.lease_ttl_ms, c.lease_renew_ms, c.lease_margin_ms),
+            (1_500, 250, 500)
+        );
         assert_eq!(c.payload_max_age_ms, 86_400_000);
         assert_eq!(c.reply_prefixes, ["_INBOX", "_R_"]);
     }
@@ -304,7 +319,8 @@ mod tests {
                 "lease_margin_ms",
                 Box::new(|c| c.lease_margin_ms = c.lease_ttl_ms),
             ),
-            ("lease_renew_ms", Box::new(|c| c.lease_renew_ms = 8_000)),
+            ("lease_ttl_ms", Box::new(|c| c.lease_ttl_ms = 900)),
+            ("lease_renew_ms", Box::new(|c| c.lease_renew_ms = 1_000)),
             ("job_max_deliver", Box::new(|c| c.job_max_deliver = 0)),
             ("payload_max_age_ms", Box::new(|c| c.payload_max_age_ms = 0)),
             (

@@ -59,8 +59,11 @@
 //! with the same ids; JetStream drops the copies within the dedup window
 //! and the fold drops later ones by id. Nothing decided is lost and nothing
 //! is doubled. The lease is checked before publishing and before
-//! committing: a process that lost it stops without either, so two
-//! processes never commit the same partition's effects.
+//! committing: a process whose lease lapsed (not renewed in time, as in a
+//! NATS leader election) pauses without either and goes on if the lease
+//! resumes (its renewal proved nobody else took it); a process that lost
+//! it stops. So two processes never commit the same partition's effects,
+//! and an election costs a pause, not a new tenure.
 //!
 
 use crate::api::status::PartitionHealth;
@@ -431,8 +434,13 @@ impl<B: KvBackend + 'static> FolderRole<B> {
                         .0
                         .insert(p, tokio::spawn(role.run_partition(lease, stop)));
                 }
-                // Tasks see their lease end by themselves.
-                Some(LeaseEvent::Released { .. } | LeaseEvent::Lost { .. }) => {}
+                // Tasks see their lease end, lapse and resume by themselves.
+                Some(
+                    LeaseEvent::Released { .. }
+                    | LeaseEvent::Lost { .. }
+                    | LeaseEvent::Lapsed { .. }
+                    | LeaseEvent::Resumed { .. },
+                ) => {}
             }
         }
         for (_, task) in std::mem::take(&mut tasks.0) {
@@ -450,7 +458,7 @@ impl<B: KvBackend + 'static> FolderRole<B> {
         );
         let health: SharedHealth = Arc::new(Mutex::new(PartitionHealth::new(p)));
         let mut backoff = self.settings.retry_backoff;
-        while lease.still_held() && !*shutdown.borrow() {
+        while carry_on(&lease, &mut shutdown).await {
             match self.fold_while_held(&lease, &health, &mut shutdown).await {
                 Ok(()) => break,
                 Err(e) => {
@@ -600,7 +608,12 @@ impl<B: KvBackend + 'static> FolderRole<B> {
                 ticks.delay(e.next_wake(), wall_ms(), e.position())
             };
             let first = tokio::select! {
-                _ = lease.lost() => return Ok(()),
+                _ = lease.lost() => {
+                    if carry_on(lease, shutdown).await {
+                        continue;
+                    }
+                    return Ok(());
+                }
                 _ = shutdown.changed() => return Ok(()),
                 _ = tick_after(tick_in) => {
                     let position = lock(engine).position();
@@ -632,7 +645,12 @@ impl<B: KvBackend + 'static> FolderRole<B> {
                     break;
                 }
                 let next = tokio::select! {
-                    _ = lease.lost() => return Ok(()),
+                    _ = lease.lost() => {
+                        if carry_on(lease, shutdown).await {
+                            continue;
+                        }
+                        return Ok(());
+                    }
                     _ = shutdown.changed() => return Ok(()),
                     _ = &mut gathered => break,
                     m = messages.next() => m,
@@ -758,7 +776,7 @@ impl<B: KvBackend + 'static> FolderRole<B> {
             detail: e.to_string(),
         })??;
 
-        if !lease.still_held() {
+        if !carry_on(lease, shutdown).await {
             return Ok(BatchEnd::Stopped);
         }
         if !self
@@ -767,7 +785,7 @@ impl<B: KvBackend + 'static> FolderRole<B> {
         {
             return Ok(BatchEnd::Stopped);
         }
-        if !lease.still_held() {
+        if !carry_on(lease, shutdown).await {
             return Ok(BatchEnd::Stopped);
         }
         let committing = engine.clone();
@@ -839,7 +857,11 @@ impl<B: KvBackend + 'static> FolderRole<B> {
                 return false;
             }
             tokio::select! {
-                _ = lease.lost() => return false,
+                _ = lease.lost() => {
+                    if !carry_on(lease, shutdown).await {
+                        return false;
+                    }
+                }
                 _ = shutdown.changed() => return false,
                 _ = tokio::time::sleep(backoff) => {}
             }
@@ -1022,6 +1044,23 @@ async fn tick_after(delay: Option<Duration>) {
     match delay {
         Some(d) => tokio::time::sleep(d).await,
         None => std::future::pending().await,
+    }
+}
+
+/// Whether the tenure goes on: at once while `lease` is held; after a lapse,
+/// once it is held again (its renewal proved that nobody else wrote the
+/// key, so nobody else folded meanwhile and this state is still the
+/// partition's latest); never once it is gone or the process stops.
+async fn carry_on(lease: &Lease, shutdown: &mut watch::Receiver<bool>) -> bool {
+    if *shutdown.borrow() {
+        return false;
+    }
+    if lease.still_held() {
+        return true;
+    }
+    tokio::select! {
+        held = lease.regained() => held && !*shutdown.borrow(),
+        _ = shutdown.changed() => false,
     }
 }
 

@@ -23,7 +23,9 @@ use crate::http::{Check, ReadyProbe, ReadyReport, Refresh};
 use crate::nats::api_role::{self, EngineView, HeldEngines, ServiceConfig};
 use crate::nats::config::NatsConfig;
 use crate::nats::folder::{EngineFactory, EngineMap, FolderRole, FolderSettings};
-use crate::nats::leases::{generate_member_id, LeaseRunner, LeaseSettings, PartitionLeases};
+use crate::nats::leases::{
+    generate_member_id, LeaseRunner, LeaseSettings, LeaseTable, PartitionLeases,
+};
 use crate::nats::setup::{ensure, Infrastructure};
 use crate::nats::summarizer_role::{SummarizerCounters, SummarizerRole, SummarizerSettings};
 use crate::nats::version::ServerVersion;
@@ -257,7 +259,7 @@ pub fn recording_policy<B: KvBackend + 'static>(
 /// folding one stream under different policies would switch a partition's
 /// policy each time it moves between them.
 async fn watch_member_policies(
-    leases: async_nats::jetstream::kv::Store,
+    leases: LeaseTable,
     ours: String,
     every: Duration,
     mut stop: watch::Receiver<bool>,
@@ -269,10 +271,9 @@ async fn watch_member_policies(
             _ = stop.changed() => return,
             _ = interval.tick() => {}
         }
-        let Ok(members) = crate::nats::leases::live_member_records(&leases).await else {
-            continue;
-        };
-        for m in members {
+        // The live members as the lease runner's watch of the bucket shows
+        // them: no request of its own.
+        for m in leases.members() {
             let Some(fp) = m.record.and_then(|r| r.policy_fingerprint) else {
                 continue;
             };
@@ -351,7 +352,7 @@ impl Service {
             .spawn();
             let events = runner.take_events();
             tokio::spawn(watch_member_policies(
-                infra.leases.clone(),
+                runner.table(),
                 policy_fingerprint(&opts.policy),
                 LeaseSettings::from_config(&opts.nats).renew,
                 stop_rx.clone(),

@@ -8,7 +8,8 @@
 //!   shared durable consumer for the summarizers;
 //! - the dead-letter stream (`CF_DEAD`, subjects `cf.dead.*` and
 //!   `cf.dead.partition.*`);
-//! - the partition lease KV bucket (`cf_leases`, `max_age` = lease TTL);
+//! - the partition lease KV bucket (`cf_leases`, `max_age` 30 s or the lease
+//!   TTL if longer: it only removes what dead members leave);
 //! - the large-payload object store (`cf_payloads`, `max_age` =
 //!   `payload_max_age_ms`: job snapshots a crash left behind expire).
 //!
@@ -16,10 +17,12 @@
 //! what is missing is created, what exists is compared with the settings.
 //! Settings that can change in place (dedup window, size limits, replicas,
 //! age) are updated; settings whose change would corrupt the data model
-//! (subjects, partition count, retention, storage, lease TTL) are refused
+//! (subjects, partition count, retention, storage, a lease bucket whose
+//! `max_age` is shorter than the lease TTL) are refused
 //! with an explanation instead of being silently applied.
 
 use crate::nats::config::{NatsConfig, StorageKind};
+use crate::nats::leases::LEASE_KEY_MAX_AGE;
 use crate::nats::subjects::Subjects;
 use crate::nats::NatsError;
 use async_nats::jetstream::consumer::pull;
@@ -125,15 +128,16 @@ pub fn dead_letter_stream_config(cfg: &NatsConfig) -> Result<stream::Config, Nat
     })
 }
 
-/// The partition lease bucket: one revision per key, keys expire after the
-/// lease TTL without renewal.
+/// The partition lease bucket: one revision per key. Leases are taken
+/// over by watching them (`nats::leases`); `max_age` only removes what dead
+/// members leave, and must be at least the lease TTL.
 pub fn lease_bucket_config(cfg: &NatsConfig) -> Result<kv::Config, NatsError> {
     let s = cfg.subjects()?;
     Ok(kv::Config {
         bucket: s.lease_bucket(),
         description: "contextfold partition leases and member heartbeats".to_string(),
         history: 1,
-        max_age: cfg.lease_ttl(),
+        max_age: cfg.lease_ttl().max(LEASE_KEY_MAX_AGE),
         storage: storage(cfg.storage),
         num_replicas: cfg.replicas,
         ..Default::default()
@@ -422,13 +426,15 @@ async fn ensure_lease_bucket(js: &Context, cfg: &NatsConfig) -> Result<kv::Store
         Err(e) => return Err(NatsError::js(format!("opening KV bucket {bucket}"), e)),
     };
     let info = &store.stream.cached_info().config;
-    if info.max_age != desired.max_age {
+    // A bucket created by an older version has max_age = its lease TTL
+    // (10 s by default): fine as long as no lease outlives its key.
+    if info.max_age < cfg.lease_ttl() {
         return Err(NatsError::Incompatible {
             resource: format!("KV bucket {bucket}"),
             detail: format!(
-                "its lease TTL (max_age) is {} ms but lease_ttl_ms is {}: every process must \
-                 use the same TTL or fencing breaks; set lease_ttl_ms to {} or delete the \
-                 bucket while no process runs",
+                "its max_age is {} ms, shorter than lease_ttl_ms {}: a lease could vanish \
+                 before its holder stops using it; lower lease_ttl_ms to at most {}, or delete \
+                 the bucket while no process runs",
                 info.max_age.as_millis(),
                 cfg.lease_ttl_ms,
                 info.max_age.as_millis()
@@ -559,14 +565,24 @@ mod tests {
     }
 
     #[test]
-    fn jobs_are_a_work_queue_and_leases_expire_by_ttl() {
+    fn jobs_are_a_work_queue_and_lease_keys_outlive_an_election() {
         let cfg = NatsConfig::default();
         let jobs = jobs_stream_config(&cfg).unwrap();
         assert_eq!(jobs.retention, RetentionPolicy::WorkQueue);
         assert_eq!(jobs.subjects, vec!["cf.job.*".to_string()]);
         let kv = lease_bucket_config(&cfg).unwrap();
-        assert_eq!(kv.max_age, Duration::from_secs(10));
+        assert_eq!(kv.max_age, Duration::from_secs(30));
         assert_eq!(kv.history, 1);
+        let long = NatsConfig {
+            lease_ttl_ms: 45_000,
+            lease_margin_ms: 5_000,
+            lease_renew_ms: 5_000,
+            ..NatsConfig::default()
+        };
+        assert_eq!(
+            lease_bucket_config(&long).unwrap().max_age,
+            Duration::from_secs(45)
+        );
         let c = folder_consumer_config(&cfg.subjects().unwrap(), 3, 41, 5000);
         assert_eq!(c.filter_subject, "cf.ev.3.*.*");
         assert_eq!(
