@@ -13,8 +13,13 @@
 //! Bars and marks are sized by the turn and event axes, not by count, so a
 //! 1,000-turn session stays legible (a leaf of 20 turns is 25 px wide on
 //! the default 1,400 px canvas); labels are drawn only on bars wide enough
-//! to hold them. The marks' fill colours are used by nothing else, so a
-//! reader (or a test) can count them.
+//! to hold them, dark on pale and orange bars, white on dark ones. The
+//! marks' fill colours are used by nothing else, so a reader (or a test)
+//! can count them.
+//!
+//! The y-axis is scaled by [`chart_top`]: to the budgets in force and the
+//! context, not to a `policy_recorded` event's, which carries whatever
+//! policy the reader was configured with before the log's own is folded.
 
 use crate::core::audit::{Audit, Dag};
 use crate::core::event::SummaryKind;
@@ -38,6 +43,50 @@ const LEAF: RGBColor = RGBColor(0x4c, 0xaf, 0x50);
 const CONDENSED: RGBColor = RGBColor(0x3f, 0x51, 0xb5);
 const FALLBACK: RGBColor = RGBColor(0xff, 0x98, 0x00);
 const RAW: RGBColor = RGBColor(0x90, 0xa4, 0xae);
+
+/// The colour of a label on a bar of `fill`: dark on light fills, white on
+/// dark ones (by relative luminance).
+pub fn label_color(fill: RGBColor, in_context: bool) -> RGBColor {
+    if !in_context {
+        // Pale bars (30% of the colour on white).
+        return LABEL_DARK;
+    }
+    let RGBColor(r, g, b) = fill;
+    let lum = 0.2126 * f64::from(r) + 0.7152 * f64::from(g) + 0.0722 * f64::from(b);
+    if lum > 140.0 {
+        LABEL_DARK
+    } else {
+        WHITE
+    }
+}
+
+const LABEL_DARK: RGBColor = RGBColor(0x21, 0x21, 0x21);
+
+/// Whether a point's levels (budget, threshold, target) are the
+/// conversation's: a `policy_recorded` event's are those of whoever folded
+/// it before the log's policy applied.
+fn sets_scale(p: &crate::core::audit::Point) -> bool {
+    p.event_type != "policy_recorded"
+}
+
+/// The top of the timeline's y-axis: the largest context and the largest
+/// budget in force (over the points that [`sets_scale`]), with 8% above.
+pub fn chart_top(audit: &Audit) -> u64 {
+    let budget = audit
+        .points
+        .iter()
+        .filter(|p| sets_scale(p))
+        .map(|p| p.budget)
+        .max()
+        .unwrap_or(0);
+    let context = audit
+        .points
+        .iter()
+        .map(|p| p.context_tokens)
+        .max()
+        .unwrap_or(0);
+    (budget.max(context).max(1) as f64 * 1.08).ceil() as u64
+}
 
 /// Which level of a point a line draws.
 type Level = fn(&crate::core::audit::Point) -> u64;
@@ -90,13 +139,7 @@ where
 {
     let points = &audit.points;
     let n = points.len().max(1) as f64;
-    let ymax = points
-        .iter()
-        .map(|p| p.context_tokens.max(p.budget))
-        .max()
-        .unwrap_or(1)
-        .max(1) as f64
-        * 1.08;
+    let ymax = chart_top(audit) as f64;
     let t = &audit.totals;
     let mut chart = ChartBuilder::on(area)
         .caption(
@@ -123,6 +166,7 @@ where
     let line = |f: Level| {
         points
             .iter()
+            .filter(|p| sets_scale(p))
             .map(move |p| (p.index as f64, f(p) as f64))
             .collect::<Vec<_>>()
     };
@@ -140,7 +184,9 @@ where
     }
     chart
         .draw_series(LineSeries::new(
-            line(|p| p.context_tokens),
+            points
+                .iter()
+                .map(|p| (p.index as f64, p.context_tokens as f64)),
             CONTEXT.stroke_width(2),
         ))
         .map_err(err)?
@@ -197,6 +243,18 @@ where
         .draw()
         .map_err(err)?;
     Ok(())
+}
+
+/// A summary bar's colour: orange for a fallback, green for a leaf, indigo
+/// for a condensed summary.
+fn fill_of(n: &crate::core::audit::DagNode) -> RGBColor {
+    if n.fallback {
+        FALLBACK
+    } else if n.kind == SummaryKind::Leaf {
+        LEAF
+    } else {
+        CONDENSED
+    }
 }
 
 fn summary_dag<DB: DrawingBackend>(
@@ -270,13 +328,7 @@ where
         .map_err(err)?;
     chart
         .draw_series(dag.nodes.iter().map(|n| {
-            let base = if n.fallback {
-                FALLBACK
-            } else if n.kind == SummaryKind::Leaf {
-                LEAF
-            } else {
-                CONDENSED
-            };
+            let base = fill_of(n);
             let style = if n.in_context {
                 base.filled()
             } else {
@@ -311,11 +363,12 @@ where
         .draw_series(dag.nodes.iter().filter_map(|n| {
             let label = format!("{}-{}", n.first_turn, n.last_turn);
             let width = (n.last_turn - n.first_turn + 1) as f64 * px_per_turn;
+            let color = label_color(fill_of(n), n.in_context);
             (width >= label.len() as f64 * 7.0 + 6.0).then(|| {
                 Text::new(
                     label,
                     (n.first_turn as f64 + 0.2, n.depth as f64 + 0.12),
-                    ("sans-serif", 11).into_font().color(&WHITE),
+                    ("sans-serif", 11).into_font().color(&color),
                 )
             })
         }))
