@@ -284,3 +284,44 @@ pub fn render(a: &Audit) -> String {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policy_and_summary_entries_read_as_sentences() {
+        let policy = sentence(&What::PolicyRecorded {
+            fingerprint: "13f4439014fcbd36".into(),
+            previous: Some("aaaa".into()),
+            recorded_by: Some("embedded".into()),
+        });
+        assert_eq!(
+            policy,
+            "policy 13f4439014fcbd36 recorded by embedded (was aaaa): later decisions fold under it"
+        );
+        let summary = sentence(&What::Summary {
+            summary_id: "sum_1".into(),
+            job_id: None,
+            summary_kind: SummaryKind::Condensed,
+            depth: 1,
+            turns: [0, 122],
+            children: vec!["a".into(), "b".into()],
+            source_tokens: 5726,
+            tokens: 717,
+            model: "m".into(),
+            provider: "p".into(),
+            fallback: true,
+            supersedes: None,
+            accepted: true,
+        });
+        assert_eq!(
+            summary,
+            "summary condensed d1 sum_1 over 2 summaries (turns 0..=122) (5726 -> 717 tokens) by m \
+             [fallback]"
+        );
+        for s in [policy, summary] {
+            assert!(!s.contains('{') && !s.contains('\n'), "{s}");
+        }
+    }
+}

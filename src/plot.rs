@@ -39,24 +39,36 @@ const CONTEXT: RGBColor = RGBColor(0x1f, 0x77, 0xb4);
 const BUDGET: RGBColor = RGBColor(0x33, 0x33, 0x33);
 const THRESHOLD: RGBColor = RGBColor(0xff, 0x7f, 0x0e);
 const TARGET: RGBColor = RGBColor(0x2c, 0xa0, 0x2c);
-const LEAF: RGBColor = RGBColor(0x4c, 0xaf, 0x50);
-const CONDENSED: RGBColor = RGBColor(0x3f, 0x51, 0xb5);
-const FALLBACK: RGBColor = RGBColor(0xff, 0x98, 0x00);
-const RAW: RGBColor = RGBColor(0x90, 0xa4, 0xae);
+const LEAF: RGBColor = RGBColor(0x2e, 0x7d, 0x32);
+const CONDENSED: RGBColor = RGBColor(0x39, 0x49, 0xab);
+const FALLBACK: RGBColor = RGBColor(0xef, 0x6c, 0x00);
+const RAW: RGBColor = RGBColor(0x78, 0x90, 0x9c);
 
-/// The colour of a label on a bar of `fill`: dark on light fills, white on
-/// dark ones (by relative luminance).
+/// The colour of a label on a bar of `fill`: of white and dark text, the
+/// one of higher contrast (WCAG's relative luminance); dark on pale bars.
 pub fn label_color(fill: RGBColor, in_context: bool) -> RGBColor {
     if !in_context {
         // Pale bars (30% of the colour on white).
         return LABEL_DARK;
     }
-    let RGBColor(r, g, b) = fill;
-    let lum = 0.2126 * f64::from(r) + 0.7152 * f64::from(g) + 0.0722 * f64::from(b);
-    if lum > 140.0 {
-        LABEL_DARK
-    } else {
+    fn luminance(RGBColor(r, g, b): RGBColor) -> f64 {
+        let lin = |c: u8| {
+            let c = f64::from(c) / 255.0;
+            if c <= 0.03928 {
+                c / 12.92
+            } else {
+                ((c + 0.055) / 1.055).powf(2.4)
+            }
+        };
+        0.2126 * lin(r) + 0.7152 * lin(g) + 0.0722 * lin(b)
+    }
+    let bar = luminance(fill) + 0.05;
+    let on_white = 1.05 / bar;
+    let on_dark = bar / (luminance(LABEL_DARK) + 0.05);
+    if on_white >= on_dark {
         WHITE
+    } else {
+        LABEL_DARK
     }
 }
 
@@ -374,4 +386,62 @@ where
         }))
         .map_err(err)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::audit::{Point, Totals};
+
+    fn point(index: usize, event_type: &'static str, context: u64, budget: u64) -> Point {
+        Point {
+            index,
+            position: index as u64 + 1,
+            event_id: format!("e{index}"),
+            event_type,
+            time: 0,
+            context_tokens: context,
+            budget,
+            threshold_tokens: budget * 3 / 4,
+            target_tokens: budget / 2,
+            mark: None,
+        }
+    }
+
+    fn audit(points: Vec<Point>) -> Audit {
+        Audit {
+            conversation: "c".into(),
+            totals: Totals::default(),
+            entries: Vec::new(),
+            compactions: Vec::new(),
+            fallbacks: Vec::new(),
+            points,
+        }
+    }
+
+    #[test]
+    fn the_chart_is_scaled_to_the_budget_in_force_not_to_a_policy_event() {
+        // Policy events folded under the reader's default window (128k)
+        // before the log's own policy (32k) applied.
+        let a = audit(vec![
+            point(0, "policy_recorded", 0, 128_000),
+            point(1, "policy_recorded", 0, 128_000),
+            point(2, "turn_appended", 900, 32_000),
+            point(3, "turn_appended", 25_000, 32_000),
+        ]);
+        assert_eq!(chart_top(&a), 34_560);
+        // Context over the budget raises the top with it.
+        let a = audit(vec![point(0, "turn_appended", 40_000, 32_000)]);
+        assert_eq!(chart_top(&a), 43_200);
+        assert_eq!(chart_top(&audit(Vec::new())), 2);
+    }
+
+    #[test]
+    fn bar_labels_are_dark_on_pale_and_orange_bars_and_white_on_dark_ones() {
+        assert_eq!(label_color(CONDENSED, true), WHITE);
+        assert_eq!(label_color(LEAF, true), WHITE);
+        assert_eq!(label_color(FALLBACK, true), LABEL_DARK);
+        assert_eq!(label_color(CONDENSED, false), LABEL_DARK);
+        assert_eq!(label_color(LEAF, false), LABEL_DARK);
+    }
 }

@@ -465,7 +465,11 @@ impl AuditSource for NatsSource {
                 .context("listing the events stream's subjects")?
             {
                 if let Ok(stored) = self.subjects.parse_event_subject(&subject) {
-                    keys.insert(stored.conversation);
+                    // A partition's own events (its policy, its clock) are
+                    // stored under a reserved key: no conversation.
+                    if !contextfold::core::event::is_partition_key(&stored.conversation) {
+                        keys.insert(stored.conversation);
+                    }
                 }
             }
             Ok(keys.into_iter().collect())
