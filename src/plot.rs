@@ -82,7 +82,7 @@ fn sets_scale(p: &crate::core::audit::Point) -> bool {
 }
 
 /// The top of the timeline's y-axis: the largest context and the largest
-/// budget in force (over the points that [`sets_scale`]), with 8% above.
+/// budget in force (not a `policy_recorded` point's), with 8% above.
 pub fn chart_top(audit: &Audit) -> u64 {
     let budget = audit
         .points

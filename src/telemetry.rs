@@ -1429,6 +1429,7 @@ mod tests {
 
     /// The exposition of a fresh recorder after [`describe`] and
     /// [`register_known`].
+    #[cfg(not(feature = "telemetry-off"))]
     fn exported_at_start(known: &Known) -> String {
         let recorder = PrometheusBuilder::new()
             .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)

@@ -340,18 +340,15 @@ fn fleet_events(path: &Path) {
     for i in 0..2_000u64 {
         let conv = format!("fleet-{i}");
         let base = 1_767_225_600_000 + i * 60_000;
-        let mut messages: Vec<Value> = (0..3 + i % 4)
+        let messages = (0..3 + i % 4)
             .map(|t| {
                 serde_json::json!({
                     "role": if t % 2 == 0 { "user" } else { "assistant" },
                     "content": format!("turn {t} of {conv}: please check build {} and report back.", i * 7 + t),
                 })
             })
-            .collect();
-        if i % 250 == 7 {
-            messages.push(serde_json::json!({"role": "tool", "content": "exit 0"}));
-        }
-        for (t, message) in messages.into_iter().enumerate() {
+            .chain((i % 250 == 7).then(|| serde_json::json!({"role": "tool", "content": "exit 0"})));
+        for (t, message) in messages.enumerate() {
             let event = serde_json::json!({
                 "id": format!("{conv}#{t}"),
                 "conversation": conv,

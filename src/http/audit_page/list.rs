@@ -250,7 +250,7 @@ pub fn page<E>(
             // in key order.
             match query.sort {
                 Sort::Health => all.sort_by_key(Row::healthy),
-                _ => all.sort_by(|a, b| b.last_event_time.cmp(&a.last_event_time)),
+                _ => all.sort_by_key(|r| std::cmp::Reverse(r.last_event_time)),
             }
             all.into_iter().skip(offset).take(limit).collect()
         }
@@ -331,7 +331,7 @@ mod tests {
         assert_eq!(seen[..3], ["fleet:#0", "fleet:#1", "fleet:#2"]);
         assert_eq!(seen[1999], "fleet:#1999");
         let p = page(
-            all.clone(),
+            all,
             &ListQuery {
                 limit: Some(100_000),
                 ..ListQuery::default()
