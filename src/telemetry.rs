@@ -378,6 +378,7 @@ pub const REJECTION_KINDS: &[&str] = &[
     "tool_pairing",
     "summary_stale",
     "summary_invalid",
+    "over_quota",
 ];
 /// `reason` of [`JOBS_DEAD_LETTERED`].
 pub const DEAD_LETTER_REASONS: &[&str] = &[
@@ -1629,7 +1630,17 @@ mod tests {
             Rejection::Turn(TurnRejection::ToolTurnWithoutCallId),
             Rejection::Summary(SummaryRejection::AlreadyRecorded),
             Rejection::Summary(SummaryRejection::Empty),
+            Rejection::OverQuota {
+                limit: "100 events/s".into(),
+            },
         ];
+        for r in &fold {
+            // A new kind of rejection breaks this match: add its name to
+            // REJECTION_KINDS, and a rejection of it above.
+            match r {
+                Rejection::Turn(_) | Rejection::Summary(_) | Rejection::OverQuota { .. } => {}
+            }
+        }
         let mut kinds: Vec<&str> = intake.iter().map(Refusal::kind).collect();
         kinds.extend(fold.iter().map(Rejection::kind));
         kinds.dedup();
