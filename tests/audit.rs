@@ -320,7 +320,7 @@ fn a_thousand_turn_session_plots_legibly() {
         .filter(|n| n.has_tag_name("rect"))
         .filter(|n| {
             n.attribute("fill").is_some_and(|f| {
-                ["#4CAF50", "#3F51B5", "#FF9800"].contains(&f.to_ascii_uppercase().as_str())
+                ["#2E7D32", "#3949AB", "#EF6C00"].contains(&f.to_ascii_uppercase().as_str())
             })
         })
         .map(|n| {

@@ -9,8 +9,16 @@
 //! temporary directory): the README's pictures come from
 //! `CONTEXTFOLD_SCREENSHOT_DIR=docs/images cargo test --test audit_page`.
 //!
-//! Without chromium the test skips, unless `CONTEXTFOLD_REQUIRE_BROWSER`
-//! is set (scripts/test.sh sets it), which makes it fail.
+//! A second test lists 2,001 conversations (2,000 generated beside the same
+//! session): the page's search, sorts and paging, driven through the URL
+//! fragment as a user's typing and clicks would be, reach every one of
+//! them in natural order; the timeline reads as the CLI's sentences; the
+//! DAG's bars carry their turn ranges on a turn axis; the chart is scaled
+//! to the budget. Its screenshots are `audit-page-search.png`,
+//! `audit-page-paging.png` and `audit-page-summary.png`.
+//!
+//! Without chromium the tests skip, unless `CONTEXTFOLD_REQUIRE_BROWSER`
+//! is set (scripts/test.sh sets it), which makes them fail.
 
 // Tests and benches fail loudly: a panic is their report.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -321,4 +329,302 @@ fn screenshot(chromium: &Path, profile: &Path, url: &str, png: &Path, (w, h): (u
     });
     assert!(bytes.starts_with(b"\x89PNG"), "not a PNG");
     assert!(bytes.len() > 10_000, "screenshot of {} bytes", bytes.len());
+}
+
+/// 2,000 small conversations `fleet-0` .. `fleet-1999` as inbound events
+/// (JSONL), a minute apart; every 250th from `fleet-7` on has a tool turn
+/// without its call, which the fold rejects: those are degraded.
+fn fleet_events(path: &Path) {
+    use std::io::Write;
+    let mut out = std::io::BufWriter::new(std::fs::File::create(path).unwrap());
+    for i in 0..2_000u64 {
+        let conv = format!("fleet-{i}");
+        let base = 1_767_225_600_000 + i * 60_000;
+        let messages = (0..3 + i % 4)
+            .map(|t| {
+                serde_json::json!({
+                    "role": if t % 2 == 0 { "user" } else { "assistant" },
+                    "content": format!("turn {t} of {conv}: please check build {} and report back.", i * 7 + t),
+                })
+            })
+            .chain((i % 250 == 7).then(|| serde_json::json!({"role": "tool", "content": "exit 0"})));
+        for (t, message) in messages.enumerate() {
+            let event = serde_json::json!({
+                "id": format!("{conv}#{t}"),
+                "conversation": conv,
+                "version": 1,
+                "time": base + t as u64 * 2_000,
+                "type": "turn_appended",
+                "payload": { "message": message },
+            });
+            writeln!(out, "{event}").unwrap();
+        }
+    }
+}
+
+/// GET `url` (JSON).
+fn get_json(url: &str) -> Value {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let resp = reqwest::get(url).await.unwrap();
+        assert!(resp.status().is_success(), "{url}: {}", resp.status());
+        resp.json().await.unwrap()
+    })
+}
+
+/// The rows of the list in a dumped page, in order.
+fn listed(dom: &str) -> Vec<(String, String)> {
+    regex::Regex::new(r#"<div class="conv[^"]*" data-conversation="([^"]*)" data-health="([^"]*)""#)
+        .unwrap()
+        .captures_iter(dom)
+        .map(|c| (unescape(&c[1]), c[2].to_string()))
+        .collect()
+}
+
+fn list_info(dom: &str, field: &str) -> usize {
+    regex::Regex::new(&format!(r#"id="list-info"[^>]*data-{field}="(\d+)""#))
+        .unwrap()
+        .captures(dom)
+        .map(|c| c[1].parse().unwrap())
+        .unwrap_or_else(|| {
+            panic!(
+                "no data-{field} on #list-info in:\n{}",
+                &dom[..dom.len().min(3000)]
+            )
+        })
+}
+
+fn dump(chromium: &Path, profile: &Path, url: &str) -> String {
+    let out = browser(
+        chromium,
+        profile,
+        &[
+            "--dump-dom".to_string(),
+            "--window-size=1600,1300".to_string(),
+        ],
+        url,
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn search_sorts_and_paging_reach_every_one_of_2000_conversations() {
+    let Some(chromium) = chromium() else { return };
+    let path = shared_path(TRANSCRIPT);
+    if !path.exists() {
+        if std::env::var_os("CONTEXTFOLD_REQUIRE_BROWSER").is_some() {
+            panic!("the shared transcript {} is missing", path.display());
+        }
+        eprintln!("SKIPPED: no {}", path.display());
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let fleet = dir.path().join("fleet.jsonl");
+    fleet_events(&fleet);
+    let (ok, out, err) = cli(&data, &["run", fleet.to_str().unwrap()]);
+    assert!(ok, "run failed: {out}\n{err}");
+    let (ok, out, err) = cli(&data, &["run", path.to_str().unwrap()]);
+    assert!(ok, "run failed: {out}\n{err}");
+    let session = "fa812bfe-b295-4cca-9c2f-fdf01028cb46";
+    let ui = Ui::start(&data);
+
+    // The API: every conversation, page by page, in natural order.
+    let mut all = Vec::new();
+    let mut offset = 0;
+    loop {
+        let page = get_json(&format!(
+            "{}api/conversations?limit=500&offset={offset}",
+            ui.url
+        ));
+        assert_eq!(page["total"], 2_001, "{page}");
+        let rows = page["conversations"].as_array().unwrap();
+        if rows.is_empty() {
+            break;
+        }
+        offset += rows.len();
+        all.extend(
+            rows.iter()
+                .map(|r| r["conversation"].as_str().unwrap().to_string()),
+        );
+    }
+    assert_eq!(all.len(), 2_001, "not every conversation is listed");
+    let at = |k: &str| all.iter().position(|c| c == k).unwrap();
+    assert_eq!(all[0], session);
+    assert_eq!(&all[1..4], ["fleet-0", "fleet-1", "fleet-2"]);
+    assert!(at("fleet-9") < at("fleet-10") && at("fleet-99") < at("fleet-100"));
+    assert_eq!(all[2_000], "fleet-1999");
+
+    let profile = dir.path().join("profile");
+    let shots = std::env::var_os("CONTEXTFOLD_SCREENSHOT_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| dir.path().to_path_buf());
+    std::fs::create_dir_all(&shots).unwrap();
+
+    // Search, typed into the box: a part of a key, counted.
+    let dom = dump(&chromium, &profile, &format!("{}#q=fleet-19", ui.url));
+    let rows = listed(&dom);
+    assert_eq!(list_info(&dom, "total"), 2_001);
+    assert_eq!(
+        list_info(&dom, "matched"),
+        111,
+        "fleet-19, -190..199, -1900..1999"
+    );
+    assert_eq!(rows.len(), 100);
+    let keys: Vec<&str> = rows.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(
+        keys[..4],
+        ["fleet-19", "fleet-190", "fleet-191", "fleet-192"]
+    );
+    assert!(
+        dom.contains("of 111 matching"),
+        "the count of matches is not shown"
+    );
+
+    // Degraded first, within a search.
+    let url = format!("{}#q=fleet-1&sort=health", ui.url);
+    let dom = dump(&chromium, &profile, &url);
+    let rows = listed(&dom);
+    let first: Vec<(&str, &str)> = rows[..5]
+        .iter()
+        .map(|(k, h)| (k.as_str(), h.as_str()))
+        .collect();
+    assert_eq!(
+        first,
+        [
+            ("fleet-1007", "degraded"),
+            ("fleet-1257", "degraded"),
+            ("fleet-1507", "degraded"),
+            ("fleet-1757", "degraded"),
+            ("fleet-1", "ok"),
+        ]
+    );
+    screenshot(
+        &chromium,
+        &profile,
+        &url,
+        &shots.join("audit-page-search.png"),
+        (1600, 1000),
+    );
+
+    // Recent activity first: the session (2026-02) before the fleet.
+    let dom = dump(&chromium, &profile, &format!("{}#sort=recent", ui.url));
+    let keys: Vec<String> = listed(&dom).into_iter().map(|(k, _)| k).collect();
+    assert_eq!(keys[..3], [session, "fleet-1999", "fleet-1998"]);
+
+    // Paging with the "next" button: page 7 holds 601-700; the last page
+    // the last conversation.
+    let url = format!("{}#page=7", ui.url);
+    let dom = dump(&chromium, &profile, &url);
+    assert_eq!(list_info(&dom, "offset"), 600);
+    assert_eq!(listed(&dom)[0].0, all[600]);
+    screenshot(
+        &chromium,
+        &profile,
+        &url,
+        &shots.join("audit-page-paging.png"),
+        (1600, 1000),
+    );
+    let dom = dump(&chromium, &profile, &format!("{}#page=21", ui.url));
+    assert_eq!(list_info(&dom, "offset"), 2_000);
+    assert_eq!(listed(&dom), [("fleet-1999".to_string(), "ok".to_string())]);
+
+    // One conversation: the timeline as the CLI's sentences, the DAG's
+    // labelled bars on a turn axis, the chart scaled to the budget.
+    let audit = get_json(&format!("{}api/audit?c={session}", ui.url));
+    let deepest = audit["dag"]["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .max_by_key(|n| n["depth"].as_u64())
+        .and_then(|n| n["id"].as_str())
+        .unwrap()
+        .to_string();
+    let url = format!("{}#c={session}&summary={deepest}", ui.url);
+    let dom = dump(&chromium, &profile, &url);
+    let (ok, text, err) = cli(&data, &["audit", session]);
+    assert!(ok, "{err}");
+    let want: Vec<String> = text
+        .lines()
+        .filter(|l| l.starts_with('#'))
+        .map(|l| {
+            // `#index  before -> after  sentence`
+            let rest = l.split_once(" -> ").unwrap().1.trim_start();
+            rest.split_once(' ')
+                .map_or("", |(_, s)| s.trim_start())
+                .to_string()
+        })
+        .collect();
+    let shown: Vec<String> = regex::Regex::new(r#"<span class="sentence">(.*?)</span>"#)
+        .unwrap()
+        .captures_iter(&dom)
+        .map(|c| unescape(&c[1]))
+        .collect();
+    assert_eq!(
+        shown.len(),
+        want.len(),
+        "timeline entries vs `contextfold audit` lines"
+    );
+    for (i, (s, w)) in shown.iter().zip(&want).enumerate() {
+        assert_eq!(s, w, "timeline entry {i}");
+        assert!(!s.starts_with('{'), "entry {i} is raw JSON: {s}");
+    }
+    assert!(
+        shown.iter().any(|s| s.starts_with("policy ")),
+        "no policy sentence"
+    );
+    let bars = regex::Regex::new(r#"<rect [^>]*data-first="(\d+)" data-last="(\d+)""#).unwrap();
+    let ranges: Vec<String> = bars
+        .captures_iter(&dom)
+        .map(|c| format!("{}–{}", &c[1], &c[2]))
+        .collect();
+    assert_eq!(
+        ranges.len(),
+        audit["dag"]["nodes"].as_array().unwrap().len()
+    );
+    let labels: Vec<String> = regex::Regex::new(r#"<text [^>]*class="range" data-range="([^"]*)""#)
+        .unwrap()
+        .captures_iter(&dom)
+        .map(|c| c[1].to_string())
+        .collect();
+    let unlabelled: Vec<&String> = ranges.iter().filter(|r| !labels.contains(r)).collect();
+    assert!(
+        unlabelled.is_empty(),
+        "bars without their turn range: {unlabelled:?} (labels {labels:?})"
+    );
+    let ticks = regex::Regex::new(r#"class="turn-tick"[^>]*>([0-9,]+)<"#).unwrap();
+    assert!(ticks.captures_iter(&dom).count() >= 4, "no turn axis");
+    let ytop = regex::Regex::new(r#"class="ytick"[^>]*>([0-9,]+)<"#)
+        .unwrap()
+        .captures_iter(&dom)
+        .map(|c| c[1].replace(',', "").parse::<u64>().unwrap())
+        .max()
+        .unwrap();
+    assert!(
+        (30_000..=40_000).contains(&ytop),
+        "the chart's top tick is {ytop} for a 32,000-token budget"
+    );
+    // The summary, drilled into: its text, its metadata beside it.
+    assert!(
+        dom.contains(&format!("data-described=\"{deepest}\"")),
+        "not drilled into"
+    );
+    assert!(
+        dom.contains(r#"<pre class="text">Condensed summary"#),
+        "the summary's text is not shown as text"
+    );
+    assert!(
+        dom.contains("<dt>turns</dt>"),
+        "no metadata beside the summary"
+    );
+    screenshot(
+        &chromium,
+        &profile,
+        &url,
+        &shots.join("audit-page-summary.png"),
+        (1600, 1500),
+    );
 }

@@ -282,6 +282,53 @@ fn promtool_accepts_the_prometheus_config_and_the_alert_rules() {
     );
 }
 
+/// `promtool test rules`: the unit tests of the alert rules pass, and they
+/// show the dead-letter and spend alerts firing on the first event of a
+/// counter exported at 0 (and silent for one that appears at 1).
+#[test]
+fn promtool_unit_tests_fire_the_dead_letter_and_spend_alerts_on_the_first_event() {
+    let Some(promtool) = tool("promtool", "prometheus") else {
+        return;
+    };
+    let tests = deploy("prometheus/alerts.test.yml");
+    let out = run(Command::new(&promtool)
+        .args(["test", "rules"])
+        .arg(&tests)
+        .current_dir(deploy("prometheus")));
+    assert!(out.status.success(), "promtool test rules:\n{}", show(&out));
+    let text = read(&tests);
+    for alert in ["ContextfoldDeadLetters", "ContextfoldSpendWindowClosed"] {
+        assert!(
+            text.contains(&format!("alertname: {alert}")),
+            "alerts.test.yml does not test {alert}"
+        );
+    }
+
+    // The tests can fail: the same tests against rules whose dead-letter
+    // alert needs two events are refused.
+    let dir = tempfile::tempdir().unwrap();
+    let rules = read(&deploy("prometheus/alerts.yml"));
+    let needle = "increase(contextfold_jobs_dead_lettered_total[15m])) > 0";
+    assert!(rules.contains(needle), "{needle} not in alerts.yml");
+    std::fs::write(
+        dir.path().join("alerts.yml"),
+        rules.replace(
+            needle,
+            "increase(contextfold_jobs_dead_lettered_total[15m])) > 1",
+        ),
+    )
+    .unwrap();
+    std::fs::copy(&tests, dir.path().join("alerts.test.yml")).unwrap();
+    let out = run(Command::new(&promtool)
+        .args(["test", "rules", "alerts.test.yml"])
+        .current_dir(dir.path()));
+    assert!(
+        !out.status.success(),
+        "alerts.test.yml passed against a dead-letter alert that misses the first one:\n{}",
+        show(&out)
+    );
+}
+
 // ------------------------------------------------------------------- compose
 
 /// compose.yaml as docker-compose resolves it (anchors merged, paths made
@@ -335,6 +382,34 @@ fn docker_compose_accepts_compose_yaml() {
         "a bad compose file passed:\n{}",
         show(&out)
     );
+}
+
+/// The NATS version compose runs is the one the tests run
+/// (scripts/install-nats.sh's pin).
+#[test]
+fn compose_runs_the_nats_version_the_tests_use() {
+    let script = read(&repo().join("scripts/install-nats.sh"));
+    let pinned = Regex::new(r#"(?m)^NATS_SERVER_VERSION="([0-9.]+)""#)
+        .unwrap()
+        .captures(&script)
+        .map(|c| c[1].to_string())
+        .expect("NATS_SERVER_VERSION in scripts/install-nats.sh");
+    let compose = read(&deploy("compose.yaml"));
+    let images: Vec<String> = Regex::new(r"(?m)^\s*image:\s*(nats:\S+)")
+        .unwrap()
+        .captures_iter(&compose)
+        .map(|c| c[1].to_string())
+        .collect();
+    assert!(!images.is_empty(), "no nats image in compose.yaml");
+    for image in images {
+        let version = image
+            .trim_start_matches("nats:")
+            .trim_end_matches("-alpine");
+        assert_eq!(
+            version, pinned,
+            "compose.yaml runs {image}; the tests run nats-server {pinned}"
+        );
+    }
 }
 
 #[test]
@@ -694,6 +769,197 @@ fn the_helm_chart_parses_names_its_probes_and_runs_accepted_commands() {
         let args = strings(&values[role]["args"]);
         assert_args_parse(&args, &base, &format!("values.yaml {role}.args"));
         assert!(args.iter().any(|a| a == "0.0.0.0:9464"), "{role}: {args:?}");
+    }
+}
+
+/// The real helm: `CONTEXTFOLD_HELM`, else `helm` on PATH
+/// (scripts/install-helm.sh installs it); `CONTEXTFOLD_HELM=unavailable`
+/// (scripts/test.sh, when the install failed) skips with that reason.
+fn helm() -> Option<PathBuf> {
+    match std::env::var("CONTEXTFOLD_HELM") {
+        Ok(v) if v == "unavailable" => {
+            eprintln!(
+                "SKIPPED: scripts/install-helm.sh could not install helm on this machine \
+                 (see its message)"
+            );
+            None
+        }
+        Ok(v) if !v.is_empty() => Some(PathBuf::from(v)),
+        _ => {
+            let found = std::env::var_os("PATH").and_then(|paths| {
+                std::env::split_paths(&paths)
+                    .map(|dir| dir.join("helm"))
+                    .find(|p| p.is_file())
+            });
+            if found.is_none() {
+                let message = "helm not found (CONTEXTFOLD_HELM or PATH): \
+                               scripts/install-helm.sh installs it";
+                assert!(
+                    !require_tools(),
+                    "{message}; CONTEXTFOLD_REQUIRE_DEPLOY_TOOLS is set"
+                );
+                eprintln!("SKIPPED: {message}");
+            }
+            found
+        }
+    }
+}
+
+/// `helm lint --strict` accepts the chart, and `helm template` renders it
+/// into the objects the chart promises, with the probes on `/healthz` and
+/// `/readyz`, the dashboard's JSON and every `contextfold` command line
+/// accepted by the binary.
+#[test]
+fn helm_lints_and_renders_the_chart() {
+    let Some(helm) = helm() else {
+        return;
+    };
+    let chart = deploy("helm/contextfold");
+    let home = tempfile::tempdir().unwrap();
+    let helm_cmd = || {
+        let mut c = Command::new(&helm);
+        // No user configuration or cache of this machine's helm.
+        c.env("HELM_CONFIG_HOME", home.path().join("config"))
+            .env("HELM_CACHE_HOME", home.path().join("cache"))
+            .env("HELM_DATA_HOME", home.path().join("data"));
+        c
+    };
+    let lint = run(helm_cmd().args(["lint", "--strict"]).arg(&chart));
+    assert!(
+        lint.status.success(),
+        "helm lint --strict:\n{}",
+        show(&lint)
+    );
+    let text = String::from_utf8_lossy(&lint.stdout);
+    assert!(text.contains("0 chart(s) failed"), "{text}");
+
+    let rendered = run(helm_cmd()
+        .args(["template", "cf", "--namespace", "agents"])
+        .arg(&chart)
+        .args([
+            "--set",
+            "serviceMonitor.enabled=true,dashboard.enabled=true",
+        ]));
+    assert!(
+        rendered.status.success(),
+        "helm template:\n{}",
+        show(&rendered)
+    );
+    let Some(python) = yaml_reader() else {
+        return;
+    };
+    let manifest = String::from_utf8_lossy(&rendered.stdout).into_owned();
+    let docs = yaml_documents(&python, &manifest);
+    let kinds: BTreeSet<String> = docs
+        .iter()
+        .filter_map(|d| d["kind"].as_str().map(str::to_string))
+        .collect();
+    for kind in [
+        "StatefulSet",
+        "Deployment",
+        "ConfigMap",
+        "Secret",
+        "Service",
+        "ServiceMonitor",
+    ] {
+        assert!(
+            kinds.contains(kind),
+            "helm template made no {kind}: {kinds:?}"
+        );
+    }
+    let mut commands = 0;
+    for doc in &docs {
+        let containers = &doc["spec"]["template"]["spec"]["containers"];
+        for c in containers.as_array().into_iter().flatten() {
+            let origin = format!("helm template {} {}", doc["kind"], doc["metadata"]["name"]);
+            assert_eq!(
+                c["livenessProbe"]["httpGet"]["path"], "/healthz",
+                "{origin}"
+            );
+            assert_eq!(
+                c["readinessProbe"]["httpGet"]["path"], "/readyz",
+                "{origin}"
+            );
+            // The image's entrypoint is contextfold: its arguments, or what
+            // follows the binary in a command that names it.
+            let command = strings(&c["command"]);
+            let mut args: Vec<String> = command
+                .iter()
+                .skip_while(|a| !a.ends_with("contextfold"))
+                .skip(1)
+                .cloned()
+                .collect();
+            args.extend(strings(&c["args"]));
+            assert_args_parse(&args, &BTreeMap::new(), &origin);
+            commands += 1;
+        }
+        if doc["kind"] == "ConfigMap" {
+            for (name, value) in doc["data"].as_object().into_iter().flatten() {
+                if name.ends_with(".json") {
+                    let text = value.as_str().unwrap_or_default();
+                    serde_json::from_str::<Value>(text)
+                        .unwrap_or_else(|e| panic!("{name} in the ConfigMap is not JSON: {e}"));
+                }
+            }
+        }
+    }
+    assert!(commands >= 2, "no contextfold container in:\n{manifest}");
+
+    // The check can fail: a chart with a broken template is refused.
+    let broken = home.path().join("chart");
+    copy_dir(&chart, &broken);
+    let services = broken.join("templates/services.yaml");
+    std::fs::write(
+        &services,
+        read(&services) + "\n{{ .Values.nope.missing }}\n",
+    )
+    .unwrap();
+    let out = run(helm_cmd().args(["lint", "--strict"]).arg(&broken));
+    assert!(
+        !out.status.success(),
+        "a broken chart passed helm lint:\n{}",
+        show(&out)
+    );
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), &target).unwrap();
+        }
+    }
+}
+
+/// Every document of a multi-document YAML text, as JSON (empty ones left
+/// out).
+fn yaml_documents(python: &Path, text: &str) -> Vec<Value> {
+    use std::io::Write;
+    let mut child = Command::new(python)
+        .args([
+            "-c",
+            "import sys, json, yaml; json.dump([d for d in yaml.safe_load_all(sys.stdin) if d], sys.stdout)",
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "not YAML:\n{}", show(&out));
+    match serde_json::from_slice(&out.stdout).unwrap() {
+        Value::Array(docs) => docs,
+        other => panic!("not a list of documents: {other}"),
     }
 }
 

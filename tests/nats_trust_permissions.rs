@@ -206,11 +206,11 @@ async fn check(d: Deployment) {
     }
     let (status, listed, _) = http_get(&format!("{base}/api/conversations")).await;
     let listed: serde_json::Value = serde_json::from_str(&listed).unwrap_or_default();
-    let entry = listed
+    let entry = listed["conversations"]
         .as_array()
         .and_then(|a| a.iter().find(|c| c["conversation"] == CONV));
     match entry {
-        Some(e) if status == 200 && e.get("error").is_none() && e["turns"]["total"] == 8 => {}
+        Some(e) if status == 200 && e["health"] != "unknown" && e["turns"] == 8 => {}
         other => broken.push(format!("/api/conversations: {status} {other:?}")),
     }
     let at = format!("{CONV}%235");

@@ -3,21 +3,31 @@
 //! and a real Prometheus scraping `/metrics` and answering a PromQL query
 //! with the number of turns the service folded.
 //!
+//! A second test holds what the deploy/ files are written against: every
+//! family `src/telemetry.rs` documents is in the first scrape, before any
+//! event; after traffic (turns folded and compacted by a model, a spend
+//! window closed, a dead letter, assembles), every Grafana dashboard query
+//! and every alert expression, evaluated by a real Prometheus scraping the
+//! service, returns series, and the dead-letter and spend alerts fire on
+//! their first event.
+//!
 //! Prometheus is the Debian package (`scripts/test.sh` installs it); the
-//! test skips with a message when it is missing, unless
+//! tests skip with a message when it is missing, unless
 //! `CONTEXTFOLD_REQUIRE_PROMETHEUS` is set. `CONTEXTFOLD_PROMETHEUS` names
 //! the binary when it is not `prometheus` on the `PATH`.
 
 // Tests and benches fail loudly: a panic is their report.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+#[path = "support/llm_server.rs"]
+mod llm_server;
 mod support;
 
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 use support::nats_server::{free_port, NatsServer};
-use support::serve::raw_publish;
+use support::serve::{raw_publish, token};
 use support::turns::turns;
 
 fn prometheus_binary() -> Option<PathBuf> {
@@ -58,12 +68,30 @@ struct Prometheus {
 
 impl Prometheus {
     fn start(binary: &PathBuf, target: &str) -> Prometheus {
+        Prometheus::start_with_rules(binary, target, None)
+    }
+
+    /// Scraping `target` every second, evaluating the rules of `rules`
+    /// (a copy of the file) every second.
+    fn start_with_rules(
+        binary: &PathBuf,
+        target: &str,
+        rules: Option<&std::path::Path>,
+    ) -> Prometheus {
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("prometheus.yml");
+        let rule_files = match rules {
+            Some(file) => {
+                let copy = dir.path().join("rules.yml");
+                std::fs::copy(file, &copy).unwrap();
+                format!("rule_files:\n  - '{}'\n", copy.display())
+            }
+            None => String::new(),
+        };
         std::fs::write(
             &config,
             format!(
-                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n\
+                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n{rule_files}\
                  scrape_configs:\n  - job_name: contextfold\n    scrape_interval: 1s\n    \
                  static_configs:\n      - targets: ['{target}']\n"
             ),
@@ -106,6 +134,45 @@ impl Prometheus {
         let body: serde_json::Value = resp.json().await.ok()?;
         let value = body["data"]["result"].get(0)?["value"].get(1)?.as_str()?;
         value.parse().ok()
+    }
+
+    /// Every series an instant query returns (labels, value), or the error
+    /// Prometheus gave.
+    async fn series(
+        &self,
+        http: &reqwest::Client,
+        promql: &str,
+    ) -> Result<Vec<(serde_json::Value, String)>, String> {
+        let body: serde_json::Value = self.api(http, "query", &[("query", promql)]).await?;
+        if body["status"] != "success" {
+            return Err(body.to_string());
+        }
+        Ok(body["data"]["result"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|r| {
+                (
+                    r["metric"].clone(),
+                    r["value"][1].as_str().unwrap_or_default().to_string(),
+                )
+            })
+            .collect())
+    }
+
+    async fn api(
+        &self,
+        http: &reqwest::Client,
+        path: &str,
+        query: &[(&str, &str)],
+    ) -> Result<serde_json::Value, String> {
+        let resp = http
+            .get(format!("http://127.0.0.1:{}/api/v1/{path}", self.port))
+            .query(query)
+            .send()
+            .await
+            .map_err(|e| e.to_string())?;
+        resp.json().await.map_err(|e| e.to_string())
     }
 }
 
@@ -255,5 +322,360 @@ async fn prometheus_scrapes_serve_and_readiness_follows_nats() {
             .any(|e| e["fields"]["message"] == "folder role started" && e["level"] == "INFO"),
         "{log}"
     );
+    drop(prom);
+}
+
+/// Every PromQL expression of the Grafana dashboard's panels, with its panel
+/// title, Grafana's variables given the values a dashboard of one
+/// Prometheus gives them.
+fn dashboard_queries() -> Vec<(String, String)> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("deploy/grafana/dashboards/contextfold.json");
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let mut out = Vec::new();
+    let mut panels: Vec<&serde_json::Value> =
+        dashboard["panels"].as_array().unwrap().iter().collect();
+    while let Some(panel) = panels.pop() {
+        if let Some(inner) = panel["panels"].as_array() {
+            panels.extend(inner);
+        }
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            let expr = target["expr"]
+                .as_str()
+                .unwrap()
+                .replace("$__rate_interval", "1m")
+                .replace("$instance", ".*");
+            out.push((
+                format!("panel {}", panel["title"].as_str().unwrap_or_default()),
+                expr,
+            ));
+        }
+    }
+    out.reverse();
+    out
+}
+
+/// An alert expression turned into one that returns its series whatever
+/// their value: each comparison with a number gets `bool` (`x > 0` is 1 or
+/// 0 instead of filtering), so the check sees what the rule compares.
+fn unfiltered(expr: &str) -> String {
+    regex::Regex::new(r"(==|!=|>=|<=|>|<)(\s*-?[0-9])")
+        .unwrap()
+        .replace_all(expr, "$1 bool$2")
+        .into_owned()
+}
+
+fn short(expr: &str, n: usize) -> String {
+    let one_line: String = expr.split_whitespace().collect::<Vec<_>>().join(" ");
+    if one_line.chars().count() <= n {
+        one_line
+    } else {
+        format!("{}…", one_line.chars().take(n - 1).collect::<String>())
+    }
+}
+
+/// The families of an exposition: `# TYPE` lines, and the number of
+/// samples of each.
+fn exposition_families(text: &str) -> std::collections::BTreeMap<String, (String, usize)> {
+    let mut out = std::collections::BTreeMap::<String, (String, usize)>::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let mut it = rest.split_whitespace();
+            if let (Some(name), Some(kind)) = (it.next(), it.next()) {
+                out.insert(name.to_string(), (kind.to_string(), 0));
+            }
+        } else if !line.starts_with('#') && !line.is_empty() {
+            let name = line.split(['{', ' ']).next().unwrap_or_default();
+            let family = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| name.strip_suffix(s).filter(|f| out.contains_key(*f)))
+                .unwrap_or(name);
+            if let Some(entry) = out.get_mut(family) {
+                entry.1 += 1;
+            }
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_family_is_exported_from_start_up_and_every_dashboard_and_alert_query_answers() {
+    let Some(prometheus) = prometheus_binary() else {
+        assert!(
+            std::env::var_os("CONTEXTFOLD_REQUIRE_PROMETHEUS").is_none(),
+            "CONTEXTFOLD_REQUIRE_PROMETHEUS is set but no prometheus binary was found \
+             (apt-get install -y prometheus, or set CONTEXTFOLD_PROMETHEUS)"
+        );
+        eprintln!("skipping: no prometheus binary (apt-get install -y prometheus)");
+        return;
+    };
+    // A model that answers every summary request differently (one fixed
+    // text would be refused as a copy of the previous summary).
+    let rules = serde_json::json!({"rules": [
+        {"name": "summary", "when": {"model_matches": "good"}, "respond": {}}
+    ]});
+    let Some(llm) = llm_server::FakeLlm::start(&rules.to_string()).await else {
+        return;
+    };
+    let server = NatsServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let http_port = free_port();
+    let target = format!("127.0.0.1:{http_port}");
+    let stderr = std::fs::File::create(dir.path().join("serve.log")).unwrap();
+    let mut serve = tokio::process::Command::new(env!("CARGO_BIN_EXE_contextfold"))
+        .arg("--data")
+        .arg(dir.path().join("serve"))
+        .args(["--log-format", "json"])
+        .args(["serve", "--nats", &server.url(), "--http", &target])
+        .env_remove("CONTEXTFOLD_CONFIG")
+        .env("OPENAI_API_KEY", "test-key-not-secret")
+        .env("CONTEXTFOLD_NATS__STORAGE", "memory")
+        .env("CONTEXTFOLD_SUMMARIZER__BASE_URL", llm.base_url())
+        .env("CONTEXTFOLD_SUMMARIZER__MODEL", "good")
+        .env("CONTEXTFOLD_POLICY__DEFAULT_CONTEXT_WINDOW", "6000")
+        .env("CONTEXTFOLD_POLICY__FRESH_TAIL_COUNT", "6")
+        .env("CONTEXTFOLD_POLICY__LEAF_CHUNK_TOKENS", "1200")
+        .env("CONTEXTFOLD_POLICY__LEAF_TARGET_TOKENS", "200")
+        // Three model calls a window (a rolling state and two summaries):
+        // a conversation with more to compact then waits, its spend window
+        // closed.
+        .env("CONTEXTFOLD_POLICY__SUMMARY_MAX_CALLS_PER_WINDOW", "3")
+        .env("CONTEXTFOLD_LOG", "contextfold=info")
+        .stderr(stderr)
+        .kill_on_drop(true)
+        .spawn()
+        .expect("contextfold serve starts");
+    let serve_log = || std::fs::read_to_string(dir.path().join("serve.log")).unwrap_or_default();
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let base = format!("http://{target}");
+
+    // The first scrape, before any event: every documented family.
+    let text = wait_for(
+        "the first /metrics",
+        Duration::from_secs(30),
+        async || match get(&http, &format!("{base}/metrics")).await {
+            Some((200, text)) => Some(text),
+            _ => None,
+        },
+    )
+    .await;
+    let families = exposition_families(&text);
+    eprintln!("/metrics at start-up (no event yet): family, type, samples");
+    let mut missing = Vec::new();
+    for &(name, kind, _) in contextfold::telemetry::FAMILIES {
+        let kind = format!("{kind:?}").to_lowercase();
+        match families.get(name) {
+            Some((exported, samples)) => {
+                eprintln!("  {name:<48} {exported:<9} {samples}");
+                assert_eq!(exported, &kind, "{name}");
+                assert!(*samples > 0, "{name} has no sample at start-up");
+            }
+            None => missing.push(name),
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "families missing from the first scrape: {missing:?}\n{text}"
+    );
+    for sample in [
+        "contextfold_jobs_dead_lettered_total{reason=\"undecodable\"} 0",
+        "contextfold_spend_windows_closed_total{window=\"spend_window\"} 0",
+        "contextfold_summarizer_calls_total{model=\"good\",outcome=\"ok\"} 0",
+        "contextfold_clock_ticks_total{partition=\"15\"} 0",
+    ] {
+        assert!(text.contains(sample), "no `{sample}` at start-up:\n{text}");
+    }
+
+    let alerts =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/prometheus/alerts.yml");
+    let prom = Prometheus::start_with_rules(&prometheus, &target, Some(&alerts));
+    wait_for("/readyz 200", Duration::from_secs(60), async || {
+        matches!(get(&http, &format!("{base}/readyz")).await, Some((200, _))).then_some(())
+    })
+    .await;
+    // Scraped at 0 first, so the first events below are increases.
+    wait_for(
+        "Prometheus's first scrape",
+        Duration::from_secs(30),
+        async || {
+            prom.query(
+                &http,
+                "contextfold_jobs_dead_lettered_total{reason=\"undecodable\"}",
+            )
+            .await
+        },
+    )
+    .await;
+
+    // Traffic: three conversations compacted by the model, republished
+    // events (duplicates), an undecodable record (a refusal), assembles,
+    // and an undecodable job (a dead letter).
+    let client = async_nats::connect(server.url()).await.unwrap();
+    let keys = ["ops:alpha", "ops:beta", "ops:gamma"];
+    let published: Vec<_> = keys
+        .iter()
+        .flat_map(|k| support::turns::turns(k, 0..80, 60))
+        .collect();
+    raw_publish(&client, &published).await;
+    raw_publish(&client, &published[..3]).await;
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", "not-an-event-1");
+    client
+        .publish_with_headers(
+            format!("cf.in.{}", token(keys[0])),
+            headers,
+            "{not json".into(),
+        )
+        .await
+        .unwrap();
+    client
+        .publish(format!("cf.job.{}", token(keys[1])), "not a job".into())
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+
+    let need = [
+        (
+            "sum(contextfold_events_folded_total)",
+            published.len() as f64,
+        ),
+        ("sum(contextfold_events_duplicate_total)", 1.0),
+        ("sum(contextfold_events_rejected_total)", 1.0),
+        ("sum(contextfold_summaries_written_total)", 1.0),
+        (
+            "sum(contextfold_summarizer_calls_total{model=\"good\"})",
+            1.0,
+        ),
+        ("sum(contextfold_jobs_dead_lettered_total)", 1.0),
+        ("sum(contextfold_spend_windows_closed_total)", 1.0),
+    ];
+    for (promql, at_least) in need {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let got = prom.query(&http, promql).await.unwrap_or(0.0);
+            if got >= at_least {
+                break;
+            }
+            let exited = serve.try_wait().ok().flatten();
+            if exited.is_some() || Instant::now() >= deadline {
+                let log = serve_log();
+                let tail: Vec<&str> = log.lines().rev().take(60).collect();
+                panic!(
+                    "{promql} is {got}, wanted {at_least} (serve exited: {exited:?}; model \
+                     requests {}); serve log, newest first:\n{}",
+                    llm.total().await,
+                    tail.join("\n")
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+    for key in keys {
+        let reply = client
+            .request(
+                format!("cf.api.assemble.{}", token(key)),
+                serde_json::json!({ "conversation": key })
+                    .to_string()
+                    .into(),
+            )
+            .await
+            .unwrap();
+        let body: serde_json::Value = serde_json::from_slice(&reply.payload).unwrap();
+        assert!(body["messages"].is_array(), "{body}");
+    }
+    wait_for("assembles scraped", Duration::from_secs(30), async || {
+        prom.query(&http, "sum(contextfold_assemble_seconds_count)")
+            .await
+            .filter(|n| *n >= keys.len() as f64)
+    })
+    .await;
+
+    // The dead-letter and spend alerts fire on their first event.
+    let firing = wait_for("the alerts to fire", Duration::from_secs(60), async || {
+        let body = prom.api(&http, "alerts", &[]).await.ok()?;
+        let firing: std::collections::BTreeMap<String, serde_json::Value> = body["data"]["alerts"]
+            .as_array()?
+            .iter()
+            .filter(|a| a["state"] == "firing")
+            .map(|a| {
+                (
+                    a["labels"]["alertname"].as_str().unwrap_or("").to_string(),
+                    a.clone(),
+                )
+            })
+            .collect();
+        (firing.contains_key("ContextfoldDeadLetters")
+            && firing.contains_key("ContextfoldSpendWindowClosed"))
+        .then_some(firing)
+    })
+    .await;
+    eprintln!("\nalerts firing after the first dead letter and the first closed spend window:");
+    for (name, alert) in &firing {
+        eprintln!(
+            "  {name}: labels {}, value {}, summary {:?}",
+            alert["labels"],
+            alert["value"],
+            alert["annotations"]["summary"].as_str().unwrap_or_default()
+        );
+    }
+    assert_eq!(
+        firing["ContextfoldDeadLetters"]["labels"]["reason"], "undecodable",
+        "{firing:?}"
+    );
+    assert_eq!(
+        firing["ContextfoldSpendWindowClosed"]["labels"]["window"], "spend_window",
+        "{firing:?}"
+    );
+
+    // Every rule Prometheus loaded is healthy, and every alert expression
+    // and dashboard query returns series from what serve exports.
+    let rules = prom.api(&http, "rules", &[]).await.unwrap();
+    let mut queries = Vec::new();
+    for group in rules["data"]["groups"].as_array().unwrap() {
+        for rule in group["rules"].as_array().unwrap() {
+            assert_eq!(rule["health"], "ok", "{rule}");
+            queries.push((
+                format!("alert {}", rule["name"].as_str().unwrap()),
+                unfiltered(rule["query"].as_str().unwrap()),
+            ));
+        }
+    }
+    assert_eq!(queries.len(), 7, "{rules}");
+    queries.extend(dashboard_queries());
+    assert!(queries.len() >= 45, "{}", queries.len());
+    eprintln!(
+        "\nevery alert expression (comparisons as `bool`) and dashboard query after traffic:"
+    );
+    eprintln!("  {:<58} {:<86} {:>6}  values", "where", "query", "series");
+    let mut empty = Vec::new();
+    for (origin, promql) in &queries {
+        let series = prom
+            .series(&http, promql)
+            .await
+            .unwrap_or_else(|e| panic!("{origin}: {promql}: {e}"));
+        let values: Vec<&str> = series.iter().take(3).map(|(_, v)| v.as_str()).collect();
+        eprintln!(
+            "  {:<58} {:<86} {:>6}  {}",
+            short(origin, 58),
+            short(promql, 86),
+            series.len(),
+            values.join(" ")
+        );
+        if series.is_empty() {
+            empty.push(format!("{origin}: {promql}"));
+        }
+    }
+    assert!(
+        empty.is_empty(),
+        "queries that return nothing from a running serve:\n  {}\nserve log:\n{}",
+        empty.join("\n  "),
+        serve_log()
+    );
+    let _ = serve.start_kill();
+    let _ = serve.wait().await;
     drop(prom);
 }

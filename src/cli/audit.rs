@@ -14,9 +14,10 @@ use contextfold::api::Op;
 use contextfold::api::{DescribeRequest, ExpandRequest, StatusRequest};
 use contextfold::config::Config;
 use contextfold::core::assembly::AssemblyRequest;
-use contextfold::core::audit;
 use contextfold::http::access::PageAccess;
+use contextfold::http::audit_page::list::Row;
 use contextfold::http::audit_page::{self, AuditSource, PageError};
+use contextfold::log::EventLog;
 use contextfold::nats::api_role::ask_owner;
 use contextfold::nats::event_log::NatsEventLog;
 use contextfold::nats::subjects::{partition_of, Subjects};
@@ -92,7 +93,7 @@ pub fn audit(config: &Config, nats: &NatsArgs, conversation: &str, json: bool) -
     if json {
         println!("{}", serde_json::to_string_pretty(&a.audit)?);
     } else {
-        print!("{}", audit::render_text(&a.audit));
+        print!("{}", contextfold::audit_text::render(&a.audit));
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -134,6 +135,7 @@ pub fn ui(config: &Config, nats: &NatsArgs, addr: std::net::SocketAddr) -> Resul
             Arc::new(Embedded {
                 config: config.clone(),
                 turn: std::sync::Mutex::new(()),
+                folded: std::sync::Mutex::new(None),
             })
         } else {
             Arc::new(
@@ -159,14 +161,17 @@ pub fn ui(config: &Config, nats: &NatsArgs, addr: std::net::SocketAddr) -> Resul
     })
 }
 
-/// The page's source over the embedded log, folded in memory per request
-/// (nothing is written; what a `run` appended between two requests is seen
-/// at the next). The log's directory lock admits one open handle, so the
-/// requests take turns (`turn`), and a `run` writing at that moment makes
-/// the request fail with the log's own message.
+/// The page's source over the embedded log, folded in memory (nothing is
+/// written; what a `run` appended between two requests is seen at the
+/// next: the list's fold is kept while the log has not grown). The log's
+/// directory lock admits one open handle, so the requests take turns
+/// (`turn`), and a `run` writing at that moment makes the request fail
+/// with the log's own message.
 struct Embedded {
     config: Config,
     turn: std::sync::Mutex<()>,
+    /// The whole log folded, and the log position it reflects.
+    folded: std::sync::Mutex<Option<(u64, Engine<MemoryBackend>)>>,
 }
 
 /// What the model saw after the event `engine` was folded up to, as the
@@ -215,6 +220,24 @@ impl Embedded {
         self.block(local::replay_log(&self.config, until))
     }
 
+    /// `f` over the whole log folded: the kept fold while the log has not
+    /// grown, else a new one.
+    fn with_folded<T>(
+        &self,
+        f: impl FnOnce(&Engine<MemoryBackend>) -> Result<T, PageError>,
+    ) -> Result<T, PageError> {
+        let mut folded = self.folded.lock().unwrap_or_else(|p| p.into_inner());
+        let position =
+            self.block(async { Ok(local::open_log(&self.config)?.last_position().await?) })?;
+        let engine = match folded.take() {
+            Some((at, engine)) if at == position => engine,
+            _ => self.engine(None)?.0,
+        };
+        let out = f(&engine);
+        *folded = Some((position, engine));
+        out
+    }
+
     fn ask(
         &self,
         op: &str,
@@ -234,35 +257,46 @@ impl Embedded {
 }
 
 impl AuditSource for Embedded {
-    fn conversations(&self) -> Result<serde_json::Value, PageError> {
-        let (engine, _) = self.engine(None)?;
-        let mut keys = Vec::new();
-        engine
-            .each_conversation(|_, conv| -> Result<(), contextfold::store::StoreError> {
-                keys.push(conv.key.clone());
-                Ok(())
-            })
-            .map_err(failed)?;
-        let mut out = Vec::with_capacity(keys.len());
-        for key in keys {
-            let body = serde_json::to_vec(&StatusRequest {
-                conversation: Some(key.clone()),
-            })
-            .map_err(failed)?;
-            out.push(api_answer(&local::answer_from(
-                &engine,
-                "status",
-                Some(&key),
-                &body,
-                &self.config.policy,
-            ))?);
-        }
-        Ok(serde_json::Value::Array(out))
+    fn conversation_keys(&self) -> Result<Vec<String>, PageError> {
+        self.with_folded(|engine| {
+            let mut keys = Vec::new();
+            engine
+                .each_conversation(|_, conv| -> Result<(), contextfold::store::StoreError> {
+                    keys.push(conv.key.clone());
+                    Ok(())
+                })
+                .map_err(failed)?;
+            Ok(keys)
+        })
     }
 
-    fn audit(&self, conversation: &str) -> Result<serde_json::Value, PageError> {
-        let a = self.block(audited(&self.config, conversation))?;
-        Ok(serde_json::json!({ "audit": a.audit, "dag": a.dag }))
+    fn rows(&self, keys: &[String]) -> Result<Vec<Row>, PageError> {
+        self.with_folded(|engine| {
+            keys.iter()
+                .map(|key| {
+                    let body = serde_json::to_vec(&StatusRequest {
+                        conversation: Some(key.clone()),
+                    })
+                    .map_err(failed)?;
+                    Ok(
+                        match api_answer(&local::answer_from(
+                            engine,
+                            "status",
+                            Some(key),
+                            &body,
+                            &self.config.policy,
+                        )) {
+                            Ok(status) => Row::from_status(key, &status),
+                            Err(e) => Row::unknown(key, e.to_string()),
+                        },
+                    )
+                })
+                .collect()
+        })
+    }
+
+    fn audit(&self, conversation: &str) -> Result<Audited, PageError> {
+        self.block(audited(&self.config, conversation))
     }
 
     fn context_at(&self, conversation: &str, at: &str) -> Result<serde_json::Value, PageError> {
@@ -305,15 +339,7 @@ impl AuditSource for Embedded {
             serde_json::to_value(request).map_err(failed)?,
         )
     }
-
-    fn plot(&self, conversation: &str) -> Result<String, PageError> {
-        let a = self.block(audited(&self.config, conversation))?;
-        contextfold::plot::svg(&a.audit, &a.dag).map_err(failed)
-    }
 }
-
-/// The most conversations the page of a NATS deployment lists.
-const MAX_LISTED: usize = 500;
 
 /// How the page asks the API role.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -383,40 +409,46 @@ impl NatsSource {
         body: &impl serde::Serialize,
     ) -> Result<serde_json::Value, PageError> {
         let body = serde_json::to_vec(body).map_err(failed)?;
+        let reply = self.block(self.ask_bytes(op, conversation, body))?;
+        api_answer(&reply)
+    }
+
+    /// [`NatsSource::ask`] without waiting: the reply's bytes.
+    async fn ask_bytes(&self, op: Op, conversation: &str, body: Vec<u8>) -> Result<Vec<u8>> {
         let timeout = std::time::Duration::from_secs(30);
         if self.route == AskRoute::Owner {
-            let reply = self.block(async {
-                ask_owner(
-                    &self.client,
-                    self.subjects.prefix(),
-                    self.partitions,
-                    timeout,
-                    op,
-                    conversation,
-                    body.into(),
-                )
-                .await
-                .map_err(|e| anyhow::anyhow!("asking the owner of {conversation:?}: {e}"))
-            })?;
-            return api_answer(&reply);
+            let reply = ask_owner(
+                &self.client,
+                self.subjects.prefix(),
+                self.partitions,
+                timeout,
+                op,
+                conversation,
+                body.into(),
+            )
+            .await
+            .map_err(|e| anyhow::anyhow!("asking the owner of {conversation:?}: {e}"))?;
+            return Ok(reply.to_vec());
         }
-        let subject = self.subjects.api(op, conversation).map_err(failed)?;
-        let reply = self.block(async {
-            let request = async_nats::Request::new()
-                .payload(body.into())
-                .timeout(Some(timeout));
-            self.client
-                .send_request(subject.clone(), request)
-                .await
-                .with_context(|| format!("asking {subject} (is the api role running?)"))
-        })?;
-        api_answer(&reply.payload)
+        let subject = self.subjects.api(op, conversation)?;
+        let request = async_nats::Request::new()
+            .payload(body.into())
+            .timeout(Some(timeout));
+        let reply = self
+            .client
+            .send_request(subject.clone(), request)
+            .await
+            .with_context(|| format!("asking {subject} (is the api role running?)"))?;
+        Ok(reply.payload.to_vec())
     }
 }
 
+/// Status requests a list page has in flight at once over NATS.
+const STATUS_CONCURRENCY: usize = 32;
+
 impl AuditSource for NatsSource {
-    fn conversations(&self) -> Result<serde_json::Value, PageError> {
-        let keys = self.block(async {
+    fn conversation_keys(&self) -> Result<Vec<String>, PageError> {
+        self.block(async {
             let stream = self
                 .js
                 .get_stream(self.subjects.events_stream())
@@ -433,30 +465,47 @@ impl AuditSource for NatsSource {
                 .context("listing the events stream's subjects")?
             {
                 if let Ok(stored) = self.subjects.parse_event_subject(&subject) {
-                    keys.insert(stored.conversation);
+                    // A partition's own events (its policy, its clock) are
+                    // stored under a reserved key: no conversation.
+                    if !contextfold::core::event::is_partition_key(&stored.conversation) {
+                        keys.insert(stored.conversation);
+                    }
                 }
             }
-            Ok(keys)
-        })?;
-        let mut out = Vec::new();
-        for key in keys.into_iter().take(MAX_LISTED) {
-            let request = StatusRequest {
-                conversation: Some(key.clone()),
-            };
-            match self.ask(Op::Status, &key, &request) {
-                Ok(status) => out.push(status),
-                Err(e) => out.push(serde_json::json!({
-                    "conversation": key,
-                    "health": { "status": "unknown" },
-                    "error": e.to_string(),
-                })),
-            }
-        }
-        Ok(serde_json::Value::Array(out))
+            Ok(keys.into_iter().collect())
+        })
     }
 
-    fn audit(&self, conversation: &str) -> Result<serde_json::Value, PageError> {
-        let a = self.block(async {
+    fn rows(&self, keys: &[String]) -> Result<Vec<Row>, PageError> {
+        use futures::StreamExt;
+        self.block(async {
+            let rows = futures::stream::iter(keys)
+                .map(|key| async move {
+                    let request = StatusRequest {
+                        conversation: Some(key.clone()),
+                    };
+                    let answer = match serde_json::to_vec(&request) {
+                        Ok(body) => self
+                            .ask_bytes(Op::Status, key, body)
+                            .await
+                            .map_err(|e| format!("{e:#}"))
+                            .and_then(|bytes| api_answer(&bytes).map_err(|e| e.to_string())),
+                        Err(e) => Err(e.to_string()),
+                    };
+                    match answer {
+                        Ok(status) => Row::from_status(key, &status),
+                        Err(why) => Row::unknown(key, why),
+                    }
+                })
+                .buffer_unordered(STATUS_CONCURRENCY)
+                .collect::<Vec<Row>>()
+                .await;
+            Ok(rows)
+        })
+    }
+
+    fn audit(&self, conversation: &str) -> Result<Audited, PageError> {
+        self.block(async {
             let mut log = self.log(conversation).await?;
             Ok(gather::audit(
                 &mut log,
@@ -465,8 +514,7 @@ impl AuditSource for NatsSource {
                 conversation,
             )
             .await?)
-        })?;
-        Ok(serde_json::json!({ "audit": a.audit, "dag": a.dag }))
+        })
     }
 
     fn context_at(&self, conversation: &str, at: &str) -> Result<serde_json::Value, PageError> {
@@ -506,19 +554,5 @@ impl AuditSource for NatsSource {
             skip,
         };
         self.ask(Op::Expand, conversation, &request)
-    }
-
-    fn plot(&self, conversation: &str) -> Result<String, PageError> {
-        let a = self.block(async {
-            let mut log = self.log(conversation).await?;
-            Ok(gather::audit(
-                &mut log,
-                &self.config.policy,
-                self.config.store.residency(),
-                conversation,
-            )
-            .await?)
-        })?;
-        contextfold::plot::svg(&a.audit, &a.dag).map_err(failed)
     }
 }

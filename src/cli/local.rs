@@ -19,11 +19,10 @@ use anyhow::{bail, Context, Result};
 use contextfold::api::{self, status, Held};
 use contextfold::config::Config;
 use contextfold::core::assembly::{self, AssemblyRequest};
-use contextfold::core::event::{Encoding, Envelope, MAX_EVENT_BYTES};
+use contextfold::core::event::{Encoding, MAX_EVENT_BYTES};
 use contextfold::core::overflow;
 use contextfold::core::policy::PolicyConfig;
 use contextfold::import::{self, Format};
-use contextfold::log::memory::MemoryLog;
 use contextfold::log::segment::{SegmentLog, DEFAULT_MAX_RECORD_BYTES};
 use contextfold::log::{EventLog, LogRecord};
 use contextfold::runtime::embedded::{self, Pipeline};
@@ -686,57 +685,5 @@ pub fn rebuild(config: &Config) -> Result<ExitCode> {
             );
             Ok(ExitCode::FAILURE)
         }
-    })
-}
-
-pub fn demo(config: &Config, file: Option<&Path>, budget: u64) -> Result<ExitCode> {
-    let events: Vec<Envelope> = match file {
-        Some(f) => import::import_file(f, Format::Auto)?
-            .into_iter()
-            .flat_map(|c| c.events)
-            .collect(),
-        None => contextfold::demo::session(),
-    };
-    let mut policy = config.policy.clone();
-    policy.default_context_window = budget;
-    policy.max_assembly_token_budget = Some(budget);
-    let rt = runtime()?;
-    rt.block_on(async {
-        let engine = Engine::open(MemoryBackend::default(), policy.clone())?;
-        let mut p = Pipeline::open(MemoryLog::new(), engine, Deterministic).await?;
-        let started = Instant::now();
-        let total = events.len();
-        let mut max_assembled = 0;
-        for (i, e) in events.iter().enumerate() {
-            p.ingest(std::slice::from_ref(e)).await?;
-            if let Some(conv) = p.engine.state.conversations.get(&e.conversation) {
-                let out = assembly::assemble_from(
-                    conv,
-                    &p.engine.bodies(),
-                    &policy,
-                    &AssemblyRequest::default(),
-                )?;
-                max_assembled = max_assembled.max(out.tokens);
-            }
-            if (i + 1) % 100 == 0 || i + 1 == total {
-                eprintln!("  {}/{total} turns folded", i + 1);
-            }
-        }
-        report::print(&p.engine, &policy, started.elapsed(), false)?;
-        println!(
-            "largest assembled context after any turn: {max_assembled} tokens (budget {budget})"
-        );
-        if let Some((key, conv)) = p.engine.state.conversations.iter().next() {
-            let out = assembly::assemble_from(
-                conv,
-                &p.engine.bodies(),
-                &policy,
-                &AssemblyRequest::default(),
-            )?
-            .into_owned();
-            println!("\n== what the model sees now for {key} ==");
-            report::print_assembled_brief(&out);
-        }
-        Ok(ExitCode::SUCCESS)
     })
 }

@@ -2,6 +2,7 @@
 //! data directory and reports in plain text (or JSON where asked).
 
 pub(crate) mod audit;
+mod demo;
 mod doctor;
 mod eval;
 mod gateway;
@@ -115,7 +116,10 @@ pub enum Command {
     /// Rebuild the state from the log into a fresh store and check the
     /// hashes agree with the current one. Deletes nothing.
     Rebuild,
-    /// Run the whole pipeline on a realistic long agent session.
+    /// Run the whole pipeline on a realistic long agent session and say
+    /// what happened and what to look at next. In memory, unless `--data
+    /// DIR` is given: then its log and state are kept there, for `audit`,
+    /// `plot` and `ui`.
     Demo {
         /// Use this transcript instead of the built-in session.
         #[arg(long)]
@@ -363,6 +367,7 @@ fn init_logging(format: LogFormat) {
 
 pub fn run(cli: Cli) -> Result<ExitCode> {
     let mut config = Config::load(cli.config.as_deref()).context("loading configuration")?;
+    let data_given = cli.data.is_some();
     if let Some(d) = cli.data {
         config.data_dir = d;
     }
@@ -446,7 +451,14 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
             audit::ui(&config, &nats, std::net::SocketAddr::new(host, port))
         }
 
-        Command::Demo { file, budget } => local::demo(&config, file.as_deref(), budget),
+        Command::Demo { file, budget } => {
+            let keep = if data_given {
+                demo::Keep::Data(&config.data_dir)
+            } else {
+                demo::Keep::Nothing
+            };
+            demo::demo(&config, keep, file.as_deref(), budget)
+        }
         Command::Eval {
             budget,
             json,

@@ -164,19 +164,6 @@ pub fn format_assembled(out: &Assembled) -> String {
     text
 }
 
-pub fn print_assembled_brief(out: &Assembled) {
-    for (m, s) in out.messages.iter().zip(&out.sources) {
-        let text = m.text_content().replace('\n', " ");
-        let short: String = text.chars().take(100).collect();
-        println!("{:>9} {:<40} {short}", m.role.as_str(), label(s));
-    }
-    print_accounting(out);
-}
-
-fn print_accounting(out: &Assembled) {
-    println!("{}", accounting(out));
-}
-
 fn accounting(out: &Assembled) -> String {
     let relevant = if out.chosen_by_relevance.is_empty() {
         String::new()

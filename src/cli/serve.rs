@@ -207,7 +207,7 @@ pub fn serve(
         let ops = match http {
             Some(addr) => {
                 let page = page.clone().zip(page_access);
-                Some(OpsHttp::start(addr, page).await?)
+                Some(OpsHttp::start(addr, page, &known_labels(config, &opts.nats)).await?)
             }
             None => None,
         };
@@ -262,6 +262,20 @@ pub fn serve(
     })
 }
 
+/// The label values the configuration knows: its partitions and the
+/// summarizer's models.
+fn known_labels(config: &Config, nats: &NatsConfig) -> telemetry::Known {
+    telemetry::Known {
+        partitions: nats.partitions,
+        models: config
+            .summarizer
+            .iter()
+            .flat_map(|s| std::iter::once(&s.model).chain(&s.fallback_models))
+            .cloned()
+            .collect(),
+    }
+}
+
 /// The operators' HTTP server, listening from before NATS is reached so
 /// `/healthz` answers and `/readyz` says 503 while `serve` starts.
 struct OpsHttp {
@@ -273,8 +287,15 @@ struct OpsHttp {
 }
 
 impl OpsHttp {
-    async fn start(addr: SocketAddr, page: Option<(Arc<Late>, PageAccess)>) -> Result<OpsHttp> {
+    async fn start(
+        addr: SocketAddr,
+        page: Option<(Arc<Late>, PageAccess)>,
+        known: &telemetry::Known,
+    ) -> Result<OpsHttp> {
         let metrics = telemetry::install_prometheus()?;
+        // Every documented family from the first scrape on, so dashboards
+        // and `increase()` alerts see the first event.
+        telemetry::register_known(known);
         let listener = HttpListener::bind(addr).await?;
         let addr = listener.local_addr();
         let service: Arc<RwLock<Option<(ReadyProbe, Refresh)>>> = Arc::default();

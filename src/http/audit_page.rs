@@ -5,9 +5,9 @@
 //!
 //! | path | answers |
 //! |---|---|
-//! | `GET /` | the page; `#c=CONV&event=ID` selects a conversation and clicks an event (`&summary=ID`: and a summary of the DAG) |
-//! | `GET /api/conversations` | every conversation's `status` (health, tokens, summaries) |
-//! | `GET /api/audit?c=CONV` | the audit ([`crate::core::audit::Audit`]) and the summary DAG |
+//! | `GET /` | the page; `#c=CONV&event=ID` selects a conversation and clicks an event (`&summary=ID`: and a summary of the DAG); `#q=TEXT&sort=S&page=N` searches, sorts and turns the list's pages |
+//! | `GET /api/conversations?q=&sort=key\|health\|recent&offset=N&limit=N` | one page of the conversation list ([`list`]: searched, naturally sorted, paged, with the count of all) |
+//! | `GET /api/audit?c=CONV` | the audit ([`crate::core::audit::Audit`], each entry with its `sentence`, as `contextfold audit` prints it), the summary DAG, and the chart's scale (`chart_top`) |
 //! | `GET /api/context?c=CONV&at=ID` | what the model saw after event ID: `assemble --at ID --json` |
 //! | `GET /api/describe?c=CONV&id=ID` | a summary, or a turn by event id or number (`describe`) |
 //! | `GET /api/expand?c=CONV&id=SUMMARY&skip=N` | the children or raw turns under a summary (`expand`) |
@@ -19,7 +19,10 @@
 //! server, a same-site Origin, and the token when one is set, which it
 //! must be beyond loopback).
 
+pub mod list;
+
 use crate::http::access::{guard, PageAccess};
+use crate::runtime::audit::Audited;
 use axum::extract::{Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -43,10 +46,13 @@ pub enum PageError {
 
 /// What the page reads. Every call may block.
 pub trait AuditSource: Send + Sync + 'static {
-    /// Each conversation's `status` answer, in key order.
-    fn conversations(&self) -> Result<serde_json::Value, PageError>;
-    /// `{"audit": Audit, "dag": Dag}` of one conversation.
-    fn audit(&self, conversation: &str) -> Result<serde_json::Value, PageError>;
+    /// Every conversation's key, in any order.
+    fn conversation_keys(&self) -> Result<Vec<String>, PageError>;
+    /// The list rows of `keys` (from each one's `status`), in any order; a
+    /// key without a row is listed as unknown.
+    fn rows(&self, keys: &[String]) -> Result<Vec<list::Row>, PageError>;
+    /// The audit and the summary DAG of one conversation.
+    fn audit(&self, conversation: &str) -> Result<Audited, PageError>;
     /// The assembled context after event `at` (what `assemble --at` prints).
     fn context_at(&self, conversation: &str, at: &str) -> Result<serde_json::Value, PageError>;
     /// The `describe` answer for `id`.
@@ -58,8 +64,6 @@ pub trait AuditSource: Send + Sync + 'static {
         id: &str,
         skip: usize,
     ) -> Result<serde_json::Value, PageError>;
-    /// The SVG of `contextfold plot`.
-    fn plot(&self, conversation: &str) -> Result<String, PageError>;
 }
 
 type Source = Arc<dyn AuditSource>;
@@ -86,10 +90,13 @@ impl Late {
 }
 
 impl AuditSource for Late {
-    fn conversations(&self) -> Result<serde_json::Value, PageError> {
-        self.get()?.conversations()
+    fn conversation_keys(&self) -> Result<Vec<String>, PageError> {
+        self.get()?.conversation_keys()
     }
-    fn audit(&self, conversation: &str) -> Result<serde_json::Value, PageError> {
+    fn rows(&self, keys: &[String]) -> Result<Vec<list::Row>, PageError> {
+        self.get()?.rows(keys)
+    }
+    fn audit(&self, conversation: &str) -> Result<Audited, PageError> {
         self.get()?.audit(conversation)
     }
     fn context_at(&self, conversation: &str, at: &str) -> Result<serde_json::Value, PageError> {
@@ -106,9 +113,13 @@ impl AuditSource for Late {
     ) -> Result<serde_json::Value, PageError> {
         self.get()?.expand(conversation, id, skip)
     }
-    fn plot(&self, conversation: &str) -> Result<String, PageError> {
-        self.get()?.plot(conversation)
-    }
+}
+
+/// What the router holds: the source, and the list rows read for sorts.
+#[derive(Clone)]
+struct PageState {
+    source: Source,
+    rows: Arc<list::RowCache>,
 }
 
 /// The page's router over `source`, behind `access`.
@@ -122,7 +133,10 @@ pub fn router(source: Source, access: PageAccess) -> Router {
         .route("/api/describe", get(describe))
         .route("/api/expand", get(expand))
         .route("/api/plot.svg", get(plot))
-        .with_state(source)
+        .with_state(PageState {
+            source,
+            rows: Arc::default(),
+        })
         .layer(axum::middleware::from_fn_with_state(access, guard))
 }
 
@@ -186,30 +200,70 @@ where
     }
 }
 
-async fn conversations(State(source): State<Source>) -> Response {
-    json_of(source, |s| s.conversations()).await
+fn failed(e: impl std::fmt::Display) -> PageError {
+    PageError::Failed(e.to_string())
 }
 
-async fn audit(State(source): State<Source>, Query(p): Query<Params>) -> Response {
-    json_of(source, move |s| s.audit(&Params::need(&p.c, "c")?)).await
+async fn conversations(
+    State(state): State<PageState>,
+    Query(query): Query<list::ListQuery>,
+) -> Response {
+    let cache = state.rows.clone();
+    json_of(state.source, move |s| {
+        let keys = s.conversation_keys()?;
+        let page = list::page(keys, &query, |keys| cache.rows(keys, |k| s.rows(k)))?;
+        serde_json::to_value(page).map_err(failed)
+    })
+    .await
 }
 
-async fn context(State(source): State<Source>, Query(p): Query<Params>) -> Response {
-    json_of(source, move |s| {
+/// The audit as the page reads it: every entry with its sentence, the DAG,
+/// and the top of the chart's y-axis ([`crate::plot::chart_top`]).
+pub fn audit_json(a: &Audited) -> Result<serde_json::Value, PageError> {
+    let mut audit = serde_json::to_value(&a.audit).map_err(failed)?;
+    if let Some(entries) = audit
+        .get_mut("entries")
+        .and_then(serde_json::Value::as_array_mut)
+    {
+        for (json, entry) in entries.iter_mut().zip(&a.audit.entries) {
+            if let Some(obj) = json.as_object_mut() {
+                obj.insert(
+                    "sentence".into(),
+                    crate::audit_text::sentence(&entry.what).into(),
+                );
+            }
+        }
+    }
+    Ok(serde_json::json!({
+        "audit": audit,
+        "dag": a.dag,
+        "chart_top": crate::plot::chart_top(&a.audit),
+    }))
+}
+
+async fn audit(State(state): State<PageState>, Query(p): Query<Params>) -> Response {
+    json_of(state.source, move |s| {
+        audit_json(&s.audit(&Params::need(&p.c, "c")?)?)
+    })
+    .await
+}
+
+async fn context(State(state): State<PageState>, Query(p): Query<Params>) -> Response {
+    json_of(state.source, move |s| {
         s.context_at(&Params::need(&p.c, "c")?, &Params::need(&p.at, "at")?)
     })
     .await
 }
 
-async fn describe(State(source): State<Source>, Query(p): Query<Params>) -> Response {
-    json_of(source, move |s| {
+async fn describe(State(state): State<PageState>, Query(p): Query<Params>) -> Response {
+    json_of(state.source, move |s| {
         s.describe(&Params::need(&p.c, "c")?, &Params::need(&p.id, "id")?)
     })
     .await
 }
 
-async fn expand(State(source): State<Source>, Query(p): Query<Params>) -> Response {
-    json_of(source, move |s| {
+async fn expand(State(state): State<PageState>, Query(p): Query<Params>) -> Response {
+    json_of(state.source, move |s| {
         s.expand(
             &Params::need(&p.c, "c")?,
             &Params::need(&p.id, "id")?,
@@ -219,8 +273,13 @@ async fn expand(State(source): State<Source>, Query(p): Query<Params>) -> Respon
     .await
 }
 
-async fn plot(State(source): State<Source>, Query(p): Query<Params>) -> Response {
-    let joined = tokio::task::spawn_blocking(move || source.plot(&Params::need(&p.c, "c")?)).await;
+async fn plot(State(state): State<PageState>, Query(p): Query<Params>) -> Response {
+    let source = state.source;
+    let joined = tokio::task::spawn_blocking(move || {
+        let a = source.audit(&Params::need(&p.c, "c")?)?;
+        crate::plot::svg(&a.audit, &a.dag).map_err(failed)
+    })
+    .await;
     match joined {
         Ok(Ok(svg)) => ([(header::CONTENT_TYPE, "image/svg+xml")], svg).into_response(),
         Ok(Err(e)) => error_response(e),
