@@ -1178,3 +1178,61 @@ async fn recall_over_nats_asks_the_model_and_counts_its_spend() {
     assert!(stdout.contains("K-7731"), "{stdout}");
     child.kill().await.unwrap();
 }
+
+/// A delivery the folder never receives (here taken by another client
+/// pulling from the folder's own consumer, as a message lost in flight when
+/// a NATS node dies) is not acknowledged past by the folder's ack-all: the
+/// folder sees the gap in the consumer's delivery numbers and refolds from
+/// its position, so every turn is folded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_lost_on_the_way_is_folded_all_the_same() {
+    let server = NatsServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let policy = PolicyConfig::default();
+    let mut opts = options(&server.url(), dir.path(), &policy, "gap");
+    opts.roles = "folder".parse::<Roles>().unwrap();
+    let service = start_alone(opts).await;
+    let (client, _, _) = client_for(&server.url()).await;
+    let key = "agent:gap/one";
+    raw_publish(&client, &turns(key, 0..2, 8)).await;
+    wait_until("2 turns folded", Duration::from_secs(20), || {
+        conversations(&service).get(key).map(|c| c.0) == Some(2)
+    })
+    .await;
+    // The thief waits in the consumer's queue of pull requests beside the
+    // folder's; the server hands the next messages out between them.
+    let consumer = contextfold::nats::subjects::Subjects::new("cf")
+        .unwrap()
+        .folder_consumer(partition_of(key));
+    let inbox = client.new_inbox();
+    let mut stolen = client.subscribe(inbox.clone()).await.unwrap();
+    for _ in 0..4 {
+        client
+            .publish_with_reply(
+                format!("$JS.API.CONSUMER.MSG.NEXT.CF_EVENTS.{consumer}"),
+                inbox.clone(),
+                r#"{"batch":1,"expires":10000000000}"#.into(),
+            )
+            .await
+            .unwrap();
+    }
+    client.flush().await.unwrap();
+    let more = turns(key, 0..12, 8);
+    let mut taken = 0;
+    for e in &more[2..] {
+        raw_publish(&client, std::slice::from_ref(e)).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        while let Ok(Some(m)) = tokio::time::timeout(Duration::from_millis(5), stolen.next()).await
+        {
+            if !m.payload.is_empty() && m.status.is_none() {
+                taken += 1;
+            }
+        }
+    }
+    assert!(taken > 0, "the test took no delivery from the folder");
+    wait_until("all 12 turns folded", Duration::from_secs(20), || {
+        conversations(&service).get(key).map(|c| c.0) == Some(12)
+    })
+    .await;
+    service.shutdown().await;
+}

@@ -22,7 +22,11 @@
 //!    `cf.job.<conv>`, refused records to `cf.dead.partition.<p>`) with
 //!    deterministic message ids and wait for the stream's
 //!    acknowledgements, commit the state and position atomically, then
-//!    acknowledge the batch (one ack-all of its last message);
+//!    acknowledge the batch (one ack-all of its last message). An ack-all
+//!    acknowledges every earlier delivery too, so a delivery that never
+//!    arrived (lost in flight when a NATS node dies) must not be acked
+//!    past: the consumer numbers its deliveries, and a number skipped drops
+//!    the batch and starts again at step 2 from the committed position;
 //! 5. when no record comes and a conversation of the partition waits for a
 //!    time (a backoff's end, a job's expiry, a spend window reopening),
 //!    record a `clock_ticked` for the partition once that time has passed
@@ -170,6 +174,14 @@ pub enum FolderError {
     Store(#[from] StoreError),
     #[error("folder task of partition {partition} failed: {detail}")]
     Task { partition: u32, detail: String },
+    /// The consumer delivered a message that never arrived (lost in flight,
+    /// say when a NATS node died): acknowledging past it would skip it for
+    /// good, so the consumer is recreated at the state's position.
+    #[error(
+        "partition {partition}: delivery {got} arrived after {last}; the deliveries between were \
+         lost on the way, refolding from the last committed position"
+    )]
+    DeliveryGap { partition: u32, last: u64, got: u64 },
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -602,6 +614,8 @@ impl<B: KvBackend + 'static> FolderRole<B> {
             .map_err(|e| NatsError::js(format!("pulling partition {p}"), e))?;
         let mut messages = messages;
         let mut ticks = TickPlan { last: None };
+        // A new consumer numbers its deliveries from 1.
+        let mut delivered = 0u64;
         loop {
             let tick_in = {
                 let e = lock(engine);
@@ -625,7 +639,7 @@ impl<B: KvBackend + 'static> FolderRole<B> {
                 }
                 m = messages.next() => m,
             };
-            let mut msgs = Batch::new(&self.subjects, p);
+            let mut msgs = Batch::new(&self.subjects, p, &mut delivered);
             msgs.push(pulled(p, first)?)?;
             let gathered = tokio::time::sleep(self.settings.gather_wait);
             tokio::pin!(gathered);
@@ -1088,6 +1102,9 @@ fn pulled<E: std::fmt::Display>(
 struct Batch<'s> {
     subjects: &'s Subjects,
     partition: u32,
+    /// The consumer's sequence of the last delivery received (0 before the
+    /// first): each delivery must be the next one.
+    delivered: &'s mut u64,
     records: Vec<LogRecord>,
     last_ack: Option<jetstream::message::Acker>,
     /// Messages of the partition the server had not delivered yet, as of
@@ -1096,10 +1113,11 @@ struct Batch<'s> {
 }
 
 impl<'s> Batch<'s> {
-    fn new(subjects: &'s Subjects, partition: u32) -> Self {
+    fn new(subjects: &'s Subjects, partition: u32, delivered: &'s mut u64) -> Self {
         Batch {
             subjects,
             partition,
+            delivered,
             records: Vec::new(),
             last_ack: None,
             pending: 0,
@@ -1115,6 +1133,19 @@ impl<'s> Batch<'s> {
             .info()
             .map_err(|e| NatsError::js("reading message metadata", e))?;
         let (position, pending) = (info.stream_sequence, info.pending);
+        // Deliveries are numbered by the consumer, redeliveries included; a
+        // number skipped is a message that never reached us, and an ack of
+        // a later one (ack-all) would acknowledge it unfolded. A number
+        // repeated or lower (a new consumer leader that had not seen the
+        // last deliveries) is a redelivery the engine drops by position.
+        if info.consumer_sequence > *self.delivered + 1 {
+            return Err(FolderError::DeliveryGap {
+                partition: self.partition,
+                last: *self.delivered,
+                got: info.consumer_sequence,
+            });
+        }
+        *self.delivered = info.consumer_sequence;
         let stored_at_ms = u64::try_from(info.published.unix_timestamp_nanos() / 1_000_000).ok();
         let (m, acker) = m.split();
         let (origin, address) = self
