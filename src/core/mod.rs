@@ -13,6 +13,7 @@ pub mod intake;
 pub mod message;
 pub mod overflow;
 pub mod policy;
+pub mod probes;
 pub mod recall;
 pub mod relevance;
 pub mod spend;
