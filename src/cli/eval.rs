@@ -114,6 +114,10 @@ pub struct FileReport {
     /// Identifiers only a demonstration of another task names (SWE-agent's
     /// `is_demo`): not this conversation's, so not counted above.
     pub identifiers_only_in_demonstrations: u64,
+    /// Identifiers only large payloads name: a large payload is a stub in
+    /// every context at this budget (larger than the compaction target),
+    /// so not counted above either.
+    pub identifiers_only_in_large_payloads: u64,
     /// Retention by the kind of identifier (paths, hashes, UUIDs, URLs, ...).
     pub retention_by_kind: BTreeMap<&'static str, KindRetention>,
     pub compression_by_depth: BTreeMap<u32, DepthCompression>,
@@ -312,6 +316,7 @@ fn eval_at(
             "identifiers_that_matter_retained": total.identifiers_that_matter_retained,
             "retention_of_identifiers_that_matter": total.retention_of_identifiers_that_matter,
             "identifiers_only_in_demonstrations": total.identifiers_only_in_demonstrations,
+            "identifiers_only_in_large_payloads": total.identifiers_only_in_large_payloads,
             "retention_by_kind": total.retention_by_kind,
             "prompt_aware": total.prompt_aware,
             "rejections": total.rejections,
@@ -522,6 +527,7 @@ async fn eval_file<S: PassSummarizer, L: EventLog>(
         report.identifiers_that_matter += retention.matter;
         report.identifiers_that_matter_retained += retention.matter_retained;
         report.identifiers_only_in_demonstrations += retention.only_in_demonstrations;
+        report.identifiers_only_in_large_payloads += retention.only_in_large_payloads;
         for (kind, k) in &retention.by_kind {
             report.retention_by_kind.entry(kind).or_default().add(k);
         }
@@ -603,6 +609,9 @@ pub struct Retention {
     pub matter_retained: u64,
     /// Identifiers only demonstrations name (not counted in the others).
     pub only_in_demonstrations: u64,
+    /// Identifiers only large payloads name (stubs in every context at
+    /// this budget; not counted in the others).
+    pub only_in_large_payloads: u64,
     /// The same, by the kind of identifier (`identifiers::IdentifierKind`).
     pub by_kind: BTreeMap<&'static str, KindRetention>,
 }
@@ -720,11 +729,21 @@ pub fn identifier_retention(
     // A demonstration's identifiers are another task's (a pydicom run's
     // demonstration names marshmallow's files); summaries leave them out.
     let mut in_demonstrations: HashSet<String> = HashSet::new();
+    // A large payload is a stub in every context at this budget (it is
+    // larger than the compaction target): what only it names was never
+    // the context's to keep; `describe` gives the payload.
+    let mut in_large_payloads: HashSet<String> = HashSet::new();
     for turn in &conv.turns {
         let body = bodies.turn_body(conv, turn.seq)?;
         if body.message.is_demonstration() {
             for id in identifiers::extract(&body.message.searchable_text()) {
                 in_demonstrations.insert(id);
+            }
+            continue;
+        }
+        if turn.large_payload {
+            for id in identifiers::extract(&body.message.searchable_text()) {
+                in_large_payloads.insert(id);
             }
             continue;
         }
@@ -771,8 +790,13 @@ pub fn identifier_retention(
         .iter()
         .filter(|id| !mentions.contains_key(id.as_str()))
         .count() as u64;
+    let only_in_large_payloads = in_large_payloads
+        .iter()
+        .filter(|id| !mentions.contains_key(id.as_str()) && !in_demonstrations.contains(*id))
+        .count() as u64;
     Ok(Retention {
         only_in_demonstrations,
+        only_in_large_payloads,
         identifiers: all.identifiers,
         retained: all.retained,
         retained_in_text: all.retained_in_text,
@@ -832,6 +856,7 @@ fn totals(reports: &[FileReport]) -> FileReport {
         t.prompt_aware.items_chosen_by_relevance += r.prompt_aware.items_chosen_by_relevance;
         t.identifiers_that_matter_retained += r.identifiers_that_matter_retained;
         t.identifiers_only_in_demonstrations += r.identifiers_only_in_demonstrations;
+        t.identifiers_only_in_large_payloads += r.identifiers_only_in_large_payloads;
         for (kind, k) in &r.retention_by_kind {
             t.retention_by_kind.entry(kind).or_default().add(k);
         }
@@ -952,6 +977,12 @@ fn print_table(reports: &[FileReport], total: &FileReport, budget: u64, summariz
         println!(
             "not counted: {} identifiers only a demonstration of another task names",
             total.identifiers_only_in_demonstrations
+        );
+    }
+    if total.identifiers_only_in_large_payloads > 0 {
+        println!(
+            "not counted: {} identifiers only large payloads name (a stub in every context at this budget; `describe` gives them)",
+            total.identifiers_only_in_large_payloads
         );
     }
     println!("retention by kind (in the context / in the text apart from appendices / of those that matter):");

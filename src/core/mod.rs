@@ -10,6 +10,7 @@ pub mod fold;
 pub mod glob;
 pub mod identifiers;
 pub mod intake;
+pub mod mask;
 pub mod message;
 pub mod overflow;
 pub mod policy;
