@@ -265,6 +265,101 @@ fn ranked_identifiers(sources: &[SourceItem]) -> Vec<String> {
     order
 }
 
+/// What code can check a summary of some sources keeps, so that a model's
+/// summary can be held to at least what the deterministic one keeps: the
+/// user's requests (each as its content words) and the files changed
+/// (each by its name).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HandoverFacts {
+    pub requests: Vec<Vec<String>>,
+    pub files: Vec<String>,
+}
+
+impl HandoverFacts {
+    /// The facts of `sources` (turns, or child summaries when they are all
+    /// summaries).
+    pub fn of(sources: &[SourceItem]) -> HandoverFacts {
+        let notes = if !sources.is_empty() && sources.iter().all(|s| s.role.is_none()) {
+            Notes::from_children(sources)
+        } else {
+            Notes::from_turns(sources)
+        };
+        let mut files: Vec<String> = Vec::new();
+        for f in &notes.files {
+            // The path of a move is its destination.
+            let path = f.path.rsplit(" -> ").next().unwrap_or(&f.path);
+            let name = path.rsplit('/').next().unwrap_or(path).to_string();
+            if name.len() > 2 && !files.contains(&name) {
+                files.push(name);
+            }
+        }
+        let requests = notes
+            .task
+            .iter()
+            .map(|l| content_terms(strip_label(&l.text)))
+            .filter(|t| !t.is_empty())
+            .collect();
+        HandoverFacts { requests, files }
+    }
+
+    /// How many facts `text` keeps (a request when a third of its words
+    /// are there, a file when its name is), and the ones it misses.
+    pub fn kept_by(&self, text: &str) -> (usize, Vec<String>) {
+        let lower = text.to_lowercase();
+        let mut kept = 0;
+        let mut missing = Vec::new();
+        for terms in &self.requests {
+            let found = terms.iter().filter(|t| lower.contains(t.as_str())).count();
+            if found * 3 >= terms.len() {
+                kept += 1;
+            } else {
+                missing.push(format!(
+                    "the request \"{}…\"",
+                    terms[..terms.len().min(4)].join(" ")
+                ));
+            }
+        }
+        for name in &self.files {
+            if lower.contains(&name.to_lowercase()) {
+                kept += 1;
+            } else {
+                missing.push(format!("the file {name}"));
+            }
+        }
+        (kept, missing)
+    }
+}
+
+/// The words of a request that carry its meaning: its identifiers, and
+/// words of four letters or more that are not glue, lower-cased; at most
+/// 12.
+fn content_terms(text: &str) -> Vec<String> {
+    const GLUE: &[&str] = &[
+        "that", "this", "with", "from", "have", "what", "when", "then", "there", "they", "them",
+        "their", "would", "could", "should", "about", "into", "also", "just", "like", "want",
+        "need", "please", "make", "sure", "some", "more", "very", "only", "which", "will", "does",
+        "doing", "been", "were", "your", "here", "than", "each", "other",
+    ];
+    let mut out: Vec<String> = identifiers::extract(text)
+        .into_iter()
+        .map(|i| i.to_lowercase())
+        .collect();
+    for w in text
+        .to_lowercase()
+        .split(|c: char| !(c.is_alphanumeric() || c == '_'))
+    {
+        if w.chars().count() >= 4
+            && w.chars().all(char::is_alphabetic)
+            && !GLUE.contains(&w)
+            && !out.iter().any(|o| o == w)
+        {
+            out.push(w.to_string());
+        }
+    }
+    out.truncate(12);
+    out
+}
+
 fn header_line(req: &SummaryRequest, condensed: bool) -> String {
     let first = req.sources.first().map_or("", |s| s.label.as_str());
     let last = req.sources.last().map_or("", |s| s.label.as_str());

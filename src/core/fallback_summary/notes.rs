@@ -600,7 +600,9 @@ fn mine_sentences(
             *question = Some(line);
             continue;
         }
-        if claims_milestone(sentence) {
+        if is_intention(sentence) {
+            *intention = Some(line);
+        } else if claims_milestone(sentence) {
             if seen.first(SectionId::Done, &s) {
                 notes.done.push(line);
             }
@@ -612,8 +614,6 @@ fn mine_sentences(
             if seen.first(SectionId::Decisions, &s) {
                 notes.decisions.push(line);
             }
-        } else if is_intention(sentence) {
-            *intention = Some(line);
         } else if is_open(sentence) && seen.first(SectionId::Open, &s) {
             notes.open.push(line);
         }

@@ -42,10 +42,13 @@ pub fn rolling_state(req: &RollingStateRequest) -> RollingState {
         .map(|l| strip_label(l.short.as_deref().unwrap_or(&l.text)).to_string());
     let in_progress = match ask {
         Some(ask) if ask.chars().count() < 60 => {
+            // The request it continues, in its first sentence: the task
+            // must not fall off when the newest words are "go on".
             let earlier = items_of(&previous.in_progress)
                 .into_iter()
                 .map(|i| i.trim_start_matches("earlier: ").to_string())
-                .find(|i| *i != ask);
+                .find(|i| *i != ask)
+                .map(|i| signals::sentences_up_to(&i, 100));
             let mut v = vec![ask];
             v.extend(earlier.map(|e| format!("earlier: {e}")));
             v

@@ -12,7 +12,7 @@ use serde_json::Value;
 /// that merely mentions one).
 pub(super) fn is_error_line(line: &str) -> bool {
     let strong = regex!(
-        r"(?i)^\s*(error|fatal|panic|exception|traceback)\b|\b\w*(Error|Exception)\b:|\berror(\[\w+\])?:|\bfailed\b|\bFAIL(ED)?\b|\b[1-9]\d* (failures?|failed|errors?)\b|\bno such file\b|\bnot found\b|\bpermission denied\b|\b(cannot|could not|unable to)\b|\bexit(ed)? (with )?code [1-9]|\bE999\b|\bsyntax error"
+        r"(?i)^\s*(error|fatal|panic|exception|traceback)\b|\b\w*(Error|Exception)\b:|\berror(\[\w+\])?:|\bfailed\b|(?-i:\bFAIL(ED)?\b)|\b[1-9]\d* (failures?|failed|errors?)\b|\bno such file\b|\bnot found\b|\bpermission denied\b|\b(cannot|could not|unable to)\b|\bexit(ed)? (with )?code [1-9]|\bE999\b|\bsyntax error"
     );
     strong.is_match(line)
         && !is_listing_line(line)
@@ -54,7 +54,7 @@ fn find_error_line(text: &str, accept: impl Fn(&str) -> bool) -> Option<String> 
 /// something "cannot" be done.
 pub(super) fn reported_error_line(text: &str) -> Option<String> {
     find_error_line(text, |line| {
-        regex!(r"(?i)\b\w*(Error|Exception)\b|error(\[\w+\])?:|\btraceback\b|\bfatal:|\bFAIL(ED)?\b|\bfailed\b|\bexit(ed)? (with )?code [1-9]|\bE\d{3}\b|\bno such file\b|\bpanicked\b")
+        regex!(r"(?i)\b\w*(Error|Exception)\b|error(\[\w+\])?:|\btraceback\b|\bfatal:|(?-i:\bFAIL(ED)?\b)|\bfailed\b|\bexit(ed)? (with )?code [1-9]|\bE\d{3}\b|\bno such file\b|\bpanicked\b")
             .is_match(line)
     })
 }
