@@ -212,7 +212,9 @@ pub const USER_TURNS_SHARE_PERCENT: u64 = 30;
 ///    newest first, or with prompt-aware eviction the most relevant) at
 ///    their most compact: summaries as they are, raw turns older than the
 ///    fresh tail masked ([`mask`]: tool output as a one-line stub, long
-///    call arguments cut). Then the rolling session state.
+///    call arguments cut). A fresh tail over the whole budget has its own
+///    tool output masked, oldest first, until it fits. Then the rolling
+///    session state.
 /// 2. The room left goes back, in the reverse of the order things are
 ///    compressed: the user's own words first (user turns under the
 ///    summaries in context, verbatim, newest first, up to
@@ -336,7 +338,6 @@ pub fn assemble_from(
             chosen_by_relevance.reverse();
         }
     }
-    let over_budget = fresh_tail_tokens + prompt_tokens > budget;
     // What is left out, oldest first: the items never looked at, then the
     // units that did not fit.
     let mut left_out: Vec<LeftOut> = (0..left_end)
@@ -359,6 +360,21 @@ pub fn assemble_from(
             older.extend(unit.slots);
         }
     }
+    // A fresh tail over the whole budget (a tool group of many results)
+    // has its tool output masked, oldest first, until it fits: better than
+    // a context the provider refuses. Over budget is then what even that
+    // cannot bring under it.
+    if fresh_tail_tokens + prompt_tokens > budget {
+        let saved = fit_fresh(
+            conv,
+            bodies,
+            &mut fresh_slots,
+            fresh_tail_tokens + prompt_tokens - budget,
+        )?;
+        fresh_tail_tokens -= saved;
+        used -= saved;
+    }
+    let over_budget = fresh_tail_tokens + prompt_tokens > budget;
     // The rolling state comes before the room is given back: it is the
     // handover in a few hundred characters.
     let rolling = rolling.filter(|(_, t)| used + t <= budget);
@@ -695,6 +711,36 @@ fn span_slots(
         g = e;
     }
     Ok(slots)
+}
+
+/// Masks the fresh tail's tool output, oldest first, until `over` tokens
+/// are saved (or nothing more can be); returns the tokens saved.
+fn fit_fresh(
+    conv: &Conversation,
+    bodies: &dyn TurnBodies,
+    fresh: &mut [Slot],
+    over: u64,
+) -> Result<u64, BodyError> {
+    let mut saved = 0u64;
+    for slot in fresh.iter_mut() {
+        if saved >= over {
+            break;
+        }
+        let Slot::Turn { seq, .. } = *slot else {
+            continue;
+        };
+        if let masked @ Slot::Turn {
+            masked: Some(_),
+            show_raw: false,
+            ..
+        } = turn_slot(conv, bodies, seq, true)?
+        {
+            let before = slot.cost();
+            *slot = masked;
+            saved += before.saturating_sub(slot.cost());
+        }
+    }
+    Ok(saved)
 }
 
 /// Restores masked turns to their full text, newest first, while each
@@ -1255,5 +1301,70 @@ mod tests {
             name: None,
         };
         assert_eq!(stub_tokens(enc, id), tokens::count_message(enc, &stub));
+    }
+
+    /// A fresh tail larger than the whole budget (one tool group of three
+    /// long results) has its tool output masked, oldest first, until it
+    /// fits: the context stays within the budget, tool pairs intact, and
+    /// the newest result is the last to be masked.
+    #[test]
+    fn fresh_tail_over_the_budget_is_masked_until_it_fits() {
+        let cfg = PolicyConfig {
+            fresh_tail_count: 64,
+            ..PolicyConfig::default()
+        };
+        let mut state = State::default();
+        let mut n = 0u64;
+        let mut push = |state: &mut State, m: ChatMessage| {
+            assert_eq!(fold(state, &cfg, &turn(n, m)).status, FoldStatus::Applied);
+            n += 1;
+        };
+        push(
+            &mut state,
+            ChatMessage::text(Role::User, "List the tree, three times."),
+        );
+        let ids = ["call_a", "call_b", "call_c"];
+        let mut call = ChatMessage::text(Role::Assistant, "listing");
+        call.tool_calls = ids
+            .iter()
+            .map(|id| ToolCall {
+                id: (*id).into(),
+                kind: "function".into(),
+                function: FunctionCall {
+                    name: "find".into(),
+                    arguments: "{}".into(),
+                },
+            })
+            .collect();
+        push(&mut state, call);
+        for (k, id) in ids.iter().enumerate() {
+            let listing: String = (0..300)
+                .map(|i| format!("./src/module_{k}/file_{i}.rs\n"))
+                .collect();
+            let mut result = ChatMessage::text(Role::Tool, listing);
+            result.tool_call_id = Some((*id).into());
+            push(&mut state, result);
+        }
+        let conv = &state.conversations["c:acct"];
+        let raw: u64 = conv.context.tokens();
+        let one = u64::from(conv.turns[4].context_tokens);
+        // Room for the newest result raw, not for all three.
+        let budget = raw - one;
+        let req = AssemblyRequest {
+            budget: Some(budget),
+            ..AssemblyRequest::default()
+        };
+        let out = assemble(conv, &cfg, &req).unwrap();
+        assert!(!out.over_budget, "{:?}", out.sources);
+        assert!(out.tokens <= budget, "{} > {budget}", out.tokens);
+        check_tool_pairing(&out.messages).unwrap();
+        assert!(out.sources.contains(&Source::MaskedTurn { seq: 2 }));
+        assert!(out.sources.contains(&Source::Turn { seq: 4 }));
+        let sent: u64 = out
+            .messages
+            .iter()
+            .map(|m| tokens::count_message(conv.encoding, m))
+            .sum();
+        assert_eq!(out.tokens, sent);
     }
 }
