@@ -229,7 +229,7 @@ fn fold_owned_precounted(bencher: Bencher, input: Input) {
         .with_inputs(|| (State::default(), c.events.clone()))
         .bench_local_values(|(mut state, events)| {
             for (e, t) in events.into_iter().zip(&c.tokens) {
-                fold_owned(&mut state, &policy, e, *t);
+                fold_owned(&mut state, &policy, e, None, *t);
             }
             state
         });
@@ -260,7 +260,7 @@ fn decode_and_fold(bencher: Bencher, input: Input) {
         .bench_local_values(|mut state| {
             for (bytes, t) in c.msgpack.iter().zip(&c.tokens) {
                 let e = Envelope::decode(bytes, Encoding::Msgpack).expect("corpus decodes");
-                fold_owned(&mut state, &policy, e, *t);
+                fold_owned(&mut state, &policy, e, None, *t);
             }
             state
         });

@@ -19,6 +19,9 @@ if [ -x scripts/install-nats.sh ]; then
     export CONTEXTFOLD_REQUIRE_NATS=1
 fi
 scripts/install-test-llm.sh
+# The official OpenAI and Anthropic SDKs, the Codex CLI and Claude Code, as
+# the gateway's tests drive them (tests/gateway_*.rs).
+scripts/install-test-gateway.sh
 export CONTEXTFOLD_REQUIRE_LLM_SERVERS=1
 
 # tests/ops_http.rs scrapes serve with a real Prometheus; tests/deploy.rs

@@ -33,7 +33,7 @@ use std::path::{Path, PathBuf};
 pub const DEFAULT_DATA_DIR: &str = ".contextfold";
 
 /// Top-level sections an environment override may name.
-const SECTIONS: [&str; 8] = [
+const SECTIONS: [&str; 9] = [
     "data_dir",
     "store",
     "policy",
@@ -42,6 +42,7 @@ const SECTIONS: [&str; 8] = [
     "nats",
     "http",
     "log",
+    "gateway",
 ];
 
 /// `CONTEXTFOLD_*` variables that are not configuration keys, skipped by
@@ -49,9 +50,10 @@ const SECTIONS: [&str; 8] = [
 /// tests find nats-server and the mock LLM servers and whether they must,
 /// golden-file blessing, shared test data, the store crash test's
 /// directory, where the tests find Prometheus and whether they must,
-/// whether the deploy/ checks must find their tools, and whether the audit
-/// page test must find Chromium and where it saves its screenshot.
-pub const NON_CONFIG_VARS: [&str; 16] = [
+/// whether the deploy/ checks must find their tools, whether the audit
+/// page test must find Chromium and where it saves its screenshot, and the
+/// convergence tests' fault point (`nats::folder::Fault`) and matrix.
+pub const NON_CONFIG_VARS: [&str; 18] = [
     "CONTEXTFOLD_CONFIG",
     "CONTEXTFOLD_LOG",
     "CONTEXTFOLD_VENV",
@@ -66,6 +68,8 @@ pub const NON_CONFIG_VARS: [&str; 16] = [
     "CONTEXTFOLD_REQUIRE_DEPLOY_TOOLS",
     "CONTEXTFOLD_REQUIRE_BROWSER",
     "CONTEXTFOLD_SCREENSHOT_DIR",
+    "CONTEXTFOLD_TEST_FAULT",
+    "CONTEXTFOLD_CONVERGENCE",
     // scripts/real-model-eval.sh: its binary and its cache.
     "CONTEXTFOLD_BIN",
     "CONTEXTFOLD_REAL_MODEL_DIR",
@@ -177,17 +181,229 @@ pub struct Config {
     pub http: HttpConfig,
     /// How the binary logs.
     pub log: LogConfig,
+    /// The LLM gateway (`contextfold gateway`, `serve --roles gateway`).
+    pub gateway: GatewayConfig,
 }
 
-/// `[http]`: the operators' HTTP server of `serve`.
+/// `[http]`: the operators' HTTP server of `serve`, and who may read the
+/// audit page (`serve --audit-page`, `contextfold ui`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct HttpConfig {
     /// Address to listen on (`127.0.0.1:9464`); unset (the default): no
-    /// HTTP server. `serve --http ADDR` overrides it. The endpoints carry
-    /// no authentication: keep it on loopback or a private network.
+    /// HTTP server. `serve --http ADDR` overrides it. `/metrics`,
+    /// `/healthz` and `/readyz` carry no authentication and no conversation
+    /// data: keep them on loopback or a private network.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub listen: Option<std::net::SocketAddr>,
+    /// Host names (or addresses) besides the listen address and
+    /// `localhost` under which the audit page may be opened, e.g. the
+    /// machine's name or a reverse proxy's (`["audit.internal"]`); a
+    /// request naming any other host is refused (DNS rebinding). Default
+    /// none.
+    pub allowed_hosts: Vec<String>,
+    /// Token the audit page and its API require (at least 16 letters,
+    /// digits or `-._~`; `CONTEXTFOLD_HTTP__TOKEN`); needed when the page
+    /// listens beyond loopback, which is refused without it. Never
+    /// printed. Default none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token: Option<crate::secret::Secret>,
+}
+
+/// `[gateway]`: the LLM gateway in front of an upstream provider
+/// (`contextfold gateway`, docs/gateway.md). Every field has a default;
+/// only the upstream must be given (here or with `--upstream`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GatewayConfig {
+    /// Address the gateway listens on (default `127.0.0.1:8787`;
+    /// `--listen` overrides it).
+    pub listen: std::net::SocketAddr,
+    /// The upstream provider's base URL, without `/v1`
+    /// (`https://provider.example`): every path is forwarded below it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub upstream: Option<String>,
+    /// Per-surface upstreams, overriding `upstream` for that surface:
+    /// Chat Completions, Responses, Anthropic Messages.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub upstream_chat: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub upstream_responses: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub upstream_messages: Option<String>,
+    /// `active` (default): past the budget the model receives contextfold's
+    /// assembled context. `shadow`: every request goes upstream unchanged;
+    /// the gateway stores the turns and reports what it would have sent.
+    pub mode: GatewayMode,
+    /// Tokens past which a request is sent as `[client system and tools]
+    /// [summary block] [fresh tail]` (default: the policy's budget,
+    /// `policy.default_context_window` capped by
+    /// `policy.max_assembly_token_budget`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub budget_tokens: Option<u64>,
+    /// Largest request body accepted, in bytes after decompression
+    /// (default 32 MiB); larger ones get a provider-shaped 413.
+    pub max_body_bytes: usize,
+    /// Largest response kept to store as a turn (default 16 MiB); a
+    /// larger one is still passed through whole, and stored cut, marked.
+    pub max_stored_response_bytes: usize,
+    /// When the upstream answers with a context-overflow error: retry once
+    /// with the assembled context (default false: the error goes back to
+    /// the client unchanged; it is recorded either way).
+    pub retry_overflow: bool,
+    /// When NATS cannot take a turn: `fail_open` (default: forward
+    /// unchanged, spool the turn, publish it when NATS is back) or
+    /// `refuse` (a provider-shaped 503).
+    pub on_store_unavailable: StoreUnavailable,
+    /// Whole-request deadline for the upstream, ms (default 600,000).
+    pub upstream_timeout_ms: u64,
+    /// Connect deadline for the upstream, ms (default 10,000).
+    pub upstream_connect_timeout_ms: u64,
+    /// Requests in flight to the upstream per tenant (default 64): one
+    /// tenant's slow upstream fills its own allowance, never another's.
+    pub max_in_flight_per_tenant: usize,
+    /// Where turns wait when NATS cannot take them (default
+    /// `<data_dir>/gateway-spool`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub spool_dir: Option<PathBuf>,
+    /// Tenants by gateway key (`x-contextfold-key` or the bearer token).
+    /// None configured: one tenant, `default`, and no key asked for.
+    pub tenants: Vec<GatewayTenant>,
+}
+
+/// What the gateway does past the budget.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GatewayMode {
+    #[default]
+    Active,
+    Shadow,
+}
+
+/// What the gateway does when the store cannot take a turn.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StoreUnavailable {
+    #[default]
+    FailOpen,
+    Refuse,
+}
+
+/// One tenant of the gateway.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GatewayTenant {
+    /// Its name: the prefix of its conversations (`<name>/...`), so NATS
+    /// permissions on `cf.in.<name>/...` subjects isolate it. Letters,
+    /// digits, `-` and `_`.
+    pub name: String,
+    /// The gateway key its clients present.
+    pub key: crate::secret::Secret,
+    /// The upstream credential used for it; absent: the client's own
+    /// `Authorization` / `x-api-key` is passed through.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upstream_api_key: Option<crate::secret::Secret>,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        GatewayConfig {
+            listen: std::net::SocketAddr::from(([127, 0, 0, 1], 8787)),
+            upstream: None,
+            upstream_chat: None,
+            upstream_responses: None,
+            upstream_messages: None,
+            mode: GatewayMode::Active,
+            budget_tokens: None,
+            max_body_bytes: 32 * 1024 * 1024,
+            max_stored_response_bytes: 16 * 1024 * 1024,
+            retry_overflow: false,
+            on_store_unavailable: StoreUnavailable::FailOpen,
+            upstream_timeout_ms: 600_000,
+            upstream_connect_timeout_ms: 10_000,
+            max_in_flight_per_tenant: 64,
+            spool_dir: None,
+            tenants: Vec::new(),
+        }
+    }
+}
+
+impl GatewayConfig {
+    /// Refuses values the gateway cannot honour; the message says which.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_body_bytes < 1024 {
+            return Err("max_body_bytes must be at least 1024".into());
+        }
+        if self.budget_tokens == Some(0) {
+            return Err(
+                "budget_tokens must be at least 1 (omit it for the policy's budget)".into(),
+            );
+        }
+        if self.max_in_flight_per_tenant == 0 {
+            return Err("max_in_flight_per_tenant must be at least 1".into());
+        }
+        for url in [
+            &self.upstream,
+            &self.upstream_chat,
+            &self.upstream_responses,
+            &self.upstream_messages,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            if !(url.starts_with("http://") || url.starts_with("https://")) {
+                return Err(format!(
+                    "upstream {} is not an http:// or https:// URL",
+                    redact_url(url)
+                ));
+            }
+        }
+        let mut names = std::collections::BTreeSet::new();
+        let mut keys = std::collections::BTreeSet::new();
+        for t in &self.tenants {
+            let ok = !t.name.is_empty()
+                && t.name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+            if !ok {
+                return Err(format!(
+                    "tenant name {:?} must be letters, digits, `-` and `_`",
+                    t.name
+                ));
+            }
+            if !names.insert(t.name.clone()) {
+                return Err(format!("tenant {:?} is listed twice", t.name));
+            }
+            if t.key.expose().len() < 8 {
+                return Err(format!(
+                    "tenant {:?}: its key must be at least 8 characters",
+                    t.name
+                ));
+            }
+            if !keys.insert(t.key.expose().to_string()) {
+                return Err(format!("tenant {:?}: its key is another tenant's", t.name));
+            }
+        }
+        Ok(())
+    }
+
+    /// The form that may be shown: URL credentials replaced by `***`
+    /// (tenant keys are [`crate::secret::Secret`]s already).
+    pub fn redacted(&self) -> GatewayConfig {
+        let mut shown = self.clone();
+        for url in [
+            &mut shown.upstream,
+            &mut shown.upstream_chat,
+            &mut shown.upstream_responses,
+            &mut shown.upstream_messages,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            *url = redact_url(url);
+        }
+        shown
+    }
 }
 
 /// `[log]`: the binary's log output (the filter is `CONTEXTFOLD_LOG`).
@@ -221,6 +437,7 @@ impl Default for Config {
             nats: NatsConfig::default(),
             http: HttpConfig::default(),
             log: LogConfig::default(),
+            gateway: GatewayConfig::default(),
         }
     }
 }
@@ -300,7 +517,7 @@ pub enum ConfigError {
     #[error(
         "environment variable {var} is not a configuration key ({reason}); the nearest \
          known one is {nearest}. Overrides are CONTEXTFOLD_<SECTION>__<KEY> with sections \
-         data_dir, store, policy, summarizer, recall, nats, http and log; the variables that are not keys are \
+         data_dir, store, policy, summarizer, recall, nats, http, log and gateway; the variables that are not keys are \
          listed in the README"
     )]
     UnknownEnv {
@@ -504,6 +721,13 @@ impl Config {
                 origin: String::new(),
                 detail,
             })?;
+        config
+            .gateway
+            .validate()
+            .map_err(|detail| ConfigError::Invalid {
+                origin: String::new(),
+                detail: format!("[gateway] {detail}"),
+            })?;
         Ok(config)
     }
 
@@ -519,6 +743,7 @@ impl Config {
         if let Some(url) = &mut shown.recall.base_url {
             *url = redact_url(url);
         }
+        shown.gateway = shown.gateway.redacted();
         shown
     }
 
@@ -582,6 +807,25 @@ mod tests {
         assert_eq!(c.data_dir, PathBuf::from("/tmp/x"));
         assert_eq!(c.policy.ignore_sessions, vec!["cron:**".parse().unwrap()]);
         assert_eq!(c.policy.fresh_tail_count, 64);
+    }
+
+    #[test]
+    fn the_http_token_is_read_verbatim_and_never_shown() {
+        let c = Config::load_with_env(
+            None,
+            env(&[
+                ("CONTEXTFOLD_HTTP__TOKEN", "0123456789012345"),
+                ("CONTEXTFOLD_HTTP__ALLOWED_HOSTS", r#"["audit.internal"]"#),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(
+            c.http.token.as_ref().map(crate::secret::Secret::expose),
+            Some("0123456789012345")
+        );
+        assert_eq!(c.http.allowed_hosts, ["audit.internal"]);
+        assert!(!c.to_toml().contains("0123456789012345"));
+        assert!(!format!("{c:?}").contains("0123456789012345"));
     }
 
     #[test]

@@ -15,10 +15,13 @@
 //! reads the gauges that cost a request (consumer lag, queued jobs), so
 //! nothing is polled while nobody scrapes.
 //!
-//! The endpoints carry no authentication and reveal no conversation data
+//! These endpoints carry no authentication and reveal no conversation data
 //! (metric labels are bounded, see [`crate::telemetry`]); still, listen on
-//! loopback or a private network.
+//! loopback or a private network. The audit page, merged into the same
+//! router by `serve --audit-page`, shows conversations: its routes pass
+//! [`access::guard`] (Host, Origin, and a token beyond loopback).
 
+pub mod access;
 pub mod audit_page;
 
 use crate::telemetry;

@@ -19,6 +19,7 @@ pub mod blocking;
 pub mod config;
 pub mod core;
 pub mod demo;
+pub mod gateway;
 pub mod http;
 pub mod import;
 pub mod log;

@@ -57,6 +57,10 @@ pub const EVENTS_DUPLICATE: &str = "contextfold_events_duplicate_total";
 pub const EVENTS_REJECTED: &str = "contextfold_events_rejected_total";
 /// Events the policy ignores (ignored or stateless sessions).
 pub const EVENTS_IGNORED: &str = "contextfold_events_ignored_total";
+/// Agent events refused over their conversation's intake quota without a
+/// record each (the first of an episode counts among the rejections,
+/// `kind="over_quota"`).
+pub const EVENTS_THROTTLED: &str = "contextfold_events_throttled_total";
 /// State-store commits (state and stream position written together).
 pub const STATE_COMMITS: &str = "contextfold_state_commits_total";
 /// Records per folder batch (histogram).
@@ -119,8 +123,20 @@ pub const VALIDATION_REJECTIONS: &str = "contextfold_validation_rejections_total
 /// Escalations after a refused or failed summary; label `kind`
 /// (`aggressive`, `fallback`).
 pub const ESCALATIONS: &str = "contextfold_escalations_total";
-/// Spend windows closed (the allowance of a conversation ran out).
+/// Spend windows closed on a debt (its summarizer calls, tokens or money
+/// ran out), counted once per closing; label `window` (`spend_window`,
+/// `urgent_spend_window`, `partition_window`).
 pub const SPEND_WINDOWS_CLOSED: &str = "contextfold_spend_windows_closed_total";
+/// Backoffs after a compaction round that made no progress.
+pub const NO_PROGRESS_BACKOFFS: &str = "contextfold_no_progress_backoffs_total";
+/// Jobs given up because no `sweep_ended` came by their expiry (their
+/// worker vanished).
+pub const JOBS_EXPIRED: &str = "contextfold_jobs_expired_total";
+/// Jobs the log showed pending that were queued again when a partition's
+/// history ended (their work item was not in the queue).
+pub const JOBS_REQUEUED: &str = "contextfold_jobs_requeued_total";
+/// `clock_ticked` events recorded for quiet partitions; label `partition`.
+pub const CLOCK_TICKS: &str = "contextfold_clock_ticks_total";
 /// Processes seen folding one stream under different policies: a policy
 /// recorded by another process after this one recorded its own, or a live
 /// member announcing another policy fingerprint.
@@ -147,10 +163,55 @@ pub const BODY_CACHE_MISSES: &str = "contextfold_body_cache_misses_total";
 /// Whether this process is ready (`/readyz`), 1 or 0 (gauge).
 pub const READY: &str = "contextfold_ready";
 
+// ---- trust boundary ----------------------------------------------------------
+
+/// API requests refused unanswered because their reply subject is no
+/// inbox; label `family`: what the subject is
+/// ([`crate::nats::replies::ReplyFamily`]: `kv`, `jetstream_api`,
+/// `service_events`, `inbound`, `jobs`, `other`, ...).
+pub const API_REPLIES_REFUSED: &str = "contextfold_api_replies_refused_total";
+/// Requests of the audit page refused; label `reason`: `host` (a Host
+/// header naming no allowed address: DNS rebinding), `origin` (a
+/// cross-site Origin) or `token` (missing or wrong token).
+pub const HTTP_REQUESTS_REFUSED: &str = "contextfold_http_requests_refused_total";
+// ---- gateway ---------------------------------------------------------------
+
+/// Requests the gateway answered; labels `surface` (`chat_completions`,
+/// `responses`, `messages`) and `outcome` (`forwarded`, `assembled`,
+/// `expanded`, `answered`, `rejected`, `refused`, `upstream_error`).
+pub const GATEWAY_REQUESTS: &str = "contextfold_gateway_requests_total";
+/// Time the gateway added before the upstream was called (histogram);
+/// label `surface`.
+pub const GATEWAY_ADDED_SECONDS: &str = "contextfold_gateway_added_latency_seconds";
+/// Tokens not sent upstream because the assembled context replaced the
+/// client's history; label `surface`.
+pub const GATEWAY_TOKENS_SAVED: &str = "contextfold_gateway_tokens_saved_total";
+/// Times a conversation's summary block changed: each is one change of the
+/// prefix the provider's prompt cache sees.
+pub const GATEWAY_CACHE_PREFIX_CHANGES: &str = "contextfold_gateway_cache_prefix_changes_total";
+/// Turns the gateway handed to the store.
+pub const GATEWAY_TURNS_PUBLISHED: &str = "contextfold_gateway_turns_published_total";
+/// Upstream failures; labels `surface` and `class` (`overflow`,
+/// `rate_limited`, `client_error`, `server_error`, `unreachable`,
+/// `timeout`).
+pub const GATEWAY_UPSTREAM_ERRORS: &str = "contextfold_gateway_upstream_errors_total";
+/// Compactions the gateway answered from contextfold; label `surface`.
+pub const GATEWAY_COMPACTIONS_ANSWERED: &str = "contextfold_gateway_compactions_answered_total";
+/// Turns waiting in the spool for NATS (gauge).
+pub const GATEWAY_SPOOLED: &str = "contextfold_gateway_spooled_turns";
+/// Turns the store could not take (embedded write failures, permanent
+/// NATS refusals).
+pub const GATEWAY_STORE_FAILURES: &str = "contextfold_gateway_store_failures_total";
+
 /// Every metric with its kind, unit and description, for `describe_*` and
 /// docs/operations.md.
 pub const FAMILIES: &[(&str, Kind, &str)] = &[
     (EVENTS_FOLDED, Kind::Counter, "events the fold applied"),
+    (
+        EVENTS_THROTTLED,
+        Kind::Counter,
+        "agent events refused over their conversation's intake quota without a record each",
+    ),
     (
         EVENTS_DUPLICATE,
         Kind::Counter,
@@ -240,7 +301,31 @@ pub const FAMILIES: &[(&str, Kind, &str)] = &[
         "summaries refused by validation, by kind",
     ),
     (ESCALATIONS, Kind::Counter, "summary escalations, by kind"),
-    (SPEND_WINDOWS_CLOSED, Kind::Counter, "spend windows closed"),
+    (
+        SPEND_WINDOWS_CLOSED,
+        Kind::Counter,
+        "spend windows closed on a debt, by window",
+    ),
+    (
+        NO_PROGRESS_BACKOFFS,
+        Kind::Counter,
+        "backoffs after a compaction round without progress",
+    ),
+    (
+        JOBS_EXPIRED,
+        Kind::Counter,
+        "jobs given up with no sweep_ended by their expiry",
+    ),
+    (
+        JOBS_REQUEUED,
+        Kind::Counter,
+        "pending jobs queued again when a partition's history ended",
+    ),
+    (
+        CLOCK_TICKS,
+        Kind::Counter,
+        "clock ticks recorded for quiet partitions, by partition",
+    ),
     (
         POLICY_CONFLICTS,
         Kind::Counter,
@@ -268,6 +353,61 @@ pub const FAMILIES: &[(&str, Kind, &str)] = &[
         "body reads that went to the state store",
     ),
     (READY, Kind::Gauge, "1 when /readyz answers 200, else 0"),
+    (
+        API_REPLIES_REFUSED,
+        Kind::Counter,
+        "API requests left unanswered because their reply subject is no inbox, by family",
+    ),
+    (
+        HTTP_REQUESTS_REFUSED,
+        Kind::Counter,
+        "audit page requests refused, by reason (host, origin, token)",
+    ),
+    (
+        GATEWAY_REQUESTS,
+        Kind::Counter,
+        "gateway requests, by surface and outcome",
+    ),
+    (
+        GATEWAY_ADDED_SECONDS,
+        Kind::Histogram,
+        "time the gateway added before calling the upstream, by surface",
+    ),
+    (
+        GATEWAY_TOKENS_SAVED,
+        Kind::Counter,
+        "tokens the assembled context kept from the upstream, by surface",
+    ),
+    (
+        GATEWAY_CACHE_PREFIX_CHANGES,
+        Kind::Counter,
+        "summary block changes (prompt-cache prefix changes)",
+    ),
+    (
+        GATEWAY_TURNS_PUBLISHED,
+        Kind::Counter,
+        "turns the gateway handed to the store",
+    ),
+    (
+        GATEWAY_UPSTREAM_ERRORS,
+        Kind::Counter,
+        "upstream failures, by surface and class",
+    ),
+    (
+        GATEWAY_COMPACTIONS_ANSWERED,
+        Kind::Counter,
+        "compactions answered from contextfold, by surface",
+    ),
+    (
+        GATEWAY_SPOOLED,
+        Kind::Gauge,
+        "turns waiting for NATS in the spool",
+    ),
+    (
+        GATEWAY_STORE_FAILURES,
+        Kind::Counter,
+        "turns the store could not take",
+    ),
 ];
 
 /// What kind of metric a family is.
@@ -383,6 +523,9 @@ pub struct FoldTally {
     pub own_decisions: u64,
     /// Events of ignored or stateless sessions.
     pub ignored: u64,
+    /// Agent events refused over their conversation's intake quota without
+    /// a record each (the first of an episode is a rejection).
+    pub throttled: u64,
 }
 
 impl FoldTally {
@@ -403,6 +546,9 @@ impl FoldTally {
         }
         if self.ignored > 0 {
             metrics::counter!(EVENTS_IGNORED).increment(self.ignored);
+        }
+        if self.throttled > 0 {
+            metrics::counter!(EVENTS_THROTTLED).increment(self.throttled);
         }
     }
 }
@@ -798,6 +944,8 @@ impl Escalated {
 /// compaction waits for the backoff.
 pub struct SpendWindowClosed<'a> {
     pub conversation_id: &'a str,
+    /// `core::spend::Wait::as_str` of a spend wait.
+    pub window: &'static str,
 }
 
 impl SpendWindowClosed<'_> {
@@ -807,9 +955,86 @@ impl SpendWindowClosed<'_> {
         }
         tracing::info!(
             conversation_id = self.conversation_id,
+            window = self.window,
             "spend window closed"
         );
-        metrics::counter!(SPEND_WINDOWS_CLOSED).increment(1);
+        metrics::counter!(SPEND_WINDOWS_CLOSED, "window" => self.window).increment(1);
+    }
+}
+
+/// A compaction round made no progress: the conversation backs off.
+pub struct NoProgressBackoff<'a> {
+    pub conversation_id: &'a str,
+    /// The end of the backoff (the partition's clock, ms).
+    pub until: u64,
+}
+
+impl NoProgressBackoff<'_> {
+    pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
+        tracing::info!(
+            conversation_id = self.conversation_id,
+            until = self.until,
+            "compaction round made no progress; backing off"
+        );
+        metrics::counter!(NO_PROGRESS_BACKOFFS).increment(1);
+    }
+}
+
+/// A pending job whose work item was not in the queue was queued again.
+pub struct JobRequeued<'a> {
+    pub conversation_id: &'a str,
+    pub job_id: &'a str,
+}
+
+impl JobRequeued<'_> {
+    pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
+        tracing::info!(
+            conversation_id = self.conversation_id,
+            job_id = self.job_id,
+            "pending job was not in the queue; queued again"
+        );
+        metrics::counter!(JOBS_REQUEUED).increment(1);
+    }
+}
+
+/// A quiet partition recorded a `clock_ticked`.
+pub struct ClockTicked {
+    pub partition: u32,
+}
+
+impl ClockTicked {
+    pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
+        tracing::debug!(partition = self.partition, "clock tick recorded");
+        metrics::counter!(CLOCK_TICKS, "partition" => self.partition.to_string()).increment(1);
+    }
+}
+
+/// A job's worker vanished: the fold gave the job up at its expiry.
+pub struct JobExpired<'a> {
+    pub conversation_id: &'a str,
+    pub job_id: &'a str,
+}
+
+impl JobExpired<'_> {
+    pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
+        tracing::warn!(
+            conversation_id = self.conversation_id,
+            job_id = self.job_id,
+            "job expired without a sweep_ended; its worker vanished"
+        );
+        metrics::counter!(JOBS_EXPIRED).increment(1);
     }
 }
 
@@ -893,6 +1118,231 @@ impl Readiness {
             return;
         }
         metrics::gauge!(READY).set(if self.ready { 1.0 } else { 0.0 });
+    }
+}
+
+/// Seconds since the epoch of the last refused-reply log line, and the
+/// refusals not logged since: a flood of refused requests is counted in
+/// full but logged at most once a second.
+static REPLY_REFUSALS_LOGGED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static REPLY_REFUSALS_UNLOGGED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// An API request was left unanswered: its reply subject is no inbox.
+pub struct ReplyRefused<'a> {
+    /// A closed set: [`crate::nats::replies::ReplyFamily::as_str`].
+    pub family: &'static str,
+    /// The operation asked (a closed set, `unknown` when none).
+    pub op: &'static str,
+    /// The conversation the request subject names (bounded by the subject
+    /// parser; empty for `admin`).
+    pub conversation_id: &'a str,
+    /// A bounded, escaped start of the reply subject
+    /// ([`crate::nats::replies::log_excerpt`]).
+    pub reply: &'a str,
+}
+
+impl ReplyRefused<'_> {
+    pub fn emit(self) {
+        use std::sync::atomic::Ordering;
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
+        metrics::counter!(API_REPLIES_REFUSED, "family" => self.family).increment(1);
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let last = REPLY_REFUSALS_LOGGED.load(Ordering::Relaxed);
+        if now <= last
+            || REPLY_REFUSALS_LOGGED
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_err()
+        {
+            REPLY_REFUSALS_UNLOGGED.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let unlogged = REPLY_REFUSALS_UNLOGGED.swap(0, Ordering::Relaxed);
+        tracing::warn!(
+            family = self.family,
+            op = self.op,
+            conversation_id = self.conversation_id,
+            reply = self.reply,
+            unlogged,
+            "API request refused unanswered: its reply subject is no inbox (a requester may \
+             name only an inbox; see [nats] reply_prefixes); `unlogged` more since the last \
+             such line, all counted in contextfold_api_replies_refused_total"
+        );
+    }
+}
+
+/// Why the audit page refused a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HttpRefusal {
+    /// The Host header names no allowed address (DNS rebinding).
+    Host,
+    /// A cross-site Origin.
+    Origin,
+    /// The token is missing or wrong.
+    Token,
+}
+
+impl HttpRefusal {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HttpRefusal::Host => "host",
+            HttpRefusal::Origin => "origin",
+            HttpRefusal::Token => "token",
+        }
+    }
+}
+
+/// The audit page refused a request (answered 403 or 401).
+pub struct HttpRequestRefused<'a> {
+    pub reason: HttpRefusal,
+    /// The path asked (bounded and escaped by the caller).
+    pub path: &'a str,
+}
+
+impl HttpRequestRefused<'_> {
+    pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
+        tracing::debug!(
+            reason = self.reason.as_str(),
+            path = self.path,
+            "audit page request refused"
+        );
+        metrics::counter!(HTTP_REQUESTS_REFUSED, "reason" => self.reason.as_str()).increment(1);
+    }
+}
+
+/// The gateway answered a request.
+pub struct GatewayRequest {
+    /// A closed set: the surface's label.
+    pub surface: &'static str,
+    /// A closed set (see [`GATEWAY_REQUESTS`]).
+    pub outcome: &'static str,
+    /// Time from the request's arrival to the upstream call (or the answer).
+    pub added: Duration,
+}
+
+impl GatewayRequest {
+    pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
+        tracing::debug!(
+            surface = self.surface,
+            outcome = self.outcome,
+            added_us = self.added.as_micros() as u64,
+            "gateway request"
+        );
+        metrics::counter!(GATEWAY_REQUESTS, "surface" => self.surface, "outcome" => self.outcome)
+            .increment(1);
+        metrics::histogram!(GATEWAY_ADDED_SECONDS, "surface" => self.surface)
+            .record(self.added.as_secs_f64());
+    }
+}
+
+/// The assembled context kept tokens from the upstream.
+pub struct GatewayTokensSaved {
+    pub surface: &'static str,
+    pub tokens: u64,
+}
+
+impl GatewayTokensSaved {
+    pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
+        metrics::counter!(GATEWAY_TOKENS_SAVED, "surface" => self.surface).increment(self.tokens);
+    }
+}
+
+/// A conversation's summary block changed (a new prompt-cache prefix).
+pub struct GatewayBlockChanged;
+
+impl GatewayBlockChanged {
+    pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
+        metrics::counter!(GATEWAY_CACHE_PREFIX_CHANGES).increment(1);
+    }
+}
+
+/// Turns handed to the store.
+pub struct GatewayTurnsPublished {
+    pub turns: usize,
+}
+
+impl GatewayTurnsPublished {
+    pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
+        metrics::counter!(GATEWAY_TURNS_PUBLISHED).increment(self.turns as u64);
+    }
+}
+
+/// The upstream failed or answered with an error.
+pub struct GatewayUpstreamError {
+    pub surface: &'static str,
+    /// A closed set (see [`GATEWAY_UPSTREAM_ERRORS`]).
+    pub class: &'static str,
+}
+
+impl GatewayUpstreamError {
+    pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
+        tracing::info!(surface = self.surface, class = self.class, "upstream error");
+        metrics::counter!(GATEWAY_UPSTREAM_ERRORS, "surface" => self.surface, "class" => self.class).increment(1);
+    }
+}
+
+/// A compaction was answered from contextfold.
+pub struct GatewayCompactionAnswered {
+    pub surface: &'static str,
+}
+
+impl GatewayCompactionAnswered {
+    pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
+        tracing::info!(surface = self.surface, "compaction answered");
+        metrics::counter!(GATEWAY_COMPACTIONS_ANSWERED, "surface" => self.surface).increment(1);
+    }
+}
+
+/// The spool changed.
+pub struct GatewaySpooled {
+    pub pending: usize,
+}
+
+impl GatewaySpooled {
+    pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
+        metrics::gauge!(GATEWAY_SPOOLED).set(self.pending as f64);
+    }
+}
+
+/// The store could not take turns.
+pub struct GatewayStoreFailed<'a> {
+    pub error: &'a str,
+}
+
+impl GatewayStoreFailed<'_> {
+    pub fn emit(self) {
+        if cfg!(feature = "telemetry-off") {
+            return;
+        }
+        tracing::warn!(error = self.error, "gateway store failure");
+        metrics::counter!(GATEWAY_STORE_FAILURES).increment(1);
     }
 }
 

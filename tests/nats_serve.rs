@@ -462,6 +462,58 @@ async fn two_instances_split_partitions_and_a_kill_moves_them_to_the_survivor() 
     a.shutdown().await;
 }
 
+/// Issue 22: with two processes, `cf.admin.status` answered with the
+/// answering process's partitions only (3,725 conversations and 19
+/// pending jobs, or 3,662 and 0, alternately). Now whichever process
+/// answers gathers the other's partitions from it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_status_gathers_every_processs_partitions() {
+    let server = NatsServer::start();
+    let policy = small_policy();
+    let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let with_api = |dir: &Path, name: &str| {
+        let mut o = options(&server.url(), dir, &policy, name);
+        o.roles = "folder,summarizer,api".parse::<Roles>().unwrap();
+        o
+    };
+    let a = Service::start(with_api(dir_a.path(), "serve-a"), Arc::new(Deterministic))
+        .await
+        .unwrap();
+    let b = Service::start(with_api(dir_b.path(), "serve-b"), Arc::new(Deterministic))
+        .await
+        .unwrap();
+    wait_until("an 8/8 split", Duration::from_secs(15), || {
+        held(&a).len() == 8 && held(&b).len() == 8
+    })
+    .await;
+    let (client, _, _) = client_for(&server.url()).await;
+    let convs: Vec<String> = (0..30).map(|i| format!("team/{i}:chat")).collect();
+    let events: Vec<Envelope> = convs.iter().flat_map(|c| turns(c, 0..12, 60)).collect();
+    raw_publish(&client, &events).await;
+    wait_until("every conversation folded", Duration::from_secs(30), || {
+        let (ca, cb) = (conversations(&a), conversations(&b));
+        convs
+            .iter()
+            .all(|k| ca.get(k).or(cb.get(k)).map(|c| c.0) == Some(12))
+    })
+    .await;
+    // Asked several times, answered by either process: always the whole.
+    for _ in 0..6 {
+        let reply = client
+            .request("cf.admin.status", "{}".into())
+            .await
+            .unwrap();
+        let g: serde_json::Value = serde_json::from_slice(&reply.payload).unwrap();
+        assert_eq!(g["conversations"], 30, "{g}");
+        assert_eq!(g["turns"], 30 * 12, "{g}");
+        assert_eq!(g["partitions"].as_array().map(Vec::len), Some(16), "{g}");
+        assert_eq!(g["partitions_total"], 16);
+        assert!(g.get("missing_partitions").is_none(), "{g}");
+    }
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
 /// Runs the `contextfold` binary without blocking the runtime.
 async fn cli(data: &Path, args: &[&str]) -> (bool, String, String) {
     let out = tokio::process::Command::from(support::cli::command(data, args))

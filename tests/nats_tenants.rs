@@ -34,27 +34,22 @@ use contextfold::core::event::{
 use contextfold::core::message::{ChatMessage, Role};
 use contextfold::core::policy::PolicyConfig;
 use contextfold::core::state::summary_id;
-use contextfold::nats::config::StorageKind;
 use contextfold::nats::event_log::event_headers;
 use contextfold::nats::jobs::snapshot_object_name;
 use contextfold::nats::serve::{ServeOptions, Service};
 use contextfold::nats::subjects::{encode_conversation, partition_of};
-use contextfold::nats::{NatsConfig, NatsOptions};
+use contextfold::nats::NatsOptions;
 use contextfold::runtime::sweep::Deterministic;
-use contextfold::secret::Secret;
 use futures::StreamExt;
-use nkeys::KeyPair;
 use serde_json::{json, Value};
-use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use support::nats_server::NatsServer;
 use support::policy::small_policy;
-
-const TENANTS_CONF: &str = include_str!("../docs/examples/nats-tenants.conf");
-const SHARED_CONF: &str = include_str!("../docs/examples/nats-shared-service.conf");
+use support::tenants::{
+    service_nats_config, violations_by, Users, SHARED_CONF, SHARED_USERS, TENANTS_CONF,
+    TENANTS_USERS,
+};
 
 const PARTITIONS: u32 = 4;
 /// What the examples permit: agent-1 owns `agent-1`, agent-2 `team:alpha`.
@@ -74,47 +69,6 @@ async fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> bool)
     }
 }
 
-/// NKey users for one server: the example's variable name and a fresh
-/// key pair.
-struct Users(BTreeMap<&'static str, KeyPair>);
-
-impl Users {
-    fn generate(names: &[&'static str]) -> Users {
-        Users(names.iter().map(|n| (*n, KeyPair::new_user())).collect())
-    }
-
-    fn seed(&self, name: &str) -> String {
-        self.0[name]
-            .seed()
-            .expect("a generated key pair has a seed")
-    }
-
-    fn public(&self, name: &str) -> String {
-        self.0[name].public_key()
-    }
-
-    /// A server running `example` with its NKey variables defined ahead of
-    /// it, as the example's header says to.
-    fn server(&self, example: &str) -> NatsServer {
-        let mut text = String::new();
-        for (name, key) in &self.0 {
-            writeln!(text, "{name}: \"{}\"", key.public_key()).unwrap();
-        }
-        text.push_str(example);
-        NatsServer::start_with_config(&text)
-    }
-}
-
-/// The server log's permission violations by `user` (its public key).
-fn violations_by(server: &NatsServer, user: &str) -> Vec<String> {
-    server
-        .log_tail(1_000_000)
-        .lines()
-        .filter(|l| l.contains("Violation") && l.contains(user))
-        .map(str::to_string)
-        .collect()
-}
-
 fn policy() -> PolicyConfig {
     // Small chunks and a short fresh tail, so a few turns compact when
     // asked; a large window, so nothing compacts unless asked.
@@ -128,24 +82,7 @@ fn policy() -> PolicyConfig {
 /// `contextfold serve` (every role) as the NKey user `seed`, waiting until
 /// it holds every partition.
 async fn serve(url: &str, seed: String, prefix: &str, inbox: Option<&str>, data: &Path) -> Service {
-    let nats = NatsConfig {
-        connection: NatsOptions {
-            nkey_seed: Some(Secret::new(seed)),
-            inbox_prefix: inbox.map(str::to_string),
-            ..NatsOptions::with_servers([url])
-        },
-        prefix: prefix.to_string(),
-        partitions: PARTITIONS,
-        lease_ttl_ms: 2_000,
-        lease_renew_ms: 250,
-        lease_margin_ms: 700,
-        job_ack_wait_ms: 2_000,
-        storage: StorageKind::Memory,
-        // Every job snapshot goes through the object store, so the service
-        // user's permissions there are exercised too.
-        max_inline_payload_bytes: 256,
-        ..NatsConfig::default()
-    };
+    let nats = service_nats_config(url, seed, prefix, inbox, PARTITIONS);
     let mut opts = ServeOptions::new(nats, data);
     opts.policy = policy();
     opts.member_name = Some(prefix.replace('.', "-"));
@@ -415,15 +352,7 @@ fn operations(key: &str) -> Vec<(&'static str, Value)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_reaches_only_its_own_conversation() {
-    let users = Users::generate(&[
-        "ACME_SERVICE",
-        "ACME_OPERATOR",
-        "ACME_AGENT_1",
-        "ACME_AGENT_2",
-        "GLOBEX_SERVICE",
-        "GLOBEX_OPERATOR",
-        "GLOBEX_AGENT_1",
-    ]);
+    let users = Users::generate(&TENANTS_USERS);
     let server = users.server(TENANTS_CONF);
     let url = server.url();
     let dir = tempfile::tempdir().unwrap();
@@ -693,15 +622,7 @@ async fn an_agent_reaches_only_its_own_conversation() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tenant_accounts_share_nothing() {
-    let users = Users::generate(&[
-        "ACME_SERVICE",
-        "ACME_OPERATOR",
-        "ACME_AGENT_1",
-        "ACME_AGENT_2",
-        "GLOBEX_SERVICE",
-        "GLOBEX_OPERATOR",
-        "GLOBEX_AGENT_1",
-    ]);
+    let users = Users::generate(&TENANTS_USERS);
     let server = users.server(TENANTS_CONF);
     let url = server.url();
     let dir = tempfile::tempdir().unwrap();
@@ -815,13 +736,7 @@ async fn tenant_accounts_share_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_service_account_serves_each_tenant_under_its_own_prefix() {
-    let users = Users::generate(&[
-        "CF_ACME_SERVICE",
-        "CF_GLOBEX_SERVICE",
-        "ACME_OPERATOR",
-        "ACME_AGENT_1",
-        "GLOBEX_AGENT_1",
-    ]);
+    let users = Users::generate(&SHARED_USERS);
     let server = users.server(SHARED_CONF);
     let url = server.url();
     let dir = tempfile::tempdir().unwrap();

@@ -15,7 +15,7 @@ use contextfold::core::policy::PolicyConfig;
 use contextfold::core::state::{ContextItem, Resident, State, Summary};
 use contextfold::core::summary::{RollingStateRequest, SummaryDraft, SummaryRequest};
 use contextfold::core::sweep;
-use contextfold::runtime::sweep::{run_sweep, Deterministic, PassError, PassSummarizer, Spend};
+use contextfold::runtime::sweep::{run_sweep, PassError, PassSummarizer, Spend};
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
@@ -279,7 +279,8 @@ fn a_resummarization_that_falls_back_again_records_nothing_and_backs_off() {
         h.turns(0..60, T0, &model).await;
         let old = h.fallbacks_in_context();
         // Up for compaction, but the re-summarization job runs while the
-        // model is down again (Deterministic always falls back).
+        // model is down again (a down `Flaky` falls back, as the
+        // escalation does when its model fails).
         model.up.store(true, Ordering::Relaxed);
         h.hold_resummarize = true;
         let mut i = 60;
@@ -295,7 +296,7 @@ fn a_resummarization_that_falls_back_again_records_nothing_and_backs_off() {
         }
         h.hold_resummarize = false;
         let before = h.log.len();
-        h.settle(&Deterministic).await;
+        h.settle(&Flaky::default()).await;
         let after = &h.log[before..];
         assert!(!after.iter().any(|e| matches!(
             &e.body,

@@ -14,7 +14,7 @@
 // Tests and benches fail loudly: a panic is their report.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use contextfold::core::event::{CompactionRequested, EVENT_VERSION};
+use contextfold::core::event::{ClockTicked, CompactionRequested, EVENT_VERSION};
 use contextfold::core::event::{
     ConversationReset, Covers, Debt, DebtCleared, DebtReason, Encoding, Envelope, EventBody,
     EventRejected, JobIssued, MemoryFlushRequested, ModelDeclared, PolicyRecorded,
@@ -478,6 +478,12 @@ fn samples() -> Vec<Envelope> {
         recorded_by: None,
         policy: Box::new(policy),
     }));
+
+    // clock_ticked: a quiet partition's clock moved, by whom, or not said.
+    push(EventBody::ClockTicked(ClockTicked {
+        recorded_by: Some("serve-a-7c1f".into()),
+    }));
+    push(EventBody::ClockTicked(ClockTicked::default()));
 
     // recall_answered: an answer, and a deadline with its detail.
     let recall = RecallAnswered {
@@ -1024,6 +1030,11 @@ fn invalid_cases() -> Vec<(&'static str, &'static str, Vec<Edit>)> {
             "recall_answered",
             "calls past u32",
             vec![Set("/payload/calls", json!(u64::from(u32::MAX) + 1))],
+        ),
+        (
+            "clock_ticked",
+            "a recorder that is not a string",
+            vec![Set("/payload/recorded_by", json!(7))],
         ),
     ]
 }

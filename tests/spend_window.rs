@@ -381,7 +381,13 @@ async fn manual_compaction_and_overflow_bypass_the_backoff() {
         fallback_on_unavailable: false,
         ..summarizer(&server.base_url())
     };
-    let mut p = memory_pipeline(policy(24), &cfg).await;
+    // The longest backoff from the first round without progress, so
+    // that it holds through the turns below.
+    let policy = PolicyConfig {
+        no_progress_backoff_ms: 1_800_000,
+        ..policy(24)
+    };
+    let mut p = memory_pipeline(policy, &cfg).await;
     let (a, b) = ("agent:manual", "agent:overflow");
     let mut time = T0;
     let mut i = 0;
@@ -472,8 +478,13 @@ async fn manual_compaction_and_overflow_bypass_the_backoff() {
         urgent_reasons.contains(&DebtReason::Overflow),
         "{urgent_reasons:?}"
     );
-    // The backoff itself still holds for routine work.
-    assert!(conv(&p, a).spend.backoff_until > time);
+    // An agent that asks again ends the backoff, and the progress its
+    // round made starts the count of rounds without progress over.
+    for key in [a, b] {
+        let spend = conv(&p, key).spend;
+        assert!(spend.backoff_until <= time, "{key}: {spend:?}");
+        assert_eq!(spend.rounds_without_progress, 0, "{key}");
+    }
 }
 
 #[tokio::test]
@@ -880,5 +891,86 @@ async fn a_window_of_two_calls_buys_two_calls_of_progress_and_no_flood_of_jobs()
             .iter()
             .any(|h| h.event_type == "debt_recorded"),
         "compaction was owed"
+    );
+}
+
+/// Calls per conversation at the time their job was issued, from the log.
+fn calls_of(log: &[Envelope], conv: &str) -> Vec<(u64, u64)> {
+    let own: Vec<Envelope> = log
+        .iter()
+        .filter(|e| e.conversation == conv)
+        .cloned()
+        .collect();
+    calls_by_issue_time(&own)
+}
+
+/// Issue 23, finding 3: an agent asking for compaction again and again
+/// (urgent requests used to run with no call cap: 37 calls against a
+/// limit of 4, and its neighbour in the partition was locked out) is held
+/// to its urgent cap and its fair share of the partition, and the other
+/// conversation still gets calls and compacts.
+#[tokio::test]
+async fn urgent_requests_are_held_to_their_cap_and_leave_others_their_share() {
+    let rules = json!({"rules": [{"name": "summary", "when": {"model_matches": "m-summary"},
+                                  "respond": {}}]});
+    let Some(server) = FakeLlm::start(&rules.to_string()).await else {
+        return;
+    };
+    const CAP: u32 = 4;
+    const PARTITION: u32 = 8;
+    let policy = PolicyConfig {
+        summary_max_calls_per_window_global: Some(PARTITION),
+        ..policy(CAP)
+    };
+    let cfg = summarizer(&server.base_url());
+    let mut p = memory_pipeline(policy, &cfg).await;
+    let (a, b) = ("agent:asks-again", "agent:neighbour");
+    let mut time = T0;
+    // Both over the threshold first.
+    for i in 0..30 {
+        p.ingest(&[turn(a, i, time), turn(b, i, time)])
+            .await
+            .expect("ingest");
+        time += 1_000;
+    }
+    // Then A asks for compaction every second for two windows, while B's
+    // agent goes on talking.
+    let mut i = 30;
+    while time < T0 + 2 * WINDOW_MS {
+        let ask = Envelope::new(
+            format!("ask-{i}"),
+            a,
+            time,
+            EventBody::CompactionRequested(CompactionRequested::default()),
+        );
+        p.ingest(&[ask, turn(a, i, time), turn(b, i, time)])
+            .await
+            .expect("ingest");
+        i += 1;
+        time += 5_000;
+    }
+    let log = all_events(&mut p.log).await;
+    let (calls_a, calls_b) = (calls_of(&log, a), calls_of(&log, b));
+    let max_a = max_in_any_window(&calls_a);
+    assert!(
+        max_a <= u64::from(CAP),
+        "A made {max_a} calls in one window (cap {CAP})"
+    );
+    let urgent_a = log
+        .iter()
+        .filter(|e| e.conversation == a)
+        .filter(|e| matches!(&e.body, EventBody::JobIssued(j) if j.urgent))
+        .count();
+    assert!(urgent_a > 0, "A's requests issued urgent jobs");
+    let all: Vec<(u64, u64)> = calls_a.iter().chain(&calls_b).copied().collect();
+    assert!(max_in_any_window(&all) <= u64::from(PARTITION));
+    let total_b: u64 = calls_b.iter().map(|c| c.1).sum();
+    assert!(total_b > 0, "B got no call while A kept asking");
+    assert!(summaries_recorded(&log, b) > 0, "B never compacted");
+    eprintln!(
+        "SPEND | A: {} calls in all, at most {max_a} in a window (cap {CAP}), {urgent_a} urgent jobs | B: {total_b} calls, {} summaries, context {} tokens",
+        calls_a.iter().map(|c| c.1).sum::<u64>(),
+        summaries_recorded(&log, b),
+        conv(&p, b).context.tokens()
     );
 }

@@ -11,7 +11,7 @@ use crate::core::state::State;
 use serde::{Deserialize, Serialize};
 
 /// Longest `instructions` accepted, in characters.
-pub const MAX_INSTRUCTIONS_CHARS: usize = 4000;
+pub use crate::core::intake::limits::MAX_INSTRUCTIONS_CHARS;
 /// Longest `id` / `request_id` accepted, in bytes.
 pub const MAX_ID_BYTES: usize = 256;
 

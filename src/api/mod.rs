@@ -477,6 +477,13 @@ pub trait StateView: Send + Sync + 'static {
     fn partitions(&self) -> Vec<status::PartitionHealth> {
         Vec::new()
     }
+
+    /// Partition `partition`'s own global status (its conversations and its
+    /// health), when this process holds it.
+    fn partition_status(&self, partition: u32) -> Option<Result<status::GlobalStatus, ApiError>> {
+        let _ = partition;
+        None
+    }
 }
 
 /// A view over one state that owns every conversation (one process, or a

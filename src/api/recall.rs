@@ -142,14 +142,14 @@ pub fn prepare(
         )));
     }
     // The spend window as the fold will count this recall: at the
-    // conversation's newest event time.
-    let now = conv.last_time;
+    // partition's clock.
+    let now = state.clock.now;
     let window = policy.summary_call_window_ms;
     let mut own = conv.spend.clone();
     own.prune(now, window);
     let mut partition = state.spend.clone();
     partition.prune(now, window);
-    let allowance = spend::allowance(&own, &partition, &conv.key, policy, now);
+    let allowance = spend::allowance(&own, &partition, &conv.key, &policy.spend_limits(), now);
     let totals = allowance.own;
     if allowance.calls_left == 0 {
         return Err(spend_refusal(
@@ -406,6 +406,7 @@ mod tests {
             tokens: 0,
             cost_micros: 0,
             reserved_until: None,
+            urgent: false,
         });
         let err = prepare(&state, &Resident, policy, &req(NEEDLE), &limits()).unwrap_err();
         assert!(matches!(err, ApiError::SpendExhausted { .. }), "{err}");

@@ -2,13 +2,14 @@
 //! turns, tokens, summaries, pending jobs, debts, rejections. Per
 //! conversation: turns and tokens (raw, in context, the frontier not yet
 //! summarized, the fresh tail), compression ratio, summaries by depth, the
-//! debt and its age, the pending job, the spend window and a health verdict
-//! with its reasons. "Now" is the conversation's newest event time: the API
-//! reads no clock.
+//! debt and its age and what it waits for (the scheduler's own answer,
+//! `core::policy::schedule`), the pending job, the spend window and a
+//! health verdict with its reasons. "Now" is the partition's clock (the
+//! newest record time folded): the API reads no clock.
 
 use crate::api::{conversation, summary_at, turn, ApiError};
 use crate::core::event::DebtReason;
-use crate::core::policy::{self, PolicyConfig};
+use crate::core::policy::{self, schedule, Blocked, PolicyConfig, Schedule, Wait};
 use crate::core::spend::{self, SpendTotals};
 use crate::core::state::{ContextItem, Conversation, State};
 use serde::{Deserialize, Serialize};
@@ -53,23 +54,40 @@ pub struct GlobalStatus {
     pub degraded_conversations: u64,
     /// Up to [`MAX_LISTED_DEGRADED`] degraded conversation keys.
     pub degraded: Vec<String>,
-    /// Conversations whose spend window is closed at `newest_event_time`
-    /// (the fold's time, never the clock) because a round made no
-    /// progress: their routine summarization waits for the backoff
-    /// (`summary_spend_backoff_ms`).
+    /// Conversations whose debt waits for a backoff after a round that
+    /// made no progress (`no_progress_backoff_ms`, doubling per round).
     #[serde(default)]
     pub spend_backoff_conversations: u64,
-    /// Conversations whose spend window is used up at `newest_event_time`
-    /// (the calls, tokens or money of `summary_max_*_per_window`): their
-    /// routine summarization waits until older spend leaves the window.
+    /// Conversations whose debt waits for a spend window to reopen (the
+    /// calls, tokens or money of `summary_max_*_per_window`, the urgent
+    /// cap, or the partition's window).
     #[serde(default)]
     pub spend_exhausted_conversations: u64,
-    /// When the last of those windows opens again (event time, ms).
+    /// When the last of those windows opens again (the partitions' clock,
+    /// ms).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub spend_paused_until: Option<u64>,
-    /// The partitions this process folds (over NATS; empty locally).
+    /// Conversations whose debt cannot go on whatever the time
+    /// (`DebtStatus::blocked` says why).
+    #[serde(default)]
+    pub blocked_conversations: u64,
+    /// Conversations whose debt is stuck (`DebtStatus::stuck`).
+    #[serde(default)]
+    pub stuck_conversations: u64,
+    /// Up to [`MAX_LISTED_DEGRADED`] stuck conversation keys.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stuck: Vec<String>,
+    /// The partitions these totals cover (over NATS: every process's,
+    /// gathered by the one that answered; empty locally).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub partitions: Vec<PartitionHealth>,
+    /// How many partitions the service has (over NATS).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partitions_total: Option<u32>,
+    /// Partitions whose owner did not answer in time: these totals leave
+    /// them out (`partial`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub missing_partitions: Vec<u32>,
     pub health: Health,
 }
 
@@ -83,8 +101,12 @@ pub struct ConversationStatus {
     pub context_window: Option<u64>,
     pub encoding: String,
     pub epoch: u32,
-    /// Newest event time (ms): the "now" ages are measured against.
+    /// Newest event time (ms), as the agent stated it.
     pub last_event_time: u64,
+    /// The partition's clock (ms): the "now" ages and waits are measured
+    /// against (the time the log stored the newest record).
+    #[serde(default)]
+    pub now: u64,
     pub turns: TurnCounts,
     pub tokens: TokenCounts,
     pub compression: Compression,
@@ -94,6 +116,9 @@ pub struct ConversationStatus {
     pub spend_window: SpendStatus,
     pub rolling_state: RollingStatus,
     pub rejections: u64,
+    /// Agent events refused over the conversation's intake quota.
+    #[serde(default)]
+    pub over_quota: u64,
     pub health: Health,
 }
 
@@ -168,24 +193,48 @@ pub struct SummaryCounts {
     pub rejected: u64,
 }
 
-/// What an unpaid debt is waiting on.
+/// What an unpaid debt is waiting on: the scheduler's answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum DebtWait {
     /// A job is working on it.
     Job,
-    /// A round made no progress; routine jobs wait until `backoff_until`.
-    SpendBackoff,
-    /// The window's calls, tokens or money are used up.
-    SpendWindow,
-    /// The provider asked to wait (Retry-After): no job before `retry_at`.
+    /// Nothing holds it: the fold issues its job when it next looks at
+    /// the conversation (the next record, or the partition's next tick).
+    Due,
+    /// The provider asked to wait (Retry-After): no job before `until`.
     RetryAfter,
-    /// The last job made no progress: no job until the agent sends
-    /// something new (a turn, an error, a request).
-    AgentInput,
-    /// Nothing blocks it: the fold issues a job at the next event.
-    NextEvent,
+    /// A round made no progress: no job before `until`.
+    Backoff,
+    /// The conversation's window (calls, tokens or money) is used up
+    /// until `until`.
+    SpendWindow,
+    /// Its urgent calls are used up until `until`.
+    UrgentSpendWindow,
+    /// The partition's window, or this conversation's fair share of it,
+    /// is used up until `until`.
+    PartitionWindow,
+    /// It cannot go on whatever the time: `blocked` says why.
+    Blocked,
 }
+
+impl From<Wait> for DebtWait {
+    fn from(w: Wait) -> Self {
+        match w {
+            Wait::RetryAfter => DebtWait::RetryAfter,
+            Wait::Backoff => DebtWait::Backoff,
+            Wait::SpendWindow => DebtWait::SpendWindow,
+            Wait::UrgentSpendWindow => DebtWait::UrgentSpendWindow,
+            Wait::PartitionWindow => DebtWait::PartitionWindow,
+        }
+    }
+}
+
+/// A debt is stuck when it has waited this long with no job out and no
+/// wait ending in the future: its conversation has not been looked at
+/// since its time came (a partition without records or ticks), which a
+/// healthy service never leaves.
+pub const STUCK_AFTER_MS: u64 = 120_000;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DebtStatus {
@@ -195,9 +244,19 @@ pub struct DebtStatus {
     pub threshold_tokens: u64,
     pub target_tokens: u64,
     pub since: u64,
-    /// `last_event_time - since`.
+    /// `now - since`.
     pub age_ms: u64,
     pub waiting_on: DebtWait,
+    /// When the wait ends (the job's expiry for `job`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub until: Option<u64>,
+    /// Why it cannot go on, and what to do.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blocked: Option<String>,
+    /// No job is out and no wait ends in the future, for longer than
+    /// [`STUCK_AFTER_MS`]: the service should have acted and did not.
+    #[serde(default)]
+    pub stuck: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub instructions: Option<String>,
 }
@@ -289,16 +348,29 @@ pub enum HealthCode {
     ContextOverBudget,
     /// Events of this conversation were rejected (see `history`).
     Rejections,
+    /// Its agent publishes over the intake quota: events are refused.
+    OverQuota,
     /// An urgent debt older than `compact_until_under_deadline_ms`.
     StalledDebt,
     /// A job older than its deadline with no `sweep_ended`.
     OverdueJob,
+    /// A debt with no job out and no wait ending in the future, for longer
+    /// than [`STUCK_AFTER_MS`].
+    StuckDebt,
+    /// A debt that cannot go on whatever the time (a spend limit of 0).
+    BlockedDebt,
+    /// Context over the threshold with nothing a compaction could take:
+    /// the fresh tail and summaries that cannot condense further.
+    Incompressible,
     /// Degraded conversations (global status only).
     DegradedConversations,
     /// A partition cannot fold or publish and is retrying (global only).
     PartitionRetrying,
     /// A partition dead-lettered records (global only): see `cf.dead.partition.<p>`.
     DeadLetters,
+    /// Partitions whose owner did not answer: the totals leave them out
+    /// (global only).
+    PartitionsMissing,
 }
 
 /// How one partition this process folds is doing (global status over
@@ -349,10 +421,10 @@ pub struct PartitionWindow {
 /// The partition-wide spend window of `state` (one partition's), or `None`
 /// when no `*_global` limit is set.
 pub fn partition_window(state: &State, policy: &PolicyConfig) -> Option<PartitionWindow> {
-    if !spend::has_partition_limits(policy) {
+    if !policy.spend_limits().has_partition_limits() {
         return None;
     }
-    let now = newest_event_time(state);
+    let now = state.clock.now;
     let window_ms = policy.summary_call_window_ms;
     let mut w = state.spend.clone();
     w.prune(now, window_ms);
@@ -373,62 +445,9 @@ pub fn partition_window(state: &State, policy: &PolicyConfig) -> Option<Partitio
                 policy.summary_max_cost_micros_per_window_global,
                 t.cost_micros,
             ),
-        reopens_at: reopens_at(&w, window_ms),
+        reopens_at: w.reopens_at(now, window_ms),
         waiting_conversations: w.waiting.len(),
     })
-}
-
-/// The newest event time of any conversation in `state` (ms).
-fn newest_event_time(state: &State) -> u64 {
-    state
-        .conversations
-        .values()
-        .map(|c| c.last_time)
-        .max()
-        .unwrap_or(0)
-}
-
-/// When the first spend of a (pruned) window stops counting; reservations
-/// of running jobs end with their job, not by time.
-fn reopens_at(window: &spend::SpendWindow, window_ms: u64) -> Option<u64> {
-    window
-        .recent
-        .iter()
-        .filter(|e| e.reserved_until.is_none())
-        .map(|e| e.time.saturating_add(window_ms))
-        .min()
-}
-
-/// Whether a conversation's spend window (its own, or its partition's)
-/// holds its routine summarization at `now`: `(in backoff, used up, open
-/// again at)`; `None` when it does not.
-fn spend_closed_windows(
-    key: &str,
-    own: &crate::core::spend::SpendWindow,
-    partition: &crate::core::spend::SpendWindow,
-    policy: &PolicyConfig,
-    now: u64,
-) -> Option<(bool, bool, u64)> {
-    let window_ms = policy.summary_call_window_ms;
-    let mut own = own.clone();
-    own.prune(now, window_ms);
-    let mut partition = partition.clone();
-    partition.prune(now, window_ms);
-    let a = spend::allowance(&own, &partition, key, policy, now);
-    let used_up = a.calls_left == 0 || a.tokens_left == Some(0) || a.cost_left == Some(0);
-    if !a.in_backoff && !used_up {
-        return None;
-    }
-    let mut until = 0;
-    if a.in_backoff {
-        until = own.backoff_until;
-    }
-    if used_up {
-        let own_open = reopens_at(&own, window_ms);
-        let partition_open = reopens_at(&partition, window_ms);
-        until = until.max(own_open.max(partition_open).unwrap_or(now));
-    }
-    Some((a.in_backoff, used_up, until))
 }
 
 impl PartitionHealth {
@@ -530,21 +549,41 @@ pub fn global_status_with(
         spend_backoff_conversations: 0,
         spend_exhausted_conversations: 0,
         spend_paused_until: None,
+        blocked_conversations: 0,
+        stuck_conversations: 0,
+        stuck: Vec::new(),
         partitions: Vec::new(),
+        partitions_total: None,
+        missing_partitions: Vec::new(),
         health: Health::from_reasons(Vec::new()),
     };
     let mut by_depth: BTreeMap<u32, u64> = BTreeMap::new();
-    // The spend windows of conversations that spent or wait: judged below
-    // at the newest event time, known once every conversation was seen.
-    let mut windows = Vec::new();
     conversations(&mut |state, conv| {
-        if !conv.spend.recent.is_empty()
-            || conv.spend.backoff_until > 0
-            || !state.spend.recent.is_empty()
-        {
-            windows.push((conv.key.clone(), conv.spend.clone(), state.spend.clone()));
-        }
         let s = conversation_status(state, conv, policy)?;
+        if let Some(d) = &s.debt {
+            match d.waiting_on {
+                DebtWait::Backoff => {
+                    g.spend_backoff_conversations += 1;
+                    if let Some(until) = d.until {
+                        g.spend_paused_until = Some(g.spend_paused_until.unwrap_or(0).max(until));
+                    }
+                }
+                DebtWait::SpendWindow | DebtWait::UrgentSpendWindow | DebtWait::PartitionWindow => {
+                    g.spend_exhausted_conversations += 1;
+                    if let Some(until) = d.until {
+                        g.spend_paused_until = Some(g.spend_paused_until.unwrap_or(0).max(until));
+                    }
+                }
+                DebtWait::Blocked => g.blocked_conversations += 1,
+                DebtWait::Job | DebtWait::Due | DebtWait::RetryAfter => {}
+            }
+            if d.stuck {
+                g.stuck_conversations += 1;
+                if g.stuck.len() < MAX_LISTED_DEGRADED {
+                    g.stuck.push(s.conversation.clone());
+                }
+            }
+        }
         g.conversations += 1;
         g.turns += s.turns.total;
         g.raw_tokens += s.tokens.raw;
@@ -573,19 +612,19 @@ pub fn global_status_with(
         .into_iter()
         .map(|(depth, total)| DepthTotal { depth, total })
         .collect();
-    // Spend windows closed now, "now" being the newest event time: a
-    // conversation quiet since its window closed is not counted once the
-    // others have moved past its window.
-    for (key, own, partition) in &windows {
-        if let Some((backoff, used_up, until)) =
-            spend_closed_windows(key, own, partition, policy, g.newest_event_time)
-        {
-            g.spend_backoff_conversations += u64::from(backoff);
-            g.spend_exhausted_conversations += u64::from(used_up);
-            g.spend_paused_until = Some(g.spend_paused_until.unwrap_or(0).max(until));
-        }
-    }
     let mut reasons = Vec::new();
+    if g.stuck_conversations > 0 {
+        reasons.push(HealthReason {
+            code: HealthCode::StuckDebt,
+            message: format!(
+                "{} conversations owe compaction with no job out and nothing to wait for (e.g. {}): \
+                 their partitions have not folded a record or a tick since; check that every \
+                 partition has a running folder (`doctor`)",
+                g.stuck_conversations,
+                g.stuck.first().map_or("", String::as_str)
+            ),
+        });
+    }
     if g.degraded_conversations > 0 {
         reasons.push(HealthReason {
             code: HealthCode::DegradedConversations,
@@ -607,6 +646,81 @@ pub fn global_status_with(
     }
     g.health = Health::from_reasons(reasons);
     Ok(g)
+}
+
+impl GlobalStatus {
+    /// These totals and `other`'s, of other partitions, as one: what
+    /// `cf.admin.status` answers when several processes hold the service's
+    /// partitions.
+    pub fn merge(mut self, other: GlobalStatus) -> GlobalStatus {
+        self.conversations += other.conversations;
+        self.turns += other.turns;
+        self.raw_tokens += other.raw_tokens;
+        self.context_tokens += other.context_tokens;
+        self.summaries += other.summaries;
+        let mut depths: BTreeMap<u32, u64> = BTreeMap::new();
+        for d in self
+            .summaries_by_depth
+            .iter()
+            .chain(&other.summaries_by_depth)
+        {
+            *depths.entry(d.depth).or_insert(0) += d.total;
+        }
+        self.summaries_by_depth = depths
+            .into_iter()
+            .map(|(depth, total)| DepthTotal { depth, total })
+            .collect();
+        self.fallback_summaries_in_context += other.fallback_summaries_in_context;
+        self.pending_jobs += other.pending_jobs;
+        self.debts += other.debts;
+        self.urgent_debts += other.urgent_debts;
+        self.rejections += other.rejections;
+        self.unattributed_rejections += other.unattributed_rejections;
+        self.stale_summaries += other.stale_summaries;
+        self.duplicates_dropped += other.duplicates_dropped;
+        self.newest_event_time = self.newest_event_time.max(other.newest_event_time);
+        self.degraded_conversations += other.degraded_conversations;
+        self.degraded.extend(other.degraded);
+        self.degraded.truncate(MAX_LISTED_DEGRADED);
+        self.spend_backoff_conversations += other.spend_backoff_conversations;
+        self.spend_exhausted_conversations += other.spend_exhausted_conversations;
+        self.spend_paused_until = self.spend_paused_until.max(other.spend_paused_until);
+        self.blocked_conversations += other.blocked_conversations;
+        self.stuck_conversations += other.stuck_conversations;
+        self.stuck.extend(other.stuck);
+        self.stuck.truncate(MAX_LISTED_DEGRADED);
+        self.partitions.extend(other.partitions);
+        self.partitions.sort_by_key(|p| p.partition);
+        self.partitions_total = self.partitions_total.or(other.partitions_total);
+        self.missing_partitions.extend(other.missing_partitions);
+        let mut reasons = std::mem::take(&mut self.health.reasons);
+        for r in other.health.reasons {
+            if !reasons.contains(&r) {
+                reasons.push(r);
+            }
+        }
+        self.health = Health::from_reasons(reasons);
+        self
+    }
+
+    /// Marks partitions whose owner did not answer (their totals are left
+    /// out), with the reason in the health.
+    pub fn missing(mut self, partitions: Vec<u32>) -> GlobalStatus {
+        if partitions.is_empty() {
+            return self;
+        }
+        let mut reasons = std::mem::take(&mut self.health.reasons);
+        reasons.push(HealthReason {
+            code: HealthCode::PartitionsMissing,
+            message: format!(
+                "partitions {partitions:?} did not answer in time: these totals leave them out \
+                 (is a process holding them? `doctor` checks the leases)"
+            ),
+        });
+        self.health = Health::from_reasons(reasons);
+        self.missing_partitions = partitions;
+        self
+    }
 }
 
 /// Adds partition health to a global status, and its reasons to the
@@ -646,7 +760,7 @@ pub fn conversation_status(
     conv: &Conversation,
     policy: &PolicyConfig,
 ) -> Result<ConversationStatus, ApiError> {
-    let now = conv.last_time;
+    let now = state.clock.now;
     let levels = policy::levels(conv, policy);
 
     // Turns and the raw part of the context.
@@ -759,28 +873,39 @@ pub fn conversation_status(
             target_tokens: p.job.target_tokens,
         }
     });
-    let debt = conv.debt.as_ref().map(|d| DebtStatus {
-        reason: d.reason,
-        urgent: d.urgent,
-        context_tokens: d.context_tokens,
-        threshold_tokens: d.threshold_tokens,
-        target_tokens: d.target_tokens,
-        since: d.since,
-        age_ms: now.saturating_sub(d.since),
-        waiting_on: if pending_job.is_some() {
-            DebtWait::Job
-        } else if spend.waiting_retry_after {
-            DebtWait::RetryAfter
-        } else if (d.urgent || spend.routine_allowed) && conv.awaiting_input {
-            DebtWait::AgentInput
-        } else if d.urgent || spend.routine_allowed {
-            DebtWait::NextEvent
-        } else if spend.in_backoff {
-            DebtWait::SpendBackoff
-        } else {
-            DebtWait::SpendWindow
-        },
-        instructions: d.instructions.clone(),
+    let next = next_step(state, conv, policy, now);
+    let debt = conv.debt.as_ref().map(|d| {
+        let age_ms = now.saturating_sub(d.since);
+        let (waiting_on, until, blocked) = match &next {
+            Schedule::Running { expires_at } => (DebtWait::Job, Some(*expires_at), None),
+            Schedule::Expired => (DebtWait::Job, None, None),
+            Schedule::Wait { on, until } => ((*on).into(), Some(*until), None),
+            Schedule::Blocked(b) => (DebtWait::Blocked, None, Some(explain(*b))),
+            Schedule::Issue(_) | Schedule::Idle => (DebtWait::Due, None, None),
+        };
+        // Nothing out and nothing to wait for: the fold should have acted.
+        let overdue_since = match &next {
+            Schedule::Issue(_) | Schedule::Idle | Schedule::Expired => Some(d.since),
+            Schedule::Wait { until, .. } => Some(*until),
+            Schedule::Running { expires_at } => Some(*expires_at),
+            Schedule::Blocked(_) => None,
+        };
+        let stuck = age_ms > STUCK_AFTER_MS
+            && overdue_since.is_some_and(|t| t <= now.saturating_sub(STUCK_AFTER_MS));
+        DebtStatus {
+            reason: d.reason,
+            urgent: d.urgent,
+            context_tokens: d.context_tokens,
+            threshold_tokens: d.threshold_tokens,
+            target_tokens: d.target_tokens,
+            since: d.since,
+            age_ms,
+            waiting_on,
+            until,
+            blocked,
+            stuck,
+            instructions: d.instructions.clone(),
+        }
     });
 
     let mut reasons = Vec::new();
@@ -810,6 +935,45 @@ pub fn conversation_status(
             ),
         });
     }
+    if conv.debt.is_none()
+        && conv.context.tokens() > levels.threshold_tokens
+        && fresh_tail <= levels.budget
+        && policy::next_compaction(
+            conv,
+            policy,
+            policy::Standing {
+                context_tokens: conv.context.tokens(),
+                target_tokens: levels.target_tokens,
+                budget: levels.budget,
+                prefix_target_tokens: levels.prefix_target_tokens,
+                urgent: false,
+            },
+        )
+        .is_none()
+    {
+        reasons.push(HealthReason {
+            code: HealthCode::Incompressible,
+            message: format!(
+                "context is {} tokens, over the threshold of {}, and nothing is left to compact: \
+                 the fresh tail is {fresh_tail} tokens and the {} summaries in context cannot \
+                 condense further (raise the budget, lower fresh_tail_count, or compact with \
+                 instructions)",
+                conv.context.tokens(),
+                levels.threshold_tokens,
+                summary_tokens
+            ),
+        });
+    }
+    if conv.quota.refusing {
+        reasons.push(HealthReason {
+            code: HealthCode::OverQuota,
+            message: format!(
+                "its agent publishes faster than the intake quota allows: {} events refused so \
+                 far (policy.intake_events_per_second, intake_bytes_per_second)",
+                conv.quota.refused
+            ),
+        });
+    }
     if conv.rejections > 0 {
         reasons.push(HealthReason {
             code: HealthCode::Rejections,
@@ -820,6 +984,23 @@ pub fn conversation_status(
         });
     }
     if let Some(d) = &debt {
+        if d.stuck {
+            reasons.push(HealthReason {
+                code: HealthCode::StuckDebt,
+                message: format!(
+                    "{:?} debt of {} ms has no job out and nothing to wait for: its partition has \
+                     not folded a record or a tick since its time came (is the partition's folder \
+                     running? `doctor` checks); a `compact` request makes it go on now",
+                    d.reason, d.age_ms
+                ),
+            });
+        }
+        if let Some(why) = &d.blocked {
+            reasons.push(HealthReason {
+                code: HealthCode::BlockedDebt,
+                message: format!("{:?} debt cannot go on: {why}", d.reason),
+            });
+        }
         if d.urgent && d.age_ms > policy.compact_until_under_deadline_ms {
             reasons.push(HealthReason {
                 code: HealthCode::StalledDebt,
@@ -848,7 +1029,8 @@ pub fn conversation_status(
         context_window: conv.context_window,
         encoding: conv.encoding.name().to_string(),
         epoch: conv.epoch,
-        last_event_time: now,
+        last_event_time: conv.last_time,
+        now,
         turns,
         tokens,
         compression,
@@ -862,21 +1044,38 @@ pub fn conversation_status(
             due: conv.rolling_due,
         },
         rejections: conv.rejections,
+        over_quota: conv.quota.refused,
         health: Health::from_reasons(reasons),
     })
 }
 
-/// The spend window as the fold sees it at the conversation's newest event
-/// (the same limits `fold` checks before it issues a routine job).
+/// What the scheduler says of `conv` at `now`, over its windows pruned as
+/// the fold prunes them.
+fn next_step(state: &State, conv: &Conversation, policy: &PolicyConfig, now: u64) -> Schedule {
+    let limits = policy.spend_limits();
+    let mut partition = state.spend.clone();
+    partition.prune(now, limits.window_ms);
+    let mut own = conv.spend.clone();
+    own.prune(now, limits.window_ms);
+    schedule(conv, &own, &partition, policy, now)
+}
+
+fn explain(b: Blocked) -> String {
+    b.explain().to_string()
+}
+
+/// The spend window as the fold sees it at the partition's clock (the same
+/// limits the scheduler checks before it issues a job).
 fn spend_status(state: &State, conv: &Conversation, policy: &PolicyConfig) -> SpendStatus {
-    let now = conv.last_time;
-    let window_ms = policy.summary_call_window_ms;
+    let now = state.clock.now;
+    let limits = policy.spend_limits();
+    let window_ms = limits.window_ms;
     // The fold's own computation over windows pruned as the fold prunes them.
     let mut own = conv.spend.clone();
     own.prune(now, window_ms);
     let mut partition = state.spend.clone();
     partition.prune(now, window_ms);
-    let a = spend::allowance(&own, &partition, &conv.key, policy, now);
+    let a = spend::allowance(&own, &partition, &conv.key, &limits, now);
     // A sliding window: it starts at the oldest sweep that still counts.
     let window_start = own.recent.first().map_or(now, |e| e.time);
     let waiting_retry_after = now < own.retry_at;
@@ -977,23 +1176,43 @@ mod tests {
     }
 
     #[test]
-    fn fallback_summaries_make_the_conversation_degraded() {
+    fn only_fallback_summaries_make_the_conversation_degraded() {
         let (state, policy) = testing::folded();
         let s = conv_status(state, policy);
-        // The deterministic summarizer writes only fallback summaries.
-        assert!(s.summaries.fallback_in_context > 0);
-        assert_eq!(s.health.status, HealthStatus::Degraded);
-        assert!(s
-            .health
-            .reasons
+        // Without a model the deterministic summarizer is the summarizer:
+        // its summaries are final, nothing awaits a model.
+        assert!(s.summaries.in_context > 0);
+        assert_eq!(s.summaries.fallback_in_context, 0);
+        let fallback = |s: &ConversationStatus| {
+            s.health
+                .reasons
+                .iter()
+                .any(|r| r.code == HealthCode::FallbackSummaries)
+        };
+        assert!(!fallback(&s));
+        // One a failing model left in its place awaits re-summarization.
+        let mut state = state.clone();
+        let conv = state.conversations.get_mut(CONV).unwrap();
+        let in_context = conv
+            .context
             .iter()
-            .any(|r| r.code == HealthCode::FallbackSummaries));
+            .find_map(|i| match i {
+                ContextItem::Summary(k) => Some(*k as usize),
+                ContextItem::Turn(_) => None,
+            })
+            .unwrap();
+        conv.summaries[in_context].fallback = true;
+        let s = conv_status(&state, policy);
+        assert_eq!(s.summaries.fallback_in_context, 1);
+        assert_eq!(s.health.status, HealthStatus::Degraded);
+        assert!(fallback(&s));
     }
 
     #[test]
-    fn debt_age_and_pending_job_use_event_time() {
+    fn debt_age_and_pending_job_use_the_partition_clock() {
         let (state, policy) = testing::folded();
         let mut state = state.clone();
+        let state_now = state.clock.now;
         let conv = state.conversations.get_mut(CONV).unwrap();
         conv.debt = Some(Debt {
             reason: DebtReason::Overflow,
@@ -1001,7 +1220,7 @@ mod tests {
             threshold_tokens: 4500,
             target_tokens: 3000,
             urgent: true,
-            since: conv.last_time - policy.compact_until_under_deadline_ms - 1,
+            since: state_now - policy.compact_until_under_deadline_ms - 1,
             instructions: None,
         });
         conv.pending_job = Some(PendingJob {
@@ -1012,7 +1231,7 @@ mod tests {
                 context_tokens: 5000,
                 target_tokens: 3000,
                 deadline_ms: 1000,
-                issued_at: conv.last_time - 5000,
+                issued_at: state_now - 5000,
                 instructions: None,
                 compact: true,
                 refresh_rolling_state: false,
@@ -1021,11 +1240,14 @@ mod tests {
             },
             committed: 2,
             rolling_refreshed: false,
+            left_at: None,
         });
         let s = conv_status(&state, policy);
         let d = s.debt.unwrap();
         assert_eq!(d.age_ms, policy.compact_until_under_deadline_ms + 1);
         assert_eq!(d.waiting_on, DebtWait::Job);
+        assert_eq!(d.until, Some(state_now - 5000 + 2 * 1000 + 60_000));
+        assert!(!d.stuck, "a job is out");
         let j = s.pending_job.unwrap();
         assert_eq!((j.age_ms, j.overdue, j.committed), (5000, true, 2));
         let codes: Vec<HealthCode> = s.health.reasons.iter().map(|r| r.code).collect();
@@ -1034,12 +1256,13 @@ mod tests {
     }
 
     #[test]
-    fn spend_backoff_holds_a_routine_debt() {
+    fn a_backoff_holds_a_debt_until_a_known_time() {
         let (state, policy) = testing::folded();
         let mut state = state.clone();
+        let now = state.clock.now;
         let conv = state.conversations.get_mut(CONV).unwrap();
         conv.pending_job = None;
-        conv.spend.backoff_until = conv.last_time + 10;
+        conv.spend.backoff_until = now + 10;
         conv.debt = Some(Debt {
             reason: DebtReason::Threshold,
             context_tokens: 5000,
@@ -1051,16 +1274,30 @@ mod tests {
         });
         let s = conv_status(&state, policy);
         assert!(s.spend_window.in_backoff && !s.spend_window.routine_allowed);
-        assert_eq!(s.debt.unwrap().waiting_on, DebtWait::SpendBackoff);
-        // An urgent debt ignores the backoff, not a barren round's wait
-        // for the agent.
+        let d = s.debt.unwrap();
+        assert_eq!((d.waiting_on, d.until), (DebtWait::Backoff, Some(now + 10)));
+        // An urgent debt waits for it too, until the agent asks again.
         let conv = state.conversations.get_mut(CONV).unwrap();
-        conv.awaiting_input = true;
         if let Some(d) = &mut conv.debt {
             d.urgent = true;
         }
         let s = conv_status(&state, policy);
-        assert_eq!(s.debt.unwrap().waiting_on, DebtWait::AgentInput);
+        assert_eq!(s.debt.unwrap().waiting_on, DebtWait::Backoff);
+        // Past its end with nothing folded since: due, and stuck once the
+        // partition has been quiet for long.
+        state.clock.advance(now + 11);
+        let s = conv_status(&state, policy);
+        let d = s.debt.unwrap();
+        assert_eq!(d.waiting_on, DebtWait::Due);
+        assert!(!d.stuck);
+        state.clock.advance(now + 11 + STUCK_AFTER_MS + 1);
+        let s = conv_status(&state, policy);
+        assert!(s.debt.unwrap().stuck);
+        assert!(s
+            .health
+            .reasons
+            .iter()
+            .any(|r| r.code == HealthCode::StuckDebt));
     }
 
     #[test]
@@ -1080,6 +1317,7 @@ mod tests {
             tokens: 100,
             cost_micros: 0,
             reserved_until: None,
+            urgent: false,
         });
         let s = conversation_status(&state, testing::conv(&state), &global).unwrap();
         let p = s.spend_window.partition.clone().expect("global limits set");
@@ -1150,8 +1388,9 @@ mod tests {
         assert_eq!(g.context_tokens, 2 * one.tokens.context);
         assert_eq!(g.summaries, 2 * one.summaries.total);
         assert_eq!(g.rejections, 2 * one.rejections + 2);
-        assert_eq!(g.degraded_conversations, 2);
-        assert_eq!(g.degraded.len(), 2);
+        let degraded = u64::from(one.health.status == HealthStatus::Degraded);
+        assert_eq!(g.degraded_conversations, 2 * degraded);
+        assert_eq!(g.degraded.len() as u64, 2 * degraded);
         assert_eq!(g.health.status, HealthStatus::Degraded);
         let json = serde_json::to_value(&g).unwrap();
         assert_eq!(json["summaries_by_depth"][0]["depth"], 0, "{json}");
@@ -1164,12 +1403,22 @@ mod tests {
     }
 
     #[test]
-    fn global_counts_spend_windows_closed_at_the_newest_event_time() {
+    fn global_counts_debts_held_by_spend_at_the_partition_clock() {
         let (state, policy) = testing::folded();
         let mut state = state.clone();
-        let now = testing::conv(&state).last_time;
+        let now = state.clock.now;
         let conv = state.conversations.get_mut(CONV).unwrap();
         conv.spend = crate::core::state::SpendWindow::default();
+        conv.pending_job = None;
+        conv.debt = Some(Debt {
+            reason: DebtReason::Threshold,
+            context_tokens: 5000,
+            threshold_tokens: 4500,
+            target_tokens: 3000,
+            urgent: false,
+            since: now,
+            instructions: None,
+        });
         let open = global(&state, policy);
         assert_eq!(
             (
@@ -1187,18 +1436,14 @@ mod tests {
         assert_eq!(g.spend_backoff_conversations, 1);
         assert_eq!(g.spend_exhausted_conversations, 0);
         assert_eq!(g.spend_paused_until, Some(now + 10));
-        // Once another conversation's events are past it, it is over.
-        let mut later = testing::conv(&state).clone();
-        later.key = "later".into();
-        later.spend = crate::core::state::SpendWindow::default();
-        later.last_time = now + 10;
-        state.conversations.insert("later".into(), later);
-        let g = global(&state, policy);
+        // Once the partition's clock is past it, it is over.
+        let mut later = state.clone();
+        later.clock.advance(now + 10);
+        let g = global(&later, policy);
         assert_eq!(
             (g.spend_backoff_conversations, g.spend_paused_until),
             (0, None)
         );
-        state.conversations.remove("later");
 
         // The window's calls used up: open again when the oldest leaves it.
         let conv = state.conversations.get_mut(CONV).unwrap();
@@ -1211,6 +1456,7 @@ mod tests {
             tokens: 100,
             cost_micros: 0,
             reserved_until: None,
+            urgent: false,
         });
         let g = global(&state, policy);
         assert_eq!(g.spend_backoff_conversations, 0);
@@ -1239,11 +1485,22 @@ mod tests {
         let (state, policy) = testing::folded();
         assert_eq!(partition_window(state, policy), None, "no global limit");
         let mut state = state.clone();
-        let now = testing::conv(&state).last_time;
+        let now = state.clock.now;
         let global_policy = PolicyConfig {
             summary_max_calls_per_window_global: Some(4),
             ..policy.clone()
         };
+        let conv = state.conversations.get_mut(CONV).unwrap();
+        conv.pending_job = None;
+        conv.debt = Some(Debt {
+            reason: DebtReason::Threshold,
+            context_tokens: 5000,
+            threshold_tokens: 4500,
+            target_tokens: 3000,
+            urgent: false,
+            since: now,
+            instructions: None,
+        });
         let w = partition_window(&state, &global_policy).unwrap();
         assert!(!w.closed, "{w:?}");
         state.spend.recent.push(crate::core::state::SpendEntry {
@@ -1254,6 +1511,7 @@ mod tests {
             tokens: 100,
             cost_micros: 0,
             reserved_until: None,
+            urgent: false,
         });
         let w = partition_window(&state, &global_policy).unwrap();
         assert!(w.closed, "{w:?}");
@@ -1262,9 +1520,18 @@ mod tests {
             w.reopens_at,
             Some(now - 10 + global_policy.summary_call_window_ms)
         );
-        // The limit applies to every conversation of the partition.
+        // The limit holds every debt of the partition.
         let g = global(&state, &global_policy);
         assert_eq!(g.spend_exhausted_conversations, 1, "{g:?}");
+        let s = conversation_status(&state, testing::conv(&state), &global_policy).unwrap();
+        let d = s.debt.unwrap();
+        assert_eq!(
+            (d.waiting_on, d.until),
+            (
+                DebtWait::PartitionWindow,
+                Some(now - 10 + global_policy.summary_call_window_ms)
+            )
+        );
         let h = PartitionHealth {
             spend_window: Some(w),
             ..PartitionHealth::new(2)

@@ -15,7 +15,9 @@ use contextfold::api::{DescribeRequest, ExpandRequest, StatusRequest};
 use contextfold::config::Config;
 use contextfold::core::assembly::AssemblyRequest;
 use contextfold::core::audit;
+use contextfold::http::access::PageAccess;
 use contextfold::http::audit_page::{self, AuditSource, PageError};
+use contextfold::nats::api_role::ask_owner;
 use contextfold::nats::event_log::NatsEventLog;
 use contextfold::nats::subjects::{partition_of, Subjects};
 use contextfold::nats::NatsConfig;
@@ -121,6 +123,8 @@ pub fn ui(config: &Config, nats: &NatsArgs, addr: std::net::SocketAddr) -> Resul
         .enable_all()
         .build()
         .context("starting the async runtime")?;
+    // Beyond loopback the page needs a token: refused before listening.
+    let access = PageAccess::new(addr, &config.http).context("contextfold ui cannot listen so")?;
     rt.block_on(async {
         let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| {
             format!("cannot listen on {addr} (is the port in use? choose another with --port)")
@@ -132,17 +136,20 @@ pub fn ui(config: &Config, nats: &NatsArgs, addr: std::net::SocketAddr) -> Resul
                 turn: std::sync::Mutex::new(()),
             })
         } else {
-            Arc::new(NatsSource::connect(config, &nats.apply(&config.nats)).await?)
+            Arc::new(
+                NatsSource::connect(config, &nats.apply(&config.nats), AskRoute::Public).await?,
+            )
         };
-        println!("contextfold ui: http://{local}/ (Ctrl-C to stop)");
-        std::io::stdout().flush()?;
-        if !local.ip().is_loopback() {
-            eprintln!(
-                "warning: {local} is not a loopback address: the page shows conversation \
-                 content without authentication"
+        if access.needs_token() {
+            println!(
+                "contextfold ui: http://{local}/ (open http://{local}/?token=<[http] token> once; \
+                 Ctrl-C to stop)"
             );
+        } else {
+            println!("contextfold ui: http://{local}/ (Ctrl-C to stop)");
         }
-        axum::serve(listener, audit_page::router(source))
+        std::io::stdout().flush()?;
+        axum::serve(listener, audit_page::router(source, access))
             .with_graceful_shutdown(async {
                 let _ = tokio::signal::ctrl_c().await;
             })
@@ -308,21 +315,38 @@ impl AuditSource for Embedded {
 /// The most conversations the page of a NATS deployment lists.
 const MAX_LISTED: usize = 500;
 
+/// How the page asks the API role.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum AskRoute {
+    /// On the public subjects `<prefix>.api.<op>.<token>`, as any client
+    /// (`ui --nats`, with an operator's permissions).
+    Public,
+    /// The partition owner directly, on `<prefix>.api.p.<p>.<op>.<token>`,
+    /// as the API role forwards (`serve --audit-page`, with the service
+    /// user's permissions, which do not include the public subjects).
+    Owner,
+}
+
 /// The page's source over a NATS deployment: the conversations the events
 /// stream names, their status, describe and expand from the API role
-/// (request/reply, as any client asks), the audit and what the model saw
+/// (request/reply, on the [`AskRoute`]), the audit and what the model saw
 /// at an event from the conversation's partition of the stream, folded in
-/// this process. Publishes nothing.
+/// this process. Publishes nothing but its requests.
 pub(super) struct NatsSource {
     config: Config,
     partitions: u32,
     subjects: Subjects,
+    route: AskRoute,
     client: async_nats::Client,
     js: async_nats::jetstream::Context,
 }
 
 impl NatsSource {
-    pub(super) async fn connect(config: &Config, nats: &NatsConfig) -> Result<NatsSource> {
+    pub(super) async fn connect(
+        config: &Config,
+        nats: &NatsConfig,
+        route: AskRoute,
+    ) -> Result<NatsSource> {
         let servers = nats.connection.display_servers();
         let (client, _version) = nats
             .connection
@@ -333,6 +357,7 @@ impl NatsSource {
             config: config.clone(),
             partitions: nats.partitions,
             subjects: nats.subjects()?,
+            route,
             js: async_nats::jetstream::new(client.clone()),
             client,
         })
@@ -357,12 +382,29 @@ impl NatsSource {
         conversation: &str,
         body: &impl serde::Serialize,
     ) -> Result<serde_json::Value, PageError> {
-        let subject = self.subjects.api(op, conversation).map_err(failed)?;
         let body = serde_json::to_vec(body).map_err(failed)?;
+        let timeout = std::time::Duration::from_secs(30);
+        if self.route == AskRoute::Owner {
+            let reply = self.block(async {
+                ask_owner(
+                    &self.client,
+                    self.subjects.prefix(),
+                    self.partitions,
+                    timeout,
+                    op,
+                    conversation,
+                    body.into(),
+                )
+                .await
+                .map_err(|e| anyhow::anyhow!("asking the owner of {conversation:?}: {e}"))
+            })?;
+            return api_answer(&reply);
+        }
+        let subject = self.subjects.api(op, conversation).map_err(failed)?;
         let reply = self.block(async {
             let request = async_nats::Request::new()
                 .payload(body.into())
-                .timeout(Some(std::time::Duration::from_secs(30)));
+                .timeout(Some(timeout));
             self.client
                 .send_request(subject.clone(), request)
                 .await

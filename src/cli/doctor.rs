@@ -14,6 +14,7 @@ use contextfold::config::Config;
 use contextfold::nats::leases::{live_member_records, owner_of, LiveMember};
 use contextfold::nats::setup::{
     dead_letter_stream_config, events_stream_config, incompatibilities, jobs_stream_config,
+    payload_stream_name,
 };
 use contextfold::nats::NatsConfig;
 use contextfold::nats::Subjects;
@@ -447,6 +448,8 @@ pub async fn diagnose(cfg: &NatsConfig, stores: &Stores) -> Vec<Finding> {
         }
     }
 
+    out.push(check_payloads(&js, cfg, &subjects).await);
+
     let bucket = subjects.lease_bucket();
     let check = format!("leases ({bucket})");
     match js.get_key_value(&bucket).await {
@@ -503,6 +506,61 @@ pub async fn diagnose(cfg: &NatsConfig, stores: &Stores) -> Vec<Finding> {
     }
     out.extend(serve_status(&client, &subjects).await);
     out
+}
+
+/// The job-snapshot object store: present, and its `max_age` the
+/// configured `payload_max_age_ms`, so snapshots a crash left behind
+/// expire.
+async fn check_payloads(js: &jetstream::Context, cfg: &NatsConfig, subjects: &Subjects) -> Finding {
+    let bucket = subjects.payload_bucket();
+    let check = format!("object store {bucket}");
+    let want = cfg.payload_max_age();
+    match stream_info(js, &payload_stream_name(&bucket)).await {
+        Ok(Some(info)) => {
+            let held = format!("{} bytes held", info.state.bytes);
+            let have = info.config.max_age;
+            if have == want {
+                Finding::new(
+                    Level::Ok,
+                    check,
+                    format!("{held}, snapshots expire after {} ms", want.as_millis()),
+                )
+            } else if have.is_zero() {
+                Finding::new(
+                    Level::Warn,
+                    check,
+                    format!(
+                        "{held}; no max_age: job snapshots a crash left behind are kept for ever; \
+                         restart `contextfold serve` of this version (it sets max_age = \
+                         payload_max_age_ms, {} ms)",
+                        want.as_millis()
+                    ),
+                )
+            } else {
+                Finding::new(
+                    Level::Warn,
+                    check,
+                    format!(
+                        "{held}; max_age is {} ms, this configuration's payload_max_age_ms is {} \
+                         ms: give every process the same setting (serve applies it at start)",
+                        have.as_millis(),
+                        want.as_millis()
+                    ),
+                )
+            }
+        }
+        Ok(None) => Finding::new(
+            Level::Fail,
+            check,
+            "missing: start `contextfold serve` once (it creates it), with the same [nats] \
+             prefix as here",
+        ),
+        Err(e) => Finding::new(
+            Level::Fail,
+            check,
+            format!("cannot read it ({e}): check this user's JetStream permissions"),
+        ),
+    }
 }
 
 /// Whether the live members (processes that fold: roles folder or api)
@@ -684,6 +742,7 @@ fn judge_status(g: &GlobalStatus) -> Vec<Finding> {
         ));
     }
     out.push(judge_spend(g));
+    out.push(judge_debts(g));
     let stuck: Vec<&str> = g
         .health
         .reasons
@@ -710,6 +769,37 @@ fn judge_status(g: &GlobalStatus) -> Vec<Finding> {
     out
 }
 
+/// Debts that should move and do not (stuck), or cannot (blocked): the
+/// "every debt ends" invariant, as the service sees it now.
+fn judge_debts(g: &GlobalStatus) -> Finding {
+    let check = "debts";
+    if g.stuck_conversations == 0 && g.blocked_conversations == 0 {
+        return Finding::new(
+            Level::Ok,
+            check,
+            format!("{} owed, each with a job out or a wait that ends", g.debts),
+        );
+    }
+    let mut what = Vec::new();
+    if g.stuck_conversations > 0 {
+        what.push(format!(
+            "{} stuck (no job out and no wait ending, e.g. {}): their partitions folded no record \
+             or tick since their time came; check the partition health above and the serve logs, \
+             or send `compact` to one to make it go on now",
+            g.stuck_conversations,
+            g.stuck.join(", ")
+        ));
+    }
+    if g.blocked_conversations > 0 {
+        what.push(format!(
+            "{} blocked: a spend limit of [policy] is 0, so no summarizer call is ever allowed; \
+             raise summary_max_*_per_window in every process's [policy]",
+            g.blocked_conversations
+        ));
+    }
+    Finding::new(Level::Warn, check, what.join("; "))
+}
+
 /// Spend windows closed now (at the newest event time the serve folded):
 /// conversations whose routine summarization waits, and partitions whose
 /// partition-wide window is used up.
@@ -719,7 +809,7 @@ fn judge_spend(g: &GlobalStatus) -> Finding {
     if g.spend_backoff_conversations > 0 {
         closed.push(format!(
             "{} conversation(s) in backoff after a round without progress \
-             (summary_spend_backoff_ms)",
+             (no_progress_backoff_ms, doubling up to summary_spend_backoff_ms)",
             g.spend_backoff_conversations
         ));
     }
@@ -752,7 +842,7 @@ fn judge_spend(g: &GlobalStatus) -> Finding {
     }
     let until = g
         .spend_paused_until
-        .map(|t| format!(" until {t} (event time, ms)"))
+        .map(|t| format!(" until {t} (the partitions' clock, ms)"))
         .unwrap_or_default();
     Finding::new(
         Level::Warn,
@@ -774,7 +864,9 @@ pub fn doctor(config: &Config, nats: &NatsArgs, json: bool) -> Result<ExitCode> 
         dir: config.data_dir.join("nats").join(&cfg.prefix),
         fingerprint: policy_fingerprint(&config.policy),
     };
-    let findings = runtime()?.block_on(diagnose(&cfg, &stores));
+    let rt = runtime()?;
+    let mut findings = rt.block_on(diagnose(&cfg, &stores));
+    findings.extend(rt.block_on(gateway_upstream(config)));
     let failed = findings.iter().any(|f| f.level == Level::Fail);
     let mut out = std::io::stdout().lock();
     let written = if json {
@@ -796,6 +888,42 @@ pub fn doctor(config: &Config, nats: &NatsArgs, json: bool) -> Result<ExitCode> 
         ExitCode::FAILURE
     } else {
         ExitCode::SUCCESS
+    })
+}
+
+/// The gateway's upstream, when `[gateway]` names one: does it answer
+/// `GET /v1/models`? (Credentials: `OPENAI_API_KEY` when set; a 401 or 403
+/// is a warning, since clients bring their own.)
+async fn gateway_upstream(config: &Config) -> Option<Finding> {
+    let g = &config.gateway;
+    g.upstream.as_ref().or(g.upstream_chat.as_ref())?;
+    let check = "gateway upstream";
+    let upstream = match contextfold::gateway::upstream::Upstream::new(g) {
+        Ok(u) => u,
+        Err(e) => return Some(Finding::new(Level::Fail, check, e.to_string())),
+    };
+    let url = contextfold::secret::redact_url(upstream.base(None).unwrap_or_default());
+    Some(match upstream.check(None).await {
+        Ok(status) if (200..300).contains(&status) => {
+            Finding::new(Level::Ok, check, format!("{url} answers GET /v1/models ({status})"))
+        }
+        Ok(status @ (401 | 403)) => Finding::new(
+            Level::Warn,
+            check,
+            format!(
+                "{url} answers but refuses the credential ({status}): clients bring their own,                  or set the tenants' upstream_api_key"
+            ),
+        ),
+        Ok(status) => Finding::new(
+            Level::Fail,
+            check,
+            format!("{url} answers GET /v1/models with {status}: check [gateway] upstream"),
+        ),
+        Err(e) => Finding::new(
+            Level::Fail,
+            check,
+            format!("{url} is unreachable ({e}): check [gateway] upstream and the network"),
+        ),
     })
 }
 

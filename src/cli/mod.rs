@@ -4,6 +4,7 @@
 pub(crate) mod audit;
 mod doctor;
 mod eval;
+mod gateway;
 mod local;
 mod publish;
 mod query;
@@ -276,7 +277,8 @@ pub enum Command {
     /// The audit page over the embedded store: conversations, timeline
     /// chart, what the model saw at each event, the summary DAG.
     Ui {
-        /// Listen on this address (loopback by default).
+        /// Listen on this address (loopback by default; beyond loopback
+        /// the page needs `[http] token`, CONTEXTFOLD_HTTP__TOKEN).
         #[arg(long, default_value = "127.0.0.1")]
         host: std::net::IpAddr,
         /// Port (0: any free one; the URL is printed).
@@ -291,19 +293,24 @@ pub enum Command {
     Serve {
         #[command(flatten)]
         nats: serve::NatsArgs,
-        /// Roles of this process: folder, summarizer, api (comma-separated) or all.
+        /// Roles of this process: folder, summarizer, api, gateway
+        /// (comma-separated) or all (every one but the gateway, which
+        /// needs `[gateway] upstream`).
         #[arg(long, default_value = "folder,summarizer,api")]
         roles: contextfold::nats::serve::Roles,
         /// Compaction jobs run at once by the summarizer role.
         #[arg(long)]
         concurrency: Option<usize>,
         /// Serve /metrics, /healthz and /readyz on this address
-        /// (`127.0.0.1:9464`; overrides `[http] listen`). Unauthenticated:
-        /// keep it on loopback or a private network.
+        /// (`127.0.0.1:9464`; overrides `[http] listen`). Unauthenticated
+        /// and without conversation data: keep it on loopback or a private
+        /// network.
         #[arg(long, value_name = "ADDR")]
         http: Option<std::net::SocketAddr>,
-        /// Also serve the audit page at `/` of the HTTP server (it shows
-        /// conversation content without authentication: loopback only).
+        /// Also serve the audit page at `/` of the HTTP server. It shows
+        /// conversation content: it answers only requests naming this
+        /// server, and beyond loopback needs `[http] token`
+        /// (CONTEXTFOLD_HTTP__TOKEN), without which it refuses to start.
         #[arg(long)]
         audit_page: bool,
     },
@@ -318,7 +325,12 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Publish inbound events to NATS as an agent would (Nats-Msg-Id = event id).
+    /// An LLM gateway in front of an upstream provider (OpenAI Chat
+    /// Completions, OpenAI Responses, Anthropic Messages): keeps every turn,
+    /// and past the budget sends the model contextfold's assembled context
+    /// (docs/gateway.md). Embedded store by default; a deployment with --nats.
+    Gateway(gateway::GatewayArgs),
+    /// Publish inbound events to NATS as an agent would (Nats-Msg-Id scoped to the conversation, keyed by the credentials given).
     Publish {
         #[command(flatten)]
         nats: serve::NatsArgs,
@@ -454,6 +466,7 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
             serve::serve(&config, &nats, roles, concurrency, audit_page)
         }
         Command::Doctor { nats, json } => doctor::doctor(&config, &nats, json),
+        Command::Gateway(args) => gateway::gateway(config, args),
         Command::Publish { nats, file, format } => {
             publish::publish(&config, &nats, file.as_deref(), &format)
         }

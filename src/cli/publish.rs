@@ -1,13 +1,18 @@
 //! `contextfold publish`: sends inbound events to NATS as an agent would,
 //! one JetStream publish per event on the conversation's inbound subject
-//! with `Nats-Msg-Id` = the event id, so a re-run stores nothing twice.
+//! with `Nats-Msg-Id` = the event's message id (`nats::msg_id`: scoped to
+//! its conversation and keyed by the credentials given), so a re-run with
+//! the same credentials stores nothing twice and no other agent can take
+//! an event's id first.
 
 use super::serve::{runtime, NatsArgs};
 use anyhow::{bail, Context, Result};
 use async_nats::jetstream::{self, context::PublishAckFuture};
 use contextfold::config::Config;
 use contextfold::core::event::Envelope;
+use contextfold::core::event::Origin;
 use contextfold::nats::event_log::event_headers;
+use contextfold::nats::msg_id::{self, AgentKey};
 use std::collections::{BTreeSet, VecDeque};
 use std::io::Write;
 use std::path::Path;
@@ -41,6 +46,14 @@ pub fn publish(
             .await
             .with_context(|| format!("connecting to {servers}"))?;
         let js = jetstream::new(client.clone());
+        let (_, auth) = cfg.connection.resolve()?;
+        let key = AgentKey::from_secret(&auth.identity_secret()?);
+        if key.is_none() {
+            eprintln!(
+                "note: no credentials: message ids are scoped to each conversation but not keyed, \
+                 so anyone who may publish on this server could take them first (docs/subjects.md)"
+            );
+        }
         let started = Instant::now();
         let total = input.len();
         let mut tally = Tally::default();
@@ -73,7 +86,14 @@ pub fn publish(
             // JSONL lines go out as the bytes given (as an agent would send
             // them); imported transcripts as MessagePack.
             let ack = js
-                .publish_with_headers(subject, event_headers(&event.id, encoding), bytes.into())
+                .publish_with_headers(
+                    subject,
+                    event_headers(
+                        &msg_id::of(Origin::Agent, key.as_ref(), &event.conversation, &event.id),
+                        encoding,
+                    ),
+                    bytes.into(),
+                )
                 .await
                 .with_context(|| format!("publishing event {}", event.id))?;
             pending.push_back(ack);

@@ -1,10 +1,11 @@
 //! `contextfold serve`: every role over NATS in one process (or the ones
 //! `--roles` names), until SIGTERM or SIGINT.
 
-use super::audit::NatsSource;
+use super::audit::{AskRoute, NatsSource};
 use anyhow::{Context, Result};
 use clap::Args;
 use contextfold::config::Config;
+use contextfold::http::access::PageAccess;
 use contextfold::http::audit_page::{self, Late};
 use contextfold::http::{Check, HttpListener, OpsState, ReadyProbe, ReadyReport, Refresh};
 use contextfold::nats::api_role::RecallService;
@@ -135,7 +136,18 @@ pub fn serve(
     if audit_page && config.http.listen.is_none() {
         anyhow::bail!("--audit-page needs the HTTP server: give --http ADDR (or [http] listen)");
     }
+    // The page shows conversations: beyond loopback it needs a token, and
+    // this is refused before anything starts.
+    let page_access = match (audit_page, config.http.listen) {
+        (true, Some(addr)) => Some(
+            PageAccess::new(addr, &config.http)
+                .context("--audit-page cannot be served as configured")?,
+        ),
+        _ => None,
+    };
     let mut opts = ServeOptions::new(nats.apply(&config.nats), config.data_dir.clone());
+    let with_gateway = roles.gateway;
+    let gateway_only = with_gateway && !(roles.folder || roles.summarizer || roles.api);
     opts.roles = roles;
     opts.policy = config.policy.clone();
     opts.flush_every = config.store.flush_every;
@@ -156,9 +168,47 @@ pub fn serve(
     let servers = opts.nats.connection.display_servers();
     let http = config.http.listen;
     runtime()?.block_on(async {
+        // The gateway role: the LLM gateway storing turns in this
+        // deployment (turns it takes before the streams exist are spooled).
+        let gateway = if with_gateway {
+            let mut gconfig = config.clone();
+            gconfig.nats = opts.nats.clone();
+            gconfig
+                .gateway
+                .validate()
+                .map_err(|e| anyhow::anyhow!("[gateway] {e}"))?;
+            let store = contextfold::gateway::open_store(&gconfig, true)
+                .await
+                .context("opening the gateway's store")?;
+            let running = contextfold::gateway::start(
+                &gconfig,
+                store,
+                contextfold::nats::serve::shutdown_signal(),
+            )
+            .await
+            .context("starting the gateway")?;
+            eprintln!(
+                "contextfold serve: gateway listening on http://{}",
+                running.addr
+            );
+            Some(running)
+        } else {
+            None
+        };
+        if gateway_only {
+            if let Some(running) = gateway {
+                let g = running.gateway.clone();
+                running.task.await.context("the gateway stopped")?;
+                g.store.close().await;
+            }
+            return Ok(ExitCode::SUCCESS);
+        }
         let page = audit_page.then(|| Arc::new(Late::default()));
         let ops = match http {
-            Some(addr) => Some(OpsHttp::start(addr, page.clone()).await?),
+            Some(addr) => {
+                let page = page.clone().zip(page_access);
+                Some(OpsHttp::start(addr, page).await?)
+            }
             None => None,
         };
         if let Some(page) = page {
@@ -166,7 +216,7 @@ pub fn serve(
             // is (the streams exist then); until then it says so.
             let (config, nats) = (config.clone(), opts.nats.clone());
             tokio::spawn(async move {
-                match NatsSource::connect(&config, &nats).await {
+                match NatsSource::connect(&config, &nats, AskRoute::Owner).await {
                     Ok(source) => page.set(Arc::new(source)),
                     Err(e) => tracing::error!(error = %format!("{e:#}"), "audit page: no NATS"),
                 }
@@ -223,7 +273,7 @@ struct OpsHttp {
 }
 
 impl OpsHttp {
-    async fn start(addr: SocketAddr, page: Option<Arc<Late>>) -> Result<OpsHttp> {
+    async fn start(addr: SocketAddr, page: Option<(Arc<Late>, PageAccess)>) -> Result<OpsHttp> {
         let metrics = telemetry::install_prometheus()?;
         let listener = HttpListener::bind(addr).await?;
         let addr = listener.local_addr();
@@ -256,7 +306,7 @@ impl OpsHttp {
                 })
             })
         };
-        let page_on = page.is_some();
+        let page_on = page.as_ref().map(|(_, access)| access.needs_token());
         let (stop, mut stop_rx) = watch::channel(false);
         let state = OpsState {
             metrics,
@@ -268,8 +318,8 @@ impl OpsHttp {
                 let _ = stop_rx.wait_for(|s| *s).await;
             };
             let mut router = contextfold::http::router(state);
-            if let Some(page) = page {
-                router = router.merge(audit_page::router(page));
+            if let Some((page, access)) = page {
+                router = router.merge(audit_page::router(page, access));
             }
             if let Err(e) = listener.serve_router(router, shutdown).await {
                 tracing::error!(error = %e, "HTTP server stopped");
@@ -277,7 +327,11 @@ impl OpsHttp {
         });
         eprintln!(
             "contextfold serve: /metrics, /healthz, /readyz{} on http://{addr}",
-            if page_on { ", the audit page at /" } else { "" }
+            match page_on {
+                Some(false) => ", the audit page at /",
+                Some(true) => ", the audit page at / (open /?token=<[http] token> once)",
+                None => "",
+            }
         );
         Ok(OpsHttp {
             addr,

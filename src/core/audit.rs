@@ -539,6 +539,9 @@ impl Builder {
                     target_tokens: r.target_tokens,
                 },
             ),
+            // Time passing changes a conversation only through the
+            // decisions it leads to, which are steps of their own.
+            EventBody::ClockTicked(_) => {}
             EventBody::PolicyRecorded(p) => self.push(
                 index,
                 step,

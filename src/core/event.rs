@@ -70,6 +70,7 @@ pub enum EventBody {
     RecallAnswered(RecallAnswered),
     // ---- of the partition, not of a conversation ----
     PolicyRecorded(PolicyRecorded),
+    ClockTicked(ClockTicked),
 }
 
 impl EventBody {
@@ -93,11 +94,12 @@ impl EventBody {
             EventBody::RollingStateUpdated(_) => "rolling_state_updated",
             EventBody::RecallAnswered(_) => "recall_answered",
             EventBody::PolicyRecorded(_) => "policy_recorded",
+            EventBody::ClockTicked(_) => "clock_ticked",
         }
     }
 
     /// Every event type's wire name, for schemas and docs.
-    pub const TYPE_NAMES: [&'static str; 17] = [
+    pub const TYPE_NAMES: [&'static str; 18] = [
         "turn_appended",
         "provider_error_observed",
         "compaction_requested",
@@ -115,6 +117,7 @@ impl EventBody {
         "rolling_state_updated",
         "policy_recorded",
         "recall_answered",
+        "clock_ticked",
     ];
 
     /// The types an agent may write, and the only ones that can make new
@@ -528,6 +531,19 @@ pub struct PolicyRecorded {
     pub policy: Box<crate::core::policy::PolicyConfig>,
 }
 
+/// Time passed in a quiet partition: the service records one when a
+/// conversation of the partition waits for a time (a backoff's end, a
+/// job's expiry, a spend window reopening) and no record has come to move
+/// the partition's clock there. Its stored time moves the clock
+/// (`core::state::PartitionClock`); it changes nothing else. Partition-wide
+/// like [`PolicyRecorded`], and only the service writes it.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ClockTicked {
+    /// Which process recorded it (its member name or `embedded`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recorded_by: Option<String>,
+}
+
 /// The reserved conversation keys of partition-wide events: `contextfold-
 /// partition-<p>-<n>`, with `n` the smallest number that makes the key fall
 /// in partition `p` (so the event is stored in the partition it is about;
@@ -813,6 +829,7 @@ mod direct {
             "rolling_state_updated" => EventBody::RollingStateUpdated(map.next_value()?),
             "recall_answered" => EventBody::RecallAnswered(map.next_value()?),
             "policy_recorded" => EventBody::PolicyRecorded(map.next_value()?),
+            "clock_ticked" => EventBody::ClockTicked(map.next_value()?),
             other => return Err(de::Error::custom(format!("unknown type {other:?}"))),
         })
     }

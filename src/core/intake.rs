@@ -7,8 +7,10 @@
 //!
 //! 1. the bytes are an event this build reads ([`Refusal::Undecodable`]);
 //! 2. its fields are within the documented bounds ([`limits`]):
-//!    id, conversation key, model and sender names ([`Refusal::TooLong`]),
-//!    time ([`Refusal::TimeOutOfRange`]);
+//!    id, conversation key, model and sender names, a provider error's text
+//!    ([`Refusal::TooLong`]), a compaction request's instructions (the
+//!    API's own limit, so no path sends a model more:
+//!    [`Refusal::TooManyCharacters`]), time ([`Refusal::TimeOutOfRange`]);
 //! 3. it names the conversation its subject names
 //!    ([`Refusal::WrongConversation`]);
 //! 4. its origin may write its type: agents write only agent events
@@ -49,6 +51,13 @@ pub mod limits {
     pub const MAX_TIME_AHEAD_MS: u64 = 5 * 60 * 1000;
     /// The latest event time accepted at all (9999-12-31T23:59:59.999Z).
     pub const MAX_EVENT_TIME_MS: u64 = 253_402_300_799_999;
+    /// Longest `instructions` of a compaction request, in characters: the
+    /// same on the event path as through the API, since they reach the
+    /// model's prompt.
+    pub const MAX_INSTRUCTIONS_CHARS: usize = 4000;
+    /// Longest provider error text, in bytes (the overflow classifier reads
+    /// all of it; provider errors are a few hundred bytes).
+    pub const MAX_PROVIDER_ERROR_BYTES: usize = 64 * 1024;
     pub use crate::core::event::{MAX_EVENT_BYTES, MAX_NESTING_DEPTH};
 }
 
@@ -105,6 +114,12 @@ pub enum Refusal {
         bytes: usize,
         limit: usize,
     },
+    #[error("event {field} of {chars} characters is longer than the {limit}-character limit")]
+    TooManyCharacters {
+        field: &'static str,
+        chars: usize,
+        limit: usize,
+    },
     #[error(
         "event time {time} is past the latest accepted time {limit} (ms since the Unix epoch)"
     )]
@@ -119,7 +134,7 @@ impl Refusal {
             Refusal::Unroutable(_) => "unroutable",
             Refusal::WrongConversation { .. } => "wrong_conversation",
             Refusal::NotAnAgentEvent { .. } => "not_an_agent_event",
-            Refusal::TooLong { .. } => "too_long",
+            Refusal::TooLong { .. } | Refusal::TooManyCharacters { .. } => "too_long",
             Refusal::TimeOutOfRange { .. } => "time_out_of_range",
         }
     }
@@ -240,7 +255,28 @@ fn bounds(event: &Envelope) -> Option<Refusal> {
             _ => (None, None),
         };
         let name = |f, v: Option<&str>| too_long(f, v.map_or(0, str::len), limits::MAX_NAME_BYTES);
-        name("model", model).or_else(|| name("sender", sender))
+        name("model", model)
+            .or_else(|| name("sender", sender))
+            .or_else(|| match &event.body {
+                EventBody::ProviderErrorObserved(e) => {
+                    too_long("error", e.error.len(), limits::MAX_PROVIDER_ERROR_BYTES)
+                }
+                EventBody::CompactionRequested(r) => {
+                    let text = r.instructions.as_deref().unwrap_or("");
+                    // Counted only past the byte count that could be over.
+                    let chars = if text.len() > limits::MAX_INSTRUCTIONS_CHARS {
+                        text.chars().count()
+                    } else {
+                        text.len()
+                    };
+                    (chars > limits::MAX_INSTRUCTIONS_CHARS).then_some(Refusal::TooManyCharacters {
+                        field: "instructions",
+                        chars,
+                        limit: limits::MAX_INSTRUCTIONS_CHARS,
+                    })
+                }
+                _ => None,
+            })
     })
 }
 
@@ -371,6 +407,49 @@ mod tests {
         }
         let r = arrive(&json(&e), Origin::Agent, &Address::Unaddressed, None).unwrap_err();
         assert!(matches!(r.refusal, Refusal::TooLong { field: "model", .. }));
+    }
+
+    #[test]
+    fn instructions_and_error_texts_are_held_to_the_apis_limits_on_every_path() {
+        let request = |instructions: String| {
+            Envelope::new(
+                "r1",
+                "a",
+                1,
+                EventBody::CompactionRequested(crate::core::event::CompactionRequested {
+                    instructions: Some(instructions),
+                    ..Default::default()
+                }),
+            )
+        };
+        let to_a = Address::Conversation("a".into());
+        // At the limit in characters (each `é` two bytes): admitted.
+        let at_limit = "é".repeat(limits::MAX_INSTRUCTIONS_CHARS);
+        assert!(arrive(&json(&request(at_limit)), Origin::Agent, &to_a, None).is_ok());
+        // 900 KB of instructions (what was once sent to a model six times).
+        let huge = "x".repeat(900 * 1024);
+        let r = arrive(&json(&request(huge)), Origin::Agent, &to_a, None).unwrap_err();
+        assert!(matches!(
+            r.refusal,
+            Refusal::TooManyCharacters {
+                field: "instructions",
+                chars: 921_600,
+                limit: limits::MAX_INSTRUCTIONS_CHARS
+            }
+        ));
+        assert_eq!(r.refusal.kind(), "too_long");
+        assert_eq!(r.conversation.as_deref(), Some("a"));
+        let error = Envelope::new(
+            "e1",
+            "a",
+            1,
+            EventBody::ProviderErrorObserved(crate::core::event::ProviderErrorObserved {
+                error: "context_length_exceeded ".repeat(10_000),
+                model: None,
+            }),
+        );
+        let r = arrive(&json(&error), Origin::Agent, &to_a, None).unwrap_err();
+        assert!(matches!(r.refusal, Refusal::TooLong { field: "error", .. }));
     }
 
     #[test]

@@ -1,11 +1,47 @@
 //! Spend windows: what summarizer calls, tokens and money a conversation
-//! (and a partition) spent in the last `summary_call_window_ms` of
-//! conversation time, and what a new job may still be granted. The fold
-//! decides with [`allowance`]; `status` reports the very same numbers.
+//! (and a partition) spent in the last `summary_call_window_ms` of the
+//! partition's clock (`core::state::PartitionClock`), and what a new job
+//! may still be granted. The scheduler (`core::policy::schedule`) decides
+//! with [`allowance`]; `status` reports the very same numbers.
+//!
+//! Two kinds of work share a window. Routine jobs (thresholds, rolling
+//! state, re-summarization) are held to `summary_max_calls_per_window`.
+//! Urgent ones (an agent's compaction request, a provider's overflow) may
+//! pre-empt them but are held to their own cap of urgent calls
+//! (`summary_max_urgent_calls_per_window`), so no agent can buy unbounded
+//! model calls by asking. Tokens and money are hard limits on both; the
+//! partition's limits, with a fair share per conversation, hold for both.
+//!
+//! The limits come in as [`SpendLimits`], so the spend window knows
+//! nothing of the policy that sets them.
 
-use crate::core::policy::PolicyConfig;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
+
+/// The limits one spend window enforces (from `[policy]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpendLimits {
+    pub window_ms: u64,
+    /// Routine calls per window, the conversation's own.
+    pub calls: u32,
+    /// Urgent calls per window, the conversation's own.
+    pub urgent_calls: u32,
+    pub tokens: Option<u64>,
+    pub cost_micros: Option<u64>,
+    /// The partition's, across its conversations (`None`: unlimited).
+    pub partition_calls: Option<u32>,
+    pub partition_tokens: Option<u64>,
+    pub partition_cost_micros: Option<u64>,
+}
+
+impl SpendLimits {
+    /// A partition-wide limit is set.
+    pub fn has_partition_limits(&self) -> bool {
+        self.partition_calls.is_some()
+            || self.partition_tokens.is_some()
+            || self.partition_cost_micros.is_some()
+    }
+}
 
 /// Spend of one sweep in a spend window, counted at the time its job was
 /// issued (conversation time). While `reserved_until` is set, the amounts
@@ -24,6 +60,9 @@ pub struct SpendEntry {
     /// this time if its `sweep_ended` never comes.
     #[serde(default)]
     pub reserved_until: Option<u64>,
+    /// Spent by an urgent job (held to the urgent cap, not the routine one).
+    #[serde(default)]
+    pub urgent: bool,
 }
 
 impl SpendEntry {
@@ -41,8 +80,16 @@ impl SpendEntry {
 pub struct SpendWindow {
     /// Sweeps that still count, oldest first.
     pub recent: Vec<SpendEntry>,
-    /// No routine job before this time (a round made no progress).
+    /// No job before this time (a round made no progress): routine ones
+    /// wait for it, urgent ones too unless the agent asks again.
     pub backoff_until: u64,
+    /// Rounds in a row that made no progress (each doubles the backoff).
+    #[serde(default)]
+    pub rounds_without_progress: u32,
+    /// What the scheduler last held this conversation's debt for (so a
+    /// window that closes is counted once, when it closes).
+    #[serde(default)]
+    pub holding: Option<Wait>,
     /// No job at all before this time: the provider asked (Retry-After).
     #[serde(default)]
     pub retry_at: u64,
@@ -53,12 +100,79 @@ pub struct SpendWindow {
     pub waiting: Vec<(String, u64)>,
 }
 
+/// What a debt waits for (`core::policy::schedule`): each is a window
+/// or a delay of the conversation's spend, with an end in time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Wait {
+    /// The provider asked to wait (Retry-After).
+    RetryAfter,
+    /// A round made no progress: backing off before the next.
+    Backoff,
+    /// The conversation's spend window is used up (routine calls, tokens
+    /// or money).
+    SpendWindow,
+    /// Its urgent calls are used up for this window.
+    UrgentSpendWindow,
+    /// The partition's window, or this conversation's fair share of it,
+    /// is used up.
+    PartitionWindow,
+}
+
+impl Wait {
+    /// The wire name, also a bounded metrics label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Wait::RetryAfter => "retry_after",
+            Wait::Backoff => "backoff",
+            Wait::SpendWindow => "spend_window",
+            Wait::UrgentSpendWindow => "urgent_spend_window",
+            Wait::PartitionWindow => "partition_window",
+        }
+    }
+
+    /// A spend limit holds it (not a backoff or the provider's delay).
+    pub fn is_spend(self) -> bool {
+        matches!(
+            self,
+            Wait::SpendWindow | Wait::UrgentSpendWindow | Wait::PartitionWindow
+        )
+    }
+}
+
 /// Totals of a [`SpendWindow`] at one instant.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SpendTotals {
     pub calls: u32,
     pub tokens: u64,
     pub cost_micros: u64,
+}
+
+impl SpendTotals {
+    fn of(e: &SpendEntry) -> SpendTotals {
+        SpendTotals {
+            calls: e.calls,
+            tokens: e.tokens,
+            cost_micros: e.cost_micros,
+        }
+    }
+}
+
+impl std::ops::Add for SpendTotals {
+    type Output = SpendTotals;
+    fn add(self, o: SpendTotals) -> SpendTotals {
+        SpendTotals {
+            calls: self.calls.saturating_add(o.calls),
+            tokens: self.tokens.saturating_add(o.tokens),
+            cost_micros: self.cost_micros.saturating_add(o.cost_micros),
+        }
+    }
+}
+
+impl std::iter::Sum for SpendTotals {
+    fn sum<I: Iterator<Item = SpendTotals>>(iter: I) -> SpendTotals {
+        iter.fold(SpendTotals::default(), |a, b| a + b)
+    }
 }
 
 impl SpendWindow {
@@ -71,8 +185,11 @@ impl SpendWindow {
             }
         }
         self.recent.retain(|e| e.counts_at(now, window_ms));
+        // A waiter is looked at again at least once a window (its wait ends
+        // when the window reopens), which refreshes it: two windows without
+        // that means it stopped waiting.
         self.waiting
-            .retain(|(_, since)| since.saturating_add(window_ms) > now);
+            .retain(|(_, since)| since.saturating_add(2 * window_ms) > now);
     }
 
     /// Calls of `conversation`'s sweeps that count at `now`.
@@ -94,10 +211,12 @@ impl SpendWindow {
             .collect()
     }
 
-    /// Marks `conversation` as waiting for an allowance (once).
+    /// Marks `conversation` as waiting for an allowance at `now` (once;
+    /// again only refreshes when).
     pub fn wait(&mut self, conversation: &str, now: u64) {
-        if !self.waiting.iter().any(|(c, _)| c == conversation) {
-            self.waiting.push((conversation.to_string(), now));
+        match self.waiting.iter_mut().find(|(c, _)| c == conversation) {
+            Some((_, since)) => *since = (*since).max(now),
+            None => self.waiting.push((conversation.to_string(), now)),
         }
     }
 
@@ -107,15 +226,34 @@ impl SpendWindow {
 
     /// What counts against the limits at `now` (reservations included).
     pub fn totals(&self, now: u64, window_ms: u64) -> SpendTotals {
-        let mut t = SpendTotals::default();
-        for e in &self.recent {
-            if e.counts_at(now, window_ms) {
-                t.calls = t.calls.saturating_add(e.calls);
-                t.tokens = t.tokens.saturating_add(e.tokens);
-                t.cost_micros = t.cost_micros.saturating_add(e.cost_micros);
-            }
-        }
-        t
+        self.recent
+            .iter()
+            .filter(|e| e.counts_at(now, window_ms))
+            .map(SpendTotals::of)
+            .sum()
+    }
+
+    /// Calls of urgent jobs that count at `now`.
+    pub fn urgent_calls(&self, now: u64, window_ms: u64) -> u32 {
+        self.recent
+            .iter()
+            .filter(|e| e.urgent && e.counts_at(now, window_ms))
+            .map(|e| e.calls)
+            .fold(0u32, u32::saturating_add)
+    }
+
+    /// When the first spend that counts stops counting: a window's time
+    /// passing, or a running job's reservation running out. `None` when
+    /// nothing counts.
+    pub fn reopens_at(&self, now: u64, window_ms: u64) -> Option<u64> {
+        self.recent
+            .iter()
+            .filter(|e| e.counts_at(now, window_ms))
+            .map(|e| match e.reserved_until {
+                Some(until) => until,
+                None => e.time.saturating_add(window_ms),
+            })
+            .min()
     }
 
     /// Records a sweep's spend, replacing what was held for its job.
@@ -147,13 +285,17 @@ impl SpendWindow {
 pub struct Allowance {
     /// The conversation's own spend in the window.
     pub own: SpendTotals,
-    /// Calls its own window alone would still allow.
+    /// Routine calls its own window alone would still allow.
     pub own_calls_left: u32,
-    /// Calls a job may be granted (own, partition and fair-share limits).
+    /// Routine calls a job may be granted (own, partition and fair-share
+    /// limits).
     pub calls_left: u32,
+    /// Urgent calls a job may be granted (the urgent cap, partition and
+    /// fair-share limits).
+    pub urgent_calls_left: u32,
     pub tokens_left: Option<u64>,
     pub cost_left: Option<u64>,
-    /// A round made no progress: no routine job yet.
+    /// A round made no progress: no job yet.
     pub in_backoff: bool,
     /// Present when partition-wide limits are configured.
     pub partition: Option<PartitionAllowance>,
@@ -170,20 +312,21 @@ pub struct PartitionAllowance {
 }
 
 impl Allowance {
-    /// A routine (non-urgent) job may be issued.
-    pub fn routine_ok(&self) -> bool {
-        self.calls_left > 0
-            && self.tokens_left != Some(0)
-            && self.cost_left != Some(0)
-            && !self.in_backoff
+    /// Tokens and money are left (hard limits on every kind of job).
+    fn money_left(&self) -> bool {
+        self.tokens_left != Some(0) && self.cost_left != Some(0)
     }
-}
 
-/// A partition-wide spend limit is configured.
-pub fn has_partition_limits(policy: &PolicyConfig) -> bool {
-    policy.summary_max_calls_per_window_global.is_some()
-        || policy.summary_max_tokens_per_window_global.is_some()
-        || policy.summary_max_cost_micros_per_window_global.is_some()
+    /// A routine job may be issued.
+    pub fn routine_ok(&self) -> bool {
+        self.calls_left > 0 && self.money_left() && !self.in_backoff
+    }
+
+    /// An urgent job may be issued (backoff aside: the scheduler decides
+    /// whether an urgent debt waits for it).
+    pub fn urgent_ok(&self) -> bool {
+        self.urgent_calls_left > 0 && self.money_left()
+    }
 }
 
 /// The tighter of two optional limits (`None` is unlimited).
@@ -200,53 +343,52 @@ pub fn allowance(
     own: &SpendWindow,
     partition: &SpendWindow,
     key: &str,
-    policy: &PolicyConfig,
+    limits: &SpendLimits,
     now: u64,
 ) -> Allowance {
-    let window = policy.summary_call_window_ms;
+    let window = limits.window_ms;
     let mine = own.totals(now, window);
     let left = |max: Option<u64>, used: u64| max.map(|m| m.saturating_sub(used));
-    let own_calls_left = policy
-        .summary_max_calls_per_window
-        .saturating_sub(mine.calls);
+    // Routine work is held to all of the conversation's calls (urgent ones
+    // included: they took the room); urgent work to its own cap alone.
+    let own_calls_left = limits.calls.saturating_sub(mine.calls);
+    let urgent_left = limits
+        .urgent_calls
+        .saturating_sub(own.urgent_calls(now, window));
     let mut a = Allowance {
         own: mine,
         own_calls_left,
         calls_left: own_calls_left,
-        tokens_left: left(policy.summary_max_tokens_per_window, mine.tokens),
-        cost_left: left(policy.summary_max_cost_micros_per_window, mine.cost_micros),
+        urgent_calls_left: urgent_left,
+        tokens_left: left(limits.tokens, mine.tokens),
+        cost_left: left(limits.cost_micros, mine.cost_micros),
         in_backoff: now < own.backoff_until,
         partition: None,
     };
-    if !has_partition_limits(policy) {
+    if !limits.has_partition_limits() {
         return a;
     }
     let all = partition.totals(now, window);
     // A fair share of the partition's calls for each conversation that
     // spends or waits in the window, so the first to ask cannot hold the
-    // whole window while others wait.
+    // whole window while others wait, urgently or not.
     let mut active = partition.active_conversations(now, window);
     active.insert(key);
-    let share_calls = policy
-        .summary_max_calls_per_window_global
+    let share_calls = limits
+        .partition_calls
         .map(|max| max.div_ceil(active.len().max(1) as u32));
-    if let (Some(max), Some(share)) = (policy.summary_max_calls_per_window_global, share_calls) {
+    if let (Some(max), Some(share)) = (limits.partition_calls, share_calls) {
         let used = partition.calls_of(key, now, window);
-        a.calls_left = a
-            .calls_left
-            .min(max.saturating_sub(all.calls))
+        let room = max
+            .saturating_sub(all.calls)
             .min(share.saturating_sub(used));
+        a.calls_left = a.calls_left.min(room);
+        a.urgent_calls_left = a.urgent_calls_left.min(room);
     }
-    a.tokens_left = min_limit(
-        a.tokens_left,
-        left(policy.summary_max_tokens_per_window_global, all.tokens),
-    );
+    a.tokens_left = min_limit(a.tokens_left, left(limits.partition_tokens, all.tokens));
     a.cost_left = min_limit(
         a.cost_left,
-        left(
-            policy.summary_max_cost_micros_per_window_global,
-            all.cost_micros,
-        ),
+        left(limits.partition_cost_micros, all.cost_micros),
     );
     a.partition = Some(PartitionAllowance {
         totals: all,
@@ -269,6 +411,7 @@ mod tests {
             tokens: 0,
             cost_micros: 0,
             reserved_until,
+            urgent: false,
         }
     }
 

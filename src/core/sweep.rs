@@ -408,14 +408,6 @@ pub enum Pass {
 }
 
 impl SweepSnapshot {
-    fn summarized_prefix_tokens(&self) -> u64 {
-        self.items
-            .iter()
-            .filter(|i| i.summary_id.is_some())
-            .map(|i| i.plan.tokens)
-            .sum()
-    }
-
     /// The next pass: leaf passes while an eligible chunk is left outside
     /// the fresh tail, then condensation.
     pub fn next_pass(&self) -> Option<Pass> {
@@ -431,19 +423,17 @@ impl SweepSnapshot {
                 .position(|i| i.fallback && i.resummarize.is_some())
                 .map(Pass::Resummarize);
         }
-        let over = self.context_tokens > self.job.target_tokens;
-        let pressure = self.job.urgent;
-        // Over the whole budget, the fresh tail stops reaching back to the
-        // newest user turn, or a long autonomous run could never shrink.
-        let reach_back = !(pressure || self.context_tokens > self.budget);
-        if let Some(run) =
-            policy::next_leaf_chunk_with(self, &self.policy, over || pressure, reach_back)
-        {
-            return Some(Pass::Leaf(run));
-        }
-        let prefix_over = self.summarized_prefix_tokens() > self.prefix_target_tokens;
-        policy::next_condensation(self, &self.policy, prefix_over, pressure && over)
-            .map(|(run, depth)| Pass::Condense(run, depth))
+        let standing = policy::Standing {
+            context_tokens: self.context_tokens,
+            target_tokens: self.job.target_tokens,
+            budget: self.budget,
+            prefix_target_tokens: self.prefix_target_tokens,
+            urgent: self.job.urgent,
+        };
+        policy::next_compaction(self, &self.policy, standing).map(|c| match c {
+            policy::Compaction::Leaf(run) => Pass::Leaf(run),
+            policy::Compaction::Condense(run, depth) => Pass::Condense(run, depth),
+        })
     }
 
     /// What to ask the summarizer for this pass.

@@ -14,10 +14,12 @@
 //! | `GET /api/plot.svg?c=CONV` | the picture of `contextfold plot` |
 //!
 //! What answers is an [`AuditSource`]; its calls block (they fold a log),
-//! so each runs on the blocking pool. Like the operators' endpoints, the
-//! page has no authentication and shows conversation content: keep it on
-//! loopback.
+//! so each runs on the blocking pool. The page shows conversation content:
+//! every route passes [`crate::http::access::guard`] (a Host naming the
+//! server, a same-site Origin, and the token when one is set, which it
+//! must be beyond loopback).
 
+use crate::http::access::{guard, PageAccess};
 use axum::extract::{Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -109,8 +111,8 @@ impl AuditSource for Late {
     }
 }
 
-/// The page's router over `source`.
-pub fn router(source: Source) -> Router {
+/// The page's router over `source`, behind `access`.
+pub fn router(source: Source, access: PageAccess) -> Router {
     Router::new()
         .route("/", get(index))
         .route("/app.js", get(app_js))
@@ -121,6 +123,7 @@ pub fn router(source: Source) -> Router {
         .route("/api/expand", get(expand))
         .route("/api/plot.svg", get(plot))
         .with_state(source)
+        .layer(axum::middleware::from_fn_with_state(access, guard))
 }
 
 async fn index() -> Response {

@@ -4,12 +4,16 @@
 //!   operation and conversation, so NATS permissions can scope what a
 //!   client may read or compact (docs/subjects.md). The body must name the
 //!   subject's conversation. `<prefix>.admin.status` answers for the whole
-//!   service, for operators. Every API process joins one queue group on
-//!   `<prefix>.api.*.*` and `<prefix>.admin.*`, so each request is answered
-//!   once. A process that does not own the conversation forwards the
-//!   request to `<prefix>.api.p.<partition>.<op>.<token>` when it knows the
-//!   partition count
-//!   ([`ServiceConfig::forward_partitions`]) and relays the owner's reply;
+//!   service, for operators: the answering process asks the owner of each
+//!   partition it does not hold for that partition's own status
+//!   (`<prefix>.api.p.<partition>.status.~`), adds them up, and names the
+//!   partitions nobody answered for (`missing_partitions`). Every API
+//!   process joins one queue group on `<prefix>.api.*.*` and
+//!   `<prefix>.admin.*`, so each request is answered once. A process that
+//!   does not own the conversation forwards the request to
+//!   `<prefix>.api.p.<partition>.<op>.<token>` when it knows the partition
+//!   count ([`ServiceConfig::forward_partitions`]) and relays the owner's
+//!   reply;
 //!   otherwise, or when no owner answers, it replies `not_owner` with a
 //!   retry hint.
 //! - `<prefix>.api.p.<partition>.<op>.<token>`: answered by the partition's owner
@@ -36,13 +40,16 @@
 //! `Nats-Service-Error`, so generic NATS tools see them as errors. A reply
 //! too large for the server becomes an error reply: never silence.
 
-use crate::api::{answer_view, recall, ApiError, CompactResponse, Held, Op, Target};
+use crate::api::{
+    answer_view, recall, ApiError, CompactResponse, Held, Op, StatusResponse, Target,
+};
 pub use crate::api::{LocalState, StateView};
-use crate::core::event::{Encoding, Envelope};
+use crate::core::event::{Encoding, Envelope, Origin};
 use crate::core::policy::PolicyConfig;
 use crate::core::state::{Conversation, State};
 use crate::nats::event_log::event_headers;
 use crate::nats::folder::{EngineMap, SharedEngine};
+use crate::nats::replies::{log_excerpt, ReplyPolicy};
 use crate::nats::subjects::{partition_of, SubjectError, Subjects};
 use crate::runtime::recall::{RecallSetupError, Recaller};
 use crate::store::KvBackend;
@@ -84,6 +91,9 @@ pub struct ServiceConfig {
     pub publish_compactions: bool,
     /// The model `recall` asks, or why there is none.
     pub recall: RecallService,
+    /// The reply subjects answered ([`crate::nats::replies`]): a request
+    /// replying anywhere else is refused unanswered and counted.
+    pub replies: ReplyPolicy,
 }
 
 /// Whether this service answers `recall`.
@@ -106,6 +116,7 @@ impl Default for ServiceConfig {
             forward_timeout: Duration::from_secs(3),
             publish_compactions: true,
             recall: RecallService::Off(RecallSetupError::NoModel.to_string()),
+            replies: ReplyPolicy::default_for(DEFAULT_PREFIX),
         }
     }
 }
@@ -242,6 +253,7 @@ async fn serve<V: StateView>(
     let subjects = Subjects::new(&config.prefix)?;
     let compactions = config.publish_compactions.then(|| subjects.clone());
     let recall = config.recall.clone();
+    let replies = Arc::new(config.replies.clone());
     tracing::info!(subject = %filter, group = %config.queue_group, "API service started");
     let task_filter = filter.clone();
     let task = tokio::spawn(async move {
@@ -278,12 +290,56 @@ async fn serve<V: StateView>(
             let compactions = compactions.clone();
             let subjects = subjects.clone();
             let recall = recall.clone();
+            let replies = replies.clone();
             in_flight.spawn(async move {
                 let _permit = permit;
                 let Some(reply) = message.reply else {
-                    tracing::warn!(subject = %message.subject, "API request without a reply subject; nothing to answer to");
+                    tracing::warn!(subject = %log_excerpt(&message.subject, 200), "API request without a reply subject; nothing to answer to");
                     return;
                 };
+                // Before anything is read or done: a reply subject that is
+                // no inbox gets nothing (see crate::nats::replies).
+                if let Err(family) = replies.admit(reply.as_str(), &subjects) {
+                    let addressed = subjects.parse_api_subject(message.subject.as_str()).ok();
+                    let op = addressed
+                        .as_ref()
+                        .and_then(|a| Op::parse(&a.op))
+                        .map_or("unknown", Op::as_str);
+                    let conversation = addressed
+                        .as_ref()
+                        .and_then(|a| a.conversation.as_deref())
+                        .map(|c| log_excerpt(c, 128))
+                        .unwrap_or_default();
+                    crate::telemetry::ReplyRefused {
+                        family: family.as_str(),
+                        op,
+                        conversation_id: &conversation,
+                        reply: &log_excerpt(reply.as_str(), 64),
+                    }
+                    .emit();
+                    return;
+                }
+                if let Some(partition) = subjects.parse_partition_status(message.subject.as_str()) {
+                    let view = view.clone();
+                    let result = tokio::task::spawn_blocking(move || {
+                        match view.partition_status(partition) {
+                            Some(status) => status.and_then(|g| {
+                                serde_json::to_vec(&StatusResponse::Global(Box::new(g)))
+                                    .map_err(|e| ApiError::Internal(e.to_string()))
+                            }),
+                            None => Err(ApiError::NotOwner {
+                                conversation: String::new(),
+                                retry_after_ms: retry_ms,
+                            }),
+                        }
+                    })
+                    .await
+                    .unwrap_or_else(|e| {
+                        Err(ApiError::Internal(format!("the request task failed: {e}")))
+                    });
+                    send_reply(&client, reply, result).await;
+                    return;
+                }
                 let addressed = match subjects.parse_api_subject(message.subject.as_str()) {
                     Ok(a) => a,
                     Err(e) => {
@@ -292,6 +348,7 @@ async fn serve<V: StateView>(
                     }
                 };
                 let op = addressed.op.clone();
+                let global = addressed.conversation.is_none();
                 let body = message.payload;
                 let body_for_handler = body.clone();
                 let result = if op == Op::Recall.as_str() {
@@ -321,6 +378,21 @@ async fn serve<V: StateView>(
                 let result = match (result, compactions.as_ref()) {
                     (Ok(reply), Some(subjects)) if op == Op::Compact.as_str() => {
                         publish_compaction(&client, subjects, &reply).await
+                    }
+                    (other, _) => other,
+                };
+                // The whole service's status: what this process holds, and
+                // every other partition from the process that holds it.
+                let result = match (result, &route) {
+                    (
+                        Ok(local),
+                        Route::Public {
+                            forward: Some(partitions),
+                            timeout,
+                            ..
+                        },
+                    ) if op == Op::Status.as_str() && global => {
+                        gather_status(&client, &subjects, local, *partitions, *timeout).await
                     }
                     (other, _) => other,
                 };
@@ -374,6 +446,52 @@ async fn serve<V: StateView>(
         task: Some(task),
         filter,
     })
+}
+
+/// The global status of the whole service from this process's `local`
+/// one: each partition this process does not hold is asked of its owner
+/// (`<prefix>.api.p.<p>.status.~`), all at once, each within `timeout`;
+/// one that does not answer is named in `missing_partitions`.
+async fn gather_status(
+    client: &Client,
+    subjects: &Subjects,
+    local: Vec<u8>,
+    partitions: u32,
+    timeout: Duration,
+) -> Result<Vec<u8>, ApiError> {
+    let StatusResponse::Global(local) = serde_json::from_slice(&local)
+        .map_err(|e| ApiError::Internal(format!("cannot read this process's status: {e}")))?
+    else {
+        return Err(ApiError::Internal("a global status was expected".into()));
+    };
+    let held: Vec<u32> = local.partitions.iter().map(|p| p.partition).collect();
+    let others: Vec<u32> = (0..partitions).filter(|p| !held.contains(p)).collect();
+    let asks = others.iter().map(|&p| {
+        let request = async_nats::Request::new()
+            .payload(Bytes::from_static(b"{}"))
+            .timeout(Some(timeout));
+        let subject = subjects.partition_status(p);
+        async move {
+            let answer = client.send_request(subject, request).await.ok()?;
+            match serde_json::from_slice::<StatusResponse>(&answer.payload).ok()? {
+                StatusResponse::Global(g) => Some(*g),
+                StatusResponse::Conversation(_) => None,
+            }
+        }
+    });
+    let answers = futures::future::join_all(asks).await;
+    let mut total = *local;
+    total.partitions_total = Some(partitions);
+    let mut missing = Vec::new();
+    for (p, answer) in others.into_iter().zip(answers) {
+        match answer {
+            Some(g) => total = total.merge(g),
+            None => missing.push(p),
+        }
+    }
+    let total = total.missing(missing);
+    serde_json::to_vec(&StatusResponse::Global(Box::new(total)))
+        .map_err(|e| ApiError::Internal(e.to_string()))
 }
 
 /// Returns once the server has processed everything `client` sent before
@@ -475,7 +593,10 @@ async fn store_event(
         jetstream::new(client.clone())
             .publish_with_headers(
                 subject,
-                event_headers(&event.id, Encoding::Json),
+                event_headers(
+                    &crate::nats::msg_id::of(Origin::Service, None, &event.conversation, &event.id),
+                    Encoding::Json,
+                ),
                 event.encode(Encoding::Json).into(),
             )
             .await?
@@ -502,6 +623,37 @@ async fn publish_compaction(
     response.published = true;
     serde_json::to_vec(&response)
         .map_err(|e| ApiError::Internal(format!("cannot encode the compact answer: {e}")))
+}
+
+/// Asks the owner of `conversation`'s partition directly, on
+/// `<prefix>.api.p.<partition>.<op>.<token>` (the subjects a public API
+/// process forwards to, which the service user may publish), asking again
+/// through a lease handover within `timeout`; returns the owner's reply
+/// body (an answer, or an API error as JSON). For a client in the service's
+/// own process, such as `serve`'s audit page, which needs no permission on
+/// the public subjects that way.
+pub async fn ask_owner(
+    client: &Client,
+    prefix: &str,
+    partitions: u32,
+    timeout: Duration,
+    op: Op,
+    conversation: &str,
+    body: Bytes,
+) -> Result<Bytes, ApiError> {
+    let retry_ms = crate::api::DEFAULT_NOT_OWNER_RETRY_MS;
+    forward(
+        client,
+        prefix,
+        partitions,
+        timeout,
+        op.as_str(),
+        conversation,
+        body,
+        retry_ms,
+    )
+    .await
+    .map(|(_, payload)| payload)
 }
 
 /// Asks the owner of the conversation's partition and returns its reply
@@ -771,6 +923,21 @@ impl<H: HeldEngines> StateView for EngineView<H> {
                 f(Some(Held::resident(&merged, &policy)))
             }
         }
+    }
+
+    fn partition_status(
+        &self,
+        partition: u32,
+    ) -> Option<Result<crate::api::status::GlobalStatus, ApiError>> {
+        let mut health = self.engines.health(partition)?;
+        let engine = self.engines.engine(partition)?;
+        let engine = engine.lock().unwrap_or_else(|p| p.into_inner());
+        health.spend_window = crate::api::status::partition_window(&engine.state, &engine.policy);
+        let status =
+            crate::api::status::global_status_with(&engine.state, &engine.policy, |each| {
+                engine.each_conversation(|state, conv| each(state, conv))
+            });
+        Some(status.map(|g| crate::api::status::with_partitions(g, vec![health])))
     }
 
     fn each_conversation(

@@ -4,6 +4,7 @@
 //! single-node setup talking to `nats://127.0.0.1:4222`.
 
 use crate::nats::connect::NatsOptions;
+use crate::nats::replies::{ReplyPolicy, DEFAULT_REPLY_PREFIXES};
 use crate::nats::subjects::{validate_prefix, Subjects};
 use crate::nats::NatsError;
 use serde::{Deserialize, Serialize};
@@ -69,6 +70,26 @@ pub struct NatsConfig {
     pub job_max_deliver: i64,
     /// How long dead letters are kept. Default 604800000 (7 days).
     pub dead_letter_max_age_ms: u64,
+    /// Age after which a job snapshot left in the object store
+    /// (`cf_payloads`) is removed by the server (the bucket's `max_age`).
+    /// A summarizer deletes a job's snapshot as soon as the job ends
+    /// (acknowledged or dead-lettered); this removes what a crash or a lost
+    /// acknowledgement left behind. It must outlast a job's whole life,
+    /// deferrals and redeliveries included: a job whose snapshot expired
+    /// cannot run and is dead-lettered at its last delivery (its
+    /// conversation then gets its next job). At least
+    /// `job_ack_wait_ms * job_max_deliver` and one minute. Default
+    /// 86400000 (1 day).
+    pub payload_max_age_ms: u64,
+    /// Subject prefixes (whole tokens) the API answers on: a request whose
+    /// reply subject lies below none of them, nor below
+    /// `connection.inbox_prefix`, gets no answer and is counted
+    /// (`contextfold_api_replies_refused_total`), so no requester can make
+    /// the service publish on a lease key, another conversation's subject
+    /// or a JetStream API (docs/subjects.md, "Replies and inboxes"). None may
+    /// start with `$` or overlap `prefix`. Default `["_INBOX", "_R_"]`
+    /// (client inboxes; replies through imported services).
+    pub reply_prefixes: Vec<String>,
 }
 
 impl Default for NatsConfig {
@@ -89,9 +110,14 @@ impl Default for NatsConfig {
             job_ack_wait_ms: 30_000,
             job_max_deliver: 5,
             dead_letter_max_age_ms: 7 * 24 * 3600 * 1000,
+            payload_max_age_ms: DEFAULT_PAYLOAD_MAX_AGE_MS,
+            reply_prefixes: DEFAULT_REPLY_PREFIXES.map(str::to_string).to_vec(),
         }
     }
 }
+
+/// Default `payload_max_age_ms`: one day.
+pub const DEFAULT_PAYLOAD_MAX_AGE_MS: u64 = 24 * 3600 * 1000;
 
 /// Most partitions accepted: each has a durable consumer and a lease.
 pub const MAX_PARTITIONS: u32 = 1024;
@@ -164,7 +190,40 @@ impl NatsConfig {
         if self.job_ack_wait_ms < 1_000 {
             return Err(bad("job_ack_wait_ms", "must be at least 1000".into()));
         }
+        let job_life = self
+            .job_ack_wait_ms
+            .saturating_mul(u64::try_from(self.job_max_deliver).unwrap_or(u64::MAX))
+            .max(60_000);
+        if self.payload_max_age_ms < job_life {
+            return Err(bad(
+                "payload_max_age_ms",
+                format!(
+                    "must be at least {job_life} (job_ack_wait_ms * job_max_deliver, and one \
+                     minute): a job's snapshot must outlast the job, got {}",
+                    self.payload_max_age_ms
+                ),
+            ));
+        }
+        self.reply_policy()?;
         Ok(())
+    }
+
+    /// The reply subjects the API answers on: `reply_prefixes` and the
+    /// connection's own inbox prefix (forwarded requests come back there).
+    pub fn reply_policy(&self) -> Result<ReplyPolicy, NatsError> {
+        ReplyPolicy::new(&self.reply_prefixes, &self.prefix).map_err(|e| NatsError::Config {
+            field: "reply_prefixes",
+            reason: e.to_string(),
+        })?;
+        let own = self.connection.inbox_prefix.as_deref().unwrap_or("_INBOX");
+        ReplyPolicy::new(
+            self.reply_prefixes.iter().map(String::as_str).chain([own]),
+            &self.prefix,
+        )
+        .map_err(|e| NatsError::Config {
+            field: "connection.inbox_prefix",
+            reason: format!("the service's replies come back there: {e}"),
+        })
     }
 
     /// Subject and resource names for this prefix.
@@ -177,6 +236,10 @@ impl NatsConfig {
 
     pub fn dedup_window(&self) -> Duration {
         Duration::from_millis(self.dedup_window_ms)
+    }
+
+    pub fn payload_max_age(&self) -> Duration {
+        Duration::from_millis(self.payload_max_age_ms)
     }
 
     pub fn lease_ttl(&self) -> Duration {
@@ -205,6 +268,8 @@ mod tests {
         assert_eq!(c.replicas, 1);
         assert_eq!(c.dedup_window_ms, 120_000);
         assert_eq!(c.lease_ttl_ms, 10_000);
+        assert_eq!(c.payload_max_age_ms, 86_400_000);
+        assert_eq!(c.reply_prefixes, ["_INBOX", "_R_"]);
     }
 
     #[test]
@@ -241,6 +306,23 @@ mod tests {
             ),
             ("lease_renew_ms", Box::new(|c| c.lease_renew_ms = 8_000)),
             ("job_max_deliver", Box::new(|c| c.job_max_deliver = 0)),
+            ("payload_max_age_ms", Box::new(|c| c.payload_max_age_ms = 0)),
+            (
+                "payload_max_age_ms",
+                Box::new(|c| c.payload_max_age_ms = c.job_ack_wait_ms * 4),
+            ),
+            (
+                "reply_prefixes",
+                Box::new(|c| c.reply_prefixes = vec!["$KV".into()]),
+            ),
+            (
+                "reply_prefixes",
+                Box::new(|c| c.reply_prefixes.push("cf.svc".into())),
+            ),
+            (
+                "connection.inbox_prefix",
+                Box::new(|c| c.connection.inbox_prefix = Some("cf.inbox".into())),
+            ),
         ];
         for (field, change) in cases {
             let mut c = NatsConfig::default();

@@ -209,6 +209,28 @@ impl fmt::Debug for Auth {
 }
 
 impl Auth {
+    /// The secret this way of authenticating holds (a password, token,
+    /// seed or credentials file), as bytes: what keys an agent's message
+    /// ids (`nats::msg_id`), so that only the holder can compute them.
+    /// Empty for [`Auth::None`].
+    pub fn identity_secret(&self) -> Result<Vec<u8>, NatsError> {
+        let read = |path: &PathBuf| {
+            std::fs::read(path).map_err(|e| NatsError::Config {
+                field: "credentials",
+                reason: format!("cannot read {}: {e}", path.display()),
+            })
+        };
+        Ok(match self {
+            Auth::None => Vec::new(),
+            Auth::UserPassword { user, password } => {
+                [user.as_bytes(), &[0], password.expose().as_bytes()].concat()
+            }
+            Auth::Token(t) => t.expose().as_bytes().to_vec(),
+            Auth::NkeySeed(s) => s.expose().as_bytes().to_vec(),
+            Auth::NkeySeedFile(p) | Auth::CredentialsFile(p) => read(p)?,
+        })
+    }
+
     /// What was offered, for messages: never the secret itself.
     pub fn describe(&self) -> String {
         match self {

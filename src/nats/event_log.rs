@@ -2,8 +2,9 @@
 //!
 //! Appending publishes to the subject of the record's origin (`cf.in.<conv>`
 //! for an agent's, `cf.svc.<conv>` for the service's) with `Nats-Msg-Id` =
-//! the event id, so the server drops a republished event within the dedup
-//! window, and `Content-Type` naming the encoding. The stream stores it as
+//! the event's message id (`nats::msg_id`: scoped to its conversation), so
+//! the server drops a republished event within the dedup window, and
+//! `Content-Type` naming the encoding. The stream stores it as
 //! `cf.ev.<partition>.<in|svc>.<conv>`; reading gives each record the
 //! origin and conversation its stored subject names. Positions
 //! are stream sequence numbers. A log opened for one partition reads only
@@ -12,6 +13,7 @@
 
 use crate::core::event::{Encoding, Envelope, Origin, MAX_EVENT_BYTES};
 use crate::log::{Appended as AppendRecord, EventLog, LogError, LogRecord, Position};
+use crate::nats::msg_id::{self, AgentKey};
 use crate::nats::subjects::Subjects;
 use crate::nats::NatsError;
 use async_nats::header::NATS_MESSAGE_ID;
@@ -48,10 +50,11 @@ pub fn encoding_of(headers: Option<&HeaderMap>, payload: &[u8]) -> Encoding {
     }
 }
 
-/// Headers for publishing one event.
-pub fn event_headers(event_id: &str, encoding: Encoding) -> HeaderMap {
+/// Headers for publishing one event with message id `msg_id`
+/// ([`crate::nats::msg_id::of`]).
+pub fn event_headers(msg_id: &str, encoding: Encoding) -> HeaderMap {
     let mut headers = HeaderMap::new();
-    headers.insert(NATS_MESSAGE_ID, event_id);
+    headers.insert(NATS_MESSAGE_ID, msg_id);
     headers.insert(CONTENT_TYPE, content_type(encoding));
     headers
 }
@@ -80,6 +83,8 @@ pub struct NatsEventLog {
     subjects: Subjects,
     partition: Option<u32>,
     cursor: Option<Cursor>,
+    /// The publisher's key for agent message ids, if it has credentials.
+    agent_key: Option<AgentKey>,
 }
 
 fn backend(err: impl std::fmt::Display) -> LogError {
@@ -100,7 +105,15 @@ impl NatsEventLog {
             subjects,
             partition: None,
             cursor: None,
+            agent_key: None,
         })
+    }
+
+    /// Publishes agent events with message ids keyed by `key` (from the
+    /// publisher's credentials: [`AgentKey::from_secret`]).
+    pub fn with_agent_key(mut self, key: Option<AgentKey>) -> Self {
+        self.agent_key = key;
+        self
     }
 
     /// Only the events of one partition.
@@ -141,7 +154,14 @@ impl NatsEventLog {
             .publish(origin, conversation)
             .map_err(backend)?;
         self.js
-            .publish_with_headers(subject, event_headers(id, encoding), bytes.into())
+            .publish_with_headers(
+                subject,
+                event_headers(
+                    &msg_id::of(origin, self.agent_key.as_ref(), conversation, id),
+                    encoding,
+                ),
+                bytes.into(),
+            )
             .await
             .map_err(backend)
     }

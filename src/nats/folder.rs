@@ -22,7 +22,26 @@
 //!    `cf.job.<conv>`, refused records to `cf.dead.partition.<p>`) with
 //!    deterministic message ids and wait for the stream's
 //!    acknowledgements, commit the state and position atomically, then
-//!    acknowledge the batch (one ack-all of its last message).
+//!    acknowledge the batch (one ack-all of its last message);
+//! 5. when no record comes and a conversation of the partition waits for a
+//!    time (a backoff's end, a job's expiry, a spend window reopening),
+//!    record a `clock_ticked` for the partition once that time has passed
+//!    by this process's clock: its stored time moves the partition's clock
+//!    (`core::state::PartitionClock`), so every wait ends without agent
+//!    traffic. Server and process clocks may differ: a tick stored before
+//!    the wait ends wakes nothing, and the next one comes after a delay
+//!    that doubles up to [`MAX_TICK_RETRY`].
+//!
+//! # Jobs the log shows pending
+//!
+//! When a tenure's history ends (at once, when the store is up to date),
+//! every job the state shows pending is handed out again unless the job
+//! queue still holds it (a work queue keeps a job until a worker
+//! acknowledges it, so a missing one was never queued, or is done and its
+//! `sweep_ended` is on its way). A crash after a batch's `job_issued`
+//! decisions were stored and before its jobs were queued therefore loses
+//! no job: the next owner finds the decisions in the log, drops its own
+//! copies of them, and queues the jobs.
 //!
 //! # No message stops a partition
 //!
@@ -94,6 +113,37 @@ pub struct FolderSettings {
     /// (`CONTEXTFOLD_BENCH_GATHER_MS`) commits 100k events in about 390
     /// batches at 5 ms and about 150 at 50 ms.
     pub gather_wait: Duration,
+    /// A test's fault point ([`Fault`]); `None` in service.
+    pub fault: Option<Fault>,
+}
+
+/// A fault point the convergence tests crash the folder at, named by the
+/// environment variable [`FAULT_VAR`] (read by `serve`; never set in
+/// service).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Abort the process once a batch's decisions are stored, before its
+    /// jobs are queued (the first batch that issues a job): what a kill -9
+    /// between the two leaves.
+    AbortAfterJobDecisions,
+}
+
+/// The variable naming a [`Fault`] (`abort_after_job_decisions`).
+pub const FAULT_VAR: &str = "CONTEXTFOLD_TEST_FAULT";
+
+impl Fault {
+    /// The fault the environment names, if any (unknown names are
+    /// ignored with a warning: it is a test hook, not configuration).
+    pub fn from_env() -> Option<Fault> {
+        let name = std::env::var(FAULT_VAR).ok()?;
+        match name.as_str() {
+            "abort_after_job_decisions" => Some(Fault::AbortAfterJobDecisions),
+            other => {
+                tracing::warn!(fault = other, "unknown {FAULT_VAR}; ignored");
+                None
+            }
+        }
+    }
 }
 
 impl Default for FolderSettings {
@@ -104,6 +154,7 @@ impl Default for FolderSettings {
             max_inline_job_bytes: 256 * 1024,
             retry_backoff: Duration::from_millis(200),
             gather_wait: Duration::from_millis(50),
+            fault: None,
         }
     }
 }
@@ -198,6 +249,7 @@ pub struct FolderRole<B: KvBackend> {
     publisher: Publisher,
     subjects: Subjects,
     events: stream::Stream,
+    jobs: stream::Stream,
     payloads: ObjectStore,
     open_engine: EngineFactory<B>,
     settings: FolderSettings,
@@ -210,6 +262,7 @@ impl<B: KvBackend> Clone for FolderRole<B> {
             publisher: self.publisher.clone(),
             subjects: self.subjects.clone(),
             events: self.events.clone(),
+            jobs: self.jobs.clone(),
             payloads: self.payloads.clone(),
             open_engine: self.open_engine.clone(),
             settings: self.settings.clone(),
@@ -226,6 +279,47 @@ impl Drop for Tasks {
         for task in self.0.values() {
             task.abort();
         }
+    }
+}
+
+/// The longest wait between two ticks that woke nothing (the server's
+/// clock behind this process's).
+pub const MAX_TICK_RETRY: Duration = Duration::from_secs(5);
+
+/// The first wait after a tick that woke nothing.
+const FIRST_TICK_RETRY: Duration = Duration::from_millis(200);
+
+/// When a quiet partition records its next `clock_ticked`.
+#[derive(Debug)]
+struct TickPlan {
+    /// The engine's position when the last tick was published, and the
+    /// delay before another may follow while nothing else is folded.
+    last: Option<(u64, Duration)>,
+}
+
+impl TickPlan {
+    /// How long from now (a wall-clock time, ms) until the tick for a
+    /// timer due at `next_wake` (the partition's clock), given the
+    /// engine's `position`: `None` when nothing waits.
+    fn delay(&self, next_wake: Option<u64>, now_ms: u64, position: u64) -> Option<Duration> {
+        let wake = next_wake?;
+        let mut delay = Duration::from_millis(wake.saturating_sub(now_ms));
+        if let Some((at, retry)) = self.last {
+            if at == position {
+                // The last tick is all that was folded since: it woke
+                // nothing yet, so the next one waits.
+                delay = delay.max(retry);
+            }
+        }
+        Some(delay)
+    }
+
+    fn ticked(&mut self, position: u64) {
+        let retry = match self.last {
+            Some((at, retry)) if at == position => (retry * 2).min(MAX_TICK_RETRY),
+            _ => FIRST_TICK_RETRY,
+        };
+        self.last = Some((position, retry));
     }
 }
 
@@ -285,6 +379,7 @@ impl<B: KvBackend + 'static> FolderRole<B> {
             },
             subjects: infra.subjects.clone(),
             events: infra.events.clone(),
+            jobs: infra.jobs.clone(),
             payloads: infra.payloads.clone(),
             open_engine,
             settings,
@@ -457,29 +552,37 @@ impl<B: KvBackend + 'static> FolderRole<B> {
         // count is the one the consumer's creation answered with: no
         // request (and no permission) more.
         let pending = consumer.cached_info().num_pending;
-        let policy = {
-            let mut e = lock(engine);
+        let starting = engine.clone();
+        let effects = tokio::task::spawn_blocking(move || {
+            let mut e = lock(&starting);
+            let mut effects = Effects::default();
             if pending == 0 {
+                // No history: the policy goes out now, and every job the
+                // state shows pending (see the module doc).
                 e.end_history();
+                e.requeue_pending();
+                e.finish(&mut effects)?;
+            } else if let Some(policy) = e.announce_policy() {
+                effects.decisions.push(policy);
             }
-            e.announce_policy()
-        };
-        if let Some(policy) = policy {
-            let effects = Effects {
-                decisions: vec![policy],
-                ..Effects::default()
-            };
-            if !self
-                .publish_effects(lease, health, &effects, shutdown)
-                .await
-            {
-                return Ok(());
-            }
+            Ok::<_, StoreError>(effects)
+        })
+        .await
+        .map_err(|e| FolderError::Task {
+            partition: p,
+            detail: e.to_string(),
+        })??;
+        if !self
+            .publish_effects(lease, health, &effects, shutdown)
+            .await
+        {
+            return Ok(());
         }
         {
             let mut h = lock(health);
             h.position = after;
-            h.catching_up = head > after;
+            // This partition's own backlog, not the whole stream's.
+            h.catching_up = pending > 0;
         }
         let batch = self.settings.batch.max(1);
         let messages = consumer
@@ -490,10 +593,23 @@ impl<B: KvBackend + 'static> FolderRole<B> {
             .await
             .map_err(|e| NatsError::js(format!("pulling partition {p}"), e))?;
         let mut messages = messages;
+        let mut ticks = TickPlan { last: None };
         loop {
+            let tick_in = {
+                let e = lock(engine);
+                ticks.delay(e.next_wake(), wall_ms(), e.position())
+            };
             let first = tokio::select! {
                 _ = lease.lost() => return Ok(()),
                 _ = shutdown.changed() => return Ok(()),
+                _ = tick_after(tick_in) => {
+                    let position = lock(engine).position();
+                    if !self.tick(lease, engine, health, shutdown).await {
+                        return Ok(());
+                    }
+                    ticks.ticked(position);
+                    continue;
+                }
                 m = messages.next() => m,
             };
             let mut msgs = Batch::new(&self.subjects, p);
@@ -530,6 +646,58 @@ impl<B: KvBackend + 'static> FolderRole<B> {
                 BatchEnd::Committed => {}
                 BatchEnd::Stopped => return Ok(()),
             }
+        }
+    }
+
+    /// Records a `clock_ticked` for the partition (see the module doc);
+    /// false when the lease ran out or the process is stopping first.
+    async fn tick(
+        &self,
+        lease: &Lease,
+        engine: &SharedEngine<B>,
+        health: &SharedHealth,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> bool {
+        let tick = {
+            let e = lock(engine);
+            e.partition_key().map(|(key, recorder)| {
+                crate::core::event::Envelope::new(
+                    format!("tick:{key}:{}", e.position()),
+                    key,
+                    wall_ms(),
+                    crate::core::event::EventBody::ClockTicked(crate::core::event::ClockTicked {
+                        recorded_by: Some(recorder.to_string()),
+                    }),
+                )
+            })
+        };
+        let Some(tick) = tick else {
+            // An engine that records nothing for its partition (a test's)
+            // waits for records instead.
+            return lease.still_held();
+        };
+        telemetry::ClockTicked {
+            partition: lease.partition(),
+        }
+        .emit();
+        let effects = Effects {
+            decisions: vec![tick],
+            ..Effects::default()
+        };
+        self.publish_effects(lease, health, &effects, shutdown)
+            .await
+    }
+
+    /// Whether the job queue still holds `snap`'s job (queued, or taken by
+    /// a worker that has not acknowledged it). When it cannot tell, no.
+    async fn job_queued(&self, snap: &crate::core::sweep::SweepSnapshot) -> bool {
+        let Ok(subject) = self.subjects.job(&snap.conversation) else {
+            return false;
+        };
+        match self.jobs.get_last_raw_message_by_subject(&subject).await {
+            Ok(message) => crate::nats::jobs::JobMessage::decode(&message.payload)
+                .is_ok_and(|m| m.job_id == snap.job.job_id),
+            Err(_) => false,
         }
     }
 
@@ -636,6 +804,20 @@ impl<B: KvBackend + 'static> FolderRole<B> {
         if effects.is_empty() {
             return true;
         }
+        if self.settings.fault == Some(Fault::AbortAfterJobDecisions) && !effects.jobs.is_empty() {
+            let decisions = Effects {
+                decisions: effects.decisions.clone(),
+                ..Effects::default()
+            };
+            if Box::pin(self.publish_effects(lease, health, &decisions, shutdown)).await {
+                tracing::error!(
+                    partition = lease.partition(),
+                    "{FAULT_VAR}: aborting after the decisions were stored, before the jobs"
+                );
+                std::process::abort();
+            }
+            return false;
+        }
         let mut backoff = self.settings.retry_backoff;
         // Effects already stored, by index, so a retry sends only the rest.
         let mut done = Done::default();
@@ -685,6 +867,33 @@ impl<B: KvBackend + 'static> FolderRole<B> {
                 }
                 Err(e) => return Err(e),
             }
+        }
+        for (i, snap) in effects.requeued.iter().enumerate() {
+            if done.requeued.contains(&i) {
+                continue;
+            }
+            if self.job_queued(snap).await {
+                done.requeued.insert(i);
+                continue;
+            }
+            telemetry::JobRequeued {
+                conversation_id: &snap.conversation,
+                job_id: &snap.job.job_id,
+            }
+            .emit();
+            let ack = publish_job(
+                &self.publisher.js,
+                &self.payloads,
+                &self.subjects,
+                snap.clone(),
+                self.settings.max_inline_job_bytes,
+            )
+            .await
+            .map_err(|e| PublishFailure::Nats {
+                what: format!("job {}", snap.job.job_id),
+                detail: e.to_string(),
+            })?;
+            pending.push((Effect::Requeued(i), ack));
         }
         for (i, snap) in effects.jobs.iter().enumerate() {
             if done.jobs.contains(&i) {
@@ -771,6 +980,7 @@ impl<B: KvBackend + 'static> FolderRole<B> {
 enum Effect {
     Decision(usize),
     Job(usize),
+    Requeued(usize),
     DeadLetter(usize),
 }
 
@@ -779,6 +989,7 @@ impl Effect {
         match self {
             Effect::Decision(i) => format!("decision {}", effects.decisions[i].id),
             Effect::Job(i) => format!("job {}", effects.jobs[i].job.job_id),
+            Effect::Requeued(i) => format!("requeued job {}", effects.requeued[i].job.job_id),
             Effect::DeadLetter(i) => {
                 format!("dead letter of record {}", effects.dead_letters[i].position)
             }
@@ -791,6 +1002,7 @@ impl Effect {
 struct Done {
     decisions: std::collections::BTreeSet<usize>,
     jobs: std::collections::BTreeSet<usize>,
+    requeued: std::collections::BTreeSet<usize>,
     dead_letters: std::collections::BTreeSet<usize>,
 }
 
@@ -799,8 +1011,17 @@ impl Done {
         match effect {
             Effect::Decision(i) => self.decisions.insert(i),
             Effect::Job(i) => self.jobs.insert(i),
+            Effect::Requeued(i) => self.requeued.insert(i),
             Effect::DeadLetter(i) => self.dead_letters.insert(i),
         };
+    }
+}
+
+/// Resolves after `delay`, or never when there is none.
+async fn tick_after(delay: Option<Duration>) {
+    match delay {
+        Some(d) => tokio::time::sleep(d).await,
+        None => std::future::pending().await,
     }
 }
 

@@ -4,7 +4,10 @@
 //! `Nats-Msg-Id` = the job id (a republished job is dropped by the server),
 //! carrying the [`SweepSnapshot`] a stateless summarizer needs. A snapshot
 //! larger than `max_inline_payload_bytes` goes to the object store under
-//! `jobs/<job id>` and the message carries its name instead.
+//! `jobs/<job id>` and the message carries its name instead; the
+//! summarizer deletes it when the job ends ([`JobMessage::discard_snapshot`]),
+//! and the bucket's `max_age` (`payload_max_age_ms`) removes what a crash
+//! left.
 
 use crate::core::event::Encoding;
 use crate::core::sweep::SweepSnapshot;
@@ -68,6 +71,23 @@ impl JobMessage {
             .map_err(|e| NatsError::js(format!("reading job snapshot {name}"), e))?;
         rmp_serde::from_slice(&bytes)
             .map_err(|e| NatsError::js(format!("decoding job snapshot {name}"), e))
+    }
+}
+
+impl JobMessage {
+    /// Deletes the job's snapshot from the object store, once the job has
+    /// ended (acknowledged or dead-lettered): whether there was one to
+    /// delete. Nothing for an inline snapshot, or one already gone.
+    pub async fn discard_snapshot(&self, payloads: &ObjectStore) -> Result<bool, NatsError> {
+        use async_nats::jetstream::object_store::DeleteErrorKind;
+        let Some(name) = &self.snapshot_object else {
+            return Ok(false);
+        };
+        match payloads.delete(name).await {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == DeleteErrorKind::NotFound => Ok(false),
+            Err(e) => Err(NatsError::js(format!("deleting job snapshot {name}"), e)),
+        }
     }
 }
 

@@ -13,6 +13,7 @@
 //! - [`summarizer_role`]: stateless workers running jobs from the queue.
 //! - [`api_role`]: the API over NATS request/reply (public and per-partition
 //!   subjects, forwarding to the owner, recall with its spend event).
+//! - [`replies`]: which reply subjects the API answers on (inboxes only).
 //! - [`serve`]: every role of one process, started and stopped together.
 
 pub mod api_role;
@@ -22,7 +23,9 @@ pub mod event_log;
 pub mod folder;
 pub mod jobs;
 pub mod leases;
+pub mod msg_id;
 pub mod publish;
+pub mod replies;
 pub mod serve;
 pub mod setup;
 pub mod subjects;

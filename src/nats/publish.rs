@@ -1,7 +1,8 @@
 //! Publishing to JetStream, in one place: events on the subject of their
 //! origin (`cf.in.<conv>` for agents, `cf.svc.<conv>` for the service) with
-//! `Nats-Msg-Id` = the event id and `Content-Type` naming the encoding, and
-//! dead letters with their reason in headers.
+//! `Nats-Msg-Id` = the event's message id (`nats::msg_id`: scoped to its
+//! conversation, unguessable for the service's) and `Content-Type` naming
+//! the encoding, and dead letters with their reason in headers.
 //!
 //! Every publish returns the stream's acknowledgement as a future, so a
 //! caller can have many in flight and wait for them together.
@@ -12,6 +13,7 @@
 
 use crate::core::event::{Encoding, Envelope, Origin};
 use crate::nats::event_log::event_headers;
+use crate::nats::msg_id;
 use crate::nats::subjects::{SubjectError, Subjects};
 use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
 use async_nats::jetstream::Context;
@@ -123,7 +125,14 @@ impl Publisher {
             });
         }
         self.js
-            .publish_with_headers(subject, event_headers(&event.id, encoding), bytes.into())
+            .publish_with_headers(
+                subject,
+                event_headers(
+                    &msg_id::of(origin, None, &event.conversation, &event.id),
+                    encoding,
+                ),
+                bytes.into(),
+            )
             .await
             .map_err(|e| nats_failure(&what(), e))
     }

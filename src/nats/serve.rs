@@ -48,6 +48,9 @@ pub struct Roles {
     pub folder: bool,
     pub summarizer: bool,
     pub api: bool,
+    /// The LLM gateway (`src/gateway/`) on `[gateway] listen`, storing
+    /// turns in this deployment. Never part of `all`: it needs an upstream.
+    pub gateway: bool,
 }
 
 impl Default for Roles {
@@ -57,6 +60,7 @@ impl Default for Roles {
             folder: true,
             summarizer: true,
             api: true,
+            gateway: false,
         }
     }
 }
@@ -70,6 +74,7 @@ impl FromStr for Roles {
             folder: false,
             summarizer: false,
             api: false,
+            gateway: false,
         };
         for name in s.split(',').map(str::trim).filter(|n| !n.is_empty()) {
             match name {
@@ -77,16 +82,17 @@ impl FromStr for Roles {
                 "folder" => roles.folder = true,
                 "summarizer" => roles.summarizer = true,
                 "api" => roles.api = true,
+                "gateway" => roles.gateway = true,
                 other => {
                     return Err(format!(
-                        "unknown role {other:?}: use folder, summarizer, api (comma-separated) \
-                         or all"
+                        "unknown role {other:?}: use folder, summarizer, api, gateway \
+                         (comma-separated) or all"
                     ))
                 }
             }
         }
-        if !(roles.folder || roles.summarizer || roles.api) {
-            return Err("no role given: use folder, summarizer, api or all".to_string());
+        if !(roles.folder || roles.summarizer || roles.api || roles.gateway) {
+            return Err("no role given: use folder, summarizer, api, gateway or all".to_string());
         }
         Ok(roles)
     }
@@ -98,6 +104,7 @@ impl fmt::Display for Roles {
             (self.folder, "folder"),
             (self.summarizer, "summarizer"),
             (self.api, "api"),
+            (self.gateway, "gateway"),
         ]
         .iter()
         .filter(|(on, _)| *on)
@@ -137,6 +144,7 @@ impl ServeOptions {
     pub fn new(nats: NatsConfig, data_dir: impl Into<PathBuf>) -> Self {
         let summarizer = SummarizerSettings::from_config(&nats);
         let folder = FolderSettings {
+            fault: crate::nats::folder::Fault::from_env(),
             max_inline_job_bytes: usize::try_from(nats.max_inline_payload_bytes)
                 .unwrap_or(usize::MAX),
             ..FolderSettings::default()
@@ -281,6 +289,9 @@ async fn watch_member_policies(
     }
 }
 
+/// How long a `/metrics` scrape waits for one JetStream read.
+pub const METRICS_READ_LIMIT: Duration = Duration::from_secs(2);
+
 /// A running `serve` process.
 pub struct Service {
     client: async_nats::Client,
@@ -388,6 +399,7 @@ impl Service {
                     prefix: opts.nats.prefix.clone(),
                     forward_partitions: Some(opts.nats.partitions),
                     recall: opts.recall.clone(),
+                    replies: opts.nats.reply_policy()?,
                     ..ServiceConfig::default()
                 };
                 let held = move || engines.held();
@@ -480,7 +492,9 @@ impl Service {
 
     /// Reads the gauges that cost a JetStream request (consumer lag per
     /// held partition, jobs queued and in flight), for each `/metrics`
-    /// scrape. A failed read leaves the gauge at its last value.
+    /// scrape: all at once, each within [`METRICS_READ_LIMIT`], so a scrape
+    /// never waits on a slow or refused request (a refused one only times
+    /// out). A failed read leaves the gauge at its last value.
     pub fn metrics_refresh(&self) -> Refresh {
         let events = self.infra.events.clone();
         let jobs = self.infra.jobs.clone();
@@ -494,22 +508,35 @@ impl Service {
             Box::pin(async move {
                 let held = engines.map(|e| e.partitions()).unwrap_or_default();
                 telemetry::PartitionsHeld { count: held.len() }.emit();
-                for p in held {
-                    if let Ok(info) = events.consumer_info(subjects.folder_consumer(p)).await {
-                        telemetry::ConsumerLag {
-                            partition: p,
-                            pending: info.num_pending,
+                let lags = held.into_iter().map(|p| {
+                    let name = subjects.folder_consumer(p);
+                    let events = &events;
+                    async move {
+                        let read =
+                            tokio::time::timeout(METRICS_READ_LIMIT, events.consumer_info(name));
+                        if let Ok(Ok(info)) = read.await {
+                            telemetry::ConsumerLag {
+                                partition: p,
+                                pending: info.num_pending,
+                            }
+                            .emit();
+                        }
+                    }
+                });
+                let queue = async {
+                    let read = tokio::time::timeout(
+                        METRICS_READ_LIMIT,
+                        jobs.consumer_info(subjects.summarizer_consumer()),
+                    );
+                    if let Ok(Ok(info)) = read.await {
+                        telemetry::JobQueue {
+                            queued: info.num_pending,
+                            running: info.num_ack_pending as u64,
                         }
                         .emit();
                     }
-                }
-                if let Ok(info) = jobs.consumer_info(subjects.summarizer_consumer()).await {
-                    telemetry::JobQueue {
-                        queued: info.num_pending,
-                        running: info.num_ack_pending as u64,
-                    }
-                    .emit();
-                }
+                };
+                futures::join!(futures::future::join_all(lags), queue);
             })
         })
     }

@@ -9,7 +9,8 @@
 //! - the dead-letter stream (`CF_DEAD`, subjects `cf.dead.*` and
 //!   `cf.dead.partition.*`);
 //! - the partition lease KV bucket (`cf_leases`, `max_age` = lease TTL);
-//! - the large-payload object store (`cf_payloads`).
+//! - the large-payload object store (`cf_payloads`, `max_age` =
+//!   `payload_max_age_ms`: job snapshots a crash left behind expire).
 //!
 //! [`ensure`] is idempotent and safe to run from several processes at once:
 //! what is missing is created, what exists is compared with the settings.
@@ -147,6 +148,7 @@ pub fn payload_bucket_config(cfg: &NatsConfig) -> Result<object_store::Config, N
         description: Some("contextfold payloads too large to travel inline".to_string()),
         storage: storage(cfg.storage),
         num_replicas: cfg.replicas,
+        max_age: cfg.payload_max_age(),
         ..Default::default()
     })
 }
@@ -449,22 +451,42 @@ async fn ensure_lease_bucket(js: &Context, cfg: &NatsConfig) -> Result<kv::Store
     Ok(store)
 }
 
+/// The stream behind object store `bucket`.
+pub fn payload_stream_name(bucket: &str) -> String {
+    format!("OBJ_{bucket}")
+}
+
 async fn ensure_payload_bucket(
     js: &Context,
     cfg: &NatsConfig,
 ) -> Result<object_store::ObjectStore, NatsError> {
     let desired = payload_bucket_config(cfg)?;
     let bucket = desired.bucket.clone();
-    if let Ok(store) = js.get_object_store(&bucket).await {
+    let max_age = desired.max_age;
+    let store = match js.get_object_store(&bucket).await {
+        Ok(store) => store,
+        Err(_) => match js.create_object_store(desired).await {
+            Ok(store) => return Ok(store),
+            Err(e) => js.get_object_store(&bucket).await.map_err(|_| {
+                classify(format!("creating object store {bucket}"), e, cfg.replicas)
+            })?,
+        },
+    };
+    // A bucket made before `payload_max_age_ms` (or under another value)
+    // gets this one: a safe change, applied in place.
+    let name = payload_stream_name(&bucket);
+    let Some(stream) = get_stream(js, &name).await? else {
         return Ok(store);
-    }
-    match js.create_object_store(desired).await {
-        Ok(store) => Ok(store),
-        Err(e) => js
-            .get_object_store(&bucket)
+    };
+    let current = stream.cached_info().config.clone();
+    if current.max_age != max_age {
+        let mut updated = current;
+        updated.max_age = max_age;
+        js.update_stream(updated)
             .await
-            .map_err(|_| classify(format!("creating object store {bucket}"), e, cfg.replicas)),
+            .map_err(|e| classify(format!("updating object store {bucket}"), e, cfg.replicas))?;
     }
+    Ok(store)
 }
 
 #[cfg(test)]

@@ -429,6 +429,25 @@ impl Subjects {
         format!("{}.api.p.{partition}.*.*", self.prefix)
     }
 
+    /// `cf.api.p.<partition>.status.~`: the partition's own status (its
+    /// conversations' totals and its health), answered by its owner; what
+    /// `cf.admin.status` gathers from the processes that hold the
+    /// partitions its own process does not. `~` alone is the token of the
+    /// empty key, which is no conversation's.
+    pub fn partition_status(&self, partition: u32) -> String {
+        format!("{}.api.p.{partition}.status.{ENCODED_MARKER}", self.prefix)
+    }
+
+    /// The partition a [`Subjects::partition_status`] subject asks about.
+    pub fn parse_partition_status(&self, subject: &str) -> Option<u32> {
+        subject
+            .strip_prefix(self.prefix.as_str())?
+            .strip_prefix(".api.p.")?
+            .strip_suffix(&format!(".status.{ENCODED_MARKER}"))?
+            .parse()
+            .ok()
+    }
+
     /// The operation and target of a request subject (any of the three
     /// forms above).
     pub fn parse_api_subject(&self, subject: &str) -> Result<ApiSubject, SubjectError> {
@@ -620,6 +639,10 @@ mod tests {
             "acme.cf.api.assemble.~YTpi"
         );
         assert_eq!(s.admin(Op::Status), "acme.cf.admin.status");
+        assert_eq!(s.partition_status(7), "acme.cf.api.p.7.status.~");
+        assert_eq!(s.parse_partition_status(&s.partition_status(7)), Some(7));
+        assert_eq!(s.parse_partition_status("acme.cf.api.p.7.status.abc"), None);
+        assert_eq!(s.parse_partition_status("acme.cf.api.p.x.status.~"), None);
         assert_eq!(
             s.api_for_partition(5, Op::Status, "x").unwrap(),
             "acme.cf.api.p.5.status.x"

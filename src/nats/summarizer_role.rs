@@ -13,7 +13,8 @@
 //!    `sweep_ended`) to the conversation's inbound subject, where the folder
 //!    consumes it, with the event id as `Nats-Msg-Id`, and wait until the
 //!    stream stored them;
-//! 4. acknowledge the job.
+//! 4. acknowledge the job, and once the server confirmed it, delete its
+//!    snapshot from the object store (if it travelled there).
 //!
 //! A job that cannot run now (rate limited or spend window closed before
 //! any pass committed: `SweepEnded.retry_after_ms`) is negatively
@@ -26,7 +27,8 @@
 //! The delivery numbered `job_max_deliver` is not run: the job goes to the
 //! dead-letter subject `cf.dead.<conv>` with the reason, a `sweep_ended`
 //! (stop `failed`) is published so the folder can issue the next job, and
-//! the job is acknowledged. Counting the dead-lettering delivery itself
+//! the job is acknowledged (and its snapshot deleted: the dead letter
+//! keeps the job message, which names it). Counting the dead-lettering delivery itself
 //! means a job whose every worker died still ends somewhere (the server
 //! never delivers a job more than `max_deliver` times).
 
@@ -488,9 +490,11 @@ impl<S: PassSummarizer + 'static> SummarizerRole<S> {
             )));
         }
         // A lost ack means one redelivery, whose events are dropped as
-        // duplicates.
-        if let Err(e) = message.double_ack().await {
-            tracing::debug!(job = %job.job_id, "job ack not confirmed: {e}");
+        // duplicates: the snapshot stays for it (the bucket's max_age
+        // removes it if it is not needed).
+        match message.double_ack().await {
+            Ok(()) => self.discard_snapshot(job).await,
+            Err(e) => tracing::debug!(job = %job.job_id, "job ack not confirmed: {e}"),
         }
         Ok(Ran::Done(ended.stop))
     }
@@ -500,7 +504,15 @@ impl<S: PassSummarizer + 'static> SummarizerRole<S> {
         self.js
             .publish_with_headers(
                 subject,
-                event_headers(&e.id, Encoding::Msgpack),
+                event_headers(
+                    &crate::nats::msg_id::of(
+                        crate::core::event::Origin::Service,
+                        None,
+                        &e.conversation,
+                        &e.id,
+                    ),
+                    Encoding::Msgpack,
+                ),
                 e.to_msgpack().into(),
             )
             .await
@@ -590,9 +602,26 @@ impl<S: PassSummarizer + 'static> SummarizerRole<S> {
                 .await
                 .map_err(|e| NatsError::js("publishing the end of a dead-lettered job", e))?;
         }
-        if let Err(e) = message.double_ack().await {
-            tracing::debug!(job = %job_id, "dead-lettered job ack not confirmed: {e}");
+        match message.double_ack().await {
+            Ok(()) => {
+                if let Some(j) = job {
+                    self.discard_snapshot(j).await;
+                }
+            }
+            Err(e) => tracing::debug!(job = %job_id, "dead-lettered job ack not confirmed: {e}"),
         }
         Ok(JobOutcome::DeadLettered { job_id, reason })
+    }
+
+    /// Deletes an ended job's snapshot from the object store; a failure is
+    /// only logged (the bucket's `max_age` removes it later).
+    async fn discard_snapshot(&self, job: &JobMessage) {
+        if let Err(e) = job.discard_snapshot(&self.payloads).await {
+            tracing::warn!(
+                job_id = %job.job_id,
+                error = %e,
+                "cannot delete the ended job's snapshot; the object store's max_age removes it"
+            );
+        }
     }
 }

@@ -149,6 +149,9 @@ impl<L: EventLog, B: KvBackend, S: PassSummarizer> Pipeline<L, B, S> {
                     .await?;
             }
             jobs.extend(effects.jobs);
+            // No queue to lose them: a job the history left pending runs
+            // here (`Pipeline::open` runs every pending one).
+            jobs.extend(effects.requeued);
         }
     }
 

@@ -54,13 +54,21 @@ pub struct Effects {
     pub decisions: Vec<Envelope>,
     /// Jobs still pending once their decisions are appended.
     pub jobs: Vec<SweepSnapshot>,
+    /// Jobs the log shows pending when its history ended (or a runtime
+    /// asked: [`Engine::requeue_pending`]): their work items may never have
+    /// reached the queue. A runtime hands each out again unless its queue
+    /// still holds it.
+    pub requeued: Vec<SweepSnapshot>,
     /// Records refused with no conversation to count them against.
     pub dead_letters: Vec<DeadLetter>,
 }
 
 impl Effects {
     pub fn is_empty(&self) -> bool {
-        self.decisions.is_empty() && self.jobs.is_empty() && self.dead_letters.is_empty()
+        self.decisions.is_empty()
+            && self.jobs.is_empty()
+            && self.requeued.is_empty()
+            && self.dead_letters.is_empty()
     }
 }
 
@@ -138,6 +146,13 @@ pub struct Engine<B: KvBackend> {
     clock: Instant,
     /// What the fold did since the last [`Engine::finish`] (emitted there).
     tally: t::FoldTally,
+    /// Jobs the fold issued since the last [`Engine::finish`], as
+    /// (conversation, job id).
+    issued: Vec<(String, String)>,
+    /// Hand out every pending job at the next [`Engine::finish`].
+    requeue_pending: bool,
+    /// Folding history ([`Engine::hold_through`]) that has not ended yet.
+    in_history: bool,
 }
 
 /// The layout of the stored state. Raise it when a state record changes
@@ -158,7 +173,9 @@ pub struct Engine<B: KvBackend> {
 /// 11: the layout and the policy are apart in the store's meta, which
 ///     keeps the policy in force (the log records it: `policy_recorded`).
 /// 12: the head keeps the context's sums as one `ContextWindow`.
-pub const STATE_LAYOUT: u32 = 12;
+/// 13: the partition's clock and timers (`PartitionClock`); spend windows
+///     count no-progress rounds and urgent spend; no `awaiting_input`.
+pub const STATE_LAYOUT: u32 = 13;
 
 /// What the store records of its layout: a store of another layout is
 /// rebuilt from the log by a process that folds, and refused by a reader.
@@ -246,6 +263,9 @@ impl<B: KvBackend> Engine<B> {
             touched: HashMap::new(),
             clock: Instant::now(),
             tally: t::FoldTally::default(),
+            issued: Vec::new(),
+            requeue_pending: false,
+            in_history: false,
         }
     }
 
@@ -284,6 +304,14 @@ impl<B: KvBackend> Engine<B> {
     /// Whether [`Engine::record_policy_as`] was called.
     pub fn records_policy(&self) -> bool {
         self.partition_key.is_some()
+    }
+
+    /// The key partition-wide events of this engine's partition are
+    /// addressed to, and who records them ([`Engine::record_policy_as`]).
+    pub fn partition_key(&self) -> Option<(&str, &str)> {
+        self.partition_key
+            .as_deref()
+            .map(|key| (key, self.recorder.as_str()))
     }
 
     /// Folds a `policy_recorded`: every later record is folded under it.
@@ -465,6 +493,7 @@ impl<B: KvBackend> Engine<B> {
             conversations: Default::default(),
             unattributed_rejections: self.state.unattributed_rejections,
             spend: self.state.spend.clone(),
+            clock: self.state.clock.clone(),
         };
         // Not resident: what the store committed is the conversation.
         if let Some(conv) = self.store.read_conversation(key)? {
@@ -532,6 +561,7 @@ impl<B: KvBackend> Engine<B> {
             conversations: Default::default(),
             unattributed_rejections: self.state.unattributed_rejections,
             spend: self.state.spend.clone(),
+            clock: self.state.clock.clone(),
         };
         self.each_conversation(|_, conv| -> Result<(), StoreError> {
             state
@@ -605,6 +635,7 @@ impl<B: KvBackend> Engine<B> {
     pub fn hold_through(&mut self, head: Position) {
         if head > self.position {
             self.held.through = self.held.through.max(head);
+            self.in_history = true;
         }
     }
 
@@ -662,6 +693,14 @@ impl<B: KvBackend> Engine<B> {
         if let Some(key) = conversation {
             self.ensure_resident(key)?;
         }
+        // The record's time, as the log vouches for it (the event's own
+        // when the log stores none): the conversations it makes due are
+        // woken before it is folded, so they must be in memory.
+        let time = record
+            .stored_at_ms
+            .or_else(|| admitted.as_ref().ok().map(|a| a.event.time))
+            .unwrap_or(self.state.clock.now);
+        self.load_due(time)?;
         self.position = record.position;
         let history = self.position <= self.held.through;
         let decisions_before = effects.decisions.len();
@@ -675,11 +714,33 @@ impl<B: KvBackend> Engine<B> {
                     },
                 ..
             }) => {
+                let woke = fold::wake(&mut self.state, &self.policy, time, &id);
+                self.woke(woke, effects);
                 self.policy_recorded(&id, recorded);
                 Some(id)
             }
-            Ok(admitted) => Some(self.fold_admitted(admitted, history, effects)),
+            Ok(intake::Admitted {
+                event:
+                    Envelope {
+                        id,
+                        body: EventBody::ClockTicked(_),
+                        ..
+                    },
+                ..
+            }) => {
+                // Partition-wide: it moves the clock, and what that wakes.
+                let woke = fold::wake(&mut self.state, &self.policy, time, &id);
+                self.woke(woke, effects);
+                Some(id)
+            }
+            Ok(admitted) => Some(self.fold_admitted(admitted, time, history, effects)),
             Err(refused) => {
+                let cause = refused
+                    .event_id
+                    .clone()
+                    .unwrap_or_else(|| fold::undecodable_id(&record.bytes));
+                let woke = fold::wake(&mut self.state, &self.policy, time, &cause);
+                self.woke(woke, effects);
                 self.refuse(record, *refused, effects);
                 None
             }
@@ -695,7 +756,14 @@ impl<B: KvBackend> Engine<B> {
     }
 
     /// Releases held decisions once the head is passed, and snapshots the
-    /// jobs among the decisions going out that are still pending.
+    /// jobs the fold issued that are still pending. When history ends,
+    /// every job still pending goes out again too: its `job_issued` may be
+    /// in the log while its work item never reached the queue (a crash
+    /// between the two), and a decision dropped as already published must
+    /// not take its job with it. The queue drops a copy of a job it still
+    /// holds (its message id is the job's); one already taken runs twice at
+    /// worst, and the fold keeps only the first result (summaries by their
+    /// content address, a `sweep_ended` by its id).
     pub fn finish(&mut self, effects: &mut Effects) -> Result<(), StoreError> {
         if self.position >= self.held.through && !self.held.decisions.is_empty() {
             let held = std::mem::take(&mut self.held);
@@ -706,27 +774,42 @@ impl<B: KvBackend> Engine<B> {
             let live = std::mem::take(&mut effects.decisions);
             effects.decisions = released.chain(live).collect();
         }
+        let ended_history = self.in_history && !self.holding();
+        if ended_history {
+            self.in_history = false;
+        }
         if let Some(policy) = self.announce_policy() {
             effects.decisions.push(policy);
         }
+        let issued = std::mem::take(&mut self.issued);
         let mut seen = HashSet::new();
-        for d in &effects.decisions {
-            let EventBody::JobIssued(job) = &d.body else {
-                continue;
-            };
-            // A job is handed out only while it is the conversation's
-            // pending one: one issued and superseded within the batch never
-            // reaches a worker.
-            let Some(conv) = self.state.conversations.get(&d.conversation) else {
-                continue;
-            };
-            let Some(pending) = conv.pending_job.as_ref() else {
-                continue;
-            };
-            if pending.job.job_id == job.job_id && seen.insert(job.job_id.clone()) {
-                let snapshot =
-                    sweep::snapshot_from(conv, &self.store.bodies(), &pending.job, &self.policy)?;
-                effects.jobs.push(snapshot);
+        if (ended_history || self.requeue_pending) && !self.holding() {
+            self.requeue_pending = false;
+            for snapshot in self.pending_snapshots()? {
+                seen.insert(snapshot.job.job_id.clone());
+                effects.requeued.push(snapshot);
+            }
+        }
+        if !self.holding() {
+            for (key, job_id) in issued {
+                // A job is handed out only while it is the conversation's
+                // pending one: one issued and superseded within the batch
+                // never reaches a worker.
+                let Some(conv) = self.state.conversations.get(&key) else {
+                    continue;
+                };
+                let Some(pending) = conv.pending_job.as_ref() else {
+                    continue;
+                };
+                if pending.job.job_id == job_id && seen.insert(job_id) {
+                    let snapshot = sweep::snapshot_from(
+                        conv,
+                        &self.store.bodies(),
+                        &pending.job,
+                        &self.policy,
+                    )?;
+                    effects.jobs.push(snapshot);
+                }
             }
         }
         t::JobsIssued {
@@ -737,9 +820,86 @@ impl<B: KvBackend> Engine<B> {
         Ok(())
     }
 
+    /// Loads the conversations whose timers a record at `time` makes due.
+    fn load_due(&mut self, time: u64) -> Result<(), StoreError> {
+        let time = time.max(self.state.clock.now);
+        if self.state.clock.next_due().is_none_or(|at| at > time) {
+            return Ok(());
+        }
+        let due: Vec<String> = self.state.clock.due(time).map(str::to_string).collect();
+        for key in due {
+            self.ensure_resident(&key)?;
+        }
+        Ok(())
+    }
+
+    /// Carries out what waking conversations did.
+    fn woke(&mut self, outcome: fold::FoldOutcome, effects: &mut Effects) {
+        self.dirty_partition = true;
+        for key in &outcome.woken {
+            if !self.dirty.contains(key) {
+                self.dirty.insert(key.clone());
+            }
+        }
+        self.took(outcome, effects);
+    }
+
+    /// Takes the decisions, jobs and notes of a fold into `effects`.
+    fn took(&mut self, outcome: fold::FoldOutcome, effects: &mut Effects) {
+        for note in &outcome.notes {
+            match note {
+                fold::ScheduleNote::SpendWindowClosed { conversation, on } => {
+                    t::SpendWindowClosed {
+                        conversation_id: conversation,
+                        window: on.as_str(),
+                    }
+                    .emit()
+                }
+                fold::ScheduleNote::BackedOff {
+                    conversation,
+                    until,
+                } => t::NoProgressBackoff {
+                    conversation_id: conversation,
+                    until: *until,
+                }
+                .emit(),
+                fold::ScheduleNote::JobExpired {
+                    conversation,
+                    job_id,
+                } => t::JobExpired {
+                    conversation_id: conversation,
+                    job_id,
+                }
+                .emit(),
+            }
+        }
+        self.issued.extend(outcome.issued);
+        effects.decisions.extend(outcome.decisions);
+    }
+
+    /// When the earliest timer of the partition is due (its clock, ms): a
+    /// runtime that has no record to fold by then records a
+    /// `clock_ticked`, so every wait ends without agent traffic.
+    pub fn next_wake(&self) -> Option<u64> {
+        self.state.clock.next_due()
+    }
+
+    /// The partition's clock (the newest record time folded, ms).
+    pub fn clock(&self) -> u64 {
+        self.state.clock.now
+    }
+
+    /// Hands out every pending job again at the next [`Engine::finish`]
+    /// (a runtime whose job queue may have lost them, e.g. after it was
+    /// recreated).
+    pub fn requeue_pending(&mut self) {
+        self.requeue_pending = true;
+    }
+
     fn fold_admitted(
         &mut self,
         admitted: intake::Admitted,
+        time: u64,
         history: bool,
         effects: &mut Effects,
     ) -> String {
@@ -751,21 +911,27 @@ impl<B: KvBackend> Engine<B> {
         let _guard = span.enter();
         let id = event.id.clone();
         let conversation = event.conversation.clone();
-        let time = event.time;
+        let event_time = event.time;
         let decision = event.body.is_decision();
-        let backoff_before = self.backoff_until(&conversation);
-        let outcome = fold::fold_owned(&mut self.state, &self.policy, event, None);
+        let job_copy = matches!(event.body, EventBody::JobIssued(_));
+        let outcome = fold::fold_owned(&mut self.state, &self.policy, event, Some(time), None);
+        for key in &outcome.woken {
+            if !self.dirty.contains(key) {
+                self.dirty.insert(key.clone());
+            }
+        }
+        if !outcome.woken.is_empty() {
+            self.dirty_partition = true;
+        }
         match &outcome.status {
             FoldStatus::Applied => {
                 self.tally.applied += 1;
-                if self.backoff_until(&conversation) > backoff_before {
-                    t::SpendWindowClosed {
-                        conversation_id: &conversation,
-                    }
-                    .emit();
-                }
             }
             FoldStatus::Duplicate => {
+                // The copy of a job decision tells when the job left.
+                if job_copy && !self.dirty.contains(&conversation) {
+                    self.dirty.insert(conversation.clone());
+                }
                 if history {
                     // The copy of a held decision: it reached the log.
                     self.held.ids.remove(&id);
@@ -789,19 +955,25 @@ impl<B: KvBackend> Engine<B> {
                 .emit();
             }
             FoldStatus::Ignored => self.tally.ignored += 1,
+            FoldStatus::Throttled => self.tally.throttled += 1,
         }
-        if outcome.status != FoldStatus::Duplicate && outcome.status != FoldStatus::Ignored {
+        if outcome.status == FoldStatus::Throttled {
+            // Counted in the conversation; nothing else to record.
+            if !self.dirty.contains(&conversation) {
+                self.dirty.insert(conversation.clone());
+            }
+        } else if outcome.status != FoldStatus::Duplicate && outcome.status != FoldStatus::Ignored {
             if let (Some(original), Some(conv)) = (
                 clamped_from,
                 self.state.conversations.get_mut(&conversation),
             ) {
                 conv.push_history(
-                    time,
+                    event_time,
                     &id,
                     "time_clamped",
                     format!(
                         "event time {original} is more than {} ms ahead of the stream's; \
-                         folded at the stream's time {time}",
+                         folded at the stream's time {event_time}",
                         intake::limits::MAX_TIME_AHEAD_MS
                     ),
                 );
@@ -810,16 +982,8 @@ impl<B: KvBackend> Engine<B> {
                 self.dirty.insert(conversation);
             }
         }
-        effects.decisions.extend(outcome.decisions);
+        self.took(outcome, effects);
         id
-    }
-
-    /// Until when the conversation's spend backoff runs (0: none).
-    fn backoff_until(&self, conversation: &str) -> u64 {
-        self.state
-            .conversations
-            .get(conversation)
-            .map_or(0, |c| c.spend.backoff_until)
     }
 
     /// Records a refusal: an `event_rejected` decision in the conversation
@@ -1010,7 +1174,8 @@ mod tests {
             fresh_tail_count: 2,
             ..PolicyConfig::default()
         };
-        // What a first process folded and published.
+        // What a first process folded and published (and folded back, as
+        // runtimes do).
         let mut first = Engine::open(MemoryBackend::default(), policy.clone()).unwrap();
         let mut log = Vec::new();
         for i in 1..=12 {
@@ -1018,6 +1183,7 @@ mod tests {
             let effects = first.apply(log.last().unwrap()).unwrap();
             for d in effects.decisions {
                 log.push(record(log.len() as u64 + 1, Origin::Service, &d));
+                first.apply(log.last().unwrap()).unwrap();
             }
         }
         assert!(log.len() > 12, "the first process decided something");
@@ -1047,5 +1213,64 @@ mod tests {
         let ids: Vec<_> = released.iter().map(|d| d.id.clone()).collect();
         assert_eq!(ids, [missing]);
         assert_eq!(second.state_hash().unwrap(), first.state_hash().unwrap());
+    }
+
+    #[test]
+    fn jobs_the_log_shows_pending_go_out_again_when_history_ends() {
+        let turn = |i: u64| {
+            Envelope::new(
+                format!("t{i}"),
+                "c",
+                i,
+                EventBody::TurnAppended(TurnAppended::from(ChatMessage::text(
+                    Role::User,
+                    format!("turn {i} about the build: ").repeat(10),
+                ))),
+            )
+        };
+        let record = |p: u64, origin, e: &Envelope| {
+            LogRecord::unaddressed(p, origin, Encoding::Json, e.to_json().into_bytes())
+        };
+        let policy = PolicyConfig {
+            default_context_window: 200,
+            fresh_tail_count: 2,
+            ..PolicyConfig::default()
+        };
+        // A first process stored its decisions, then crashed before the
+        // job reached the queue (and before its state was committed).
+        let mut first = Engine::open(MemoryBackend::default(), policy.clone()).unwrap();
+        let mut log = Vec::new();
+        let mut issued = None;
+        for i in 1..=12 {
+            log.push(record(log.len() as u64 + 1, Origin::Agent, &turn(i)));
+            let effects = first.apply(log.last().unwrap()).unwrap();
+            if let Some(job) = effects.jobs.first() {
+                issued.get_or_insert(job.job.job_id.clone());
+            }
+            for d in effects.decisions {
+                log.push(record(log.len() as u64 + 1, Origin::Service, &d));
+            }
+        }
+        let issued = issued.expect("a job was issued");
+        // The next owner folds the same log: every decision is in it, so
+        // none goes out again; the job does.
+        let mut second = Engine::open(MemoryBackend::default(), policy).unwrap();
+        second.hold_through(log.len() as u64);
+        let mut out = Effects::default();
+        for r in &log {
+            second.apply_record(r, &mut out).unwrap();
+        }
+        second.end_history();
+        second.finish(&mut out).unwrap();
+        assert!(out.decisions.is_empty(), "{:?}", out.decisions);
+        let pending = second.state.conversations["c"].pending_job.clone().unwrap();
+        let requeued: Vec<_> = out.requeued.iter().map(|s| s.job.job_id.clone()).collect();
+        assert_eq!(requeued, [pending.job.job_id]);
+        assert!(out.jobs.is_empty(), "handed out once, as a requeue");
+        assert!(issued.starts_with("job_"));
+        // Once: the next batch hands out nothing more.
+        let mut next = Effects::default();
+        second.finish(&mut next).unwrap();
+        assert!(next.requeued.is_empty() && next.jobs.is_empty());
     }
 }

@@ -595,7 +595,7 @@ mod tests {
     async fn the_deterministic_summarizer_through_a_pass_spends_nothing() {
         let p = SummarizerPass::new(DeterministicSummarizer, None, None);
         let (draft, spend) = p.summarize(&request()).await.unwrap();
-        assert!(draft.fallback);
+        assert!(!draft.fallback, "the summarizer, not a fallback");
         assert_eq!(spend, Spend::default());
         assert_eq!(p.take_cut_short_spend(), Spend::default());
     }

@@ -158,8 +158,11 @@ where
     F: FnMut(Envelope),
 {
     let started = Instant::now();
-    let issued_at = snap.job.issued_at;
-    let logical_time = |started: Instant| logical_time(issued_at, started);
+    // Events a sweep writes carry the job's issue time (the partition's
+    // clock when the fold issued it), never a duration measured here: the
+    // log's stored time says when they came, and the same job writes the
+    // same events on every run (identical input, identical state hash).
+    let event_time = snap.job.issued_at;
     let job_id = snap.job.job_id.clone();
     let conversation = snap.conversation.clone();
     let max_passes = snap.policy.max_sweep_iterations;
@@ -271,7 +274,7 @@ where
                 snap.apply(pass, &record);
                 committed += 1;
                 t::SummaryWritten.emit();
-                publish(summary_event(&conversation, logical_time(started), record));
+                publish(summary_event(&conversation, event_time, record));
             }
         }
     };
@@ -330,7 +333,7 @@ where
                     publish(Envelope::new(
                         format!("rs_{job_id}"),
                         conversation.clone(),
-                        logical_time(started),
+                        event_time,
                         EventBody::RollingStateUpdated(RollingStateUpdated {
                             state,
                             through_turn: snap.through_turn,
@@ -370,7 +373,7 @@ where
     publish(Envelope::new(
         format!("se_{job_id}"),
         conversation,
-        logical_time(started),
+        event_time,
         EventBody::SweepEnded(ended.clone()),
     ));
     ended
@@ -409,13 +412,6 @@ fn add(total: &mut Spend, s: Spend) {
     total.calls += s.calls;
     total.tokens += s.tokens;
     total.cost_micros += s.cost_micros;
-}
-
-/// Events a summarizer writes carry the conversation's own clock (the
-/// job's issue time plus the time spent), so spend windows and backoff are
-/// measured in the same time as the turns.
-fn logical_time(issued_at: u64, started: Instant) -> u64 {
-    issued_at + started.elapsed().as_millis() as u64
 }
 
 #[cfg(test)]

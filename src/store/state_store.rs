@@ -43,6 +43,8 @@ pub(crate) const LAYOUT_KEY: &[u8] = b"layout";
 const ACTIVE_POLICY_KEY: &[u8] = b"active_policy";
 const UNATTRIBUTED_KEY: &[u8] = b"unattributed_rejections";
 const GLOBAL_SPEND_KEY: &[u8] = b"global_spend";
+/// The partition's clock and timers (`PartitionClock`).
+const CLOCK_KEY: &[u8] = b"clock";
 /// The keys of the conversations with a pending job (an index, derived
 /// from their heads: what a restarted runner must resume).
 const PENDING_KEY: &[u8] = b"pending_jobs";
@@ -381,6 +383,9 @@ impl<B: KvBackend> StateStore<B> {
         if let Some(b) = self.backend.get(Table::Meta, GLOBAL_SPEND_KEY)? {
             state.spend = decode(&b, "global spend window")?;
         }
+        if let Some(b) = self.backend.get(Table::Meta, CLOCK_KEY)? {
+            state.clock = decode(&b, "partition clock")?;
+        }
         if let Some(b) = self.backend.get(Table::Meta, PENDING_KEY)? {
             self.pending = decode(&b, "pending job index")?;
         }
@@ -627,7 +632,11 @@ impl<B: KvBackend> StateStore<B> {
             };
             hasher.conversation(&key, &hash);
         }
-        Ok(hasher.finish(resident.unattributed_rejections, &resident.spend))
+        Ok(hasher.finish(
+            resident.unattributed_rejections,
+            &resident.spend,
+            &resident.clock,
+        ))
     }
 
     /// Writes the dirty conversations and the position in one atomic
@@ -760,6 +769,12 @@ impl<B: KvBackend> StateStore<B> {
             table: Table::Meta,
             key: GLOBAL_SPEND_KEY.to_vec(),
             value: encode(&state.spend),
+        });
+        // The time moves with every record; the timers with the waits.
+        writes.push(Write::Put {
+            table: Table::Meta,
+            key: CLOCK_KEY.to_vec(),
+            value: encode(&state.clock),
         });
         self.commits_since_flush += 1;
         let durable = self.commits_since_flush >= self.flush_every;

@@ -1,6 +1,9 @@
-//! The deterministic summarizer: the core's fallback summary behind the
-//! [`Summarizer`] trait. It makes no call, cannot fail, and marks its output
-//! `fallback` so it is re-summarized by a model later.
+//! The deterministic summarizer: the core's summary writer behind the
+//! [`Summarizer`] trait. It makes no call and cannot fail. Where no model
+//! is configured it is the summarizer, and its summaries are final; where
+//! a model failed and the escalation wrote one in its place, the
+//! escalation marks that draft `fallback`, to be re-summarized when a
+//! model answers again.
 //!
 //! It is pure CPU work (a 20,000-token leaf is tokenized several times
 //! over), so on a runtime it is written on the blocking pool
@@ -15,10 +18,11 @@ use crate::core::summary::{RollingStateRequest, SummaryDraft, SummaryRequest};
 pub struct DeterministicSummarizer;
 
 impl DeterministicSummarizer {
-    /// The fallback draft for `req`, always marked `fallback`.
+    /// The deterministic draft for `req` (not marked `fallback`: see the
+    /// module doc).
     pub fn draft(req: &SummaryRequest) -> SummaryDraft {
         let mut draft = fallback_summary::summarize(req);
-        draft.fallback = true;
+        draft.fallback = false;
         draft
     }
 
@@ -63,7 +67,7 @@ mod tests {
     use crate::core::summary::{IdentifierPolicy, SourceItem};
 
     #[tokio::test]
-    async fn output_is_marked_and_costs_no_call() {
+    async fn output_is_final_and_costs_no_call() {
         let req = SummaryRequest {
             conversation: "c".into(),
             kind: SummaryKind::Leaf,
@@ -85,7 +89,7 @@ mod tests {
         };
         let a = DeterministicSummarizer.summarize(&req).await.unwrap();
         let b = DeterministicSummarizer.summarize(&req).await.unwrap();
-        assert!(a.draft.fallback);
+        assert!(!a.draft.fallback, "the summarizer's own summary is final");
         assert!(a.calls.is_empty());
         assert!(!a.draft.content.is_empty());
         assert_eq!(a, b, "deterministic");

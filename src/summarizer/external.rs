@@ -361,7 +361,11 @@ mod tests {
         for (reply, expected) in cases {
             let s = WithFallback::new(external(FakeTransport::new(reply)), DeterministicSummarizer);
             let out = s.summarize(&req()).await.unwrap();
-            assert!(out.draft.fallback, "{expected:?}: built-in path used");
+            assert_eq!(
+                out.draft.model,
+                crate::core::fallback_summary::MODEL,
+                "{expected:?}: built-in path used"
+            );
             assert_eq!(s.primary.transport.requests.load(Ordering::SeqCst), 1);
             assert_eq!(out.calls.len(), 1, "the failed external call is kept");
             match (&out.calls[0].outcome, &expected) {

@@ -704,6 +704,40 @@ pub fn append_identifiers(summary: &str, missing: &[String]) -> String {
     out
 }
 
+/// [`append_identifiers`] within room: the summary with the section stays
+/// under `max_tokens` (the source's size, and the most a summary of it may
+/// be), identifiers taken in the order given (the most important first)
+/// while they fit, and the rest counted in one closing line: they stay in
+/// the log, where `grep` and `expand` reach them. A section that made the
+/// summary as large as its source would make the pass fail as no progress,
+/// for ever (every retry writes the same section).
+pub fn append_identifiers_within(summary: &str, missing: &[String], max_tokens: u64) -> String {
+    let whole = append_identifiers(summary, missing);
+    if missing.is_empty() || count_text(Encoding::O200kBase, &whole) <= max_tokens {
+        return whole;
+    }
+    let base = summary.trim_end();
+    let mut used = count_text(Encoding::O200kBase, base) + 16;
+    let mut kept = Vec::new();
+    for id in missing {
+        let cost = count_text(Encoding::O200kBase, id) + 2;
+        if used + cost > max_tokens {
+            break;
+        }
+        used += cost;
+        kept.push(id.clone());
+    }
+    let left = missing.len() - kept.len();
+    let mut out = append_identifiers(base, &kept);
+    if kept.is_empty() {
+        return base.to_string();
+    }
+    out.push_str(&format!(
+        "\n- ({left} more identifiers of these turns are in the log: `grep` finds them)"
+    ));
+    out
+}
+
 /// Whether a retry's text is a better summary than the first draft's: it
 /// keeps strictly more of the source's identifiers, loses none the first
 /// kept, and is not collapsed to under half the first draft's words (a
@@ -892,8 +926,20 @@ impl<S: Summarizer> EscalatingSummarizer<S> {
             }
         }
         let still = missing_identifiers(ids, &outcome.draft.content);
-        outcome.draft.content = append_identifiers(&outcome.draft.content, &still);
+        outcome.draft.content =
+            append_identifiers_within(&outcome.draft.content, &still, self.room(req));
         outcome
+    }
+
+    /// The most a summary of `req` may cost with its identifier section:
+    /// under its source (or the pass makes no progress) and within the
+    /// overage factor of its target.
+    fn room(&self, req: &SummaryRequest) -> u64 {
+        let source = req.source_tokens();
+        // The fold counts the rendered summary (its wrapper too): a margin.
+        let under_source = source.saturating_sub(source / 10 + 32);
+        let over_target = (req.target_tokens as f64 * self.overage_factor) as u64;
+        under_source.min(over_target.max(req.target_tokens))
     }
 }
 
@@ -968,9 +1014,11 @@ impl<S: Summarizer> Summarizer for EscalatingSummarizer<S> {
         );
         telemetry::Escalated { kind: "fallback" }.emit();
         let mut draft = fallback;
+        // Written in a model's place: re-summarized when one answers again.
+        draft.fallback = true;
         if strict {
             let still = missing_identifiers(&ids, &draft.content);
-            draft.content = append_identifiers(&draft.content, &still);
+            draft.content = append_identifiers_within(&draft.content, &still, self.room(req));
         }
         Ok(SummaryOutcome { draft, calls })
     }

@@ -6,4 +6,5 @@ pub mod nats_server;
 pub mod policy;
 pub mod replay;
 pub mod serve;
+pub mod tenants;
 pub mod turns;

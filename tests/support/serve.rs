@@ -16,7 +16,7 @@ use contextfold::nats::serve::{Roles, ServeOptions, Service};
 use contextfold::nats::setup::{ensure, Infrastructure};
 use contextfold::nats::subjects;
 use contextfold::nats::{NatsConfig, NatsOptions};
-use contextfold::runtime::sweep::Deterministic;
+use contextfold::runtime::sweep::{Deterministic, PassSummarizer};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::sync::Arc;
@@ -54,7 +54,15 @@ pub async fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> b
 /// Starts a serve process alone on the server and waits until it holds
 /// every partition.
 pub async fn start_alone(opts: ServeOptions) -> Service {
-    let service = Service::start(opts, Arc::new(Deterministic))
+    start_alone_with(opts, Deterministic).await
+}
+
+/// [`start_alone`] with `summarizer`.
+pub async fn start_alone_with<S: PassSummarizer + 'static>(
+    opts: ServeOptions,
+    summarizer: S,
+) -> Service {
+    let service = Service::start(opts, Arc::new(summarizer))
         .await
         .expect("serve starts");
     wait_until("all partitions held", Duration::from_secs(10), || {
@@ -226,12 +234,30 @@ pub async fn spawn_serve(
     dir: &Path,
     env: &[(&str, &str)],
 ) -> (tokio::process::Child, async_nats::Client) {
-    let stderr = std::fs::File::create(dir.join("serve.log")).unwrap();
+    let env: Vec<(String, String)> = env
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    spawn_serve_at(&server.url(), dir, &env).await
+}
+
+/// [`spawn_serve`] on the server (or cluster: comma-separated URLs) at
+/// `url`.
+pub async fn spawn_serve_at(
+    url: &str,
+    dir: &Path,
+    env: &[(String, String)],
+) -> (tokio::process::Child, async_nats::Client) {
+    let stderr = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join("serve.log"))
+        .unwrap();
     let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_contextfold"));
     command
         .arg("--data")
         .arg(dir.join("serve"))
-        .args(["serve", "--nats", &server.url()])
+        .args(["serve", "--nats", url])
         .env_remove("CONTEXTFOLD_CONFIG")
         .env_remove("CONTEXTFOLD_SUMMARIZER__BASE_URL")
         .env("OPENAI_API_KEY", "test-key-not-secret")
@@ -241,7 +267,11 @@ pub async fn spawn_serve(
         command.env(k, v);
     }
     let mut child = command.spawn().expect("contextfold serve starts");
-    let client = async_nats::connect(server.url()).await.unwrap();
+    let servers: Vec<async_nats::ServerAddr> = url
+        .split(',')
+        .map(|u| u.parse().expect("a server URL"))
+        .collect();
+    let client = async_nats::connect(servers).await.unwrap();
     let up = Instant::now() + Duration::from_secs(30);
     while client
         .request("cf.admin.status", "{}".into())

@@ -1,6 +1,8 @@
-//! Debt bookkeeping and the job scheduler: what raises debt (thresholds,
-//! overflows, manual requests, resets), when a compaction cycle starts, and
-//! `evaluate`, which decides whether a job is issued now.
+//! Debt bookkeeping: what raises debt (thresholds, overflows, manual
+//! requests, resets), when a compaction cycle starts, when a debt is paid,
+//! and `evaluate`, which carries out what the scheduler
+//! (`core::policy::schedule`) says: give up an expired job, issue a job,
+//! or set the conversation's timer for the end of its wait.
 
 use super::*;
 
@@ -90,7 +92,14 @@ impl FoldContext<'_> {
         instructions: Option<String>,
     ) {
         let levels = self.levels();
-        let now = self.event.time;
+        let now = self.now;
+        if urgent {
+            // The agent asks again: whatever a failed round said about
+            // waiting, this request is not held by the backoff (the urgent
+            // spend cap still holds it).
+            let spend = &mut self.conv.spend;
+            spend.backoff_until = spend.backoff_until.min(now);
+        }
         match &mut self.conv.debt {
             None => {
                 let debt = Debt {
@@ -167,19 +176,25 @@ impl FoldContext<'_> {
     }
 
     /// The pending job ended or expired and the fold accepted nothing of
-    /// it: the next job waits for agent input that comes after it, and a
-    /// routine one also for the backoff (a Retry-After is its own delay).
-    /// Never the same job again at once: with no new input it would meet
-    /// the same state and fail the same way, for ever.
-    pub(super) fn round_without_progress(&mut self, urgent: bool, retry_after: bool) {
-        self.conv.awaiting_input = true;
-        if !urgent && !retry_after {
-            let until = self
-                .event
-                .time
-                .saturating_add(self.policy.summary_spend_backoff_ms);
-            self.conv.spend.backoff_until = self.conv.spend.backoff_until.max(until);
+    /// it: the next job waits for a backoff that doubles with each such
+    /// round in a row (a Retry-After is its own delay). Never the same job
+    /// again at once: with nothing new it would meet the same state and
+    /// fail the same way; never a wait without an end either.
+    pub(super) fn round_without_progress(&mut self, retry_after: bool) {
+        if retry_after {
+            return;
         }
+        let spend = &mut self.conv.spend;
+        spend.rounds_without_progress = spend.rounds_without_progress.saturating_add(1);
+        let until = self.now.saturating_add(
+            self.policy
+                .no_progress_backoff(spend.rounds_without_progress),
+        );
+        spend.backoff_until = spend.backoff_until.max(until);
+        self.out.notes.push(ScheduleNote::BackedOff {
+            conversation: self.conv.key.clone(),
+            until: spend.backoff_until,
+        });
     }
 
     /// Raises a re-summarization debt when fallback summaries are in
@@ -211,13 +226,68 @@ impl FoldContext<'_> {
         self.raise_debt(DebtReason::Resummarize, false, levels.target_tokens, None);
     }
 
-    /// Re-evaluates the triggers after every event: records, updates or
-    /// clears the single debt and issues a job when none is pending.
+    /// Re-evaluates the triggers after every event (and when the
+    /// conversation's timer is due): records, updates or clears the single
+    /// debt, then does what the scheduler says.
     pub(super) fn evaluate(&mut self) {
         if policy::session_matches(&self.policy.stateless_sessions, &self.conv.key) {
             return;
         }
         let levels = self.levels();
+        self.raise_threshold_debts(&levels);
+        let now = self.now;
+        if let Some(pending) = self
+            .conv
+            .pending_job
+            .take_if(|p| now >= schedule::expires_at(p))
+        {
+            self.expire(pending);
+        }
+        if let Some(pending) = &self.conv.pending_job {
+            let at = schedule::expires_at(pending);
+            self.clock.set(&self.conv.key, Some(at));
+            return;
+        }
+        let cleared = self.clear_paid_debt();
+        self.maybe_owe_resummary(cleared, &levels);
+        let limits = self.policy.spend_limits();
+        self.conv.spend.prune(now, limits.window_ms);
+        if limits.has_partition_limits() {
+            self.global.prune(now, limits.window_ms);
+        }
+        let next = policy::schedule(self.conv, &self.conv.spend, self.global, self.policy, now);
+        self.clock.set(&self.conv.key, next.wake_at());
+        match next {
+            Schedule::Issue(grant) => {
+                self.conv.spend.holding = None;
+                self.issue(grant, limits.has_partition_limits());
+            }
+            Schedule::Wait { on, until: _ } => {
+                if on == Wait::PartitionWindow {
+                    // Refused only for the partition's sake: it counts
+                    // toward the fair share while it waits.
+                    self.global.wait(&self.conv.key, now);
+                }
+                if on.is_spend() && self.conv.spend.holding != Some(on) {
+                    self.out.notes.push(ScheduleNote::SpendWindowClosed {
+                        conversation: self.conv.key.clone(),
+                        on,
+                    });
+                }
+                self.conv.spend.holding = Some(on);
+            }
+            Schedule::Idle
+            | Schedule::Blocked(_)
+            | Schedule::Running { .. }
+            | Schedule::Expired => {
+                self.conv.spend.holding = None;
+            }
+        }
+    }
+
+    /// Records, updates or takes over debt for a context over its
+    /// threshold or transcript bytes, when there is work to do.
+    fn raise_threshold_debts(&mut self, levels: &policy::Levels) {
         let tokens = self.conv.context.tokens();
         let over_bytes = self
             .policy
@@ -235,14 +305,18 @@ impl FoldContext<'_> {
             .is_some_and(|d| d.reason != DebtReason::Resummarize);
         let routine_work = (tokens > levels.threshold_tokens || over_bytes)
             && !compaction_debt
-            && (policy::next_leaf_chunk_with(
+            && policy::next_compaction(
                 &*self.conv,
                 self.policy,
-                true,
-                tokens <= levels.budget,
+                policy::Standing {
+                    context_tokens: tokens,
+                    target_tokens: levels.target_tokens,
+                    budget: levels.budget,
+                    prefix_target_tokens: levels.prefix_target_tokens,
+                    urgent: false,
+                },
             )
-            .is_some()
-                || policy::next_condensation(&*self.conv, self.policy, false, false).is_some());
+            .is_some();
         if tokens > levels.threshold_tokens && (routine_work || compaction_debt) {
             self.raise_debt(DebtReason::Threshold, false, levels.target_tokens, None);
         }
@@ -259,123 +333,89 @@ impl FoldContext<'_> {
                 None,
             );
         }
-        let now = self.event.time;
-        // A job whose worker vanished is given up after twice its deadline.
-        let expired = self.conv.pending_job.as_ref().is_some_and(|p| {
-            now > p
-                .job
-                .issued_at
-                .saturating_add(2 * p.job.deadline_ms + 60_000)
+    }
+
+    /// Gives up a job whose worker vanished (no `sweep_ended` by its
+    /// expiry): what it committed stays; without progress it backs off.
+    fn expire(&mut self, pending: PendingJob) {
+        self.history(
+            "job_expired",
+            format!(
+                "{} ended without a sweep_ended event; {} of its summaries accepted",
+                pending.job.job_id, pending.committed
+            ),
+        );
+        self.out.notes.push(ScheduleNote::JobExpired {
+            conversation: self.conv.key.clone(),
+            job_id: pending.job.job_id.clone(),
         });
-        if let Some(pending) = self.conv.pending_job.take_if(|_| expired) {
-            self.history(
-                "job_expired",
-                format!(
-                    "{} ended without a sweep_ended event; {} of its summaries accepted",
-                    pending.job.job_id, pending.committed
-                ),
-            );
-            if !pending.made_progress() {
-                self.round_without_progress(pending.job.urgent, false);
-            }
+        if pending.made_progress() {
+            self.conv.spend.rounds_without_progress = 0;
+        } else {
+            self.round_without_progress(false);
         }
-        if self.conv.pending_job.is_some() {
-            return;
-        }
-        let mut cleared = false;
-        // A re-summarization is paid when no fallback summary is left in
-        // context, whatever the token count.
+    }
+
+    /// Clears the debt when it is paid: a re-summarization when no fallback
+    /// summary is left in context; a compaction when the context is under
+    /// its target, or nothing outside the fresh tail is left to compact.
+    /// Returns whether it cleared one.
+    fn clear_paid_debt(&mut self) -> bool {
+        let tokens = self.conv.context.tokens();
         let resummarizing = self
             .conv
             .debt
             .as_ref()
             .is_some_and(|d| d.reason == DebtReason::Resummarize);
         if resummarizing && self.conv.fallback_summaries_in_context().next().is_none() {
-            cleared = true;
             self.clear_debt("no deterministic fallback summary is left in context".to_string());
+            return true;
         }
-        // Debt that is paid: under target, or nothing left to compact.
-        if let Some(debt) = self
+        let Some(debt) = self
             .conv
             .debt
             .as_ref()
             .filter(|d| d.reason != DebtReason::Resummarize)
-        {
-            let conv: &Conversation = self.conv;
-            let over = tokens > debt.target_tokens;
-            let reach_back = !(debt.urgent || tokens > policy::budget(conv, self.policy));
-            let work_left =
-                policy::next_leaf_chunk_with(conv, self.policy, over || debt.urgent, reach_back)
-                    .is_some()
-                    || policy::next_condensation(conv, self.policy, false, debt.urgent).is_some();
-            if !over || !work_left {
-                let reason = if !over {
-                    format!(
-                        "context at {tokens} tokens, under target {}",
-                        debt.target_tokens
-                    )
-                } else {
-                    format!("context at {tokens} tokens but nothing outside the fresh tail is left to compact")
-                };
-                cleared = true;
-                self.clear_debt(reason);
-            }
-        }
-        self.maybe_owe_resummary(cleared, &levels);
-        // A round that made no progress is not followed by another until
-        // something new comes from the agent (a turn, an error, a request):
-        // the results of older jobs are no reason, so a summarizer that
-        // keeps failing, or a chunk that keeps being stale, cannot spin.
-        if self.conv.awaiting_input {
-            return;
-        }
-        // The provider asked us to wait (Retry-After): no job of any kind.
-        if now < self.conv.spend.retry_at {
-            return;
-        }
-        let window = self.policy.summary_call_window_ms;
-        self.conv.spend.prune(now, window);
-        let global = spend::has_partition_limits(self.policy);
-        if global {
-            self.global.prune(now, window);
-        }
-        let allowance = spend::allowance(
-            &self.conv.spend,
-            self.global,
-            &self.conv.key,
-            self.policy,
-            now,
-        );
-        let (calls_left, tokens_left) = (allowance.calls_left, allowance.tokens_left);
-        let spend_ok = allowance.routine_ok();
-        let (compact, urgent, reason, target, instructions) = match &self.conv.debt {
-            Some(d) if d.urgent || spend_ok => (
-                true,
-                d.urgent,
-                d.reason,
-                d.target_tokens,
-                d.instructions.clone(),
-            ),
-            _ if self.conv.rolling_due && spend_ok => (
-                false,
-                false,
-                DebtReason::Threshold,
-                levels.target_tokens,
-                None,
-            ),
-            Some(_)
-                if global
-                    && allowance.own_calls_left > 0
-                    && calls_left == 0
-                    && !allowance.in_backoff =>
-            {
-                // Refused only for the partition's sake: wait for a share.
-                self.global.wait(&self.conv.key, now);
-                return;
-            }
-            _ => return,
+        else {
+            return false;
         };
-        if global {
+        let conv: &Conversation = self.conv;
+        let over = tokens > debt.target_tokens;
+        let levels = policy::levels(conv, self.policy);
+        let work_left = policy::next_compaction(
+            conv,
+            self.policy,
+            policy::Standing {
+                context_tokens: tokens,
+                target_tokens: debt.target_tokens,
+                budget: levels.budget,
+                prefix_target_tokens: levels.prefix_target_tokens,
+                urgent: debt.urgent,
+            },
+        )
+        .is_some();
+        if over && work_left {
+            return false;
+        }
+        let reason = if !over {
+            format!(
+                "context at {tokens} tokens, under target {}",
+                debt.target_tokens
+            )
+        } else {
+            format!(
+                "context at {tokens} tokens but nothing outside the fresh tail is left to compact"
+            )
+        };
+        self.clear_debt(reason);
+        true
+    }
+
+    /// Issues the job the scheduler granted.
+    fn issue(&mut self, grant: policy::Grant, partition_limits: bool) {
+        let now = self.now;
+        let tokens = self.conv.context.tokens();
+        if partition_limits {
             self.global.stop_waiting(&self.conv.key);
         }
         let job_id = format!(
@@ -384,7 +424,7 @@ impl FoldContext<'_> {
             self.conv.jobs_issued
         );
         self.conv.jobs_issued += 1;
-        let deadline_ms = if reason == DebtReason::Overflow {
+        let deadline_ms = if grant.reason == DebtReason::Overflow {
             self.policy.compact_until_under_deadline_ms
         } else {
             self.policy.sweep_deadline_ms
@@ -392,43 +432,51 @@ impl FoldContext<'_> {
         let refresh_rolling_state = self.conv.rolling_due;
         self.history(
             "job_issued",
-            if compact {
+            if grant.compact {
                 format!(
-                    "{job_id}: {reason:?}{}, {tokens} -> {target} tokens",
-                    if urgent { " (urgent)" } else { "" }
+                    "{job_id}: {:?}{}, {tokens} -> {} tokens, up to {} calls",
+                    grant.reason,
+                    if grant.urgent { " (urgent)" } else { "" },
+                    grant.target_tokens,
+                    grant.max_calls
                 )
             } else {
                 format!("{job_id}: rolling session state only")
             },
         );
-        if global && !urgent {
+        if partition_limits {
             // Hold the allowance until the job ends, so jobs of other
             // conversations cannot be granted the same calls.
             self.global.record(SpendEntry {
                 time: now,
                 job_id: job_id.clone(),
                 conversation: self.conv.key.clone(),
-                calls: calls_left,
-                tokens: tokens_left.unwrap_or(0),
+                calls: grant.max_calls,
+                tokens: grant.max_tokens.unwrap_or(0),
                 cost_micros: 0,
-                reserved_until: Some(now + 2 * deadline_ms + 60_000),
+                reserved_until: Some(now + 2 * deadline_ms + schedule::JOB_GRACE_MS),
+                urgent: grant.urgent,
             });
         }
         let job = JobIssued {
-            job_id,
-            reason,
-            urgent,
+            job_id: job_id.clone(),
+            reason: grant.reason,
+            urgent: grant.urgent,
             context_tokens: tokens,
-            target_tokens: target,
+            target_tokens: grant.target_tokens,
             deadline_ms,
             issued_at: now,
-            instructions,
-            compact,
+            instructions: grant.instructions,
+            compact: grant.compact,
             refresh_rolling_state,
-            max_calls: if urgent { None } else { Some(calls_left) },
-            max_tokens: if urgent { None } else { tokens_left },
+            max_calls: Some(grant.max_calls),
+            max_tokens: grant.max_tokens,
         };
-        self.conv.pending_job = Some(PendingJob::new(job.clone()));
+        let pending = PendingJob::new(job.clone());
+        self.clock
+            .set(&self.conv.key, Some(schedule::expires_at(&pending)));
+        self.conv.pending_job = Some(pending);
+        self.out.issued.push((self.conv.key.clone(), job_id));
         self.decide("job_issued", EventBody::JobIssued(job));
     }
 }

@@ -2,10 +2,24 @@
 //! and returns the decisions it took (debt changes, jobs, rejections) as
 //! events with deterministic ids, to be published to the log.
 //!
-//! Pure and deterministic: time comes from events, ids are derived from the
-//! causing event, and a decision seen again in the log changes nothing.
+//! Pure and deterministic: time comes from the log (each record's stored
+//! time, or in a log that stores none the event's own time), never from a
+//! clock; ids are derived from the causing event, and a decision seen
+//! again in the log changes nothing.
 //!
-//! Here: dispatch (`FoldContext::apply`) and how a decision is recorded.
+//! # Time
+//!
+//! Each record first moves the partition's clock
+//! ([`crate::core::state::PartitionClock`]) to its time and wakes the
+//! conversations whose timers that makes due ([`wake`]): a backoff ends, a
+//! spend window reopens, a job whose worker vanished is given up, whatever
+//! conversation the record is about. Scheduling (deadlines, spend windows,
+//! backoffs) reads only that clock; the guards that compare turns (the
+//! duplicate and flood guards) read the event's own time, which only
+//! affects the conversation that claims it.
+//!
+//! Here: dispatch (`FoldContext::apply`), waking, and how a decision is
+//! recorded.
 //! Each kind of event is handled in its own module: `turns` (admission and
 //! the guards' bookkeeping), `summaries` (acceptance and placement),
 //! `sweeps` (a sweep's or a recall's end and its spend), `debt` (what
@@ -16,12 +30,11 @@ use crate::core::assembly;
 use crate::core::event::*;
 use crate::core::message::{ChatMessage, Content, Role};
 use crate::core::overflow;
-use crate::core::policy::{self, PolicyConfig};
-use crate::core::spend;
+use crate::core::policy::{self, schedule, PolicyConfig, Schedule, Wait};
 use crate::core::state::{
     call_digest, derived_event_id, event_digest, id_digest, summary_id, tool_ids_of, turn_count,
-    ContextItem, Conversation, IdDigest, PendingJob, ResidentBodies, SeenDigest, SeenTurn,
-    SpendEntry, SpendWindow, State, Summary, Turn, TurnBody,
+    ContextItem, Conversation, IdDigest, PartitionClock, PendingJob, ResidentBodies, SeenDigest,
+    SeenTurn, SpendEntry, SpendWindow, State, Summary, Turn, TurnBody,
 };
 use crate::core::tokens;
 use std::cell::RefCell;
@@ -49,6 +62,10 @@ pub enum FoldStatus {
     Rejected(Rejection),
     /// The conversation matches an `ignore_sessions` glob.
     Ignored,
+    /// Over the conversation's intake quota while it is already refusing:
+    /// counted, its id consumed, nothing recorded (the first refusal of an
+    /// episode is `Rejected`, with its `event_rejected`).
+    Throttled,
 }
 
 /// The result of folding one event.
@@ -57,9 +74,57 @@ pub struct FoldOutcome {
     pub status: FoldStatus,
     /// Decisions to publish, in order.
     pub decisions: Vec<Envelope>,
+    /// The jobs issued, as (conversation, job id): what the runtime hands
+    /// to summarizers once the decisions are out, if still pending.
+    pub issued: Vec<(String, String)>,
+    /// Conversations the record woke (their timers were due): changed
+    /// though the record is not theirs.
+    pub woken: Vec<String>,
+    /// What changed in scheduling, for telemetry.
+    pub notes: Vec<ScheduleNote>,
 }
 
-/// Folds one event into the state.
+impl FoldOutcome {
+    fn new(status: FoldStatus) -> Self {
+        FoldOutcome {
+            status,
+            decisions: Vec::new(),
+            issued: Vec::new(),
+            woken: Vec::new(),
+            notes: Vec::new(),
+        }
+    }
+
+    /// Adds what waking conversations did before the record was folded.
+    fn after(mut self, mut woke: FoldOutcome) -> Self {
+        woke.decisions.append(&mut self.decisions);
+        woke.issued.append(&mut self.issued);
+        woke.notes.append(&mut self.notes);
+        self.decisions = woke.decisions;
+        self.issued = woke.issued;
+        self.notes = woke.notes;
+        self.woken = woke.woken;
+        self
+    }
+}
+
+/// A change in a conversation's scheduling worth counting.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ScheduleNote {
+    /// A spend window (the conversation's, its urgent cap, or the
+    /// partition's) closed on its debt: counted once per closing.
+    SpendWindowClosed { conversation: String, on: Wait },
+    /// A round made no progress: no job before `until`.
+    BackedOff { conversation: String, until: u64 },
+    /// A job's worker vanished: given up at its expiry.
+    JobExpired {
+        conversation: String,
+        job_id: String,
+    },
+}
+
+/// Folds one event into the state, at its own time (a log that stores no
+/// time: see the module doc).
 pub fn fold(state: &mut State, policy: &PolicyConfig, event: &Envelope) -> FoldOutcome {
     fold_counted(state, policy, event, None)
 }
@@ -72,17 +137,22 @@ pub fn fold_counted(
     event: &Envelope,
     turn_tokens: Option<u64>,
 ) -> FoldOutcome {
-    fold_with(state, policy, event, turn_tokens, None)
+    let woke = wake(state, policy, event.time, &event.id);
+    fold_with(state, policy, event, turn_tokens, None).after(woke)
 }
 
 /// [`fold_counted`] for an event the caller owns (one just decoded): a
 /// turn moves into the state instead of being copied there. Same result.
+/// `stored_at` is when the log stored its record, for logs that record it:
+/// the clock moves there rather than to the event's time.
 pub fn fold_owned(
     state: &mut State,
     policy: &PolicyConfig,
     mut event: Envelope,
+    stored_at: Option<u64>,
     turn_tokens: Option<u64>,
 ) -> FoldOutcome {
+    let woke = wake(state, policy, stored_at.unwrap_or(event.time), &event.id);
     // The id moves with the turn (the fold reads it from there): a copy
     // was an allocation and a free per turn.
     let turn = match &mut event.body {
@@ -92,7 +162,64 @@ pub fn fold_owned(
         })),
         _ => None,
     };
-    fold_with(state, policy, &event, turn_tokens, turn.as_ref())
+    fold_with(state, policy, &event, turn_tokens, turn.as_ref()).after(woke)
+}
+
+/// Moves the partition's clock to `time` (never back) and evaluates every
+/// conversation whose timer that makes due, earliest first: a record's
+/// first step, whatever it is (an event of any conversation, a refused
+/// record, a `clock_ticked`). Decisions are derived from `cause` (the
+/// record's event id) and the conversation. The caller makes the due
+/// conversations resident first ([`PartitionClock::due`]); one that is
+/// not in the state has its timer dropped.
+pub fn wake(state: &mut State, policy: &PolicyConfig, time: u64, cause: &str) -> FoldOutcome {
+    let now = state.clock.advance(time);
+    let mut out = FoldOutcome::new(FoldStatus::Applied);
+    if state.clock.next_due().is_none_or(|at| at > now) {
+        return out;
+    }
+    let due: Vec<String> = state.clock.due(now).map(str::to_string).collect();
+    for key in due {
+        let State {
+            conversations,
+            spend: global,
+            clock,
+            ..
+        } = &mut *state;
+        let Some(conv) = conversations.get_mut(&key) else {
+            clock.set(&key, None);
+            continue;
+        };
+        // The timer is spent; `evaluate` sets the next one.
+        clock.set(&key, None);
+        let id = format!("{cause}@{key}");
+        let event = Envelope::new(
+            id.clone(),
+            key.clone(),
+            now,
+            EventBody::ClockTicked(ClockTicked::default()),
+        );
+        let mut cx = FoldContext {
+            conv,
+            global,
+            clock,
+            now,
+            policy,
+            event: &event,
+            id: &id,
+            event_digest: id_digest(&id),
+            turn_tokens: None,
+            turn: None,
+            out: FoldOutcome::new(FoldStatus::Applied),
+            levels: None,
+        };
+        cx.evaluate();
+        out.decisions.append(&mut cx.out.decisions);
+        out.issued.append(&mut cx.out.issued);
+        out.notes.append(&mut cx.out.notes);
+        out.woken.push(key);
+    }
+    out
 }
 
 /// What is left in an event whose turn was moved out; never read.
@@ -116,43 +243,56 @@ fn fold_with(
     turn: Option<&Arc<TurnBody>>,
 ) -> FoldOutcome {
     if policy::session_matches(&policy.ignore_sessions, &event.conversation) {
-        return FoldOutcome {
-            status: FoldStatus::Ignored,
-            decisions: Vec::new(),
-        };
+        return FoldOutcome::new(FoldStatus::Ignored);
     }
     let State {
         conversations,
         spend: global,
+        clock,
         ..
     } = state;
+    let now = clock.now;
     let conv = conversations.get_or_insert_with(&event.conversation, || {
         Conversation::new(&event.conversation)
     });
     let id = turn.map_or(event.id.as_str(), |b| &b.event_id);
     let event_digest = id_digest(id);
     if conv.has_applied_digest(&event_digest) {
-        return FoldOutcome {
-            status: FoldStatus::Duplicate,
-            decisions: Vec::new(),
-        };
+        if let EventBody::JobIssued(job) = &event.body {
+            job_left(conv, clock, job, now);
+        }
+        return FoldOutcome::new(FoldStatus::Duplicate);
     }
     let mut cx = FoldContext {
         conv,
         global,
+        clock,
+        now,
         policy,
         event,
         id,
         event_digest,
         turn_tokens,
         turn,
-        decisions: Vec::new(),
+        out: FoldOutcome::new(FoldStatus::Applied),
         levels: None,
     };
     let status = cx.apply();
-    FoldOutcome {
-        status,
-        decisions: cx.decisions,
+    let mut out = cx.out;
+    out.status = status;
+    out
+}
+
+/// The copy of a `job_issued` this fold decided came back from the log:
+/// the job has left, and its expiry runs from now (once).
+fn job_left(conv: &mut Conversation, clock: &mut PartitionClock, job: &JobIssued, now: u64) {
+    if let Some(pending) = conv
+        .pending_job
+        .as_mut()
+        .filter(|p| p.job.job_id == job.job_id && p.left_at.is_none())
+    {
+        pending.left_at = Some(now);
+        clock.set(&conv.key, Some(schedule::expires_at(pending)));
     }
 }
 
@@ -206,6 +346,10 @@ struct FoldContext<'a> {
     conv: &'a mut Conversation,
     /// The partition's spend window across conversations.
     global: &'a mut SpendWindow,
+    /// The partition's timers.
+    clock: &'a mut PartitionClock,
+    /// The partition's clock: the time scheduling decides by.
+    now: u64,
     policy: &'a PolicyConfig,
     event: &'a Envelope,
     /// The event's id (read it here: a turn given up took it along).
@@ -214,7 +358,8 @@ struct FoldContext<'a> {
     turn_tokens: Option<u64>,
     /// The turn, when the caller gave it up: it is kept without a copy.
     turn: Option<&'a Arc<TurnBody>>,
-    decisions: Vec<Envelope>,
+    /// Decisions, jobs issued and notes so far.
+    out: FoldOutcome,
     /// The conversation's levels, resolved once per event ([`FoldContext::levels`]).
     levels: Option<policy::Levels>,
 }
@@ -222,6 +367,11 @@ struct FoldContext<'a> {
 impl FoldContext<'_> {
     fn apply(&mut self) -> FoldStatus {
         let event = self.event;
+        if event.body.is_agent_event() {
+            if let Some(status) = self.over_quota() {
+                return status;
+            }
+        }
         self.conv.last_time = self.conv.last_time.max(event.time);
         let status = match &event.body {
             EventBody::TurnAppended(t) => match self.turn {
@@ -276,9 +426,6 @@ impl FoldContext<'_> {
             }
             _ => FoldStatus::Applied,
         };
-        if status == FoldStatus::Applied && event.body.is_agent_event() {
-            self.conv.awaiting_input = false;
-        }
         match &status {
             // A rejected summary already produced its `summary_rejected`.
             FoldStatus::Rejected(reason)
@@ -315,20 +462,87 @@ impl FoldContext<'_> {
             .get_or_insert_with(|| policy::levels(self.conv, self.policy))
     }
 
+    /// Takes the event from the conversation's intake quota; when it is
+    /// over it, refuses it: the first of an episode with a record (an
+    /// `event_rejected`), the others counted only, each id consumed. None:
+    /// admitted.
+    fn over_quota(&mut self) -> Option<FoldStatus> {
+        let p = self.policy;
+        let rates = (
+            p.intake_events_per_second,
+            p.intake_burst_events,
+            p.intake_bytes_per_second,
+            p.intake_burst_bytes,
+        );
+        if rates.0.is_none() && rates.2.is_none() {
+            return None;
+        }
+        // A turn given up by the caller is no longer in the event.
+        let bytes = match (&self.event.body, self.turn) {
+            (EventBody::TurnAppended(_), Some(owned)) => owned.turn.message.text_bytes() as u64,
+            (EventBody::TurnAppended(t), None) => t.message.text_bytes() as u64,
+            _ => 0,
+        } + 256;
+        let now = self.now;
+        let quota = &mut self.conv.quota;
+        if quota.take(now, bytes, rates) {
+            if quota.refusing {
+                quota.refusing = false;
+                let refused = quota.refused;
+                self.history(
+                    "quota",
+                    format!(
+                        "admitting again: {refused} events refused over the intake quota so far"
+                    ),
+                );
+            }
+            return None;
+        }
+        quota.refused += 1;
+        let first = !quota.refusing;
+        quota.refusing = true;
+        self.conv.mark_applied_digest(self.event_digest);
+        if !first {
+            return Some(FoldStatus::Throttled);
+        }
+        let limit = format!(
+            "{} events/s with bursts of {}, {} bytes/s with bursts of {}",
+            p.intake_events_per_second
+                .map_or("unlimited".to_string(), |r| r.to_string()),
+            p.intake_burst_events,
+            p.intake_bytes_per_second
+                .map_or("unlimited".to_string(), |r| r.to_string()),
+            p.intake_burst_bytes
+        );
+        let rejection = Rejection::OverQuota { limit };
+        self.conv.rejections += 1;
+        let reason = rejection.to_string();
+        self.history("event_rejected", reason.clone());
+        self.decide(
+            "event_rejected",
+            EventBody::EventRejected(EventRejected {
+                rejected_id: self.id.to_string(),
+                event_type: Some(self.event.type_name().to_string()),
+                reason,
+            }),
+        );
+        Some(FoldStatus::Rejected(rejection))
+    }
+
     fn history(&mut self, event_type: &str, detail: String) {
         self.conv
-            .push_history(self.event.time, self.id, event_type, detail);
+            .push_history(self.now, self.id, event_type, detail);
     }
 
     fn decide(&mut self, what: &str, body: EventBody) {
         let env = Envelope::new(
             derived_event_id(self.id, what),
             self.conv.key.clone(),
-            self.event.time,
+            self.now,
             body,
         );
         self.conv.mark_applied(&env.id);
-        self.decisions.push(env);
+        self.out.decisions.push(env);
     }
 }
 

@@ -13,6 +13,12 @@ pub enum Rejection {
     Turn(#[from] TurnRejection),
     #[error(transparent)]
     Summary(#[from] SummaryRejection),
+    /// Over the conversation's intake quota (`core::state::IntakeQuota`).
+    #[error(
+        "over the conversation's intake quota ({limit}): refused; further events are refused \
+         without a record each until the rate falls (counted in `status`)"
+    )]
+    OverQuota { limit: String },
 }
 
 impl Rejection {
@@ -23,6 +29,7 @@ impl Rejection {
             Rejection::Turn(_) => "tool_pairing",
             Rejection::Summary(s) if s.is_stale() => "summary_stale",
             Rejection::Summary(_) => "summary_invalid",
+            Rejection::OverQuota { .. } => "over_quota",
         }
     }
 }

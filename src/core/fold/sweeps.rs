@@ -6,7 +6,7 @@ use super::*;
 
 impl FoldContext<'_> {
     pub(super) fn sweep_ended(&mut self, s: &SweepEnded) -> FoldStatus {
-        let now = self.event.time;
+        let now = self.now;
         let window = self.policy.summary_call_window_ms;
         // Only the pending job's end decides what comes next. The end of a
         // job that expired (its progress was judged then) or was reset away
@@ -27,6 +27,7 @@ impl FoldContext<'_> {
             tokens: s.tokens_spent,
             cost_micros: s.cost_micros,
             reserved_until: None,
+            urgent: pending.as_ref().is_some_and(|p| p.job.urgent),
         };
         self.record_spend(entry, now, window);
         // What the fold accepted of this job, never what the sweep claims:
@@ -60,8 +61,10 @@ impl FoldContext<'_> {
         if !current {
             return FoldStatus::Applied;
         }
-        if !progress {
-            self.round_without_progress(urgent, s.retry_after_ms.is_some());
+        if progress {
+            self.conv.spend.rounds_without_progress = 0;
+        } else {
+            self.round_without_progress(s.retry_after_ms.is_some());
         }
         // An urgent round that found nothing to compact ends its debt; one
         // that failed (auth, deadline, rate limit) or whose summaries were
@@ -87,14 +90,24 @@ impl FoldContext<'_> {
 
     /// Records spend in the conversation's window and, under a
     /// partition-wide limit, in the partition's, both pruned to `now`.
+    ///
+    /// A job's end releases what it held in the partition's window: the
+    /// conversations waiting for the partition are looked at again at once
+    /// (their timers move to now), not when their wait would have ended.
     pub(super) fn record_spend(&mut self, entry: SpendEntry, now: u64, window: u64) {
         self.conv.spend.prune(now, window);
-        if spend::has_partition_limits(self.policy) {
+        if self.policy.spend_limits().has_partition_limits() {
             self.global.prune(now, window);
             self.global.record(SpendEntry {
                 conversation: self.conv.key.clone(),
                 ..entry.clone()
             });
+            for (waiting, _) in &self.global.waiting {
+                if waiting != &self.conv.key && self.clock.timer(waiting).is_some_and(|at| at > now)
+                {
+                    self.clock.set(waiting, Some(now));
+                }
+            }
         }
         self.conv.spend.record(entry);
     }
@@ -103,7 +116,7 @@ impl FoldContext<'_> {
     /// conversation's, and the partition's under a partition-wide limit)
     /// at the event's time; nothing else changes.
     pub(super) fn recall_answered(&mut self, r: &RecallAnswered) -> FoldStatus {
-        let now = self.event.time;
+        let now = self.now;
         let window = self.policy.summary_call_window_ms;
         let entry = SpendEntry {
             time: now,
@@ -114,6 +127,7 @@ impl FoldContext<'_> {
             tokens: r.tokens_spent,
             cost_micros: r.cost_micros,
             reserved_until: None,
+            urgent: false,
         };
         self.record_spend(entry, now, window);
         self.history(

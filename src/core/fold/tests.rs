@@ -196,7 +196,11 @@ fn backoff_only_after_rounds_without_progress() {
         let conv = &state.conversations["c"];
         let why = format!("{accepted} accepted, {claimed} claimed, {stop:?}");
         assert_eq!(conv.spend.backoff_until > 0, backoff, "{why}");
-        assert_eq!(conv.awaiting_input, backoff, "{why}");
+        assert_eq!(
+            conv.spend.rounds_without_progress,
+            u32::from(backoff),
+            "{why}"
+        );
         let history = &conv.history;
         let line = history
             .resident()
@@ -273,10 +277,10 @@ fn an_expired_job_without_progress_backs_off_and_one_with_progress_does_not() {
             .any(|h| h.event_type == "job_expired"));
         if progress {
             assert_eq!(jobs(&out.decisions).len(), 1, "its successor at once");
-            assert!(!conv.awaiting_input);
+            assert_eq!(conv.spend.rounds_without_progress, 0);
         } else {
             assert!(jobs(&out.decisions).is_empty(), "re-issued at once");
-            assert!(conv.awaiting_input);
+            assert_eq!(conv.spend.rounds_without_progress, 1);
             assert!(conv.spend.backoff_until > late);
             // Its sweep_ended, arriving after all, changes nothing more.
             let before = conv.spend.backoff_until;
@@ -289,35 +293,85 @@ fn an_expired_job_without_progress_backs_off_and_one_with_progress_does_not() {
 }
 
 #[test]
-fn results_of_old_jobs_issue_no_job_while_awaiting_input() {
+fn a_failed_urgent_round_waits_for_its_backoff_or_a_new_request() {
+    let p = policy();
+    for asks_again in [false, true] {
+        let mut state = State::default();
+        let (job, next) = until_job(&mut state, &p, "c", 0, T0);
+        let manual = |id: &str, time| {
+            Envelope::new(
+                id,
+                "c",
+                time,
+                EventBody::CompactionRequested(CompactionRequested::default()),
+            )
+        };
+        fold(&mut state, &p, &manual("m1", job.issued_at + 1));
+        if let Some(pending) = &mut state.conversations.get_mut("c").unwrap().pending_job {
+            pending.job.urgent = true;
+        }
+        let e = event(ended(&job, 0, SweepStop::Failed), "c", job.issued_at + 2);
+        let out = fold(&mut state, &p, &e);
+        assert!(jobs(&out.decisions).is_empty(), "retried on its own end");
+        let until = state.conversations["c"].spend.backoff_until;
+        assert_eq!(until, job.issued_at + 2 + p.no_progress_backoff_ms);
+        // Neither an older job's late end nor a turn is a reason to retry
+        // a round that failed: the backoff holds them.
+        let stale = SweepEnded {
+            job_id: "job_older".into(),
+            ..ended(&job, 1, SweepStop::Done)
+        };
+        let out = fold(&mut state, &p, &event(stale, "c", job.issued_at + 3));
+        assert!(
+            jobs(&out.decisions).is_empty(),
+            "issued on an old job's end"
+        );
+        let out = fold(&mut state, &p, &turn("c", next, job.issued_at + 4));
+        assert!(jobs(&out.decisions).is_empty(), "issued in backoff");
+        let out = if asks_again {
+            // A new request is never held by the backoff.
+            fold(&mut state, &p, &manual("m2", job.issued_at + 5))
+        } else {
+            // Time passing alone ends it: the conversation's timer.
+            assert_eq!(state.clock.timer("c"), Some(until));
+            wake(&mut state, &p, until, "tick")
+        };
+        let again = jobs(&out.decisions);
+        assert_eq!(again.len(), 1, "asks again: {asks_again}");
+        assert!(again[0].urgent);
+    }
+}
+
+#[test]
+fn backoffs_double_per_round_without_progress_and_reset_on_progress() {
     let p = policy();
     let mut state = State::default();
-    let (job, next) = until_job(&mut state, &p, "c", 0, T0);
-    let manual = Envelope::new(
-        "m1",
-        "c",
-        job.issued_at + 1,
-        EventBody::CompactionRequested(CompactionRequested::default()),
-    );
-    fold(&mut state, &p, &manual);
-    if let Some(pending) = &mut state.conversations.get_mut("c").unwrap().pending_job {
-        pending.job.urgent = true;
+    let (mut job, _) = until_job(&mut state, &p, "c", 0, T0);
+    let mut expected = p.no_progress_backoff_ms;
+    for round in 1..=4u32 {
+        let at = job.issued_at + 10;
+        fold(
+            &mut state,
+            &p,
+            &event(ended(&job, 0, SweepStop::Failed), "c", at),
+        );
+        let spend = &state.conversations["c"].spend;
+        assert_eq!(spend.rounds_without_progress, round);
+        assert_eq!(spend.backoff_until, at + expected, "round {round}");
+        let until = spend.backoff_until;
+        let out = wake(&mut state, &p, until, &format!("tick{round}"));
+        job = jobs(&out.decisions)
+            .pop()
+            .expect("a job at the backoff's end");
+        expected = (expected * 2).min(p.summary_spend_backoff_ms);
     }
-    let e = event(ended(&job, 0, SweepStop::Failed), "c", job.issued_at + 2);
-    fold(&mut state, &p, &e);
-    // An urgent debt ignores the backoff; the late end of some older
-    // job is still no reason for a new one.
-    let stale = SweepEnded {
-        job_id: "job_older".into(),
-        ..ended(&job, 1, SweepStop::Done)
-    };
-    let out = fold(&mut state, &p, &event(stale, "c", job.issued_at + 3));
-    assert!(
-        jobs(&out.decisions).is_empty(),
-        "issued on an old job's end"
+    assert_eq!(commit(&mut state, &p, "c", &job, 1, job.issued_at + 1), 1);
+    fold(
+        &mut state,
+        &p,
+        &event(ended(&job, 1, SweepStop::Deadline), "c", job.issued_at + 2),
     );
-    let out = fold(&mut state, &p, &turn("c", next, job.issued_at + 4));
-    assert_eq!(jobs(&out.decisions).len(), 1, "agent input brings it back");
+    assert_eq!(state.conversations["c"].spend.rounds_without_progress, 0);
 }
 
 #[test]
@@ -325,7 +379,6 @@ fn a_barren_sweep_is_not_retried_on_its_own_end() {
     let p = policy();
     let mut state = State::default();
     let (job, next) = until_job(&mut state, &p, "c", 0, T0);
-    // Urgent: no backoff, so only the barren-end rule stops a retry loop.
     let manual = Envelope::new(
         "m1",
         "c",
@@ -346,9 +399,10 @@ fn a_barren_sweep_is_not_retried_on_its_own_end() {
         conv.debt.as_ref().is_some_and(|d| d.urgent),
         "a failed urgent round keeps its debt"
     );
-    let out = fold(&mut state, &p, &turn("c", next, job.issued_at + 3));
+    let until = conv.spend.backoff_until;
+    let out = fold(&mut state, &p, &turn("c", next, until));
     let again = jobs(&out.decisions);
-    assert_eq!(again.len(), 1, "the next inbound event retries");
+    assert_eq!(again.len(), 1, "the first event after its backoff retries");
     assert!(again[0].urgent);
 }
 
@@ -418,7 +472,7 @@ fn a_rolling_refresh_that_wrote_nothing_is_no_progress() {
     );
     assert!(jobs(&out.decisions).is_empty(), "re-issued on its own end");
     let conv = &state.conversations["c"];
-    assert!(conv.rolling_due && conv.awaiting_input);
+    assert!(conv.rolling_due && conv.spend.rounds_without_progress == 1);
     assert!(conv.spend.backoff_until > rolling.issued_at);
     let out = fold(&mut state, &p, &turn("c", next, rolling.issued_at + 10));
     assert!(jobs(&out.decisions).is_empty(), "issued in backoff");
@@ -624,7 +678,7 @@ fn owned_and_borrowed_folds_agree() {
     let (mut borrowed, mut owned) = (State::default(), State::default());
     for e in events.iter().chain(&events) {
         let a = fold_counted(&mut borrowed, &policy, e, None);
-        let b = fold_owned(&mut owned, &policy, e.clone(), None);
+        let b = fold_owned(&mut owned, &policy, e.clone(), None, None);
         assert_eq!(a, b);
     }
     assert_eq!(borrowed.hash(), owned.hash());
@@ -1054,10 +1108,11 @@ fn a_threshold_trigger_takes_over_a_pending_resummarization() {
     let job = jobs(&decisions).pop().expect("a re-summarization job");
     assert_eq!(job.reason, DebtReason::Resummarize);
     let cycle = state.conversations["c"].cycle;
-    // Turns arrive while it runs, until compaction is owed again.
+    // Turns arrive while it runs (before it could expire), until
+    // compaction is owed again.
     let mut taken = Vec::new();
     for i in next..next + 40 {
-        let out = fold(&mut state, &p, &turn("c", i, T0 + 2_000_000 + i * 1_000));
+        let out = fold(&mut state, &p, &turn("c", i, job.issued_at + 1_000 + i));
         taken.extend(out.decisions);
         if debts_recorded(&taken).contains(&DebtReason::Threshold) {
             break;
@@ -1078,7 +1133,7 @@ fn a_threshold_trigger_takes_over_a_pending_resummarization() {
         stop: SweepStop::NoProgress,
         ..ended(&job, 0, SweepStop::NoProgress)
     };
-    let out = fold(&mut state, &p, &event(failed, "c", T0 + 3_000_000));
+    let out = fold(&mut state, &p, &event(failed, "c", job.issued_at + 100_000));
     assert!(jobs(&out.decisions).is_empty());
     assert_eq!(
         state.conversations["c"].debt.as_ref().map(|d| d.reason),
@@ -1088,7 +1143,11 @@ fn a_threshold_trigger_takes_over_a_pending_resummarization() {
 
 #[test]
 fn a_trigger_with_nothing_to_compact_leaves_a_resummarization_alone() {
-    let p = policy();
+    // A backoff long enough to outlast the turns below.
+    let p = PolicyConfig {
+        no_progress_backoff_ms: 1_800_000,
+        ..policy()
+    };
     let mut state = State::default();
     let next = with_fallbacks(&mut state, &p, "c");
     let (_, next) = until_job(&mut state, &p, "c", next, T0 + 1_000_000);
@@ -1145,4 +1204,241 @@ fn a_trigger_with_nothing_to_compact_leaves_a_resummarization_alone() {
         Some(DebtReason::Resummarize)
     );
     assert!(jobs(&all).is_empty(), "in backoff");
+}
+
+/// Folds `e` as a log that stores times folds it: at `stored`.
+fn fold_at(state: &mut State, p: &PolicyConfig, e: &Envelope, stored: u64) -> FoldOutcome {
+    fold_owned(state, p, e.clone(), Some(stored), None)
+}
+
+#[test]
+fn a_backfilled_session_is_scheduled_by_the_log_not_by_its_timestamps() {
+    // Turns a day apart by their own clock, stored within one second.
+    let p = policy();
+    let day = 86_400_000;
+    let stored = T0 + 30 * day;
+    let mut state = State::default();
+    let mut issued = None;
+    for i in 0..40u64 {
+        let out = fold_at(&mut state, &p, &turn("c", i, T0 + i * day), stored + i);
+        if let Some(j) = jobs(&out.decisions).pop() {
+            issued.get_or_insert(j);
+        }
+        let conv = &state.conversations["c"];
+        assert!(
+            !conv
+                .history
+                .resident()
+                .iter()
+                .any(|h| h.event_type == "job_expired"),
+            "turn {i}: a job expired while the backfill was arriving"
+        );
+    }
+    let job = issued.expect("a job during the backfill");
+    assert!(
+        job.issued_at >= stored && job.issued_at < stored + 40,
+        "{}",
+        job.issued_at
+    );
+    assert_eq!(state.clock.now, stored + 39);
+    // The same turns folded at their own times expire the job at once.
+    let mut by_event_time = State::default();
+    for i in 0..40u64 {
+        fold(&mut by_event_time, &p, &turn("c", i, T0 + i * day));
+    }
+    assert!(by_event_time.conversations["c"]
+        .history
+        .resident()
+        .iter()
+        .any(|h| h.event_type == "job_expired"));
+}
+
+#[test]
+fn a_job_expires_twice_its_deadline_after_its_decision_came_back() {
+    let p = policy();
+    let mut state = State::default();
+    let mut decided = None;
+    let mut i = 0;
+    while decided.is_none() {
+        let out = fold_at(&mut state, &p, &turn("c", i, T0 + i), T0 + i);
+        decided = out
+            .decisions
+            .into_iter()
+            .find(|d| matches!(d.body, EventBody::JobIssued(_)));
+        i += 1;
+    }
+    let decision = decided.unwrap();
+    let EventBody::JobIssued(job) = &decision.body else {
+        unreachable!()
+    };
+    // Its copy reaches the log (and the fold) a minute later.
+    let left = job.issued_at + 60_000;
+    assert_eq!(
+        fold_at(&mut state, &p, &decision, left).status,
+        FoldStatus::Duplicate
+    );
+    let pending = state.conversations["c"].pending_job.clone().unwrap();
+    assert_eq!(pending.left_at, Some(left));
+    let expiry = left + 2 * job.deadline_ms + schedule::JOB_GRACE_MS;
+    assert_eq!(state.clock.timer("c"), Some(expiry));
+    // A second copy changes nothing.
+    fold_at(&mut state, &p, &decision, left + 5);
+    assert_eq!(
+        state.conversations["c"]
+            .pending_job
+            .as_ref()
+            .unwrap()
+            .left_at,
+        Some(left)
+    );
+    // Not expired a moment before; expired at its time, by the clock alone.
+    assert!(wake(&mut state, &p, expiry - 1, "tick1").woken.is_empty());
+    let out = wake(&mut state, &p, expiry, "tick2");
+    assert_eq!(out.woken, ["c"]);
+    assert!(out
+        .notes
+        .iter()
+        .any(|n| matches!(n, ScheduleNote::JobExpired { job_id, .. } if job_id == &job.job_id)));
+    let conv = &state.conversations["c"];
+    assert!(conv.pending_job.is_none());
+    assert_eq!(state.clock.timer("c"), Some(conv.spend.backoff_until));
+}
+
+#[test]
+fn any_record_moves_the_partition_clock_and_wakes_who_is_due() {
+    let p = policy();
+    let mut state = State::default();
+    let (job, _) = until_job(&mut state, &p, "a", 0, T0);
+    fold(
+        &mut state,
+        &p,
+        &event(ended(&job, 0, SweepStop::Failed), "a", job.issued_at + 1),
+    );
+    let until = state.conversations["a"].spend.backoff_until;
+    // Another conversation's turn, stored after `a`'s backoff ends, wakes
+    // `a` first and issues its job: no event of `a` is needed.
+    let out = fold_at(&mut state, &p, &turn("b", 0, T0), until);
+    assert_eq!(out.woken, ["a"]);
+    let issued = jobs(&out.decisions);
+    assert_eq!(issued.len(), 1);
+    assert!(out.issued.iter().any(|(c, _)| c == "a"));
+    assert!(out
+        .decisions
+        .iter()
+        .all(|d| d.conversation == "a" || d.conversation == "b"));
+    // The clock never goes back: an older record does not rewind it.
+    fold_at(&mut state, &p, &turn("b", 1, T0), until - 5_000);
+    assert_eq!(state.clock.now, until);
+}
+
+#[test]
+fn a_job_end_wakes_the_conversations_waiting_for_the_partition() {
+    let p = PolicyConfig {
+        summary_max_calls_per_window_global: Some(5),
+        ..policy()
+    };
+    let mut state = State::default();
+    let (job_a, _) = until_job(&mut state, &p, "a", 0, T0);
+    // `a` holds the whole partition allowance while its job runs: `b`
+    // waits for the partition.
+    let mut i = 0;
+    while state
+        .conversations
+        .get("b")
+        .is_none_or(|b| b.debt.is_none())
+    {
+        fold(&mut state, &p, &turn("b", i, job_a.issued_at + 10 + i));
+        i += 1;
+    }
+    assert!(state.conversations["b"].pending_job.is_none());
+    assert_eq!(
+        state.conversations["b"].spend.holding,
+        Some(Wait::PartitionWindow)
+    );
+    let b_wait = state.clock.timer("b").expect("b waits with an end");
+    let end = job_a.issued_at + 100;
+    assert!(b_wait > end);
+    let mut done = ended(&job_a, 0, SweepStop::Done);
+    done.calls = 1;
+    fold(&mut state, &p, &event(done, "a", end));
+    assert_eq!(
+        state.clock.timer("b"),
+        Some(end),
+        "b looked at again at once"
+    );
+    let out = wake(&mut state, &p, end, "tick");
+    assert!(out.issued.iter().any(|(c, _)| c == "b"), "{out:?}");
+}
+
+#[test]
+fn a_flood_is_refused_over_the_quota_with_one_record_and_admitted_again_as_the_rate_falls() {
+    let p = PolicyConfig {
+        intake_events_per_second: Some(10),
+        intake_burst_events: 50,
+        ..policy()
+    };
+    let mut state = State::default();
+    let flood: Vec<Envelope> = (0..200)
+        .map(|i| {
+            Envelope::new(
+                format!("flood-{i}"),
+                "c",
+                T0,
+                EventBody::TurnAppended(TurnAppended::from(ChatMessage::text(
+                    Role::User,
+                    format!("message {i}"),
+                ))),
+            )
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    let mut records = 0;
+    // 200 events stored within 100 ms: the burst of 50 (100 ms refill
+    // less than one more at 10/s).
+    for (i, e) in flood.iter().enumerate() {
+        let out = fold_at(&mut state, &p, e, T0 + i as u64 / 2);
+        records += out
+            .decisions
+            .iter()
+            .filter(|d| matches!(d.body, EventBody::EventRejected(_)))
+            .count();
+        statuses.push(out.status);
+    }
+    let admitted = statuses
+        .iter()
+        .filter(|s| **s == FoldStatus::Applied)
+        .count();
+    let throttled = statuses
+        .iter()
+        .filter(|s| **s == FoldStatus::Throttled)
+        .count();
+    assert_eq!(admitted, 50, "the burst");
+    assert_eq!(records, 1, "one record for the episode, not one per event");
+    assert_eq!(throttled, 200 - 50 - 1);
+    let conv = &state.conversations["c"];
+    assert_eq!(conv.quota.refused, 150);
+    assert_eq!(conv.turns.len(), 50);
+    // A refused id is consumed: the same event later changes nothing.
+    let again = fold_at(&mut state, &p, &flood[199], T0 + 60_000);
+    assert_eq!(again.status, FoldStatus::Duplicate);
+    // A second later, the rate lets the agent in again.
+    let next = Envelope::new(
+        "after",
+        "c",
+        T0 + 2_000,
+        EventBody::TurnAppended(TurnAppended::from(ChatMessage::text(Role::User, "back"))),
+    );
+    assert_eq!(
+        fold_at(&mut state, &p, &next, T0 + 2_000).status,
+        FoldStatus::Applied
+    );
+    assert!(!state.conversations["c"].quota.refusing);
+    // Replaying gives the same admissions (the buckets run on stored time).
+    let mut replay = State::default();
+    for (i, e) in flood.iter().enumerate() {
+        fold_at(&mut replay, &p, e, T0 + i as u64 / 2);
+    }
+    fold_at(&mut replay, &p, &flood[199], T0 + 60_000);
+    fold_at(&mut replay, &p, &next, T0 + 2_000);
+    assert_eq!(replay.hash(), state.hash());
 }

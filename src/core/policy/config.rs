@@ -69,6 +69,16 @@ pub struct PolicyConfig {
     /// Replay-flood guard: identical tool/assistant turns allowed in one second.
     pub flood_max_other_per_second: u32,
 
+    /// Intake quota of one conversation: agent events admitted per second
+    /// (a token bucket on the partition's clock), and how many may come at
+    /// once (a backfill of a long session). Over it, events are refused
+    /// (counted; one record per episode). Unset: no quota.
+    pub intake_events_per_second: Option<u32>,
+    pub intake_burst_events: u32,
+    /// The same in bytes of message text.
+    pub intake_bytes_per_second: Option<u64>,
+    pub intake_burst_bytes: u64,
+
     /// Conversations matching these globs are not folded at all.
     pub ignore_sessions: Vec<SessionGlob>,
     /// Conversations matching these globs are folded but never compacted.
@@ -91,7 +101,15 @@ pub struct PolicyConfig {
     /// Spend window: money allowed per window, micro-dollars (unlimited when unset).
     pub summary_max_cost_micros_per_window: Option<u64>,
     pub summary_call_window_ms: u64,
-    /// Backoff after a round that made no progress.
+    /// Spend window: calls urgent jobs (agent-requested compaction,
+    /// provider overflows) may make per window, apart from routine ones
+    /// (unset: the same as `summary_max_calls_per_window`).
+    pub summary_max_urgent_calls_per_window: Option<u32>,
+    /// Backoff after a round that made no progress: the first one; each
+    /// further round in a row without progress doubles it, up to
+    /// `summary_spend_backoff_ms`.
+    pub no_progress_backoff_ms: u64,
+    /// The longest backoff after rounds that made no progress.
     pub summary_spend_backoff_ms: u64,
     /// Spend window across all conversations of a partition: calls allowed
     /// per window (unlimited when unset).
@@ -130,6 +148,10 @@ impl Default for PolicyConfig {
             duplicate_window_ms: 60_000,
             flood_max_user_per_second: 3,
             flood_max_other_per_second: 32,
+            intake_events_per_second: Some(100),
+            intake_burst_events: 20_000,
+            intake_bytes_per_second: Some(1024 * 1024),
+            intake_burst_bytes: 64 * 1024 * 1024,
             ignore_sessions: Vec::new(),
             stateless_sessions: Vec::new(),
             strip_injected_context_tags: vec![
@@ -146,6 +168,8 @@ impl Default for PolicyConfig {
             summary_max_tokens_per_window: None,
             summary_max_cost_micros_per_window: None,
             summary_call_window_ms: 600_000,
+            summary_max_urgent_calls_per_window: None,
+            no_progress_backoff_ms: 60_000,
             summary_spend_backoff_ms: 1_800_000,
             summary_max_calls_per_window_global: None,
             summary_max_tokens_per_window_global: None,
@@ -191,6 +215,33 @@ fn invalid(field: &str, value: impl ToString, why: &str) -> PolicyError {
 }
 
 impl PolicyConfig {
+    /// The limits of the spend windows this policy sets.
+    pub fn spend_limits(&self) -> crate::core::spend::SpendLimits {
+        crate::core::spend::SpendLimits {
+            window_ms: self.summary_call_window_ms,
+            calls: self.summary_max_calls_per_window,
+            urgent_calls: self
+                .summary_max_urgent_calls_per_window
+                .unwrap_or(self.summary_max_calls_per_window),
+            tokens: self.summary_max_tokens_per_window,
+            cost_micros: self.summary_max_cost_micros_per_window,
+            partition_calls: self.summary_max_calls_per_window_global,
+            partition_tokens: self.summary_max_tokens_per_window_global,
+            partition_cost_micros: self.summary_max_cost_micros_per_window_global,
+        }
+    }
+
+    /// The backoff after `rounds` rounds in a row without progress (1 for
+    /// the first): `no_progress_backoff_ms`, doubled per further round,
+    /// capped at `summary_spend_backoff_ms`.
+    pub fn no_progress_backoff(&self, rounds: u32) -> u64 {
+        let doublings = rounds.saturating_sub(1).min(32);
+        self.no_progress_backoff_ms
+            .saturating_mul(1u64 << doublings)
+            .min(self.summary_spend_backoff_ms)
+            .max(1)
+    }
+
     /// Reports the first value that cannot work; never replaces it.
     pub fn validate(&self) -> Result<(), PolicyError> {
         let share = |field: &str, v: f64| {
@@ -233,6 +284,14 @@ impl PolicyConfig {
         positive("summary_call_window_ms", self.summary_call_window_ms)?;
         positive("sweep_deadline_ms", self.sweep_deadline_ms)?;
         positive("max_sweep_iterations", self.max_sweep_iterations as u64)?;
+        positive("no_progress_backoff_ms", self.no_progress_backoff_ms)?;
+        if self.no_progress_backoff_ms > self.summary_spend_backoff_ms {
+            return Err(invalid(
+                "no_progress_backoff_ms",
+                self.no_progress_backoff_ms,
+                "must not exceed summary_spend_backoff_ms (the longest backoff)",
+            ));
+        }
         if self.leaf_target_tokens >= self.leaf_chunk_tokens {
             return Err(invalid(
                 "leaf_target_tokens",

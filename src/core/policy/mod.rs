@@ -6,8 +6,10 @@
 //! a job's snapshot) take the very same decisions.
 
 pub mod config;
+pub mod schedule;
 
 pub use config::{PolicyConfig, PolicyError, ThresholdOverride};
+pub use schedule::{schedule, Blocked, Grant, Schedule, Wait};
 
 use crate::core::glob::SessionGlob;
 use crate::core::message::Role;
@@ -409,6 +411,55 @@ pub const LEAF_TARGET_PERCENT: u64 = 12;
 /// handovers already, compressed last; at 12% a depth-3 summary of
 /// hundreds of turns was four identifiers.
 pub const CONDENSED_TARGET_PERCENT: u64 = 33;
+
+/// One compaction pass: a leaf over a raw run, or a condensation of a run
+/// of summaries into one of the given depth.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compaction {
+    Leaf(Run),
+    Condense(Run, u32),
+}
+
+/// Where a conversation's context stands, for [`next_compaction`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Standing {
+    pub context_tokens: u64,
+    /// Where the debt (or the trigger) wants the context.
+    pub target_tokens: u64,
+    pub budget: u64,
+    /// Condense further while the summaries in context cost more.
+    pub prefix_target_tokens: u64,
+    /// Overflow recovery or a request: hard fanouts, no reach back.
+    pub urgent: bool,
+}
+
+/// The next compaction pass, if any. The one test the fold (is there work
+/// the debt can be paid with?) and a sweep (what does it do next?) share,
+/// so the fold never owes what no sweep can do, nor clears a debt a sweep
+/// could still pay: leaf chunks outside the fresh tail first (partial ones
+/// once over the target; the tail stops reaching back to the newest user
+/// turn under pressure or over the budget), then condensation (at the hard
+/// fanout while the summaries in context cost more than their target, or
+/// under pressure).
+pub fn next_compaction<V: PlanView + ?Sized>(
+    items: &V,
+    cfg: &PolicyConfig,
+    at: Standing,
+) -> Option<Compaction> {
+    let over = at.context_tokens > at.target_tokens;
+    let reach_back = !(at.urgent || at.context_tokens > at.budget);
+    if let Some(run) = next_leaf_chunk_with(items, cfg, over || at.urgent, reach_back) {
+        return Some(Compaction::Leaf(run));
+    }
+    let prefix: u64 = (0..items.len())
+        .map(|i| items.item(i))
+        .filter(|i| !i.is_turn())
+        .map(|i| i.tokens())
+        .sum();
+    let prefix_over = over && prefix > at.prefix_target_tokens;
+    next_condensation(items, cfg, prefix_over, at.urgent && over)
+        .map(|(run, depth)| Compaction::Condense(run, depth))
+}
 
 /// The size a summary of `source_tokens` should aim at.
 pub fn summary_target(cfg: &PolicyConfig, depth: u32, source_tokens: u64, aggressive: bool) -> u64 {

@@ -19,6 +19,7 @@
 
 mod applied;
 mod bodies;
+mod clock;
 mod context;
 mod conversations;
 mod history;
@@ -28,6 +29,7 @@ pub use bodies::{
     body_size, BodyError, GuardedTurn, Resident, ResidentBodies, ResidentTexts, TurnBodies,
     TurnBody,
 };
+pub use clock::PartitionClock;
 pub use context::ContextWindow;
 pub use conversations::Conversations;
 pub use history::HistoryLog;
@@ -90,6 +92,9 @@ pub struct State {
     /// `*_global` spend limit is set).
     #[serde(default)]
     pub spend: SpendWindow,
+    /// The partition's clock and the conversations waiting for it.
+    #[serde(default)]
+    pub clock: PartitionClock,
 }
 
 /// One turn as folded: what the fold decides on, without its body
@@ -238,6 +243,10 @@ pub struct PendingJob {
     /// The fold took a rolling session state from this job.
     #[serde(default)]
     pub rolling_refreshed: bool,
+    /// When the job left: the clock when its `job_issued` came back from
+    /// the log (it is given up twice its deadline after that).
+    #[serde(default)]
+    pub left_at: Option<u64>,
 }
 
 impl PendingJob {
@@ -246,14 +255,81 @@ impl PendingJob {
             job,
             committed: 0,
             rolling_refreshed: false,
+            left_at: None,
         }
     }
 
     /// The job changed the state: a summary or a rolling state of it was
-    /// accepted. A job without progress is followed by backoff and waits
-    /// for agent input, never by the same job again at once.
+    /// accepted. A job without progress is followed by a backoff, never by
+    /// the same job again at once.
     pub fn made_progress(&self) -> bool {
         self.committed > 0 || self.rolling_refreshed
+    }
+}
+
+/// A conversation's intake quota: two token buckets (events, and bytes of
+/// message text) refilled on the partition's clock, so a replay admits and
+/// refuses the same events. A flood from one agent is refused at the cost
+/// of counting it, and its neighbours' turns, jobs and answers are not
+/// held up behind it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IntakeQuota {
+    /// Events left, in thousandths (full when `at` is 0).
+    pub events_milli: u64,
+    pub bytes: u64,
+    /// When the buckets were last refilled (the partition's clock).
+    pub at: u64,
+    /// Events refused over the quota, ever.
+    pub refused: u64,
+    /// Refusing now: the next refusal is counted without a record.
+    pub refusing: bool,
+}
+
+impl IntakeQuota {
+    /// Takes one event of `bytes` bytes at `now`; false when a bucket is
+    /// short (nothing is taken then).
+    pub fn take(
+        &mut self,
+        now: u64,
+        bytes: u64,
+        rates: (Option<u32>, u32, Option<u64>, u64),
+    ) -> bool {
+        let (events_per_s, burst_events, bytes_per_s, burst_bytes) = rates;
+        let full = self.at == 0;
+        let elapsed = now.saturating_sub(self.at);
+        if let Some(rate) = events_per_s {
+            let cap = u64::from(burst_events).saturating_mul(1000);
+            self.events_milli = if full {
+                cap
+            } else {
+                self.events_milli
+                    .saturating_add(elapsed.saturating_mul(u64::from(rate)))
+                    .min(cap)
+            };
+        }
+        if let Some(rate) = bytes_per_s {
+            self.bytes = if full {
+                burst_bytes
+            } else {
+                // Bytes per millisecond, as the rate allows.
+                self.bytes
+                    .saturating_add(elapsed.saturating_mul(rate) / 1000)
+                    .min(burst_bytes)
+            };
+        }
+        self.at = now.max(self.at).max(1);
+        let events_ok = events_per_s.is_none() || self.events_milli >= 1000;
+        let bytes_ok = bytes_per_s.is_none() || self.bytes >= bytes;
+        if !(events_ok && bytes_ok) {
+            return false;
+        }
+        if events_per_s.is_some() {
+            self.events_milli -= 1000;
+        }
+        if bytes_per_s.is_some() {
+            self.bytes -= bytes;
+        }
+        true
     }
 }
 
@@ -374,16 +450,15 @@ pub struct Conversation {
     pub turns_since_rolling: u64,
     pub consecutive_tool_calls: u64,
     pub rolling_due: bool,
-    /// The last job ended (or expired) without progress: no job is issued
-    /// until agent input (a turn, an error, a request) comes after it.
-    #[serde(default)]
-    pub awaiting_input: bool,
     pub rolling: Option<RollingState>,
     pub rolling_through: Option<u64>,
     /// Recent long user turns (time, turn) for duplicate detection.
     pub recent_user_turns: Vec<(u64, SeenTurn)>,
     pub flood: FloodWindow,
     pub rejections: u64,
+    /// The conversation's intake quota (its token buckets).
+    #[serde(default)]
+    pub quota: IntakeQuota,
     pub duplicates_dropped: u64,
     pub stale_summaries: u64,
     pub last_overflow_tokens: Option<u64>,
@@ -417,12 +492,12 @@ impl Conversation {
             turns_since_rolling: 0,
             consecutive_tool_calls: 0,
             rolling_due: false,
-            awaiting_input: false,
             rolling: None,
             rolling_through: None,
             recent_user_turns: Vec::new(),
             flood: FloodWindow::default(),
             rejections: 0,
+            quota: IntakeQuota::default(),
             duplicates_dropped: 0,
             stale_summaries: 0,
             last_overflow_tokens: None,
@@ -561,13 +636,20 @@ impl StateHasher {
         self.0.update(hash.as_bytes());
     }
     #[allow(clippy::expect_used)] // only a bug reaches the expect (see its message)
-    pub fn finish(mut self, unattributed_rejections: u64, spend: &SpendWindow) -> String {
+    pub fn finish(
+        mut self,
+        unattributed_rejections: u64,
+        spend: &SpendWindow,
+        clock: &PartitionClock,
+    ) -> String {
         self.0.update(&unattributed_rejections.to_le_bytes());
         // Only when used, so states without a global window hash as before.
         if *spend != SpendWindow::default() {
             self.0
                 .update(&rmp_serde::to_vec(spend).expect("spend serializes"));
         }
+        self.0
+            .update(&rmp_serde::to_vec(clock).expect("the clock serializes"));
         self.0.finalize().to_hex()[..32].to_string()
     }
 }
@@ -588,7 +670,7 @@ impl State {
         for (key, conv) in &self.conversations {
             hasher.conversation(key, &conv.hash_with(bodies)?);
         }
-        Ok(hasher.finish(self.unattributed_rejections, &self.spend))
+        Ok(hasher.finish(self.unattributed_rejections, &self.spend, &self.clock))
     }
 }
 
