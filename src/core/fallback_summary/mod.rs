@@ -4,7 +4,7 @@
 //! No model, no clock, no randomness: the same request always gives the same
 //! text, so replays agree. It does not understand the conversation; it
 //! writes the handover an agent resuming the work needs, from what it can
-//! recognize ([`signals`]):
+//! recognize (the `signals` module):
 //!
 //! - **Task (the user's words)**: each request, whole sentences;
 //! - **Files changed**: each file an edit, a write, a patch or a removal
