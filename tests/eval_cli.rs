@@ -334,3 +334,104 @@ async fn refusals_are_counted_and_the_kept_data_dir_is_readable() {
     assert!(!again.status.success());
     assert!(String::from_utf8_lossy(&again.stderr).contains("already holds an event log"));
 }
+
+/// `--probes`: each probe is checked against the assembled context and
+/// against plain truncation at the same budget, counted by kind, at the
+/// end of the conversation or right after the turn it names; a bad probe
+/// file is refused naming its line.
+#[test]
+fn probes_are_checked_against_the_context_and_truncation() {
+    let Some(a) = transcript("swe-agent_SWE-agent/pydicom__pydicom-1458.traj") else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let probes = dir.path().join("probes.jsonl");
+    let conv = "pydicom__pydicom-1458";
+    let lines = [
+        // The run ends with `submit`: both contexts hold it.
+        json!({"conversation": conv, "id": "end", "kind": "done", "question": "submitted?",
+               "expect": ["(?i)\\bsubmit"]}),
+        json!({"conversation": conv, "id": "never", "kind": "open", "question": "?",
+               "expect": ["no such text anywhere 8c1f"]}),
+        // Right after turn 3 the agent has only planned the reproduction.
+        json!({"conversation": conv, "id": "early", "kind": "next", "question": "next?",
+               "expect": ["reproduce_bug\\.py"], "at_turn": 3}),
+        json!({"conversation": conv, "id": "not-yet", "kind": "done", "question": "?",
+               "expect": ["Result: True"], "at_turn": 3}),
+        json!({"conversation": conv, "id": "past-the-end", "kind": "next", "question": "?",
+               "expect": ["x"], "at_turn": 9999}),
+        json!({"conversation": "another-conversation", "id": "elsewhere", "kind": "task",
+               "question": "?", "expect": ["x"]}),
+    ];
+    let text: Vec<String> = lines.iter().map(Value::to_string).collect();
+    std::fs::write(&probes, text.join("\n")).expect("write probes");
+    let out = eval(
+        &[
+            "--budget",
+            "8000",
+            "--json",
+            "--probes",
+            probes.to_str().unwrap(),
+        ],
+        std::slice::from_ref(&a),
+        &[],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r = report(&out);
+    let p = &r["probes"];
+    assert_eq!(p["not_in_these_files"], json!(1), "{p}");
+    assert_eq!(p["total"]["probes"], json!(4), "{p}");
+    assert_eq!(p["by_kind"]["done"]["probes"], json!(2), "{p}");
+    assert_eq!(p["by_kind"]["done"]["contextfold"], json!(1), "{p}");
+    assert_eq!(p["by_kind"]["done"]["truncation"], json!(1), "{p}");
+    assert_eq!(p["by_kind"]["next"]["contextfold"], json!(1), "{p}");
+    assert_eq!(p["by_kind"]["open"]["contextfold"], json!(0), "{p}");
+    let file = &r["files"][0];
+    assert_eq!(
+        file["probes_never_reached"],
+        json!(["past-the-end"]),
+        "{file}"
+    );
+    let outcomes = file["probes"]["outcomes"].as_array().expect("outcomes");
+    let of = |id: &str| outcomes.iter().find(|o| o["id"] == json!(id)).cloned();
+    assert_eq!(of("not-yet").unwrap()["contextfold"], json!(false));
+    assert_eq!(of("end").unwrap()["truncation"], json!(true));
+
+    // The table names both columns; two budgets give two reports.
+    let out = eval(
+        &[
+            "--budget",
+            "32000",
+            "--budget",
+            "8000",
+            "--probes",
+            probes.to_str().unwrap(),
+        ],
+        std::slice::from_ref(&a),
+        &[],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("continuity probes at budget 32000"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("continuity probes at budget 8000"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("missed by truncation"), "{stdout}");
+
+    std::fs::write(
+        &probes,
+        format!("{}\n{{\"conversation\": \"c\", \"id\": \"x\"}}", text[0]),
+    )
+    .expect("write probes");
+    let bad = eval(&["--probes", probes.to_str().unwrap()], &[a], &[]);
+    assert!(!bad.status.success());
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(stderr.contains("line 2"), "{stderr}");
+}

@@ -115,9 +115,11 @@ impl Recount {
                     .summaries
                     .entry(id.clone())
                     .or_insert_with(|| tokens::count_message(enc, m)),
-                Source::RollingState | Source::MissingToolResult { .. } => {
-                    tokens::count_message(enc, m)
-                }
+                // A masked turn, a stub or the rolling state: what is sent
+                // depends on the assembly, so it is counted every time.
+                Source::MaskedTurn { .. }
+                | Source::RollingState
+                | Source::MissingToolResult { .. } => tokens::count_message(enc, m),
             })
             .sum()
     }

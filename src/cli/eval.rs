@@ -13,6 +13,8 @@ use contextfold::core::event::EventBody;
 use contextfold::core::identifiers;
 use contextfold::core::message::Role;
 use contextfold::core::policy::PolicyConfig;
+use contextfold::core::probes::{self, Probe, ProbeKind, ProbeReport};
+use contextfold::core::state::event_digest;
 use contextfold::core::state::{ContextItem, Conversation, TurnBodies};
 use contextfold::import::{self, Format};
 use contextfold::log::memory::MemoryLog;
@@ -112,6 +114,10 @@ pub struct FileReport {
     /// Identifiers only a demonstration of another task names (SWE-agent's
     /// `is_demo`): not this conversation's, so not counted above.
     pub identifiers_only_in_demonstrations: u64,
+    /// Identifiers only large payloads name: a large payload is a stub in
+    /// every context at this budget (larger than the compaction target),
+    /// so not counted above either.
+    pub identifiers_only_in_large_payloads: u64,
     /// Retention by the kind of identifier (paths, hashes, UUIDs, URLs, ...).
     pub retention_by_kind: BTreeMap<&'static str, KindRetention>,
     pub compression_by_depth: BTreeMap<u32, DepthCompression>,
@@ -126,19 +132,79 @@ pub struct FileReport {
     /// the prompt.
     pub prompt_aware: PromptAwareEffect,
     pub spend: SweepSpend,
+    /// Continuity probes of this file's conversations, with the plain
+    /// truncation baseline at the same budget.
+    pub probes: ProbeReport,
+    /// Probes whose `at_turn` the conversation never reached.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub probes_never_reached: Vec<String>,
     pub seconds: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
 }
 
-/// Runs `contextfold eval`.
+/// Runs `contextfold eval`: the whole evaluation once per budget.
 pub fn eval(
     config: &Config,
     files: &[PathBuf],
-    budget: u64,
+    budgets: &[u64],
+    probe_files: &[PathBuf],
     json: bool,
     keep: Option<&Path>,
 ) -> Result<ExitCode> {
+    if budgets.is_empty() {
+        anyhow::bail!("give at least one --budget");
+    }
+    let mut probes: Vec<Probe> = Vec::new();
+    for path in probe_files {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading the probe file {}", path.display()))?;
+        let more = probes::parse(&text)
+            .with_context(|| format!("reading the probe file {}", path.display()))?;
+        if let Some(p) = more.iter().find(|p| probes.iter().any(|q| q.id == p.id)) {
+            anyhow::bail!(
+                "probe id {:?} of {} is used by an earlier probe file too",
+                p.id,
+                path.display()
+            );
+        }
+        probes.extend(more);
+    }
+    let mut failed = false;
+    for &budget in budgets {
+        let keep = match keep {
+            Some(dir) if budgets.len() > 1 => Some(dir.join(format!("budget-{budget}"))),
+            Some(dir) => Some(dir.to_path_buf()),
+            None => None,
+        };
+        failed |= eval_at(
+            config,
+            files,
+            budget,
+            &probes,
+            !probe_files.is_empty(),
+            json,
+            keep.as_deref(),
+        )?;
+    }
+    Ok(if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+/// One evaluation at one budget; true when it failed (an overflow or a
+/// file that could not be evaluated).
+fn eval_at(
+    config: &Config,
+    files: &[PathBuf],
+    budget: u64,
+    probes: &[Probe],
+    with_probes: bool,
+    json: bool,
+    keep: Option<&Path>,
+) -> Result<bool> {
     if budget == 0 {
         anyhow::bail!("--budget must be at least 1 token");
     }
@@ -169,17 +235,25 @@ pub fn eval(
             match (&config.summarizer, keep_dir) {
                 (Some(cfg), None) => {
                     let pass = LlmPass::llm(cfg).context("building the model summarizer")?;
-                    eval_file(file, &policy, budget, pass, MemoryLog::new()).await
+                    eval_file(file, &policy, budget, probes, pass, MemoryLog::new()).await
                 }
                 (None, None) => {
-                    eval_file(file, &policy, budget, Deterministic, MemoryLog::new()).await
+                    eval_file(
+                        file,
+                        &policy,
+                        budget,
+                        probes,
+                        Deterministic,
+                        MemoryLog::new(),
+                    )
+                    .await
                 }
                 (Some(cfg), Some(dir)) => {
                     let pass = LlmPass::llm(cfg).context("building the model summarizer")?;
-                    eval_file(file, &policy, budget, pass, kept_log(dir)?).await
+                    eval_file(file, &policy, budget, probes, pass, kept_log(dir)?).await
                 }
                 (None, Some(dir)) => {
-                    eval_file(file, &policy, budget, Deterministic, kept_log(dir)?).await
+                    eval_file(file, &policy, budget, probes, Deterministic, kept_log(dir)?).await
                 }
             }
         });
@@ -217,8 +291,16 @@ pub fn eval(
         reports.push(report);
     }
     let total = totals(&reports);
+    let evaluated: HashSet<&str> = reports
+        .iter()
+        .flat_map(|r| r.conversation_ids.iter().map(String::as_str))
+        .collect();
+    let probes_elsewhere = probes
+        .iter()
+        .filter(|p| !evaluated.contains(p.conversation.as_str()))
+        .count();
     if json {
-        let summary = serde_json::json!({
+        let mut summary = serde_json::json!({
             "budget": budget,
             "summarizer": summarizer_name,
             "files": reports,
@@ -234,6 +316,7 @@ pub fn eval(
             "identifiers_that_matter_retained": total.identifiers_that_matter_retained,
             "retention_of_identifiers_that_matter": total.retention_of_identifiers_that_matter,
             "identifiers_only_in_demonstrations": total.identifiers_only_in_demonstrations,
+            "identifiers_only_in_large_payloads": total.identifiers_only_in_large_payloads,
             "retention_by_kind": total.retention_by_kind,
             "prompt_aware": total.prompt_aware,
             "rejections": total.rejections,
@@ -245,16 +328,21 @@ pub fn eval(
             "cost_micros": total.spend.cost_micros,
             "errors": reports.iter().filter(|r| r.error.is_some()).count(),
         });
+        if with_probes {
+            summary["probes"] = serde_json::json!({
+                "by_kind": total.probes.by_kind,
+                "total": total.probes.total(),
+                "not_in_these_files": probes_elsewhere,
+            });
+        }
         println!("{summary}");
     } else {
         print_table(&reports, &total, budget, &summarizer_name);
+        if with_probes {
+            print_probes(&reports, &total, budget, probes_elsewhere);
+        }
     }
-    let failed = total.overflows > 0 || reports.iter().any(|r| r.error.is_some());
-    Ok(if failed {
-        ExitCode::FAILURE
-    } else {
-        ExitCode::SUCCESS
-    })
+    Ok(total.overflows > 0 || reports.iter().any(|r| r.error.is_some()))
 }
 
 /// The data directory kept for each file: `dir` itself for one file, a
@@ -301,6 +389,7 @@ async fn eval_file<S: PassSummarizer, L: EventLog>(
     file: &Path,
     policy: &PolicyConfig,
     budget: u64,
+    probes: &[Probe],
     summarizer: S,
     log: L,
 ) -> Result<FileReport> {
@@ -376,11 +465,30 @@ async fn eval_file<S: PassSummarizer, L: EventLog>(
         let Some(conv) = p.engine.state.conversations.get(&event.conversation) else {
             continue;
         };
-        let out = assembly::assemble_from(conv, &p.engine.bodies(), policy, &request)?;
+        let bodies = p.engine.bodies();
+        let out = assembly::assemble_from(conv, &bodies, policy, &request)?;
         report.assemblies += 1;
         report.max_assembled_tokens = report.max_assembled_tokens.max(out.tokens);
         if out.tokens > budget {
             report.overflows += 1;
+        }
+        // Probes asked of the context right after this turn.
+        let this_turn = conv
+            .turns
+            .last()
+            .filter(|t| t.event == event_digest(&event.id))
+            .map(|t| t.seq);
+        let due: Vec<&Probe> = probes
+            .iter()
+            .filter(|pr| pr.conversation == event.conversation && pr.at_turn.is_some())
+            .filter(|pr| pr.at_turn == this_turn)
+            .collect();
+        if !due.is_empty() {
+            let ours = probes::context_text(&out.messages);
+            let plain = probes::context_text(&probes::truncation(conv, &bodies, budget)?);
+            for pr in due {
+                report.probes.record(pr, &ours, &plain);
+            }
         }
     }
     for imported in &conversations {
@@ -394,6 +502,23 @@ async fn eval_file<S: PassSummarizer, L: EventLog>(
         report.raw_tokens += conv.raw_tokens();
         report.context_tokens += conv.context.tokens();
         report.fallback_summaries += conv.summaries.iter().filter(|s| s.fallback).count() as u64;
+        let at_end: Vec<&Probe> = probes
+            .iter()
+            .filter(|pr| pr.conversation == imported.conversation && pr.at_turn.is_none())
+            .collect();
+        if !at_end.is_empty() {
+            let ours = probes::context_text(&out.messages);
+            let plain = probes::context_text(&probes::truncation(conv, &bodies, budget)?);
+            for pr in at_end {
+                report.probes.record(pr, &ours, &plain);
+            }
+        }
+        for pr in probes.iter().filter(|pr| {
+            pr.conversation == imported.conversation
+                && pr.at_turn.is_some_and(|t| t >= conv.turns.len() as u64)
+        }) {
+            report.probes_never_reached.push(pr.id.clone());
+        }
         let retention = identifier_retention(conv, &bodies, &out)?;
         report.identifiers += retention.identifiers;
         report.identifiers_retained += retention.retained;
@@ -402,6 +527,7 @@ async fn eval_file<S: PassSummarizer, L: EventLog>(
         report.identifiers_that_matter += retention.matter;
         report.identifiers_that_matter_retained += retention.matter_retained;
         report.identifiers_only_in_demonstrations += retention.only_in_demonstrations;
+        report.identifiers_only_in_large_payloads += retention.only_in_large_payloads;
         for (kind, k) in &retention.by_kind {
             report.retention_by_kind.entry(kind).or_default().add(k);
         }
@@ -483,6 +609,9 @@ pub struct Retention {
     pub matter_retained: u64,
     /// Identifiers only demonstrations name (not counted in the others).
     pub only_in_demonstrations: u64,
+    /// Identifiers only large payloads name (stubs in every context at
+    /// this budget; not counted in the others).
+    pub only_in_large_payloads: u64,
     /// The same, by the kind of identifier (`identifiers::IdentifierKind`).
     pub by_kind: BTreeMap<&'static str, KindRetention>,
 }
@@ -546,22 +675,41 @@ pub fn matters(m: &Mentions) -> bool {
     m.by_user || m.turns >= 2
 }
 
-/// `text` without its "Exact identifiers" appendices: the heading line and
-/// the `- ` list lines after it.
+/// `text` without its "Exact identifiers" appendices, in either form a
+/// summary carries them: the model path's `Exact identifiers:` heading
+/// with `- ` items, and the deterministic summarizer's `## Exact
+/// identifiers` section, one bare identifier a line until the next
+/// heading, blank line or closing tag.
 pub fn without_appendix(text: &str) -> String {
-    let heading = format!("{EXACT_IDENTIFIERS_HEADING}:");
+    enum List {
+        None,
+        Dashed,
+        Bare,
+    }
+    let colon = format!("{EXACT_IDENTIFIERS_HEADING}:");
+    let section = format!("## {EXACT_IDENTIFIERS_HEADING}");
     let mut out = String::with_capacity(text.len());
-    let mut in_list = false;
+    let mut list = List::None;
     for line in text.split_inclusive('\n') {
         let bare = line.trim_end_matches(['\n', '\r']);
-        if bare.trim() == heading {
-            in_list = true;
+        if bare.trim() == colon {
+            list = List::Dashed;
             continue;
         }
-        if in_list && bare.starts_with("- ") {
+        if bare.trim() == section {
+            list = List::Bare;
             continue;
         }
-        in_list = false;
+        match list {
+            List::Dashed if bare.starts_with("- ") => continue,
+            List::Bare
+                if !bare.trim().is_empty() && !bare.starts_with('#') && !bare.starts_with("</") =>
+            {
+                continue
+            }
+            _ => {}
+        }
+        list = List::None;
         out.push_str(line);
     }
     out
@@ -581,11 +729,21 @@ pub fn identifier_retention(
     // A demonstration's identifiers are another task's (a pydicom run's
     // demonstration names marshmallow's files); summaries leave them out.
     let mut in_demonstrations: HashSet<String> = HashSet::new();
+    // A large payload is a stub in every context at this budget (it is
+    // larger than the compaction target): what only it names was never
+    // the context's to keep; `describe` gives the payload.
+    let mut in_large_payloads: HashSet<String> = HashSet::new();
     for turn in &conv.turns {
         let body = bodies.turn_body(conv, turn.seq)?;
         if body.message.is_demonstration() {
             for id in identifiers::extract(&body.message.searchable_text()) {
                 in_demonstrations.insert(id);
+            }
+            continue;
+        }
+        if turn.large_payload {
+            for id in identifiers::extract(&body.message.searchable_text()) {
+                in_large_payloads.insert(id);
             }
             continue;
         }
@@ -632,8 +790,13 @@ pub fn identifier_retention(
         .iter()
         .filter(|id| !mentions.contains_key(id.as_str()))
         .count() as u64;
+    let only_in_large_payloads = in_large_payloads
+        .iter()
+        .filter(|id| !mentions.contains_key(id.as_str()) && !in_demonstrations.contains(*id))
+        .count() as u64;
     Ok(Retention {
         only_in_demonstrations,
+        only_in_large_payloads,
         identifiers: all.identifiers,
         retained: all.retained,
         retained_in_text: all.retained_in_text,
@@ -693,6 +856,7 @@ fn totals(reports: &[FileReport]) -> FileReport {
         t.prompt_aware.items_chosen_by_relevance += r.prompt_aware.items_chosen_by_relevance;
         t.identifiers_that_matter_retained += r.identifiers_that_matter_retained;
         t.identifiers_only_in_demonstrations += r.identifiers_only_in_demonstrations;
+        t.identifiers_only_in_large_payloads += r.identifiers_only_in_large_payloads;
         for (kind, k) in &r.retention_by_kind {
             t.retention_by_kind.entry(kind).or_default().add(k);
         }
@@ -713,6 +877,9 @@ fn totals(reports: &[FileReport]) -> FileReport {
             *t.spend.stops.entry(k.clone()).or_default() += n;
         }
         t.seconds += r.seconds;
+        t.probes.merge(&r.probes);
+        t.probes_never_reached
+            .extend(r.probes_never_reached.iter().cloned());
     }
     t.identifier_retention = share(t.identifiers_retained, t.identifiers);
     t.retention_of_identifiers_that_matter = share(
@@ -812,6 +979,12 @@ fn print_table(reports: &[FileReport], total: &FileReport, budget: u64, summariz
             total.identifiers_only_in_demonstrations
         );
     }
+    if total.identifiers_only_in_large_payloads > 0 {
+        println!(
+            "not counted: {} identifiers only large payloads name (a stub in every context at this budget; `describe` gives them)",
+            total.identifiers_only_in_large_payloads
+        );
+    }
     println!("retention by kind (in the context / in the text apart from appendices / of those that matter):");
     for (kind, k) in &total.retention_by_kind {
         println!(
@@ -835,6 +1008,68 @@ fn print_table(reports: &[FileReport], total: &FileReport, budget: u64, summariz
         by_reason(&total.rejections),
         by_reason(&total.escalations)
     );
+}
+
+/// The probes table: per file and kind, probes passed by the assembled
+/// context / by plain truncation at the same budget, of those asked.
+fn print_probes(reports: &[FileReport], total: &FileReport, budget: u64, elsewhere: usize) {
+    println!(
+        "continuity probes at budget {budget}: passed by contextfold / by plain truncation (the newest raw turns that fit), of the probes asked"
+    );
+    print!("{:<44}", "file");
+    for kind in ProbeKind::ALL {
+        print!(" {:>10}", kind.as_str());
+    }
+    println!(" {:>12}", "all");
+    let cell = |t: probes::KindTally| {
+        if t.probes == 0 {
+            "-".to_string()
+        } else {
+            format!("{}/{} of {}", t.contextfold, t.truncation, t.probes)
+        }
+    };
+    for r in reports.iter().chain(std::iter::once(total)) {
+        if r.probes.outcomes.is_empty() {
+            continue;
+        }
+        print!("{:<44}", short(&r.file));
+        for kind in ProbeKind::ALL {
+            let t = r.probes.by_kind.get(&kind).copied().unwrap_or_default();
+            print!(" {:>10}", cell(t));
+        }
+        let all = r.probes.total();
+        println!(
+            " {:>12}  {:.1}% / {:.1}%",
+            cell(all),
+            100.0 * share(all.contextfold, all.probes),
+            100.0 * share(all.truncation, all.probes)
+        );
+    }
+    let missed = |ours: bool| -> String {
+        let ids: Vec<&str> = total
+            .probes
+            .outcomes
+            .iter()
+            .filter(|o| if ours { !o.contextfold } else { !o.truncation })
+            .map(|o| o.id.as_str())
+            .collect();
+        if ids.is_empty() {
+            "none".into()
+        } else {
+            ids.join(", ")
+        }
+    };
+    println!("missed by contextfold: {}", missed(true));
+    println!("missed by truncation: {}", missed(false));
+    if !total.probes_never_reached.is_empty() {
+        println!(
+            "never checked (their at_turn is past the conversation's end): {}",
+            total.probes_never_reached.join(", ")
+        );
+    }
+    if elsewhere > 0 {
+        println!("{elsewhere} probes name conversations not in these files");
+    }
 }
 
 /// `kind n, kind n` or `none`.
@@ -937,5 +1172,16 @@ mod tests {
         assert!(body.contains("I'm sorry") && body.contains("turn 3: edited uid.py"));
         // Lists elsewhere stay.
         assert_eq!(without_appendix("Done:\n- a\n- b"), "Done:\n- a\n- b");
+        // The deterministic summarizer's section: bare lines up to the
+        // end of the summary.
+        let det = "<context_summary id=\"s\">\n## Done\n- turn 2: edited src/a.rs\n\
+                   ## Exact identifiers\nsrc/b.rs\n1f59687\n</context_summary>\nnext turn names c.rs";
+        let body = without_appendix(det);
+        assert!(
+            !body.contains("src/b.rs") && !body.contains("1f59687"),
+            "{body}"
+        );
+        assert!(body.contains("edited src/a.rs") && body.contains("</context_summary>"));
+        assert!(body.contains("next turn names c.rs"), "{body}");
     }
 }

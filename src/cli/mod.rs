@@ -131,9 +131,16 @@ pub enum Command {
     /// Quality report: run transcripts through the pipeline in memory and
     /// measure budget overflows, compression and identifier retention.
     Eval {
-        /// Token budget of every assembled context.
-        #[arg(long, default_value_t = eval::DEFAULT_BUDGET)]
-        budget: u64,
+        /// Token budget of every assembled context; repeat it to run the
+        /// whole evaluation at several budgets (one report each).
+        #[arg(long, default_values_t = [eval::DEFAULT_BUDGET])]
+        budget: Vec<u64>,
+        /// Continuity probes (JSON Lines, `core::probes`; repeat it for
+        /// several files): each probe is checked against the assembled
+        /// context and against plain truncation (the newest raw turns that
+        /// fit) at the same budget.
+        #[arg(long, value_name = "FILE")]
+        probes: Vec<PathBuf>,
         /// Print one JSON object (the last line of output).
         #[arg(long)]
         json: bool,
@@ -461,10 +468,11 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
         }
         Command::Eval {
             budget,
+            probes,
             json,
             keep,
             files,
-        } => eval::eval(&config, &files, budget, json, keep.as_deref()),
+        } => eval::eval(&config, &files, &budget, &probes, json, keep.as_deref()),
         Command::Serve {
             nats,
             roles,

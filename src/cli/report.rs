@@ -132,6 +132,7 @@ pub fn print<B: KvBackend>(
 fn label(s: &Source) -> String {
     match s {
         Source::Turn { seq } => format!("turn {seq}"),
+        Source::MaskedTurn { seq } => format!("turn {seq} (masked)"),
         Source::Summary { id, depth } => format!("summary {id} (depth {depth})"),
         Source::RollingState => "rolling session state".into(),
         Source::MissingToolResult { call_id } => format!("stub result for {call_id}"),
@@ -173,6 +174,7 @@ fn accounting(out: &Assembled) -> String {
             .iter()
             .map(|s| match s {
                 Source::Turn { seq } => format!("turn {seq}"),
+                Source::MaskedTurn { seq } => format!("turn {seq} (masked)"),
                 Source::Summary { id, .. } => id.clone(),
                 Source::RollingState => "rolling state".to_string(),
                 Source::MissingToolResult { call_id } => format!("stub for {call_id}"),

@@ -3,6 +3,8 @@
 //! call, no call without its result). Answers from state alone: the agent's
 //! hot path never waits on a summarizer.
 
+use crate::core::event::Covers;
+use crate::core::mask;
 use crate::core::message::{ChatMessage, Content, Role};
 use crate::core::policy::{self, PlanView, PolicyConfig};
 use crate::core::relevance;
@@ -10,6 +12,7 @@ use crate::core::state::{BodyError, ContextItem, Conversation, Resident, TurnBod
 use crate::core::tokens;
 use serde::{Deserialize, Serialize};
 use std::borrow::Borrow;
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 /// What to assemble.
@@ -38,6 +41,12 @@ pub enum Source {
     Summary {
         id: String,
         depth: u32,
+    },
+    /// A turn older than the fresh tail, masked to save room: its tool
+    /// output as a one-line stub, long call arguments cut
+    /// ([`crate::core::mask`]); `describe` gives it whole.
+    MaskedTurn {
+        seq: u64,
     },
     RollingState,
     /// A result the provider requires but the agent never recorded.
@@ -71,6 +80,10 @@ pub struct Assembled<M = ChatMessage> {
     /// the prompt where the newest would have been kept otherwise.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub chosen_by_relevance: Vec<Source>,
+    /// Summaries in context that were sent as what they cover (their
+    /// children, or their turns) because the budget had room for it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub expanded: Vec<String>,
 }
 
 const STUB_NOTE: &str = "no result was recorded for this tool call";
@@ -181,12 +194,39 @@ impl AssembledRef {
             over_budget: self.over_budget,
             left_out: self.left_out,
             chosen_by_relevance: self.chosen_by_relevance,
+            expanded: self.expanded,
         }
     }
 }
 
+/// Share of the budget (percent) that user turns summarized away may take
+/// back verbatim, newest first, each whole or not at all.
+pub const USER_TURNS_SHARE_PERCENT: u64 = 30;
+
 /// Assembles the context of a conversation, its turns' bodies read from
 /// `bodies` (and shared, not copied).
+///
+/// Three steps, each within the budget:
+///
+/// 1. The fresh tail, whole; then the older context items (tool groups,
+///    newest first, or with prompt-aware eviction the most relevant) at
+///    their most compact: summaries as they are, raw turns older than the
+///    fresh tail masked ([`mask`]: tool output as a one-line stub, long
+///    call arguments cut). A fresh tail over the whole budget has its own
+///    tool output masked, oldest first, until it fits. Then the rolling
+///    session state.
+/// 2. The room left goes back, in the reverse of the order things are
+///    compressed: the user's own words first (user turns under the
+///    summaries in context, verbatim, newest first, up to
+///    [`USER_TURNS_SHARE_PERCENT`] of the budget, never cut), then
+///    summaries of summaries opened into their children, then leaf
+///    summaries opened into their turns (masked), newest first, each only
+///    whole; then masked tool output restored, newest first.
+/// 3. Everything in conversation order, the rolling state first.
+///
+/// What a summary stands for is never sent twice: an opened summary is
+/// replaced by what it covers, and a user turn is sent after the summary
+/// that covers it.
 pub fn assemble_from(
     conv: &Conversation,
     bodies: &dyn TurnBodies,
@@ -210,11 +250,11 @@ pub fn assemble_from(
         (msg, t)
     });
 
-    // Units are tool groups: [start, end) with a boundary at both ends,
-    // newest first. The fresh tail is always taken whole; older units are
-    // taken newest first until one does not fit: it and everything older
-    // is left out (or, with prompt-aware eviction, the most relevant older
-    // units that fit are kept instead).
+    // Step 1. Units are tool groups: [start, end) with a boundary at both
+    // ends, newest first. The fresh tail is always taken whole; older
+    // units are taken newest first, at their compact cost, until one does
+    // not fit: it and everything older is left out (or, with prompt-aware
+    // eviction, the most relevant older units that fit are kept instead).
     let prompt = req.prompt.as_deref().filter(|p| !p.trim().is_empty());
     let aware = req.prompt_aware_eviction && prompt.is_some();
     let mut units: Vec<Unit> = Vec::new();
@@ -229,10 +269,25 @@ pub fn assemble_from(
         while start > 0 && !policy::is_boundary(conv, start) {
             start -= 1;
         }
-        let missing = missing_results(conv, bodies, start, end, end == n)?;
-        let mut t: u64 = (start..end).map(|i| conv.item(i).tokens()).sum();
-        t += missing.iter().map(|id| stub_tokens(enc, id)).sum::<u64>();
         let fresh = start >= tail;
+        let missing = missing_results(conv, bodies, start, end, end == n)?;
+        let mut slots = Vec::with_capacity(end - start + missing.len());
+        for i in start..end {
+            slots.push(match conv.context[i] {
+                ContextItem::Turn(seq) => turn_slot(conv, bodies, seq, !fresh)?,
+                ContextItem::Summary(k) => Slot::Summary {
+                    index: k,
+                    cost: conv.summaries[k as usize].tokens,
+                },
+            });
+        }
+        for call_id in missing {
+            slots.push(Slot::Stub {
+                cost: stub_tokens(enc, &call_id),
+                call_id,
+            });
+        }
+        let t: u64 = slots.iter().map(Slot::cost).sum();
         let fits = fresh || (!evicting && used + t <= budget);
         if !fits && !evicting {
             evicting = true;
@@ -253,8 +308,8 @@ pub fn assemble_from(
             start,
             end,
             tokens: t,
-            missing,
             fresh,
+            slots,
         });
         keep.push(fits);
         end = start;
@@ -283,49 +338,113 @@ pub fn assemble_from(
             chosen_by_relevance.reverse();
         }
     }
-    let mut messages = Vec::with_capacity(n + 1);
-    let mut sources = Vec::with_capacity(n + 1);
-    let mut left_out = Vec::new();
-    for (u, unit) in units.into_iter().enumerate() {
-        if !keep[u] {
-            for i in (unit.start..unit.end).rev() {
-                left_out.push(LeftOut {
-                    source: source_of(conv, conv.context[i]),
-                    tokens: conv.item(i).tokens(),
-                });
-            }
-            continue;
-        }
-        for call_id in unit.missing.into_iter().rev() {
-            messages.push(SentMessage::Built(Box::new(ChatMessage {
-                role: Role::Tool,
-                content: Some(Content::Text(STUB_NOTE.into())),
-                tool_calls: Vec::new(),
-                tool_call_id: Some(call_id.clone()),
-                name: None,
-            })));
-            sources.push(Source::MissingToolResult { call_id });
-        }
-        for i in (unit.start..unit.end).rev() {
-            let item = conv.context[i];
-            messages.push(render(conv, bodies, cfg, item, i >= tail)?);
-            sources.push(source_of(conv, item));
+    // What is left out, oldest first: the items never looked at, then the
+    // units that did not fit.
+    let mut left_out: Vec<LeftOut> = (0..left_end)
+        .map(|i| LeftOut {
+            source: source_of(conv, conv.context[i]),
+            tokens: conv.item(i).tokens(),
+        })
+        .collect();
+    let mut older: Vec<Slot> = Vec::new();
+    let mut fresh_slots: Vec<Slot> = Vec::new();
+    for (unit, kept) in units.into_iter().zip(keep).rev() {
+        if !kept {
+            left_out.extend((unit.start..unit.end).map(|i| LeftOut {
+                source: source_of(conv, conv.context[i]),
+                tokens: conv.item(i).tokens(),
+            }));
+        } else if unit.fresh {
+            fresh_slots.extend(unit.slots);
+        } else {
+            older.extend(unit.slots);
         }
     }
-    left_out.extend((0..left_end).rev().map(|i| LeftOut {
-        source: source_of(conv, conv.context[i]),
-        tokens: conv.item(i).tokens(),
-    }));
-    left_out.reverse();
+    // A fresh tail over the whole budget (a tool group of many results)
+    // has its tool output masked, oldest first, until it fits: better than
+    // a context the provider refuses. Over budget is then what even that
+    // cannot bring under it.
+    if fresh_tail_tokens + prompt_tokens > budget {
+        let saved = fit_fresh(
+            conv,
+            bodies,
+            &mut fresh_slots,
+            fresh_tail_tokens + prompt_tokens - budget,
+        )?;
+        fresh_tail_tokens -= saved;
+        used -= saved;
+    }
     let over_budget = fresh_tail_tokens + prompt_tokens > budget;
-    // The rolling state is the first thing to go when space is short.
-    if let Some((msg, t)) = rolling.filter(|(_, t)| used + t <= budget) {
-        messages.push(SentMessage::Built(Box::new(msg)));
-        sources.push(Source::RollingState);
+    // The rolling state comes before the room is given back: it is the
+    // handover in a few hundred characters.
+    let rolling = rolling.filter(|(_, t)| used + t <= budget);
+    if let Some((_, t)) = &rolling {
         used += t;
     }
-    messages.reverse();
-    sources.reverse();
+
+    // Step 2: give the room back.
+    let mut room = budget.saturating_sub(used);
+    let room_before = room;
+    let users = user_turns_back(conv, bodies, &older, budget, &mut room)?;
+    let mut expanded = Vec::new();
+    open_condensed(conv, &mut older, &mut room, &mut expanded);
+    open_leaves(conv, bodies, &users, &mut older, &mut room, &mut expanded)?;
+    unmask(&mut older, &mut room);
+    used = (used + room_before).saturating_sub(room);
+
+    // Step 3: in conversation order.
+    let mut messages = Vec::with_capacity(older.len() + fresh_slots.len() + users.len() + 1);
+    let mut sources = Vec::with_capacity(messages.capacity());
+    if let Some((msg, _)) = rolling {
+        messages.push(SentMessage::Built(Box::new(msg)));
+        sources.push(Source::RollingState);
+    }
+    for (slot, fresh) in older
+        .into_iter()
+        .map(|s| (s, false))
+        .chain(fresh_slots.into_iter().map(|s| (s, true)))
+    {
+        match slot {
+            Slot::Summary { index, .. } => {
+                let s = &conv.summaries[index as usize];
+                messages.push(render(
+                    conv,
+                    bodies,
+                    cfg,
+                    ContextItem::Summary(index),
+                    fresh,
+                )?);
+                sources.push(source_of(conv, ContextItem::Summary(index)));
+                for &seq in users.range(s.first_turn..=s.last_turn) {
+                    messages.push(render(conv, bodies, cfg, ContextItem::Turn(seq), false)?);
+                    sources.push(Source::Turn { seq });
+                }
+            }
+            Slot::Turn {
+                seq,
+                masked: Some((m, _)),
+                show_raw: false,
+                ..
+            } => {
+                messages.push(SentMessage::Built(m));
+                sources.push(Source::MaskedTurn { seq });
+            }
+            Slot::Turn { seq, .. } => {
+                messages.push(render(conv, bodies, cfg, ContextItem::Turn(seq), fresh)?);
+                sources.push(Source::Turn { seq });
+            }
+            Slot::Stub { call_id, .. } => {
+                messages.push(SentMessage::Built(Box::new(ChatMessage {
+                    role: Role::Tool,
+                    content: Some(Content::Text(STUB_NOTE.into())),
+                    tool_calls: Vec::new(),
+                    tool_call_id: Some(call_id.clone()),
+                    name: None,
+                })));
+                sources.push(Source::MissingToolResult { call_id });
+            }
+        }
+    }
     Ok(AssembledRef {
         messages,
         sources,
@@ -336,7 +455,311 @@ pub fn assemble_from(
         over_budget,
         left_out,
         chosen_by_relevance,
+        expanded,
     })
+}
+
+/// One piece of the assembled context, and what it costs.
+#[derive(Debug)]
+pub(crate) enum Slot {
+    Turn {
+        seq: u64,
+        raw: u64,
+        /// The masked rendering and its cost, when it is shorter.
+        masked: Option<(Box<ChatMessage>, u64)>,
+        show_raw: bool,
+    },
+    Summary {
+        index: u32,
+        cost: u64,
+    },
+    /// A result the provider requires but the agent never recorded.
+    Stub {
+        call_id: String,
+        cost: u64,
+    },
+}
+
+impl Slot {
+    fn cost(&self) -> u64 {
+        match self {
+            Slot::Turn {
+                masked: Some((_, c)),
+                show_raw: false,
+                ..
+            } => *c,
+            Slot::Turn { raw, .. } => *raw,
+            Slot::Summary { cost, .. } | Slot::Stub { cost, .. } => *cost,
+        }
+    }
+}
+
+/// Turn `seq` as a slot: masked when `maskable` and masking makes it
+/// shorter, else as assembly always sends it.
+fn turn_slot(
+    conv: &Conversation,
+    bodies: &dyn TurnBodies,
+    seq: u64,
+    maskable: bool,
+) -> Result<Slot, BodyError> {
+    let t = &conv.turns[seq as usize];
+    let raw = u64::from(t.context_tokens);
+    let plain = Slot::Turn {
+        seq,
+        raw,
+        masked: None,
+        show_raw: true,
+    };
+    if !maskable || t.large_payload || !mask::maskable(t.role, t.bytes as usize, true) {
+        return Ok(plain);
+    }
+    let body = bodies.turn_body(conv, seq)?;
+    Ok(match mask::masked(&body.message, seq) {
+        Some(m) => {
+            let cost = tokens::count_message(conv.encoding, &m);
+            if cost < raw {
+                Slot::Turn {
+                    seq,
+                    raw,
+                    masked: Some((Box::new(m), cost)),
+                    show_raw: false,
+                }
+            } else {
+                plain
+            }
+        }
+        None => plain,
+    })
+}
+
+/// The user turns under the summaries kept, newest first, that fit the
+/// room and [`USER_TURNS_SHARE_PERCENT`] of the budget (a turn that does
+/// not fit is skipped, never cut); demonstrations of another task are not
+/// the user's words.
+fn user_turns_back(
+    conv: &Conversation,
+    bodies: &dyn TurnBodies,
+    older: &[Slot],
+    budget: u64,
+    room: &mut u64,
+) -> Result<BTreeSet<u64>, BodyError> {
+    let mut users = BTreeSet::new();
+    let cap = budget * USER_TURNS_SHARE_PERCENT / 100;
+    let mut taken = 0u64;
+    // The user turns under the summaries kept, newest first.
+    let mut candidates: Vec<u64> = Vec::new();
+    for slot in older.iter().rev() {
+        let Slot::Summary { index, .. } = slot else {
+            continue;
+        };
+        let s = &conv.summaries[*index as usize];
+        for seq in (s.first_turn..=s.last_turn).rev() {
+            let Some(t) = conv.turns.get(seq as usize) else {
+                continue;
+            };
+            if t.role == Role::User && t.in_context && t.epoch == conv.epoch {
+                candidates.push(seq);
+            }
+        }
+    }
+    // The oldest request goes first: it states the task the rest of the
+    // conversation works on.
+    let first = candidates.iter().rev().copied().find(|&seq| {
+        bodies
+            .turn_body(conv, seq)
+            .is_ok_and(|b| !b.message.is_demonstration())
+    });
+    for seq in first.into_iter().chain(candidates) {
+        let cost = u64::from(conv.turns[seq as usize].context_tokens);
+        if users.contains(&seq) || taken + cost > cap || cost > *room {
+            continue;
+        }
+        if bodies.turn_body(conv, seq)?.message.is_demonstration() {
+            continue;
+        }
+        taken += cost;
+        *room -= cost;
+        users.insert(seq);
+    }
+    Ok(users)
+}
+
+/// Opens summaries of summaries into their children, newest first, while
+/// the children fit; stops at the first that does not.
+fn open_condensed(
+    conv: &Conversation,
+    older: &mut Vec<Slot>,
+    room: &mut u64,
+    expanded: &mut Vec<String>,
+) {
+    while let Some(pos) = older.iter().rposition(|s| {
+        matches!(s, Slot::Summary { index, .. }
+            if matches!(conv.summaries[*index as usize].covers, Covers::Summaries { .. }))
+    }) {
+        let Slot::Summary { index, cost } = older[pos] else {
+            return;
+        };
+        let s = &conv.summaries[index as usize];
+        let Covers::Summaries { ids } = &s.covers else {
+            return;
+        };
+        let children: Vec<Slot> = ids
+            .iter()
+            .filter_map(|id| conv.summary_index(id))
+            .map(|k| Slot::Summary {
+                index: k,
+                cost: conv.summaries[k as usize].tokens,
+            })
+            .collect();
+        let more: u64 = children.iter().map(Slot::cost).sum();
+        if children.is_empty() || more.saturating_sub(cost) > *room {
+            return;
+        }
+        *room = (*room + cost).saturating_sub(more);
+        expanded.push(s.id.clone());
+        older.splice(pos..=pos, children);
+    }
+}
+
+/// Opens leaf summaries into the turns they cover (masked, with stubs for
+/// results never recorded), newest first, while they fit; stops at the
+/// first that does not. User turns already sent after the summary are
+/// paid for.
+fn open_leaves(
+    conv: &Conversation,
+    bodies: &dyn TurnBodies,
+    users: &BTreeSet<u64>,
+    older: &mut Vec<Slot>,
+    room: &mut u64,
+    expanded: &mut Vec<String>,
+) -> Result<(), BodyError> {
+    let mut tried = older.len();
+    while let Some(pos) = older[..tried].iter().rposition(|s| {
+        matches!(s, Slot::Summary { index, .. }
+            if matches!(conv.summaries[*index as usize].covers, Covers::Turns { .. }))
+    }) {
+        tried = pos;
+        let Slot::Summary { index, cost } = older[pos] else {
+            return Ok(());
+        };
+        let s = &conv.summaries[index as usize];
+        let seqs: Vec<u64> = (s.first_turn..=s.last_turn)
+            .filter(|&q| {
+                conv.turns
+                    .get(q as usize)
+                    .is_some_and(|t| t.in_context && t.epoch == conv.epoch)
+            })
+            .collect();
+        // Already paid: the summary and the user turns sent after it.
+        let paid = cost
+            + users
+                .range(s.first_turn..=s.last_turn)
+                .map(|&q| u64::from(conv.turns[q as usize].context_tokens))
+                .sum::<u64>();
+        // A cheap bound first: even masked, a turn costs a few tokens.
+        if seqs.is_empty() || (seqs.len() as u64 * 4).saturating_sub(paid) > *room {
+            return Ok(());
+        }
+        let slots = span_slots(conv, bodies, &seqs)?;
+        let more: u64 = slots.iter().map(Slot::cost).sum();
+        if more.saturating_sub(paid) > *room {
+            return Ok(());
+        }
+        *room = (*room + paid).saturating_sub(more);
+        expanded.push(s.id.clone());
+        older.splice(pos..=pos, slots);
+    }
+    Ok(())
+}
+
+/// The slots of a run of turns (whole tool groups), masked where that is
+/// shorter, each group followed by stubs for the results it never got.
+fn span_slots(
+    conv: &Conversation,
+    bodies: &dyn TurnBodies,
+    seqs: &[u64],
+) -> Result<Vec<Slot>, BodyError> {
+    let mut slots = Vec::with_capacity(seqs.len());
+    let mut g = 0;
+    while g < seqs.len() {
+        let mut e = g + 1;
+        while e < seqs.len() && conv.turns[seqs[e] as usize].role == Role::Tool {
+            e += 1;
+        }
+        for &seq in &seqs[g..e] {
+            slots.push(turn_slot(conv, bodies, seq, true)?);
+        }
+        let head = &conv.turns[seqs[g] as usize];
+        if head.role == Role::Assistant && head.has_tool_calls() {
+            let answered = |call: u64| {
+                seqs[g + 1..e]
+                    .iter()
+                    .any(|&q| conv.turns[q as usize].result_for() == Some(call))
+            };
+            if !head.call_digests().iter().all(|&c| answered(c)) {
+                let body = bodies.turn_body(conv, seqs[g])?;
+                for call in &body.message.tool_calls {
+                    if !answered(crate::core::state::call_digest(&call.id)) {
+                        slots.push(Slot::Stub {
+                            cost: stub_tokens(conv.encoding, &call.id),
+                            call_id: call.id.clone(),
+                        });
+                    }
+                }
+            }
+        }
+        g = e;
+    }
+    Ok(slots)
+}
+
+/// Masks the fresh tail's tool output, oldest first, until `over` tokens
+/// are saved (or nothing more can be); returns the tokens saved.
+fn fit_fresh(
+    conv: &Conversation,
+    bodies: &dyn TurnBodies,
+    fresh: &mut [Slot],
+    over: u64,
+) -> Result<u64, BodyError> {
+    let mut saved = 0u64;
+    for slot in fresh.iter_mut() {
+        if saved >= over {
+            break;
+        }
+        let Slot::Turn { seq, .. } = *slot else {
+            continue;
+        };
+        if let masked @ Slot::Turn {
+            masked: Some(_),
+            show_raw: false,
+            ..
+        } = turn_slot(conv, bodies, seq, true)?
+        {
+            let before = slot.cost();
+            *slot = masked;
+            saved += before.saturating_sub(slot.cost());
+        }
+    }
+    Ok(saved)
+}
+
+/// Restores masked turns to their full text, newest first, while each
+/// fits.
+fn unmask(older: &mut [Slot], room: &mut u64) {
+    for slot in older.iter_mut().rev() {
+        if let Slot::Turn {
+            raw,
+            masked: Some((_, c)),
+            show_raw,
+            ..
+        } = slot
+        {
+            if !*show_raw && raw.saturating_sub(*c) <= *room {
+                *room -= raw.saturating_sub(*c);
+                *show_raw = true;
+            }
+        }
+    }
 }
 
 /// A tool group of the context: items `[start, end)`, sent or left out
@@ -344,10 +767,10 @@ pub fn assemble_from(
 pub(crate) struct Unit {
     pub start: usize,
     pub end: usize,
-    /// Its items' tokens, with the stubs for results never recorded.
+    /// Its items' compact cost, with the stubs for results never recorded.
     pub tokens: u64,
-    missing: Vec<String>,
     pub fresh: bool,
+    slots: Vec<Slot>,
 }
 
 /// Tokens of the stub result for `call_id`: exactly what `count_message`
@@ -637,7 +1060,10 @@ mod tests {
             ),
             turn(
                 1,
-                ChatMessage::text(Role::Assistant, "In src/main.rs, I think."),
+                ChatMessage::text(
+                    Role::Assistant,
+                    "In src/main.rs, I think, past the argument parsing. ".repeat(7),
+                ),
             ),
             turn(2, call),
             turn(3, result),
@@ -673,19 +1099,31 @@ mod tests {
         assert_eq!(fold(&mut state, &cfg, &summary).status, FoldStatus::Applied);
         let conv = &state.conversations["c:acct"];
         assert!(conv.turns[3].large_payload);
-        let out = assemble(conv, &cfg, &AssemblyRequest::default()).unwrap();
+        let sent = |out: &Assembled| -> u64 {
+            out.messages
+                .iter()
+                .map(|m| tokens::count_message(conv.encoding, m))
+                .sum()
+        };
+        // A budget of exactly the context: the summary is sent as it is.
+        let tight = AssemblyRequest {
+            budget: Some(conv.context.tokens()),
+            ..AssemblyRequest::default()
+        };
+        let out = assemble(conv, &cfg, &tight).unwrap();
         assert!(
             matches!(out.sources[0], Source::Summary { .. }),
             "{:?}",
             out.sources
         );
-        let sent: u64 = out
-            .messages
-            .iter()
-            .map(|m| tokens::count_message(conv.encoding, m))
-            .sum();
-        assert_eq!(out.tokens, sent);
+        assert_eq!(out.tokens, sent(&out));
         assert_eq!(out.tokens, conv.context.tokens());
+        // With room, the summary is opened into its turns: still counted
+        // as sent.
+        let out = assemble(conv, &cfg, &AssemblyRequest::default()).unwrap();
+        assert_eq!(out.expanded, vec![conv.summaries[0].id.clone()]);
+        assert_eq!(out.sources[0], Source::Turn { seq: 0 });
+        assert_eq!(out.tokens, sent(&out));
     }
 
     /// What does not fit is listed oldest first, tool groups included, and
@@ -863,5 +1301,70 @@ mod tests {
             name: None,
         };
         assert_eq!(stub_tokens(enc, id), tokens::count_message(enc, &stub));
+    }
+
+    /// A fresh tail larger than the whole budget (one tool group of three
+    /// long results) has its tool output masked, oldest first, until it
+    /// fits: the context stays within the budget, tool pairs intact, and
+    /// the newest result is the last to be masked.
+    #[test]
+    fn fresh_tail_over_the_budget_is_masked_until_it_fits() {
+        let cfg = PolicyConfig {
+            fresh_tail_count: 64,
+            ..PolicyConfig::default()
+        };
+        let mut state = State::default();
+        let mut n = 0u64;
+        let mut push = |state: &mut State, m: ChatMessage| {
+            assert_eq!(fold(state, &cfg, &turn(n, m)).status, FoldStatus::Applied);
+            n += 1;
+        };
+        push(
+            &mut state,
+            ChatMessage::text(Role::User, "List the tree, three times."),
+        );
+        let ids = ["call_a", "call_b", "call_c"];
+        let mut call = ChatMessage::text(Role::Assistant, "listing");
+        call.tool_calls = ids
+            .iter()
+            .map(|id| ToolCall {
+                id: (*id).into(),
+                kind: "function".into(),
+                function: FunctionCall {
+                    name: "find".into(),
+                    arguments: "{}".into(),
+                },
+            })
+            .collect();
+        push(&mut state, call);
+        for (k, id) in ids.iter().enumerate() {
+            let listing: String = (0..300)
+                .map(|i| format!("./src/module_{k}/file_{i}.rs\n"))
+                .collect();
+            let mut result = ChatMessage::text(Role::Tool, listing);
+            result.tool_call_id = Some((*id).into());
+            push(&mut state, result);
+        }
+        let conv = &state.conversations["c:acct"];
+        let raw: u64 = conv.context.tokens();
+        let one = u64::from(conv.turns[4].context_tokens);
+        // Room for the newest result raw, not for all three.
+        let budget = raw - one;
+        let req = AssemblyRequest {
+            budget: Some(budget),
+            ..AssemblyRequest::default()
+        };
+        let out = assemble(conv, &cfg, &req).unwrap();
+        assert!(!out.over_budget, "{:?}", out.sources);
+        assert!(out.tokens <= budget, "{} > {budget}", out.tokens);
+        check_tool_pairing(&out.messages).unwrap();
+        assert!(out.sources.contains(&Source::MaskedTurn { seq: 2 }));
+        assert!(out.sources.contains(&Source::Turn { seq: 4 }));
+        let sent: u64 = out
+            .messages
+            .iter()
+            .map(|m| tokens::count_message(conv.encoding, m))
+            .sum();
+        assert_eq!(out.tokens, sent);
     }
 }

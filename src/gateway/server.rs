@@ -231,7 +231,7 @@ impl Gateway {
     }
 }
 
-/// The router: every path to [`handle`].
+/// The router: every path to `handle`.
 pub fn router(gw: Arc<Gateway>) -> axum::Router {
     axum::Router::new()
         .fallback(handle)

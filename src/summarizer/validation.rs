@@ -20,6 +20,7 @@ use super::{
     CallOutcome, CallRecord, SummarizeError, Summarizer, SummarizerConfig, SummaryOutcome,
 };
 use crate::core::event::RollingState;
+use crate::core::fallback_summary::HandoverFacts;
 use crate::core::identifiers;
 use crate::core::summary::{IdentifierPolicy, RollingStateRequest, SourceItem, SummaryRequest};
 use crate::core::tokens::{count_text, Encoding};
@@ -104,6 +105,14 @@ pub enum Rejection {
     AgentVoice(String),
     /// An outcome (tests passed, a file updated) that no source shows.
     UnsupportedClaim(String),
+    /// It keeps fewer of what code can check (the user's requests, the
+    /// files changed) than the deterministic summary of the same sources:
+    /// a stored model summary is never worse than the fallback.
+    BelowDeterministic {
+        kept: usize,
+        deterministic: usize,
+        missing: Vec<String>,
+    },
 }
 
 impl Rejection {
@@ -123,6 +132,7 @@ impl Rejection {
             Rejection::Copy(_) => "copy",
             Rejection::AgentVoice(_) => "agent_voice",
             Rejection::UnsupportedClaim(_) => "unsupported_claim",
+            Rejection::BelowDeterministic { .. } => "below_deterministic",
         }
     }
 }
@@ -161,6 +171,20 @@ impl fmt::Display for Rejection {
             Rejection::UnsupportedClaim(m) => {
                 write!(f, "claims an outcome no source shows ({m})")
             }
+            Rejection::BelowDeterministic {
+                kept,
+                deterministic,
+                missing,
+            } => write!(
+                f,
+                "keeps {kept} of the user's requests and files changed, the deterministic summary {deterministic} (missing {})",
+                missing
+                    .iter()
+                    .take(3)
+                    .map(String::as_str)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
         }
     }
 }
@@ -551,6 +575,40 @@ pub fn check(
     Ok(text)
 }
 
+/// The bar a model's answer must reach: what the deterministic summary of
+/// the same sources keeps of the user's requests and the files changed.
+#[derive(Debug, Clone)]
+pub struct Floor {
+    facts: HandoverFacts,
+    deterministic: usize,
+}
+
+impl Floor {
+    /// The floor set by `deterministic`, a deterministic text written over
+    /// `sources`.
+    pub fn new(sources: &[SourceItem], deterministic: &str) -> Floor {
+        let facts = HandoverFacts::of(sources);
+        let deterministic = facts.kept_by(deterministic).0;
+        Floor {
+            facts,
+            deterministic,
+        }
+    }
+
+    /// Refuses `text` when it keeps fewer facts than the deterministic one.
+    pub fn check(&self, text: &str) -> Result<(), Rejection> {
+        let (kept, missing) = self.facts.kept_by(text);
+        if kept < self.deterministic {
+            return Err(Rejection::BelowDeterministic {
+                kept,
+                deterministic: self.deterministic,
+                missing,
+            });
+        }
+        Ok(())
+    }
+}
+
 /// Checks a rolling-state answer like a summary: no delimiters, reasoning
 /// tags, refusals, role prefixes, copies of one source or of the prompt
 /// (`prompt_text`), agent voice or outcomes the sources do not show.
@@ -603,7 +661,9 @@ pub fn check_rolling_state(
     if let Some(rejection) = find_unsupported(&req.sources, &text) {
         return Err(rejection);
     }
-    Ok(())
+    // Never below the deterministic state of the same turns.
+    let deterministic = crate::core::fallback_summary::rolling_state(req);
+    Floor::new(&req.sources, &prompts::format_rolling_state(&deterministic)).check(&text)
 }
 
 /// Identifiers of the request's sources (what the strict policy protects).
@@ -773,6 +833,7 @@ impl<S: Summarizer> EscalatingSummarizer<S> {
         &self,
         req: &SummaryRequest,
         against: &SummaryRequest,
+        floor: &Floor,
         calls: &mut Vec<CallRecord>,
     ) -> Result<Stage, SummarizeError> {
         match self.inner.summarize(req).await {
@@ -783,7 +844,8 @@ impl<S: Summarizer> EscalatingSummarizer<S> {
                     &outcome.draft.content,
                     encoding,
                     self.overage_factor,
-                );
+                )
+                .and_then(|text| floor.check(&text).map(|()| text));
                 match checked {
                     Ok(text) => {
                         outcome.draft.content = text;
@@ -838,6 +900,7 @@ impl<S: Summarizer> EscalatingSummarizer<S> {
         &self,
         req: &SummaryRequest,
         against: &SummaryRequest,
+        floor: &Floor,
         ids: &[String],
         mut outcome: SummaryOutcome,
         calls: &mut Vec<CallRecord>,
@@ -851,7 +914,7 @@ impl<S: Summarizer> EscalatingSummarizer<S> {
         // are then appended, never a reason to fail.
         // The retry passed `check` (a refusal does not); it replaces the
         // first draft only when it is better, a tie keeps the first.
-        if let Ok(Stage::Accepted(retried)) = self.attempt(&retry, against, calls).await {
+        if let Ok(Stage::Accepted(retried)) = self.attempt(&retry, against, floor, calls).await {
             if retry_is_better(ids, &outcome.draft.content, &retried.draft.content) {
                 outcome.draft = retried.draft;
             } else {
@@ -891,6 +954,10 @@ impl<S: Summarizer> Summarizer for EscalatingSummarizer<S> {
         let mut calls: Vec<CallRecord> = Vec::new();
         let mut why_fallback = String::new();
         let mut copied_previous = false;
+        // The deterministic summary of the same request: what a model's
+        // answer must at least keep, and the fallback when none does.
+        let fallback = DeterministicSummarizer::draft_off_runtime(req).await;
+        let floor = Floor::new(&req.sources, &fallback.content);
         for i in 0..2 {
             // What is validated: the stage's request with the previous
             // summary, whether or not it is sent.
@@ -910,15 +977,17 @@ impl<S: Summarizer> Summarizer for EscalatingSummarizer<S> {
             } else {
                 Cow::Borrowed(against.as_ref())
             };
-            let stage = match self.attempt(&stage_req, &against, &mut calls).await {
+            let stage = match self.attempt(&stage_req, &against, &floor, &mut calls).await {
                 Ok(stage) => stage,
                 Err(e) => return Err(e.prepend_calls(calls)),
             };
             match stage {
                 Stage::Accepted(outcome) => {
                     let mut outcome = if strict {
-                        self.keep_identifiers(&stage_req, &against, &ids, outcome, &mut calls)
-                            .await
+                        self.keep_identifiers(
+                            &stage_req, &against, &floor, &ids, outcome, &mut calls,
+                        )
+                        .await
                     } else {
                         outcome
                     };
@@ -944,7 +1013,7 @@ impl<S: Summarizer> Summarizer for EscalatingSummarizer<S> {
             "writing the deterministic fallback summary"
         );
         telemetry::Escalated { kind: "fallback" }.emit();
-        let mut draft = DeterministicSummarizer::draft_off_runtime(req).await;
+        let mut draft = fallback;
         // Written in a model's place: re-summarized when one answers again.
         draft.fallback = true;
         if strict {
@@ -1582,6 +1651,69 @@ mod tests {
                 out.draft.content
             );
         }
+    }
+
+    /// A model's answer that keeps fewer of the user's requests and files
+    /// changed than the deterministic summary of the same span is refused;
+    /// one that keeps as many is stored.
+    #[tokio::test]
+    async fn an_answer_below_the_deterministic_summary_is_refused() {
+        let turns = vec![
+            SourceItem {
+                label: "turn 1".into(),
+                role: Some(Role::User),
+                tool: None,
+                text: "Add an upsert for messages, keyed by session and uuid.".into(),
+                tokens: 600,
+                time: 0,
+            },
+            SourceItem {
+                label: "turn 2".into(),
+                role: Some(Role::Assistant),
+                tool: Some("Edit".into()),
+                text: "Now add the identity.\nEdit({\"file_path\":\"lib/spotter/message.ex\",\
+                       \"old_string\":\"end\",\"new_string\":\"identity :unique_session_uuid\\nend\"})"
+                    .into(),
+                tokens: 700,
+                time: 0,
+            },
+            SourceItem {
+                label: "turn 3".into(),
+                role: Some(Role::Tool),
+                tool: None,
+                text: "The file lib/spotter/message.ex has been updated successfully.".into(),
+                tokens: 700,
+                time: 0,
+            },
+        ];
+        let r = SummaryRequest {
+            sources: turns,
+            identifier_policy: IdentifierPolicy::Off,
+            ..req(SOURCE, 2000, 400)
+        };
+        let floor = Floor::new(&r.sources, &DeterministicSummarizer::draft(&r).content);
+        let vague = "The agent worked on the code as asked.";
+        assert!(matches!(
+            floor.check(vague),
+            Err(Rejection::BelowDeterministic {
+                kept: 0,
+                deterministic: 2,
+                ..
+            })
+        ));
+        let s = escalating(vec![
+            Ok("The agent worked on the code as asked."),
+            Ok(
+                "The user asked for an upsert of messages keyed by session and uuid; \
+                message.ex gained the identity.",
+            ),
+        ]);
+        let out = s.summarize(&r).await.unwrap();
+        assert!(!out.draft.fallback, "{}", out.draft.content);
+        assert!(out.draft.content.contains("message.ex"));
+        assert!(
+            matches!(out.calls[0].outcome, CallOutcome::Invalid(ref why) if why.contains("deterministic"))
+        );
     }
 
     #[tokio::test]

@@ -31,9 +31,13 @@ pub(super) fn render_within(
     None
 }
 
+/// The heading of the identifier list.
+pub(super) const IDS_HEADING: &str = "## Exact identifiers";
+
 pub(super) struct Chosen {
-    /// Per group: indices into its lines.
-    pub(super) lines: Vec<BTreeSet<usize>>,
+    /// Per group: indices into its lines, and whether the short form is
+    /// the one chosen.
+    pub(super) lines: Vec<BTreeMap<usize, bool>>,
     pub(super) ids: Vec<usize>,
 }
 
@@ -49,18 +53,28 @@ pub(super) fn render_once(
     }
     let room = budget - header_cost;
     let groups = notes.groups();
-    let costs: Vec<Vec<u64>> = groups
+    let costs: Vec<Vec<(u64, Option<u64>)>> = groups
         .iter()
-        .map(|g| g.lines.iter().map(|(_, l)| line_cost(l)).collect())
+        .map(|g| {
+            g.lines
+                .iter()
+                .map(|l| {
+                    (
+                        line_cost(&format!("- {}", l.text)),
+                        l.short.as_deref().map(|s| line_cost(&format!("- {s}"))),
+                    )
+                })
+                .collect()
+        })
         .collect();
     let id_costs: Vec<u64> = ids.iter().map(|id| line_cost(id)).collect();
-    let ids_heading = "## Exact identifiers";
+    let ids_heading = IDS_HEADING;
     let all_ids_cost: u64 = id_costs.iter().sum::<u64>() + line_cost(ids_heading);
     let reserve = all_ids_cost.min(room * IDENTIFIER_RESERVE_PERCENT / 100);
     let narrative_room = room - reserve;
 
     let mut chosen = Chosen {
-        lines: vec![BTreeSet::new(); groups.len()],
+        lines: vec![BTreeMap::new(); groups.len()],
         ids: Vec::new(),
     };
     let mut headings_paid: BTreeSet<SectionId> = BTreeSet::new();
@@ -75,6 +89,20 @@ pub(super) fn render_once(
             &mut chosen.lines[g],
             &mut headings_paid,
         );
+    }
+    // Then the rest of the narrative room, section by section in the
+    // groups' order of importance.
+    let mut left = narrative_room.saturating_sub(used);
+    for (g, group) in groups.iter().enumerate() {
+        let spent = fill_group(
+            group,
+            &costs[g],
+            left,
+            &mut chosen.lines[g],
+            &mut headings_paid,
+        );
+        left = left.saturating_sub(spent);
+        used += spent;
     }
     // Then the identifiers the narrative does not already quote.
     let narrative = render_text(header, &groups, &chosen, ids);
@@ -136,33 +164,46 @@ pub(super) fn render_once(
     Some(render_text(header, &groups, &chosen, ids))
 }
 
-/// Adds lines of `group` in its keep order while they fit `room`; returns
-/// the tokens spent (a section heading is paid by its first line).
+/// Adds lines of `group` in its keep order while they fit `room` (a line
+/// too long for it in its short form, when it has one); returns the tokens
+/// spent (a section heading is paid by its first line).
 pub(super) fn fill_group(
     group: &Group,
-    costs: &[u64],
+    costs: &[(u64, Option<u64>)],
     room: u64,
-    chosen: &mut BTreeSet<usize>,
+    chosen: &mut BTreeMap<usize, bool>,
     headings_paid: &mut BTreeSet<SectionId>,
 ) -> u64 {
     let heading_cost = line_cost(group.section.heading());
     let mut spent = 0u64;
     for i in keep_order(group.keep, group.lines.len()) {
-        if chosen.contains(&i) {
-            continue;
-        }
         let extra = if headings_paid.contains(&group.section) {
             0
         } else {
             heading_cost
         };
-        let cost = costs[i] + extra;
-        if spent + cost > room {
-            continue;
+        let (long, short) = costs[i];
+        match chosen.get(&i) {
+            // Taken short: the long form if the room has grown for it.
+            Some(true) => {
+                if spent + long.saturating_sub(short.unwrap_or(long)) <= room {
+                    spent += long.saturating_sub(short.unwrap_or(long));
+                    chosen.insert(i, false);
+                }
+                continue;
+            }
+            Some(false) => continue,
+            None => {}
         }
-        spent += cost;
-        headings_paid.insert(group.section);
-        chosen.insert(i);
+        if spent + long + extra <= room {
+            spent += long + extra;
+            headings_paid.insert(group.section);
+            chosen.insert(i, false);
+        } else if let Some(short) = short.filter(|s| spent + s + extra <= room) {
+            spent += short + extra;
+            headings_paid.insert(group.section);
+            chosen.insert(i, true);
+        }
     }
     spent
 }
@@ -193,38 +234,37 @@ pub(super) fn render_text(
     ids: &[String],
 ) -> String {
     let mut out = String::from(header);
-    let sections = [
-        SectionId::Asked,
-        SectionId::Done,
-        SectionId::Decisions,
-        SectionId::Open,
-        SectionId::Files,
-    ];
-    for section in sections {
+    for section in SectionId::ALL {
         // Lines of every group of this section, in source order.
         let mut lines: Vec<(usize, usize, &str)> = Vec::new();
         for (g, group) in groups.iter().enumerate() {
             if group.section != section {
                 continue;
             }
-            for &i in &chosen.lines[g] {
-                let (at, line) = &group.lines[i];
-                lines.push((*at, g, line.as_str()));
+            for (&i, &short) in &chosen.lines[g] {
+                let line = &group.lines[i];
+                let text = if short {
+                    line.short.as_deref().unwrap_or(&line.text)
+                } else {
+                    &line.text
+                };
+                lines.push((line.at, i, text));
             }
         }
         if lines.is_empty() {
             continue;
         }
-        lines.sort_by_key(|&(at, g, _)| (at, g));
+        lines.sort_by_key(|&(at, i, _)| (at, i));
         out.push('\n');
         out.push_str(section.heading());
         for (_, _, line) in lines {
-            out.push('\n');
+            out.push_str("\n- ");
             out.push_str(line);
         }
     }
     if !chosen.ids.is_empty() {
-        out.push_str("\n## Exact identifiers");
+        out.push('\n');
+        out.push_str(IDS_HEADING);
         for &i in &chosen.ids {
             out.push('\n');
             out.push_str(&ids[i]);

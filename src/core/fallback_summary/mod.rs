@@ -3,24 +3,33 @@
 //!
 //! No model, no clock, no randomness: the same request always gives the same
 //! text, so replays agree. It does not understand the conversation; it
-//! sorts what it can recognize into sections a reader (or a model that
-//! re-summarizes it later) can use:
+//! writes the handover an agent resuming the work needs, from what it can
+//! recognize (the `signals` module):
 //!
-//! - **Asked**: the user turns, condensed;
-//! - **Done**: assistant actions with their tool names, and tool results;
+//! - **Task (the user's words)**: each request, whole sentences;
+//! - **Files changed**: each file an edit, a write, a patch or a removal
+//!   touched, in which turns, and what changed (the agent's words for the
+//!   edit, the first line it added);
+//! - **Errors and fixes**: each failure (a tool's, or one the user pasted)
+//!   and the agent's words right after it;
 //! - **Decisions**: sentences that decide, choose or give a reason;
-//! - **Open items**: TODOs, next steps, errors, failing things;
-//! - **Files touched**: paths the assistant and its tools worked on;
-//! - **Exact identifiers**: every opaque identifier of the source that the
-//!   sections above do not already quote, as long as there is room.
+//! - **Done**: milestones (tests passing, commits, pushes, tasks closed,
+//!   actions such as a booking changed);
+//! - **Open** and **Next**: what is left, and the newest next step (or
+//!   the user's newest request when they spoke last);
+//! - **Exact identifiers**: identifiers the lines above do not quote,
+//!   ranked by use (changed or run, named by the user, mentioned more,
+//!   newer), as room allows.
 //!
-//! Size: it fits `target_tokens` (half of it when `aggressive`), measured with
-//! the real tokenizer, and is never larger than its source. When the source
-//! itself fits that size it is returned verbatim (nothing is lost); when not
-//! even the structure fits, a verbatim excerpt cut to size is returned.
-//! Condensed summaries merge their children's sections, line by line.
-//! Instructions and the previous summary are for models; this summarizer
-//! reads only the sources.
+//! No tool-call JSON, no code line as a finding, no sentence cut in the
+//! middle. Size: it fits `target_tokens` (half of it when `aggressive`),
+//! measured with the real tokenizer, and is never larger than its source.
+//! When the source itself fits that size it is returned verbatim (nothing
+//! is lost); when not even the structure fits, a verbatim excerpt cut to
+//! size is returned. Condensed summaries merge their children's sections
+//! (a file changed in several children is one line); only the newest
+//! child's next step is kept. Instructions and the previous summary are for
+//! models; this summarizer reads only the sources.
 //!
 //! Here: the request's budget, the identifier ranking and the header.
 //! `notes` gathers candidate lines per section, `children` reads a child
@@ -29,7 +38,7 @@
 
 use crate::core::event::RollingState;
 use crate::core::event::SummaryKind;
-use crate::core::identifiers::{self, IdentifierKind};
+use crate::core::identifiers;
 use crate::core::message::{Role, DEMONSTRATION_NAME};
 use crate::core::summary::{
     IdentifierPolicy, RollingStateRequest, SourceItem, SummaryDraft, SummaryRequest,
@@ -37,17 +46,19 @@ use crate::core::summary::{
 };
 use crate::core::tokens::{count_text, Encoding};
 use regex::Regex;
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::LazyLock;
 
 mod children;
 mod fit;
 mod notes;
 mod rolling;
+mod signals;
 
 use children::*;
 use fit::*;
 use notes::*;
+pub use notes::{is_listing_line, prefix_bytes};
 pub use rolling::rolling_state;
 
 /// What [`SummaryDraft::model`] says for this summarizer.
@@ -55,7 +66,7 @@ pub const MODEL: &str = "deterministic";
 /// What [`SummaryDraft::provider`] says for this summarizer.
 pub const PROVIDER: &str = "contextfold";
 /// Part of the summary id: change it whenever the output changes.
-pub const PROMPT_VERSION: &str = "det-3";
+pub const PROMPT_VERSION: &str = "det-4";
 
 /// Sizes are measured in this encoding whatever the conversation's model:
 /// the summary must be comparable with other summaries of any conversation.
@@ -67,13 +78,17 @@ const DEFAULT_TARGET_PERCENT: u64 = 12;
 
 /// At most this share of the room goes to the identifier list before the
 /// narrative sections have had theirs.
-const IDENTIFIER_RESERVE_PERCENT: u64 = 45;
+const IDENTIFIER_RESERVE_PERCENT: u64 = 30;
 
-/// Characters a condensed line keeps.
-const ASK_CHARS: usize = 280;
-const ACTION_CHARS: usize = 200;
+/// Characters a line keeps: a user request (whole sentences; a shorter
+/// form when room is short), an error line, a sentence, the agent's words
+/// after an error (how it met it), a command.
+const ASK_CHARS: usize = 400;
+const SHORT_ASK_CHARS: usize = 160;
 const RESULT_CHARS: usize = 160;
 const SENTENCE_CHARS: usize = 220;
+const FIX_CHARS: usize = 200;
+const COMMAND_CHARS: usize = 60;
 
 /// Sentence mining stops after this many bytes of one item: tool outputs can
 /// be whole files, and their first part says what they are.
@@ -144,18 +159,22 @@ fn write_summary(req: &SummaryRequest) -> String {
 /// The sources' identifiers, the ones that matter most first: what room
 /// there is goes to them (`render_once` lists in this order).
 ///
-/// Which matter: the ones the user named, then the ones the most sources
-/// mention (a path read, edited and tested; for a condensed summary, an
-/// identifier several children kept), then the newest (the work still
-/// open), then the longest: a full path first, so its suffixes (`main.ts`,
-/// `src/main.ts`) are already quoted by it and cost nothing. One mention in
-/// one tool output (a directory listing, a file's imports) comes last. A
-/// child summary lists its identifiers in this order already (its asks
-/// first), so among children the best place an identifier had decides, and
-/// on a tie the older child's: its first identifiers are the task the
-/// session started with, while newer work is still in newer summaries.
+/// Which matter, by use: the ones the work acted on (the arguments of a
+/// call that edits a file, runs a command or changes something), then the
+/// ones the user named, then the ones the most sources mention (a path
+/// read, edited and tested; for a condensed summary, an identifier several
+/// children kept), then the newest (the work still open), then the
+/// longest: a full path first, so its suffixes (`main.ts`, `src/main.ts`)
+/// are already quoted by it and cost nothing. A listing (a glob, `ls`,
+/// `find`, a search's hits) does not count as a mention: 34 theme files
+/// one glob printed are not what the work was about. A child summary
+/// lists its identifiers in this order already, so among children the
+/// best place an identifier had decides, and on a tie the older child's:
+/// its first identifiers are the task the session started with, while
+/// newer work is still in newer summaries.
 fn ranked_identifiers(sources: &[SourceItem]) -> Vec<String> {
     struct Seen {
+        acted_on: bool,
         by_user: bool,
         sources: u32,
         /// Best position in a child summary's own order (0 for turns).
@@ -164,21 +183,50 @@ fn ranked_identifiers(sources: &[SourceItem]) -> Vec<String> {
     }
     let mut order: Vec<String> = Vec::new();
     let mut seen: std::collections::HashMap<String, Seen> = std::collections::HashMap::new();
+    // Names of the calls whose results come next, in order.
+    let mut pending: std::collections::VecDeque<String> = Default::default();
     for (at, source) in sources.iter().enumerate() {
+        let mut acted: HashSet<String> = HashSet::new();
+        let mut listing = false;
+        match source.role {
+            Some(Role::Assistant) => {
+                let (_, calls) = signals::split_calls(&source.text, source.tool.as_deref());
+                pending.clear();
+                for call in &calls {
+                    if matches!(
+                        signals::classify_call(call),
+                        signals::CallKind::File { .. }
+                            | signals::CallKind::Shell(_)
+                            | signals::CallKind::Action
+                    ) {
+                        acted.extend(identifiers::extract(&call.arguments));
+                    }
+                    pending.push_back(call.name.clone());
+                }
+            }
+            Some(Role::Tool) => {
+                let name = pending.pop_front().or_else(|| source.tool.clone());
+                listing = name.is_some_and(|n| signals::is_listing_tool(&n));
+            }
+            _ => pending.clear(),
+        }
         let mut here: HashSet<String> = HashSet::new();
         for id in identifiers::extract(&source.text) {
             if !here.insert(id.clone()) {
                 continue;
             }
             let by_user = source.role == Some(Role::User);
+            let acted_on = acted.contains(&id);
             let child = source.role.is_none();
             let rank = if child { here.len() } else { 0 };
             // Recency and length order turns only (see above).
             let at = if child { 0 } else { at };
+            let mention = u32::from(!listing);
             match seen.get_mut(&id) {
                 Some(s) => {
+                    s.acted_on |= acted_on;
                     s.by_user |= by_user;
-                    s.sources += 1;
+                    s.sources += mention;
                     s.rank = s.rank.min(rank);
                     s.newest = at;
                 }
@@ -186,8 +234,9 @@ fn ranked_identifiers(sources: &[SourceItem]) -> Vec<String> {
                     seen.insert(
                         id.clone(),
                         Seen {
+                            acted_on,
                             by_user,
-                            sources: 1,
+                            sources: mention,
                             rank,
                             newest: at,
                         },
@@ -201,8 +250,9 @@ fn ranked_identifiers(sources: &[SourceItem]) -> Vec<String> {
     // sources always give the same list.
     order.sort_by(|a, b| {
         let (sa, sb) = (&seen[a], &seen[b]);
-        sb.by_user
-            .cmp(&sa.by_user)
+        sb.acted_on
+            .cmp(&sa.acted_on)
+            .then(sb.by_user.cmp(&sa.by_user))
             .then(sb.sources.cmp(&sa.sources))
             .then(sa.rank.cmp(&sb.rank))
             .then(sb.newest.cmp(&sa.newest))
@@ -213,6 +263,101 @@ fn ranked_identifiers(sources: &[SourceItem]) -> Vec<String> {
             })
     });
     order
+}
+
+/// What code can check a summary of some sources keeps, so that a model's
+/// summary can be held to at least what the deterministic one keeps: the
+/// user's requests (each as its content words) and the files changed
+/// (each by its name).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HandoverFacts {
+    pub requests: Vec<Vec<String>>,
+    pub files: Vec<String>,
+}
+
+impl HandoverFacts {
+    /// The facts of `sources` (turns, or child summaries when they are all
+    /// summaries).
+    pub fn of(sources: &[SourceItem]) -> HandoverFacts {
+        let notes = if !sources.is_empty() && sources.iter().all(|s| s.role.is_none()) {
+            Notes::from_children(sources)
+        } else {
+            Notes::from_turns(sources)
+        };
+        let mut files: Vec<String> = Vec::new();
+        for f in &notes.files {
+            // The path of a move is its destination.
+            let path = f.path.rsplit(" -> ").next().unwrap_or(&f.path);
+            let name = path.rsplit('/').next().unwrap_or(path).to_string();
+            if name.len() > 2 && !files.contains(&name) {
+                files.push(name);
+            }
+        }
+        let requests = notes
+            .task
+            .iter()
+            .map(|l| content_terms(strip_label(&l.text)))
+            .filter(|t| !t.is_empty())
+            .collect();
+        HandoverFacts { requests, files }
+    }
+
+    /// How many facts `text` keeps (a request when a third of its words
+    /// are there, a file when its name is), and the ones it misses.
+    pub fn kept_by(&self, text: &str) -> (usize, Vec<String>) {
+        let lower = text.to_lowercase();
+        let mut kept = 0;
+        let mut missing = Vec::new();
+        for terms in &self.requests {
+            let found = terms.iter().filter(|t| lower.contains(t.as_str())).count();
+            if found * 3 >= terms.len() {
+                kept += 1;
+            } else {
+                missing.push(format!(
+                    "the request \"{}…\"",
+                    terms[..terms.len().min(4)].join(" ")
+                ));
+            }
+        }
+        for name in &self.files {
+            if lower.contains(&name.to_lowercase()) {
+                kept += 1;
+            } else {
+                missing.push(format!("the file {name}"));
+            }
+        }
+        (kept, missing)
+    }
+}
+
+/// The words of a request that carry its meaning: its identifiers, and
+/// words of four letters or more that are not glue, lower-cased; at most
+/// 12.
+fn content_terms(text: &str) -> Vec<String> {
+    const GLUE: &[&str] = &[
+        "that", "this", "with", "from", "have", "what", "when", "then", "there", "they", "them",
+        "their", "would", "could", "should", "about", "into", "also", "just", "like", "want",
+        "need", "please", "make", "sure", "some", "more", "very", "only", "which", "will", "does",
+        "doing", "been", "were", "your", "here", "than", "each", "other",
+    ];
+    let mut out: Vec<String> = identifiers::extract(text)
+        .into_iter()
+        .map(|i| i.to_lowercase())
+        .collect();
+    for w in text
+        .to_lowercase()
+        .split(|c: char| !(c.is_alphanumeric() || c == '_'))
+    {
+        if w.chars().count() >= 4
+            && w.chars().all(char::is_alphabetic)
+            && !GLUE.contains(&w)
+            && !out.iter().any(|o| o == w)
+        {
+            out.push(w.to_string());
+        }
+    }
+    out.truncate(12);
+    out
 }
 
 fn header_line(req: &SummaryRequest, condensed: bool) -> String {
@@ -233,11 +378,7 @@ fn header_line(req: &SummaryRequest, condensed: bool) -> String {
     } else {
         "Summary".to_string()
     };
-    format!(
-        "{what} of {span} ({} items, {} tokens); deterministic fallback {PROMPT_VERSION}, to be re-summarized.",
-        req.sources.len(),
-        req.source_tokens()
-    )
+    format!("{what} of {span}; deterministic {PROMPT_VERSION}.")
 }
 
 #[cfg(test)]

@@ -1,6 +1,9 @@
-//! Candidate lines per section, read from turns or from child summaries:
-//! what was asked, done, decided and left open, and the files touched.
+//! The handover notes of a span, read from its turns: the task in the
+//! user's words, the files changed and what changed in each, errors and
+//! how they were met, decisions, milestones done, what is open, and the
+//! next step. Also the text helpers every part of the summarizer shares.
 
+use super::signals::*;
 use super::*;
 
 /// Which lines of a section to keep first when not all fit.
@@ -14,133 +17,406 @@ pub(super) enum Keep {
 
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
 pub(super) enum SectionId {
-    Asked,
-    Done,
-    Decisions,
-    Open,
+    Task,
+    Progress,
     Files,
+    Errors,
+    Decisions,
+    Done,
+    Open,
+    Next,
 }
 
 impl SectionId {
+    pub(super) const ALL: [SectionId; 8] = [
+        SectionId::Task,
+        SectionId::Progress,
+        SectionId::Files,
+        SectionId::Errors,
+        SectionId::Decisions,
+        SectionId::Done,
+        SectionId::Open,
+        SectionId::Next,
+    ];
+
     pub(super) fn heading(self) -> &'static str {
         match self {
-            SectionId::Asked => "## Asked",
-            SectionId::Done => "## Done",
+            SectionId::Task => "## Task (the user's words)",
+            SectionId::Progress => "## Progress",
+            SectionId::Files => "## Files changed",
+            SectionId::Errors => "## Errors and fixes",
             SectionId::Decisions => "## Decisions",
-            SectionId::Open => "## Open items",
-            SectionId::Files => "## Files touched",
+            SectionId::Done => "## Done",
+            SectionId::Open => "## Open",
+            SectionId::Next => "## Next",
         }
     }
 }
 
-/// One group of candidate lines (a section may have two: Done has actions
-/// and, kept after them, tool results).
+/// One candidate line: where in the sources it comes from (for order),
+/// its text (without the `- `), and a shorter form to fall back on.
+#[derive(Clone, Debug)]
+pub(super) struct Line {
+    pub(super) at: usize,
+    pub(super) text: String,
+    pub(super) short: Option<String>,
+}
+
+/// A file changed in the span: how, in which turns, and what changed.
+#[derive(Clone, Debug)]
+pub(super) struct FileEntry {
+    pub(super) path: String,
+    pub(super) verbs: Vec<String>,
+    pub(super) turns: Vec<String>,
+    pub(super) what: Vec<String>,
+    /// Position of its newest change, for ordering and keeping.
+    pub(super) at: usize,
+}
+
+impl FileEntry {
+    /// `path (edited in turns 3, 7): what; what`.
+    pub(super) fn render(&self, max_what: usize) -> String {
+        let mut out = self.path.clone();
+        if !self.verbs.is_empty() || !self.turns.is_empty() {
+            out.push_str(" (");
+            out.push_str(&self.verbs.join(", "));
+            if !self.turns.is_empty() {
+                if !self.verbs.is_empty() {
+                    out.push(' ');
+                }
+                out.push_str(&turn_list(&self.turns));
+            }
+            out.push(')');
+        }
+        let what: Vec<&str> = self
+            .what
+            .iter()
+            .rev()
+            .take(max_what)
+            .rev()
+            .map(String::as_str)
+            .collect();
+        if !what.is_empty() {
+            out.push_str(": ");
+            out.push_str(&what.join("; "));
+        }
+        out
+    }
+
+    pub(super) fn merge(&mut self, other: FileEntry) {
+        for v in other.verbs {
+            if !self.verbs.contains(&v) {
+                self.verbs.push(v);
+            }
+        }
+        for t in other.turns {
+            if !self.turns.contains(&t) {
+                self.turns.push(t);
+            }
+        }
+        for w in other.what {
+            if !self.what.contains(&w) {
+                self.what.push(w);
+            }
+        }
+        self.at = self.at.max(other.at);
+    }
+}
+
+/// `turn 3`, `turn 7` -> `in turns 3, 7` (the first two and the last when
+/// there are many).
+fn turn_list(labels: &[String]) -> String {
+    let nums: Vec<&str> = labels
+        .iter()
+        .map(|l| l.strip_prefix("turn ").unwrap_or(l))
+        .collect();
+    let shown: Vec<&str> = if nums.len() > 4 {
+        let mut v = nums[..2].to_vec();
+        v.push("…");
+        v.push(nums[nums.len() - 1]);
+        v
+    } else {
+        nums
+    };
+    if labels.len() == 1 {
+        format!("in turn {}", shown[0])
+    } else {
+        format!("in turns {}", shown.join(", "))
+    }
+}
+
+#[derive(Default)]
+pub(super) struct Notes {
+    pub(super) task: Vec<Line>,
+    pub(super) progress: Vec<Line>,
+    pub(super) files: Vec<FileEntry>,
+    pub(super) errors: Vec<Line>,
+    pub(super) decisions: Vec<Line>,
+    pub(super) done: Vec<Line>,
+    pub(super) open: Vec<Line>,
+    pub(super) next: Option<Line>,
+    /// Identifiers listed by child summaries, kept first.
+    pub(super) child_identifiers: Vec<String>,
+}
+
+/// One group of candidate lines for the fitter.
 pub(super) struct Group {
     pub(super) section: SectionId,
     pub(super) keep: Keep,
     /// Percent of the narrative room this group gets in the first pass.
     pub(super) share: u64,
-    /// (source position, line) in source order.
-    pub(super) lines: Vec<(usize, String)>,
-}
-
-#[derive(Default)]
-pub(super) struct Notes {
-    pub(super) asked: Vec<(usize, String)>,
-    pub(super) actions: Vec<(usize, String)>,
-    pub(super) results: Vec<(usize, String)>,
-    pub(super) decisions: Vec<(usize, String)>,
-    pub(super) open: Vec<(usize, String)>,
-    pub(super) files: Vec<(usize, String)>,
-    /// Identifiers listed by child summaries, kept first.
-    pub(super) child_identifiers: Vec<String>,
+    pub(super) lines: Vec<Line>,
 }
 
 impl Notes {
     pub(super) fn groups(&self) -> Vec<Group> {
+        let mut files: Vec<&FileEntry> = self.files.iter().collect();
+        files.sort_by_key(|f| f.at);
+        let files = files
+            .into_iter()
+            .map(|f| Line {
+                at: f.at,
+                text: f.render(2),
+                short: Some(f.render(0)),
+            })
+            .collect();
         vec![
             Group {
-                section: SectionId::Asked,
+                section: SectionId::Task,
                 keep: Keep::Ends,
                 share: 25,
-                lines: self.asked.clone(),
+                lines: self.task.clone(),
+            },
+            Group {
+                section: SectionId::Next,
+                keep: Keep::Newest,
+                share: 5,
+                lines: self.next.iter().cloned().collect(),
+            },
+            Group {
+                section: SectionId::Files,
+                keep: Keep::Newest,
+                share: 20,
+                lines: files,
             },
             Group {
                 section: SectionId::Done,
-                keep: Keep::Ends,
-                share: 25,
-                lines: self.actions.clone(),
+                keep: Keep::Newest,
+                share: 15,
+                lines: self.done.clone(),
+            },
+            Group {
+                section: SectionId::Errors,
+                keep: Keep::Newest,
+                share: 15,
+                lines: self.errors.clone(),
             },
             Group {
                 section: SectionId::Decisions,
                 keep: Keep::Newest,
-                share: 15,
+                share: 10,
                 lines: self.decisions.clone(),
+            },
+            Group {
+                section: SectionId::Progress,
+                keep: Keep::Ends,
+                share: 5,
+                lines: self.progress.clone(),
             },
             Group {
                 section: SectionId::Open,
                 keep: Keep::Newest,
-                share: 15,
+                share: 5,
                 lines: self.open.clone(),
             },
-            Group {
-                section: SectionId::Files,
-                keep: Keep::Ends,
-                share: 10,
-                lines: self.files.clone(),
-            },
-            Group {
-                section: SectionId::Done,
-                keep: Keep::Newest,
-                share: 10,
-                lines: self.results.clone(),
-            },
         ]
+    }
+
+    /// Adds a file change; a path that ends another (`reproduce.py`,
+    /// `/testbed/reproduce.py`) is the same file, named by the longer.
+    fn add_file(&mut self, mut entry: FileEntry) {
+        let same = |a: &str, b: &str| a == b || a.ends_with(&format!("/{b}"));
+        match self
+            .files
+            .iter_mut()
+            .find(|f| same(&f.path, &entry.path) || same(&entry.path, &f.path))
+        {
+            Some(f) => {
+                if entry.path.len() > f.path.len() {
+                    std::mem::swap(&mut f.path, &mut entry.path);
+                }
+                f.merge(entry)
+            }
+            None => self.files.push(entry),
+        }
     }
 
     pub(super) fn from_turns(sources: &[SourceItem]) -> Notes {
         let mut notes = Notes::default();
         let mut seen = Dedup::default();
-        let mut files_seen: HashSet<String> = HashSet::new();
+        // Calls of the newest assistant turn still waiting for results.
+        let mut pending: std::collections::VecDeque<Call> = Default::default();
+        // The newest error not yet followed by the agent's words.
+        let mut unanswered_error: Option<usize> = None;
+        // The newest intention of the agent, and the newest user request.
+        let mut intention: Option<Line> = None;
+        let mut last_ask: Option<(usize, String)> = None;
+        let mut last_question: Option<Line> = None;
         for (at, item) in sources.iter().enumerate() {
             let label = &item.label;
             let text = item.text.as_str();
             match item.role {
-                // Another task's example (its text is a note saying so): not
-                // what the user asked.
+                // Another task's example (its text is a note saying so).
                 Some(Role::User) if item.tool.as_deref() == Some(DEMONSTRATION_NAME) => {}
                 Some(Role::User) => {
-                    let ask = condense(text, ASK_CHARS);
-                    if !ask.is_empty() && seen.first(SectionId::Asked, &ask) {
-                        notes.asked.push((at, format!("- {label}: {ask}")));
+                    let words = prose(text);
+                    if !words.is_empty() {
+                        let long = sentences_up_to(&words, ASK_CHARS);
+                        let short = sentences_up_to(&words, SHORT_ASK_CHARS);
+                        if seen.first(SectionId::Task, &long) {
+                            notes.task.push(Line {
+                                at,
+                                text: format!("{label}: {long}"),
+                                short: (short != long).then(|| format!("{label}: {short}")),
+                            });
+                        }
+                        last_ask = Some((at, short));
+                        mine_decisions(&mut notes, &mut seen, at, label, &words);
                     }
-                    mine_sentences(&mut notes, &mut seen, at, label, text);
+                    // Output pasted or printed in the user's turn (an error
+                    // to fix, a tool's console): its errors and milestones.
+                    if let Some(error) = reported_error_line(text) {
+                        if seen.first(SectionId::Errors, &error) {
+                            notes.errors.push(Line {
+                                at,
+                                text: format!("{label}: reported {error}"),
+                                short: None,
+                            });
+                            unanswered_error = Some(notes.errors.len() - 1);
+                        }
+                    }
+                    for m in milestone_lines(text) {
+                        if seen.first(SectionId::Done, &m) {
+                            notes.done.push(Line {
+                                at,
+                                text: format!("{label}: {m}"),
+                                short: None,
+                            });
+                        }
+                    }
+                    for (path, verb) in reported_file_changes(text) {
+                        notes.add_file(file_entry(path, verb, label, None, at));
+                    }
+                    pending.clear();
                 }
                 Some(Role::Assistant) => {
-                    let action = condense(text, ACTION_CHARS);
-                    let line = match &item.tool {
-                        Some(tool) => format!("- {label}: called `{tool}`: {action}"),
-                        None if action.is_empty() => continue,
-                        None => format!("- {label}: {action}"),
-                    };
-                    let key = format!("{}{action}", item.tool.as_deref().unwrap_or(""));
-                    if seen.first(SectionId::Done, &key) {
-                        notes.actions.push((at, line));
+                    let (words, calls) = split_calls(text, item.tool.as_deref());
+                    let narration = prefix_bytes(words, MINED_BYTES);
+                    let first = first_sentence_of(narration);
+                    if let (Some(i), Some(_)) = (unanswered_error, &first) {
+                        let fix = sentences_up_to(&words_only(narration), FIX_CHARS);
+                        if !fix.is_empty() {
+                            let e = &mut notes.errors[i];
+                            e.short = Some(e.text.clone());
+                            e.text = format!("{} → {label}: {fix}", e.text);
+                            unanswered_error = None;
+                        }
                     }
-                    mine_sentences(&mut notes, &mut seen, at, label, text);
+                    mine_sentences(
+                        &mut notes,
+                        &mut seen,
+                        at,
+                        label,
+                        narration,
+                        &mut intention,
+                        &mut last_question,
+                    );
+                    for path in search_replace_paths(words) {
+                        notes.add_file(file_entry(path, "edited", label, first.clone(), at));
+                    }
+                    pending.clear();
+                    for call in calls {
+                        match classify_call(&call) {
+                            CallKind::File { path, verb } => {
+                                let what = first.clone().or_else(|| change_of(&call));
+                                let mut entry = file_entry(path, verb, label, what, at);
+                                if let Some(change) = change_of(&call) {
+                                    if !entry.what.contains(&change) {
+                                        entry.what.push(change);
+                                    }
+                                }
+                                notes.add_file(entry);
+                            }
+                            CallKind::Shell(command) => {
+                                for (path, verb) in shell_file_changes(&command) {
+                                    notes.add_file(file_entry(path, verb, label, None, at));
+                                }
+                            }
+                            CallKind::Action => {
+                                let line = action_line(&call);
+                                if seen.first(SectionId::Done, &line) {
+                                    notes.done.push(Line {
+                                        at,
+                                        text: format!("{label}: {line}"),
+                                        short: None,
+                                    });
+                                }
+                            }
+                            CallKind::Thought(thought) => mine_sentences(
+                                &mut notes,
+                                &mut seen,
+                                at,
+                                label,
+                                &thought,
+                                &mut intention,
+                                &mut last_question,
+                            ),
+                            CallKind::Read => {}
+                        }
+                        pending.push_back(call);
+                    }
                 }
                 Some(Role::Tool) => {
-                    let tool = item.tool.as_deref().unwrap_or("tool");
-                    let head = first_meaningful_line(text, RESULT_CHARS);
-                    if !head.is_empty() {
-                        notes
-                            .results
-                            .push((at, format!("- {label}: `{tool}` returned: {head}")));
+                    let call = pending.pop_front();
+                    let edit_call = matches!(
+                        call.as_ref().map(classify_call),
+                        Some(CallKind::File { .. })
+                    );
+                    let what = match call.as_ref().map(classify_call) {
+                        Some(CallKind::Shell(command)) => {
+                            format!("`{}`", clip_words(&command, COMMAND_CHARS))
+                        }
+                        _ => format!(
+                            "`{}`",
+                            call.as_ref()
+                                .map(|c| c.name.as_str())
+                                .or(item.tool.as_deref())
+                                .unwrap_or("tool")
+                        ),
+                    };
+                    if let Some(error) = error_line(text) {
+                        if seen.first(SectionId::Errors, &error) {
+                            notes.errors.push(Line {
+                                at,
+                                text: format!("{label}: {what} failed: {error}"),
+                                short: Some(format!("{label}: {error}")),
+                            });
+                            unanswered_error = Some(notes.errors.len() - 1);
+                        }
                     }
-                    if let Some(error) = first_error_line(text) {
-                        let line = format!("- {label}: `{tool}` reported: {error}");
-                        if seen.first(SectionId::Open, &error) {
-                            notes.open.push((at, line));
+                    for m in milestone_lines(text) {
+                        if seen.first(SectionId::Done, &m) {
+                            notes.done.push(Line {
+                                at,
+                                text: format!("{label}: {m}"),
+                                short: None,
+                            });
+                        }
+                    }
+                    // A result confirming its own call's edit adds nothing.
+                    if !edit_call {
+                        for (path, verb) in reported_file_changes(text) {
+                            notes.add_file(file_entry(path, verb, label, None, at));
                         }
                     }
                 }
@@ -149,17 +425,28 @@ impl Notes {
                 Some(Role::System) => {}
                 None => {
                     let child = parse_child(text);
-                    notes.absorb_child(at, child, &mut seen, &mut files_seen);
-                    continue;
+                    notes.absorb_child(at, child, &mut seen);
                 }
             }
-            if matches!(item.role, Some(Role::Assistant) | Some(Role::Tool)) {
-                for id in identifiers::extract_with_kinds(text) {
-                    if id.kind == IdentifierKind::Path && files_seen.insert(id.text.clone()) {
-                        notes.files.push((at, format!("- {}", id.text)));
-                    }
-                }
+        }
+        // The next step: the agent's newest intention, unless the user
+        // spoke after it (then it is to answer them), or its newest
+        // question to the user.
+        let newest_intention =
+            intention.filter(|i| last_ask.as_ref().is_none_or(|(a, _)| i.at > *a));
+        notes.next = match (newest_intention, last_ask) {
+            (Some(i), _) => Some(i),
+            (None, Some((at, ask))) if sources.len() - at <= 2 || last_question.is_none() => {
+                Some(Line {
+                    at,
+                    text: format!("{}: answer the user: {ask}", sources[at].label),
+                    short: None,
+                })
             }
+            _ => None,
+        };
+        if let Some(q) = last_question.filter(|q| notes.next.as_ref().is_none_or(|n| q.at > n.at)) {
+            notes.open.push(q);
         }
         notes
     }
@@ -167,50 +454,168 @@ impl Notes {
     pub(super) fn from_children(sources: &[SourceItem]) -> Notes {
         let mut notes = Notes::default();
         let mut seen = Dedup::default();
-        let mut files_seen: HashSet<String> = HashSet::new();
         for (at, item) in sources.iter().enumerate() {
             let child = parse_child(&item.text);
-            notes.absorb_child(at, child, &mut seen, &mut files_seen);
+            notes.absorb_child(at, child, &mut seen);
         }
         notes
     }
 
-    pub(super) fn absorb_child(
-        &mut self,
-        at: usize,
-        child: ChildSections,
-        seen: &mut Dedup,
-        files_seen: &mut HashSet<String>,
-    ) {
-        for line in child.asked {
-            if seen.first(SectionId::Asked, strip_label(&line)) {
-                self.asked.push((at, format!("- {line}")));
+    pub(super) fn absorb_child(&mut self, at: usize, child: ChildSections, seen: &mut Dedup) {
+        let mut add = |section: SectionId, lines: Vec<String>, into: &mut Vec<Line>| {
+            for line in lines {
+                if seen.first(section, strip_label(&line)) {
+                    into.push(Line {
+                        at,
+                        text: line,
+                        short: None,
+                    });
+                }
             }
+        };
+        add(SectionId::Task, child.task, &mut self.task);
+        add(SectionId::Progress, child.progress, &mut self.progress);
+        add(SectionId::Errors, child.errors, &mut self.errors);
+        add(SectionId::Decisions, child.decisions, &mut self.decisions);
+        add(SectionId::Done, child.done, &mut self.done);
+        add(SectionId::Open, child.open, &mut self.open);
+        for mut f in child.files {
+            f.at = at;
+            self.add_file(f);
         }
-        for line in child.done {
-            if seen.first(SectionId::Done, strip_label(&line)) {
-                self.actions.push((at, format!("- {line}")));
-            }
-        }
-        for line in child.decisions {
-            if seen.first(SectionId::Decisions, strip_label(&line)) {
-                self.decisions.push((at, format!("- {line}")));
-            }
-        }
-        for line in child.open {
-            if seen.first(SectionId::Open, strip_label(&line)) {
-                self.open.push((at, format!("- {line}")));
-            }
-        }
-        for file in child.files {
-            if files_seen.insert(file.clone()) {
-                self.files.push((at, format!("- {file}")));
-            }
-        }
+        // A child's next step was taken long ago (its span is history
+        // now): not carried into a condensed summary.
+        let _ = child.next;
         for id in child.identifiers {
             if !self.child_identifiers.contains(&id) {
                 self.child_identifiers.push(id);
             }
+        }
+    }
+}
+
+fn file_entry(path: String, verb: &str, label: &str, what: Option<String>, at: usize) -> FileEntry {
+    FileEntry {
+        path,
+        verbs: vec![verb.to_string()],
+        turns: vec![label.to_string()],
+        what: what.into_iter().collect(),
+        at,
+    }
+}
+
+/// `name(key=value, ...)` for a call that changes something other than a
+/// file: short scalar arguments only, never the JSON.
+fn action_line(call: &Call) -> String {
+    let args: Option<serde_json::Value> = serde_json::from_str(&call.arguments).ok();
+    let mut parts: Vec<String> = Vec::new();
+    if let Some(obj) = args.as_ref().and_then(|a| a.as_object()) {
+        for (k, v) in obj {
+            let shown = match v {
+                serde_json::Value::String(s) if s.chars().count() <= 40 => s.clone(),
+                serde_json::Value::Number(n) => n.to_string(),
+                serde_json::Value::Bool(b) => b.to_string(),
+                serde_json::Value::Array(items) => format!("[{} items]", items.len()),
+                _ => continue,
+            };
+            parts.push(format!("{k}={shown}"));
+            if parts.len() == 4 {
+                break;
+            }
+        }
+    }
+    format!("called `{}`({})", call.name, parts.join(", "))
+}
+
+/// The first sentence of an agent's words that is prose, whole (up to
+/// [`SENTENCE_CHARS`]).
+pub(super) fn first_sentence_of(text: &str) -> Option<String> {
+    sentences(&words_only(text))
+        .into_iter()
+        .find(|s| s.len() >= 12 && !looks_like_code(s))
+        .map(|s| sentences_up_to(s, SENTENCE_CHARS))
+}
+
+/// An agent's words without code blocks and SEARCH/REPLACE blocks.
+pub(super) fn words_only(text: &str) -> String {
+    let mut out = String::new();
+    let mut in_fence = false;
+    for line in text.lines() {
+        let t = line.trim_start();
+        if t.starts_with("```") {
+            in_fence = !in_fence;
+            continue;
+        }
+        if in_fence || t.starts_with("<<<<<<<") || t.starts_with(">>>>>>>") || t == "=======" {
+            continue;
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}
+
+/// Decisions among the sentences of a user turn.
+fn mine_decisions(notes: &mut Notes, seen: &mut Dedup, at: usize, label: &str, text: &str) {
+    for sentence in sentences(text) {
+        if sentence.len() < 12 || sentence.ends_with('?') || looks_like_code(sentence) {
+            continue;
+        }
+        if is_decision(sentence) {
+            let s = sentences_up_to(sentence, SENTENCE_CHARS);
+            if seen.first(SectionId::Decisions, &s) {
+                notes.decisions.push(Line {
+                    at,
+                    text: format!("{label}: {s}"),
+                    short: None,
+                });
+            }
+        }
+    }
+}
+
+/// Decisions, milestones claimed, open items, intentions and questions
+/// among the sentences of the agent's words.
+fn mine_sentences(
+    notes: &mut Notes,
+    seen: &mut Dedup,
+    at: usize,
+    label: &str,
+    text: &str,
+    intention: &mut Option<Line>,
+    question: &mut Option<Line>,
+) {
+    let words = words_only(text);
+    for sentence in sentences(&words) {
+        if sentence.len() < 12 || looks_like_code(sentence) {
+            continue;
+        }
+        let s = sentences_up_to(sentence, SENTENCE_CHARS);
+        let line = Line {
+            at,
+            text: format!("{label}: {s}"),
+            short: None,
+        };
+        if sentence.ends_with('?') {
+            *question = Some(line);
+            continue;
+        }
+        if is_intention(sentence) {
+            *intention = Some(line);
+        } else if claims_milestone(sentence) {
+            if seen.first(SectionId::Done, &s) {
+                notes.done.push(line);
+            }
+        } else if is_diagnosis(sentence) {
+            if seen.first(SectionId::Errors, &s) {
+                notes.errors.push(line);
+            }
+        } else if is_decision(sentence) {
+            if seen.first(SectionId::Decisions, &s) {
+                notes.decisions.push(line);
+            }
+        } else if is_open(sentence) && seen.first(SectionId::Open, &s) {
+            notes.open.push(line);
         }
     }
 }
@@ -245,17 +650,7 @@ pub(super) fn strip_label(line: &str) -> &str {
 
 pub(super) static DECISION: LazyLock<Regex> = LazyLock::new(|| {
     regex_or_bug(
-        r"(?i)\b(?:decid(?:e|ed|es|ing)|decision|chose|choose|chosen|opt(?:ed|ing)? (?:for|to)|will use|we'll use|i'll use|going to use|instead|because|rather than|prefer(?:red|s)?|switch(?:ed|ing)? to|settled on|agreed|the plan is|approach is|we will|let's go with|go with)\b",
-    )
-});
-pub(super) static OPEN_ITEM: LazyLock<Regex> = LazyLock::new(|| {
-    regex_or_bug(
-        r"(?i)\b(?:todo|fixme|next steps?|still (?:need|needs|to|failing|broken)|remaining|blocker|blocked|failing|fails|failed|error|unresolved|not yet|pending|open question|need to|needs to|has to be|follow[- ]up|tbd|wip|doesn't work|does not work|broken)\b",
-    )
-});
-pub(super) static ERROR_LINE: LazyLock<Regex> = LazyLock::new(|| {
-    regex_or_bug(
-        r"(?i)\b(?:error|exception|traceback|failed|failure|panicked|fatal|denied|not found|no such|cannot|could not|unable to)\b",
+        r"(?i)\b(?:decid(?:e|ed|es|ing)|decision|chose|choose|chosen|opt(?:ed|ing)? (?:for|to)|will use|we'll use|i'll use|going to use|instead|rather than|prefer(?:red|s)?|switch(?:ed|ing)? to|settled on|agreed|the plan is|approach is|we will|let's go with|go with|should (?:be|use|go|live|stay)|must not|don't want|do not want|i want|we want|only want)\b",
     )
 });
 
@@ -267,40 +662,13 @@ pub(super) fn regex_or_bug(pattern: &str) -> Regex {
     }
 }
 
-/// Decisions and open items among the sentences of a user or assistant turn.
-pub(super) fn mine_sentences(
-    notes: &mut Notes,
-    seen: &mut Dedup,
-    at: usize,
-    label: &str,
-    text: &str,
-) {
-    let head = prefix_bytes(text, MINED_BYTES);
-    for sentence in sentences(head) {
-        // A question decides nothing and leaves the answer open elsewhere.
-        if sentence.len() < 12 || sentence.ends_with('?') || looks_like_code(sentence) {
-            continue;
-        }
-        if DECISION.is_match(sentence) {
-            let s = condense(sentence, SENTENCE_CHARS);
-            if seen.first(SectionId::Decisions, &s) {
-                notes.decisions.push((at, format!("- {label}: {s}")));
-            }
-        } else if OPEN_ITEM.is_match(sentence) {
-            let s = condense(sentence, SENTENCE_CHARS);
-            if seen.first(SectionId::Open, &s) {
-                notes.open.push((at, format!("- {label}: {s}")));
-            }
-        }
-    }
-}
-
 /// A line of a file listing (`1480:     except ValueError as error:`) or of
 /// code: it mentions errors without reporting one.
-pub(super) fn is_listing_line(line: &str) -> bool {
+pub fn is_listing_line(line: &str) -> bool {
     let trimmed = line.trim_start();
     let digits = trimmed.bytes().take_while(u8::is_ascii_digit).count();
-    (digits > 0 && trimmed[digits..].starts_with(':')) || looks_like_code(trimmed)
+    (digits > 0 && (trimmed[digits..].starts_with(':') || trimmed[digits..].starts_with('→')))
+        || looks_like_code(trimmed)
 }
 
 pub(super) fn looks_like_code(sentence: &str) -> bool {
@@ -340,29 +708,8 @@ pub(super) fn sentences(text: &str) -> Vec<&str> {
     out
 }
 
-/// The first line of a tool result that says something (not blank, not a
-/// lone bracket), condensed.
-pub(super) fn first_meaningful_line(text: &str, max_chars: usize) -> String {
-    let head = prefix_bytes(text, MINED_BYTES);
-    for line in head.lines() {
-        let trimmed = line.trim();
-        if trimmed.chars().filter(|c| c.is_alphanumeric()).count() >= 3 {
-            return condense(trimmed, max_chars);
-        }
-    }
-    String::new()
-}
-
-pub(super) fn first_error_line(text: &str) -> Option<String> {
-    let head = prefix_bytes(text, MINED_BYTES);
-    head.lines()
-        .find(|line| ERROR_LINE.is_match(line) && !is_listing_line(line))
-        .map(|line| condense(line.trim(), RESULT_CHARS))
-        .filter(|line| !line.is_empty())
-}
-
 /// At most `max` bytes of `text`, cut on a char boundary.
-pub(super) fn prefix_bytes(text: &str, max: usize) -> &str {
+pub fn prefix_bytes(text: &str, max: usize) -> &str {
     if text.len() <= max {
         return text;
     }

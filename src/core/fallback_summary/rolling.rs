@@ -1,112 +1,105 @@
-//! The rolling session state written without a model: newest facts
-//! first in each section, cut to the section and state limits.
+//! The rolling session state written without a model: the handover of
+//! [`Notes`] in five short lines, updated rather than rewritten.
+//!
+//! - **Completed**: milestones of the new turns (tests passing, commits,
+//!   pushes, tasks closed, actions), then files changed, then what the
+//!   previous state had;
+//! - **In progress**: the user's newest request in their words (the
+//!   previous one stays while the new turns bring none);
+//! - **Decisions**: the new ones, then the previous ones;
+//! - **Blockers**: errors of the new turns the agent has not yet answered;
+//!   the previous blockers only while the new turns show no progress;
+//! - **Next**: the newest next step of the new turns, or the question the
+//!   agent asked; never an older one once the conversation moved on.
+//!
+//! Items are whole: a section is cut between items (`; `), and only an
+//! item longer than the whole section is cut, at a word, with `…`.
 
 use super::*;
 
-pub(super) static COMPLETED: LazyLock<Regex> = LazyLock::new(|| {
-    regex_or_bug(
-        r"(?i)\b(?:done|completed?|fixed|added|implemented|created|updated|passed|passing|merged|booked|cancell?ed|resolved|wrote|written|finished|removed|renamed|refactored|installed|deployed|confirmed|succeeded|works now)\b",
-    )
-});
-pub(super) static NEXT: LazyLock<Regex> = LazyLock::new(|| {
-    regex_or_bug(
-        r"(?i)\b(?:todo|next|then|still need|need to|needs to|will|going to|plan to|should|remaining|follow[- ]up)\b",
-    )
-});
-pub(super) static BLOCKER: LazyLock<Regex> = LazyLock::new(|| {
-    regex_or_bug(
-        r"(?i)\b(?:blocked|blocker|error|exception|traceback|failing|fails|failed|failure|panicked|cannot|can't|could not|unable to|denied|not found|broken|doesn't work|does not work)\b",
-    )
-});
-
 /// Refreshes the rolling session state from the turns since the last one.
-///
-/// Newest facts first in each section; the previous state's entries follow
-/// (blockers and next steps are carried only when the new turns say nothing
-/// of them). Sections are cut to [`ROLLING_SECTION_MAX_CHARS`] and the whole
-/// to [`ROLLING_STATE_MAX_CHARS`], on character boundaries.
 pub fn rolling_state(req: &RollingStateRequest) -> RollingState {
-    let mut completed: Vec<String> = Vec::new();
-    let mut decisions: Vec<String> = Vec::new();
-    let mut blockers: Vec<String> = Vec::new();
-    let mut next: Vec<String> = Vec::new();
-    let mut last_ask: Option<String> = None;
-    let mut last_action: Option<String> = None;
-
-    for item in req.sources.iter().rev() {
-        let text = prefix_bytes(&item.text, MINED_BYTES);
-        match item.role {
-            Some(Role::User) => {
-                last_ask = last_ask.or_else(|| Some(condense(text, 120)).filter(|a| !a.is_empty()));
-            }
-            Some(Role::Assistant) => {
-                if last_action.is_none() {
-                    last_action = match &item.tool {
-                        Some(tool) => Some(format!("`{tool}`")),
-                        None => first_sentence(text),
-                    };
-                }
-                if let Some(tool) = &item.tool {
-                    completed.push(format!("ran `{tool}`"));
-                }
-            }
-            Some(Role::Tool) => {
-                if let Some(error) = first_error_line(text) {
-                    let tool = item.tool.as_deref().unwrap_or("tool");
-                    blockers.push(format!("`{tool}`: {}", condense(&error, 90)));
-                }
-                continue;
-            }
-            Some(Role::System) => continue,
-            None => {}
-        }
-        for sentence in sentences(text) {
-            if sentence.len() < 8 || looks_like_code(sentence) {
-                continue;
-            }
-            let s = condense(sentence, 90);
-            if DECISION.is_match(sentence) {
-                decisions.push(s);
-            } else if BLOCKER.is_match(sentence) {
-                blockers.push(s);
-            } else if NEXT.is_match(sentence) && item.role != Some(Role::User) {
-                next.push(s);
-            } else if COMPLETED.is_match(sentence) && item.role != Some(Role::User) {
-                completed.push(s);
-            }
-        }
-    }
-
+    let notes = Notes::from_turns(&req.sources);
     let previous = req.previous.clone().unwrap_or_default();
-    let in_progress = match (last_ask, last_action) {
-        (Some(ask), Some(action)) => format!("{ask} (last step: {action})"),
-        (Some(ask), None) => ask,
-        (None, Some(action)) => action,
-        (None, None) => previous.in_progress.clone(),
-    };
-    let carry = |mut new: Vec<String>, old: &str, always: bool| -> String {
-        dedup_keep_first(&mut new);
-        let mut joined = new.join("; ");
-        if (always || new.is_empty()) && !old.is_empty() {
-            if !joined.is_empty() {
-                joined.push_str("; ");
-            }
-            joined.push_str(old);
+    let unlabel = |l: &Line| strip_label(&l.text).to_string();
+
+    let mut completed: Vec<String> = notes.done.iter().rev().map(unlabel).collect();
+    let mut files: Vec<&FileEntry> = notes.files.iter().collect();
+    files.sort_by_key(|f| std::cmp::Reverse(f.at));
+    if !files.is_empty() {
+        let names: Vec<String> = files
+            .iter()
+            .take(6)
+            .map(|f| format!("{} {}", f.verbs.join("/"), short_path(&f.path)))
+            .collect();
+        completed.push(names.join(", "));
+    }
+    completed.extend(items_of(&previous.completed));
+
+    let ask = notes
+        .task
+        .last()
+        .map(|l| strip_label(l.short.as_deref().unwrap_or(&l.text)).to_string());
+    let in_progress = match ask {
+        Some(ask) if ask.chars().count() < 60 => {
+            // The request it continues, in its first sentence: the task
+            // must not fall off when the newest words are "go on".
+            let earlier = items_of(&previous.in_progress)
+                .into_iter()
+                .map(|i| i.trim_start_matches("earlier: ").to_string())
+                .find(|i| *i != ask)
+                .map(|i| signals::sentences_up_to(&i, 100));
+            let mut v = vec![ask];
+            v.extend(earlier.map(|e| format!("earlier: {e}")));
+            v
         }
-        joined
+        Some(ask) => vec![ask],
+        None => items_of(&previous.in_progress),
     };
-    let sections = [
-        carry(completed, &previous.completed, true),
-        in_progress,
-        carry(decisions, &previous.decisions, true),
-        carry(blockers, &previous.blockers, false),
-        carry(next, &previous.next, false),
-    ];
-    let limits = fair_limits(&sections);
+
+    let mut decisions: Vec<String> = notes.decisions.iter().rev().map(unlabel).collect();
+    decisions.extend(items_of(&previous.decisions));
+
+    // Errors newer than the newest milestone block the work until
+    // something shows progress past them.
+    let progress_at = notes.done.iter().map(|d| d.at).max();
+    let open_errors: Vec<String> = notes
+        .errors
+        .iter()
+        .rev()
+        .filter(|e| progress_at.is_none_or(|p| e.at > p))
+        .map(|e| strip_label(e.short.as_deref().unwrap_or(&e.text)).to_string())
+        .collect();
+    let progress = !notes.done.is_empty() || !notes.files.is_empty();
+    let blockers = if !open_errors.is_empty() {
+        open_errors
+    } else if progress || !notes.errors.is_empty() {
+        Vec::new()
+    } else {
+        items_of(&previous.blockers)
+    };
+
+    let spoke = !req.sources.is_empty();
+    let next = match (&notes.next, notes.open.last()) {
+        (Some(n), _) => vec![unlabel(n)],
+        (None, Some(q)) => vec![unlabel(q)],
+        (None, None) if !spoke => items_of(&previous.next),
+        (None, None) => Vec::new(),
+    };
+
+    let sections = [completed, in_progress, decisions, blockers, next].map(|mut items| {
+        dedup_keep_first(&mut items);
+        items
+    });
+    let wanted: Vec<usize> = sections
+        .iter()
+        .map(|items| items.join("; ").chars().count())
+        .collect();
+    let limits = fair_limits(&wanted);
     let mut cut = sections
         .iter()
         .zip(limits)
-        .map(|(s, limit)| truncate_chars(s, limit));
+        .map(|(items, limit)| join_items(items, limit));
     RollingState {
         completed: cut.next().unwrap_or_default(),
         in_progress: cut.next().unwrap_or_default(),
@@ -116,11 +109,27 @@ pub fn rolling_state(req: &RollingStateRequest) -> RollingState {
     }
 }
 
-pub(super) fn first_sentence(text: &str) -> Option<String> {
-    sentences(text)
-        .into_iter()
-        .find(|s| s.len() >= 8 && !looks_like_code(s))
-        .map(|s| condense(s, 90))
+/// A section's items as the state wrote them.
+fn items_of(section: &str) -> Vec<String> {
+    section
+        .split("; ")
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
+/// The last two components of a path: enough to tell files apart in a
+/// few characters.
+fn short_path(path: &str) -> &str {
+    let mut cut = path.len();
+    for _ in 0..2 {
+        match path[..cut].rfind('/') {
+            Some(i) => cut = i,
+            None => return path,
+        }
+    }
+    &path[cut + 1..]
 }
 
 pub(super) fn dedup_keep_first(items: &mut Vec<String>) {
@@ -128,27 +137,47 @@ pub(super) fn dedup_keep_first(items: &mut Vec<String>) {
     items.retain(|item| seen.insert(item.to_lowercase()));
 }
 
+/// Whole items joined by `; ` within `max` characters; the first item is
+/// cut at a word with `…` only when it alone is longer than `max`.
+fn join_items(items: &[String], max: usize) -> String {
+    let mut out = String::new();
+    for item in items {
+        let sep = if out.is_empty() { 0 } else { 2 };
+        let n = item.chars().count();
+        if out.chars().count() + sep + n <= max {
+            if sep > 0 {
+                out.push_str("; ");
+            }
+            out.push_str(item);
+        } else if out.is_empty() {
+            return truncate_chars(item, max);
+        }
+    }
+    out
+}
+
 /// Character limits per section: each at most the section maximum, the
 /// sum at most the state maximum, short sections keeping all they have and
 /// long ones sharing the rest equally.
-pub(super) fn fair_limits(sections: &[String; 5]) -> [usize; 5] {
-    let wanted: Vec<usize> = sections
+pub(super) fn fair_limits(wanted: &[usize]) -> [usize; 5] {
+    let wanted: Vec<usize> = wanted
         .iter()
-        .map(|s| s.chars().count().min(ROLLING_SECTION_MAX_CHARS))
+        .map(|&w| w.min(ROLLING_SECTION_MAX_CHARS))
         .collect();
     let mut limits = [0usize; 5];
     let mut order: Vec<usize> = (0..5).collect();
-    order.sort_by_key(|&i| (wanted[i], i));
+    order.sort_by_key(|&i| (wanted.get(i).copied().unwrap_or(0), i));
     let mut left = ROLLING_STATE_MAX_CHARS;
     for (k, &i) in order.iter().enumerate() {
         let fair = left / (5 - k);
-        limits[i] = wanted[i].min(fair);
+        limits[i] = wanted.get(i).copied().unwrap_or(0).min(fair);
         left -= limits[i];
     }
     limits
 }
 
-/// At most `max` characters; a cut text ends with `…` (counted).
+/// At most `max` characters; a cut text ends with `…` (counted), at a word
+/// boundary when one is near.
 pub(super) fn truncate_chars(text: &str, max: usize) -> String {
     if text.chars().count() <= max {
         return text.to_string();

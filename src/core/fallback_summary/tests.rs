@@ -133,7 +133,7 @@ fn marked_as_deterministic_fallback() {
     assert!(draft.fallback);
     assert_eq!(draft.model, "deterministic");
     assert_eq!(draft.provider, "contextfold");
-    assert_eq!(draft.prompt_version, "det-3");
+    assert_eq!(draft.prompt_version, PROMPT_VERSION);
 }
 
 #[test]
@@ -161,7 +161,11 @@ fn a_20000_token_leaf_fits_about_2400_tokens() {
     assert!(size <= 2400, "{size} tokens");
     // It uses the room it was given (the structure is not empty).
     assert!(size >= 1800, "only {size} tokens:\n{}", draft.content);
-    for heading in ["## Asked", "## Done", "## Exact identifiers"] {
+    for heading in [
+        "## Task (the user's words)",
+        "## Done",
+        "## Exact identifiers",
+    ] {
         assert!(
             draft.content.contains(heading),
             "no {heading}:\n{}",
@@ -245,19 +249,22 @@ fn summarizes_a_swe_agent_trajectory() {
     let draft = summarize(&req);
     let size = tokens(&draft.content);
     assert!(size <= 1500, "{size}");
+    // The file the fix edited, the edit refused for its indentation and
+    // what the agent did about it.
+    let files = draft.content.split("## Files changed").nth(1).unwrap_or("");
     assert!(
-        draft.content.contains("## Files touched"),
+        files.contains("src/marshmallow/fields.py (edited"),
         "{}",
         draft.content
     );
+    let errors = draft
+        .content
+        .split("## Errors and fixes")
+        .nth(1)
+        .unwrap_or("");
     assert!(
-        draft.content.contains("src/marshmallow/fields.py"),
+        errors.contains("IndentationError") && errors.contains("→ turn"),
         "{}",
-        draft.content
-    );
-    assert!(
-        draft.content.contains("called `"),
-        "tool names: {}",
         draft.content
     );
     let (kept, all) = retention(&draft.content, &req.sources);
@@ -276,20 +283,25 @@ fn sorts_sentences_into_sections() {
             2,
             Role::Assistant,
             "I decided to use redb instead of sled because sled deadlocked in the soak test. \
-             TODO: benchmark compaction on 192.168.1.20:6379 next.",
+             TODO: benchmark compaction on 192.168.1.20:6379 later.",
         ),
         turn(
             3,
             Role::Tool,
             "error[E0308]: mismatched types at src/store/redb.rs:42",
         ),
+        turn(
+            4,
+            Role::Assistant,
+            "The build fails because the key type changed. Let me fix the key type.",
+        ),
     ];
     items[2].tool = Some("cargo_build".to_string());
     for i in 0..30 {
         items.push(turn(
-            4 + i,
-            Role::User,
-            &format!("filler question number {i} about nothing in particular at all"),
+            5 + i,
+            Role::Assistant,
+            &format!("filler remark number {i} about nothing in particular at all"),
         ));
     }
     let req = leaf(items, 400);
@@ -305,10 +317,95 @@ fn sorts_sentences_into_sections() {
         section("Decisions").contains("redb instead of sled"),
         "{content}"
     );
-    assert!(section("Open items").contains("E0308"), "{content}");
-    assert!(section("Asked").contains("/srv/data/app.db"), "{content}");
-    assert!(content.contains("192.168.1.20:6379"), "{content}");
+    // The failure, with what the agent said right after it.
+    let errors = section("Errors and fixes");
+    assert!(errors.contains("E0308"), "{content}");
+    assert!(
+        errors.contains("→ turn 4: The build fails because"),
+        "{content}"
+    );
+    assert!(section("Task").contains("/srv/data/app.db"), "{content}");
+    assert!(section("Open").contains("192.168.1.20:6379"), "{content}");
+    assert!(
+        section("Next").contains("Let me fix the key type"),
+        "{content}"
+    );
     assert!(tokens(&content) <= 400);
+}
+
+/// The handover's facts: files changed and what changed, milestones, no
+/// tool-call JSON, and the next step never older than the user's newest
+/// request.
+#[test]
+fn a_handover_names_files_milestones_and_the_next_step() {
+    let edit = "Now add the identity to Message.\nEdit({\"file_path\":\"lib/spotter/message.ex\",\
+                \"old_string\":\"  end\\nend\",\"new_string\":\"  end\\n  identities do\\n    \
+                identity :unique_session_uuid, [:session_id, :uuid]\\n  end\\nend\"})";
+    let mut call = turn(2, Role::Assistant, edit);
+    call.tool = Some("Edit".to_string());
+    let mut ok = turn(
+        3,
+        Role::Tool,
+        "The file lib/spotter/message.ex has been updated successfully.",
+    );
+    ok.tool = None;
+    let mut run = turn(
+        4,
+        Role::Assistant,
+        "Bash({\"command\":\"mix test && git commit -m 'feat: upsert'\"})",
+    );
+    run.tool = Some("Bash".to_string());
+    let out = turn(
+        5,
+        Role::Tool,
+        "Finished in 0.7 seconds\n379 tests, 0 failures\n[spotter-a0y 66e1a0a] feat: upsert",
+    );
+    let mut items = vec![
+        turn(
+            1,
+            Role::User,
+            "Add an upsert for messages, keyed by session and uuid.",
+        ),
+        call,
+        ok,
+        run,
+        out,
+        turn(6, Role::Assistant, "Next I will wire the tail workers."),
+        turn(7, Role::User, "wait, first show me the migration please"),
+    ];
+    for i in 0..20 {
+        items.insert(
+            1,
+            turn(
+                100 + i,
+                Role::Assistant,
+                &format!("looking at module number {i} which is not relevant here"),
+            ),
+        );
+    }
+    let content = summarize(&leaf(items, 250)).content;
+    assert!(
+        content.contains(
+            "lib/spotter/message.ex (edited in turn 2): Now add the identity to Message."
+        ),
+        "{content}"
+    );
+    assert!(
+        content.contains("identity :unique_session_uuid"),
+        "{content}"
+    );
+    assert!(content.contains("379 tests, 0 failures"), "{content}");
+    assert!(
+        content.contains("[spotter-a0y 66e1a0a] feat: upsert"),
+        "{content}"
+    );
+    assert!(!content.contains("{\""), "no call JSON: {content}");
+    let next = content.split("## Next").nth(1).unwrap_or("");
+    assert!(
+        next.contains("answer the user: wait, first show me the migration"),
+        "{content}"
+    );
+    assert!(!next.contains("tail workers"), "stale next step: {content}");
 }
 
 #[test]
@@ -333,7 +430,7 @@ fn a_demonstration_is_not_what_was_asked() {
     let content = summarize(&leaf(items, 200)).content;
     let asked = content
         .split("\n## ")
-        .find(|s| s.starts_with("Asked"))
+        .find(|s| s.starts_with("Task"))
         .unwrap_or("");
     assert!(asked.contains("pydicom"), "{content}");
     assert!(!content.contains("demonstration"), "{content}");
@@ -436,7 +533,7 @@ fn condensed_merges_children() {
     // A child given twice adds nothing twice.
     let asked: Vec<&str> = content
         .split("\n## ")
-        .find(|s| s.starts_with("Asked"))
+        .find(|s| s.starts_with("Task"))
         .unwrap_or("")
         .lines()
         .skip(1)

@@ -403,6 +403,15 @@ pub fn next_condensation<V: PlanView + ?Sized>(
     None
 }
 
+/// Share of its source (percent) a leaf summary aims at: raw turns hold
+/// tool output and narration that a handover does without.
+pub const LEAF_TARGET_PERCENT: u64 = 12;
+
+/// Share of its children (percent) a condensed summary aims at: they are
+/// handovers already, compressed last; at 12% a depth-3 summary of
+/// hundreds of turns was four identifiers.
+pub const CONDENSED_TARGET_PERCENT: u64 = 33;
+
 /// One compaction pass: a leaf over a raw run, or a condensation of a run
 /// of summaries into one of the given depth.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -454,12 +463,12 @@ pub fn next_compaction<V: PlanView + ?Sized>(
 
 /// The size a summary of `source_tokens` should aim at.
 pub fn summary_target(cfg: &PolicyConfig, depth: u32, source_tokens: u64, aggressive: bool) -> u64 {
-    let cap = if depth == 0 {
-        cfg.leaf_target_tokens
+    let (cap, percent) = if depth == 0 {
+        (cfg.leaf_target_tokens, LEAF_TARGET_PERCENT)
     } else {
-        cfg.condensed_target_tokens
+        (cfg.condensed_target_tokens, CONDENSED_TARGET_PERCENT)
     };
-    let mut t = (source_tokens * 12 / 100)
+    let mut t = (source_tokens * percent / 100)
         .clamp(64, cap)
         .min(source_tokens.saturating_sub(1).max(1));
     if aggressive {

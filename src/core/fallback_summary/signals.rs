@@ -1,0 +1,583 @@
+//! What a line, a sentence or a tool call says, recognized without a
+//! model: an error, a milestone (tests passing, a commit, a push, a task
+//! closed), a decision, an intention (the next step), a file changed.
+//! Patterns are about the shape of common tool output and of how people
+//! and agents write, never about one transcript.
+
+use super::*;
+use lazy_regex::regex;
+use serde_json::Value;
+
+/// A line that reports an error or a failure (not a listing or code line
+/// that merely mentions one).
+pub(super) fn is_error_line(line: &str) -> bool {
+    let strong = regex!(
+        r"(?i)^\s*(error|fatal|panic|exception|traceback)\b|\b\w*(Error|Exception)\b:|\berror(\[\w+\])?:|\bfailed\b|(?-i:\bFAIL(ED)?\b)|\b[1-9]\d* (failures?|failed|errors?)\b|\bno such file\b|\bnot found\b|\bpermission denied\b|\b(cannot|could not|unable to)\b|\bexit(ed)? (with )?code [1-9]|\bE999\b|\bsyntax error"
+    );
+    strong.is_match(line)
+        && !is_listing_line(line)
+        && !regex!(r"(?i)\b0 (failures?|failed|errors?)\b").is_match(line)
+}
+
+/// A bare exit status: an error, but a weak one to quote.
+fn is_bare_exit(line: &str) -> bool {
+    regex!(r"(?i)^\s*(exit code|command exited with code|exited with code) \d+\s*$").is_match(line)
+}
+
+/// The line that best says what went wrong in a tool output or a pasted
+/// error: the first error line with some words (a bare "Exit code 2" only
+/// when there is nothing better), looked for in the head and the tail.
+pub(super) fn error_line(text: &str) -> Option<String> {
+    find_error_line(text, |_| true)
+}
+
+fn find_error_line(text: &str, accept: impl Fn(&str) -> bool) -> Option<String> {
+    let head = prefix_bytes(text, MINED_BYTES);
+    let tail = suffix_bytes(text, 2000);
+    let mut bare = None;
+    for line in head.lines().chain(tail.lines()) {
+        let line = line.trim();
+        if !is_error_line(line) || !accept(line) {
+            continue;
+        }
+        if is_bare_exit(line) {
+            bare = bare.or(Some(line));
+            continue;
+        }
+        return Some(clip_words(line, RESULT_CHARS));
+    }
+    bare.map(|l| clip_words(l, RESULT_CHARS))
+}
+
+/// An error a user turn carries (pasted output, a traceback, a tool's
+/// console): only what output looks like, not a sentence that says
+/// something "cannot" be done.
+pub(super) fn reported_error_line(text: &str) -> Option<String> {
+    find_error_line(text, |line| {
+        regex!(r"(?i)\b\w*(Error|Exception)\b|error(\[\w+\])?:|\btraceback\b|\bfatal:|(?-i:\bFAIL(ED)?\b)|\bfailed\b|\bexit(ed)? (with )?code [1-9]|\bE\d{3}\b|\bno such file\b|\bpanicked\b")
+            .is_match(line)
+    })
+}
+
+/// Lines of a tool output (or of console output pasted in a user turn)
+/// that report a milestone: tests passing, a commit, a push, a task or
+/// issue closed.
+pub(super) fn milestone_lines(text: &str) -> Vec<String> {
+    let patterns = [
+        regex!(
+            r"(?i)\b\d+ (tests?|examples?|specs?|doctests?|properties)\b[^\n]{0,40}\b0 failures\b"
+        ),
+        regex!(r"(?i)\b\d+ passed\b"),
+        regex!(r"(?i)\btest result: ok\b"),
+        regex!(r"^\s*\[[\w./-]+ [0-9a-f]{7,40}\] \S"),
+        regex!(r"^\s*Commit [0-9a-f]{7,40} \S"),
+        regex!(r"^\s*[0-9a-f]{7,40}\.\.[0-9a-f]{7,40}\s+\S+\s+->\s+\S+"),
+        regex!(r"^\s*✓ (Closed|Created|Merged|Completed|Resolved)\b"),
+    ];
+    let mut out: Vec<String> = Vec::new();
+    let head = prefix_bytes(text, MINED_BYTES);
+    let tail = suffix_bytes(text, 2000);
+    for line in head.lines().chain(tail.lines()) {
+        let line = line.trim();
+        if line.is_empty() || is_error_line(line) && !line.contains(" 0 fail") {
+            continue;
+        }
+        if patterns.iter().any(|p| p.is_match(line)) {
+            let l = clip_words(line, RESULT_CHARS);
+            if !out.contains(&l) {
+                out.push(l);
+            }
+        }
+    }
+    out
+}
+
+/// A sentence in which the agent says something is done (tests pass, a
+/// commit or push, a task complete).
+pub(super) fn claims_milestone(sentence: &str) -> bool {
+    regex!(
+        r"(?i)\b(all )?\d+ tests? (pass|passed|passing)\b|\btests? (all )?(pass|passed|passing)\b|\b(committed|pushed|merged|deployed|released)\b|\b(is|are|now) (now )?(complete|completed|done|fixed|resolved|closed)\b|\bcomplete\.|^(done|fixed|all done)\b|\bclosed \S+|\bsuccessfully (booked|cancell?ed|updated|changed|modified|processed|completed)\b"
+    )
+    .is_match(sentence)
+}
+
+/// A sentence that explains a failure: what went wrong and why.
+pub(super) fn is_diagnosis(sentence: &str) -> bool {
+    regex!(r"(?i)\b(fail(s|ed|ing|ure)?|errors?|bug|issue|problem|broke|broken|wrong|crash\w*|exception)\b").is_match(sentence)
+        && regex!(r"(?i)\b(because|caused by|due to|comes from|root cause|the reason|is that|since the|so the)\b|\bthe (issue|problem|bug|cause|error) (is|was)\b").is_match(sentence)
+}
+
+/// A sentence that decides, chooses or gives a reason.
+pub(super) fn is_decision(sentence: &str) -> bool {
+    DECISION.is_match(sentence)
+}
+
+/// A sentence saying what comes next.
+pub(super) fn is_intention(sentence: &str) -> bool {
+    regex!(
+        r"(?i)^(now,? |next,? |then,? |first,? |finally,? |so,? |ok,? |okay,? )?(let me|let's|let us|i'll|i will|i need to|i'm going to|i am going to|we need to|we should|the next step|next step|next,)\b"
+    )
+    .is_match(sentence)
+}
+
+/// A sentence that leaves something open (work not done, a question).
+pub(super) fn is_open(sentence: &str) -> bool {
+    regex!(
+        r"(?i)\b(todo|fixme|still (need|needs|to|missing)|remaining|not yet|pending|open question|follow[- ]up|tbd|left to do|yet to)\b"
+    )
+    .is_match(sentence)
+}
+
+/// How a tool call is read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum CallKind {
+    /// It changes a file: the path and how.
+    File { path: String, verb: &'static str },
+    /// A shell command (its text, for naming what failed or passed).
+    Shell(String),
+    /// It reads or looks something up: nothing to record.
+    Read,
+    /// It changes something else (a booking, an issue, a deployment).
+    Action,
+    /// The agent thinking aloud: its text is narration.
+    Thought(String),
+}
+
+/// One call of an assistant turn, parsed back from its searchable text.
+#[derive(Debug, Clone)]
+pub(super) struct Call {
+    pub(super) name: String,
+    pub(super) arguments: String,
+}
+
+/// An assistant turn's searchable text split back into its words and its
+/// calls (`name(arguments)` lines after the words, the first named
+/// `first_call`).
+pub(super) fn split_calls<'a>(text: &'a str, first_call: Option<&str>) -> (&'a str, Vec<Call>) {
+    let Some(first) = first_call else {
+        return (text, Vec::new());
+    };
+    let start = if text.starts_with(&format!("{first}(")) {
+        Some(0)
+    } else {
+        text.find(&format!("\n{first}(")).map(|i| i + 1)
+    };
+    let Some(start) = start else {
+        return (text, Vec::new());
+    };
+    let words = text[..start].trim_end();
+    let mut calls = Vec::new();
+    let rest = &text[start..];
+    let starts: Vec<usize> = regex!(r"(?m)^[A-Za-z_][A-Za-z0-9_.\-]*\(")
+        .find_iter(rest)
+        .map(|m| m.start())
+        .collect();
+    for (k, &s) in starts.iter().enumerate() {
+        let end = starts.get(k + 1).copied().unwrap_or(rest.len());
+        let piece = rest[s..end].trim_end();
+        if let Some(open) = piece.find('(') {
+            let name = piece[..open].to_string();
+            let arguments = piece[open + 1..]
+                .strip_suffix(')')
+                .unwrap_or(&piece[open + 1..])
+                .to_string();
+            calls.push(Call { name, arguments });
+        }
+    }
+    (words, calls)
+}
+
+/// Keys of call arguments that name the file a call works on.
+const PATH_KEYS: [&str; 8] = [
+    "file_path",
+    "path",
+    "filename",
+    "file",
+    "target_file",
+    "notebook_path",
+    "filePath",
+    "file_name",
+];
+
+pub(super) fn classify_call(call: &Call) -> CallKind {
+    let name = call.name.to_lowercase();
+    let args: Option<Value> = serde_json::from_str(&call.arguments).ok();
+    let string_arg = |keys: &[&str]| -> Option<String> {
+        let obj = args.as_ref()?.as_object()?;
+        keys.iter()
+            .find_map(|k| obj.get(*k).and_then(Value::as_str))
+            .map(str::to_string)
+    };
+    if regex!(r"^(bash|shell|sh|zsh|run|exec|execute|terminal|command|cmd|run_command|execute_command|run_shell_command|run_terminal_cmd|shell_exec)$").is_match(&name) {
+        let command = string_arg(&["command", "cmd", "script", "input"])
+            .unwrap_or_else(|| call.arguments.clone());
+        return CallKind::Shell(command);
+    }
+    if name == "think" || name.ends_with("_think") {
+        return CallKind::Thought(string_arg(&["thought", "text", "content"]).unwrap_or_default());
+    }
+    let editing = regex!(
+        r"(edit|write|create|patch|replace|insert|str_replace|notebook|save|overwrite|apply|update_file|append|delete_file|remove_file)"
+    );
+    if editing.is_match(&name) {
+        if let Some(path) = string_arg(&PATH_KEYS) {
+            let command = string_arg(&["command"]).unwrap_or_default();
+            let verb = if name.contains("delete") || name.contains("remove") {
+                "deleted"
+            } else if name.contains("write")
+                || name.contains("create")
+                || command == "create"
+                || name.contains("overwrite")
+            {
+                "written"
+            } else {
+                "edited"
+            };
+            return CallKind::File { path, verb };
+        }
+        if let Some(path) = patched_path(&call.arguments) {
+            return CallKind::File {
+                path,
+                verb: "edited",
+            };
+        }
+    }
+    if regex!(r"^(get|read|search|list|find|grep|glob|view|open|cat|ls|fetch|look|lookup|query|show|describe|check|inspect|stat|head|tail|web|task|todo|calculate|scroll|goto|browse|navigate|screenshot|wait|sleep|submit)").is_match(&name)
+        || regex!(r"(read|search|list|view|get_|find|lookup|query|fetch|output)").is_match(&name)
+    {
+        return CallKind::Read;
+    }
+    CallKind::Action
+}
+
+/// A tool that lists what exists (files, matches): its output names many
+/// things the work was not about.
+pub(super) fn is_listing_tool(name: &str) -> bool {
+    regex!(r"(?i)^(glob|ls|find|list|list_dir|list_files|search|grep|find_file|search_dir|search_file|codebase_search|file_search)$")
+        .is_match(name)
+}
+
+/// The first file an `apply_patch`-style patch names.
+fn patched_path(arguments: &str) -> Option<String> {
+    regex!(r"\*\*\* (?:Update|Add|Delete) File: (\S+)")
+        .captures(arguments)
+        .map(|c| c[1].to_string())
+}
+
+/// What an edit call changed, in a few words: the first line its new text
+/// adds (for an edit with old and new text), or a new file's first line.
+pub(super) fn change_of(call: &Call) -> Option<String> {
+    let args: Value = serde_json::from_str(&call.arguments).ok()?;
+    let obj = args.as_object()?;
+    let get = |keys: &[&str]| {
+        keys.iter()
+            .find_map(|k| obj.get(*k).and_then(Value::as_str))
+    };
+    let new = get(&[
+        "new_string",
+        "new_str",
+        "newText",
+        "new_text",
+        "replace",
+        "replacement",
+    ]);
+    let old = get(&["old_string", "old_str", "oldText", "old_text", "search"]).unwrap_or("");
+    let content = get(&["content", "file_text", "text", "contents"]);
+    let added = match (new, content) {
+        (Some(new), _) => {
+            // The first added line that says something (a keyword and a
+            // brace say little), else the first added line.
+            let old_lines: HashSet<&str> = old.lines().map(str::trim).collect();
+            let added: Vec<&str> = new
+                .lines()
+                .map(str::trim)
+                .filter(|l| {
+                    l.chars().filter(|c| c.is_alphanumeric()).count() >= 4 && !old_lines.contains(l)
+                })
+                .collect();
+            added
+                .iter()
+                .find(|l| l.chars().filter(|c| c.is_alphanumeric()).count() >= 16)
+                .or(added.first())
+                .map(|l| format!("+ {}", clip_words(l, 90)))
+        }
+        (None, Some(content)) => content
+            .lines()
+            .map(str::trim)
+            .find(|l| l.chars().filter(|c| c.is_alphanumeric()).count() >= 4)
+            .map(|l| format!("new: {}", clip_words(l, 90))),
+        (None, None) => None,
+    };
+    added
+}
+
+/// Files a shell command removes or moves, with the verb.
+pub(super) fn shell_file_changes(command: &str) -> Vec<(String, &'static str)> {
+    let mut out = Vec::new();
+    for piece in command.split(['\n', ';', '&', '|']) {
+        let words: Vec<&str> = piece.split_whitespace().collect();
+        let (verb, args) = match words.as_slice() {
+            ["git", "rm", rest @ ..] | ["rm", rest @ ..] => ("deleted", rest),
+            ["git", "mv", rest @ ..] | ["mv", rest @ ..] => ("moved", rest),
+            _ => continue,
+        };
+        let paths: Vec<&&str> = args.iter().filter(|a| !a.starts_with('-')).collect();
+        match verb {
+            "deleted" => {
+                for p in paths {
+                    out.push((p.trim_matches(['"', '\'']).to_string(), verb));
+                }
+            }
+            _ => {
+                if let [from, to] = paths.as_slice() {
+                    out.push((
+                        format!(
+                            "{} -> {}",
+                            from.trim_matches(['"', '\'']),
+                            to.trim_matches(['"', '\''])
+                        ),
+                        verb,
+                    ));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Files a tool output says were written or edited ("File created
+/// successfully at: X", "The file X has been updated", "Applied edit to
+/// X", "Successfully wrote N bytes to X", "[File: X" followed by "File
+/// updated").
+pub(super) fn reported_file_changes(text: &str) -> Vec<(String, &'static str)> {
+    let head = prefix_bytes(text, MINED_BYTES);
+    let mut out: Vec<(String, &'static str)> = Vec::new();
+    let mut push = |path: &str, verb: &'static str| {
+        let path = path
+            .trim_matches(|c: char| matches!(c, '`' | '"' | '\'' | ',' | '.' | ':' | ')' | '('))
+            .to_string();
+        if path.len() > 2 && !out.iter().any(|(p, _)| *p == path) {
+            out.push((path, verb));
+        }
+    };
+    for c in regex!(r"(?i)file created successfully at:? (\S+)").captures_iter(head) {
+        push(&c[1], "written");
+    }
+    for c in regex!(r"(?i)the file (\S+) has been (updated|edited|modified)").captures_iter(head) {
+        push(&c[1], "edited");
+    }
+    for c in regex!(r"(?im)^applied edit to (\S+)").captures_iter(head) {
+        push(&c[1], "edited");
+    }
+    for c in regex!(r"(?i)successfully (?:wrote|written) [\d,]+ bytes to (\S+)").captures_iter(head)
+    {
+        push(&c[1], "written");
+    }
+    for c in regex!(r"(?i)successfully replaced text in (\S+)").captures_iter(head) {
+        push(&c[1], "edited");
+    }
+    if regex!(r"(?i)\bfile updated\b").is_match(head) {
+        if let Some(c) = regex!(r"\[File: ([^\s\]]+)").captures(head) {
+            push(&c[1], "edited");
+        }
+    }
+    out
+}
+
+/// Files an assistant's words edit with SEARCH/REPLACE blocks (a path on
+/// the line before the fence).
+pub(super) fn search_replace_paths(words: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for c in regex!(r"(?m)^([\w./-]+\.\w+)\s*\n```[\w+-]*\s*\n<<<<<<< SEARCH").captures_iter(words)
+    {
+        let p = c[1].to_string();
+        if !out.contains(&p) {
+            out.push(p);
+        }
+    }
+    out
+}
+
+/// The words of a user turn that read as a request: its lines of prose
+/// (not output, code, markup or paths), joined.
+pub(super) fn prose(text: &str) -> String {
+    let mut out = String::new();
+    let mut in_fence = false;
+    for line in prefix_bytes(text, MINED_BYTES).lines() {
+        let t = line.trim();
+        if t.starts_with("```") {
+            in_fence = !in_fence;
+            continue;
+        }
+        if in_fence || t.is_empty() {
+            continue;
+        }
+        if t.starts_with(['[', '(', '{', '<', '>', '$', '|', '/', '\\', '+', '=', '@'])
+            || is_listing_line(t)
+            || looks_like_code(t)
+        {
+            continue;
+        }
+        let words: Vec<&str> = t.split_whitespace().collect();
+        let wordy = words
+            .iter()
+            .filter(|w| w.chars().filter(|c| c.is_alphabetic()).count() * 2 > w.chars().count())
+            .count();
+        if words.len() < 3 || wordy * 3 < words.len() * 2 {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push(' ');
+        }
+        out.push_str(t);
+    }
+    out
+}
+
+/// The tail of `text` of at most `max` bytes, cut on a char boundary.
+pub(super) fn suffix_bytes(text: &str, max: usize) -> &str {
+    if text.len() <= max {
+        return "";
+    }
+    let mut start = text.len() - max;
+    while start < text.len() && !text.is_char_boundary(start) {
+        start += 1;
+    }
+    &text[start..]
+}
+
+/// At most `max` characters, whitespace collapsed, cut at a word boundary
+/// with `…` when cut.
+pub(super) fn clip_words(text: &str, max: usize) -> String {
+    condense(text, max)
+}
+
+/// Whole sentences from the start of `text` (whitespace collapsed) up to
+/// `max` characters; a first sentence longer than that is cut at a word
+/// with `…`. Never ends in the middle of a sentence otherwise.
+pub(super) fn sentences_up_to(text: &str, max: usize) -> String {
+    let flat = condense(text, usize::MAX);
+    if flat.chars().count() <= max {
+        return flat;
+    }
+    let mut out = String::new();
+    for s in sentences(&flat) {
+        let need = s.chars().count() + usize::from(!out.is_empty());
+        if out.chars().count() + need > max {
+            break;
+        }
+        if !out.is_empty() {
+            out.push(' ');
+        }
+        out.push_str(s);
+    }
+    if out.is_empty() {
+        condense(&flat, max)
+    } else {
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_are_told_from_listings_and_passing_counts() {
+        assert!(is_error_line(
+            "error: undefined function find_transcript_file/1"
+        ));
+        assert!(is_error_line(
+            "AttributeError: Unable to convert the pixel data"
+        ));
+        assert!(is_error_line("- E999 SyntaxError: unmatched ']'"));
+        assert!(is_error_line(
+            "fatal: The current branch spotter-a0y has no upstream branch."
+        ));
+        assert!(!is_error_line("389 tests, 0 failures"));
+        assert!(!is_error_line("293:        raise AttributeError("));
+        assert!(!is_error_line("{:error, reason} ->"));
+        assert_eq!(
+            error_line("Exit code 2\nChecking 3 source files\n  [F] error: nested too deep\n")
+                .as_deref(),
+            Some("[F] error: nested too deep")
+        );
+        assert_eq!(error_line("Exit code 1\n").as_deref(), Some("Exit code 1"));
+        assert_eq!(error_line("all good"), None);
+    }
+
+    #[test]
+    fn milestones_are_found_in_output() {
+        let out = "Finished in 0.7 seconds\n389 tests, 0 failures\n\
+                   [spotter-a0y 3114215] feat: wire live activity\n \
+                   f0b86dd..3114215  spotter-a0y -> spotter-a0y\n✓ Closed spotter-a0y.4: Wired PubSub\n\
+                   Commit 0a3c6bf feat: Change blue color to light blue\n3 tests, 1 failure";
+        let m = milestone_lines(out);
+        assert_eq!(m.len(), 5, "{m:?}");
+        assert!(claims_milestone("All 389 tests pass, 0 failures."));
+        assert!(claims_milestone("Epic spotter-a0y is complete."));
+        assert!(!claims_milestone("Let me run the tests."));
+    }
+
+    #[test]
+    fn calls_are_split_back_and_classified() {
+        let text = "Now add the identity to Message.\nEdit({\"file_path\":\"lib/m.ex\",\"old_string\":\"  end\\nend\",\"new_string\":\"  end\\n  identities do\\n    identity :unique_session, [:a]\\n  end\\nend\"})\nBash({\"command\":\"rm priv/x.exs && mix test\"})";
+        let (words, calls) = split_calls(text, Some("Edit"));
+        assert_eq!(words, "Now add the identity to Message.");
+        assert_eq!(calls.len(), 2);
+        assert_eq!(
+            classify_call(&calls[0]),
+            CallKind::File {
+                path: "lib/m.ex".into(),
+                verb: "edited"
+            }
+        );
+        assert_eq!(
+            change_of(&calls[0]).as_deref(),
+            Some("+ identity :unique_session, [:a]")
+        );
+        let CallKind::Shell(cmd) = classify_call(&calls[1]) else {
+            panic!("{calls:?}");
+        };
+        assert_eq!(
+            shell_file_changes(&cmd),
+            vec![("priv/x.exs".to_string(), "deleted")]
+        );
+        let read = Call {
+            name: "get_reservation_details".into(),
+            arguments: "{}".into(),
+        };
+        assert_eq!(classify_call(&read), CallKind::Read);
+        let act = Call {
+            name: "update_reservation_flights".into(),
+            arguments: "{}".into(),
+        };
+        assert_eq!(classify_call(&act), CallKind::Action);
+    }
+
+    #[test]
+    fn file_changes_are_read_from_tool_output_and_words() {
+        let out = "File created successfully at: /w/lib/a.ex\nThe file /w/lib/b.ex has been updated successfully.";
+        assert_eq!(
+            reported_file_changes(out),
+            vec![
+                ("/w/lib/a.ex".to_string(), "written"),
+                ("/w/lib/b.ex".to_string(), "edited")
+            ]
+        );
+        let swe = "[File: /repo/pkg/handler.py (373 lines total)]\n(236 more lines above)\nFile updated. Please review.";
+        assert_eq!(reported_file_changes(swe)[0].0, "/repo/pkg/handler.py");
+        let words = "Here is the change:\n\nbenchmark/over_time.py\n```python\n<<<<<<< SEARCH\nx\n=======\ny\n>>>>>>> REPLACE\n```";
+        assert_eq!(search_replace_paths(words), vec!["benchmark/over_time.py"]);
+    }
+
+    #[test]
+    fn prose_keeps_the_request_and_drops_output() {
+        let text = "the graph comes out with no data on it?\n[File: a.py (3 lines)]\n1: x = 1\n```\ncode here\n```\nTokens: 4,331 sent, 541 received.";
+        assert_eq!(prose(text), "the graph comes out with no data on it?");
+        assert_eq!(
+            sentences_up_to("One two three. Four five six. Seven.", 20),
+            "One two three."
+        );
+    }
+}

@@ -1,0 +1,243 @@
+//! Masked rendering of an old turn: what assembly sends for a turn older
+//! than the fresh tail when the room is better spent on more history.
+//!
+//! Tool output goes first (it is what the agent read, not what it did): a
+//! result longer than [`MASK_MIN_BYTES`] becomes one line saying what it
+//! was, its size, its most telling line (an error, a test count, a commit,
+//! else its first line) and how to get it back (`describe` the turn: every
+//! turn stays in the log, byte for byte). An assistant turn keeps its words
+//! and each call's name and short arguments (paths, commands); a long
+//! string argument (a file's new content, an edit's old and new text)
+//! keeps its first line and says how much is left out. User and system
+//! turns are never masked. Deterministic: the same turn always masks the
+//! same way.
+
+use crate::core::message::{ChatMessage, Content, Role};
+use lazy_regex::regex;
+use serde_json::Value;
+
+/// Turns shorter than this (content and calls) are sent as they are.
+pub const MASK_MIN_BYTES: usize = 400;
+
+/// A string argument longer than this is cut to its first line.
+const LONG_ARGUMENT_CHARS: usize = 160;
+
+/// Characters kept of a long argument's first line, and of the line a
+/// masked result keeps.
+const KEPT_LINE_CHARS: usize = 100;
+
+/// Whether a turn of this role and size may have a masked rendering.
+pub fn maskable(role: Role, bytes: usize, has_tool_calls: bool) -> bool {
+    bytes >= MASK_MIN_BYTES
+        && match role {
+            Role::Tool => true,
+            Role::Assistant => has_tool_calls,
+            Role::User | Role::System => false,
+        }
+}
+
+/// The masked rendering of turn `seq`, or `None` when masking would not
+/// make it shorter (nothing long to leave out).
+pub fn masked(msg: &ChatMessage, seq: u64) -> Option<ChatMessage> {
+    if !maskable(msg.role, msg.text_bytes(), !msg.tool_calls.is_empty()) {
+        return None;
+    }
+    match msg.role {
+        Role::Tool => {
+            let text = msg.text_content();
+            if text.len() < MASK_MIN_BYTES {
+                return None;
+            }
+            let mut m = msg.clone();
+            m.content = Some(Content::Text(result_stub(msg, &text, seq)));
+            Some(m)
+        }
+        Role::Assistant => {
+            let mut m = msg.clone();
+            let mut changed = false;
+            for call in &mut m.tool_calls {
+                if let Some(args) = elide_arguments(&call.function.arguments) {
+                    call.function.arguments = args;
+                    changed = true;
+                }
+            }
+            changed.then_some(m)
+        }
+        Role::User | Role::System => None,
+    }
+}
+
+/// `[output of `Read` masked: 32,133 bytes; "…line…"; `describe` turn 291
+/// shows it whole]`.
+fn result_stub(msg: &ChatMessage, text: &str, seq: u64) -> String {
+    let tool = msg
+        .name
+        .as_deref()
+        .map_or(String::from("tool output"), |n| format!("output of `{n}`"));
+    let line = telling_line(text);
+    let quoted = if line.is_empty() {
+        String::new()
+    } else {
+        format!(" \"{line}\";")
+    };
+    format!(
+        "[{tool} masked here: {} bytes;{quoted} `describe` turn {seq} shows it whole]",
+        group_digits(text.len())
+    )
+}
+
+/// The line of a tool output that says most in a few words: an error, a
+/// failure or a test count first, then a milestone (a commit, a closed
+/// task, a push), else the first line with some letters in it.
+pub fn telling_line(text: &str) -> String {
+    let head = crate::core::fallback_summary::prefix_bytes(text, 20_000);
+    let lines = || {
+        head.lines()
+            .map(str::trim)
+            .filter(|l| l.chars().filter(|c| c.is_alphanumeric()).count() >= 3)
+    };
+    let error = regex!(
+        r"(?i)\b(error|exception|traceback|failed|failures?|fatal|panicked|denied|not found|no such file|cannot|could not|unable to)\b|exit code [1-9]"
+    );
+    let milestone = regex!(
+        r"(?i)\b(\d+ (tests?|examples?|specs?) (passed|pass|run)|\d+ passed|0 failures|tests? pass|closed|committed|merged|pushed|created|successfully)\b|^\[[\w./-]+ [0-9a-f]{7,}\]|[0-9a-f]{7,}\.\.[0-9a-f]{7,}"
+    );
+    let pick = lines()
+        .find(|l| error.is_match(l) && !crate::core::fallback_summary::is_listing_line(l))
+        .or_else(|| lines().find(|l| milestone.is_match(l)))
+        .or_else(|| lines().next())
+        .unwrap_or("");
+    clip(pick, KEPT_LINE_CHARS).replace('"', "'")
+}
+
+/// Tool-call arguments with each long string value cut to its first
+/// line; `None` when none is long. Arguments that are not a JSON object
+/// are cut as one string.
+pub fn elide_arguments(arguments: &str) -> Option<String> {
+    if arguments.len() < MASK_MIN_BYTES {
+        return None;
+    }
+    match serde_json::from_str::<Value>(arguments) {
+        Ok(mut value) => {
+            let changed = elide_value(&mut value);
+            changed.then(|| value.to_string())
+        }
+        Err(_) => Some(elide_string(arguments)),
+    }
+}
+
+fn elide_value(value: &mut Value) -> bool {
+    match value {
+        Value::String(s) if s.chars().count() > LONG_ARGUMENT_CHARS => {
+            *s = elide_string(s);
+            true
+        }
+        Value::Array(items) => items.iter_mut().fold(false, |c, v| elide_value(v) | c),
+        Value::Object(map) => map.values_mut().fold(false, |c, v| elide_value(v) | c),
+        _ => false,
+    }
+}
+
+fn elide_string(s: &str) -> String {
+    let first = s
+        .lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .unwrap_or("");
+    let kept = clip(first, KEPT_LINE_CHARS);
+    format!(
+        "{kept} […{} more chars masked]",
+        group_digits(s.len().saturating_sub(kept.len()))
+    )
+}
+
+/// At most `max` characters, cut at a word boundary when one is near,
+/// with `…` marking the cut.
+fn clip(s: &str, max: usize) -> String {
+    if s.chars().count() <= max {
+        return s.to_string();
+    }
+    let mut out: String = s.chars().take(max).collect();
+    if let Some(space) = out.rfind(' ') {
+        if out[space..].chars().count() <= 20 && space > 0 {
+            out.truncate(space);
+        }
+    }
+    out.push('…');
+    out
+}
+
+/// `32133` -> `32,133`.
+pub fn group_digits(n: usize) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::message::{FunctionCall, ToolCall};
+
+    #[test]
+    fn a_long_tool_output_becomes_one_line_naming_its_turn() {
+        let mut out = ChatMessage::text(
+            Role::Tool,
+            format!(
+                "Compiling 2 files\n{}\nFinished in 0.7 seconds\n389 tests, 0 failures\n",
+                "....".repeat(200)
+            ),
+        );
+        out.tool_call_id = Some("call_1".into());
+        out.name = Some("Bash".into());
+        let m = masked(&out, 316).unwrap();
+        let text = m.text_content();
+        assert!(text.contains("`describe` turn 316"), "{text}");
+        assert!(text.contains("389 tests, 0 failures"), "{text}");
+        assert!(text.contains("output of `Bash`"), "{text}");
+        assert!(!text.contains('\n'), "one line: {text}");
+        assert_eq!(m.tool_call_id.as_deref(), Some("call_1"), "pairing kept");
+        // An error line wins over a milestone.
+        let err = "ok\nerror: undefined function find_transcript_file/1\n3 tests, 1 failure";
+        assert!(telling_line(err).starts_with("error: undefined"));
+        // Short outputs and user turns are sent as they are.
+        let mut short = out;
+        short.content = Some(Content::Text("✓ Closed spotter-a0y.1".into()));
+        assert!(masked(&short, 1).is_none());
+        let user = ChatMessage::text(Role::User, "x".repeat(5000));
+        assert!(masked(&user, 1).is_none());
+    }
+
+    #[test]
+    fn long_arguments_keep_their_first_line_and_short_ones_stay() {
+        let content = format!("defmodule A do\n{}\nend\n", "  def f, do: 1\n".repeat(60));
+        let args = serde_json::json!({"file_path": "lib/a.ex", "content": content}).to_string();
+        let mut call = ChatMessage::text(Role::Assistant, "Now write the module.");
+        call.tool_calls = vec![ToolCall {
+            id: "call_9".into(),
+            kind: "function".into(),
+            function: FunctionCall {
+                name: "Write".into(),
+                arguments: args,
+            },
+        }];
+        let m = masked(&call, 24).unwrap();
+        let a: Value = serde_json::from_str(&m.tool_calls[0].function.arguments).unwrap();
+        assert_eq!(a["file_path"], "lib/a.ex");
+        let kept = a["content"].as_str().unwrap();
+        assert!(kept.starts_with("defmodule A do […"), "{kept}");
+        assert!(kept.contains("more chars masked"), "{kept}");
+        assert_eq!(m.text_content(), "Now write the module.");
+        assert_eq!(m.tool_calls[0].id, "call_9");
+        // Not JSON: cut as one string.
+        assert!(elide_arguments(&"x ".repeat(400)).unwrap().len() < 200);
+        assert_eq!(group_digits(1234567), "1,234,567");
+        assert_eq!(group_digits(12), "12");
+    }
+}
