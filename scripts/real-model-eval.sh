@@ -259,6 +259,11 @@ for f in ${REAL_MODEL_FILES:-$default_files}; do
     [ -f "$transcripts/$f" ] || die "transcript $transcripts/$f not found (set CONTEXTFOLD_SHARED_DATA to the shared data folder, or REAL_MODEL_FILES)"
     files+=("$transcripts/$f")
 done
+# Continuity probes (tests/probes/*.jsonl) for both runs: the report shows
+# them by kind, each run beside plain truncation at the same budget. Probes of
+# transcripts not in the run are listed as such and not counted.
+probe_args=()
+for p in "$root"/tests/probes/*.jsonl; do probe_args+=(--probes "$p"); done
 # The same policy for both runs, and for reading the kept data directories
 # afterwards: eval sets the window and the assembly cap to --budget in
 # memory only, and the kept log does not record that policy, so the readers
@@ -305,7 +310,7 @@ report="$cache/report.txt"
 say "deterministic eval (same files, budget and policy) ..."
 t0=$SECONDS
 det_rc=0
-cf "${policy_env[@]}" "$cf_bin" eval --budget "$budget" --json --keep "$out/deterministic" "${files[@]}" \
+cf "${policy_env[@]}" "$cf_bin" eval --budget "$budget" --json "${probe_args[@]}" --keep "$out/deterministic" "${files[@]}" \
     >"$out/deterministic.json" 2>"$out/deterministic.stderr" || det_rc=$?
 det_wall=$(( SECONDS - t0 ))
 tail -n1 "$out/deterministic.json" | grep -q '^{' \
@@ -356,7 +361,7 @@ calls_done() { grep -c 'prompt eval time' "$llama_log" 2>/dev/null || true; }
 say "model eval (expect 10-25 minutes; progress every minute) ..."
 t0=$SECONDS
 model_rc=0
-cf "${model_env[@]}" timeout "$eval_timeout_s" "$cf_bin" eval --budget "$budget" --json --keep "$out/model" "${files[@]}" \
+cf "${model_env[@]}" timeout "$eval_timeout_s" "$cf_bin" eval --budget "$budget" --json "${probe_args[@]}" --keep "$out/model" "${files[@]}" \
     >"$out/model.json" 2>"$out/model.stderr" &
 eval_pid=$!
 while kill -0 "$eval_pid" 2>/dev/null; do
@@ -496,6 +501,23 @@ print(f"escalations, model run:            {reasons(m['escalations'])}")
 print(f"validation rejections, deterministic: {reasons(d['rejections'])}; escalations: {reasons(d['escalations'])}")
 print(f"errors: deterministic {d['errors']}, model {m['errors']}")
 print()
+# Continuity probes: each run's context, and plain truncation (the newest raw
+# turns that fit) at the same budget, by kind.
+pd, pm_ = d.get("probes", {}).get("by_kind", {}), m.get("probes", {}).get("by_kind", {})
+if pd or pm_:
+    print(f"continuity probes at --budget {budget} (passed of asked)")
+    print(f"{'kind':<10} {'deterministic':>14} {'model':>8} {'truncation':>11}")
+    tot = [0, 0, 0, 0]
+    for kind in sorted(set(pd) | set(pm_)):
+        a, b = pd.get(kind, {}), pm_.get(kind, {})
+        n = a.get("probes", b.get("probes", 0))
+        cells = (a.get("contextfold", 0), b.get("contextfold", 0), a.get("truncation", b.get("truncation", 0)))
+        print(f"{kind:<10} {cells[0]:>9} of {n:<2} {cells[1]:>4} of {n:<2} {cells[2]:>6} of {n:<2}")
+        tot = [tot[0] + n, tot[1] + cells[0], tot[2] + cells[1], tot[3] + cells[2]]
+    if tot[0]:
+        pct = lambda x: f"{100 * x / tot[0]:.1f}%"
+        print(f"{'all':<10} {pct(tot[1]):>14} {pct(tot[2]):>8} {pct(tot[3]):>11}   ({tot[0]} probes)")
+    print()
 # The server's own timings: one "prompt eval time" and one "eval time" line a request.
 prompt = [tuple(map(float, x)) for x in re.findall(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", open(llama_log, errors="replace").read())]
 gen = [tuple(map(float, x)) for x in re.findall(r"(?<!prompt )eval time =\s*([\d.]+) ms /\s*(\d+) (?:tokens|runs)", open(llama_log, errors="replace").read())]
