@@ -1236,3 +1236,68 @@ async fn a_delivery_lost_on_the_way_is_folded_all_the_same() {
     .await;
     service.shutdown().await;
 }
+
+/// `publish` names its duplicates: a re-run's (the same bytes already
+/// stored) pass; an event whose message id another record holds (here one
+/// published first on the same conversation without credentials, as an
+/// unkeyed id can be) is reported as not stored, and publish fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_names_duplicates_and_fails_on_ones_not_its_own() {
+    use contextfold::core::event::Origin;
+    let server = NatsServer::start();
+    let url = server.url();
+    let (client, _, _) = client_for(&url).await;
+    let dir = tempfile::tempdir().unwrap();
+    let key = "agent:dup/one";
+    let events = turns(key, 0..4, 8);
+    let file = dir.path().join("events.jsonl");
+    let lines: Vec<String> = events.iter().map(|e| e.to_json()).collect();
+    std::fs::write(&file, lines.join("\n") + "\n").unwrap();
+    let data = dir.path().join("client");
+    let file_arg = file.to_str().unwrap();
+
+    // Another record takes event 2's (unkeyed) message id first.
+    let squatted = &events[2];
+    let mut headers = async_nats::HeaderMap::new();
+    let id = contextfold::nats::msg_id::of(Origin::Agent, None, key, &squatted.id);
+    headers.insert("Nats-Msg-Id", id.as_str());
+    headers.insert("Content-Type", "application/json");
+    let mut other = squatted.clone();
+    other.body = turns(key, 9..10, 3)[0].body.clone();
+    client
+        .publish_with_headers(
+            format!("cf.in.{}", token(key)),
+            headers,
+            other.to_json().into(),
+        )
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+
+    let (ok, _, err) = cli(&data, &["publish", "--nats", &url, file_arg]).await;
+    assert!(!ok, "a squatted event must fail the publish: {err}");
+    assert!(err.contains("1 event(s) NOT stored"), "{err}");
+    assert!(err.contains(&squatted.id), "names the event: {err}");
+
+    // A re-run: the three stored events are this publisher's own.
+    let (ok, _, err) = cli(&data, &["publish", "--nats", &url, file_arg]).await;
+    assert!(!ok, "the squatted event is still not stored: {err}");
+    assert!(
+        err.contains("3 duplicate(s) already stored with these same bytes"),
+        "{err}"
+    );
+    let own: Vec<String> = lines
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != 2)
+        .map(|(_, l)| l.clone())
+        .collect();
+    let own_file = dir.path().join("own.jsonl");
+    std::fs::write(&own_file, own.join("\n") + "\n").unwrap();
+    let (ok, _, err) = cli(
+        &data,
+        &["publish", "--nats", &url, own_file.to_str().unwrap()],
+    )
+    .await;
+    assert!(ok, "a re-run of stored events passes: {err}");
+}

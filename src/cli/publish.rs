@@ -253,6 +253,7 @@ pub fn publish(
         // sent until what is in flight is settled and the backoff waited.
         let mut outage: Option<(&'static str, String)> = None;
         let mut last_progress = Instant::now();
+        let mut duplicates: Vec<(usize, u64)> = Vec::new();
         loop {
             while outage.is_none() && pending.len() < IN_FLIGHT {
                 let i = match again.pop_first() {
@@ -295,6 +296,9 @@ pub fn publish(
                     Ok(ack) => {
                         if ack.duplicate {
                             tally.duplicates += 1;
+                            // The stream answers a duplicate with the
+                            // sequence of the record it kept.
+                            duplicates.push((i, ack.sequence));
                         } else {
                             tally.published += 1;
                         }
@@ -371,12 +375,95 @@ pub fn publish(
         if tally.invalid > 0 && tally.published + tally.duplicates == 0 {
             bail!("no valid event in the input");
         }
-        Ok(if tally.invalid > 0 {
+        let foreign = if duplicates.is_empty() {
+            0
+        } else {
+            let stream = js
+                .get_stream_no_info(subjects.events_stream())
+                .await
+                .context("opening the events stream to check the duplicates")?;
+            report_duplicates(&stream, &events, &duplicates).await
+        };
+        Ok(if tally.invalid > 0 || foreign > 0 {
             ExitCode::FAILURE
         } else {
             ExitCode::SUCCESS
         })
     })
+}
+
+/// How many duplicates to name in the report.
+const DUPLICATES_NAMED: usize = 5;
+
+/// Reads the record the stream kept for each duplicate and says which
+/// duplicates are this publisher's own (the same bytes: a re-run) and which
+/// are not (another record stored under the event's message id first);
+/// returns how many are not. A record it may not read (no permission for
+/// direct gets) is reported as unchecked.
+async fn report_duplicates(
+    stream: &jetstream::stream::Stream<()>,
+    events: &[Outgoing],
+    duplicates: &[(usize, u64)],
+) -> usize {
+    let checks = futures::stream::iter(duplicates.iter().map(|&(i, sequence)| async move {
+        let kept = stream.direct_get(sequence).await;
+        (i, kept.map(|m| m.payload == events[i].bytes))
+    }))
+    .buffer_unordered(64)
+    .collect::<Vec<_>>()
+    .await;
+    let (mut own, mut foreign, mut unchecked) = (Vec::new(), Vec::new(), Vec::new());
+    let mut why_unchecked = None;
+    for (i, check) in checks {
+        match check {
+            Ok(true) => own.push(i),
+            Ok(false) => foreign.push(i),
+            Err(e) => {
+                why_unchecked.get_or_insert_with(|| e.to_string());
+                unchecked.push(i);
+            }
+        }
+    }
+    let named = |set: &mut Vec<usize>| {
+        set.sort_unstable();
+        let ids: Vec<&str> = set
+            .iter()
+            .take(DUPLICATES_NAMED)
+            .map(|&i| events[i].id.as_str())
+            .collect();
+        let more = set.len().saturating_sub(DUPLICATES_NAMED);
+        if more > 0 {
+            format!("{} and {more} more", ids.join(", "))
+        } else {
+            ids.join(", ")
+        }
+    };
+    if !own.is_empty() {
+        eprintln!(
+            "{} duplicate(s) already stored with these same bytes (a re-run; nothing stored twice): {}",
+            own.len(),
+            named(&mut own)
+        );
+    }
+    if !unchecked.is_empty() {
+        eprintln!(
+            "{} duplicate(s) not checked ({}): {}",
+            unchecked.len(),
+            why_unchecked.unwrap_or_default(),
+            named(&mut unchecked)
+        );
+    }
+    if !foreign.is_empty() {
+        eprintln!(
+            "error: {} event(s) NOT stored: the stream already holds a different record under their \
+             message id, so these events never reached their conversation: {}. Publish with the \
+             agent's own credentials (message ids are then keyed by them, docs/subjects.md), or \
+             give these events new ids.",
+            foreign.len(),
+            named(&mut foreign)
+        );
+    }
+    foreign.len()
 }
 
 #[cfg(test)]
