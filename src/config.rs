@@ -53,7 +53,7 @@ const SECTIONS: [&str; 9] = [
 /// whether the deploy/ checks must find their tools, whether the audit
 /// page test must find Chromium and where it saves its screenshot, and the
 /// convergence tests' fault point (`nats::folder::Fault`) and matrix.
-pub const NON_CONFIG_VARS: [&str; 18] = [
+pub const NON_CONFIG_VARS: [&str; 19] = [
     "CONTEXTFOLD_CONFIG",
     "CONTEXTFOLD_LOG",
     "CONTEXTFOLD_VENV",
@@ -70,6 +70,8 @@ pub const NON_CONFIG_VARS: [&str; 18] = [
     "CONTEXTFOLD_SCREENSHOT_DIR",
     "CONTEXTFOLD_TEST_FAULT",
     "CONTEXTFOLD_CONVERGENCE",
+    // scripts/test.sh: the helm binary tests/deploy.rs runs.
+    "CONTEXTFOLD_HELM",
     // scripts/real-model-eval.sh: its binary and its cache.
     "CONTEXTFOLD_BIN",
     "CONTEXTFOLD_REAL_MODEL_DIR",
@@ -77,7 +79,13 @@ pub const NON_CONFIG_VARS: [&str; 18] = [
 
 /// Prefixes of benchmark knobs (`CONTEXTFOLD_BENCH_SCALE`, ...), skipped
 /// by the loader too.
-pub const NON_CONFIG_PREFIXES: [&str; 2] = ["CONTEXTFOLD_BENCH_", "CONTEXTFOLD_SOAK_"];
+pub const NON_CONFIG_PREFIXES: [&str; 5] = [
+    "CONTEXTFOLD_BENCH_",
+    "CONTEXTFOLD_SOAK_",
+    "CONTEXTFOLD_FLEET_",
+    "CONTEXTFOLD_TAKEOVER_",
+    "CONTEXTFOLD_FLOOD_",
+];
 
 /// Keys whose environment value is taken verbatim, never as TOML: the
 /// secrets (a password `0123` must not become the number 123).
