@@ -1301,3 +1301,82 @@ async fn publish_names_duplicates_and_fails_on_ones_not_its_own() {
     .await;
     assert!(ok, "a re-run of stored events passes: {err}");
 }
+
+/// Issue 23, finding 2: an agent that publishes another's next event ids
+/// first, on its own subject and within its permissions, takes nothing:
+/// message ids are scoped to their conversation and keyed by the
+/// publisher's credentials, so neither the bare ids nor the unkeyed scoped
+/// ids the attacker can compute collide with the victim's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_agents_event_ids_cannot_be_squatted() {
+    use contextfold::core::event::Origin;
+    let server = NatsServer::start_with_config(
+        r#"authorization { users = [ {user: a, password: "pass-a"}, {user: b, password: "pass-b"} ] }"#,
+    );
+    let url = server.url();
+    let as_user = |user: &str, password: &str| {
+        let mut cfg = nats_config(&url);
+        cfg.connection.user = Some(user.into());
+        cfg.connection.password = Some(contextfold::secret::Secret::new(password));
+        cfg
+    };
+    let (attacker, js, _) = client_for_config(&as_user("a", "pass-a")).await;
+    let (victim_key, attacker_key) = ("team-b/agent", "team-a/agent");
+    let victims = turns(victim_key, 0..10, 8);
+    // The attacker publishes, on its own conversation's subject, a record
+    // under each id the victim's events could have: the bare event id (as
+    // ids were) and the unkeyed scoped id anyone can compute.
+    for (n, e) in victims.iter().enumerate() {
+        for id in [
+            e.id.clone(),
+            contextfold::nats::msg_id::of(Origin::Agent, None, victim_key, &e.id),
+        ] {
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert("Nats-Msg-Id", id.as_str());
+            let decoy = &turns(attacker_key, n..n + 1, 3)[0];
+            attacker
+                .publish_with_headers(
+                    format!("cf.in.{}", token(attacker_key)),
+                    headers,
+                    decoy.to_json().into(),
+                )
+                .await
+                .unwrap();
+        }
+    }
+    attacker.flush().await.unwrap();
+
+    // The victim publishes with its own credentials: every event stored.
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("events.jsonl");
+    let lines: Vec<String> = victims.iter().map(|e| e.to_json()).collect();
+    std::fs::write(&file, lines.join("\n") + "\n").unwrap();
+    let out = tokio::process::Command::from({
+        let mut c = support::cli::command(
+            &dir.path().join("client"),
+            &["publish", "--nats", &url, file.to_str().unwrap()],
+        );
+        c.env("CONTEXTFOLD_NATS__CONNECTION__USER", "b")
+            .env("CONTEXTFOLD_NATS__CONNECTION__PASSWORD", "pass-b");
+        c
+    })
+    .output()
+    .await
+    .unwrap();
+    let (ok, _, err) = support::cli::split(out);
+    assert!(ok, "{err}");
+    assert!(err.contains("(10 new, 0 duplicates"), "{err}");
+    let stored = js
+        .get_stream("CF_EVENTS")
+        .await
+        .unwrap()
+        .create_consumer(jetstream::consumer::pull::Config {
+            filter_subject: format!("cf.ev.*.in.{}", token(victim_key)),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .cached_info()
+        .num_pending;
+    assert_eq!(stored, 10, "every one of the victim's events is stored");
+}
