@@ -28,9 +28,9 @@
 #[path = "../tests/support/nats_server.rs"]
 mod nats_server;
 
+use contextfold::api::Op;
 use contextfold::core::event::{Envelope, EventBody, TurnAppended};
 use contextfold::core::message::{ChatMessage, Role};
-use contextfold::api::Op;
 use contextfold::nats::subjects::{partition_of, Subjects};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -97,7 +97,9 @@ async fn main() {
         .or_else(|| Some("target/release/contextfold".into()))
         .filter(|b| std::path::Path::new(b).is_file())
     else {
-        println!("flood: no binary (build with `cargo build --release` or set CONTEXTFOLD_FLOOD_BIN)");
+        println!(
+            "flood: no binary (build with `cargo build --release` or set CONTEXTFOLD_FLOOD_BIN)"
+        );
         return;
     };
     let Ok(_) = nats_server::find_binary() else {
@@ -132,7 +134,10 @@ async fn main() {
     publish(&client, &subjects, &first).await;
     let started = Instant::now();
     while folded_turns(&client, &subjects, &b).await < 1 {
-        assert!(started.elapsed() < Duration::from_secs(30), "serve never folded a turn");
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "serve never folded a turn"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let rss_before = rss_mib(pid);
@@ -140,8 +145,12 @@ async fn main() {
     let flooding = Arc::new(AtomicBool::new(true));
     let sent = Arc::new(AtomicU64::new(0));
     let flood = {
-        let (client, subjects, flooding, sent) =
-            (client.clone(), subjects.clone(), flooding.clone(), sent.clone());
+        let (client, subjects, flooding, sent) = (
+            client.clone(),
+            subjects.clone(),
+            flooding.clone(),
+            sent.clone(),
+        );
         tokio::spawn(async move {
             let subject = subjects.inbound(a).unwrap();
             let mut n = 0u64;
@@ -184,7 +193,12 @@ async fn main() {
         }
         let during = flooding.load(Ordering::Relaxed);
         let tick = Instant::now();
-        publish(&client, &subjects, &turn(&b, k, format!("turn {k} of agent b"))).await;
+        publish(
+            &client,
+            &subjects,
+            &turn(&b, k, format!("turn {k} of agent b")),
+        )
+        .await;
         k += 1;
         let wait = Instant::now();
         let mut folded = false;
