@@ -705,7 +705,7 @@ impl SegmentLog {
             return Ok(log);
         }
         let head = read_head(dir);
-        let mut scanned_any = false;
+        let mut truncated = false;
         for (i, &first) in firsts.iter().enumerate() {
             let path = dir.join(segment_file_name(first));
             let mut file = OpenOptions::new()
@@ -760,7 +760,6 @@ impl SegmentLog {
             };
             let from = vouched.map_or(0, |h| h.bytes);
             let scanned = scan_range(&path, &mut file, from, file_len, ScanRule::Tail)?;
-            scanned_any = vouched.is_none() || !scanned.offsets.is_empty();
             if let Some((offset, reason)) = scanned.torn_at {
                 let dropped = file_len - offset;
                 file.set_len(offset).map_err(io_error(&path))?;
@@ -773,6 +772,7 @@ impl SegmentLog {
                     "event log: truncated a torn tail left by an interrupted append"
                 );
                 log.dropped_tail_bytes += dropped;
+                truncated = true;
             }
             log.segments.push(Segment {
                 path,
@@ -788,10 +788,12 @@ impl SegmentLog {
                 len: scanned.valid_len,
             });
         }
-        if scanned_any {
-            // Everything scanned is on disk (it was read back from the
-            // file, and a truncation was synced): the next open need not
-            // scan it again.
+        if truncated {
+            // The open changed the segment anyway, and what it kept is on
+            // disk (read back from the file, the truncation synced): the
+            // next open need not scan it again. An open that changed
+            // nothing writes nothing (reading never rewrites the log); the
+            // next sync moves the head.
             log.write_head();
         }
         Ok(log)
@@ -1725,7 +1727,9 @@ mod tests {
             assert_eq!(log.dropped_tail_bytes(), 0, "{what}");
             check_all(&mut log, 30);
             drop(log);
-            assert_eq!(head_of(dir.path()), good, "{what}: rewritten");
+            // Opening changed nothing; the next sync writes a good head.
+            let after = fs::read(dir.path().join(HEAD_FILE)).ok();
+            assert_eq!(after, bytes, "{what}: an open wrote the head");
             assert_eq!(fs::metadata(&path).unwrap().len(), good.bytes, "{what}");
         }
     }
