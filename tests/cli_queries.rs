@@ -239,3 +239,60 @@ fn classify_errors_tells_overflow_from_size_limits() {
         "overflow 4000 5000\nsize_limit\nother\n"
     );
 }
+
+/// Identical input, identical result: two `run`s of one transcript, with
+/// compaction by the deterministic summarizer (summaries, sweep ends and
+/// rolling states written back into the log), end in the same state hash
+/// and write byte-identical logs. Nothing a sweep writes may carry a
+/// wall-clock time or a measured duration (those go to telemetry only).
+#[test]
+fn two_runs_of_the_same_input_end_in_the_same_state_and_log() {
+    let transcript = std::path::Path::new(
+        "../shared/data/transcripts/claude-code_marot-spotter/fa812bfe-b295-4cca-9c2f-fdf01028cb46.jsonl",
+    );
+    assert!(transcript.exists(), "{} is missing", transcript.display());
+    let dir = tempfile::tempdir().unwrap();
+    let mut states = Vec::new();
+    let mut logs = Vec::new();
+    for i in 0..2 {
+        let data = dir.path().join(format!("run{i}"));
+        let (ok, out, err) = cli(&data, &["run", transcript.to_str().unwrap()]);
+        assert!(ok, "run {i}: {err}");
+        let total = out.lines().find(|l| l.starts_with("total:")).unwrap();
+        let summaries: u64 = total
+            .split(" summaries")
+            .next()
+            .and_then(|s| s.rsplit(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no summary count in {total:?}"));
+        assert!(summaries > 0, "the run compacted nothing: {total}");
+        let state = total.split("state ").nth(1).unwrap();
+        states.push(state.split_whitespace().next().unwrap().to_string());
+        let (ok, replayed, err) = cli(&data, &["replay"]);
+        assert!(ok, "replay {i}: {err}");
+        states.push(
+            replayed
+                .lines()
+                .last()
+                .unwrap()
+                .split_whitespace()
+                .nth(1)
+                .unwrap()
+                .to_string(),
+        );
+        let mut segments: Vec<_> = std::fs::read_dir(data.join("log"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "seg"))
+            .collect();
+        segments.sort();
+        logs.push(
+            segments
+                .iter()
+                .map(|p| std::fs::read(p).unwrap())
+                .collect::<Vec<_>>(),
+        );
+    }
+    assert!(states.iter().all(|s| s == &states[0]), "{states:?}");
+    assert!(logs[0] == logs[1], "the two runs wrote different logs");
+}

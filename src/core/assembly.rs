@@ -106,6 +106,21 @@ pub fn summary_message(
     )
 }
 
+/// The message that carries a rolling session state in context.
+pub fn rolling_message(state: &crate::core::event::RollingState) -> ChatMessage {
+    let text = format!(
+        "<session_state>\nCompleted: {}\nIn progress: {}\nDecisions: {}\nBlockers: {}\nNext: {}\n</session_state>",
+        state.completed, state.in_progress, state.decisions, state.blockers, state.next
+    );
+    ChatMessage::text(Role::System, text)
+}
+
+/// Tokens a rolling session state costs in context (its message, overhead
+/// included); the fold keeps it with the state.
+pub fn rolling_tokens(enc: tokens::Encoding, state: &crate::core::event::RollingState) -> u64 {
+    tokens::count_message(enc, &rolling_message(state))
+}
+
 /// Tokens a summary costs in context: its rendered message, wrapper and
 /// message overhead included, so that what is sent is what was counted.
 pub fn summary_tokens(
@@ -241,12 +256,11 @@ pub fn assemble_from(
     let tail = policy::fresh_tail_start(conv, cfg);
     let n = conv.context.len();
     let rolling = conv.rolling.as_ref().map(|state| {
-        let text = format!(
-            "<session_state>\nCompleted: {}\nIn progress: {}\nDecisions: {}\nBlockers: {}\nNext: {}\n</session_state>",
-            state.completed, state.in_progress, state.decisions, state.blockers, state.next
-        );
-        let msg = ChatMessage::text(Role::System, text);
-        let t = tokens::count_message(enc, &msg);
+        let msg = rolling_message(state);
+        let t = match conv.rolling_tokens {
+            Some((counted_by, t)) if counted_by == enc => t,
+            _ => tokens::count_message(enc, &msg),
+        };
         (msg, t)
     });
 
@@ -1124,6 +1138,59 @@ mod tests {
         assert_eq!(out.expanded, vec![conv.summaries[0].id.clone()]);
         assert_eq!(out.sources[0], Source::Turn { seq: 0 });
         assert_eq!(out.tokens, sent(&out));
+    }
+
+    /// The rolling state's tokens are counted once, when it is folded:
+    /// assembling a context counts none of the stored state again (a cold
+    /// query loads no tokenizer), and what it accounts is what it sends.
+    #[test]
+    fn assembly_counts_nothing_the_fold_counted() {
+        let cfg = PolicyConfig::default();
+        let mut state = State::default();
+        let turns = [
+            ChatMessage::text(Role::User, "Fix the failing test in src/lib.rs."),
+            ChatMessage::text(Role::Assistant, "Done: the off-by-one in parse()."),
+        ];
+        for (n, message) in turns.into_iter().enumerate() {
+            fold(&mut state, &cfg, &turn(n as u64, message));
+        }
+        let rolling = Envelope::new(
+            "rs_job-1",
+            "c:acct",
+            1_700_000_005_000,
+            EventBody::RollingStateUpdated(crate::core::event::RollingStateUpdated {
+                state: crate::core::event::RollingState {
+                    completed: "fixed parse() in src/lib.rs".into(),
+                    in_progress: "running the suite".into(),
+                    decisions: "keep the old error type".into(),
+                    blockers: String::new(),
+                    next: "open the pull request".into(),
+                },
+                through_turn: 1,
+                job_id: None,
+            }),
+        );
+        assert_eq!(fold(&mut state, &cfg, &rolling).status, FoldStatus::Applied);
+        let conv = &state.conversations["c:acct"];
+        let before = tokens::texts_counted();
+        let out = assemble(conv, &cfg, &AssemblyRequest::default()).unwrap();
+        assert_eq!(tokens::texts_counted(), before, "assembly counted a text");
+        assert!(
+            out.sources.contains(&Source::RollingState),
+            "{:?}",
+            out.sources
+        );
+        let sent: u64 = out
+            .messages
+            .iter()
+            .map(|m| tokens::count_message(conv.encoding, m))
+            .sum();
+        assert_eq!(out.tokens, sent);
+        // A state stored before the count was kept is counted at assembly.
+        let mut older = conv.clone();
+        older.rolling_tokens = None;
+        let again = assemble(&older, &cfg, &AssemblyRequest::default()).unwrap();
+        assert_eq!(again.tokens, out.tokens);
     }
 
     /// What does not fit is listed oldest first, tool groups included, and

@@ -5,7 +5,7 @@
 //!
 //! The directory holds a `LOCK` file (held with an exclusive OS lock while a
 //! [`SegmentLog`] is open, so two processes never append to the same log;
-//! released as soon as the log is dropped) and
+//! released as soon as the log is dropped), a `HEAD` file (below) and
 //! segment files named `{first position:020}.seg`. A segment is a sequence of
 //! records, each
 //!
@@ -25,28 +25,58 @@
 //! [`SegmentOptions::segment_bytes`] (256 MiB by default) a new segment is
 //! started. Old segments are never rewritten or deleted by this module.
 //!
+//! `HEAD` says how far the newest segment was synced, as 40 bytes:
+//!
+//! ```text
+//! magic "cfH1" | segment's first position u64 | records u64 | bytes u64
+//!              | offset of the last of those records u64 | crc32 of the 36 before, u32 LE
+//! ```
+//!
+//! It is rewritten in place after every sync of the newest segment (after
+//! the `fdatasync` returned, never before) and when a new segment starts,
+//! and is not synced itself. Logs without one (older builds) open as before
+//! and get one at their first sync.
+//!
 //! # Crash safety
 //!
 //! [`SegmentLog::append_sync`] writes and `fdatasync`s before it returns;
 //! [`SegmentLog::append_batch_sync`] syncs once per segment it touched
 //! (normally once). A crash can therefore only leave damage after the last
-//! synced byte of the newest segment: a torn tail. On open the newest
-//! segment's records are scanned and their checksums verified. A sealed
-//! segment holds exactly the records between its first position and the
-//! next segment's (both in the file names), so it is scanned and verified
-//! the first time a read reaches it, not on open: opening a log costs the
-//! same whatever its history. A damaged record in the newest segment
-//! with no valid record anywhere after it is a torn tail: it is truncated
-//! away, logged with `tracing::warn!`, and the number of dropped bytes is
-//! reported by [`SegmentLog::dropped_tail_bytes`]. A damaged record that is
-//! followed by a valid one, or any damage in an older segment, cannot come
-//! from a crash during an append; it is reported as [`LogError::Corrupt`]
-//! naming the file and byte offset, and nothing is truncated (for a sealed
-//! segment, by the read that first reaches it; so is a sealed segment whose
-//! records do not number what the file names say, a segment missing).
+//! synced byte of the newest segment: a torn tail.
+//!
+//! Opening a log costs the same whatever its history: it reads the file
+//! names, `HEAD`, one record and the bytes appended after `HEAD` was last
+//! written (none after a clean close). A sealed segment holds exactly the
+//! records between its first position and the next segment's (both in the
+//! file names); the newest one holds at least what `HEAD` says, since
+//! `HEAD` is written only once those bytes are durable. A `HEAD` that
+//! survives a crash, whichever version of it (a lost write leaves an older
+//! one, still true: segments only grow, and every truncation below cuts at
+//! or past the synced end), therefore only ever names synced bytes, and a
+//! torn tail can only lie after them. On open `HEAD` is checked at the cost
+//! of one record: it must name the newest segment, the file must be at
+//! least that long, and the last record it names must be valid and end
+//! exactly where it says. If any of that fails (or `HEAD` is missing, torn
+//! or of another format) it is ignored, with a warning, and the newest
+//! segment is scanned whole as older builds did. The records after what
+//! `HEAD` vouches for are scanned and their checksums verified. A damaged
+//! record there with no valid record anywhere after it is a torn tail: it
+//! is truncated away, logged with `tracing::warn!`, and the number of
+//! dropped bytes is reported by [`SegmentLog::dropped_tail_bytes`]; then
+//! `HEAD` is rewritten (after the truncation's sync), so the next open does
+//! not scan them again. A damaged record that is followed by a valid one,
+//! or any damage in bytes a sealed segment's name or `HEAD` vouches for,
+//! cannot come from a crash during an append; it is reported as
+//! [`LogError::Corrupt`] naming the file and byte offset, and nothing is
+//! truncated. What is taken on a name's or `HEAD`'s word is scanned and
+//! verified the first time a read reaches its segment, and that read
+//! reports the damage, as it does a segment whose records do not number
+//! what the file names say (a segment missing) or a newest segment whose
+//! vouched part does not hold what `HEAD` says.
 //!
 //! Reads go through an in-memory index of record offsets (8 bytes per
-//! record), so `read_after(pos, max)` costs O(max) whatever the log's size.
+//! record, built for a segment by the first read that reaches it), so
+//! `read_after(pos, max)` costs O(max) whatever the log's size.
 //! Checksums are verified again on every read.
 //!
 //! The file I/O is blocking: the log is a local file and each call is short.
@@ -73,6 +103,9 @@ pub const DEFAULT_MAX_RECORD_BYTES: usize = 2 * crate::core::event::MAX_EVENT_BY
 const FORMAT_MAX_RECORD_BYTES: usize = 1 << 30;
 const SEGMENT_SUFFIX: &str = ".seg";
 const LOCK_FILE: &str = "LOCK";
+/// The head file's name and first four bytes (see the module doc).
+const HEAD_FILE: &str = "HEAD";
+const HEAD_MAGIC: [u8; 4] = *b"cfH1";
 
 fn kind_byte(origin: Origin, encoding: Encoding) -> u8 {
     let base = match origin {
@@ -144,6 +177,30 @@ impl Default for SegmentOptions {
     }
 }
 
+/// Records at the start of a segment that are known by count and size but
+/// not indexed yet: a sealed segment (its count from the file names) or
+/// the newest segment's part its head file vouches for (see the module
+/// doc). Indexed, and verified, when a read first reaches the segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Unindexed {
+    /// Records in the prefix.
+    records: u64,
+    /// Bytes the prefix spans: its records end exactly there.
+    bytes: u64,
+    /// Offset of the prefix's last record (0 when it has none).
+    last_offset: u64,
+    /// Whose word the prefix is taken on, for the error that contradicts it.
+    source: PrefixSource,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PrefixSource {
+    /// A sealed segment: its name and the next segment's.
+    Sealed,
+    /// The newest segment: the log's head file.
+    Head,
+}
+
 /// One segment file and the offsets of its records.
 #[derive(Debug)]
 struct Segment {
@@ -151,41 +208,68 @@ struct Segment {
     file: File,
     /// Position of the first record this segment holds (or will hold).
     first: Position,
-    /// Byte offset of each record, in order (empty until a sealed segment
-    /// is first read: `sealed_count`).
+    /// The records at the start of the segment not indexed yet.
+    unindexed: Option<Unindexed>,
+    /// Byte offset of each record after the unindexed prefix, in order.
     offsets: Vec<u64>,
     /// Bytes of valid records; the next append goes here.
     len: u64,
-    /// A sealed segment not scanned yet: the records its name and the next
-    /// segment's say it holds.
-    sealed_count: Option<u64>,
 }
 
 impl Segment {
     fn record_count(&self) -> u64 {
-        self.sealed_count.unwrap_or(self.offsets.len() as u64)
+        self.unindexed.map_or(0, |u| u.records) + self.offsets.len() as u64
     }
 
-    /// Scans a sealed segment the first time it is read, checking that it
-    /// holds the records the file names say.
+    /// Offset of the segment's last record, if it has one.
+    fn last_offset(&self) -> Option<u64> {
+        match (self.offsets.last(), self.unindexed) {
+            (Some(&offset), _) => Some(offset),
+            (None, Some(u)) if u.records > 0 => Some(u.last_offset),
+            _ => None,
+        }
+    }
+
+    /// Scans the unindexed prefix the first time a read reaches the
+    /// segment, checking that it holds the records its count says and ends
+    /// where its size says. Any damage in it is corruption: those bytes
+    /// were durable before anything vouched for them.
     fn ensure_indexed(&mut self) -> Result<(), LogError> {
-        let Some(expected) = self.sealed_count else {
+        let Some(prefix) = self.unindexed else {
             return Ok(());
         };
-        let scanned = scan_segment(&self.path, &mut self.file, false)?;
+        let scanned = scan_range(
+            &self.path,
+            &mut self.file,
+            0,
+            prefix.bytes,
+            ScanRule::Durable,
+        )?;
         let found = scanned.offsets.len() as u64;
-        if found != expected {
+        if found != prefix.records || scanned.valid_len != prefix.bytes {
+            let detail = match prefix.source {
+                PrefixSource::Sealed => format!(
+                    "the segment holds {found} records but the next segment starts \
+                     {} positions after it: a segment is missing or damaged",
+                    prefix.records
+                ),
+                PrefixSource::Head => format!(
+                    "the segment's first {} bytes hold {found} records but the log's head \
+                     file says {} records end at byte {}: the segment was changed behind \
+                     the log's back; delete {HEAD_FILE} to have the next open scan it",
+                    scanned.valid_len, prefix.records, prefix.bytes
+                ),
+            };
             return Err(LogError::Corrupt {
                 path: self.path.display().to_string(),
                 offset: scanned.valid_len,
-                detail: format!(
-                    "the segment holds {found} records but the next segment starts                      {expected} positions after it: a segment is missing or damaged"
-                ),
+                detail,
             });
         }
-        self.offsets = scanned.offsets;
-        self.len = scanned.valid_len;
-        self.sealed_count = None;
+        let mut offsets = scanned.offsets;
+        offsets.append(&mut self.offsets);
+        self.offsets = offsets;
+        self.unindexed = None;
         Ok(())
     }
 
@@ -211,6 +295,8 @@ pub struct SegmentLog {
     /// Holds the directory's exclusive lock for as long as the log is open;
     /// released explicitly on drop (see the `Drop` impl).
     lock: File,
+    /// The head file, once written by this handle.
+    head_file: Option<File>,
 }
 
 impl Drop for SegmentLog {
@@ -356,18 +442,37 @@ struct ScannedSegment {
     torn_at: Option<(u64, String)>,
 }
 
-fn scan_segment(path: &Path, file: &mut File, is_newest: bool) -> Result<ScannedSegment, LogError> {
-    let file_len = file.metadata().map_err(io_error(path))?.len();
-    file.seek(SeekFrom::Start(0)).map_err(io_error(path))?;
+/// How a scan treats damage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ScanRule {
+    /// Bytes of the newest segment no one vouched for: damage with no
+    /// valid record after it is a torn tail.
+    Tail,
+    /// Bytes durable before something vouched for them (a sealed segment,
+    /// or the part of the newest one the head file names): any damage is
+    /// corruption.
+    Durable,
+}
+
+/// Scans the records in bytes `[from, to)` of a segment file (`to` at most
+/// its length) and verifies their checksums.
+fn scan_range(
+    path: &Path,
+    file: &mut File,
+    from: u64,
+    to: u64,
+    rule: ScanRule,
+) -> Result<ScannedSegment, LogError> {
+    file.seek(SeekFrom::Start(from)).map_err(io_error(path))?;
     let mut reader = BufReader::with_capacity(1 << 20, &mut *file);
     let mut offsets = Vec::new();
     let mut payload = Vec::new();
-    let mut offset = 0u64;
+    let mut offset = from;
     let damage = loop {
-        if offset == file_len {
+        if offset == to {
             break None;
         }
-        match check_record(&mut reader, offset, file_len, &mut payload).map_err(io_error(path))? {
+        match check_record(&mut reader, offset, to, &mut payload).map_err(io_error(path))? {
             Ok(size) => {
                 offsets.push(offset);
                 offset += size;
@@ -388,11 +493,12 @@ fn scan_segment(path: &Path, file: &mut File, is_newest: bool) -> Result<Scanned
             torn_at: None,
         }),
         Some(Damage::Unreadable(detail)) => Err(corrupt(detail)),
-        Some(Damage::Invalid(detail)) if !is_newest => Err(corrupt(format!(
-            "{detail}, in a sealed segment (only the newest segment can have a torn tail)"
+        Some(Damage::Invalid(detail)) if rule == ScanRule::Durable => Err(corrupt(format!(
+            "{detail}, in a sealed segment or the synced part of the newest one \
+             (only bytes appended after the last sync can be a torn tail)"
         ))),
         Some(Damage::Invalid(detail)) => {
-            match find_valid_record(file, offset + 1, file_len).map_err(io_error(path))? {
+            match find_valid_record(file, offset + 1, to).map_err(io_error(path))? {
                 Some(next) => Err(corrupt(format!(
                     "{detail}, but a valid record follows at byte {next}, so this is \
                      not a torn tail from a crash; restore the log from a replica or \
@@ -408,6 +514,124 @@ fn scan_segment(path: &Path, file: &mut File, is_newest: bool) -> Result<Scanned
     }
 }
 
+/// The log's head file: how far the newest segment was synced when it was
+/// last written (see the module doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Head {
+    /// First position of the segment it describes (its file name).
+    first: Position,
+    records: u64,
+    bytes: u64,
+    /// Offset of the last of those records (0 when there are none).
+    last_offset: u64,
+}
+
+impl Head {
+    const LEN: usize = 4 + 8 * 4 + 4;
+
+    fn encode(&self) -> [u8; Head::LEN] {
+        let mut out = [0u8; Head::LEN];
+        out[0..4].copy_from_slice(&HEAD_MAGIC);
+        for (i, v) in [self.first, self.records, self.bytes, self.last_offset]
+            .into_iter()
+            .enumerate()
+        {
+            out[4 + 8 * i..12 + 8 * i].copy_from_slice(&v.to_le_bytes());
+        }
+        let crc = crc32fast::hash(&out[..Head::LEN - 4]);
+        out[Head::LEN - 4..].copy_from_slice(&crc.to_le_bytes());
+        out
+    }
+
+    /// The head a file holds, or why it is not usable (then the newest
+    /// segment is scanned whole, as if there were none).
+    fn decode(bytes: &[u8]) -> Result<Head, &'static str> {
+        if bytes.len() != Head::LEN || bytes[0..4] != HEAD_MAGIC {
+            return Err("not a head file of this format");
+        }
+        let crc = u32::from_le_bytes([
+            bytes[Head::LEN - 4],
+            bytes[Head::LEN - 3],
+            bytes[Head::LEN - 2],
+            bytes[Head::LEN - 1],
+        ]);
+        if crc32fast::hash(&bytes[..Head::LEN - 4]) != crc {
+            return Err("checksum mismatch");
+        }
+        let word = |i: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&bytes[4 + 8 * i..12 + 8 * i]);
+            u64::from_le_bytes(w)
+        };
+        Ok(Head {
+            first: word(0),
+            records: word(1),
+            bytes: word(2),
+            last_offset: word(3),
+        })
+    }
+
+    /// Whether the newest segment (`file`, `file_len` bytes, first
+    /// position `first`) still agrees with this head, checked at the cost
+    /// of one record: it names this segment, the file is at least as long,
+    /// and the last record it names is valid and ends exactly where it says.
+    fn agrees_with(
+        &self,
+        first: Position,
+        file: &mut File,
+        file_len: u64,
+    ) -> io::Result<Result<(), String>> {
+        if self.first != first {
+            return Ok(Err(format!(
+                "it describes the segment starting at {}, not the newest ({first})",
+                self.first
+            )));
+        }
+        if self.bytes > file_len {
+            return Ok(Err(format!(
+                "it names {} bytes but the segment holds {file_len}",
+                self.bytes
+            )));
+        }
+        if self.records == 0 || self.records > self.bytes / RECORD_OVERHEAD {
+            return Ok(if self.records == 0 && self.bytes == 0 {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{} records cannot span {} bytes",
+                    self.records, self.bytes
+                ))
+            });
+        }
+        if self.last_offset >= self.bytes {
+            return Ok(Err("its last record starts past its end".into()));
+        }
+        file.seek(SeekFrom::Start(self.last_offset))?;
+        let mut reader = BufReader::new(&mut *file);
+        let mut payload = Vec::new();
+        Ok(
+            match check_record(&mut reader, self.last_offset, file_len, &mut payload)? {
+                Ok(size) if self.last_offset + size == self.bytes => Ok(()),
+                Ok(_) => Err("its last record does not end where it says".into()),
+                Err(Damage::Invalid(d) | Damage::Unreadable(d)) => {
+                    Err(format!("its last record is not valid: {d}"))
+                }
+            },
+        )
+    }
+}
+
+/// The head file of the log in `dir`: `None` when there is none (a log
+/// written before head files, or never synced), `Some(Err(why))` when it
+/// cannot be used.
+fn read_head(dir: &Path) -> Option<Result<Head, String>> {
+    match fs::read(dir.join(HEAD_FILE)) {
+        Ok(bytes) => Some(Head::decode(&bytes).map_err(String::from)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+        Err(e) => Some(Err(format!("reading it failed: {e}"))),
+    }
+}
+
 impl SegmentLog {
     /// Opens (creating if needed) the log in `dir` with default options.
     pub fn open(dir: &Path) -> Result<Self, LogError> {
@@ -415,8 +639,9 @@ impl SegmentLog {
     }
 
     /// Opens (creating if needed) the log in `dir`: takes the directory lock,
-    /// scans and verifies the newest segment, and truncates a torn tail
-    /// (sealed segments are verified when first read).
+    /// scans and verifies what the newest segment holds past its `HEAD`
+    /// (all of it, without a usable one), and truncates a torn tail (the
+    /// rest is verified when a read first reaches it: see the module doc).
     pub fn open_with(dir: &Path, options: SegmentOptions) -> Result<Self, LogError> {
         let options = SegmentOptions {
             segment_bytes: options.segment_bytes.max(1),
@@ -473,12 +698,14 @@ impl SegmentLog {
             deferred: false,
             unsynced: false,
             lock,
+            head_file: None,
         };
         if firsts.is_empty() {
             log.create_segment(1)?;
             return Ok(log);
         }
-        let count = firsts.len();
+        let head = read_head(dir);
+        let mut truncated = false;
         for (i, &first) in firsts.iter().enumerate() {
             let path = dir.join(segment_file_name(first));
             let mut file = OpenOptions::new()
@@ -486,22 +713,54 @@ impl SegmentLog {
                 .write(true)
                 .open(&path)
                 .map_err(io_error(&path))?;
+            let file_len = file.metadata().map_err(io_error(&path))?.len();
             if let Some(&next) = firsts.get(i + 1) {
                 // Sealed: indexed when first read (see the module doc).
-                let len = file.metadata().map_err(io_error(&path))?.len();
                 log.segments.push(Segment {
                     path,
                     file,
                     first,
+                    unindexed: Some(Unindexed {
+                        records: next - first,
+                        bytes: file_len,
+                        last_offset: 0,
+                        source: PrefixSource::Sealed,
+                    }),
                     offsets: Vec::new(),
-                    len,
-                    sealed_count: Some(next - first),
+                    len: file_len,
                 });
                 continue;
             }
-            let scanned = scan_segment(&path, &mut file, i + 1 == count)?;
+            // The newest segment: what the head vouches for is taken on its
+            // word (checked by its last record), the rest is scanned.
+            let vouched = match &head {
+                Some(Ok(head)) => match head
+                    .agrees_with(first, &mut file, file_len)
+                    .map_err(io_error(&path))?
+                {
+                    Ok(()) => Some(*head),
+                    Err(why) => {
+                        tracing::warn!(
+                            path = %path.display(),
+                            reason = %why,
+                            "event log: the head file does not match the newest segment; scanning it whole"
+                        );
+                        None
+                    }
+                },
+                Some(Err(why)) => {
+                    tracing::warn!(
+                        dir = %dir.display(),
+                        reason = %why,
+                        "event log: the head file is not usable; scanning the newest segment whole"
+                    );
+                    None
+                }
+                None => None,
+            };
+            let from = vouched.map_or(0, |h| h.bytes);
+            let scanned = scan_range(&path, &mut file, from, file_len, ScanRule::Tail)?;
             if let Some((offset, reason)) = scanned.torn_at {
-                let file_len = file.metadata().map_err(io_error(&path))?.len();
                 let dropped = file_len - offset;
                 file.set_len(offset).map_err(io_error(&path))?;
                 file.sync_all().map_err(io_error(&path))?;
@@ -513,17 +772,67 @@ impl SegmentLog {
                     "event log: truncated a torn tail left by an interrupted append"
                 );
                 log.dropped_tail_bytes += dropped;
+                truncated = true;
             }
             log.segments.push(Segment {
                 path,
                 file,
                 first,
+                unindexed: vouched.filter(|h| h.records > 0).map(|h| Unindexed {
+                    records: h.records,
+                    bytes: h.bytes,
+                    last_offset: h.last_offset,
+                    source: PrefixSource::Head,
+                }),
                 offsets: scanned.offsets,
                 len: scanned.valid_len,
-                sealed_count: None,
             });
         }
+        if truncated {
+            // The open changed the segment anyway, and what it kept is on
+            // disk (read back from the file, the truncation synced): the
+            // next open need not scan it again. An open that changed
+            // nothing writes nothing (reading never rewrites the log); the
+            // next sync moves the head.
+            log.write_head();
+        }
         Ok(log)
+    }
+
+    /// Records the newest segment's synced extent in the head file. Called
+    /// only when everything in the newest segment is durable. Not synced
+    /// itself, and a failure only costs the next open a longer scan: an
+    /// older or lost head file still describes synced bytes (see the
+    /// module doc).
+    fn write_head(&mut self) {
+        let newest = &self.segments[self.segments.len() - 1];
+        let head = Head {
+            first: newest.first,
+            records: newest.record_count(),
+            bytes: newest.len,
+            last_offset: newest.last_offset().unwrap_or(0),
+        };
+        let path = self.dir.join(HEAD_FILE);
+        let written = match &mut self.head_file {
+            Some(file) => Ok(file),
+            None => OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(&path)
+                .map(|file| self.head_file.insert(file)),
+        }
+        .and_then(|file| {
+            file.seek(SeekFrom::Start(0))?;
+            file.write_all(&head.encode())
+        });
+        if let Err(e) = written {
+            self.head_file = None;
+            tracing::warn!(
+                path = %path.display(),
+                "event log: writing the head file failed (the next open scans the newest segment): {e}"
+            );
+        }
     }
 
     fn create_segment(&mut self, first: Position) -> Result<(), LogError> {
@@ -541,9 +850,9 @@ impl SegmentLog {
             path,
             file,
             first,
+            unindexed: None,
             offsets: Vec::new(),
             len: 0,
-            sealed_count: None,
         });
         Ok(())
     }
@@ -653,6 +962,8 @@ impl SegmentLog {
         if newest.len > 0 && newest.len + size > segment_bytes {
             let next = newest.first + newest.record_count();
             self.create_segment(next)?;
+            // Empty, hence wholly synced: the head moves to it.
+            self.write_head();
         }
         Ok(())
     }
@@ -684,7 +995,14 @@ impl SegmentLog {
         }
         newest.offsets.extend(starts.iter().map(|s| base + s));
         newest.len = base + frames.len() as u64;
-        self.unsynced |= self.deferred;
+        if deferred {
+            self.unsynced = true;
+        } else {
+            // The fdatasync covered every byte of the file, deferred ones
+            // included.
+            self.unsynced = false;
+            self.write_head();
+        }
         Ok(())
     }
 
@@ -709,6 +1027,7 @@ impl SegmentLog {
             let newest = self.newest();
             newest.file.sync_data().map_err(io_error(&newest.path))?;
             self.unsynced = false;
+            self.write_head();
         }
         Ok(())
     }
@@ -1087,6 +1406,11 @@ mod tests {
         let len_before = log.size_bytes();
         let offsets = log.segments[0].offsets.clone();
         drop(log);
+        // Without a head file the whole segment is scanned on open (for
+        // damage in what the head vouches for, see
+        // `damage_in_what_the_head_vouches_for_is_found_by_the_first_read`);
+        // an open that fails writes none.
+        fs::remove_file(dir.path().join(HEAD_FILE)).unwrap();
 
         // A payload byte of record 4, then (separately) its length field.
         for (flip_at, _what) in [
@@ -1178,16 +1502,14 @@ mod tests {
         let mut log = SegmentLog::open_with(dir.path(), options).unwrap();
         let sealed = log.segments.len() - 1;
         assert!(sealed > 1);
-        assert!(log.segments[..sealed]
-            .iter()
-            .all(|s| s.sealed_count.is_some()));
+        assert!(log.segments[..sealed].iter().all(|s| s.unindexed.is_some()));
         assert_eq!(log.last_position_sync(), 30);
         // A read in the middle indexes just the segment it reaches.
         let middle = log.segments[1].first;
         let got = log.read_after_sync(middle - 1, 1).unwrap();
         assert_eq!(got[0].position, middle);
-        assert!(log.segments[0].sealed_count.is_some());
-        assert!(log.segments[1].sealed_count.is_none());
+        assert!(log.segments[0].unindexed.is_some());
+        assert!(log.segments[1].unindexed.is_none());
         check_all(&mut log, 30);
         // Appends continue after the newest record.
         let p = log
@@ -1266,5 +1588,341 @@ mod tests {
         assert_eq!(kind_byte(Legacy, Msgpack), 1);
         assert_eq!(kind_byte(Legacy, Json), 2);
         assert_eq!(kind_from_byte(7), None);
+    }
+
+    fn head_of(dir: &Path) -> Head {
+        Head::decode(&fs::read(dir.join(HEAD_FILE)).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn damage_in_what_the_head_vouches_for_is_found_by_the_first_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = SegmentLog::open(dir.path()).unwrap();
+        fill(&mut log, 10);
+        let path = newest_path(&log);
+        let len_before = log.size_bytes();
+        let offsets = log.segments[0].offsets.clone();
+        drop(log);
+        flip_byte(&path, offsets[2] + RECORD_OVERHEAD + 1);
+        // Opening reads the head and its last record, not the rest.
+        let mut log = SegmentLog::open(dir.path()).unwrap();
+        assert_eq!(log.last_position_sync(), 10);
+        assert_eq!(log.dropped_tail_bytes(), 0);
+        let err = log.read_after_sync(8, 2).unwrap_err();
+        match &err {
+            LogError::Corrupt { offset, detail, .. } => {
+                assert_eq!(*offset, offsets[2], "{err}");
+                assert!(detail.contains("synced part"), "{err}");
+            }
+            other => panic!("expected Corrupt, got {other}"),
+        }
+        assert_eq!(fs::metadata(&path).unwrap().len(), len_before);
+    }
+
+    #[test]
+    fn torn_tail_after_the_head_is_truncated_and_records_after_it_are_found() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = SegmentLog::open(dir.path()).unwrap();
+        fill(&mut log, 6);
+        // Two records written after the last sync (the head says 6), then a
+        // torn third one.
+        for i in 6..8 {
+            log.append_deferred(Origin::Agent, encoding_of(i), &payload(i))
+                .unwrap();
+        }
+        let path = newest_path(&log);
+        let clean_len = log.size_bytes();
+        drop(log);
+        assert_eq!(head_of(dir.path()).records, 6);
+        let mut frame = Vec::new();
+        frame_record(&mut frame, Origin::Agent, Encoding::Json, &[7u8; 300]);
+        let mut f = OpenOptions::new().append(true).open(&path).unwrap();
+        f.write_all(&frame[..150]).unwrap();
+        drop(f);
+
+        let mut log = SegmentLog::open(dir.path()).unwrap();
+        assert_eq!(log.dropped_tail_bytes(), 150);
+        assert_eq!(fs::metadata(&path).unwrap().len(), clean_len);
+        assert_eq!(log.last_position_sync(), 8);
+        let head = head_of(dir.path());
+        assert_eq!((head.records, head.bytes), (8, clean_len));
+        check_all(&mut log, 8);
+        drop(log);
+        let mut log = SegmentLog::open(dir.path()).unwrap();
+        assert_eq!(log.dropped_tail_bytes(), 0);
+        check_all(&mut log, 8);
+    }
+
+    #[test]
+    fn an_unusable_head_is_ignored_and_the_newest_segment_scanned() {
+        // Sealed segments, and a newest one of several records.
+        let dir = tempfile::tempdir().unwrap();
+        let options = SegmentOptions {
+            segment_bytes: 500,
+            ..SegmentOptions::default()
+        };
+        let mut log = SegmentLog::open_with(dir.path(), options).unwrap();
+        fill(&mut log, 30);
+        assert!(log.segment_count() > 2);
+        let newest = &log.segments[log.segments.len() - 1];
+        let good = Head {
+            first: newest.first,
+            records: newest.record_count(),
+            bytes: newest.len,
+            last_offset: newest.last_offset().unwrap(),
+        };
+        let path = newest.path.clone();
+        assert!(newest.offsets.len() >= 2, "{:?}", newest.offsets);
+        let second_last = newest.offsets[newest.offsets.len() - 2];
+        drop(log);
+        assert_eq!(head_of(dir.path()), good);
+        let encoded = |h: Head| h.encode().to_vec();
+        let mut bad_crc = good.encode().to_vec();
+        bad_crc[10] ^= 1;
+        let cases: Vec<(&str, Option<Vec<u8>>)> = vec![
+            ("missing", None),
+            ("empty", Some(Vec::new())),
+            ("half written", Some(good.encode()[..20].to_vec())),
+            ("garbage", Some(vec![0xAB; Head::LEN])),
+            ("bad checksum", Some(bad_crc)),
+            ("another segment", Some(encoded(Head { first: 1, ..good }))),
+            (
+                "longer than the file",
+                Some(encoded(Head {
+                    bytes: good.bytes + 1,
+                    ..good
+                })),
+            ),
+            (
+                "last record elsewhere",
+                Some(encoded(Head {
+                    last_offset: second_last,
+                    ..good
+                })),
+            ),
+            (
+                "last record not at a record",
+                Some(encoded(Head {
+                    last_offset: good.last_offset + 1,
+                    ..good
+                })),
+            ),
+            (
+                "more records than bytes allow",
+                Some(encoded(Head {
+                    records: good.bytes,
+                    ..good
+                })),
+            ),
+        ];
+        for (what, bytes) in cases {
+            match &bytes {
+                Some(b) => fs::write(dir.path().join(HEAD_FILE), b).unwrap(),
+                None => fs::remove_file(dir.path().join(HEAD_FILE)).unwrap(),
+            }
+            let mut log = SegmentLog::open_with(dir.path(), options).unwrap();
+            let newest = &log.segments[log.segments.len() - 1];
+            assert!(newest.unindexed.is_none(), "{what}: scanned whole");
+            assert_eq!(log.last_position_sync(), 30, "{what}");
+            assert_eq!(log.dropped_tail_bytes(), 0, "{what}");
+            check_all(&mut log, 30);
+            drop(log);
+            // Opening changed nothing; the next sync writes a good head.
+            let after = fs::read(dir.path().join(HEAD_FILE)).ok();
+            assert_eq!(after, bytes, "{what}: an open wrote the head");
+            assert_eq!(fs::metadata(&path).unwrap().len(), good.bytes, "{what}");
+        }
+    }
+
+    #[test]
+    fn a_head_that_miscounts_its_records_is_caught_by_the_first_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = SegmentLog::open(dir.path()).unwrap();
+        fill(&mut log, 10);
+        drop(log);
+        let good = head_of(dir.path());
+        let wrong = Head { records: 7, ..good };
+        fs::write(dir.path().join(HEAD_FILE), wrong.encode()).unwrap();
+        let mut log = SegmentLog::open(dir.path()).unwrap();
+        let err = log.read_all_sync().unwrap_err();
+        assert!(
+            matches!(&err, LogError::Corrupt { detail, .. } if detail.contains("head file says")),
+            "{err}"
+        );
+    }
+
+    mod reopen {
+        //! Whatever was appended, synced, lost in a crash or done to the
+        //! head file, a log reopened with its head reads exactly what the
+        //! same files scanned whole read.
+        use super::*;
+        use proptest::prelude::*;
+
+        #[derive(Debug, Clone)]
+        enum Step {
+            Append(usize),
+            Batch(Vec<usize>),
+            Deferred(usize),
+            Sync,
+            Reopen,
+            /// Drop the log, keep `keep` per mille of what the newest
+            /// segment holds past its synced end, then `garbage` bytes.
+            Crash {
+                keep: u16,
+                garbage: usize,
+            },
+            /// Save the head file now, to put it back later (a lost write).
+            SaveHead,
+            RestoreHead,
+            DeleteHead,
+            MangleHead(usize),
+        }
+
+        fn step() -> impl Strategy<Value = Step> {
+            prop_oneof![
+                4 => (0usize..120).prop_map(Step::Append),
+                2 => proptest::collection::vec(0usize..120, 0..6).prop_map(Step::Batch),
+                3 => (0usize..120).prop_map(Step::Deferred),
+                1 => Just(Step::Sync),
+                2 => Just(Step::Reopen),
+                2 => (0u16..=1000, 0usize..40).prop_map(|(keep, garbage)| Step::Crash { keep, garbage }),
+                1 => Just(Step::SaveHead),
+                1 => Just(Step::RestoreHead),
+                1 => Just(Step::DeleteHead),
+                1 => (0usize..Head::LEN).prop_map(Step::MangleHead),
+            ]
+        }
+
+        fn bytes_of(i: usize, size: usize) -> Vec<u8> {
+            (0..size).map(|j| (i * 31 + j) as u8).collect()
+        }
+
+        /// Opens `dir` as it is and, in a copy without its head file,
+        /// scanned whole; both must agree. Returns the first.
+        fn open_and_compare(dir: &Path, options: SegmentOptions) -> SegmentLog {
+            let copy = tempfile::tempdir().unwrap();
+            for entry in fs::read_dir(dir).unwrap() {
+                let entry = entry.unwrap();
+                let name = entry.file_name();
+                if name != HEAD_FILE && name != LOCK_FILE {
+                    fs::copy(entry.path(), copy.path().join(&name)).unwrap();
+                }
+            }
+            let mut scanned = SegmentLog::open_with(copy.path(), options).unwrap();
+            let mut log = SegmentLog::open_with(dir, options).unwrap();
+            assert_eq!(log.last_position_sync(), scanned.last_position_sync());
+            assert_eq!(log.dropped_tail_bytes(), scanned.dropped_tail_bytes());
+            assert_eq!(log.size_bytes(), scanned.size_bytes());
+            assert_eq!(
+                log.read_all_sync().unwrap(),
+                scanned.read_all_sync().unwrap()
+            );
+            log
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(64))]
+            #[test]
+            fn reopening_with_the_head_reads_what_a_full_scan_reads(
+                steps in proptest::collection::vec(step(), 1..40),
+            ) {
+                let dir = tempfile::tempdir().unwrap();
+                let options = SegmentOptions { segment_bytes: 400, ..SegmentOptions::default() };
+                let mut log = SegmentLog::open_with(dir.path(), options).unwrap();
+                // Every record appended, in order; those up to `durable`
+                // were synced and must survive anything.
+                let mut model: Vec<Vec<u8>> = Vec::new();
+                // Deferred records since the last sync (a roll syncs too).
+                let mut pending = 0usize;
+                let mut saved_head: Option<Vec<u8>> = None;
+                let head_path = dir.path().join(HEAD_FILE);
+                for (i, step) in steps.into_iter().enumerate() {
+                    match step {
+                        Step::Append(n) => {
+                            pending = 0;
+                            model.push(bytes_of(i, n));
+                            log.append_sync(Origin::Agent, Encoding::Msgpack, &bytes_of(i, n)).unwrap();
+                        }
+                        Step::Batch(sizes) => {
+                            let batch: Vec<_> = sizes.iter().enumerate()
+                                .map(|(k, &n)| (Origin::Service, Encoding::Json, bytes_of(i * 7 + k, n)))
+                                .collect();
+                            model.extend(batch.iter().map(|b| b.2.clone()));
+                            log.append_batch_sync(&batch).unwrap();
+                            if !batch.is_empty() {
+                                pending = 0;
+                            }
+                        }
+                        Step::Deferred(n) => {
+                            model.push(bytes_of(i, n));
+                            let segments = log.segment_count();
+                            log.append_deferred(Origin::Agent, Encoding::Msgpack, &bytes_of(i, n)).unwrap();
+                            if log.segment_count() != segments {
+                                pending = 0;
+                            }
+                            pending += 1;
+                        }
+                        Step::Sync => {
+                            pending = 0;
+                            log.sync_now().unwrap();
+                        }
+                        Step::Reopen => {
+                            pending = 0;
+                            log.sync_now().unwrap();
+                            drop(log);
+                            log = open_and_compare(dir.path(), options);
+                        }
+                        Step::Crash { keep, garbage } => {
+                            let newest = &log.segments[log.segments.len() - 1];
+                            let (path, len) = (newest.path.clone(), newest.len);
+                            // Deferred records sit at the end of the
+                            // newest segment (a roll syncs first), after
+                            // its synced part.
+                            let durable = model.len() - pending;
+                            let synced = if pending > 0 {
+                                newest.offsets[newest.offsets.len() - pending]
+                            } else {
+                                len
+                            };
+                            drop(log);
+                            let cut = synced + (len - synced) * u64::from(keep) / 1000;
+                            let f = OpenOptions::new().write(true).open(&path).unwrap();
+                            f.set_len(cut).unwrap();
+                            drop(f);
+                            let mut f = OpenOptions::new().append(true).open(&path).unwrap();
+                            f.write_all(&vec![0x5A; garbage]).unwrap();
+                            drop(f);
+                            log = open_and_compare(dir.path(), options);
+                            let n = log.last_position_sync() as usize;
+                            prop_assert!(n >= durable && n <= model.len(), "{n} of {} ({durable} durable)", model.len());
+                            model.truncate(n);
+                            pending = 0;
+                        }
+                        Step::SaveHead => saved_head = fs::read(&head_path).ok(),
+                        Step::RestoreHead => {
+                            if let Some(h) = &saved_head {
+                                fs::write(&head_path, h).unwrap();
+                            }
+                        }
+                        Step::DeleteHead => {
+                            let _ = fs::remove_file(&head_path);
+                        }
+                        Step::MangleHead(at) => {
+                            if let Ok(mut h) = fs::read(&head_path) {
+                                if let Some(b) = h.get_mut(at) {
+                                    *b ^= 0x10;
+                                }
+                                fs::write(&head_path, h).unwrap();
+                            }
+                        }
+                    }
+                }
+                log.sync_now().unwrap();
+                drop(log);
+                let mut log = open_and_compare(dir.path(), options);
+                let read: Vec<Vec<u8>> = log.read_all_sync().unwrap().into_iter().map(|r| r.bytes.to_vec()).collect();
+                prop_assert_eq!(read, model);
+            }
+        }
     }
 }

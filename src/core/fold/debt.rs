@@ -55,6 +55,7 @@ impl FoldContext<'_> {
         c.rolling_due = false;
         c.rolling = None;
         c.rolling_through = None;
+        c.rolling_tokens = None;
         c.recent_user_turns.clear();
         let reason = r
             .reason

@@ -404,6 +404,9 @@ impl FoldContext<'_> {
                 }
                 self.conv.rolling = Some(r.state.clone());
                 self.conv.rolling_through = Some(r.through_turn);
+                let encoding = self.conv.encoding;
+                self.conv.rolling_tokens =
+                    Some((encoding, assembly::rolling_tokens(encoding, &r.state)));
                 self.conv.rolling_due = false;
                 self.conv.turns_since_rolling = 0;
                 self.conv.consecutive_tool_calls = 0;

@@ -452,6 +452,13 @@ pub struct Conversation {
     pub rolling_due: bool,
     pub rolling: Option<RollingState>,
     pub rolling_through: Option<u64>,
+    /// Tokens the rolling state costs in context (its rendered message),
+    /// by the encoding it was counted with: counted once when it is
+    /// folded, so assembling a context counts nothing it already knows
+    /// (and a cold query need not load a tokenizer). Absent in stores
+    /// written before it was kept: assembly counts it then.
+    #[serde(default)]
+    pub rolling_tokens: Option<(tokens::Encoding, u64)>,
     /// Recent long user turns (time, turn) for duplicate detection.
     pub recent_user_turns: Vec<(u64, SeenTurn)>,
     pub flood: FloodWindow,
@@ -494,6 +501,7 @@ impl Conversation {
             rolling_due: false,
             rolling: None,
             rolling_through: None,
+            rolling_tokens: None,
             recent_user_turns: Vec::new(),
             flood: FloodWindow::default(),
             rejections: 0,

@@ -119,8 +119,22 @@ pub fn longest_prefix(text: &str, fits: impl Fn(usize) -> bool) -> usize {
     bounds[lo]
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Texts counted on this thread, for tests that check what needs no count.
+    static TEXTS_COUNTED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// How many texts [`count_text`] was asked to count on this thread.
+#[cfg(test)]
+pub(crate) fn texts_counted() -> u64 {
+    TEXTS_COUNTED.with(std::cell::Cell::get)
+}
+
 /// Counts tokens of text (the same count as tiktoken's `encode_ordinary`).
 pub fn count_text(encoding: Encoding, text: &str) -> u64 {
+    #[cfg(test)]
+    TEXTS_COUNTED.with(|n| n.set(n.get() + 1));
     if text.is_empty() {
         return 0;
     }
