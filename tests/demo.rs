@@ -65,7 +65,10 @@ fn the_demo_explains_itself_keeps_its_store_with_data_and_prints_one_hash_everyw
         .nth(1)
         .and_then(|rest| rest.split(' ').next())
         .and_then(|n| n.parse::<u32>().ok());
-    assert!(compacted.is_some_and(|n| n > 0), "no `Compacted N times` in:\n{first}");
+    assert!(
+        compacted.is_some_and(|n| n > 0),
+        "no `Compacted N times` in:\n{first}"
+    );
 
     // Kept: the same hash, and the store the next commands read.
     let data = dir.path().join("demo data");
