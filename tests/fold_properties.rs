@@ -219,7 +219,7 @@ proptest! {
         let input = events("c:asm", &steps);
         let (state, _) = run_pipeline(&policy, &input, 5);
         let conv = &state.conversations["c:asm"];
-        let out = assembly::assemble(conv, &policy, &AssemblyRequest { budget: Some(budget), prompt: None, prompt_aware_eviction: false }).unwrap();
+        let out = assembly::assemble(conv, &policy, &AssemblyRequest { budget: Some(budget), prompt: None, prompt_aware_eviction: false, summaries_as_they_are: false }).unwrap();
         prop_assert!(assembly::check_tool_pairing(&out.messages).is_ok(), "{:?}", assembly::check_tool_pairing(&out.messages));
         if !out.over_budget {
             prop_assert!(out.tokens <= budget, "{} > {}", out.tokens, budget);

@@ -163,6 +163,7 @@ fn raw_newest() -> Option<Shape> {
             budget: Some(CONTEXT_TOKENS),
             prompt: None,
             prompt_aware_eviction: false,
+            summaries_as_they_are: false,
         },
     })
 }
@@ -221,6 +222,7 @@ fn raw_all() -> Shape {
             budget: Some(budget),
             prompt: None,
             prompt_aware_eviction: false,
+            summaries_as_they_are: false,
         },
     }
 }

@@ -27,6 +27,11 @@ pub struct AssembleRequest {
     /// lists the items kept that way.
     #[serde(default)]
     pub prompt_aware_eviction: bool,
+    /// Summaries as they are (default false): the room left is not given
+    /// back by opening summaries into what they cover, so the answer
+    /// changes only when the summaries do (the gateway's summary block).
+    #[serde(default)]
+    pub summaries_as_they_are: bool,
     /// The context the agent already holds (from an earlier reply's
     /// `delta`): when it is still the start of the context, only the
     /// messages after it are sent. The reply then carries a `delta`.
@@ -157,6 +162,7 @@ pub fn assemble_borrowed(
             budget: req.budget,
             prompt: req.prompt.clone(),
             prompt_aware_eviction: req.prompt_aware_eviction,
+            summaries_as_they_are: req.summaries_as_they_are,
         },
     )?;
     let (left_out_count, left_out_tokens) = cap_left_out(&mut assembled.left_out);
@@ -183,6 +189,7 @@ mod tests {
             budget,
             prompt: None,
             prompt_aware_eviction: false,
+            summaries_as_they_are: false,
             since: None,
         }
     }

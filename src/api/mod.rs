@@ -661,6 +661,7 @@ mod tests {
             budget: Some(2_000),
             prompt: None,
             prompt_aware_eviction: false,
+            summaries_as_they_are: false,
             // With the `delta` field.
             since: Some(assemble::Since {
                 messages: 0,

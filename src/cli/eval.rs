@@ -422,6 +422,7 @@ async fn eval_file<S: PassSummarizer, L: EventLog>(
         budget: Some(budget),
         prompt: None,
         prompt_aware_eviction: false,
+        summaries_as_they_are: false,
     };
     report.prompt_aware.budget = PromptAwareEffect::budget(budget);
     for event in conversations.iter().flat_map(|c| &c.events) {
@@ -440,9 +441,11 @@ async fn eval_file<S: PassSummarizer, L: EventLog>(
                     budget: Some(PromptAwareEffect::budget(budget)),
                     prompt: Some(prompt),
                     prompt_aware_eviction: false,
+                    summaries_as_they_are: false,
                 };
                 let aware = AssemblyRequest {
                     prompt_aware_eviction: true,
+                    summaries_as_they_are: false,
                     ..plain.clone()
                 };
                 let bodies = p.engine.bodies();

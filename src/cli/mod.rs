@@ -411,6 +411,7 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
                     budget,
                     prompt,
                     prompt_aware_eviction: prompt_aware,
+                    summaries_as_they_are: false,
                 };
                 local::assemble(&config, &conversation, at.as_deref(), request, json)
             } else {
@@ -420,6 +421,7 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
                     budget,
                     prompt,
                     prompt_aware_eviction: prompt_aware,
+                    summaries_as_they_are: false,
                     since: None,
                 };
                 query::run(&config, &nats, Query::Assemble(request), output)

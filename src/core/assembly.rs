@@ -29,6 +29,13 @@ pub struct AssemblyRequest {
     /// prompt, or when everything fits, it changes nothing.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub prompt_aware_eviction: bool,
+    /// Summaries as they are (off unless asked): the room left is not
+    /// given back (no summary opened into what it covers, no user turn
+    /// under a summary added, no masked output restored), so what is sent
+    /// changes only when the summaries do. The gateway's summary block is
+    /// built this way: a provider's prompt cache keeps hitting.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub summaries_as_they_are: bool,
 }
 
 /// Where an assembled message came from.
@@ -396,15 +403,18 @@ pub fn assemble_from(
         used += t;
     }
 
-    // Step 2: give the room back.
-    let mut room = budget.saturating_sub(used);
-    let room_before = room;
-    let users = user_turns_back(conv, bodies, &older, budget, &mut room)?;
+    // Step 2: give the room back (unless summaries go as they are).
+    let mut users = BTreeSet::new();
     let mut expanded = Vec::new();
-    open_condensed(conv, &mut older, &mut room, &mut expanded);
-    open_leaves(conv, bodies, &users, &mut older, &mut room, &mut expanded)?;
-    unmask(&mut older, &mut room);
-    used = (used + room_before).saturating_sub(room);
+    if !req.summaries_as_they_are {
+        let mut room = budget.saturating_sub(used);
+        let room_before = room;
+        users = user_turns_back(conv, bodies, &older, budget, &mut room)?;
+        open_condensed(conv, &mut older, &mut room, &mut expanded);
+        open_leaves(conv, bodies, &users, &mut older, &mut room, &mut expanded)?;
+        unmask(&mut older, &mut room);
+        used = (used + room_before).saturating_sub(room);
+    }
 
     // Step 3: in conversation order.
     let mut messages = Vec::with_capacity(older.len() + fresh_slots.len() + users.len() + 1);
@@ -558,7 +568,10 @@ fn user_turns_back(
     room: &mut u64,
 ) -> Result<BTreeSet<u64>, BodyError> {
     let mut users = BTreeSet::new();
-    let cap = budget * USER_TURNS_SHARE_PERCENT / 100;
+    // Without overflow for any budget a request may name (the gateway
+    // asks with a quarter of u64's range to mean "no budget").
+    let cap =
+        budget / 100 * USER_TURNS_SHARE_PERCENT + budget % 100 * USER_TURNS_SHARE_PERCENT / 100;
     let mut taken = 0u64;
     // The user turns under the summaries kept, newest first.
     let mut candidates: Vec<u64> = Vec::new();
@@ -1138,6 +1151,31 @@ mod tests {
         assert_eq!(out.expanded, vec![conv.summaries[0].id.clone()]);
         assert_eq!(out.sources[0], Source::Turn { seq: 0 });
         assert_eq!(out.tokens, sent(&out));
+        // Any budget a request names is taken without overflow (the
+        // gateway asks with a quarter of u64's range for "no budget").
+        for budget in [u64::MAX / 4, u64::MAX] {
+            let huge = AssemblyRequest {
+                budget: Some(budget),
+                ..AssemblyRequest::default()
+            };
+            let out = assemble(conv, &cfg, &huge).unwrap();
+            assert_eq!(out.sources[0], Source::Turn { seq: 0 });
+            assert_eq!(out.tokens, sent(&out));
+        }
+        // Summaries as they are: not opened, whatever the room.
+        let whole = AssemblyRequest {
+            budget: Some(u64::MAX / 4),
+            summaries_as_they_are: true,
+            ..AssemblyRequest::default()
+        };
+        let out = assemble(conv, &cfg, &whole).unwrap();
+        assert!(
+            matches!(out.sources[0], Source::Summary { .. }),
+            "{:?}",
+            out.sources
+        );
+        assert!(out.expanded.is_empty());
+        assert_eq!(out.tokens, sent(&out));
     }
 
     /// The rolling state's tokens are counted once, when it is folded:
@@ -1229,6 +1267,7 @@ mod tests {
                 budget: Some(60),
                 prompt: None,
                 prompt_aware_eviction: false,
+                summaries_as_they_are: false,
             },
         )
         .unwrap();
@@ -1259,6 +1298,7 @@ mod tests {
                     budget: Some(60),
                     prompt: None,
                     prompt_aware_eviction: false,
+                    summaries_as_they_are: false,
                 }
             )
             .unwrap()
@@ -1305,6 +1345,7 @@ mod tests {
             budget: Some(150),
             prompt: Some("What did the invoice search find?".into()),
             prompt_aware_eviction: aware,
+            summaries_as_they_are: false,
         };
         let plain = assemble(conv, &cfg, &request(false)).unwrap();
         let aware = assemble(conv, &cfg, &request(true)).unwrap();

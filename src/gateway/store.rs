@@ -638,6 +638,8 @@ async fn assemble_over_nats(
         budget: Some(u64::MAX / 4),
         prompt: None,
         prompt_aware_eviction: false,
+        // The block changes only when the summaries do.
+        summaries_as_they_are: true,
         since: None,
     })
     .ok()?;
