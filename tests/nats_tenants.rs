@@ -581,9 +581,17 @@ async fn an_agent_reaches_only_its_own_conversation() {
         || folded(&service, A).map(|c| c.1) == Some(1),
     )
     .await;
+    // At a budget of the context as folded (the summary at its own size),
+    // so that assembly does not open the summary back into its turns.
+    let context = a.ask(&api("status", A), json!({ "conversation": A })).await["tokens"]["context"]
+        .as_u64()
+        .expect("status gives the context's tokens");
     let summarized = assembled_text(
-        &a.ask(&api("assemble", A), json!({ "conversation": A }))
-            .await,
+        &a.ask(
+            &api("assemble", A),
+            json!({ "conversation": A, "budget": context }),
+        )
+        .await,
     );
     assert!(
         summarized.contains("FORGED SUMMARY of agent one"),

@@ -410,14 +410,16 @@ async fn every_family_is_exported_from_start_up_and_every_dashboard_and_alert_qu
         eprintln!("skipping: no prometheus binary (apt-get install -y prometheus)");
         return;
     };
-    // A model that answers every summary request differently (one fixed
-    // text would be refused as a copy of the previous summary).
-    let rules = serde_json::json!({"rules": [
-        {"name": "summary", "when": {"model_matches": "good"}, "respond": {}}
-    ]});
-    let Some(llm) = llm_server::FakeLlm::start(&rules.to_string()).await else {
-        return;
-    };
+    // A model that answers every summary request differently, in the
+    // handover shape and keeping the user's words (one fixed text would be
+    // refused as a copy, an echo as below the deterministic summary).
+    let llm = llm_server::ScriptedServer::start(|req| {
+        llm_server::Scripted::json(
+            200,
+            llm_server::completion(&req.model(), &llm_server::handover_answer(&req.body)),
+        )
+    })
+    .await;
     let server = NatsServer::start();
     let dir = tempfile::tempdir().unwrap();
     let http_port = free_port();
@@ -567,7 +569,7 @@ async fn every_family_is_exported_from_start_up_and_every_dashboard_and_alert_qu
                 panic!(
                     "{promql} is {got}, wanted {at_least} (serve exited: {exited:?}; model \
                      requests {}); serve log, newest first:\n{}",
-                    llm.total().await,
+                    llm.received().len(),
                     tail.join("\n")
                 );
             }

@@ -499,6 +499,98 @@ pub fn completion(model: &str, content: &str) -> serde_json::Value {
     })
 }
 
+/// What a diligent small model answers to a summarizer request (the
+/// OpenAI chat body): the handover shape the prompts ask for, keeping a
+/// few content words of every user turn and child summary in the data
+/// block, so validation's floor (the user's requests, as the deterministic
+/// summary keeps them) holds, and different for every span. A rolling
+/// state request is answered in its five sections.
+pub fn handover_answer(body: &serde_json::Value) -> String {
+    const GLUE: &[&str] = &[
+        "that", "this", "with", "from", "have", "what", "when", "then", "there", "they", "them",
+        "their", "would", "could", "should", "about", "into", "also", "just", "like", "want",
+        "need", "please", "make", "sure", "some", "more", "very", "only", "which", "will", "does",
+        "doing", "been", "were", "your", "here", "than", "each", "other",
+    ];
+    let prompt = body["messages"]
+        .as_array()
+        .and_then(|m| m.iter().rev().find(|m| m["role"] == "user"))
+        .and_then(|m| m["content"].as_str())
+        .unwrap_or_default();
+    let data = prompt
+        .find("<data-")
+        .and_then(|start| {
+            let rest = &prompt[start..];
+            rest.find("</data-").map(|end| &rest[..end])
+        })
+        .unwrap_or(prompt);
+    let mut asked: Vec<String> = Vec::new();
+    let mut block: Option<Vec<String>> = None;
+    let mut flush = |block: &mut Option<Vec<String>>| {
+        if let Some(words) = block.take().filter(|w| !w.is_empty()) {
+            asked.push(words.join(" "));
+        }
+    };
+    for line in data.lines().skip(1) {
+        let header = line.starts_with('[') && line.trim_end().ends_with(':');
+        if header {
+            flush(&mut block);
+            // A user's turn or a child summary: what the floor counts.
+            let user = line.contains("] user");
+            let child = line.starts_with("[summary ") && line.contains("]:");
+            block = (user || child).then(Vec::new);
+            continue;
+        }
+        if let Some(words) = block.as_mut() {
+            // Words and identifiers (`gamma-w0-0`, `src/lib.rs`) whole.
+            for w in line.split_whitespace() {
+                let w = w
+                    .trim_matches(|c: char| !c.is_alphanumeric())
+                    .to_lowercase();
+                if words.len() < 12
+                    && w.len() >= 4
+                    && !GLUE.contains(&w.as_str())
+                    && !words.contains(&w)
+                {
+                    words.push(w);
+                }
+            }
+        }
+    }
+    flush(&mut block);
+    let system = body["messages"][0]["content"].as_str().unwrap_or_default();
+    if system.contains("rolling session state") {
+        // Five lines of at most 200 characters: the newest request in
+        // progress, the ones before it as far as they fit.
+        let newest = asked.pop().unwrap_or_else(|| "none".into());
+        let mut completed = String::from("the user raised");
+        for a in asked.iter().rev() {
+            if completed.len() + a.len() + 2 > 190 {
+                break;
+            }
+            completed.push_str(if completed.ends_with("raised") {
+                " "
+            } else {
+                "; "
+            });
+            completed.push_str(a);
+        }
+        let newest: String = newest.chars().take(190).collect();
+        return format!(
+            "Completed: {completed}\nIn progress: {newest}\nDecisions: none\nBlockers: none\n\
+             Next: carry on where the user left off"
+        );
+    }
+    let asked = if asked.is_empty() {
+        "nothing new".to_string()
+    } else {
+        asked.join("; ")
+    };
+    format!(
+        "## Task\nThe user raised, in order: {asked}.\n## Next\nCarry on where the user left off."
+    )
+}
+
 /// A plain nats-server (no JetStream) for the external summarizer's
 /// request/reply test. The binary is the one `scripts/install-nats.sh`
 /// installs: `$CONTEXTFOLD_NATS_SERVER`, else `nats-server` in
