@@ -1823,7 +1823,7 @@ mod tests {
             },
             Refusal::TimeOutOfRange { time: 2, limit: 1 },
         ];
-        use crate::core::fold::{Rejection, SummaryRejection, TurnRejection};
+        use crate::core::fold::{QuotaScope, Rejection, SummaryRejection, TurnRejection};
         let fold = [
             Rejection::Turn(TurnRejection::ReplayFlood {
                 count: 4,
@@ -1834,6 +1834,7 @@ mod tests {
             Rejection::Summary(SummaryRejection::AlreadyRecorded),
             Rejection::Summary(SummaryRejection::Empty),
             Rejection::OverQuota {
+                scope: QuotaScope::Partition,
                 limit: "100 events/s".into(),
             },
         ];

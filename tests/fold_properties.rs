@@ -432,3 +432,31 @@ proptest! {
         prop_assert_eq!(engine.materialized().unwrap().hash(), resident_hash);
     }
 }
+
+/// The partition's intake quota is committed with the state and loads
+/// back: a flood over many conversations, folded in chunks, gives the
+/// same state (the partition's bucket and refusals included) when the
+/// store is reopened and when the log is replayed.
+#[test]
+fn the_partitions_intake_quota_survives_a_reload_and_a_replay() {
+    let policy = PolicyConfig {
+        intake_partition_events_per_second: Some(5),
+        intake_partition_burst_events: Some(40),
+        ..small_policy()
+    };
+    let input: Vec<Envelope> = (0..30)
+        .flat_map(|c| {
+            let conv = format!("c:tenant-{c}");
+            let steps = vec![Step::User(3), Step::Assistant(4)];
+            events(&conv, &steps)
+        })
+        .collect();
+    let (state, mut log, reloaded) = run_pipeline_and_reload(&policy, &input, 9);
+    assert!(
+        state.intake.refused > 0,
+        "the flood met the partition's quota"
+    );
+    assert_eq!(reloaded.intake, state.intake);
+    assert_eq!(reloaded.hash(), state.hash());
+    assert_eq!(replay(&policy, &mut log).hash(), state.hash());
+}

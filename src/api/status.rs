@@ -969,7 +969,9 @@ pub fn conversation_status(
             code: HealthCode::OverQuota,
             message: format!(
                 "its agent publishes faster than the intake quota allows: {} events refused so \
-                 far (policy.intake_events_per_second, intake_bytes_per_second)",
+                 far (its own, policy.intake_events_per_second and intake_bytes_per_second, or \
+                 its partition's, policy.intake_partition_*; the event_rejected in its history \
+                 says which)",
                 conv.quota.refused
             ),
         });

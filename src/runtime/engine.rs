@@ -494,6 +494,7 @@ impl<B: KvBackend> Engine<B> {
             unattributed_rejections: self.state.unattributed_rejections,
             spend: self.state.spend.clone(),
             clock: self.state.clock.clone(),
+            intake: self.state.intake.clone(),
         };
         // Not resident: what the store committed is the conversation.
         if let Some(conv) = self.store.read_conversation(key)? {
@@ -562,6 +563,7 @@ impl<B: KvBackend> Engine<B> {
             unattributed_rejections: self.state.unattributed_rejections,
             spend: self.state.spend.clone(),
             clock: self.state.clock.clone(),
+            intake: self.state.intake.clone(),
         };
         self.each_conversation(|_, conv| -> Result<(), StoreError> {
             state

@@ -26,7 +26,7 @@
 
 use crate::core::state::{
     body_size, id_digest, AppliedIds, BodyError, ContextItem, Conversation, HistoryEntry, IdDigest,
-    State, StateHasher, Summary, Turn, TurnBodies, TurnBody,
+    IntakeQuota, State, StateHasher, Summary, Turn, TurnBodies, TurnBody,
 };
 use crate::log::Position;
 use crate::store::{KvBackend, StoreError, Table, Write};
@@ -45,6 +45,8 @@ const UNATTRIBUTED_KEY: &[u8] = b"unattributed_rejections";
 const GLOBAL_SPEND_KEY: &[u8] = b"global_spend";
 /// The partition's clock and timers (`PartitionClock`).
 const CLOCK_KEY: &[u8] = b"clock";
+/// The partition's intake quota (absent until a partition quota is used).
+const INTAKE_KEY: &[u8] = b"intake";
 /// The keys of the conversations with a pending job (an index, derived
 /// from their heads: what a restarted runner must resume).
 const PENDING_KEY: &[u8] = b"pending_jobs";
@@ -386,6 +388,9 @@ impl<B: KvBackend> StateStore<B> {
         if let Some(b) = self.backend.get(Table::Meta, CLOCK_KEY)? {
             state.clock = decode(&b, "partition clock")?;
         }
+        if let Some(b) = self.backend.get(Table::Meta, INTAKE_KEY)? {
+            state.intake = decode(&b, "partition intake quota")?;
+        }
         if let Some(b) = self.backend.get(Table::Meta, PENDING_KEY)? {
             self.pending = decode(&b, "pending job index")?;
         }
@@ -636,6 +641,7 @@ impl<B: KvBackend> StateStore<B> {
             resident.unattributed_rejections,
             &resident.spend,
             &resident.clock,
+            &resident.intake,
         ))
     }
 
@@ -776,6 +782,14 @@ impl<B: KvBackend> StateStore<B> {
             key: CLOCK_KEY.to_vec(),
             value: encode(&state.clock),
         });
+        // Only once used: a store without a partition quota writes no key.
+        if state.intake != IntakeQuota::default() {
+            writes.push(Write::Put {
+                table: Table::Meta,
+                key: INTAKE_KEY.to_vec(),
+                value: encode(&state.intake),
+            });
+        }
         self.commits_since_flush += 1;
         let durable = self.commits_since_flush >= self.flush_every;
         self.backend.commit(&writes, durable)?;

@@ -33,8 +33,8 @@ use crate::core::overflow;
 use crate::core::policy::{self, schedule, PolicyConfig, Schedule, Wait};
 use crate::core::state::{
     call_digest, derived_event_id, event_digest, id_digest, summary_id, tool_ids_of, turn_count,
-    ContextItem, Conversation, IdDigest, PartitionClock, PendingJob, ResidentBodies, SeenDigest,
-    SeenTurn, SpendEntry, SpendWindow, State, Summary, Turn, TurnBody,
+    ContextItem, Conversation, IdDigest, IntakeQuota, PartitionClock, PendingJob, ResidentBodies,
+    SeenDigest, SeenTurn, SpendEntry, SpendWindow, State, Summary, Turn, TurnBody,
 };
 use crate::core::tokens;
 use std::cell::RefCell;
@@ -49,7 +49,7 @@ mod turns;
 
 pub use guards::guard_read;
 use guards::*;
-pub use rejection::{Rejection, SummaryRejection, TurnRejection};
+pub use rejection::{QuotaScope, Rejection, SummaryRejection, TurnRejection};
 
 /// What became of one event.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -184,6 +184,7 @@ pub fn wake(state: &mut State, policy: &PolicyConfig, time: u64, cause: &str) ->
             conversations,
             spend: global,
             clock,
+            intake,
             ..
         } = &mut *state;
         let Some(conv) = conversations.get_mut(&key) else {
@@ -203,6 +204,7 @@ pub fn wake(state: &mut State, policy: &PolicyConfig, time: u64, cause: &str) ->
             conv,
             global,
             clock,
+            intake,
             now,
             policy,
             event: &event,
@@ -249,6 +251,7 @@ fn fold_with(
         conversations,
         spend: global,
         clock,
+        intake,
         ..
     } = state;
     let now = clock.now;
@@ -267,6 +270,7 @@ fn fold_with(
         conv,
         global,
         clock,
+        intake,
         now,
         policy,
         event,
@@ -348,6 +352,8 @@ struct FoldContext<'a> {
     global: &'a mut SpendWindow,
     /// The partition's timers.
     clock: &'a mut PartitionClock,
+    /// The partition's intake quota across its conversations.
+    intake: &'a mut IntakeQuota,
     /// The partition's clock: the time scheduling decides by.
     now: u64,
     policy: &'a PolicyConfig,
@@ -465,19 +471,19 @@ impl FoldContext<'_> {
             .get_or_insert_with(|| policy::levels(self.conv, self.policy))
     }
 
-    /// Takes the event from the conversation's intake quota; when it is
-    /// over it, refuses it: the first of an episode with a record (an
+    /// Takes the event from the conversation's intake quota, then (when
+    /// one is set) from the partition's; when either is short, refuses it:
+    /// the first of the conversation's episode with a record (an
     /// `event_rejected`), the others counted only, each id consumed. None:
-    /// admitted.
+    /// admitted. A conversation refused on its own quota takes nothing from
+    /// the partition's, so one flooding conversation does not spend the
+    /// others' share.
     fn over_quota(&mut self) -> Option<FoldStatus> {
         let p = self.policy;
-        let rates = (
-            p.intake_events_per_second,
-            p.intake_burst_events,
-            p.intake_bytes_per_second,
-            p.intake_burst_bytes,
-        );
-        if rates.0.is_none() && rates.2.is_none() {
+        let own = p.conversation_intake();
+        let shared = p.partition_intake();
+        let partition = shared.0.is_some() || shared.2.is_some();
+        if own.0.is_none() && own.2.is_none() && !partition {
             return None;
         }
         // A turn given up by the caller is no longer in the event.
@@ -487,8 +493,10 @@ impl FoldContext<'_> {
             _ => 0,
         } + 256;
         let now = self.now;
+        let admitted_here = self.conv.quota.take(now, bytes, own);
+        let admitted = admitted_here && (!partition || self.intake.take(now, bytes, shared));
         let quota = &mut self.conv.quota;
-        if quota.take(now, bytes, rates) {
+        if admitted {
             if quota.refusing {
                 quota.refusing = false;
                 let refused = quota.refused;
@@ -499,25 +507,45 @@ impl FoldContext<'_> {
                     ),
                 );
             }
+            if self.intake.refusing {
+                self.intake.refusing = false;
+            }
             return None;
         }
         quota.refused += 1;
         let first = !quota.refusing;
         quota.refusing = true;
+        if admitted_here {
+            self.intake.refused += 1;
+            self.intake.refusing = true;
+        }
         self.conv.mark_applied_digest(self.event_digest);
         if !first {
             return Some(FoldStatus::Throttled);
         }
-        let limit = format!(
-            "{} events/s with bursts of {}, {} bytes/s with bursts of {}",
-            p.intake_events_per_second
-                .map_or("unlimited".to_string(), |r| r.to_string()),
-            p.intake_burst_events,
-            p.intake_bytes_per_second
-                .map_or("unlimited".to_string(), |r| r.to_string()),
-            p.intake_burst_bytes
-        );
-        let rejection = Rejection::OverQuota { limit };
+        let rates = |(events, burst_events, bytes, burst_bytes): (
+            Option<u32>,
+            u32,
+            Option<u64>,
+            u64,
+        )| {
+            format!(
+                "{} events/s with bursts of {burst_events}, {} bytes/s with bursts of {burst_bytes}",
+                events.map_or("unlimited".to_string(), |r| r.to_string()),
+                bytes.map_or("unlimited".to_string(), |r| r.to_string()),
+            )
+        };
+        let rejection = if admitted_here {
+            Rejection::OverQuota {
+                scope: QuotaScope::Partition,
+                limit: rates(shared),
+            }
+        } else {
+            Rejection::OverQuota {
+                scope: QuotaScope::Conversation,
+                limit: rates(own),
+            }
+        };
         self.conv.rejections += 1;
         let reason = rejection.to_string();
         self.history("event_rejected", reason.clone());

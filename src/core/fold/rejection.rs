@@ -13,12 +13,31 @@ pub enum Rejection {
     Turn(#[from] TurnRejection),
     #[error(transparent)]
     Summary(#[from] SummaryRejection),
-    /// Over the conversation's intake quota (`core::state::IntakeQuota`).
+    /// Over an intake quota (`core::state::IntakeQuota`): the
+    /// conversation's own, or the partition's across its conversations.
     #[error(
-        "over the conversation's intake quota ({limit}): refused; further events are refused \
+        "over the {scope} intake quota ({limit}): refused; further events are refused \
          without a record each until the rate falls (counted in `status`)"
     )]
-    OverQuota { limit: String },
+    OverQuota { scope: QuotaScope, limit: String },
+}
+
+/// Whose intake quota refused an event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuotaScope {
+    /// The conversation's own (`policy.intake_*`).
+    Conversation,
+    /// The partition's, shared by its conversations (`policy.intake_partition_*`).
+    Partition,
+}
+
+impl std::fmt::Display for QuotaScope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            QuotaScope::Conversation => "conversation's",
+            QuotaScope::Partition => "partition's (shared by its conversations)",
+        })
+    }
 }
 
 impl Rejection {

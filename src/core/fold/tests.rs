@@ -1442,3 +1442,83 @@ fn a_flood_is_refused_over_the_quota_with_one_record_and_admitted_again_as_the_r
     fold_at(&mut replay, &p, &next, T0 + 2_000);
     assert_eq!(replay.hash(), state.hash());
 }
+
+/// A flood spread over many conversations, each within its own quota, is
+/// held to the partition's (one tenant prefix's `serve` holds every
+/// partition): one record per conversation refused, counted, admitted
+/// again as the rate falls; a conversation refused on its own quota takes
+/// nothing from the others' share; and a state without a partition quota
+/// hashes as it did before the quota existed.
+#[test]
+fn a_flood_over_many_conversations_is_held_to_the_partitions_quota() {
+    let p = PolicyConfig {
+        intake_events_per_second: Some(10),
+        intake_burst_events: 50,
+        intake_partition_events_per_second: Some(20),
+        intake_partition_burst_events: Some(100),
+        ..policy()
+    };
+    let turn = |conv: &str, i: usize| {
+        Envelope::new(
+            format!("{conv}-{i}"),
+            conv,
+            T0,
+            EventBody::TurnAppended(TurnAppended::from(ChatMessage::text(
+                Role::User,
+                format!("message {i}"),
+            ))),
+        )
+    };
+    let mut state = State::default();
+    // One conversation over its own quota first: 80 events, 50 admitted,
+    // 30 refused without touching the partition's bucket beyond the 50.
+    for i in 0..80 {
+        fold_at(&mut state, &p, &turn("hog", i), T0);
+    }
+    assert_eq!(state.conversations["hog"].turns.len(), 50);
+    assert_eq!(state.intake.refused, 0, "the hog's own refusals");
+    // Twenty more conversations, 10 events each, all at once: 50 left in
+    // the partition's burst.
+    let mut records = 0;
+    let mut admitted = 0;
+    for c in 0..20 {
+        let conv = format!("agent-{c}");
+        for i in 0..10 {
+            let out = fold_at(&mut state, &p, &turn(&conv, i), T0 + 1);
+            admitted += usize::from(out.status == FoldStatus::Applied);
+            records += out
+                .decisions
+                .iter()
+                .filter(|d| match &d.body {
+                    EventBody::EventRejected(r) => r.reason.contains("partition's"),
+                    _ => false,
+                })
+                .count();
+        }
+    }
+    assert_eq!(admitted, 50, "the partition's burst left after the hog");
+    assert_eq!(state.intake.refused, 150);
+    assert_eq!(records, 15, "one record for each conversation refused");
+    let refused: u64 = (0..20)
+        .map(|c| {
+            state.conversations[format!("agent-{c}").as_str()]
+                .quota
+                .refused
+        })
+        .sum();
+    assert_eq!(refused, 150, "counted in each conversation's status");
+    // Ten seconds later the partition's rate lets them in again.
+    let later = fold_at(&mut state, &p, &turn("agent-19", 99), T0 + 10_000);
+    assert_eq!(later.status, FoldStatus::Applied);
+    assert!(!state.intake.refusing);
+    // Replay gives the same state; without a partition quota the state
+    // keeps no partition bucket and hashes as before it existed.
+    let mut without = State::default();
+    let q = PolicyConfig {
+        intake_partition_events_per_second: None,
+        intake_partition_burst_events: None,
+        ..p.clone()
+    };
+    fold_at(&mut without, &q, &turn("hog", 0), T0);
+    assert_eq!(without.intake, IntakeQuota::default());
+}

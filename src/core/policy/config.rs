@@ -78,6 +78,22 @@ pub struct PolicyConfig {
     /// The same in bytes of message text.
     pub intake_bytes_per_second: Option<u64>,
     pub intake_burst_bytes: u64,
+    /// Intake quota of the whole partition, across its conversations: one
+    /// tenant prefix's `serve` holds every partition of its stream, so
+    /// the tenant is held to `partitions` times these rates, however many
+    /// conversations it spreads a flood over. Taken only from events their
+    /// conversation's quota admitted (a conversation refused on its own
+    /// takes nothing from the others). Unset: none (the default; NATS's
+    /// account and stream limits are the first line). The burst defaults
+    /// to a minute of the rate.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub intake_partition_events_per_second: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub intake_partition_burst_events: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub intake_partition_bytes_per_second: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub intake_partition_burst_bytes: Option<u64>,
 
     /// Conversations matching these globs are not folded at all.
     pub ignore_sessions: Vec<SessionGlob>,
@@ -152,6 +168,10 @@ impl Default for PolicyConfig {
             intake_burst_events: 20_000,
             intake_bytes_per_second: Some(1024 * 1024),
             intake_burst_bytes: 64 * 1024 * 1024,
+            intake_partition_events_per_second: None,
+            intake_partition_burst_events: None,
+            intake_partition_bytes_per_second: None,
+            intake_partition_burst_bytes: None,
             ignore_sessions: Vec::new(),
             stateless_sessions: Vec::new(),
             strip_injected_context_tags: vec![
@@ -215,6 +235,31 @@ fn invalid(field: &str, value: impl ToString, why: &str) -> PolicyError {
 }
 
 impl PolicyConfig {
+    /// The conversation's intake quota as `IntakeQuota::take` reads it.
+    pub fn conversation_intake(&self) -> (Option<u32>, u32, Option<u64>, u64) {
+        (
+            self.intake_events_per_second,
+            self.intake_burst_events,
+            self.intake_bytes_per_second,
+            self.intake_burst_bytes,
+        )
+    }
+
+    /// The partition's intake quota as `IntakeQuota::take` reads it (a
+    /// burst left unset is a minute of its rate).
+    pub fn partition_intake(&self) -> (Option<u32>, u32, Option<u64>, u64) {
+        let events = self.intake_partition_events_per_second;
+        let bytes = self.intake_partition_bytes_per_second;
+        (
+            events,
+            self.intake_partition_burst_events
+                .unwrap_or_else(|| events.unwrap_or(0).saturating_mul(60)),
+            bytes,
+            self.intake_partition_burst_bytes
+                .unwrap_or_else(|| bytes.unwrap_or(0).saturating_mul(60)),
+        )
+    }
+
     /// The limits of the spend windows this policy sets.
     pub fn spend_limits(&self) -> crate::core::spend::SpendLimits {
         crate::core::spend::SpendLimits {
@@ -283,6 +328,41 @@ impl PolicyConfig {
         positive("condensed_target_tokens", self.condensed_target_tokens)?;
         positive("summary_call_window_ms", self.summary_call_window_ms)?;
         positive("sweep_deadline_ms", self.sweep_deadline_ms)?;
+        // A quota's rates and bursts: 0 would refuse everything for ever
+        // (leave a rate unset for none).
+        let quota = [
+            (
+                "intake_events_per_second",
+                self.intake_events_per_second.map(u64::from),
+            ),
+            (
+                "intake_burst_events",
+                Some(u64::from(self.intake_burst_events)),
+            ),
+            ("intake_bytes_per_second", self.intake_bytes_per_second),
+            ("intake_burst_bytes", Some(self.intake_burst_bytes)),
+            (
+                "intake_partition_events_per_second",
+                self.intake_partition_events_per_second.map(u64::from),
+            ),
+            (
+                "intake_partition_burst_events",
+                self.intake_partition_burst_events.map(u64::from),
+            ),
+            (
+                "intake_partition_bytes_per_second",
+                self.intake_partition_bytes_per_second,
+            ),
+            (
+                "intake_partition_burst_bytes",
+                self.intake_partition_burst_bytes,
+            ),
+        ];
+        for (field, v) in quota {
+            if let Some(v) = v {
+                positive(field, v)?;
+            }
+        }
         positive("max_sweep_iterations", self.max_sweep_iterations as u64)?;
         positive("no_progress_backoff_ms", self.no_progress_backoff_ms)?;
         if self.no_progress_backoff_ms > self.summary_spend_backoff_ms {

@@ -95,6 +95,10 @@ pub struct State {
     /// The partition's clock and the conversations waiting for it.
     #[serde(default)]
     pub clock: PartitionClock,
+    /// The partition's intake quota across its conversations (used when
+    /// `intake_partition_*` is set).
+    #[serde(default)]
+    pub intake: IntakeQuota,
 }
 
 /// One turn as folded: what the fold decides on, without its body
@@ -649,8 +653,14 @@ impl StateHasher {
         unattributed_rejections: u64,
         spend: &SpendWindow,
         clock: &PartitionClock,
+        intake: &IntakeQuota,
     ) -> String {
         self.0.update(&unattributed_rejections.to_le_bytes());
+        // Only when used, so states without a partition quota hash as before.
+        if *intake != IntakeQuota::default() {
+            self.0
+                .update(&rmp_serde::to_vec(intake).expect("the quota serializes"));
+        }
         // Only when used, so states without a global window hash as before.
         if *spend != SpendWindow::default() {
             self.0
@@ -678,7 +688,12 @@ impl State {
         for (key, conv) in &self.conversations {
             hasher.conversation(key, &conv.hash_with(bodies)?);
         }
-        Ok(hasher.finish(self.unattributed_rejections, &self.spend, &self.clock))
+        Ok(hasher.finish(
+            self.unattributed_rejections,
+            &self.spend,
+            &self.clock,
+            &self.intake,
+        ))
     }
 }
 
