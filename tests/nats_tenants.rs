@@ -82,9 +82,21 @@ fn policy() -> PolicyConfig {
 /// `contextfold serve` (every role) as the NKey user `seed`, waiting until
 /// it holds every partition.
 async fn serve(url: &str, seed: String, prefix: &str, inbox: Option<&str>, data: &Path) -> Service {
+    serve_with(url, seed, prefix, inbox, data, policy()).await
+}
+
+/// [`serve`] under `policy`.
+async fn serve_with(
+    url: &str,
+    seed: String,
+    prefix: &str,
+    inbox: Option<&str>,
+    data: &Path,
+    policy: PolicyConfig,
+) -> Service {
     let nats = service_nats_config(url, seed, prefix, inbox, PARTITIONS);
     let mut opts = ServeOptions::new(nats, data);
-    opts.policy = policy();
+    opts.policy = policy;
     opts.member_name = Some(prefix.replace('.', "-"));
     opts.summarizer.poll = Duration::from_millis(100);
     let service = Service::start(opts, Arc::new(Deterministic))
@@ -853,4 +865,84 @@ async fn one_service_account_serves_each_tenant_under_its_own_prefix() {
     }
     acme.shutdown().await;
     globex.shutdown().await;
+}
+
+/// Finding 5 of issue 23, in the documented tenants deployment: agent-1
+/// floods its own conversation with plain publishes (as fast as the
+/// server takes them) while agent-2 works. Intake holds agent-1 to its
+/// conversation's quota (what is over it refused with a record per
+/// episode, counted in `status`), and every turn of agent-2 is folded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_by_one_agent_is_held_to_its_quota_while_the_other_is_folded() {
+    let users = Users::generate(&TENANTS_USERS);
+    let server = users.server(TENANTS_CONF);
+    let url = server.url();
+    let dir = tempfile::tempdir().unwrap();
+    const RATE: u64 = 20;
+    const BURST: u64 = 100;
+    let service = serve_with(
+        &url,
+        users.seed("ACME_SERVICE"),
+        "cf",
+        Some("_INBOX.cf-service"),
+        dir.path(),
+        PolicyConfig {
+            intake_events_per_second: Some(RATE as u32),
+            intake_burst_events: BURST as u32,
+            ..policy()
+        },
+    )
+    .await;
+    let a = User::connect(&url, users.seed("ACME_AGENT_1"), "_INBOX.agent-1").await;
+    let b = User::connect(&url, users.seed("ACME_AGENT_2"), "_INBOX.agent-2").await;
+    let started = Instant::now();
+    const FLOOD: usize = 2_000;
+    for e in &support::turns::turns(A, 0..FLOOD, 3) {
+        a.client
+            .publish_with_headers(
+                "cf.in.agent-1",
+                event_headers(&e.id, Encoding::Json),
+                e.to_json().into(),
+            )
+            .await
+            .unwrap();
+    }
+    a.client.flush().await.unwrap();
+    let b_in = format!("cf.in.{B_TOKEN}");
+    for e in &support::turns::turns(B, 0..20, 3) {
+        b.store(&b_in, e).await;
+    }
+    wait_until("agent-2's turns folded", Duration::from_secs(20), || {
+        folded(&service, B).map(|c| c.0) == Some(20)
+    })
+    .await;
+    // Every event agent-1 got stored was folded: admitted or refused.
+    let quota_of = || {
+        let engines = service.engines()?;
+        let engine = engines.get(partition_of(A, PARTITIONS).ok()?)?;
+        let e = engine.lock().unwrap();
+        let conv = e.state.conversations.get(A)?;
+        Some((conv.turns.len() as u64, conv.quota.refused, conv.rejections))
+    };
+    wait_until("agent-1's flood folded", Duration::from_secs(20), || {
+        quota_of().is_some_and(|(turns, refused, _)| turns + refused == FLOOD as u64)
+    })
+    .await;
+    let (admitted, refused, records) = quota_of().unwrap();
+    let allowed = BURST + RATE * (started.elapsed().as_secs() + 1);
+    assert!(
+        admitted <= allowed,
+        "{admitted} of agent-1's events admitted, the quota allows {allowed}"
+    );
+    assert!(refused >= FLOOD as u64 - allowed, "{refused} refused");
+    // A record per episode, not per event: an episode ends only when the
+    // rate admits one again.
+    assert!(
+        records >= 1 && records <= admitted - BURST + 1,
+        "{records} records for {refused} refusals"
+    );
+    // The agent sees it in its own status.
+    let status = a.ask(&api("status", A), json!({ "conversation": A })).await;
+    assert_eq!(status["over_quota"], refused, "{status}");
+    service.shutdown().await;
 }
