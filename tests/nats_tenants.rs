@@ -946,3 +946,81 @@ async fn a_flood_by_one_agent_is_held_to_its_quota_while_the_other_is_folded() {
     assert_eq!(status["over_quota"], refused, "{status}");
     service.shutdown().await;
 }
+
+/// Finding 4 of issue 23, in the documented tenants deployment: a
+/// `compaction_requested` an agent publishes with 900 KB of instructions
+/// (once sent to the model as the operator's words) is refused at intake
+/// with a reason the agent can read, and issues no job; instructions
+/// within the API's 4,000 characters are taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instructions_over_the_apis_limit_are_refused_on_the_event_path() {
+    use contextfold::core::event::CompactionRequested;
+    let users = Users::generate(&TENANTS_USERS);
+    let server = users.server(TENANTS_CONF);
+    let url = server.url();
+    let dir = tempfile::tempdir().unwrap();
+    let service = serve(
+        &url,
+        users.seed("ACME_SERVICE"),
+        "cf",
+        Some("_INBOX.cf-service"),
+        dir.path(),
+    )
+    .await;
+    let a = User::connect(&url, users.seed("ACME_AGENT_1"), "_INBOX.agent-1").await;
+    let mut decisions = a.client.subscribe("cf.svc.agent-1").await.unwrap();
+    for e in &support::turns::turns(A, 0..12, 40) {
+        a.store("cf.in.agent-1", e).await;
+    }
+    let request = |id: &str, instructions: String| {
+        Envelope::new(
+            id,
+            A,
+            1_700_000_100_000,
+            EventBody::CompactionRequested(CompactionRequested {
+                instructions: Some(instructions),
+                ..Default::default()
+            }),
+        )
+    };
+    let huge = request("huge-request", "Keep every detail. ".repeat(50_000));
+    assert!(huge.to_json().len() > 900 * 1024);
+    a.store("cf.in.agent-1", &huge).await;
+    let rejected = wait_event(
+        &mut decisions,
+        "event_rejected",
+        |e| matches!(&e.body, EventBody::EventRejected(r) if r.rejected_id == "huge-request"),
+    )
+    .await;
+    let EventBody::EventRejected(r) = rejected.body else {
+        unreachable!()
+    };
+    assert!(
+        r.reason.contains("instructions") && r.reason.contains("4000"),
+        "{}",
+        r.reason
+    );
+    let conv = conversation_state(&service, A);
+    assert!(
+        conv.pending_job.is_none(),
+        "the refused request issued a job"
+    );
+    // Within the limit: taken, the instructions carried by its debt.
+    let fine = request("fine-request", "Keep the file names exact.".into());
+    a.store("cf.in.agent-1", &fine).await;
+    wait_event(&mut decisions, "debt_recorded", |e| {
+        e.to_json()
+            .contains("\"instructions\":\"Keep the file names exact.\"")
+    })
+    .await;
+    service.shutdown().await;
+}
+
+fn conversation_state(service: &Service, key: &str) -> contextfold::core::state::Conversation {
+    let engines = service.engines().expect("folding");
+    let engine = engines
+        .get(partition_of(key, PARTITIONS).unwrap())
+        .expect("the partition is held");
+    let e = engine.lock().unwrap();
+    e.state.conversations.get(key).cloned().expect("folded")
+}
