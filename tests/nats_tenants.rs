@@ -1024,3 +1024,77 @@ fn conversation_state(service: &Service, key: &str) -> contextfold::core::state:
     let e = engine.lock().unwrap();
     e.state.conversations.get(key).cloned().expect("folded")
 }
+
+/// Finding 2 of issue 23, in the documented tenants deployment: agent-1
+/// publishes, on its own subject and within its permissions, a record
+/// under every id agent-2's events could be deduplicated by (the bare
+/// event id, as ids were, and the unkeyed scoped id anyone can compute).
+/// agent-2's `contextfold publish`, connecting with its own NKey, then
+/// stores every one of its events, and the service folds them all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_agents_event_ids_cannot_be_squatted_in_the_tenants_deployment() {
+    use contextfold::core::event::Origin;
+    let users = Users::generate(&TENANTS_USERS);
+    let server = users.server(TENANTS_CONF);
+    let url = server.url();
+    let dir = tempfile::tempdir().unwrap();
+    let service = serve(
+        &url,
+        users.seed("ACME_SERVICE"),
+        "cf",
+        Some("_INBOX.cf-service"),
+        dir.path(),
+    )
+    .await;
+    let a = User::connect(&url, users.seed("ACME_AGENT_1"), "_INBOX.agent-1").await;
+    let victims = support::turns::turns(B, 0..10, 8);
+    for (n, e) in victims.iter().enumerate() {
+        for id in [
+            e.id.clone(),
+            contextfold::nats::msg_id::of(Origin::Agent, None, B, &e.id),
+        ] {
+            let mut headers = HeaderMap::new();
+            headers.insert("Nats-Msg-Id", id.as_str());
+            let decoy = &support::turns::turns(A, n..n + 1, 3)[0];
+            a.client
+                .publish_with_headers("cf.in.agent-1", headers, decoy.to_json().into())
+                .await
+                .unwrap();
+        }
+    }
+    a.client.flush().await.unwrap();
+    assert!(a.refusals.lock().unwrap().is_empty(), "{:?}", a.refusals);
+    wait_until("agent-1's decoys folded", Duration::from_secs(20), || {
+        folded(&service, A).map(|c| c.0) == Some(10)
+    })
+    .await;
+
+    let seed_file = dir.path().join("agent-2.nk");
+    std::fs::write(&seed_file, users.seed("ACME_AGENT_2")).unwrap();
+    let file = dir.path().join("events.jsonl");
+    let lines: Vec<String> = victims.iter().map(|e| e.to_json()).collect();
+    std::fs::write(&file, lines.join("\n") + "\n").unwrap();
+    let out = tokio::process::Command::from({
+        let mut c = support::cli::command(
+            &dir.path().join("client"),
+            &["publish", "--nats", &url, file.to_str().unwrap()],
+        );
+        c.env("CONTEXTFOLD_NATS__CONNECTION__NKEY_SEED_FILE", &seed_file)
+            .env(
+                "CONTEXTFOLD_NATS__CONNECTION__INBOX_PREFIX",
+                "_INBOX.agent-2",
+            );
+        c
+    })
+    .output()
+    .await
+    .unwrap();
+    let (ok, _, err) = support::cli::split(out);
+    assert!(ok, "{err}");
+    assert!(err.contains("(10 new, 0 duplicates"), "{err}");
+    wait_until("agent-2's 10 turns folded", Duration::from_secs(20), || {
+        folded(&service, B).map(|c| c.0) == Some(10)
+    })
+    .await;
+    service.shutdown().await;
+}
