@@ -109,6 +109,44 @@ async fn serve_with(
     service
 }
 
+/// The documented tenants deployment with ACME's `serve` running under
+/// `policy`: the users, the server, the service's data folder and the
+/// service.
+struct Acme {
+    users: Users,
+    server: support::nats_server::NatsServer,
+    dir: tempfile::TempDir,
+    service: Service,
+}
+
+impl Acme {
+    async fn start(policy: PolicyConfig) -> Acme {
+        let users = Users::generate(&TENANTS_USERS);
+        let server = users.server(TENANTS_CONF);
+        let dir = tempfile::tempdir().unwrap();
+        let service = serve_with(
+            &server.url(),
+            users.seed("ACME_SERVICE"),
+            "cf",
+            Some("_INBOX.cf-service"),
+            dir.path(),
+            policy,
+        )
+        .await;
+        Acme {
+            users,
+            server,
+            dir,
+            service,
+        }
+    }
+
+    /// An ACME agent (`ACME_AGENT_1` or `ACME_AGENT_2`), replying on its inbox.
+    async fn agent(&self, name: &str, inbox: &str) -> User {
+        User::connect(&self.server.url(), self.users.seed(name), inbox).await
+    }
+}
+
 /// Turns, summaries and state hash of a conversation the service folds.
 fn folded(service: &Service, key: &str) -> Option<(usize, usize, String)> {
     let engines = service.engines()?;
@@ -874,27 +912,17 @@ async fn one_service_account_serves_each_tenant_under_its_own_prefix() {
 /// episode, counted in `status`), and every turn of agent-2 is folded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flood_by_one_agent_is_held_to_its_quota_while_the_other_is_folded() {
-    let users = Users::generate(&TENANTS_USERS);
-    let server = users.server(TENANTS_CONF);
-    let url = server.url();
-    let dir = tempfile::tempdir().unwrap();
     const RATE: u64 = 20;
     const BURST: u64 = 100;
-    let service = serve_with(
-        &url,
-        users.seed("ACME_SERVICE"),
-        "cf",
-        Some("_INBOX.cf-service"),
-        dir.path(),
-        PolicyConfig {
-            intake_events_per_second: Some(RATE as u32),
-            intake_burst_events: BURST as u32,
-            ..policy()
-        },
-    )
+    let acme = Acme::start(PolicyConfig {
+        intake_events_per_second: Some(RATE as u32),
+        intake_burst_events: BURST as u32,
+        ..policy()
+    })
     .await;
-    let a = User::connect(&url, users.seed("ACME_AGENT_1"), "_INBOX.agent-1").await;
-    let b = User::connect(&url, users.seed("ACME_AGENT_2"), "_INBOX.agent-2").await;
+    let service = &acme.service;
+    let a = acme.agent("ACME_AGENT_1", "_INBOX.agent-1").await;
+    let b = acme.agent("ACME_AGENT_2", "_INBOX.agent-2").await;
     let started = Instant::now();
     const FLOOD: usize = 2_000;
     for e in &support::turns::turns(A, 0..FLOOD, 3) {
@@ -944,7 +972,7 @@ async fn a_flood_by_one_agent_is_held_to_its_quota_while_the_other_is_folded() {
     // The agent sees it in its own status.
     let status = a.ask(&api("status", A), json!({ "conversation": A })).await;
     assert_eq!(status["over_quota"], refused, "{status}");
-    service.shutdown().await;
+    acme.service.shutdown().await;
 }
 
 /// Finding 4 of issue 23, in the documented tenants deployment: a
@@ -955,19 +983,9 @@ async fn a_flood_by_one_agent_is_held_to_its_quota_while_the_other_is_folded() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn instructions_over_the_apis_limit_are_refused_on_the_event_path() {
     use contextfold::core::event::CompactionRequested;
-    let users = Users::generate(&TENANTS_USERS);
-    let server = users.server(TENANTS_CONF);
-    let url = server.url();
-    let dir = tempfile::tempdir().unwrap();
-    let service = serve(
-        &url,
-        users.seed("ACME_SERVICE"),
-        "cf",
-        Some("_INBOX.cf-service"),
-        dir.path(),
-    )
-    .await;
-    let a = User::connect(&url, users.seed("ACME_AGENT_1"), "_INBOX.agent-1").await;
+    let acme = Acme::start(policy()).await;
+    let service = &acme.service;
+    let a = acme.agent("ACME_AGENT_1", "_INBOX.agent-1").await;
     let mut decisions = a.client.subscribe("cf.svc.agent-1").await.unwrap();
     for e in &support::turns::turns(A, 0..12, 40) {
         a.store("cf.in.agent-1", e).await;
@@ -1013,7 +1031,7 @@ async fn instructions_over_the_apis_limit_are_refused_on_the_event_path() {
             .contains("\"instructions\":\"Keep the file names exact.\"")
     })
     .await;
-    service.shutdown().await;
+    acme.service.shutdown().await;
 }
 
 fn conversation_state(service: &Service, key: &str) -> contextfold::core::state::Conversation {
@@ -1034,19 +1052,9 @@ fn conversation_state(service: &Service, key: &str) -> contextfold::core::state:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_agents_event_ids_cannot_be_squatted_in_the_tenants_deployment() {
     use contextfold::core::event::Origin;
-    let users = Users::generate(&TENANTS_USERS);
-    let server = users.server(TENANTS_CONF);
-    let url = server.url();
-    let dir = tempfile::tempdir().unwrap();
-    let service = serve(
-        &url,
-        users.seed("ACME_SERVICE"),
-        "cf",
-        Some("_INBOX.cf-service"),
-        dir.path(),
-    )
-    .await;
-    let a = User::connect(&url, users.seed("ACME_AGENT_1"), "_INBOX.agent-1").await;
+    let acme = Acme::start(policy()).await;
+    let (service, url, dir) = (&acme.service, acme.server.url(), &acme.dir);
+    let a = acme.agent("ACME_AGENT_1", "_INBOX.agent-1").await;
     let victims = support::turns::turns(B, 0..10, 8);
     for (n, e) in victims.iter().enumerate() {
         for id in [
@@ -1070,7 +1078,7 @@ async fn another_agents_event_ids_cannot_be_squatted_in_the_tenants_deployment()
     .await;
 
     let seed_file = dir.path().join("agent-2.nk");
-    std::fs::write(&seed_file, users.seed("ACME_AGENT_2")).unwrap();
+    std::fs::write(&seed_file, acme.users.seed("ACME_AGENT_2")).unwrap();
     let file = dir.path().join("events.jsonl");
     let lines: Vec<String> = victims.iter().map(|e| e.to_json()).collect();
     std::fs::write(&file, lines.join("\n") + "\n").unwrap();
@@ -1096,5 +1104,5 @@ async fn another_agents_event_ids_cannot_be_squatted_in_the_tenants_deployment()
         folded(&service, B).map(|c| c.0) == Some(10)
     })
     .await;
-    service.shutdown().await;
+    acme.service.shutdown().await;
 }

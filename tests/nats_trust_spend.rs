@@ -24,10 +24,10 @@ use contextfold::nats::serve::{ServeOptions, Service};
 use contextfold::runtime::llm_pass::LlmPass;
 use contextfold::summarizer::SummarizerConfig;
 use llm_server::{completion, handover_answer, Scripted, ScriptedServer};
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use support::serve::{client_for_config, partition_events, wait_until};
+use support::spend::calls_by_issue_time;
 use support::tenants::{service_nats_config, Users, TENANTS_CONF, TENANTS_USERS};
 
 /// What the example permits: agent-1 owns `agent-1`, agent-2 `team:alpha`.
@@ -63,38 +63,17 @@ async fn store(client: &async_nats::Client, subject: &str, e: &Envelope) {
 }
 
 /// Calls of `conv`'s sweeps, each at the partition time its job was issued.
-fn calls_by_issue_time(log: &[Envelope], conv: &str) -> Vec<(u64, u64)> {
-    let issued: HashMap<&str, u64> = log
+fn calls_of(log: &[Envelope], conv: &str) -> Vec<(u64, u64)> {
+    let own: Vec<Envelope> = log
         .iter()
-        .filter_map(|e| match &e.body {
-            EventBody::JobIssued(j) => Some((j.job_id.as_str(), j.issued_at)),
-            _ => None,
-        })
-        .collect();
-    log.iter()
         .filter(|e| e.conversation == conv)
-        .filter_map(|e| match &e.body {
-            EventBody::SweepEnded(s) => issued
-                .get(s.job_id.as_str())
-                .map(|&at| (at, u64::from(s.calls))),
-            _ => None,
-        })
-        .collect()
+        .cloned()
+        .collect();
+    calls_by_issue_time(&own)
 }
 
-/// The most calls in any span of one window.
 fn max_in_any_window(calls: &[(u64, u64)]) -> u64 {
-    calls
-        .iter()
-        .map(|&(t, _)| {
-            calls
-                .iter()
-                .filter(|(tj, _)| *tj <= t && tj + WINDOW_MS > t)
-                .map(|(_, c)| c)
-                .sum::<u64>()
-        })
-        .max()
-        .unwrap_or(0)
+    support::spend::max_in_any_window(calls, WINDOW_MS)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -191,7 +170,7 @@ async fn an_agent_asking_again_and_again_is_held_to_its_cap_and_its_neighbour_co
         .into_iter()
         .map(|(_, e)| e)
         .collect();
-    let (calls_a, calls_b) = (calls_by_issue_time(&log, A), calls_by_issue_time(&log, B));
+    let (calls_a, calls_b) = (calls_of(&log, A), calls_of(&log, B));
     let urgent_a = log
         .iter()
         .filter(|e| e.conversation == A)

@@ -25,6 +25,7 @@
 
 #[path = "support/llm_server.rs"]
 mod llm_server;
+mod support;
 
 use contextfold::core::event::{
     CompactionRequested, DebtReason, Envelope, EventBody, ProviderErrorObserved, SweepEnded,
@@ -223,19 +224,9 @@ fn rules() -> String {
 }
 
 /// Largest number of calls in any span of `WINDOW_MS` conversation time,
-/// from calls counted at the server per event (attributed to its time).
+/// from calls counted per event (attributed to its time).
 fn max_in_any_window(per_event: &[(u64, u64)]) -> u64 {
-    per_event
-        .iter()
-        .map(|&(t, _)| {
-            per_event
-                .iter()
-                .filter(|(tj, _)| *tj <= t && tj + WINDOW_MS > t)
-                .map(|(_, c)| c)
-                .sum::<u64>()
-        })
-        .max()
-        .unwrap_or(0)
+    support::spend::max_in_any_window(per_event, WINDOW_MS)
 }
 
 #[tokio::test]
@@ -688,24 +679,6 @@ async fn auth_failures_write_no_summary_and_open_the_breaker() {
         .contains("circuit breaker"));
 }
 
-/// Calls of every job at the time it was issued (when the fold granted
-/// its allowance), from the log.
-fn calls_by_issue_time(log: &[Envelope]) -> Vec<(u64, u64)> {
-    let issued: std::collections::HashMap<&str, u64> = log
-        .iter()
-        .filter_map(|e| match &e.body {
-            EventBody::JobIssued(j) => Some((j.job_id.as_str(), j.issued_at)),
-            _ => None,
-        })
-        .collect();
-    log.iter()
-        .filter_map(|e| match &e.body {
-            EventBody::SweepEnded(s) => Some((issued[s.job_id.as_str()], s.calls as u64)),
-            _ => None,
-        })
-        .collect()
-}
-
 #[tokio::test]
 async fn the_global_window_holds_across_conversations() {
     let Some(server) = FakeLlm::start(&rules()).await else {
@@ -740,7 +713,7 @@ async fn the_global_window_holds_across_conversations() {
         }
     }
     let log = all_events(&mut p.log).await;
-    let per_job = calls_by_issue_time(&log);
+    let per_job = support::spend::calls_by_issue_time(&log);
     let at_server = server.total().await;
     assert_eq!(
         per_job.iter().map(|j| j.1).sum::<u64>(),
@@ -816,7 +789,7 @@ async fn a_window_of_two_calls_buys_two_calls_of_progress_and_no_flood_of_jobs()
         .count() as u64;
     // Calls by the time their job was granted them; the fold's count is
     // the server's.
-    let per_event = calls_by_issue_time(&log);
+    let per_event = support::spend::calls_by_issue_time(&log);
     assert_eq!(per_event.iter().map(|j| j.1).sum::<u64>(), seen);
     let jobs: Vec<_> = log
         .iter()
@@ -907,7 +880,7 @@ fn calls_of(log: &[Envelope], conv: &str) -> Vec<(u64, u64)> {
         .filter(|e| e.conversation == conv)
         .cloned()
         .collect();
-    calls_by_issue_time(&own)
+    support::spend::calls_by_issue_time(&own)
 }
 
 /// Issue 23, finding 3: an agent asking for compaction again and again

@@ -6,5 +6,6 @@ pub mod nats_server;
 pub mod policy;
 pub mod replay;
 pub mod serve;
+pub mod spend;
 pub mod tenants;
 pub mod turns;
