@@ -941,7 +941,7 @@ async fn a_flood_by_one_agent_is_held_to_its_quota_while_the_other_is_folded() {
         b.store(&b_in, e).await;
     }
     wait_until("agent-2's turns folded", Duration::from_secs(20), || {
-        folded(&service, B).map(|c| c.0) == Some(20)
+        folded(service, B).map(|c| c.0) == Some(20)
     })
     .await;
     // Every event agent-1 got stored was folded: admitted or refused.
@@ -1018,7 +1018,7 @@ async fn instructions_over_the_apis_limit_are_refused_on_the_event_path() {
         "{}",
         r.reason
     );
-    let conv = conversation_state(&service, A);
+    let conv = conversation_state(service, A);
     assert!(
         conv.pending_job.is_none(),
         "the refused request issued a job"
@@ -1073,7 +1073,7 @@ async fn another_agents_event_ids_cannot_be_squatted_in_the_tenants_deployment()
     a.client.flush().await.unwrap();
     assert!(a.refusals.lock().unwrap().is_empty(), "{:?}", a.refusals);
     wait_until("agent-1's decoys folded", Duration::from_secs(20), || {
-        folded(&service, A).map(|c| c.0) == Some(10)
+        folded(service, A).map(|c| c.0) == Some(10)
     })
     .await;
 
@@ -1101,7 +1101,7 @@ async fn another_agents_event_ids_cannot_be_squatted_in_the_tenants_deployment()
     assert!(ok, "{err}");
     assert!(err.contains("(10 new, 0 duplicates"), "{err}");
     wait_until("agent-2's 10 turns folded", Duration::from_secs(20), || {
-        folded(&service, B).map(|c| c.0) == Some(10)
+        folded(service, B).map(|c| c.0) == Some(10)
     })
     .await;
     acme.service.shutdown().await;

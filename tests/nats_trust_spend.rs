@@ -27,7 +27,7 @@ use llm_server::{completion, handover_answer, Scripted, ScriptedServer};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use support::serve::{client_for_config, partition_events, wait_until};
-use support::spend::calls_by_issue_time;
+use support::spend::calls_of;
 use support::tenants::{service_nats_config, Users, TENANTS_CONF, TENANTS_USERS};
 
 /// What the example permits: agent-1 owns `agent-1`, agent-2 `team:alpha`.
@@ -60,16 +60,6 @@ async fn store(client: &async_nats::Client, subject: &str, e: &Envelope) {
         .unwrap_or_else(|err| panic!("publishing {}: {err}", e.id))
         .await
         .unwrap_or_else(|err| panic!("storing {}: {err}", e.id));
-}
-
-/// Calls of `conv`'s sweeps, each at the partition time its job was issued.
-fn calls_of(log: &[Envelope], conv: &str) -> Vec<(u64, u64)> {
-    let own: Vec<Envelope> = log
-        .iter()
-        .filter(|e| e.conversation == conv)
-        .cloned()
-        .collect();
-    calls_by_issue_time(&own)
 }
 
 fn max_in_any_window(calls: &[(u64, u64)]) -> u64 {

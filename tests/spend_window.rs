@@ -873,16 +873,6 @@ async fn a_window_of_two_calls_buys_two_calls_of_progress_and_no_flood_of_jobs()
     );
 }
 
-/// Calls per conversation at the time their job was issued, from the log.
-fn calls_of(log: &[Envelope], conv: &str) -> Vec<(u64, u64)> {
-    let own: Vec<Envelope> = log
-        .iter()
-        .filter(|e| e.conversation == conv)
-        .cloned()
-        .collect();
-    support::spend::calls_by_issue_time(&own)
-}
-
 /// Issue 23, finding 3: an agent asking for compaction again and again
 /// (urgent requests used to run with no call cap: 37 calls against a
 /// limit of 4, and its neighbour in the partition was locked out) is held
@@ -929,7 +919,10 @@ async fn urgent_requests_are_held_to_their_cap_and_leave_others_their_share() {
         time += 5_000;
     }
     let log = all_events(&mut p.log).await;
-    let (calls_a, calls_b) = (calls_of(&log, a), calls_of(&log, b));
+    let (calls_a, calls_b) = (
+        support::spend::calls_of(&log, a),
+        support::spend::calls_of(&log, b),
+    );
     let max_a = max_in_any_window(&calls_a);
     assert!(
         max_a <= u64::from(CAP),

@@ -24,6 +24,16 @@ pub fn calls_by_issue_time(log: &[Envelope]) -> Vec<(u64, u64)> {
         .collect()
 }
 
+/// [`calls_by_issue_time`] of `conv`'s events alone.
+pub fn calls_of(log: &[Envelope], conv: &str) -> Vec<(u64, u64)> {
+    let own: Vec<Envelope> = log
+        .iter()
+        .filter(|e| e.conversation == conv)
+        .cloned()
+        .collect();
+    calls_by_issue_time(&own)
+}
+
 /// The most calls in any span of `window_ms`.
 pub fn max_in_any_window(calls: &[(u64, u64)], window_ms: u64) -> u64 {
     calls
