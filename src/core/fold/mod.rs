@@ -507,17 +507,14 @@ impl FoldContext<'_> {
                     ),
                 );
             }
-            if self.intake.refusing {
-                self.intake.refusing = false;
-            }
             return None;
         }
         quota.refused += 1;
         let first = !quota.refusing;
         quota.refusing = true;
         if admitted_here {
+            // Counted only: episodes are the conversation's (its record).
             self.intake.refused += 1;
-            self.intake.refusing = true;
         }
         self.conv.mark_applied_digest(self.event_digest);
         if !first {
