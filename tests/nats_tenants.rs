@@ -33,7 +33,7 @@ use contextfold::core::event::{
 };
 use contextfold::core::message::{ChatMessage, Role};
 use contextfold::core::policy::PolicyConfig;
-use contextfold::core::state::summary_id;
+use contextfold::core::state::{summary_id, TurnBodies};
 use contextfold::nats::event_log::event_headers;
 use contextfold::nats::jobs::snapshot_object_name;
 use contextfold::nats::serve::{ServeOptions, Service};
@@ -149,15 +149,28 @@ impl Acme {
 
 /// Turns, summaries and state hash of a conversation the service folds.
 fn folded(service: &Service, key: &str) -> Option<(usize, usize, String)> {
+    with_folded(service, key, |conv, bodies| {
+        (
+            conv.turns.len(),
+            conv.summaries.len(),
+            conv.hash_with(bodies).unwrap(),
+        )
+    })
+}
+
+/// `f` of `key`'s conversation as the service folds it, with the bodies
+/// its engine reads; `None` while the partition is not held here or the
+/// conversation is unknown.
+fn with_folded<R>(
+    service: &Service,
+    key: &str,
+    f: impl FnOnce(&contextfold::core::state::Conversation, &dyn TurnBodies) -> R,
+) -> Option<R> {
     let engines = service.engines()?;
     let engine = engines.get(partition_of(key, PARTITIONS).ok()?)?;
     let e = engine.lock().unwrap();
     let conv = e.state.conversations.get(key)?;
-    Some((
-        conv.turns.len(),
-        conv.summaries.len(),
-        conv.hash_with(&e.bodies()).unwrap(),
-    ))
+    Some(f(conv, &e.bodies()))
 }
 
 /// Whether every partition of `service` folded the policy it recorded
@@ -946,11 +959,9 @@ async fn a_flood_by_one_agent_is_held_to_its_quota_while_the_other_is_folded() {
     .await;
     // Every event agent-1 got stored was folded: admitted or refused.
     let quota_of = || {
-        let engines = service.engines()?;
-        let engine = engines.get(partition_of(A, PARTITIONS).ok()?)?;
-        let e = engine.lock().unwrap();
-        let conv = e.state.conversations.get(A)?;
-        Some((conv.turns.len() as u64, conv.quota.refused, conv.rejections))
+        with_folded(service, A, |conv, _| {
+            (conv.turns.len() as u64, conv.quota.refused, conv.rejections)
+        })
     };
     wait_until("agent-1's flood folded", Duration::from_secs(20), || {
         quota_of().is_some_and(|(turns, refused, _)| turns + refused == FLOOD as u64)
@@ -1018,11 +1029,8 @@ async fn instructions_over_the_apis_limit_are_refused_on_the_event_path() {
         "{}",
         r.reason
     );
-    let conv = conversation_state(service, A);
-    assert!(
-        conv.pending_job.is_none(),
-        "the refused request issued a job"
-    );
+    let pending = with_folded(service, A, |conv, _| conv.pending_job.is_some());
+    assert_eq!(pending, Some(false), "the refused request issued a job");
     // Within the limit: taken, the instructions carried by its debt.
     let fine = request("fine-request", "Keep the file names exact.".into());
     a.store("cf.in.agent-1", &fine).await;
@@ -1032,15 +1040,6 @@ async fn instructions_over_the_apis_limit_are_refused_on_the_event_path() {
     })
     .await;
     acme.service.shutdown().await;
-}
-
-fn conversation_state(service: &Service, key: &str) -> contextfold::core::state::Conversation {
-    let engines = service.engines().expect("folding");
-    let engine = engines
-        .get(partition_of(key, PARTITIONS).unwrap())
-        .expect("the partition is held");
-    let e = engine.lock().unwrap();
-    e.state.conversations.get(key).cloned().expect("folded")
 }
 
 /// Finding 2 of issue 23, in the documented tenants deployment: agent-1

@@ -1155,27 +1155,36 @@ mod tests {
         );
     }
 
-    #[test]
-    fn held_decisions_are_dropped_when_the_log_shows_them_and_released_at_the_head() {
-        let turn = |i: u64| {
-            Envelope::new(
-                format!("t{i}"),
-                "c",
-                i,
-                EventBody::TurnAppended(TurnAppended::from(ChatMessage::text(
-                    Role::User,
-                    format!("turn {i} about the build: ").repeat(10),
-                ))),
-            )
-        };
-        let record = |p: u64, origin, e: &Envelope| {
-            LogRecord::unaddressed(p, origin, Encoding::Json, e.to_json().into_bytes())
-        };
-        let policy = PolicyConfig {
+    /// User turn `i` of conversation `c`, long enough that a few compact.
+    fn turn(i: u64) -> Envelope {
+        Envelope::new(
+            format!("t{i}"),
+            "c",
+            i,
+            EventBody::TurnAppended(TurnAppended::from(ChatMessage::text(
+                Role::User,
+                format!("turn {i} about the build: ").repeat(10),
+            ))),
+        )
+    }
+
+    /// `e` as the log's record at position `p`.
+    fn record(p: u64, origin: Origin, e: &Envelope) -> LogRecord {
+        LogRecord::unaddressed(p, origin, Encoding::Json, e.to_json().into_bytes())
+    }
+
+    /// A window small enough that [`turn`]s issue jobs within a dozen.
+    fn crash_policy() -> PolicyConfig {
+        PolicyConfig {
             default_context_window: 200,
             fresh_tail_count: 2,
             ..PolicyConfig::default()
-        };
+        }
+    }
+
+    #[test]
+    fn held_decisions_are_dropped_when_the_log_shows_them_and_released_at_the_head() {
+        let policy = crash_policy();
         // What a first process folded and published (and folded back, as
         // runtimes do).
         let mut first = Engine::open(MemoryBackend::default(), policy.clone()).unwrap();
@@ -1219,25 +1228,7 @@ mod tests {
 
     #[test]
     fn jobs_the_log_shows_pending_go_out_again_when_history_ends() {
-        let turn = |i: u64| {
-            Envelope::new(
-                format!("t{i}"),
-                "c",
-                i,
-                EventBody::TurnAppended(TurnAppended::from(ChatMessage::text(
-                    Role::User,
-                    format!("turn {i} about the build: ").repeat(10),
-                ))),
-            )
-        };
-        let record = |p: u64, origin, e: &Envelope| {
-            LogRecord::unaddressed(p, origin, Encoding::Json, e.to_json().into_bytes())
-        };
-        let policy = PolicyConfig {
-            default_context_window: 200,
-            fresh_tail_count: 2,
-            ..PolicyConfig::default()
-        };
+        let policy = crash_policy();
         // A first process stored its decisions, then crashed before the
         // job reached the queue (and before its state was committed).
         let mut first = Engine::open(MemoryBackend::default(), policy.clone()).unwrap();
