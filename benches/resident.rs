@@ -27,9 +27,9 @@ use contextfold::core::state::Turn;
 use contextfold::log::segment::SegmentLog;
 use contextfold::runtime::embedded::Pipeline;
 use contextfold::runtime::engine::Engine;
-use contextfold::runtime::sweep::Deterministic;
 use contextfold::store::redb_backend::RedbBackend;
 use contextfold::store::state_store::{BodyCache, StateStore};
+use contextfold::summarizer::DeterministicSummarizer;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -127,7 +127,7 @@ fn main() {
     let engine = Engine::open_with(store, PolicyConfig::default()).expect("engine");
     let log = SegmentLog::open(&dir.path().join("log")).expect("log");
     let mut pipeline = rt
-        .block_on(Pipeline::open(log, engine, Deterministic))
+        .block_on(Pipeline::open(log, engine, DeterministicSummarizer))
         .expect("pipeline");
     let opened = LIVE.load(Ordering::Relaxed);
     let mut position = 0u64;

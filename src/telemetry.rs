@@ -479,7 +479,7 @@ pub const SUMMARIZER_OUTCOMES: &[&str] = &[
     "deadline",
 ];
 /// `kind` of [`VALIDATION_REJECTIONS`]: the validation's rejections
-/// (`summarizer::validation::Rejection::kind`), and `unusable`,
+/// (`summarizer::checks::Rejection::kind`), and `unusable`,
 /// `not_better`, `rolling_state_unparsed` for answers refused before or
 /// after them.
 pub const VALIDATION_KINDS: &[&str] = &[
@@ -1158,7 +1158,7 @@ pub fn summary_tally() -> std::collections::BTreeMap<(&'static str, &'static str
 
 /// Validation refused a summary text.
 pub struct ValidationRejected {
-    /// A closed set: [`crate::summarizer::validation::Rejection::kind`],
+    /// A closed set: [`crate::summarizer::checks::Rejection::kind`],
     /// or `unusable` for an answer that carried no text.
     pub kind: &'static str,
 }
@@ -1850,7 +1850,7 @@ mod tests {
         kinds.dedup();
         assert_eq!(kinds, REJECTION_KINDS);
 
-        use crate::summarizer::validation::{Copied, Rejection as Invalid};
+        use crate::summarizer::checks::{Copied, Rejection as Invalid};
         let validation = [
             Invalid::Empty,
             Invalid::ReasoningOnly,
@@ -1882,7 +1882,7 @@ mod tests {
             "rolling state",
             "other",
         ] {
-            let kind = crate::summarizer::validation::unusable_kind(reason);
+            let kind = crate::summarizer::checks::unusable_kind(reason);
             assert!(VALIDATION_KINDS.contains(&kind), "{kind}");
         }
         // Every list names each value once; every labelled family is one

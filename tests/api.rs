@@ -29,8 +29,8 @@ use contextfold::nats::api_role::{self, ServiceConfig};
 use contextfold::nats::subjects::encode_conversation;
 use contextfold::runtime::embedded::Pipeline;
 use contextfold::runtime::engine::Engine;
-use contextfold::runtime::sweep::Deterministic;
 use contextfold::store::memory_backend::MemoryBackend;
+use contextfold::summarizer::DeterministicSummarizer;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
@@ -155,7 +155,7 @@ fn fold_here(policy: &PolicyConfig, events: &[Envelope]) -> State {
         .unwrap();
     rt.block_on(async {
         let engine = Engine::open(MemoryBackend::default(), policy.clone()).unwrap();
-        let mut p = Pipeline::open(MemoryLog::new(), engine, Deterministic)
+        let mut p = Pipeline::open(MemoryLog::new(), engine, DeterministicSummarizer)
             .await
             .unwrap();
         for e in events {

@@ -13,14 +13,16 @@ use support::nats_server::NatsServer;
 use support::serve::*;
 use support::turns::turns;
 
-use contextfold::core::event::RollingState;
 use contextfold::core::fallback_summary;
 use contextfold::core::policy::PolicyConfig;
-use contextfold::core::summary::{RollingStateRequest, SummaryDraft, SummaryRequest};
+use contextfold::core::summary::{RollingStateRequest, SummaryRequest};
 use contextfold::nats::serve::{Roles, Service};
 use contextfold::nats::Subjects;
 use contextfold::runtime::engine::policy_fingerprint;
-use contextfold::runtime::sweep::{Allowance, Deterministic, PassError, PassSummarizer, Spend};
+use contextfold::summarizer::{
+    Budget, CallOutcome, CallRecord, DeterministicSummarizer, RollingOutcome, SummarizeError,
+    Summarizer, SummaryOutcome,
+};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -250,7 +252,7 @@ async fn serves_folding_under_different_policies_fail_naming_both_fingerprints()
     assert_ne!(fp_same, fp_other);
     let start = |name: &str, policy: &PolicyConfig| {
         let opts = options(&server.url(), &dir.path().join(name), policy, name);
-        Service::start(opts, Arc::new(Deterministic))
+        Service::start(opts, Arc::new(DeterministicSummarizer))
     };
 
     // Two serves under the same policy as this doctor's configuration.
@@ -306,52 +308,52 @@ async fn serves_folding_under_different_policies_fail_naming_both_fingerprints()
 /// allowance, as a model summarizer does: what closes a spend window.
 struct OneCallPerPass;
 
-impl PassSummarizer for OneCallPerPass {
-    async fn summarize(&self, req: &SummaryRequest) -> Result<(SummaryDraft, Spend), PassError> {
-        let spend = Spend {
-            calls: 1,
-            tokens: 100,
+impl OneCallPerPass {
+    /// Pays one call of 100 tokens, when the budget has one.
+    fn pay(budget: &Budget) -> Result<(), SummarizeError> {
+        if !budget.grant(100) {
+            return Err(SummarizeError::OverBudget { calls: Vec::new() });
+        }
+        budget.charge(&CallRecord {
+            model: "one-call".into(),
+            provider: "test".into(),
+            latency_ms: 1,
+            prompt_tokens_provider: Some(90),
+            completion_tokens_provider: Some(10),
+            prompt_tokens_ours: 90,
+            completion_tokens_ours: 10,
             cost_micros: 0,
-        };
-        Ok((fallback_summary::summarize(req), spend))
+            outcome: CallOutcome::Ok,
+        });
+        Ok(())
+    }
+}
+
+impl Summarizer for OneCallPerPass {
+    async fn summarize(
+        &self,
+        req: &SummaryRequest,
+        budget: &Budget,
+    ) -> Result<SummaryOutcome, SummarizeError> {
+        Self::pay(budget)?;
+        Ok(SummaryOutcome::without_calls(fallback_summary::summarize(
+            req,
+        )))
     }
 
     async fn rolling_state(
         &self,
         req: &RollingStateRequest,
-    ) -> Result<(RollingState, Spend), PassError> {
-        let spend = Spend {
-            calls: 1,
-            tokens: 100,
-            cost_micros: 0,
-        };
-        Ok((fallback_summary::rolling_state(req), spend))
+        budget: &Budget,
+    ) -> Result<RollingOutcome, SummarizeError> {
+        Self::pay(budget)?;
+        Ok(RollingOutcome::without_calls(
+            fallback_summary::rolling_state(req),
+        ))
     }
 
-    async fn summarize_within(
-        &self,
-        req: &SummaryRequest,
-        allowance: Allowance,
-    ) -> Result<(SummaryDraft, Spend), PassError> {
-        if allowance.calls == Some(0) {
-            return Err(PassError::SpendLimit {
-                spend: Spend::default(),
-            });
-        }
-        self.summarize(req).await
-    }
-
-    async fn rolling_state_within(
-        &self,
-        req: &RollingStateRequest,
-        allowance: Allowance,
-    ) -> Result<(RollingState, Spend), PassError> {
-        if allowance.calls == Some(0) {
-            return Err(PassError::SpendLimit {
-                spend: Spend::default(),
-            });
-        }
-        self.rolling_state(req).await
+    fn name(&self) -> &str {
+        "one-call-per-pass"
     }
 }
 

@@ -25,8 +25,9 @@ use contextfold::core::policy::PolicyConfig;
 use contextfold::core::sweep::SweepSnapshot;
 use contextfold::log::LogRecord;
 use contextfold::runtime::engine::{Effects, Engine};
-use contextfold::runtime::sweep::{run_sweep, Deterministic};
+use contextfold::runtime::sweep::run_sweep;
 use contextfold::store::memory_backend::MemoryBackend;
+use contextfold::summarizer::DeterministicSummarizer;
 use proptest::prelude::*;
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -236,7 +237,9 @@ impl Sim {
                 let deadline = Duration::from_millis(snap.job.deadline_ms);
                 let mut out = Vec::new();
                 self.runtime
-                    .block_on(run_sweep(snap, &Deterministic, deadline, |e| out.push(e)));
+                    .block_on(run_sweep(snap, &DeterministicSummarizer, deadline, |e| {
+                        out.push(e)
+                    }));
                 for e in &out {
                     self.append(Origin::Service, e);
                 }

@@ -15,8 +15,8 @@ use contextfold::log::memory::MemoryLog;
 use contextfold::log::EventLog;
 use contextfold::runtime::embedded::Pipeline;
 use contextfold::runtime::engine::{Engine, Residency};
-use contextfold::runtime::sweep::Deterministic;
 use contextfold::store::memory_backend::MemoryBackend;
+use contextfold::summarizer::DeterministicSummarizer;
 use proptest::prelude::*;
 
 mod support;
@@ -136,7 +136,7 @@ fn run_pipeline_and_reload(
         .unwrap();
     rt.block_on(async {
         let engine = Engine::open(MemoryBackend::default(), policy.clone()).unwrap();
-        let mut p = Pipeline::open(MemoryLog::new(), engine, Deterministic)
+        let mut p = Pipeline::open(MemoryLog::new(), engine, DeterministicSummarizer)
             .await
             .unwrap();
         for c in input.chunks(chunk.max(1)) {
@@ -370,7 +370,7 @@ fn pipeline_with_residency(
                 },
             });
         }
-        let mut p = Pipeline::open(MemoryLog::new(), engine, Deterministic)
+        let mut p = Pipeline::open(MemoryLog::new(), engine, DeterministicSummarizer)
             .await
             .unwrap();
         let mut most = 0;

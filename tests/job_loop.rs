@@ -32,7 +32,8 @@ use contextfold::core::message::{ChatMessage, FunctionCall, Role, ToolCall};
 use contextfold::core::policy::PolicyConfig;
 use contextfold::core::state::{ContextItem, Conversation, State};
 use contextfold::core::sweep;
-use contextfold::runtime::sweep::{run_sweep, Deterministic};
+use contextfold::runtime::sweep::run_sweep;
+use contextfold::summarizer::DeterministicSummarizer;
 use proptest::prelude::*;
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -161,7 +162,7 @@ impl World {
                 let mut events = Vec::new();
                 self.rt.block_on(run_sweep(
                     snap,
-                    &Deterministic,
+                    &DeterministicSummarizer,
                     Duration::from_millis(job.deadline_ms),
                     |ev| events.push(ev),
                 ));

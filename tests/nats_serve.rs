@@ -20,13 +20,15 @@ use support::turns::turns;
 
 use async_nats::jetstream;
 use contextfold::core::assembly::{self, AssemblyRequest};
-use contextfold::core::event::{Envelope, EventBody, RollingState};
+use contextfold::core::event::{Envelope, EventBody};
 use contextfold::core::policy::PolicyConfig;
-use contextfold::core::summary::{RollingStateRequest, SummaryDraft, SummaryRequest};
+use contextfold::core::summary::{RollingStateRequest, SummaryRequest};
 use contextfold::nats::config::StorageKind;
 use contextfold::nats::serve::{Roles, Service};
 use contextfold::nats::setup::ensure;
-use contextfold::runtime::sweep::{Deterministic, PassError, PassSummarizer, Spend};
+use contextfold::summarizer::{
+    Budget, DeterministicSummarizer, RollingOutcome, SummarizeError, Summarizer, SummaryOutcome,
+};
 use futures::StreamExt;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -295,17 +297,25 @@ struct Slow {
     calls: AtomicU64,
 }
 
-impl PassSummarizer for Slow {
-    async fn summarize(&self, req: &SummaryRequest) -> Result<(SummaryDraft, Spend), PassError> {
+impl Summarizer for Slow {
+    async fn summarize(
+        &self,
+        req: &SummaryRequest,
+        budget: &Budget,
+    ) -> Result<SummaryOutcome, SummarizeError> {
         self.calls.fetch_add(1, Ordering::Relaxed);
         tokio::time::sleep(self.delay).await;
-        Deterministic.summarize(req).await
+        DeterministicSummarizer.summarize(req, budget).await
     }
     async fn rolling_state(
         &self,
         req: &RollingStateRequest,
-    ) -> Result<(RollingState, Spend), PassError> {
-        Deterministic.rolling_state(req).await
+        budget: &Budget,
+    ) -> Result<RollingOutcome, SummarizeError> {
+        DeterministicSummarizer.rolling_state(req, budget).await
+    }
+    fn name(&self) -> &str {
+        "slow"
     }
 }
 
@@ -320,7 +330,7 @@ async fn a_job_of_a_killed_worker_is_redelivered_and_finished_by_another() {
     );
     let mut folder_opts = options(&server.url(), dir_f.path(), &policy, "folder");
     folder_opts.roles = "folder".parse().unwrap();
-    let folder = Service::start(folder_opts, Arc::new(Deterministic))
+    let folder = Service::start(folder_opts, Arc::new(DeterministicSummarizer))
         .await
         .unwrap();
     let slow = Arc::new(Slow {
@@ -362,7 +372,7 @@ async fn a_job_of_a_killed_worker_is_redelivered_and_finished_by_another() {
 
     let mut rescuer_opts = options(&server.url(), dir_b.path(), &policy, "rescuer");
     rescuer_opts.roles = "summarizer".parse().unwrap();
-    let rescuer = Service::start(rescuer_opts, Arc::new(Deterministic))
+    let rescuer = Service::start(rescuer_opts, Arc::new(DeterministicSummarizer))
         .await
         .unwrap();
     let counters = rescuer.summarizer_counters().unwrap();
@@ -391,13 +401,13 @@ async fn two_instances_split_partitions_and_a_kill_moves_them_to_the_survivor() 
     let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let a = Service::start(
         options(&server.url(), dir_a.path(), &policy, "serve-a"),
-        Arc::new(Deterministic),
+        Arc::new(DeterministicSummarizer),
     )
     .await
     .unwrap();
     let b = Service::start(
         options(&server.url(), dir_b.path(), &policy, "serve-b"),
-        Arc::new(Deterministic),
+        Arc::new(DeterministicSummarizer),
     )
     .await
     .unwrap();
@@ -476,12 +486,18 @@ async fn admin_status_gathers_every_processs_partitions() {
         o.roles = "folder,summarizer,api".parse::<Roles>().unwrap();
         o
     };
-    let a = Service::start(with_api(dir_a.path(), "serve-a"), Arc::new(Deterministic))
-        .await
-        .unwrap();
-    let b = Service::start(with_api(dir_b.path(), "serve-b"), Arc::new(Deterministic))
-        .await
-        .unwrap();
+    let a = Service::start(
+        with_api(dir_a.path(), "serve-a"),
+        Arc::new(DeterministicSummarizer),
+    )
+    .await
+    .unwrap();
+    let b = Service::start(
+        with_api(dir_b.path(), "serve-b"),
+        Arc::new(DeterministicSummarizer),
+    )
+    .await
+    .unwrap();
     wait_until("an 8/8 split", Duration::from_secs(15), || {
         held(&a).len() == 8 && held(&b).len() == 8
     })

@@ -37,8 +37,8 @@ use contextfold::nats::serve::{Roles, ServeOptions, Service};
 use contextfold::nats::{NatsConfig, NatsOptions};
 use contextfold::runtime::embedded;
 use contextfold::runtime::engine::Engine;
-use contextfold::runtime::sweep::Deterministic;
 use contextfold::store::memory_backend::MemoryBackend;
+use contextfold::summarizer::DeterministicSummarizer;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
@@ -357,7 +357,12 @@ fn cluster_options(urls: &[String], data: &Path, name: &str) -> ServeOptions {
 async fn start_on_cluster(urls: &[String], data: &Path, name: &str) -> Service {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        match Service::start(cluster_options(urls, data, name), Arc::new(Deterministic)).await {
+        match Service::start(
+            cluster_options(urls, data, name),
+            Arc::new(DeterministicSummarizer),
+        )
+        .await
+        {
             Ok(s) => return s,
             Err(e) => {
                 assert!(Instant::now() < deadline, "serve does not start: {e}");

@@ -39,7 +39,7 @@ use contextfold::nats::jobs::snapshot_object_name;
 use contextfold::nats::serve::{ServeOptions, Service};
 use contextfold::nats::subjects::{encode_conversation, partition_of};
 use contextfold::nats::NatsOptions;
-use contextfold::runtime::sweep::Deterministic;
+use contextfold::summarizer::DeterministicSummarizer;
 use futures::StreamExt;
 use serde_json::{json, Value};
 use std::path::Path;
@@ -99,7 +99,7 @@ async fn serve_with(
     opts.policy = policy;
     opts.member_name = Some(prefix.replace('.', "-"));
     opts.summarizer.poll = Duration::from_millis(100);
-    let service = Service::start(opts, Arc::new(Deterministic))
+    let service = Service::start(opts, Arc::new(DeterministicSummarizer))
         .await
         .expect("serve starts as the service user");
     wait_until("all partitions held", Duration::from_secs(10), || {

@@ -23,7 +23,7 @@ mod support;
 use async_nats::jetstream;
 use async_nats::ConnectOptions;
 use contextfold::nats::serve::{ServeOptions, Service};
-use contextfold::runtime::sweep::Deterministic;
+use contextfold::summarizer::DeterministicSummarizer;
 use contextfold::telemetry;
 use futures::{StreamExt, TryStreamExt};
 use serde_json::json;
@@ -91,7 +91,7 @@ async fn the_service_answers_only_on_inboxes_and_counts_every_other_reply_subjec
     let mut opts = ServeOptions::new(nats, dir.path());
     opts.policy = small_policy();
     opts.member_name = Some("acme".into());
-    let service = Service::start(opts, Arc::new(Deterministic))
+    let service = Service::start(opts, Arc::new(DeterministicSummarizer))
         .await
         .expect("serve starts as the service user");
     wait_until("all partitions held", Duration::from_secs(10), || {

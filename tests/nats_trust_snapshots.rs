@@ -12,13 +12,15 @@
 mod support;
 
 use async_nats::jetstream::{self, object_store};
-use contextfold::core::event::{Envelope, EventBody, RollingState};
+use contextfold::core::event::{Envelope, EventBody};
 use contextfold::core::policy::PolicyConfig;
-use contextfold::core::summary::{RollingStateRequest, SummaryDraft, SummaryRequest};
+use contextfold::core::summary::{RollingStateRequest, SummaryRequest};
 use contextfold::nats::jobs::snapshot_object_name;
 use contextfold::nats::serve::{Roles, Service};
 use contextfold::nats::setup::ensure;
-use contextfold::runtime::sweep::{Deterministic, PassError, PassSummarizer, Spend};
+use contextfold::summarizer::{
+    Budget, DeterministicSummarizer, RollingOutcome, SummarizeError, Summarizer, SummaryOutcome,
+};
 use futures::{StreamExt, TryStreamExt};
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -34,21 +36,31 @@ const DEFAULT_MAX_AGE: Duration = Duration::from_secs(24 * 3600);
 /// until it is dead-lettered.
 struct AlwaysLater;
 
-impl PassSummarizer for AlwaysLater {
-    async fn summarize(&self, _: &SummaryRequest) -> Result<(SummaryDraft, Spend), PassError> {
-        Err(PassError::RateLimited {
-            retry_after_ms: 100,
-            spend: Spend::default(),
-        })
+fn later() -> SummarizeError {
+    SummarizeError::RateLimited {
+        provider: "p".into(),
+        retry_after_ms: 100,
+        calls: Vec::new(),
+    }
+}
+
+impl Summarizer for AlwaysLater {
+    async fn summarize(
+        &self,
+        _: &SummaryRequest,
+        _: &Budget,
+    ) -> Result<SummaryOutcome, SummarizeError> {
+        Err(later())
     }
     async fn rolling_state(
         &self,
         _: &RollingStateRequest,
-    ) -> Result<(RollingState, Spend), PassError> {
-        Err(PassError::RateLimited {
-            retry_after_ms: 100,
-            spend: Spend::default(),
-        })
+        _: &Budget,
+    ) -> Result<RollingOutcome, SummarizeError> {
+        Err(later())
+    }
+    fn name(&self) -> &str {
+        "always-later"
     }
 }
 
@@ -62,7 +74,7 @@ fn policy() -> PolicyConfig {
 }
 
 /// Serve (every role) whose every job snapshot goes to the object store.
-async fn serve<S: PassSummarizer + 'static>(url: &str, data: &Path, summarizer: S) -> Service {
+async fn serve<S: Summarizer + 'static>(url: &str, data: &Path, summarizer: S) -> Service {
     let mut opts = options(url, data, &policy(), "snapshots");
     opts.roles = "all".parse::<Roles>().unwrap();
     opts.nats.max_inline_payload_bytes = 256;
@@ -161,7 +173,7 @@ async fn wait_deleted(js: &jetstream::Context, job_id: &str, what: &str) {
 async fn an_acknowledged_jobs_snapshot_is_deleted() {
     let server = NatsServer::start();
     let dir = tempfile::tempdir().unwrap();
-    let service = serve(&server.url(), dir.path(), Deterministic).await;
+    let service = serve(&server.url(), dir.path(), DeterministicSummarizer).await;
     let (client, js, _infra) = client_for(&server.url()).await;
     let ended = compact_and_wait(&client, "snap-done").await;
     let EventBody::SweepEnded(ended) = ended.body else {

@@ -21,7 +21,7 @@ use contextfold::core::event::{CompactionRequested, Encoding, Envelope, EventBod
 use contextfold::core::policy::PolicyConfig;
 use contextfold::nats::event_log::event_headers;
 use contextfold::nats::serve::{ServeOptions, Service};
-use contextfold::runtime::llm_pass::LlmPass;
+use contextfold::summarizer::stack;
 use contextfold::summarizer::SummarizerConfig;
 use llm_server::{completion, handover_answer, Scripted, ScriptedServer};
 use std::sync::Arc;
@@ -115,7 +115,7 @@ async fn an_agent_asking_again_and_again_is_held_to_its_cap_and_its_neighbour_co
         max_retries: 0,
         ..SummarizerConfig::default()
     };
-    let summarizer = LlmPass::llm_with_key(&cfg, "test-key-not-secret").expect("summarizer");
+    let summarizer = stack::model_with_key(&cfg, "test-key-not-secret").expect("summarizer");
     let service = Service::start(opts, Arc::new(summarizer))
         .await
         .expect("serve starts as the service user");

@@ -14,8 +14,10 @@ use contextfold::log::segment::SegmentLog;
 use contextfold::log::EventLog;
 use contextfold::runtime::embedded::{self, Pipeline};
 use contextfold::runtime::engine::{policy_fingerprint, Effects, Engine};
-use contextfold::runtime::sweep::Deterministic;
 use contextfold::store::memory_backend::MemoryBackend;
+use contextfold::summarizer::{
+    Budget, DeterministicSummarizer, RollingOutcome, SummarizeError, Summarizer, SummaryOutcome,
+};
 use proptest::prelude::*;
 use std::path::{Path, PathBuf};
 
@@ -83,7 +85,7 @@ async fn recorded_policies(log: &mut MemoryLog) -> Vec<String> {
     out
 }
 
-type Local = Pipeline<MemoryLog, MemoryBackend, Deterministic>;
+type Local = Pipeline<MemoryLog, MemoryBackend, DeterministicSummarizer>;
 
 /// A process: opens the store left by the previous one with `policy`.
 async fn open(log: MemoryLog, store: MemoryBackend, policy: &PolicyConfig) -> Local {
@@ -92,7 +94,9 @@ async fn open(log: MemoryLog, store: MemoryBackend, policy: &PolicyConfig) -> Lo
         contextfold::core::event::EMBEDDED_PARTITION_KEY.into(),
         "test",
     );
-    Pipeline::open(log, engine, Deterministic).await.unwrap()
+    Pipeline::open(log, engine, DeterministicSummarizer)
+        .await
+        .unwrap()
 }
 
 /// Stops a process: its log and its store as it left them.
@@ -480,17 +484,12 @@ struct LogSummaries {
 
 struct Shared(std::sync::Arc<LogSummaries>);
 
-impl contextfold::runtime::sweep::PassSummarizer for Shared {
+impl Summarizer for Shared {
     async fn summarize(
         &self,
         req: &contextfold::core::summary::SummaryRequest,
-    ) -> Result<
-        (
-            contextfold::core::summary::SummaryDraft,
-            contextfold::runtime::sweep::Spend,
-        ),
-        contextfold::runtime::sweep::PassError,
-    > {
+        budget: &Budget,
+    ) -> Result<SummaryOutcome, SummarizeError> {
         let k = (
             req.conversation.clone(),
             req.depth,
@@ -508,25 +507,23 @@ impl contextfold::runtime::sweep::PassSummarizer for Shared {
         match self.0.by_sources.get(&k) {
             Some(d) => {
                 self.0.hits.fetch_add(1, Relaxed);
-                Ok((d.clone(), Default::default()))
+                Ok(SummaryOutcome::without_calls(d.clone()))
             }
             None => {
                 self.0.misses.fetch_add(1, Relaxed);
-                Deterministic.summarize(req).await
+                DeterministicSummarizer.summarize(req, budget).await
             }
         }
     }
     async fn rolling_state(
         &self,
         req: &contextfold::core::summary::RollingStateRequest,
-    ) -> Result<
-        (
-            contextfold::core::event::RollingState,
-            contextfold::runtime::sweep::Spend,
-        ),
-        contextfold::runtime::sweep::PassError,
-    > {
-        Deterministic.rolling_state(req).await
+        budget: &Budget,
+    ) -> Result<RollingOutcome, SummarizeError> {
+        DeterministicSummarizer.rolling_state(req, budget).await
+    }
+    fn name(&self) -> &str {
+        "from-log"
     }
 }
 

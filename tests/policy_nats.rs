@@ -10,7 +10,7 @@ use contextfold::core::event::{is_partition_key, EventBody};
 use contextfold::core::policy::PolicyConfig;
 use contextfold::nats::serve::Service;
 use contextfold::runtime::engine::policy_fingerprint;
-use contextfold::runtime::sweep::Deterministic;
+use contextfold::summarizer::DeterministicSummarizer;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -145,7 +145,7 @@ async fn a_folder_records_another_policy_once_and_a_third_one_beside_it_is_repor
     // both, with both fingerprints.
     let third = Service::start(
         options(&server.url(), &dir.path().join("c"), &c, "pol-c"),
-        Arc::new(Deterministic),
+        Arc::new(DeterministicSummarizer),
     )
     .await
     .expect("serve c starts");

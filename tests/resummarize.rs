@@ -13,9 +13,10 @@ use contextfold::core::fold::{fold, FoldStatus};
 use contextfold::core::message::{ChatMessage, Role};
 use contextfold::core::policy::PolicyConfig;
 use contextfold::core::state::{ContextItem, Resident, State, Summary};
-use contextfold::core::summary::{RollingStateRequest, SummaryDraft, SummaryRequest};
+use contextfold::core::summary::{RollingStateRequest, SummaryRequest};
 use contextfold::core::sweep;
-use contextfold::runtime::sweep::{run_sweep, PassError, PassSummarizer, Spend};
+use contextfold::runtime::sweep::run_sweep;
+use contextfold::summarizer::{Budget, RollingOutcome, SummarizeError, Summarizer, SummaryOutcome};
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
@@ -48,8 +49,12 @@ struct Flaky {
     calls: AtomicU32,
 }
 
-impl PassSummarizer for Flaky {
-    async fn summarize(&self, req: &SummaryRequest) -> Result<(SummaryDraft, Spend), PassError> {
+impl Summarizer for Flaky {
+    async fn summarize(
+        &self,
+        req: &SummaryRequest,
+        _: &Budget,
+    ) -> Result<SummaryOutcome, SummarizeError> {
         self.calls.fetch_add(1, Ordering::Relaxed);
         let mut draft = fallback_summary::summarize(req);
         if self.up.load(Ordering::Relaxed) {
@@ -61,13 +66,19 @@ impl PassSummarizer for Flaky {
                 .content
                 .replace("[fallback summary]", "[model summary]");
         }
-        Ok((draft, Spend::default()))
+        Ok(SummaryOutcome::without_calls(draft))
     }
     async fn rolling_state(
         &self,
         req: &RollingStateRequest,
-    ) -> Result<(RollingState, Spend), PassError> {
-        Ok((fallback_summary::rolling_state(req), Spend::default()))
+        _: &Budget,
+    ) -> Result<RollingOutcome, SummarizeError> {
+        Ok(RollingOutcome::without_calls(
+            fallback_summary::rolling_state(req),
+        ))
+    }
+    fn name(&self) -> &str {
+        "flaky"
     }
 }
 
@@ -126,7 +137,7 @@ impl Harness {
         self.log.extend(out.decisions);
     }
 
-    async fn settle<S: PassSummarizer>(&mut self, summarizer: &S) {
+    async fn settle<S: Summarizer>(&mut self, summarizer: &S) {
         for _ in 0..1000 {
             let conv = &self.state.conversations[CONV];
             let Some(p) = conv
@@ -150,7 +161,7 @@ impl Harness {
         panic!("jobs did not settle");
     }
 
-    async fn turns<S: PassSummarizer>(&mut self, range: std::ops::Range<u64>, t: u64, s: &S) {
+    async fn turns<S: Summarizer>(&mut self, range: std::ops::Range<u64>, t: u64, s: &S) {
         for i in range {
             self.apply(turn(i, t + i * 10_000));
             self.settle(s).await;

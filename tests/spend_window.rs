@@ -1,5 +1,5 @@
 //! Event-sourced spend windows end to end: the embedded pipeline with the
-//! real LLM path (`LlmPass`: escalation over the OpenAI-compatible client)
+//! real LLM path (the model stack: escalation over the OpenAI-compatible client)
 //! against HTTP servers on loopback, every claim proven by what the server
 //! saw:
 //! - with `summary_max_calls_per_window = N`, no span of the window's length
@@ -40,10 +40,10 @@ use contextfold::log::segment::SegmentLog;
 use contextfold::log::EventLog;
 use contextfold::runtime::embedded::Pipeline;
 use contextfold::runtime::engine::Engine;
-use contextfold::runtime::llm_pass::LlmPass;
 use contextfold::store::memory_backend::MemoryBackend;
 use contextfold::store::redb_backend::RedbBackend;
 use contextfold::store::KvBackend;
+use contextfold::summarizer::stack::{self, ModelStack};
 use contextfold::summarizer::SummarizerConfig;
 use llm_server::{completion, FakeLlm, Llmock, Scripted, ScriptedServer};
 use serde_json::json;
@@ -148,14 +148,14 @@ fn summarizer(base_url: &str) -> SummarizerConfig {
     }
 }
 
-fn pass(cfg: &SummarizerConfig) -> LlmPass {
-    LlmPass::llm_with_key(cfg, "test-key-not-secret").expect("summarizer")
+fn pass(cfg: &SummarizerConfig) -> ModelStack {
+    stack::model_with_key(cfg, "test-key-not-secret").expect("summarizer")
 }
 
 async fn memory_pipeline(
     policy: PolicyConfig,
     cfg: &SummarizerConfig,
-) -> Pipeline<MemoryLog, MemoryBackend, LlmPass> {
+) -> Pipeline<MemoryLog, MemoryBackend, ModelStack> {
     let engine = Engine::open(MemoryBackend::default(), policy).expect("engine");
     Pipeline::open(MemoryLog::new(), engine, pass(cfg))
         .await
@@ -167,7 +167,7 @@ async fn disk_pipeline<B: KvBackend>(
     backend: B,
     policy: PolicyConfig,
     cfg: &SummarizerConfig,
-) -> Pipeline<SegmentLog, B, LlmPass> {
+) -> Pipeline<SegmentLog, B, ModelStack> {
     let log = SegmentLog::open(&dir.join("log")).expect("log");
     let engine = Engine::open(backend, policy).expect("engine");
     Pipeline::open(log, engine, pass(cfg))
@@ -210,7 +210,7 @@ fn summaries_recorded(events: &[Envelope], conv: &str) -> usize {
 
 /// A copy of a conversation's state, resident or (after a restart) read
 /// from the store.
-fn conv<L: EventLog, B: KvBackend>(p: &Pipeline<L, B, LlmPass>, key: &str) -> Conversation {
+fn conv<L: EventLog, B: KvBackend>(p: &Pipeline<L, B, ModelStack>, key: &str) -> Conversation {
     p.engine
         .materialized_conversation(key)
         .expect("the store reads")
@@ -771,7 +771,7 @@ async fn a_window_of_two_calls_buys_two_calls_of_progress_and_no_flood_of_jobs()
         ..summarizer(&server.base_url())
     };
     assert!(
-        contextfold::runtime::llm_pass::calls_per_attempt(&cfg) > N,
+        cfg.model_chain().len() as u32 * (1 + cfg.max_retries) > N,
         "an attempt's worst case must be over the window for this test"
     );
     let mut p = memory_pipeline(policy, &cfg).await;

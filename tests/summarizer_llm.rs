@@ -21,14 +21,12 @@ use contextfold::core::summary::{
     IdentifierPolicy, RollingStateRequest, SourceItem, SummaryRequest, ROLLING_STATE_MAX_CHARS,
 };
 use contextfold::core::tokens::{count_text, Encoding};
-use contextfold::runtime::llm_pass::ExternalPass;
-use contextfold::runtime::sweep::PassSummarizer;
 use contextfold::summarizer::breaker::ManualClock;
 use contextfold::summarizer::config::ExternalConfig;
 use contextfold::summarizer::external::{ExternalSummarizer, WithFallback};
 use contextfold::summarizer::prompts::MISSING_IDENTIFIERS_PHRASE;
 use contextfold::summarizer::{
-    CallCapped, CallLog, CallOutcome, EscalatingSummarizer, LlmSummarizer, ModelPrice,
+    stack, Budget, CallOutcome, EscalatingSummarizer, LlmSummarizer, ModelPrice, RollingOutcome,
     SummarizeError, Summarizer, SummarizerConfig,
 };
 use futures::StreamExt;
@@ -38,7 +36,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The team's summarizer on NATS first, the built-in model client when it
-/// fails, validated and escalated: the chain `ExternalPass` wraps.
+/// fails, validated and escalated: the external stack (`stack::external`).
 fn team_then_builtin(
     config: &SummarizerConfig,
     client: &async_nats::Client,
@@ -144,7 +142,10 @@ async fn rate_limit_returns_the_retry_after_delay_capped_without_sleeping() {
         .script(json!([{"type": "fail", "status": 429, "retry_after": 7, "times": 1}]))
         .await;
     let started = Instant::now();
-    let err = s.summarize(&request(200)).await.unwrap_err();
+    let err = s
+        .summarize(&request(200), &Budget::unlimited())
+        .await
+        .unwrap_err();
     assert!(
         started.elapsed() < Duration::from_secs(1),
         "must not sleep on a 429: took {:?}",
@@ -172,7 +173,10 @@ async fn rate_limit_returns_the_retry_after_delay_capped_without_sleeping() {
         .script(json!([{"type": "fail", "status": 429, "retry_after": 3600, "times": 1}]))
         .await;
     let started = Instant::now();
-    let err = s.summarize(&request(200)).await.unwrap_err();
+    let err = s
+        .summarize(&request(200), &Budget::unlimited())
+        .await
+        .unwrap_err();
     assert!(started.elapsed() < Duration::from_secs(1));
     assert_eq!(err.retry_after_ms(), Some(20_000));
     assert_eq!(server.requests().await.len(), 2);
@@ -197,7 +201,10 @@ async fn fallback_chain_is_taken_in_order_and_stops_at_auth() {
             {"type": "reply", "text": GOOD, "times": null, "match": {"model": "m-d"}}
         ]))
         .await;
-    let out = s.summarize(&request(200)).await.expect("m-d answers");
+    let out = s
+        .summarize(&request(200), &Budget::unlimited())
+        .await
+        .expect("m-d answers");
     assert_eq!(out.draft.content, GOOD);
     assert_eq!(out.draft.model, "m-d");
     assert!(!out.draft.fallback);
@@ -228,7 +235,10 @@ async fn fallback_chain_is_taken_in_order_and_stops_at_auth() {
                        {"type": "reply", "text": GOOD, "times": null}]),
         )
         .await;
-    let err = s.summarize(&request(200)).await.unwrap_err();
+    let err = s
+        .summarize(&request(200), &Budget::unlimited())
+        .await
+        .unwrap_err();
     assert!(
         matches!(err, SummarizeError::AuthFailed { status: 401, .. }),
         "{err:?}"
@@ -249,14 +259,12 @@ async fn auth_failures_open_the_breaker_and_write_nothing() {
         api_key_env: "CONTEXTFOLD_TEST_KEY".into(),
         ..config(&server.base_url(), "m-main", &["m-other"])
     };
-    let log = CallLog::new();
-    let inner = llm(cfg.clone())
-        .with_clock(clock.clone())
-        .with_call_log(log.clone());
+    let inner = llm(cfg.clone()).with_clock(clock.clone());
     let s = EscalatingSummarizer::new(inner, &cfg);
+    let budget = Budget::unlimited();
 
     for i in 0..8 {
-        let result = s.summarize(&request(200)).await;
+        let result = s.summarize(&request(200), &budget).await;
         let err = match result {
             Ok(out) => panic!("attempt {i}: an auth failure wrote a summary: {out:?}"),
             Err(e) => e,
@@ -286,14 +294,20 @@ async fn auth_failures_open_the_breaker_and_write_nothing() {
         5,
         "the open breaker makes no call"
     );
-    assert_eq!(log.len(), 5);
+    assert_eq!(budget.calls().len(), 5);
 
     // After the cooldown one probe goes out; it fails, and the breaker
     // opens again at once.
     clock.advance(1_800_000);
-    let err = s.summarize(&request(200)).await.unwrap_err();
+    let err = s
+        .summarize(&request(200), &Budget::unlimited())
+        .await
+        .unwrap_err();
     assert!(matches!(err, SummarizeError::AuthFailed { .. }), "{err:?}");
-    let err = s.summarize(&request(200)).await.unwrap_err();
+    let err = s
+        .summarize(&request(200), &Budget::unlimited())
+        .await
+        .unwrap_err();
     assert!(matches!(err, SummarizeError::BreakerOpen { .. }), "{err:?}");
     assert_eq!(server.requests().await.len(), 6);
 }
@@ -314,7 +328,10 @@ async fn server_errors_are_retried_with_backoff_then_the_fallback_is_marked() {
             {"type": "reply", "text": GOOD, "times": null}
         ]))
         .await;
-    let out = llm(cfg.clone()).summarize(&request(200)).await.unwrap();
+    let out = llm(cfg.clone())
+        .summarize(&request(200), &Budget::unlimited())
+        .await
+        .unwrap();
     assert_eq!(out.draft.content, GOOD);
     assert_eq!(
         outcomes(&out.calls),
@@ -339,7 +356,10 @@ async fn server_errors_are_retried_with_backoff_then_the_fallback_is_marked() {
         .script(json!([{"type": "fail", "status": 500, "times": null}]))
         .await;
     let s = EscalatingSummarizer::new(llm(cfg.clone()), &cfg);
-    let out = s.summarize(&request(200)).await.unwrap();
+    let out = s
+        .summarize(&request(200), &Budget::unlimited())
+        .await
+        .unwrap();
     assert!(out.draft.fallback);
     assert_eq!(server.requests().await.len(), 3, "1 + max_retries attempts");
     assert_eq!(out.calls.len(), 3);
@@ -359,20 +379,29 @@ async fn a_call_cap_stops_retries_and_the_chain_where_it_falls() {
         .script(json!([{"type": "fail", "status": 503, "times": null}]))
         .await;
     let client = llm(cfg.clone());
-    let err = client.summarize_capped(&request(200), 2).await.unwrap_err();
+    let budget = Budget::new(Some(2), None);
+    let err = client.summarize(&request(200), &budget).await.unwrap_err();
     assert!(matches!(err, SummarizeError::Unavailable { .. }), "{err:?}");
     assert!(
-        err.to_string().contains("spend allowance of 2 calls"),
+        err.to_string().contains("spend allowance after 2 calls"),
         "{err}"
     );
     assert_eq!(err.calls().len(), 2);
+    assert_eq!(budget.spent().calls, 2, "charged call by call");
     assert_eq!(server.requests().await.len(), 2, "held to 2 calls");
+    // A spent budget starts no call at all: over budget, not a failure.
+    let err = client.summarize(&request(200), &budget).await.unwrap_err();
+    assert!(matches!(err, SummarizeError::OverBudget { .. }), "{err:?}");
+    assert_eq!(server.requests().await.len(), 2, "no call started");
     // A cap of one call on a healthy provider: that call is the summary.
     server.reset().await;
     server
         .script(json!([{"type": "reply", "text": GOOD, "times": null}]))
         .await;
-    let out = client.summarize_capped(&request(200), 1).await.unwrap();
+    let out = client
+        .summarize(&request(200), &Budget::new(Some(1), None))
+        .await
+        .unwrap();
     assert_eq!(out.draft.content, GOOD);
     assert_eq!(out.calls.len(), 1);
     // The rolling state is held the same way.
@@ -386,7 +415,7 @@ async fn a_call_cap_stops_retries_and_the_chain_where_it_falls() {
         sources: request(200).sources,
     };
     let err = client
-        .refresh_rolling_state_capped(&req, Some(1))
+        .rolling_state(&req, &Budget::new(Some(1), None))
         .await
         .unwrap_err();
     assert_eq!(err.calls().len(), 1, "{err}");
@@ -401,16 +430,16 @@ async fn a_deadline_cancels_the_call_in_flight() {
         Scripted::json(200, completion(&r.model(), GOOD)).delayed(Duration::from_secs(30))
     })
     .await;
-    let log = CallLog::new();
     let cfg = SummarizerConfig {
         call_timeout_ms: 60_000,
         ..config(&server.base_url(), "m-slow", &["m-other"])
     };
-    let s = EscalatingSummarizer::new(llm(cfg.clone()).with_call_log(log.clone()), &cfg);
+    let s = EscalatingSummarizer::new(llm(cfg.clone()), &cfg);
 
     let deadline = Duration::from_secs(1);
     let started = Instant::now();
-    let result = tokio::time::timeout(deadline, s.summarize(&request(200))).await;
+    let budget = Budget::unlimited();
+    let result = tokio::time::timeout(deadline, s.summarize(&request(200), &budget)).await;
     let returned = started.elapsed();
     assert!(result.is_err(), "the deadline expired");
     assert!(
@@ -444,8 +473,8 @@ async fn a_deadline_cancels_the_call_in_flight() {
         "no call started after the deadline"
     );
 
-    // The cancelled call is still accounted for.
-    let records = log.drain();
+    // The cancelled call is still charged to the budget.
+    let records = budget.calls();
     assert_eq!(outcomes(&records), vec![CallOutcome::Cancelled]);
     assert!(records[0].latency_ms >= 900, "{}", records[0].latency_ms);
     assert!(records[0].prompt_tokens_ours > 0);
@@ -466,7 +495,10 @@ async fn the_per_call_timeout_moves_to_the_next_model() {
         ..config(&server.base_url(), "m-slow", &["m-fast"])
     };
     let started = Instant::now();
-    let out = llm(cfg).summarize(&request(200)).await.unwrap();
+    let out = llm(cfg)
+        .summarize(&request(200), &Budget::unlimited())
+        .await
+        .unwrap();
     assert!(
         started.elapsed() < Duration::from_millis(1500),
         "{:?}",
@@ -514,7 +546,10 @@ async fn lenient_responses_are_accepted_and_missing_usage_falls_back_to_our_coun
     for model in ["m-bare", "m-zero"] {
         let mut cfg = config(&server.base_url(), model, &[]);
         cfg.prices.insert(model.to_string(), price);
-        let out = llm(cfg).summarize(&request(200)).await.unwrap();
+        let out = llm(cfg)
+            .summarize(&request(200), &Budget::unlimited())
+            .await
+            .unwrap();
         assert_eq!(out.draft.content, GOOD, "{model}");
         assert_eq!(out.draft.model, model);
         let call = &out.calls[0];
@@ -535,7 +570,10 @@ async fn lenient_responses_are_accepted_and_missing_usage_falls_back_to_our_coun
     // With usage reported, the provider's numbers price the call.
     let mut cfg = config(&server.base_url(), "m-full", &[]);
     cfg.prices.insert("*".into(), price);
-    let out = llm(cfg).summarize(&request(200)).await.unwrap();
+    let out = llm(cfg)
+        .summarize(&request(200), &Budget::unlimited())
+        .await
+        .unwrap();
     assert_eq!(out.draft.model, "served-name");
     assert_eq!(out.calls[0].prompt_tokens_provider, Some(100));
     assert_eq!(out.calls[0].completion_tokens_provider, Some(20));
@@ -575,7 +613,7 @@ async fn retry_after_as_http_date_ms_or_missing() {
         let started = Instant::now();
         let err = llm(cfg)
             .with_clock(clock.clone())
-            .summarize(&request(200))
+            .summarize(&request(200), &Budget::unlimited())
             .await
             .unwrap_err();
         assert!(started.elapsed() < Duration::from_secs(1));
@@ -591,7 +629,10 @@ async fn connection_errors_are_retried_a_bounded_number_of_times() {
         l.local_addr().unwrap().port()
     };
     let cfg = config(&format!("http://127.0.0.1:{port}/v1"), "m-main", &[]);
-    let err = llm(cfg).summarize(&request(200)).await.unwrap_err();
+    let err = llm(cfg)
+        .summarize(&request(200), &Budget::unlimited())
+        .await
+        .unwrap_err();
     match err {
         SummarizeError::Unavailable { reason, calls } => {
             assert_eq!(outcomes(&calls), vec![CallOutcome::Connect; 3]);
@@ -622,8 +663,8 @@ async fn rolling_state_is_refreshed_within_its_limits() {
         previous: None,
         sources: request(200).sources,
     };
-    let (state, calls) = llm(config(&server.base_url(), "m-state", &[]))
-        .refresh_rolling_state(&req)
+    let RollingOutcome { state, calls, .. } = llm(config(&server.base_url(), "m-state", &[]))
+        .rolling_state(&req, &Budget::unlimited())
         .await
         .unwrap();
     assert_eq!(calls.len(), 1);
@@ -646,7 +687,7 @@ async fn rolling_state_is_refreshed_within_its_limits() {
     assert!(total <= ROLLING_STATE_MAX_CHARS, "{total}");
 
     let err = llm(config(&server.base_url(), "m-chatty", &[]))
-        .refresh_rolling_state(&req)
+        .rolling_state(&req, &Budget::unlimited())
         .await
         .unwrap_err();
     assert!(matches!(err, SummarizeError::Invalid { .. }), "{err:?}");
@@ -677,7 +718,7 @@ async fn rolling_state_answers_are_validated_like_summaries() {
     };
     for (model, kind) in [("m-delim", "delimiter"), ("m-voice", "agent voice")] {
         let err = llm(config(&server.base_url(), model, &[]))
-            .refresh_rolling_state(&req)
+            .rolling_state(&req, &Budget::unlimited())
             .await
             .unwrap_err();
         let SummarizeError::Invalid { reason, calls } = &err else {
@@ -745,7 +786,10 @@ async fn rejected_results_are_never_returned_as_the_summary() {
     for (model, marker) in bad {
         let cfg = config(&server.base_url(), model, &["good"]);
         let s = EscalatingSummarizer::new(llm(cfg.clone()), &cfg);
-        let out = s.summarize(&request(100)).await.unwrap();
+        let out = s
+            .summarize(&request(100), &Budget::unlimited())
+            .await
+            .unwrap();
         assert!(out.draft.fallback, "{model}: escalated to the fallback");
         assert!(!out.draft.content.is_empty());
         if !marker.is_empty() {
@@ -786,7 +830,10 @@ async fn rejected_results_are_never_returned_as_the_summary() {
     // attempt's summary is used.
     let cfg = config(&server.base_url(), "recovers", &[]);
     let s = EscalatingSummarizer::new(llm(cfg.clone()), &cfg);
-    let out = s.summarize(&request(200)).await.unwrap();
+    let out = s
+        .summarize(&request(200), &Budget::unlimited())
+        .await
+        .unwrap();
     assert!(!out.draft.fallback);
     assert!(
         out.draft.content.starts_with(GOOD),
@@ -810,7 +857,10 @@ async fn strict_identifiers_survive_retry_then_appended_section() {
     };
     let cfg = config(&server.base_url(), "ids", &[]);
     let s = EscalatingSummarizer::new(llm(cfg.clone()), &cfg);
-    let out = s.summarize(&request(300)).await.unwrap();
+    let out = s
+        .summarize(&request(300), &Budget::unlimited())
+        .await
+        .unwrap();
     assert!(!out.draft.fallback, "identifiers never force the fallback");
     for id in IDS {
         assert!(
@@ -891,7 +941,10 @@ async fn external_summarizer_over_nats_falls_back_to_the_built_in_path() {
         ..request(200)
     };
 
-    let out = team.summarize(&named("team:ok")).await.unwrap();
+    let out = team
+        .summarize(&named("team:ok"), &Budget::unlimited())
+        .await
+        .unwrap();
     assert_eq!(out.draft.model, "team-model");
     assert_eq!(out.draft.provider, "nats:summarize.team");
     assert!(!out.draft.fallback);
@@ -908,7 +961,10 @@ async fn external_summarizer_over_nats_falls_back_to_the_built_in_path() {
         ("team:slow", "Timeout"),
     ] {
         let started = Instant::now();
-        let out = team.summarize(&named(conversation)).await.unwrap();
+        let out = team
+            .summarize(&named(conversation), &Budget::unlimited())
+            .await
+            .unwrap();
         expected_builtin_calls += 1;
         assert_eq!(out.draft.model, "m-builtin", "{conversation}");
         assert_eq!(out.draft.content, GOOD);
@@ -931,23 +987,32 @@ async fn external_summarizer_over_nats_falls_back_to_the_built_in_path() {
 
     // Nobody listening on the subject: straight to the built-in path.
     let nobody = team_then_builtin(&external_cfg("summarize.nobody"), &client);
-    let out = nobody.summarize(&named("team:ok")).await.unwrap();
+    let out = nobody
+        .summarize(&named("team:ok"), &Budget::unlimited())
+        .await
+        .unwrap();
     assert_eq!(out.draft.model, "m-builtin");
     assert_eq!(out.calls[0].outcome, CallOutcome::Connect);
     assert_eq!(builtin.received().len(), expected_builtin_calls + 1);
 
     // The pass `serve` runs with `[summarizer.external]`: the team first,
     // the built-in path when the team fails.
-    let pass = ExternalPass::external(&external_cfg("summarize.team"), client.clone())
-        .expect("external pass");
-    let (draft, _) = PassSummarizer::summarize(&pass, &named("team:ok"))
+    let pass =
+        stack::external(&external_cfg("summarize.team"), client.clone()).expect("external stack");
+    let draft = pass
+        .summarize(&named("team:ok"), &Budget::unlimited())
         .await
-        .unwrap();
+        .unwrap()
+        .draft;
     assert_eq!(draft.model, "team-model");
     assert_eq!(builtin.received().len(), expected_builtin_calls + 1);
-    let (draft, spend) = PassSummarizer::summarize(&pass, &named("team:error"))
+    let budget = Budget::unlimited();
+    let draft = pass
+        .summarize(&named("team:error"), &budget)
         .await
-        .unwrap();
+        .unwrap()
+        .draft;
+    let spend = budget.spent();
     assert_eq!(draft.model, "m-builtin");
     assert!(!draft.fallback);
     assert_eq!(builtin.received().len(), expected_builtin_calls + 2);

@@ -34,8 +34,8 @@ use contextfold::log::memory::MemoryLog;
 use contextfold::log::EventLog;
 use contextfold::runtime::embedded::Pipeline;
 use contextfold::runtime::engine::Engine;
-use contextfold::runtime::sweep::Deterministic;
 use contextfold::store::memory_backend::MemoryBackend;
+use contextfold::summarizer::DeterministicSummarizer;
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -418,7 +418,7 @@ fn run_file(path: &Path, rt: &tokio::runtime::Runtime) -> Result<Tally, String> 
     rt.block_on(async {
         let engine =
             Engine::open(MemoryBackend::default(), policy.clone()).map_err(|e| e.to_string())?;
-        let mut pipeline = Pipeline::open(MemoryLog::new(), engine, Deterministic)
+        let mut pipeline = Pipeline::open(MemoryLog::new(), engine, DeterministicSummarizer)
             .await
             .map_err(|e| e.to_string())?;
         for imported in &conversations {

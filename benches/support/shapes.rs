@@ -30,8 +30,8 @@ use contextfold::core::state::{ContextItem, Conversation, State};
 use contextfold::log::memory::MemoryLog;
 use contextfold::runtime::embedded::Pipeline;
 use contextfold::runtime::engine::Engine;
-use contextfold::runtime::sweep::Deterministic;
 use contextfold::store::memory_backend::MemoryBackend;
+use contextfold::summarizer::DeterministicSummarizer;
 use std::time::Instant;
 
 pub const TURNS: usize = 26_500;
@@ -130,7 +130,7 @@ fn compacted() -> Option<Shape> {
                 rt.block_on(async {
                     let engine = Engine::open(MemoryBackend::default(), policy.clone())
                         .expect("memory store");
-                    let mut p = Pipeline::open(MemoryLog::new(), engine, Deterministic)
+                    let mut p = Pipeline::open(MemoryLog::new(), engine, DeterministicSummarizer)
                         .await
                         .expect("pipeline");
                     for chunk in events.chunks(64) {

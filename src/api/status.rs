@@ -10,7 +10,7 @@
 use crate::api::{conversation, summary_at, turn, ApiError};
 use crate::core::event::DebtReason;
 use crate::core::policy::{self, schedule, Blocked, PolicyConfig, Schedule, Wait};
-use crate::core::spend::{self, SpendTotals};
+use crate::core::spend::{self, Spend};
 use crate::core::state::{ContextItem, Conversation, State};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -1084,7 +1084,7 @@ fn spend_status(state: &State, conv: &Conversation, policy: &PolicyConfig) -> Sp
     SpendStatus {
         window_start,
         window_ms,
-        expired: a.own == SpendTotals::default(),
+        expired: a.own == Spend::default(),
         calls: a.own.calls,
         tokens: a.own.tokens,
         cost_micros: a.own.cost_micros,

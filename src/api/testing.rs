@@ -9,8 +9,8 @@ use crate::core::state::{Conversation, State};
 use crate::log::memory::MemoryLog;
 use crate::runtime::embedded::Pipeline;
 use crate::runtime::engine::Engine;
-use crate::runtime::sweep::Deterministic;
 use crate::store::memory_backend::MemoryBackend;
+use crate::summarizer::DeterministicSummarizer;
 use std::sync::OnceLock;
 
 pub const CONV: &str = "team:alpha/session 1";
@@ -117,7 +117,7 @@ pub fn fold_events(policy: &PolicyConfig, events: &[Envelope]) -> State {
         .expect("test runtime");
     rt.block_on(async {
         let engine = Engine::open(MemoryBackend::default(), policy.clone()).expect("engine");
-        let mut p = Pipeline::open(MemoryLog::new(), engine, Deterministic)
+        let mut p = Pipeline::open(MemoryLog::new(), engine, DeterministicSummarizer)
             .await
             .expect("pipeline");
         for e in events {

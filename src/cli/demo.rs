@@ -22,9 +22,9 @@ use contextfold::log::EventLog;
 use contextfold::runtime::audit as gather;
 use contextfold::runtime::embedded::Pipeline;
 use contextfold::runtime::engine::Engine;
-use contextfold::runtime::sweep::Deterministic;
 use contextfold::store::memory_backend::MemoryBackend;
 use contextfold::store::KvBackend;
+use contextfold::summarizer::DeterministicSummarizer;
 use std::path::Path;
 use std::process::ExitCode;
 
@@ -54,7 +54,8 @@ pub fn demo(config: &Config, keep: Keep<'_>, file: Option<&Path>, budget: u64) -
             Keep::Nothing => {
                 let mut engine = Engine::open(MemoryBackend::default(), config.policy.clone())?;
                 engine.set_residency(config.store.residency());
-                let mut p = Pipeline::open(MemoryLog::new(), engine, Deterministic).await?;
+                let mut p =
+                    Pipeline::open(MemoryLog::new(), engine, DeterministicSummarizer).await?;
                 fold(&mut p, &events, &config).await?
             }
             Keep::Data(dir) => {
@@ -103,7 +104,7 @@ struct Folded {
 /// Folds `events` one by one (the context after each is measured), then
 /// gathers what [`explain`] tells.
 async fn fold<L: EventLog, B: KvBackend>(
-    p: &mut Pipeline<L, B, Deterministic>,
+    p: &mut Pipeline<L, B, DeterministicSummarizer>,
     events: &[Envelope],
     config: &Config,
 ) -> Result<Folded> {

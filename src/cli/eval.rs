@@ -22,11 +22,11 @@ use contextfold::log::segment::SegmentLog;
 use contextfold::log::EventLog;
 use contextfold::runtime::embedded::Pipeline;
 use contextfold::runtime::engine::Engine;
-use contextfold::runtime::llm_pass::LlmPass;
-use contextfold::runtime::sweep::{Deterministic, PassSummarizer};
 use contextfold::secret::redact_url;
 use contextfold::store::memory_backend::MemoryBackend;
 use contextfold::summarizer::prompts::EXACT_IDENTIFIERS_HEADING;
+use contextfold::summarizer::stack;
+use contextfold::summarizer::{DeterministicSummarizer, Summarizer};
 use contextfold::telemetry;
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -234,7 +234,7 @@ fn eval_at(
         let result = rt.block_on(async {
             match (&config.summarizer, keep_dir) {
                 (Some(cfg), None) => {
-                    let pass = LlmPass::llm(cfg).context("building the model summarizer")?;
+                    let pass = stack::model(cfg).context("building the model summarizer")?;
                     eval_file(file, &policy, budget, probes, pass, MemoryLog::new()).await
                 }
                 (None, None) => {
@@ -243,17 +243,25 @@ fn eval_at(
                         &policy,
                         budget,
                         probes,
-                        Deterministic,
+                        DeterministicSummarizer,
                         MemoryLog::new(),
                     )
                     .await
                 }
                 (Some(cfg), Some(dir)) => {
-                    let pass = LlmPass::llm(cfg).context("building the model summarizer")?;
+                    let pass = stack::model(cfg).context("building the model summarizer")?;
                     eval_file(file, &policy, budget, probes, pass, kept_log(dir)?).await
                 }
                 (None, Some(dir)) => {
-                    eval_file(file, &policy, budget, probes, Deterministic, kept_log(dir)?).await
+                    eval_file(
+                        file,
+                        &policy,
+                        budget,
+                        probes,
+                        DeterministicSummarizer,
+                        kept_log(dir)?,
+                    )
+                    .await
                 }
             }
         });
@@ -385,7 +393,7 @@ fn kept_log(dir: &Path) -> Result<SegmentLog> {
 
 /// One file through a fresh pipeline (its log in memory, or in a kept
 /// data directory).
-async fn eval_file<S: PassSummarizer, L: EventLog>(
+async fn eval_file<S: Summarizer, L: EventLog>(
     file: &Path,
     policy: &PolicyConfig,
     budget: u64,

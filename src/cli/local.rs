@@ -27,11 +27,11 @@ use contextfold::log::segment::{SegmentLog, DEFAULT_MAX_RECORD_BYTES};
 use contextfold::log::{EventLog, LogRecord};
 use contextfold::runtime::embedded::{self, Pipeline};
 use contextfold::runtime::engine::Engine;
-use contextfold::runtime::sweep::Deterministic;
 use contextfold::store::memory_backend::MemoryBackend;
 use contextfold::store::redb_backend::{ReadOnlyRedb, RedbBackend};
 use contextfold::store::state_store::{BodyCache, StateStore};
 use contextfold::store::KvBackend;
+use contextfold::summarizer::DeterministicSummarizer;
 use std::io::{BufRead, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -52,7 +52,7 @@ fn state_path(config: &Config) -> PathBuf {
     config.data_dir.join("state.redb")
 }
 
-type LocalPipeline = Pipeline<SegmentLog, RedbBackend, Deterministic>;
+type LocalPipeline = Pipeline<SegmentLog, RedbBackend, DeterministicSummarizer>;
 
 /// Refuses a data directory that holds no embedded log, before anything
 /// is created in it.
@@ -230,7 +230,7 @@ async fn open_pipeline_with(config: &Config, record: bool) -> Result<LocalPipeli
             "embedded",
         );
     }
-    Ok(Pipeline::open(log, engine, Deterministic).await?)
+    Ok(Pipeline::open(log, engine, DeterministicSummarizer).await?)
 }
 
 fn redb_cache(config: &Config) -> usize {

@@ -11,10 +11,9 @@ use contextfold::http::{Check, HttpListener, OpsState, ReadyProbe, ReadyReport, 
 use contextfold::nats::api_role::RecallService;
 use contextfold::nats::serve::{shutdown_signal, Roles, ServeOptions, Service};
 use contextfold::nats::NatsConfig;
-use contextfold::runtime::llm_pass::{ExternalPass, LlmPass};
 use contextfold::runtime::recall::{RecallSetupError, Recaller};
-use contextfold::runtime::sweep::{Deterministic, PassSummarizer};
 use contextfold::secret::{redact_url, Secret};
+use contextfold::summarizer::{stack, DeterministicSummarizer, Summarizer};
 use contextfold::telemetry;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -230,7 +229,7 @@ pub fn serve(
                 run_until_signal(
                     opts,
                     ops,
-                    Arc::new(Deterministic),
+                    Arc::new(DeterministicSummarizer),
                     &servers,
                     "deterministic",
                 )
@@ -240,8 +239,8 @@ pub fn serve(
                 let (client, _) = opts.nats.connection.connect().await.with_context(|| {
                     format!("connecting to {servers} for the external summarizer")
                 })?;
-                let pass = ExternalPass::external(cfg, client)
-                    .context("building the external summarizer")?;
+                let pass =
+                    stack::external(cfg, client).context("building the external summarizer")?;
                 let name = format!(
                     "external on {}, then {} at {}",
                     cfg.external
@@ -254,7 +253,7 @@ pub fn serve(
                 run_until_signal(opts, ops, Arc::new(pass), &servers, &name).await
             }
             Some(cfg) => {
-                let pass = LlmPass::llm(cfg).context("building the model summarizer")?;
+                let pass = stack::model(cfg).context("building the model summarizer")?;
                 let name = format!("{} at {}", cfg.model, redact_url(&cfg.base_url));
                 run_until_signal(opts, ops, Arc::new(pass), &servers, &name).await
             }
@@ -374,7 +373,7 @@ impl OpsHttp {
     }
 }
 
-async fn run_until_signal<S: PassSummarizer + 'static>(
+async fn run_until_signal<S: Summarizer + 'static>(
     opts: ServeOptions,
     ops: Option<OpsHttp>,
     summarizer: Arc<S>,

@@ -25,9 +25,11 @@ use contextfold::log::memory::MemoryLog;
 use contextfold::log::{EventLog, LogRecord};
 use contextfold::runtime::embedded::Pipeline;
 use contextfold::runtime::engine::{policy_fingerprint, Effects, Engine};
-use contextfold::runtime::sweep::{Deterministic, PassError, PassSummarizer, Spend};
 use contextfold::store::memory_backend::MemoryBackend;
 use contextfold::store::KvBackend;
+use contextfold::summarizer::{
+    Budget, DeterministicSummarizer, RollingOutcome, SummarizeError, Summarizer, SummaryOutcome,
+};
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -191,25 +193,34 @@ impl FromLog {
 /// The summarizer the what-if pipeline owns; its counts are read after.
 struct Shared(Arc<FromLog>);
 
-impl PassSummarizer for Shared {
-    async fn summarize(&self, req: &SummaryRequest) -> Result<(SummaryDraft, Spend), PassError> {
+impl Summarizer for Shared {
+    async fn summarize(
+        &self,
+        req: &SummaryRequest,
+        budget: &Budget,
+    ) -> Result<SummaryOutcome, SummarizeError> {
         let this = &self.0;
         let labels: Vec<String> = req.sources.iter().map(|s| s.label.clone()).collect();
         let k = key(&req.conversation, &kind_name(&req.kind), req.depth, &labels);
         if let Some(draft) = this.drafts.get(&k) {
             this.count(&req.conversation, true);
-            return Ok((draft.clone(), Spend::default()));
+            return Ok(SummaryOutcome::without_calls(draft.clone()));
         }
         this.count(&req.conversation, false);
         this.calls.fetch_add(1, Ordering::Relaxed);
-        Deterministic.summarize(req).await
+        DeterministicSummarizer.summarize(req, budget).await
     }
 
     async fn rolling_state(
         &self,
         req: &RollingStateRequest,
-    ) -> Result<(contextfold::core::event::RollingState, Spend), PassError> {
-        Deterministic.rolling_state(req).await
+        budget: &Budget,
+    ) -> Result<RollingOutcome, SummarizeError> {
+        DeterministicSummarizer.rolling_state(req, budget).await
+    }
+
+    fn name(&self) -> &str {
+        "what-if"
     }
 }
 

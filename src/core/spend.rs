@@ -140,17 +140,19 @@ impl Wait {
     }
 }
 
-/// Totals of a [`SpendWindow`] at one instant.
+/// Summarizer spend: model calls, tokens and money. What one call cost
+/// ([`Spend::of_call`]), what a sweep spent, and the totals of a
+/// [`SpendWindow`] at one instant are all one `Spend`, added with `+`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct SpendTotals {
+pub struct Spend {
     pub calls: u32,
     pub tokens: u64,
     pub cost_micros: u64,
 }
 
-impl SpendTotals {
-    fn of(e: &SpendEntry) -> SpendTotals {
-        SpendTotals {
+impl Spend {
+    fn of(e: &SpendEntry) -> Spend {
+        Spend {
             calls: e.calls,
             tokens: e.tokens,
             cost_micros: e.cost_micros,
@@ -158,10 +160,10 @@ impl SpendTotals {
     }
 }
 
-impl std::ops::Add for SpendTotals {
-    type Output = SpendTotals;
-    fn add(self, o: SpendTotals) -> SpendTotals {
-        SpendTotals {
+impl std::ops::Add for Spend {
+    type Output = Spend;
+    fn add(self, o: Spend) -> Spend {
+        Spend {
             calls: self.calls.saturating_add(o.calls),
             tokens: self.tokens.saturating_add(o.tokens),
             cost_micros: self.cost_micros.saturating_add(o.cost_micros),
@@ -169,9 +171,9 @@ impl std::ops::Add for SpendTotals {
     }
 }
 
-impl std::iter::Sum for SpendTotals {
-    fn sum<I: Iterator<Item = SpendTotals>>(iter: I) -> SpendTotals {
-        iter.fold(SpendTotals::default(), |a, b| a + b)
+impl std::iter::Sum for Spend {
+    fn sum<I: Iterator<Item = Spend>>(iter: I) -> Spend {
+        iter.fold(Spend::default(), |a, b| a + b)
     }
 }
 
@@ -225,11 +227,11 @@ impl SpendWindow {
     }
 
     /// What counts against the limits at `now` (reservations included).
-    pub fn totals(&self, now: u64, window_ms: u64) -> SpendTotals {
+    pub fn totals(&self, now: u64, window_ms: u64) -> Spend {
         self.recent
             .iter()
             .filter(|e| e.counts_at(now, window_ms))
-            .map(SpendTotals::of)
+            .map(Spend::of)
             .sum()
     }
 
@@ -284,7 +286,7 @@ impl SpendWindow {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Allowance {
     /// The conversation's own spend in the window.
-    pub own: SpendTotals,
+    pub own: Spend,
     /// Routine calls its own window alone would still allow.
     pub own_calls_left: u32,
     /// Routine calls a job may be granted (own, partition and fair-share
@@ -304,7 +306,7 @@ pub struct Allowance {
 /// The partition-wide part of an [`Allowance`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PartitionAllowance {
-    pub totals: SpendTotals,
+    pub totals: Spend,
     /// Conversations spending or waiting in the window (this one included).
     pub active_conversations: usize,
     /// Each active conversation's fair share of the partition's calls.

@@ -28,9 +28,9 @@ use crate::log::EventLog;
 use crate::nats::publish::{self, Publisher};
 use crate::runtime::embedded::Pipeline;
 use crate::runtime::engine::Engine;
-use crate::runtime::sweep::Deterministic;
 use crate::store::state_store::{BodyCache, StateStore};
 use crate::store::KvBackend;
+use crate::summarizer::DeterministicSummarizer;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -369,7 +369,8 @@ impl Store {
                             return;
                         }
                     };
-                    let pipeline = match Pipeline::open(log, engine, Deterministic).await {
+                    let pipeline = match Pipeline::open(log, engine, DeterministicSummarizer).await
+                    {
                         Ok(p) => p,
                         Err(e) => {
                             let _ = ready_tx.send(Err(e.to_string()));
@@ -434,7 +435,7 @@ impl Store {
 }
 
 async fn run_embedded<L: EventLog, B: KvBackend>(
-    mut pipeline: Pipeline<L, B, Deterministic>,
+    mut pipeline: Pipeline<L, B, DeterministicSummarizer>,
     mut rx: mpsc::UnboundedReceiver<Command>,
     blocks: Arc<Blocks>,
     health: Arc<StoreHealth>,

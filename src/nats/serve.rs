@@ -31,9 +31,9 @@ use crate::nats::summarizer_role::{SummarizerCounters, SummarizerRole, Summarize
 use crate::nats::version::ServerVersion;
 use crate::nats::NatsError;
 use crate::runtime::engine::{policy_fingerprint, Engine};
-use crate::runtime::sweep::PassSummarizer;
 use crate::store::redb_backend::RedbBackend;
 use crate::store::{KvBackend, StoreError};
+use crate::summarizer::Summarizer;
 use crate::telemetry;
 use async_nats::jetstream;
 use std::fmt;
@@ -310,7 +310,7 @@ pub struct Service {
 
 impl Service {
     /// Connects, sets up JetStream and starts the roles of `opts.roles`.
-    pub async fn start<S: PassSummarizer + 'static>(
+    pub async fn start<S: Summarizer + 'static>(
         opts: ServeOptions,
         summarizer: Arc<S>,
     ) -> Result<Service, ServeError> {

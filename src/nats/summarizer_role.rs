@@ -38,7 +38,8 @@ use crate::nats::jobs::JobMessage;
 use crate::nats::setup::Infrastructure;
 use crate::nats::subjects::Subjects;
 use crate::nats::NatsError;
-use crate::runtime::sweep::{run_sweep, PassSummarizer};
+use crate::runtime::sweep::run_sweep;
+use crate::summarizer::Summarizer;
 use crate::telemetry;
 use async_nats::jetstream::consumer::{pull, PullConsumer};
 use async_nats::jetstream::context::PublishAckFuture;
@@ -129,7 +130,7 @@ pub struct SummarizerCounters {
 }
 
 /// The summarizer role of one process.
-pub struct SummarizerRole<S: PassSummarizer + 'static> {
+pub struct SummarizerRole<S: Summarizer + 'static> {
     js: Context,
     subjects: Subjects,
     payloads: ObjectStore,
@@ -140,7 +141,7 @@ pub struct SummarizerRole<S: PassSummarizer + 'static> {
     outcomes: Option<mpsc::UnboundedSender<JobOutcome>>,
 }
 
-impl<S: PassSummarizer + 'static> Clone for SummarizerRole<S> {
+impl<S: Summarizer + 'static> Clone for SummarizerRole<S> {
     fn clone(&self) -> Self {
         SummarizerRole {
             js: self.js.clone(),
@@ -189,7 +190,7 @@ enum Unrunnable {
     Bad(String),
 }
 
-impl<S: PassSummarizer + 'static> SummarizerRole<S> {
+impl<S: Summarizer + 'static> SummarizerRole<S> {
     /// Binds to the shared summarizer consumer that `setup::ensure` created.
     pub async fn new(
         js: Context,

@@ -7,8 +7,9 @@ use crate::core::event::{Encoding, Envelope, Origin};
 use crate::core::sweep::SweepSnapshot;
 use crate::log::{EventLog, LogError};
 use crate::runtime::engine::{Effects, Engine};
-use crate::runtime::sweep::{run_sweep, PassSummarizer};
+use crate::runtime::sweep::run_sweep;
 use crate::store::{KvBackend, StoreError};
+use crate::summarizer::Summarizer;
 use std::time::Duration;
 
 #[derive(Debug, thiserror::Error)]
@@ -61,7 +62,7 @@ pub struct CatchUp {
     pub dead_letters: u64,
 }
 
-pub struct Pipeline<L: EventLog, B: KvBackend, S: PassSummarizer> {
+pub struct Pipeline<L: EventLog, B: KvBackend, S: Summarizer> {
     pub log: L,
     pub engine: Engine<B>,
     summarizer: S,
@@ -69,7 +70,7 @@ pub struct Pipeline<L: EventLog, B: KvBackend, S: PassSummarizer> {
     pub read_batch: usize,
 }
 
-impl<L: EventLog, B: KvBackend, S: PassSummarizer> Pipeline<L, B, S> {
+impl<L: EventLog, B: KvBackend, S: Summarizer> Pipeline<L, B, S> {
     /// Opens the pipeline and catches the state up with the log: what the
     /// log holds past the store is history (its decisions are in the log
     /// already, see [`Engine::hold_through`]); jobs it left pending (their

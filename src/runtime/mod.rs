@@ -5,6 +5,5 @@
 pub mod audit;
 pub mod embedded;
 pub mod engine;
-pub mod llm_pass;
 pub mod recall;
 pub mod sweep;

@@ -12,8 +12,8 @@
 //!
 //! Failure reasoning: the whole run is bounded by `recall.deadline_ms`
 //! (`tokio::time::timeout`). At the deadline the future is dropped, which
-//! drops the HTTP request in flight and closes its connection; the client
-//! reports that call as `cancelled` to this run's own [`CallLog`], so even
+//! drops the HTTP request in flight and closes its connection; the call is
+//! charged as `cancelled` to this run's own [`Budget`], so even
 //! a cancelled call's prompt is counted as spend (the provider may have
 //! processed it). Every outcome (answered, deadline, failed) becomes a
 //! [`ModelRun`] whose calls the transport records in a `recall_answered`
@@ -29,7 +29,7 @@ use crate::core::event::RecallOutcome;
 use crate::core::tokens::Encoding;
 use crate::secret::redact_url;
 use crate::summarizer::prompts::Prompt;
-use crate::summarizer::{AuthBreakers, CallLog, LlmSummarizer, SummarizerConfig};
+use crate::summarizer::{AuthBreakers, Budget, LlmSummarizer, SummarizerConfig};
 use serde::{Deserialize, Serialize};
 use std::time::{Duration, Instant};
 
@@ -237,36 +237,31 @@ impl Recaller {
     pub async fn run(&self, prepared: &Prepared) -> ModelRun {
         let started = Instant::now();
         let provider = self.model.provider_name();
-        let log = CallLog::new();
-        let failed = |detail: String, log: &CallLog| ModelRun {
+        let budget = Budget::new(Some(prepared.max_calls), None);
+        let failed = |detail: String, budget: &Budget| ModelRun {
             outcome: RecallOutcome::Failed,
             answer: None,
             model: Some(self.model.model.clone()),
             provider: provider.clone(),
             detail: Some(detail),
-            calls: log.drain(),
+            calls: budget.calls(),
             deadline_ms: self.deadline_ms,
             elapsed_ms: started.elapsed().as_millis() as u64,
         };
         let client = match LlmSummarizer::with_api_key(self.model.clone(), self.key.clone()) {
-            Ok(c) => c
-                .with_breakers(self.breakers.clone())
-                .with_call_log(log.clone()),
-            Err(e) => return failed(e.to_string(), &log),
+            Ok(c) => c.with_breakers(self.breakers.clone()),
+            Err(e) => return failed(e.to_string(), &budget),
         };
         let prompt = Prompt {
             system: prepared.plan.system.clone(),
             user: prepared.plan.user.clone(),
         };
         let deadline = Duration::from_millis(self.deadline_ms);
-        let call = client.complete_prompt(
-            &prompt,
-            Some(self.max_answer_tokens),
-            Some(prepared.max_calls),
-        );
+        let call = client.complete_prompt(&prompt, Some(self.max_answer_tokens), &budget);
         let result = tokio::time::timeout(deadline, call).await;
-        // The future is gone: the log holds every call, a cancelled one too.
-        let calls = log.drain();
+        // The future is gone: the budget was charged with every call, a
+        // cancelled one too.
+        let calls = budget.calls();
         let elapsed_ms = started.elapsed().as_millis() as u64;
         let last_model = calls.last().map(|c| c.model.clone());
         match result {

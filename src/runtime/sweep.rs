@@ -2,110 +2,20 @@
 //! deadline. The deadline cancels the call in flight (its future is
 //! dropped), every committed pass is kept, and the sweep ends with an event
 //! saying why it stopped.
+//!
+//! Each pass gets a [`Budget`]: what the job's spend-window allowance
+//! (`JobIssued::max_calls` / `max_tokens`) has left after the passes before
+//! it. The summarizer charges every call to it, a call the deadline cut
+//! short included, so what the sweep reports spent is read from the budgets
+//! alone.
 
-use crate::core::event::{
-    Envelope, EventBody, RollingState, RollingStateUpdated, SweepEnded, SweepStop,
-};
-use crate::core::summary::{RollingStateRequest, SummaryDraft, SummaryRequest};
+use crate::core::event::{Envelope, EventBody, RollingStateUpdated, SweepEnded, SweepStop};
+use crate::core::spend::Spend;
 use crate::core::sweep::{summary_event, Pass, SweepSnapshot};
-use crate::summarizer::DeterministicSummarizer;
+use crate::summarizer::{Budget, SummarizeError, Summarizer, SummaryOutcome};
 use crate::telemetry as t;
-use std::future::Future;
 use std::time::{Duration, Instant};
 use tracing::Instrument;
-
-/// Spend of one summarizer call.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Spend {
-    pub calls: u32,
-    pub tokens: u64,
-    pub cost_micros: u64,
-}
-
-/// Why a pass could not produce a summary.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum PassError {
-    #[error("rate limited; retry after {retry_after_ms} ms")]
-    RateLimited { retry_after_ms: u64, spend: Spend },
-    #[error("summarizer failed: {reason}")]
-    Failed { reason: String, spend: Spend },
-    /// The pass would have needed more calls or tokens than the job's
-    /// spend-window allowance had left; nothing over it was spent.
-    #[error("the job's spend-window allowance is used up")]
-    SpendLimit { spend: Spend },
-}
-
-/// What one pass may still spend: the job's spend-window allowance
-/// (`JobIssued::max_calls` / `max_tokens`) minus what the sweep has spent.
-/// `None` is unlimited (urgent jobs).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Allowance {
-    pub calls: Option<u32>,
-    pub tokens: Option<u64>,
-}
-
-/// What the sweep runner needs of a summarizer.
-pub trait PassSummarizer: Send + Sync {
-    fn summarize(
-        &self,
-        req: &SummaryRequest,
-    ) -> impl Future<Output = Result<(SummaryDraft, Spend), PassError>> + Send;
-    fn rolling_state(
-        &self,
-        req: &RollingStateRequest,
-    ) -> impl Future<Output = Result<(RollingState, Spend), PassError>> + Send;
-
-    /// [`Self::summarize`] within `allowance`: a summarizer that spends
-    /// must not start a call the allowance cannot pay for, and answers
-    /// [`PassError::SpendLimit`] instead. One that never spends ignores it.
-    fn summarize_within(
-        &self,
-        req: &SummaryRequest,
-        allowance: Allowance,
-    ) -> impl Future<Output = Result<(SummaryDraft, Spend), PassError>> + Send {
-        let _ = allowance;
-        self.summarize(req)
-    }
-
-    /// [`Self::rolling_state`] within `allowance`.
-    fn rolling_state_within(
-        &self,
-        req: &RollingStateRequest,
-        allowance: Allowance,
-    ) -> impl Future<Output = Result<(RollingState, Spend), PassError>> + Send {
-        let _ = allowance;
-        self.rolling_state(req)
-    }
-
-    /// Spend of the last call cut short by the deadline (its future was
-    /// dropped, so it could not report it), taken once. The sweep adds it
-    /// to the job's spend: the provider saw those calls.
-    fn take_cut_short_spend(&self) -> Spend {
-        Spend::default()
-    }
-}
-
-/// The deterministic summarizer of the core: no model, no spend.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Deterministic;
-
-impl PassSummarizer for Deterministic {
-    async fn summarize(&self, req: &SummaryRequest) -> Result<(SummaryDraft, Spend), PassError> {
-        Ok((
-            DeterministicSummarizer::draft_off_runtime(req).await,
-            Spend::default(),
-        ))
-    }
-    async fn rolling_state(
-        &self,
-        req: &RollingStateRequest,
-    ) -> Result<(RollingState, Spend), PassError> {
-        Ok((
-            DeterministicSummarizer::rolling_state_off_runtime(req).await,
-            Spend::default(),
-        ))
-    }
-}
 
 /// Runs `plan` over the snapshot on the blocking pool and hands the
 /// snapshot back with its answer: a pass's prompt cuts large sources to
@@ -136,7 +46,7 @@ pub async fn run_sweep<S, F>(
     mut publish: F,
 ) -> SweepEnded
 where
-    S: PassSummarizer,
+    S: Summarizer,
     F: FnMut(Envelope),
 {
     let span = tracing::info_span!("sweep", conversation_id = %snap.conversation, job_id = %snap.job.job_id);
@@ -154,7 +64,7 @@ async fn sweep_in_span<S, F>(
     publish: &mut F,
 ) -> SweepEnded
 where
-    S: PassSummarizer,
+    S: Summarizer,
     F: FnMut(Envelope),
 {
     let started = Instant::now();
@@ -175,15 +85,15 @@ where
         snap.job.max_calls.is_some_and(|max| spent.calls >= max)
             || snap.job.max_tokens.is_some_and(|max| spent.tokens >= max)
     };
-    let allowance = |spent: &Spend, snap: &SweepSnapshot| Allowance {
-        calls: snap
-            .job
-            .max_calls
-            .map(|max| max.saturating_sub(spent.calls)),
-        tokens: snap
-            .job
-            .max_tokens
-            .map(|max| max.saturating_sub(spent.tokens)),
+    let budget = |spent: &Spend, snap: &SweepSnapshot| {
+        Budget::new(
+            snap.job
+                .max_calls
+                .map(|max| max.saturating_sub(spent.calls)),
+            snap.job
+                .max_tokens
+                .map(|max| max.saturating_sub(spent.tokens)),
+        )
     };
     let deadline_note = || {
         format!(
@@ -213,26 +123,22 @@ where
         let (back, request) = planned(snap, move |s| s.request(pass, false)).await;
         snap = back;
         let pass_started = Instant::now();
-        let result = tokio::time::timeout(
-            remaining,
-            summarizer.summarize_within(&request, allowance(&spent, &snap)),
-        )
-        .await;
+        let pass_budget = budget(&spent, &snap);
+        let result =
+            tokio::time::timeout(remaining, summarizer.summarize(&request, &pass_budget)).await;
         passes += 1;
-        pass_telemetry(&result, pass_started.elapsed());
+        // Every call of the pass, one the deadline cut short included.
+        let pass_spend = pass_budget.spent();
+        spent = spent + pass_spend;
+        pass_telemetry(&result, pass_spend, pass_started.elapsed());
         match result {
             Err(_) => {
-                // The timeout has dropped the pass: its calls are reported
-                // here or nowhere.
-                add(&mut spent, summarizer.take_cut_short_spend());
                 detail = Some(deadline_note());
                 break SweepStop::Deadline;
             }
-            Ok(Err(PassError::RateLimited {
-                retry_after_ms: ms,
-                spend,
+            Ok(Err(SummarizeError::RateLimited {
+                retry_after_ms: ms, ..
             })) => {
-                add(&mut spent, spend);
                 retry_after_ms = Some(ms);
                 detail = Some(format!("rate limited; retry after {ms} ms"));
                 break if committed == 0 {
@@ -241,18 +147,16 @@ where
                     SweepStop::SpendLimit
                 };
             }
-            Ok(Err(PassError::SpendLimit { spend })) => {
-                add(&mut spent, spend);
+            Ok(Err(SummarizeError::OverBudget { .. })) => {
                 detail = Some("the spend-window allowance cannot pay for another call".into());
                 break SweepStop::SpendLimit;
             }
-            Ok(Err(PassError::Failed { reason, spend })) => {
-                add(&mut spent, spend);
-                detail = Some(reason);
+            // Auth: fix the key; no summary of any kind is written.
+            Ok(Err(e)) => {
+                detail = Some(e.to_string());
                 break SweepStop::Failed;
             }
-            Ok(Ok((draft, spend))) => {
-                add(&mut spent, spend);
+            Ok(Ok(SummaryOutcome { draft, .. })) => {
                 if draft.fallback && matches!(pass, Pass::Resummarize(_)) {
                     // The model failed again and the escalation fell back:
                     // a fallback in place of a fallback is no progress, and
@@ -302,16 +206,17 @@ where
     if let Some(req) = rolling_request {
         let remaining = deadline.saturating_sub(started.elapsed());
         if !remaining.is_zero() {
-            let result = tokio::time::timeout(
-                remaining,
-                summarizer.rolling_state_within(&req, allowance(&spent, &snap)),
-            )
-            .await;
-            // A rejected answer: the deterministic state is written and
-            // the sweep says why (not `done`).
-            let result = match result {
-                Ok(Err(PassError::Failed { reason, spend })) => {
-                    tracing::warn!(%reason, "rolling state answer rejected; writing the deterministic state");
+            let rolling_budget = budget(&spent, &snap);
+            let result =
+                tokio::time::timeout(remaining, summarizer.rolling_state(&req, &rolling_budget))
+                    .await;
+            spent = spent + rolling_budget.spent();
+            // A refused answer, a rate limit, no allowance or a deadline
+            // leave the state as it was; only a refusal is written in its
+            // place (the deterministic state) and said.
+            if let Ok(Ok(outcome)) = result {
+                if let Some(reason) = &outcome.refused {
+                    tracing::warn!(%reason, "rolling state answer refused; writing the deterministic state");
                     if stop == SweepStop::Done {
                         stop = SweepStop::Failed;
                     }
@@ -320,33 +225,17 @@ where
                         Some(d) => format!("{d}; {note}"),
                         None => note,
                     });
-                    Ok(Ok((
-                        DeterministicSummarizer::rolling_state_off_runtime(&req).await,
-                        spend,
-                    )))
                 }
-                other => other,
-            };
-            match result {
-                Ok(Ok((state, spend))) => {
-                    add(&mut spent, spend);
-                    publish(Envelope::new(
-                        format!("rs_{job_id}"),
-                        conversation.clone(),
-                        event_time,
-                        EventBody::RollingStateUpdated(RollingStateUpdated {
-                            state,
-                            through_turn: snap.through_turn,
-                            job_id: Some(job_id.clone()),
-                        }),
-                    ));
-                }
-                Ok(Err(
-                    PassError::RateLimited { spend, .. }
-                    | PassError::Failed { spend, .. }
-                    | PassError::SpendLimit { spend },
-                )) => add(&mut spent, spend),
-                Err(_) => add(&mut spent, summarizer.take_cut_short_spend()),
+                publish(Envelope::new(
+                    format!("rs_{job_id}"),
+                    conversation.clone(),
+                    event_time,
+                    EventBody::RollingStateUpdated(RollingStateUpdated {
+                        state: outcome.state,
+                        through_turn: snap.through_turn,
+                        job_id: Some(job_id.clone()),
+                    }),
+                ));
             }
         }
     }
@@ -382,20 +271,23 @@ where
 /// Counts one summarizer pass: its calls, tokens, cost and latency, by the
 /// model that answered (from the configuration) and outcome.
 fn pass_telemetry(
-    result: &Result<Result<(SummaryDraft, Spend), PassError>, tokio::time::error::Elapsed>,
+    result: &Result<Result<SummaryOutcome, SummarizeError>, tokio::time::error::Elapsed>,
+    spend: Spend,
     elapsed: Duration,
 ) {
-    let (model, outcome, spend) = match result {
-        Ok(Ok((draft, spend))) => (
-            draft.model.as_str(),
-            if draft.fallback { "fallback" } else { "ok" },
-            *spend,
+    let (model, outcome) = match result {
+        Ok(Ok(outcome)) => (
+            outcome.draft.model.as_str(),
+            if outcome.draft.fallback {
+                "fallback"
+            } else {
+                "ok"
+            },
         ),
-        Ok(Err(PassError::RateLimited { spend, .. })) => ("unknown", "rate_limited", *spend),
-        Ok(Err(PassError::SpendLimit { spend })) => ("unknown", "spend_limit", *spend),
-        Ok(Err(PassError::Failed { spend, .. })) => ("unknown", "failed", *spend),
-        // The cut-short spend is taken (and counted in the sweep) later.
-        Err(_) => ("unknown", "deadline", Spend::default()),
+        Ok(Err(SummarizeError::RateLimited { .. })) => ("unknown", "rate_limited"),
+        Ok(Err(SummarizeError::OverBudget { .. })) => ("unknown", "spend_limit"),
+        Ok(Err(_)) => ("unknown", "failed"),
+        Err(_) => ("unknown", "deadline"),
     };
     t::SummarizerPass {
         model,
@@ -408,12 +300,6 @@ fn pass_telemetry(
     .emit();
 }
 
-fn add(total: &mut Spend, s: Spend) {
-    total.calls += s.calls;
-    total.tokens += s.tokens;
-    total.cost_micros += s.cost_micros;
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -422,30 +308,51 @@ mod tests {
     use crate::core::message::{ChatMessage, Role};
     use crate::core::policy::PolicyConfig;
     use crate::core::state::State;
+    use crate::core::summary::{RollingStateRequest, SummaryRequest};
+    use crate::summarizer::SummarizeError;
+    use crate::summarizer::{
+        CallOutcome, CallRecord, DeterministicSummarizer, EscalatingSummarizer, RollingOutcome,
+        SummarizerConfig,
+    };
 
-    /// Summarizes deterministically; its rolling-state answers are rejected.
+    /// Summarizes deterministically; its rolling-state answers fail their
+    /// checks (one call spent each).
     struct RejectsRolling;
 
-    impl PassSummarizer for RejectsRolling {
+    impl Summarizer for RejectsRolling {
         async fn summarize(
             &self,
             req: &SummaryRequest,
-        ) -> Result<(SummaryDraft, Spend), PassError> {
-            Deterministic.summarize(req).await
+            budget: &Budget,
+        ) -> Result<SummaryOutcome, SummarizeError> {
+            DeterministicSummarizer.summarize(req, budget).await
         }
         async fn rolling_state(
             &self,
             _req: &RollingStateRequest,
-        ) -> Result<(RollingState, Spend), PassError> {
-            Err(PassError::Failed {
+            budget: &Budget,
+        ) -> Result<RollingOutcome, SummarizeError> {
+            let call = CallRecord {
+                model: "m".into(),
+                provider: "p".into(),
+                latency_ms: 1,
+                prompt_tokens_provider: None,
+                completion_tokens_provider: None,
+                prompt_tokens_ours: 10,
+                completion_tokens_ours: 2,
+                cost_micros: 0,
+                outcome: CallOutcome::Ok,
+            };
+            budget.charge(&call);
+            Err(SummarizeError::Invalid {
                 reason:
                     "rolling state rejected: copies the prompt's delimiter </data-3f9a1c0b77de>"
                         .into(),
-                spend: Spend {
-                    calls: 1,
-                    ..Spend::default()
-                },
+                calls: vec![call],
             })
+        }
+        fn name(&self) -> &str {
+            "rejects-rolling"
         }
     }
 
@@ -480,10 +387,8 @@ mod tests {
         };
         let snap = crate::core::sweep::snapshot(&state.conversations["c"], &job, &policy).unwrap();
         let mut out = Vec::new();
-        let ended = run_sweep(snap, &RejectsRolling, Duration::from_secs(5), |e| {
-            out.push(e)
-        })
-        .await;
+        let stack = EscalatingSummarizer::new(RejectsRolling, &SummarizerConfig::default());
+        let ended = run_sweep(snap, &stack, Duration::from_secs(5), |e| out.push(e)).await;
         assert_eq!(ended.stop, SweepStop::Failed, "{ended:?}");
         let detail = ended.detail.clone().unwrap_or_default();
         assert!(detail.contains("rolling state rejected"), "{detail}");
@@ -492,5 +397,136 @@ mod tests {
         assert!(out
             .iter()
             .any(|e| matches!(e.body, EventBody::RollingStateUpdated(_))));
+    }
+
+    /// What the scripted summarizer below does with a pass.
+    #[derive(Clone, Copy, Debug)]
+    enum Answer {
+        RateLimited,
+        OverBudget,
+        AuthFailed,
+        /// Starts a call and never ends it: the deadline cuts it short.
+        Hangs,
+    }
+
+    struct Scripted(Answer);
+
+    fn call() -> CallRecord {
+        CallRecord {
+            model: "m".into(),
+            provider: "p".into(),
+            latency_ms: 1,
+            prompt_tokens_provider: Some(100),
+            completion_tokens_provider: None,
+            prompt_tokens_ours: 90,
+            completion_tokens_ours: 0,
+            cost_micros: 3,
+            outcome: CallOutcome::Cancelled,
+        }
+    }
+
+    impl Summarizer for Scripted {
+        async fn summarize(
+            &self,
+            _: &SummaryRequest,
+            budget: &Budget,
+        ) -> Result<SummaryOutcome, SummarizeError> {
+            match self.0 {
+                Answer::OverBudget => Err(SummarizeError::OverBudget { calls: Vec::new() }),
+                Answer::Hangs => {
+                    let _in_flight = crate::summarizer::budget::InFlight::start(budget, call());
+                    std::future::pending().await
+                }
+                Answer::RateLimited => {
+                    budget.charge(&call());
+                    Err(SummarizeError::RateLimited {
+                        provider: "p".into(),
+                        retry_after_ms: 7_000,
+                        calls: vec![call()],
+                    })
+                }
+                Answer::AuthFailed => {
+                    budget.charge(&call());
+                    Err(SummarizeError::AuthFailed {
+                        provider: "p".into(),
+                        status: 401,
+                        api_key_env: "KEY".into(),
+                        detail: String::new(),
+                        calls: vec![call()],
+                    })
+                }
+            }
+        }
+        async fn rolling_state(
+            &self,
+            req: &RollingStateRequest,
+            budget: &Budget,
+        ) -> Result<RollingOutcome, SummarizeError> {
+            DeterministicSummarizer.rolling_state(req, budget).await
+        }
+        fn name(&self) -> &str {
+            "scripted"
+        }
+    }
+
+    /// How a sweep reads each answer: its stop, its delay, and the spend
+    /// the budget was charged (a call the deadline cut short included).
+    #[tokio::test]
+    async fn each_answer_ends_the_sweep_as_it_should_and_every_charged_call_is_spent() {
+        let policy = PolicyConfig {
+            fresh_tail_count: 2,
+            ..PolicyConfig::default()
+        };
+        let mut state = State::default();
+        for i in 0..12u64 {
+            let role = if i % 2 == 0 {
+                Role::User
+            } else {
+                Role::Assistant
+            };
+            let text =
+                format!("turn {i}: the deploy of build {i} to staging failed again ").repeat(20);
+            fold(
+                &mut state,
+                &policy,
+                &Envelope::new(
+                    format!("t{i}"),
+                    "c",
+                    1 + i,
+                    EventBody::TurnAppended(TurnAppended::from(ChatMessage::text(role, text))),
+                ),
+            );
+        }
+        let job = JobIssued {
+            job_id: "j".into(),
+            reason: DebtReason::Manual,
+            urgent: false,
+            context_tokens: 0,
+            target_tokens: 0,
+            deadline_ms: 300,
+            issued_at: 20,
+            instructions: None,
+            compact: true,
+            refresh_rolling_state: false,
+            max_calls: Some(4),
+            max_tokens: None,
+        };
+        let cases = [
+            (Answer::RateLimited, SweepStop::NoProgress, Some(7_000), 1),
+            (Answer::OverBudget, SweepStop::SpendLimit, None, 0),
+            (Answer::AuthFailed, SweepStop::Failed, None, 1),
+            (Answer::Hangs, SweepStop::Deadline, None, 1),
+        ];
+        for (answer, stop, retry_after_ms, calls) in cases {
+            let snap =
+                crate::core::sweep::snapshot(&state.conversations["c"], &job, &policy).unwrap();
+            let ended =
+                run_sweep(snap, &Scripted(answer), Duration::from_millis(300), |_| {}).await;
+            assert_eq!(ended.stop, stop, "{answer:?}: {ended:?}");
+            assert_eq!(ended.retry_after_ms, retry_after_ms, "{answer:?}");
+            assert_eq!(ended.calls, calls, "{answer:?}: calls spent");
+            assert_eq!(ended.tokens_spent, u64::from(calls) * 100, "{answer:?}");
+            assert_eq!(ended.committed, 0, "{answer:?}");
+        }
     }
 }

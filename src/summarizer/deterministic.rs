@@ -9,7 +9,7 @@
 //! over), so on a runtime it is written on the blocking pool
 //! ([`crate::blocking`]).
 
-use super::{SummarizeError, Summarizer, SummaryOutcome};
+use super::{Budget, RollingOutcome, SummarizeError, Summarizer, SummaryOutcome};
 use crate::core::event::RollingState;
 use crate::core::fallback_summary;
 use crate::core::summary::{RollingStateRequest, SummaryDraft, SummaryRequest};
@@ -47,10 +47,26 @@ impl DeterministicSummarizer {
 }
 
 impl Summarizer for DeterministicSummarizer {
-    async fn summarize(&self, req: &SummaryRequest) -> Result<SummaryOutcome, SummarizeError> {
+    async fn summarize(
+        &self,
+        req: &SummaryRequest,
+        _: &Budget,
+    ) -> Result<SummaryOutcome, SummarizeError> {
         Ok(SummaryOutcome {
             draft: Self::draft_off_runtime(req).await,
             calls: Vec::new(),
+        })
+    }
+
+    async fn rolling_state(
+        &self,
+        req: &RollingStateRequest,
+        _: &Budget,
+    ) -> Result<RollingOutcome, SummarizeError> {
+        Ok(RollingOutcome {
+            state: Self::rolling_state_off_runtime(req).await,
+            calls: Vec::new(),
+            refused: None,
         })
     }
 
@@ -87,11 +103,19 @@ mod tests {
             identifier_policy: IdentifierPolicy::Strict,
             aggressive: false,
         };
-        let a = DeterministicSummarizer.summarize(&req).await.unwrap();
-        let b = DeterministicSummarizer.summarize(&req).await.unwrap();
+        let budget = Budget::new(Some(0), Some(0));
+        let a = DeterministicSummarizer
+            .summarize(&req, &budget)
+            .await
+            .unwrap();
+        let b = DeterministicSummarizer
+            .summarize(&req, &budget)
+            .await
+            .unwrap();
         assert!(!a.draft.fallback, "the summarizer's own summary is final");
         assert!(a.calls.is_empty());
         assert!(!a.draft.content.is_empty());
         assert_eq!(a, b, "deterministic");
+        assert_eq!(budget.spent(), Default::default(), "no call, in any budget");
     }
 }

@@ -7,8 +7,11 @@
 //! A timeout, no responder, an error reply, an unreadable or empty reply is
 //! a failure, and [`WithFallback`] then uses the built-in path.
 
-use super::{CallOutcome, CallRecord, SummarizeError, Summarizer, SummaryOutcome};
-use crate::core::summary::{SummaryDraft, SummaryRequest};
+use super::budget::InFlight;
+use super::{
+    Budget, CallOutcome, CallRecord, RollingOutcome, SummarizeError, Summarizer, SummaryOutcome,
+};
+use crate::core::summary::{RollingStateRequest, SummaryDraft, SummaryRequest};
 use crate::core::tokens::{count_text, Encoding};
 use bytes::Bytes;
 use serde::Deserialize;
@@ -125,72 +128,96 @@ impl<T: RequestTransport> ExternalSummarizer<T> {
 }
 
 impl<T: RequestTransport> Summarizer for ExternalSummarizer<T> {
-    async fn summarize(&self, req: &SummaryRequest) -> Result<SummaryOutcome, SummarizeError> {
+    async fn summarize(
+        &self,
+        req: &SummaryRequest,
+        budget: &Budget,
+    ) -> Result<SummaryOutcome, SummarizeError> {
         let payload = serde_json::to_vec(req)
             .map_err(|e| SummarizeError::Config(format!("cannot encode the request: {e}")))?;
         let prompt_tokens = req.source_tokens();
         let started = Instant::now();
+        // Charged to the budget when it ends, or as cancelled when the
+        // caller's deadline drops this future first.
+        let in_flight = InFlight::start(
+            budget,
+            self.record("external", 0, prompt_tokens, 0, CallOutcome::Cancelled),
+        );
         let result = self
             .transport
             .request(&self.subject, Bytes::from(payload), self.timeout)
             .await;
         let latency = started.elapsed().as_millis() as u64;
-        let fail = |outcome: CallOutcome, reason: String| SummarizeError::Unavailable {
-            reason: format!("external summarizer on {}: {reason}", self.subject),
-            calls: vec![self.record("external", latency, prompt_tokens, 0, outcome)],
-        };
-        let bytes = match result {
-            Ok(b) => b,
+        // What came back: a draft, or why there is none (its call outcome).
+        let answer = match result {
             Err(TransportError::TimedOut(ms)) => {
-                return Err(fail(
-                    CallOutcome::Timeout,
-                    format!("no reply within {ms} ms"),
-                ))
+                Err((CallOutcome::Timeout, format!("no reply within {ms} ms")))
             }
-            Err(e) => return Err(fail(CallOutcome::Connect, e.to_string())),
+            Err(e) => Err((CallOutcome::Connect, e.to_string())),
+            Ok(bytes) => match serde_json::from_slice::<Reply>(&bytes) {
+                Err(e) => {
+                    let reason = format!("unreadable reply: {e}");
+                    Err((CallOutcome::Invalid(reason.clone()), reason))
+                }
+                Ok(Reply::Error { error }) => {
+                    let reason = format!("replied with an error: {error}");
+                    Err((CallOutcome::Invalid(reason.clone()), reason))
+                }
+                Ok(Reply::Draft(d)) if d.content.trim().is_empty() => {
+                    let reason = "replied with an empty summary".to_string();
+                    Err((CallOutcome::Invalid(reason.clone()), reason))
+                }
+                Ok(Reply::Draft(d)) => Ok(d),
+            },
         };
-        let reply: Reply = match serde_json::from_slice(&bytes) {
-            Ok(r) => r,
-            Err(e) => {
-                let reason = format!("unreadable reply: {e}");
-                return Err(fail(CallOutcome::Invalid(reason.clone()), reason));
+        let d = match answer {
+            Ok(d) => d,
+            Err((outcome, reason)) => {
+                let record = self.record("external", latency, prompt_tokens, 0, outcome);
+                return Err(SummarizeError::Unavailable {
+                    reason: format!("external summarizer on {}: {reason}", self.subject),
+                    calls: vec![in_flight.finish(record)],
+                });
             }
         };
-        match reply {
-            Reply::Error { error } => {
-                let reason = format!("replied with an error: {error}");
-                Err(fail(CallOutcome::Invalid(reason.clone()), reason))
-            }
-            Reply::Draft(d) if d.content.trim().is_empty() => {
-                let reason = "replied with an empty summary".to_string();
-                Err(fail(CallOutcome::Invalid(reason.clone()), reason))
-            }
-            Reply::Draft(d) => {
-                let model = d
-                    .model
-                    .filter(|m| !m.is_empty())
-                    .unwrap_or_else(|| "external".to_string());
-                let completion = count_text(Encoding::for_model(Some(&model)), &d.content);
-                let record =
-                    self.record(&model, latency, prompt_tokens, completion, CallOutcome::Ok);
-                Ok(SummaryOutcome {
-                    draft: SummaryDraft {
-                        content: d.content,
-                        provider: d
-                            .provider
-                            .filter(|p| !p.is_empty())
-                            .unwrap_or_else(|| format!("nats:{}", self.subject)),
-                        model,
-                        prompt_version: d
-                            .prompt_version
-                            .filter(|v| !v.is_empty())
-                            .unwrap_or_else(|| format!("external:{}", self.subject)),
-                        fallback: d.fallback,
-                    },
-                    calls: vec![record],
-                })
-            }
-        }
+        let model = d
+            .model
+            .filter(|m| !m.is_empty())
+            .unwrap_or_else(|| "external".to_string());
+        let completion = count_text(Encoding::for_model(Some(&model)), &d.content);
+        let record = self.record(&model, latency, prompt_tokens, completion, CallOutcome::Ok);
+        Ok(SummaryOutcome {
+            draft: SummaryDraft {
+                content: d.content,
+                provider: d
+                    .provider
+                    .filter(|p| !p.is_empty())
+                    .unwrap_or_else(|| format!("nats:{}", self.subject)),
+                model,
+                prompt_version: d
+                    .prompt_version
+                    .filter(|v| !v.is_empty())
+                    .unwrap_or_else(|| format!("external:{}", self.subject)),
+                fallback: d.fallback,
+            },
+            calls: vec![in_flight.finish(record)],
+        })
+    }
+
+    /// A team's summarizer writes summaries only: the rolling state is the
+    /// next layer's (see [`WithFallback`]).
+    async fn rolling_state(
+        &self,
+        _: &RollingStateRequest,
+        _: &Budget,
+    ) -> Result<RollingOutcome, SummarizeError> {
+        Err(SummarizeError::Unavailable {
+            reason: format!(
+                "the external summarizer on {} writes summaries only",
+                self.subject
+            ),
+            calls: Vec::new(),
+        })
     }
 
     fn name(&self) -> &str {
@@ -219,8 +246,12 @@ impl<P: Summarizer, F: Summarizer> WithFallback<P, F> {
 }
 
 impl<P: Summarizer, F: Summarizer> Summarizer for WithFallback<P, F> {
-    async fn summarize(&self, req: &SummaryRequest) -> Result<SummaryOutcome, SummarizeError> {
-        match self.primary.summarize(req).await {
+    async fn summarize(
+        &self,
+        req: &SummaryRequest,
+        budget: &Budget,
+    ) -> Result<SummaryOutcome, SummarizeError> {
+        match self.primary.summarize(req, budget).await {
             Ok(outcome) => Ok(outcome),
             Err(mut e) => {
                 tracing::warn!(
@@ -229,7 +260,29 @@ impl<P: Summarizer, F: Summarizer> Summarizer for WithFallback<P, F> {
                     "primary summarizer failed; using the fallback"
                 );
                 let earlier = e.take_calls();
-                match self.fallback.summarize(req).await {
+                match self.fallback.summarize(req, budget).await {
+                    Ok(mut outcome) => {
+                        let mut calls = earlier;
+                        calls.append(&mut outcome.calls);
+                        outcome.calls = calls;
+                        Ok(outcome)
+                    }
+                    Err(e) => Err(e.prepend_calls(earlier)),
+                }
+            }
+        }
+    }
+
+    async fn rolling_state(
+        &self,
+        req: &RollingStateRequest,
+        budget: &Budget,
+    ) -> Result<RollingOutcome, SummarizeError> {
+        match self.primary.rolling_state(req, budget).await {
+            Ok(outcome) => Ok(outcome),
+            Err(mut e) => {
+                let earlier = e.take_calls();
+                match self.fallback.rolling_state(req, budget).await {
                     Ok(mut outcome) => {
                         let mut calls = earlier;
                         calls.append(&mut outcome.calls);
@@ -326,7 +379,9 @@ mod tests {
             r#"{"content":"Key rotation of /etc/app/key.pem requested.","model":"team-model"}"#,
         )));
         let s = WithFallback::new(ext, DeterministicSummarizer);
-        let out = s.summarize(&req()).await.unwrap();
+        let budget = Budget::unlimited();
+        let out = s.summarize(&req(), &budget).await.unwrap();
+        assert_eq!(budget.spent().calls, 1, "the team's call is charged");
         assert_eq!(
             out.draft.content,
             "Key rotation of /etc/app/key.pem requested."
@@ -360,7 +415,7 @@ mod tests {
         ];
         for (reply, expected) in cases {
             let s = WithFallback::new(external(FakeTransport::new(reply)), DeterministicSummarizer);
-            let out = s.summarize(&req()).await.unwrap();
+            let out = s.summarize(&req(), &Budget::unlimited()).await.unwrap();
             assert_eq!(
                 out.draft.model,
                 crate::core::fallback_summary::MODEL,
@@ -382,6 +437,7 @@ mod tests {
             async fn summarize(
                 &self,
                 _: &SummaryRequest,
+                _: &Budget,
             ) -> Result<SummaryOutcome, SummarizeError> {
                 Err(SummarizeError::RateLimited {
                     provider: "p".into(),
@@ -399,6 +455,13 @@ mod tests {
                     }],
                 })
             }
+            async fn rolling_state(
+                &self,
+                _: &RollingStateRequest,
+                _: &Budget,
+            ) -> Result<RollingOutcome, SummarizeError> {
+                unreachable!("summaries only")
+            }
             fn name(&self) -> &str {
                 "down"
             }
@@ -407,7 +470,7 @@ mod tests {
             external(FakeTransport::new(Err(TransportError::TimedOut(750)))),
             Down,
         );
-        let err = s.summarize(&req()).await.unwrap_err();
+        let err = s.summarize(&req(), &Budget::unlimited()).await.unwrap_err();
         assert_eq!(err.retry_after_ms(), Some(900));
         let outcomes: Vec<_> = err.calls().iter().map(|c| c.outcome.clone()).collect();
         assert_eq!(

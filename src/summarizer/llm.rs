@@ -17,16 +17,17 @@
 //!   usage (then our own token counts are used) are all accepted.
 //!
 //! Dropping the future (the caller's deadline) drops the HTTP request, which
-//! closes its connection; a [`CallLog`] receives a `Cancelled` record for it.
+//! closes its connection; the call is charged to its [`Budget`] as
+//! `Cancelled` (its [`InFlight`] guard is dropped with it).
 
 use super::breaker::{AuthBreakers, Clock, SystemClock};
+use super::budget::InFlight;
+use super::checks::output_cap;
 use super::prompts::{self, Prompt, PROMPT_VERSION};
-use super::validation::output_cap;
 use super::{
-    CallCapped, CallLog, CallOutcome, CallRecord, SummarizeError, Summarizer, SummarizerConfig,
+    Budget, CallOutcome, CallRecord, RollingOutcome, SummarizeError, Summarizer, SummarizerConfig,
     SummaryOutcome,
 };
-use crate::core::event::RollingState;
 use crate::core::message::{ChatMessage, Role};
 use crate::core::summary::{RollingStateRequest, SummaryDraft, SummaryRequest};
 use crate::core::tokens::{count_message, count_text, Encoding};
@@ -288,33 +289,6 @@ fn error_detail(body: &str) -> String {
     msg.chars().take(300).collect()
 }
 
-/// Reports a call to the log when it ends, or as `Cancelled` when the
-/// future holding it is dropped first.
-struct InFlight<'a> {
-    log: Option<&'a CallLog>,
-    record: Option<CallRecord>,
-    started: Instant,
-}
-
-impl InFlight<'_> {
-    fn finish(mut self, record: CallRecord) -> CallRecord {
-        self.record = None;
-        if let Some(log) = self.log {
-            log.push(record.clone());
-        }
-        record
-    }
-}
-
-impl Drop for InFlight<'_> {
-    fn drop(&mut self) {
-        if let (Some(log), Some(mut record)) = (self.log, self.record.take()) {
-            record.latency_ms = self.started.elapsed().as_millis() as u64;
-            log.push(record);
-        }
-    }
-}
-
 /// Loads the BPE tables of the models' encodings now. Their first use takes
 /// seconds (in a debug build) of synchronous work that no deadline can
 /// interrupt; paying it at construction keeps every call cancellable.
@@ -354,7 +328,6 @@ pub struct LlmSummarizer {
     client: async_openai::Client<OpenAIConfig>,
     breakers: AuthBreakers,
     clock: Arc<dyn Clock>,
-    call_log: Option<CallLog>,
 }
 
 impl fmt::Debug for LlmSummarizer {
@@ -443,7 +416,6 @@ impl LlmSummarizer {
             key,
             client,
             clock,
-            call_log: None,
             config,
         })
     }
@@ -463,12 +435,6 @@ impl LlmSummarizer {
     /// Shares auth breakers with other clients of the process.
     pub fn with_breakers(mut self, breakers: AuthBreakers) -> Self {
         self.breakers = breakers;
-        self
-    }
-
-    /// Reports every call, including cancelled ones, to `log`.
-    pub fn with_call_log(mut self, log: CallLog) -> Self {
-        self.call_log = Some(log);
         self
     }
 
@@ -534,10 +500,11 @@ impl LlmSummarizer {
         &self,
         model: &str,
         prompt: &Prompt,
+        prompt_tokens_ours: u64,
         max_output: Option<u64>,
+        budget: &Budget,
     ) -> (CallRecord, Result<Answer, Failure>) {
         let encoding = Encoding::for_model(Some(model));
-        let prompt_tokens_ours = Self::prompt_tokens(prompt, encoding);
         let price = self.config.price(model);
         let started = Instant::now();
         let cancelled = CallRecord {
@@ -552,11 +519,7 @@ impl LlmSummarizer {
             cost_micros: price.cost_micros(prompt_tokens_ours, 0),
             outcome: CallOutcome::Cancelled,
         };
-        let guard = InFlight {
-            log: self.call_log.as_ref(),
-            record: Some(cancelled.clone()),
-            started,
-        };
+        let guard = InFlight::start(budget, cancelled.clone());
         let (max_tokens, max_completion_tokens) = match self.config.max_tokens_field {
             super::config::MaxTokensField::MaxTokens => (max_output, None),
             super::config::MaxTokensField::MaxCompletionTokens => (None, max_output),
@@ -671,15 +634,17 @@ impl LlmSummarizer {
         (record, outcome)
     }
 
-    /// Runs the model chain for one prompt, making at most `max_calls`
-    /// calls when given: every model of the chain and every retry counts,
-    /// and the chain stops where the cap falls, as if the models left had
-    /// failed too (the caller's escalation then decides, as for any outage).
+    /// Runs the model chain for one prompt within `budget`: every model of
+    /// the chain and every retry asks it before its call. When it refuses
+    /// the first call, nothing is spent and the answer is
+    /// [`SummarizeError::OverBudget`]; when it refuses a later one, the chain
+    /// stops there, as if the models left had failed too (the caller's
+    /// escalation then decides, as for any outage).
     async fn complete(
         &self,
         prompt: &Prompt,
         max_output: Option<u64>,
-        max_calls: Option<u32>,
+        budget: &Budget,
     ) -> Result<(Answer, Vec<CallRecord>), SummarizeError> {
         if let Err(remaining) = self.breakers.check(&self.provider) {
             return Err(SummarizeError::BreakerOpen {
@@ -690,18 +655,23 @@ impl LlmSummarizer {
         let mut calls = Vec::new();
         let mut rate_limited: Option<u64> = None;
         let mut failures: Vec<String> = Vec::new();
-        let capped = |calls: &[CallRecord]| max_calls.is_some_and(|max| calls.len() as u32 >= max);
         'chain: for model in &self.chain {
+            let prompt_tokens = Self::prompt_tokens(prompt, Encoding::for_model(Some(model)));
             let mut retry = 0u32;
             loop {
-                if capped(&calls) {
+                if !budget.grant(prompt_tokens) {
+                    if calls.is_empty() {
+                        return Err(SummarizeError::OverBudget { calls });
+                    }
                     failures.push(format!(
-                        "stopped at the spend allowance of {} calls",
+                        "stopped at the spend allowance after {} calls",
                         calls.len()
                     ));
                     break 'chain;
                 }
-                let (record, result) = self.call_model(model, prompt, max_output).await;
+                let (record, result) = self
+                    .call_model(model, prompt, prompt_tokens, max_output, budget)
+                    .await;
                 calls.push(record);
                 match result {
                     Ok(answer) => {
@@ -798,17 +768,16 @@ impl LlmSummarizer {
     }
 
     /// Answers any prompt through the model chain, with the same timeouts,
-    /// retries, rate-limit and auth handling as a summary, and at most
-    /// `max_calls` calls when given: for callers that are not summaries
-    /// (delegated recall). The text is returned as it is; checking it is the
-    /// caller's business.
+    /// retries, rate-limit and auth handling as a summary, within `budget`:
+    /// for callers that are not summaries (delegated recall). The text is
+    /// returned as it is; checking it is the caller's business.
     pub async fn complete_prompt(
         &self,
         prompt: &Prompt,
         max_output: Option<u64>,
-        max_calls: Option<u32>,
+        budget: &Budget,
     ) -> Result<Completion, SummarizeError> {
-        let (answer, calls) = self.complete(prompt, max_output, max_calls).await?;
+        let (answer, calls) = self.complete(prompt, max_output, budget).await?;
         Ok(Completion {
             content: answer.content,
             model: answer.model,
@@ -816,29 +785,26 @@ impl LlmSummarizer {
         })
     }
 
-    /// Refreshes the rolling session state (Completed / In progress /
-    /// Decisions / Blockers / Next), within its size limits.
-    pub async fn refresh_rolling_state(
+    /// Refreshes the rolling session state (the handover sections), within
+    /// its size limits and `budget`; an answer that fails its checks is
+    /// [`SummarizeError::Invalid`].
+    async fn refresh_rolling_state(
         &self,
         req: &RollingStateRequest,
-    ) -> Result<(RollingState, Vec<CallRecord>), SummarizeError> {
-        self.refresh_rolling_state_capped(req, None).await
-    }
-
-    /// [`Self::refresh_rolling_state`] making at most `max_calls` calls.
-    pub async fn refresh_rolling_state_capped(
-        &self,
-        req: &RollingStateRequest,
-        max_calls: Option<u32>,
-    ) -> Result<(RollingState, Vec<CallRecord>), SummarizeError> {
+        budget: &Budget,
+    ) -> Result<RollingOutcome, SummarizeError> {
         let prompt = prompts::render_rolling_state(req);
-        let (answer, mut calls) = self.complete(&prompt, Some(400), max_calls).await?;
-        let cleaned = super::validation::clean(&answer.content);
+        let (answer, mut calls) = self.complete(&prompt, Some(400), budget).await?;
+        let cleaned = super::checks::clean(&answer.content);
         match prompts::parse_rolling_state(&cleaned) {
             Some(state) => {
                 // The instructions only: the user part holds the sources.
-                match super::validation::check_rolling_state(req, &prompt.system, &state) {
-                    Ok(()) => Ok((state, calls)),
+                match super::checks::check_rolling_state(req, &prompt.system, &state) {
+                    Ok(()) => Ok(RollingOutcome {
+                        state,
+                        calls,
+                        refused: None,
+                    }),
                     Err(rejection) => {
                         let reason = format!("rolling state rejected: {rejection}");
                         tracing::warn!(
@@ -877,11 +843,11 @@ impl LlmSummarizer {
     async fn summarize_with(
         &self,
         req: &SummaryRequest,
-        max_calls: Option<u32>,
+        budget: &Budget,
     ) -> Result<SummaryOutcome, SummarizeError> {
         let prompt = prompts::render(req);
         let cap = output_cap(req.target_tokens, self.config.summary_max_overage_factor);
-        let (answer, calls) = self.complete(&prompt, Some(cap), max_calls).await?;
+        let (answer, calls) = self.complete(&prompt, Some(cap), budget).await?;
         Ok(SummaryOutcome {
             draft: SummaryDraft {
                 content: answer.content,
@@ -896,22 +862,24 @@ impl LlmSummarizer {
 }
 
 impl Summarizer for LlmSummarizer {
-    async fn summarize(&self, req: &SummaryRequest) -> Result<SummaryOutcome, SummarizeError> {
-        self.summarize_with(req, None).await
+    async fn summarize(
+        &self,
+        req: &SummaryRequest,
+        budget: &Budget,
+    ) -> Result<SummaryOutcome, SummarizeError> {
+        self.summarize_with(req, budget).await
+    }
+
+    async fn rolling_state(
+        &self,
+        req: &RollingStateRequest,
+        budget: &Budget,
+    ) -> Result<RollingOutcome, SummarizeError> {
+        self.refresh_rolling_state(req, budget).await
     }
 
     fn name(&self) -> &str {
         "llm"
-    }
-}
-
-impl CallCapped for LlmSummarizer {
-    async fn summarize_capped(
-        &self,
-        req: &SummaryRequest,
-        max_calls: u32,
-    ) -> Result<SummaryOutcome, SummarizeError> {
-        self.summarize_with(req, Some(max_calls)).await
     }
 }
 

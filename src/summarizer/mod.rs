@@ -1,89 +1,118 @@
-//! Summarizers: the effectful side of compaction. A [`Summarizer`] turns one
-//! [`SummaryRequest`] into a [`SummaryDraft`] and reports every model call it
-//! made ([`CallRecord`]) so spend windows can be event-sourced by the caller.
+//! Summarizers: the effectful side of compaction. One [`Summarizer`] trait
+//! turns a [`SummaryRequest`] into a [`SummaryDraft`], and a
+//! [`RollingStateRequest`] into a [`RollingState`], each within the
+//! [`Budget`] the caller gives it (the job's spend-window allowance) and
+//! charged to that budget call by call.
 //!
-//! Implementations:
-//! - [`llm::LlmSummarizer`]: any OpenAI-compatible chat-completions endpoint,
-//!   with its own timeouts, retries, rate-limit handling, model fallback
-//!   chain and auth circuit breaker;
-//! - [`deterministic::DeterministicSummarizer`]: the core's fallback, no model;
-//! - [`external::ExternalSummarizer`]: a team's own summarizer over NATS
-//!   request/reply, usually wrapped in [`external::WithFallback`];
-//! - [`validation::EscalatingSummarizer`]: validates what another summarizer
-//!   wrote and escalates normal -> aggressive -> deterministic fallback.
+//! The stack, outermost first:
+//! - [`escalate::EscalatingSummarizer`]: checks what the layer below wrote
+//!   ([`checks`]) and escalates normal -> aggressive -> the deterministic
+//!   summary, for summaries and rolling states alike; a spend refusal
+//!   ([`SummarizeError::OverBudget`]) and a rate limit pass through it
+//!   untouched;
+//! - [`external::WithFallback`] over [`external::ExternalSummarizer`]: a
+//!   team's own summarizer over NATS request/reply, the model when it fails;
+//! - [`llm::LlmSummarizer`]: any OpenAI-compatible chat-completions
+//!   endpoint, with its own timeouts, retries, rate-limit handling, model
+//!   fallback chain and auth circuit breaker; it asks the budget before
+//!   every call;
+//! - [`deterministic::DeterministicSummarizer`]: no model. Where none is
+//!   configured it is the summarizer, and its summaries are final.
 //!
 //! Deadlines belong to the caller: it drops the future (for example with
 //! `tokio::time::timeout`), and dropping cancels the HTTP request in flight.
-//! Calls cut short that way are reported to a [`CallLog`], when one is set,
-//! as [`CallOutcome::Cancelled`], so no spend goes unaccounted.
+//! A call cut short that way is charged to the budget as
+//! [`CallOutcome::Cancelled`] ([`budget::InFlight`]), so no spend goes
+//! unaccounted.
 
 pub mod breaker;
+pub mod budget;
+pub mod checks;
 pub mod config;
 pub mod deterministic;
+pub mod escalate;
 pub mod external;
 pub mod llm;
 pub mod prompts;
-pub mod validation;
+pub mod stack;
 
 pub use breaker::{AuthBreakers, Clock, ManualClock, SystemClock};
+pub use budget::Budget;
 pub use config::{ModelPrice, SummarizerConfig};
 pub use deterministic::DeterministicSummarizer;
+pub use escalate::EscalatingSummarizer;
 pub use external::{ExternalSummarizer, WithFallback};
 pub use llm::LlmSummarizer;
 pub use prompts::PROMPT_VERSION;
-pub use validation::EscalatingSummarizer;
 
-use crate::core::summary::{SummaryDraft, SummaryRequest};
+use crate::core::event::RollingState;
+use crate::core::summary::{RollingStateRequest, SummaryDraft, SummaryRequest};
 use serde::{Deserialize, Serialize};
 use std::future::Future;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-/// Writes one summary.
+/// Writes summaries and rolling states, within a budget.
 pub trait Summarizer: Send + Sync {
-    /// Summarizes `req`. Dropping the future cancels any call in flight.
+    /// Summarizes `req`, charging every model call to `budget` and starting
+    /// none it cannot pay for. Dropping the future cancels any call in
+    /// flight (and charges it as cancelled).
     fn summarize(
         &self,
         req: &SummaryRequest,
+        budget: &Budget,
     ) -> impl Future<Output = Result<SummaryOutcome, SummarizeError>> + Send;
+
+    /// Refreshes the rolling session state for `req`, within `budget`.
+    fn rolling_state(
+        &self,
+        req: &RollingStateRequest,
+        budget: &Budget,
+    ) -> impl Future<Output = Result<RollingOutcome, SummarizeError>> + Send;
 
     /// A short name for logs and records (`llm`, `deterministic`, ...).
     fn name(&self) -> &str;
-}
-
-/// A summarizer that can be held to a number of model calls for one
-/// summary, every model of its chain and every retry included. A spend
-/// allowance smaller than its worst case then still buys the calls it has,
-/// instead of none at all.
-pub trait CallCapped: Summarizer {
-    /// [`Summarizer::summarize`] with at most `max_calls` model calls
-    /// (at least one is made when `max_calls` is not 0).
-    fn summarize_capped(
-        &self,
-        req: &SummaryRequest,
-        max_calls: u32,
-    ) -> impl Future<Output = Result<SummaryOutcome, SummarizeError>> + Send;
-}
-
-impl<S: CallCapped> CallCapped for Arc<S> {
-    fn summarize_capped(
-        &self,
-        req: &SummaryRequest,
-        max_calls: u32,
-    ) -> impl Future<Output = Result<SummaryOutcome, SummarizeError>> + Send {
-        (**self).summarize_capped(req, max_calls)
-    }
 }
 
 impl<S: Summarizer> Summarizer for Arc<S> {
     fn summarize(
         &self,
         req: &SummaryRequest,
+        budget: &Budget,
     ) -> impl Future<Output = Result<SummaryOutcome, SummarizeError>> + Send {
-        (**self).summarize(req)
+        (**self).summarize(req, budget)
+    }
+
+    fn rolling_state(
+        &self,
+        req: &RollingStateRequest,
+        budget: &Budget,
+    ) -> impl Future<Output = Result<RollingOutcome, SummarizeError>> + Send {
+        (**self).rolling_state(req, budget)
     }
 
     fn name(&self) -> &str {
         (**self).name()
+    }
+}
+
+/// A rolling state and the calls spent on it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RollingOutcome {
+    pub state: RollingState,
+    pub calls: Vec<CallRecord>,
+    /// The model's answer was refused, and this is why: `state` is the
+    /// deterministic one written in its place.
+    pub refused: Option<String>,
+}
+
+impl RollingOutcome {
+    /// A state that cost no call.
+    pub fn without_calls(state: RollingState) -> Self {
+        RollingOutcome {
+            state,
+            calls: Vec::new(),
+            refused: None,
+        }
     }
 }
 
@@ -95,6 +124,14 @@ pub struct SummaryOutcome {
 }
 
 impl SummaryOutcome {
+    /// A draft that cost no call.
+    pub fn without_calls(draft: SummaryDraft) -> Self {
+        SummaryOutcome {
+            draft,
+            calls: Vec::new(),
+        }
+    }
+
     /// Tokens spent by all calls (provider's counts where known, else ours).
     pub fn tokens_spent(&self) -> u64 {
         self.calls.iter().map(CallRecord::tokens).sum()
@@ -212,6 +249,14 @@ pub enum SummarizeError {
         reason: String,
         calls: Vec<CallRecord>,
     },
+    /// The budget cannot pay for the next call (no call left, or the
+    /// prompt alone is over the tokens left): nothing over it was spent.
+    /// Not a failure of the model: no escalation, no fallback summary.
+    #[error(
+        "the job's spend-window allowance cannot pay for another call; \
+         the work waits for the window to reopen"
+    )]
+    OverBudget { calls: Vec<CallRecord> },
     /// The summarizer cannot run as configured.
     #[error("summarizer misconfigured: {0}")]
     Config(String),
@@ -232,7 +277,8 @@ impl SummarizeError {
             SummarizeError::RateLimited { calls, .. }
             | SummarizeError::AuthFailed { calls, .. }
             | SummarizeError::Unavailable { calls, .. }
-            | SummarizeError::Invalid { calls, .. } => calls,
+            | SummarizeError::Invalid { calls, .. }
+            | SummarizeError::OverBudget { calls } => calls,
             SummarizeError::BreakerOpen { .. } | SummarizeError::Config(_) => &[],
         }
     }
@@ -243,7 +289,8 @@ impl SummarizeError {
             SummarizeError::RateLimited { calls, .. }
             | SummarizeError::AuthFailed { calls, .. }
             | SummarizeError::Unavailable { calls, .. }
-            | SummarizeError::Invalid { calls, .. } => std::mem::take(calls),
+            | SummarizeError::Invalid { calls, .. }
+            | SummarizeError::OverBudget { calls } => std::mem::take(calls),
             SummarizeError::BreakerOpen { .. } | SummarizeError::Config(_) => Vec::new(),
         }
     }
@@ -256,7 +303,8 @@ impl SummarizeError {
             SummarizeError::RateLimited { calls, .. }
             | SummarizeError::AuthFailed { calls, .. }
             | SummarizeError::Unavailable { calls, .. }
-            | SummarizeError::Invalid { calls, .. } => *calls = earlier,
+            | SummarizeError::Invalid { calls, .. }
+            | SummarizeError::OverBudget { calls } => *calls = earlier,
             SummarizeError::BreakerOpen { .. } | SummarizeError::Config(_) => {}
         }
         self
@@ -278,41 +326,6 @@ impl SummarizeError {
             self,
             SummarizeError::AuthFailed { .. } | SummarizeError::BreakerOpen { .. }
         )
-    }
-}
-
-/// A shared sink of call records. The LLM client reports every call here as
-/// it ends, including calls cancelled by the caller dropping the future,
-/// whose records would otherwise be lost with the future.
-#[derive(Debug, Clone, Default)]
-pub struct CallLog {
-    inner: Arc<Mutex<Vec<CallRecord>>>,
-}
-
-impl CallLog {
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    pub fn push(&self, record: CallRecord) {
-        // A poisoned lock only means another thread panicked mid-push; the
-        // records themselves are still valid.
-        let mut guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        guard.push(record);
-    }
-
-    /// Takes all records reported so far.
-    pub fn drain(&self) -> Vec<CallRecord> {
-        let mut guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        std::mem::take(&mut *guard)
-    }
-
-    pub fn len(&self) -> usize {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner()).len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 

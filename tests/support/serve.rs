@@ -16,7 +16,7 @@ use contextfold::nats::serve::{Roles, ServeOptions, Service};
 use contextfold::nats::setup::{ensure, Infrastructure};
 use contextfold::nats::subjects;
 use contextfold::nats::{NatsConfig, NatsOptions};
-use contextfold::runtime::sweep::{Deterministic, PassSummarizer};
+use contextfold::summarizer::{DeterministicSummarizer, Summarizer};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::sync::Arc;
@@ -54,11 +54,11 @@ pub async fn wait_until(what: &str, limit: Duration, mut done: impl FnMut() -> b
 /// Starts a serve process alone on the server and waits until it holds
 /// every partition.
 pub async fn start_alone(opts: ServeOptions) -> Service {
-    start_alone_with(opts, Deterministic).await
+    start_alone_with(opts, DeterministicSummarizer).await
 }
 
 /// [`start_alone`] with `summarizer`.
-pub async fn start_alone_with<S: PassSummarizer + 'static>(
+pub async fn start_alone_with<S: Summarizer + 'static>(
     opts: ServeOptions,
     summarizer: S,
 ) -> Service {

@@ -43,7 +43,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
-pub use crate::core::spend::{SpendEntry, SpendTotals, SpendWindow};
+pub use crate::core::spend::{Spend, SpendEntry, SpendWindow};
 
 /// A short, fixed-size digest of an event id, for idempotency checks.
 pub type IdDigest = [u8; 16];
