@@ -322,7 +322,7 @@ pub fn reject_record(
     time: u64,
 ) -> Envelope {
     let env = Envelope::new(
-        derived_event_id(rejected_id, "event_rejected"),
+        derived_event_id(rejected_id, EventKind::EventRejected.name()),
         conversation,
         time,
         EventBody::EventRejected(EventRejected {
@@ -443,14 +443,11 @@ impl FoldContext<'_> {
                 self.conv.rejections += 1;
                 let reason = reason.to_string();
                 self.history("event_rejected", reason.clone());
-                self.decide(
-                    "event_rejected",
-                    EventBody::EventRejected(EventRejected {
-                        rejected_id: self.id.to_string(),
-                        event_type: Some(event.type_name().to_string()),
-                        reason,
-                    }),
-                );
+                self.decide(EventBody::EventRejected(EventRejected {
+                    rejected_id: self.id.to_string(),
+                    event_type: Some(event.type_name().to_string()),
+                    reason,
+                }));
             }
             _ => {}
         }
@@ -546,14 +543,11 @@ impl FoldContext<'_> {
         self.conv.rejections += 1;
         let reason = rejection.to_string();
         self.history("event_rejected", reason.clone());
-        self.decide(
-            "event_rejected",
-            EventBody::EventRejected(EventRejected {
-                rejected_id: self.id.to_string(),
-                event_type: Some(self.event.type_name().to_string()),
-                reason,
-            }),
-        );
+        self.decide(EventBody::EventRejected(EventRejected {
+            rejected_id: self.id.to_string(),
+            event_type: Some(self.event.type_name().to_string()),
+            reason,
+        }));
         Some(FoldStatus::Rejected(rejection))
     }
 
@@ -562,9 +556,11 @@ impl FoldContext<'_> {
             .push_history(self.now, self.id, event_type, detail);
     }
 
-    fn decide(&mut self, what: &str, body: EventBody) {
+    /// Records a decision; its id is derived from the event's and the
+    /// decision's type.
+    fn decide(&mut self, body: EventBody) {
         let env = Envelope::new(
-            derived_event_id(self.id, what),
+            derived_event_id(self.id, body.type_name()),
             self.conv.key.clone(),
             self.now,
             body,
