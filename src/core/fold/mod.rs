@@ -424,7 +424,12 @@ impl FoldContext<'_> {
                 self.history("event_rejected", r.reason.clone());
                 FoldStatus::Applied
             }
-            body if body.is_decision() => {
+            body @ (EventBody::DebtRecorded(_)
+            | EventBody::DebtUpdated(_)
+            | EventBody::DebtCleared(_)
+            | EventBody::JobIssued(_)
+            | EventBody::SummaryRejected(_)
+            | EventBody::MemoryFlushRequested(_)) => {
                 // A decision this fold did not take (another policy wrote it):
                 // kept for audit, never acted on.
                 self.history(
@@ -433,7 +438,9 @@ impl FoldContext<'_> {
                 );
                 FoldStatus::Applied
             }
-            _ => FoldStatus::Applied,
+            // Partition-wide: the policy is read by whoever folds the
+            // partition, and time moved the clock before this (`wake`).
+            EventBody::PolicyRecorded(_) | EventBody::ClockTicked(_) => FoldStatus::Applied,
         };
         match &status {
             // A rejected summary already produced its `summary_rejected`.
