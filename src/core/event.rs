@@ -615,7 +615,7 @@ pub struct PolicyRecorded {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub recorded_by: Option<String>,
     /// Boxed: the other event types are far smaller.
-    pub policy: Box<crate::core::policy::PolicyConfig>,
+    pub policy: Box<crate::core::policy_config::PolicyConfig>,
 }
 
 /// Time passed in a quiet partition: the service records one when a
