@@ -26,7 +26,7 @@ use syn::visit::Visit;
 /// Cycles known today and allowed until they are broken, each as the set
 /// of its modules. A cycle not listed fails the test; a listed one that is
 /// gone fails it too, so the list only shrinks.
-const KNOWN_CYCLES: &[&[&str]] = &[&["cli::audit", "cli::serve"]];
+const KNOWN_CYCLES: &[&[&str]] = &[];
 
 /// A module path from the crate root: `["core", "event"]`.
 type ModPath = Vec<String>;
