@@ -2078,7 +2078,7 @@ impl Generator {
             }
             2 => {
                 let t = if self.rng.chance(70) {
-                    json!(self.rng.pick(&EventBody::TYPE_NAMES))
+                    json!(self.rng.pick(EventBody::TYPE_NAMES))
                 } else {
                     self.pick_value(&[json!("turn_exploded"), json!(5), Value::Null, json!("")])
                 };

@@ -22,9 +22,11 @@
 //! line and column, without quoting the line.
 
 use crate::core::policy::{PolicyConfig, PolicyError};
+pub use crate::http::HttpConfig;
 use crate::nats::NatsConfig;
 use crate::runtime::recall::RecallConfig;
 use crate::secret::redact_url;
+pub use crate::store::{StoreBackend, StoreConfig};
 use crate::summarizer::SummarizerConfig;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -225,31 +227,6 @@ pub struct Config {
     pub log: LogConfig,
     /// The LLM gateway (`contextfold gateway`, `serve --roles gateway`).
     pub gateway: GatewayConfig,
-}
-
-/// `[http]`: the operators' HTTP server of `serve`, and who may read the
-/// audit page (`serve --audit-page`, `contextfold ui`).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct HttpConfig {
-    /// Address to listen on (`127.0.0.1:9464`); unset (the default): no
-    /// HTTP server. `serve --http ADDR` overrides it. `/metrics`,
-    /// `/healthz` and `/readyz` carry no authentication and no conversation
-    /// data: keep them on loopback or a private network.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub listen: Option<std::net::SocketAddr>,
-    /// Host names (or addresses) besides the listen address and
-    /// `localhost` under which the audit page may be opened, e.g. the
-    /// machine's name or a reverse proxy's (`["audit.internal"]`); a
-    /// request naming any other host is refused (DNS rebinding). Default
-    /// none.
-    pub allowed_hosts: Vec<String>,
-    /// Token the audit page and its API require (at least 16 letters,
-    /// digits or `-._~`; `CONTEXTFOLD_HTTP__TOKEN`); needed when the page
-    /// listens beyond loopback, which is refused without it. Never
-    /// printed. Default none.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub token: Option<crate::secret::Secret>,
 }
 
 /// `[gateway]`: the LLM gateway in front of an upstream provider
@@ -480,64 +457,6 @@ impl Default for Config {
             http: HttpConfig::default(),
             log: LogConfig::default(),
             gateway: GatewayConfig::default(),
-        }
-    }
-}
-
-/// Which state store backend to use.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum StoreBackend {
-    /// redb (default): see README for the soak numbers behind the choice.
-    #[default]
-    Redb,
-    /// sled 0.34: refused by [`StoreConfig::validate`], since `run` and
-    /// `serve` open redb stores only (the `sled-store` feature builds the
-    /// backend for the conformance tests).
-    Sled,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct StoreConfig {
-    pub backend: StoreBackend,
-    /// Make every N-th state commit durable (1 = every commit).
-    pub flush_every: u32,
-    /// Bytes of turn bodies kept in memory per state store for assembly
-    /// and summarization to read again (default 128 MiB; 0 turns the cache
-    /// off: every body is read from the store).
-    pub body_cache_bytes: u64,
-    /// Conversations kept in memory per state store; beyond it the least
-    /// recently touched are dropped after a commit (their state stays on
-    /// disk and is read again when touched). Default 10,000.
-    pub resident_conversations: usize,
-    /// A conversation untouched this long is dropped from memory at the
-    /// next commit (default 600,000 ms).
-    pub conversation_idle_ms: u64,
-    /// Bytes of redb pages each state store keeps in memory (default
-    /// 64 MiB).
-    pub redb_cache_bytes: u64,
-}
-
-impl Default for StoreConfig {
-    fn default() -> Self {
-        StoreConfig {
-            backend: StoreBackend::Redb,
-            flush_every: 1,
-            body_cache_bytes: crate::store::state_store::DEFAULT_BODY_CACHE_BYTES,
-            resident_conversations: 10_000,
-            conversation_idle_ms: 600_000,
-            redb_cache_bytes: crate::store::redb_backend::DEFAULT_CACHE_BYTES as u64,
-        }
-    }
-}
-
-impl StoreConfig {
-    /// What the engine keeps in memory.
-    pub fn residency(&self) -> crate::runtime::engine::Residency {
-        crate::runtime::engine::Residency {
-            conversations: self.resident_conversations,
-            idle: std::time::Duration::from_millis(self.conversation_idle_ms),
         }
     }
 }
@@ -834,31 +753,6 @@ impl Config {
     #[allow(clippy::expect_used)] // only a bug reaches the expect (see its message)
     pub fn to_toml(&self) -> String {
         toml::to_string_pretty(&self.redacted()).expect("config serializes")
-    }
-}
-
-impl StoreConfig {
-    /// Refuses what this build cannot honour; the message says what to do.
-    pub fn validate(&self) -> Result<(), String> {
-        if self.resident_conversations == 0 {
-            return Err("store.resident_conversations must be at least 1".into());
-        }
-        if self.flush_every == 0 {
-            return Err("store.flush_every must be at least 1".into());
-        }
-        if self.backend == StoreBackend::Sled {
-            return Err(if cfg!(feature = "sled-store") {
-                "store.backend = \"sled\": `run` and `serve` open redb stores only; the sled \
-                 backend is built for the conformance tests (cargo test --features sled-store \
-                 --test store_conformance). Remove the setting to use redb"
-                    .into()
-            } else {
-                "store.backend = \"sled\" needs contextfold built with `--features \
-                 sled-store`; this build has only redb. Remove the setting to use redb"
-                    .into()
-            });
-        }
-        Ok(())
     }
 }
 

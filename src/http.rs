@@ -32,10 +32,35 @@ use axum::routing::get;
 use axum::Router;
 use futures::future::BoxFuture;
 use metrics_exporter_prometheus::PrometheusHandle;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
+
+/// `[http]`: the operators' HTTP server of `serve`, and who may read the
+/// audit page (`serve --audit-page`, `contextfold ui`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HttpConfig {
+    /// Address to listen on (`127.0.0.1:9464`); unset (the default): no
+    /// HTTP server. `serve --http ADDR` overrides it. `/metrics`,
+    /// `/healthz` and `/readyz` carry no authentication and no conversation
+    /// data: keep them on loopback or a private network.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub listen: Option<std::net::SocketAddr>,
+    /// Host names (or addresses) besides the listen address and
+    /// `localhost` under which the audit page may be opened, e.g. the
+    /// machine's name or a reverse proxy's (`["audit.internal"]`); a
+    /// request naming any other host is refused (DNS rebinding). Default
+    /// none.
+    pub allowed_hosts: Vec<String>,
+    /// Token the audit page and its API require (at least 16 letters,
+    /// digits or `-._~`; `CONTEXTFOLD_HTTP__TOKEN`); needed when the page
+    /// listens beyond loopback, which is refused without it. Never
+    /// printed. Default none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token: Option<crate::secret::Secret>,
+}
 
 /// One readiness check.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]

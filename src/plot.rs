@@ -22,7 +22,7 @@
 //! policy the reader was configured with before the log's own is folded.
 
 use crate::core::audit::{Audit, Dag};
-use crate::core::event::SummaryKind;
+use crate::core::event::{EventKind, SummaryKind};
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::RGBColor;
@@ -77,8 +77,9 @@ const LABEL_DARK: RGBColor = RGBColor(0x21, 0x21, 0x21);
 /// Whether a point's levels (budget, threshold, target) are the
 /// conversation's: a `policy_recorded` event's are those of whoever folded
 /// it before the log's policy applied.
-fn sets_scale(p: &crate::core::audit::Point) -> bool {
-    p.event_type != "policy_recorded"
+/// The audit page reads it from the server too (`sets_scale`).
+pub fn sets_scale(p: &crate::core::audit::Point) -> bool {
+    p.event_type != EventKind::PolicyRecorded
 }
 
 /// The top of the timeline's y-axis: the largest context and the largest
@@ -393,7 +394,7 @@ mod tests {
     use super::*;
     use crate::core::audit::{Point, Totals};
 
-    fn point(index: usize, event_type: &'static str, context: u64, budget: u64) -> Point {
+    fn point(index: usize, event_type: EventKind, context: u64, budget: u64) -> Point {
         Point {
             index,
             position: index as u64 + 1,
@@ -424,14 +425,14 @@ mod tests {
         // Policy events folded under the reader's default window (128k)
         // before the log's own policy (32k) applied.
         let a = audit(vec![
-            point(0, "policy_recorded", 0, 128_000),
-            point(1, "policy_recorded", 0, 128_000),
-            point(2, "turn_appended", 900, 32_000),
-            point(3, "turn_appended", 25_000, 32_000),
+            point(0, EventKind::PolicyRecorded, 0, 128_000),
+            point(1, EventKind::PolicyRecorded, 0, 128_000),
+            point(2, EventKind::TurnAppended, 900, 32_000),
+            point(3, EventKind::TurnAppended, 25_000, 32_000),
         ]);
         assert_eq!(chart_top(&a), 34_560);
         // Context over the budget raises the top with it.
-        let a = audit(vec![point(0, "turn_appended", 40_000, 32_000)]);
+        let a = audit(vec![point(0, EventKind::TurnAppended, 40_000, 32_000)]);
         assert_eq!(chart_top(&a), 43_200);
         assert_eq!(chart_top(&audit(Vec::new())), 2);
     }

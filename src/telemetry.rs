@@ -1387,7 +1387,7 @@ pub struct ReplyRefused<'a> {
     /// parser; empty for `admin`).
     pub conversation_id: &'a str,
     /// A bounded, escaped start of the reply subject
-    /// ([`crate::nats::replies::log_excerpt`]).
+    /// ([`log_excerpt`]).
     pub reply: &'a str,
 }
 
@@ -1596,9 +1596,31 @@ impl GatewayStoreFailed<'_> {
     }
 }
 
+/// At most `max` characters of `subject`, escaped, for a log line: a
+/// requester chose these bytes.
+pub fn log_excerpt(subject: &str, max: usize) -> String {
+    let mut out: String = subject
+        .chars()
+        .take(max)
+        .flat_map(char::escape_debug)
+        .collect();
+    if subject.chars().count() > max {
+        out.push('…');
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn log_excerpts_are_bounded_and_escaped() {
+        assert_eq!(log_excerpt("$KV.a", 64), "$KV.a");
+        let long = "x".repeat(10_000);
+        assert_eq!(log_excerpt(&long, 8), "xxxxxxxx…");
+        assert_eq!(log_excerpt("a\nb\u{1b}", 64), "a\\nb\\u{1b}");
+    }
 
     #[test]
     fn names_are_unique_prefixed_and_carry_their_unit() {

@@ -25,6 +25,7 @@
 
 mod support;
 
+use contextfold::core::event::EventKind;
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -271,6 +272,30 @@ fn clicking_an_event_shows_what_assemble_at_that_event_gives() {
         assert_eq!(role, m["role"].as_str().unwrap(), "role of message {i}");
         assert_eq!(content, &content_text(m), "content of message {i}");
     }
+    // The event's label in the context's title is the server's, from the
+    // one table of event types (the page keeps none of its own).
+    let page_audit = get_json(&format!("{}api/audit?c={}", ui.url, fragment(&conv)));
+    let point = page_audit["audit"]["points"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["event_id"] == event.as_str())
+        .expect("the event's point");
+    let kind: EventKind = point["type"].as_str().unwrap().parse().unwrap();
+    assert_eq!(point["label"], kind.label());
+    let title = regex::Regex::new(r#"id="context-title"[^>]*>([^<]*)<"#).unwrap();
+    let title = title
+        .captures(&dom)
+        .map(|c| unescape(&c[1]))
+        .unwrap_or_default();
+    assert!(
+        title.starts_with(&format!(
+            "What the model saw after #{} {} ",
+            point["index"],
+            kind.label()
+        )),
+        "{title}"
+    );
     let tokens = regex::Regex::new(r#"id="context"[^>]*data-tokens="(\d+)""#).unwrap();
     let shown_tokens = tokens
         .captures(&dom)

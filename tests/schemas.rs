@@ -552,7 +552,7 @@ fn json_of(e: &Envelope) -> Value {
 #[test]
 fn samples_cover_every_type() {
     let covered: BTreeSet<&str> = samples().iter().map(|e| e.type_name()).collect();
-    let all: BTreeSet<&str> = EventBody::TYPE_NAMES.into_iter().collect();
+    let all: BTreeSet<&str> = EventBody::TYPE_NAMES.iter().copied().collect();
     assert_eq!(covered, all);
 }
 
@@ -666,7 +666,7 @@ fn turn_examples_show_every_message_shape() {
 fn every_type_has_a_schema_file_and_every_file_a_type() {
     let schemas = Schemas::load();
     let files: BTreeSet<&str> = schemas.type_schemas().collect();
-    let types: BTreeSet<&str> = EventBody::TYPE_NAMES.into_iter().collect();
+    let types: BTreeSet<&str> = EventBody::TYPE_NAMES.iter().copied().collect();
     assert_eq!(files, types, "schemas/ against EventBody::TYPE_NAMES");
     for shared in SHARED_SCHEMAS {
         assert!(schemas.docs.contains_key(shared), "no {shared}.schema.json");
@@ -685,7 +685,7 @@ fn every_type_has_a_schema_file_and_every_file_a_type() {
         .iter()
         .filter_map(Value::as_str)
         .collect();
-    assert_eq!(listed, EventBody::TYPE_NAMES.into_iter().collect());
+    assert_eq!(listed, EventBody::TYPE_NAMES.iter().copied().collect());
 }
 
 // ------------------------------------------------------------------ negative cases

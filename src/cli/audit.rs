@@ -7,7 +7,7 @@
 //! stream instead of the embedded log.
 
 use super::local;
-use super::serve::NatsArgs;
+use super::nats_args::NatsArgs;
 use anyhow::{Context, Result};
 use contextfold::api::describe::NodeRef;
 use contextfold::api::Op;

@@ -5,7 +5,7 @@
 //! is 1 when any check fails.
 
 use super::local::runtime;
-use super::serve::NatsArgs;
+use super::nats_args::NatsArgs;
 use anyhow::Result;
 use async_nats::jetstream::{self, stream};
 use contextfold::api::status::{GlobalStatus, HealthCode};

@@ -1,7 +1,7 @@
 //! `contextfold gateway`: the LLM gateway (src/gateway/, docs/gateway.md)
 //! until SIGTERM or Ctrl-C.
 
-use super::serve::NatsArgs;
+use super::nats_args::NatsArgs;
 use anyhow::{Context, Result};
 use contextfold::config::{Config, GatewayMode};
 use std::process::ExitCode;

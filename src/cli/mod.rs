@@ -7,6 +7,7 @@ mod doctor;
 mod eval;
 mod gateway;
 mod local;
+mod nats_args;
 mod publish;
 mod query;
 mod recall;
@@ -111,7 +112,7 @@ pub enum Command {
         #[arg(long)]
         json: bool,
         #[command(flatten)]
-        nats: serve::NatsArgs,
+        nats: nats_args::NatsArgs,
     },
     /// Rebuild the state from the log into a fresh store and check the
     /// hashes agree with the current one. Deletes nothing.
@@ -160,7 +161,7 @@ pub enum Command {
     Status {
         conversation: Option<String>,
         #[command(flatten)]
-        nats: serve::NatsArgs,
+        nats: nats_args::NatsArgs,
     },
     /// Search a conversation's raw turns and summaries (JSON).
     Grep {
@@ -178,14 +179,14 @@ pub enum Command {
         #[arg(long, default_value = "all", value_parser = query::parse_scope)]
         scope: contextfold::api::grep::GrepScope,
         #[command(flatten)]
-        nats: serve::NatsArgs,
+        nats: nats_args::NatsArgs,
     },
     /// A summary, or a turn by event id or turn number, in full (JSON).
     Describe {
         conversation: String,
         id: String,
         #[command(flatten)]
-        nats: serve::NatsArgs,
+        nats: nats_args::NatsArgs,
     },
     /// The child summaries or raw turns under a summary, within a token cap (JSON).
     Expand {
@@ -198,7 +199,7 @@ pub enum Command {
         #[arg(long, default_value_t = 0)]
         skip: usize,
         #[command(flatten)]
-        nats: serve::NatsArgs,
+        nats: nats_args::NatsArgs,
     },
     /// Ask for a compaction now (JSON): records a manual debt that the next
     /// sweep pays, with optional instructions for the summaries.
@@ -218,7 +219,7 @@ pub enum Command {
         #[arg(long)]
         request_id: Option<String>,
         #[command(flatten)]
-        nats: serve::NatsArgs,
+        nats: nats_args::NatsArgs,
     },
     /// The compaction decisions of a conversation, in order (JSON).
     History {
@@ -230,7 +231,7 @@ pub enum Command {
         #[arg(long)]
         since: Option<u64>,
         #[command(flatten)]
-        nats: serve::NatsArgs,
+        nats: nats_args::NatsArgs,
     },
     /// Answer a question about a conversation's history with a model that
     /// reads the most relevant turns and summaries under a token cap and a
@@ -252,7 +253,7 @@ pub enum Command {
         /// Ask a running `contextfold serve` over NATS (its model answers,
         /// its events stream records the spend) instead of the embedded store.
         #[command(flatten)]
-        nats: serve::NatsArgs,
+        nats: nats_args::NatsArgs,
     },
     /// Every compaction decision of a conversation in log order, with its
     /// reason, context tokens before and after, summaries, model, calls,
@@ -265,7 +266,7 @@ pub enum Command {
         #[arg(long)]
         json: bool,
         #[command(flatten)]
-        nats: serve::NatsArgs,
+        nats: nats_args::NatsArgs,
     },
     /// Draw a conversation as SVG: context tokens at every event (with the
     /// threshold, target and budget lines, compactions and overflows)
@@ -276,7 +277,7 @@ pub enum Command {
         #[arg(long)]
         out: PathBuf,
         #[command(flatten)]
-        nats: serve::NatsArgs,
+        nats: nats_args::NatsArgs,
     },
     /// The audit page over the embedded store: conversations, timeline
     /// chart, what the model saw at each event, the summary DAG.
@@ -290,13 +291,13 @@ pub enum Command {
         port: u16,
         /// A NATS deployment instead of the embedded store.
         #[command(flatten)]
-        nats: serve::NatsArgs,
+        nats: nats_args::NatsArgs,
     },
     /// Run contextfold over NATS JetStream: fold published turns, run
     /// compaction jobs, answer requests; until SIGTERM or Ctrl-C.
     Serve {
         #[command(flatten)]
-        nats: serve::NatsArgs,
+        nats: nats_args::NatsArgs,
         /// Roles of this process: folder, summarizer, api, gateway
         /// (comma-separated) or all (every one but the gateway, which
         /// needs `[gateway] upstream`).
@@ -324,7 +325,7 @@ pub enum Command {
     /// Reads only.
     Doctor {
         #[command(flatten)]
-        nats: serve::NatsArgs,
+        nats: nats_args::NatsArgs,
         /// Print one JSON object instead of lines.
         #[arg(long)]
         json: bool,
@@ -337,7 +338,7 @@ pub enum Command {
     /// Publish inbound events to NATS as an agent would (Nats-Msg-Id scoped to the conversation, keyed by the credentials given).
     Publish {
         #[command(flatten)]
-        nats: serve::NatsArgs,
+        nats: nats_args::NatsArgs,
         /// Events as JSONL (what `import` writes), or any transcript `import`
         /// reads; `-` or none for stdin.
         file: Option<PathBuf>,
@@ -596,6 +597,6 @@ pub fn run(cli: Cli) -> Result<ExitCode> {
     }
 }
 
-fn ask(config: &Config, nats: &serve::NatsArgs, query: Query) -> Result<ExitCode> {
+fn ask(config: &Config, nats: &nats_args::NatsArgs, query: Query) -> Result<ExitCode> {
     query::run(config, nats, query, Output::Json)
 }

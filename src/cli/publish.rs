@@ -19,7 +19,8 @@
 //! check. A refusal that passes no retry (larger than the server or stream
 //! takes) fails at once.
 
-use super::serve::{runtime, NatsArgs};
+use super::nats_args::NatsArgs;
+use super::serve::runtime;
 use anyhow::{bail, Context, Result};
 use async_nats::jetstream::context::{PublishError, PublishErrorKind};
 use async_nats::jetstream::publish::PublishAck;

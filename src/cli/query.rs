@@ -6,8 +6,8 @@
 //! client gets (pretty), and an API error is the command's error.
 
 use super::local::{answer_from, open_pipeline, read_engine, require_data, runtime};
+use super::nats_args::NatsArgs;
 use super::report;
-use super::serve::NatsArgs;
 use anyhow::{bail, Context, Result};
 use contextfold::api::grep::GrepScope;
 use contextfold::api::{

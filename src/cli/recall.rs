@@ -9,8 +9,8 @@
 //! its events stream records the spend).
 
 use super::local::{open_pipeline, require_data, runtime};
+use super::nats_args::NatsArgs;
 use super::query::{api_error, ask_over_nats, print_answer, Query};
-use super::serve::NatsArgs;
 use anyhow::{Context, Result};
 use contextfold::api::decode_reply;
 use contextfold::api::recall::{self, RecallRequest, RecallResponse};

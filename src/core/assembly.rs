@@ -7,7 +7,7 @@ use crate::core::event::Covers;
 use crate::core::mask;
 use crate::core::message::{ChatMessage, Content, Role};
 use crate::core::policy::{self, PlanView, PolicyConfig};
-use crate::core::relevance;
+use crate::core::relevance::{self, Group};
 use crate::core::state::{BodyError, ContextItem, Conversation, Resident, TurnBodies, TurnBody};
 use crate::core::tokens;
 use serde::{Deserialize, Serialize};
@@ -278,7 +278,9 @@ pub fn assemble_from(
     // eviction, the most relevant older units that fit are kept instead).
     let prompt = req.prompt.as_deref().filter(|p| !p.trim().is_empty());
     let aware = req.prompt_aware_eviction && prompt.is_some();
-    let mut units: Vec<Unit> = Vec::new();
+    // The tool groups ("units") looked at, newest first, and their slots.
+    let mut units: Vec<Group> = Vec::new();
+    let mut unit_slots: Vec<Vec<Slot>> = Vec::new();
     let mut keep: Vec<bool> = Vec::new();
     let mut used = prompt_tokens;
     let mut fresh_tail_tokens = 0;
@@ -325,13 +327,13 @@ pub fn assemble_from(
         if fits {
             used += t;
         }
-        units.push(Unit {
+        units.push(Group {
             start,
             end,
             tokens: t,
             fresh,
-            slots,
         });
+        unit_slots.push(slots);
         keep.push(fits);
         end = start;
     }
@@ -369,16 +371,16 @@ pub fn assemble_from(
         .collect();
     let mut older: Vec<Slot> = Vec::new();
     let mut fresh_slots: Vec<Slot> = Vec::new();
-    for (unit, kept) in units.into_iter().zip(keep).rev() {
+    for ((unit, slots), kept) in units.into_iter().zip(unit_slots).zip(keep).rev() {
         if !kept {
             left_out.extend((unit.start..unit.end).map(|i| LeftOut {
                 source: source_of(conv, conv.context[i]),
                 tokens: conv.item(i).tokens(),
             }));
         } else if unit.fresh {
-            fresh_slots.extend(unit.slots);
+            fresh_slots.extend(slots);
         } else {
-            older.extend(unit.slots);
+            older.extend(slots);
         }
     }
     // A fresh tail over the whole budget (a tool group of many results)
@@ -787,17 +789,6 @@ fn unmask(older: &mut [Slot], room: &mut u64) {
             }
         }
     }
-}
-
-/// A tool group of the context: items `[start, end)`, sent or left out
-/// whole (no tool result without its call).
-pub(crate) struct Unit {
-    pub start: usize,
-    pub end: usize,
-    /// Its items' compact cost, with the stubs for results never recorded.
-    pub tokens: u64,
-    pub fresh: bool,
-    slots: Vec<Slot>,
 }
 
 /// Tokens of the stub result for `call_id`: exactly what `count_message`

@@ -11,7 +11,7 @@
 //! events are the record.
 
 use crate::core::event::{
-    Covers, DebtReason, Envelope, EventBody, RecallOutcome, SummaryKind, SweepStop,
+    Covers, DebtReason, Envelope, EventBody, EventKind, RecallOutcome, SummaryKind, SweepStop,
 };
 use crate::core::overflow;
 use crate::core::policy::{self, PolicyConfig};
@@ -110,7 +110,7 @@ pub struct Point {
     pub position: u64,
     pub event_id: String,
     #[serde(rename = "type")]
-    pub event_type: &'static str,
+    pub event_type: EventKind,
     pub time: u64,
     pub context_tokens: u64,
     pub budget: u64,
@@ -432,7 +432,7 @@ pub fn build(conversation: &str, steps: &[Step], policy: AuditPolicy) -> Audit {
             index,
             position: step.position,
             event_id: step.event.id.clone(),
-            event_type: step.event.type_name(),
+            event_type: step.event.body.kind(),
             time: step.event.time,
             context_tokens: s.context_tokens,
             budget: s.budget,

@@ -45,8 +45,28 @@ fn default_version() -> u16 {
 }
 
 /// The event's type (`type`) and its `payload`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+///
+/// Its variants are the event types; [`EventKind`] (derived from them)
+/// names each and says who may write it and how the audit labels it. The
+/// order of the variants is the order of [`EventKind::ALL`], which the
+/// golden file of canonical events (`tests/golden/events.jsonl`) follows;
+/// on the wire a type is its name, never its position.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, strum::EnumDiscriminants)]
 #[serde(tag = "type", content = "payload", rename_all = "snake_case")]
+#[strum_discriminants(
+    name(EventKind),
+    vis(pub),
+    derive(
+        Hash,
+        Serialize,
+        strum::IntoStaticStr,
+        strum::EnumString,
+        strum::VariantArray,
+        strum::VariantNames
+    ),
+    strum(serialize_all = "snake_case"),
+    serde(rename_all = "snake_case")
+)]
 pub enum EventBody {
     // ---- from agents ----
     TurnAppended(TurnAppended),
@@ -66,89 +86,156 @@ pub enum EventBody {
     SummaryRecorded(SummaryRecorded),
     SweepEnded(SweepEnded),
     RollingStateUpdated(RollingStateUpdated),
+    // ---- of the partition, not of a conversation ----
+    PolicyRecorded(PolicyRecorded),
     // ---- of the API's model calls ----
     RecallAnswered(RecallAnswered),
     // ---- of the partition, not of a conversation ----
-    PolicyRecorded(PolicyRecorded),
     ClockTicked(ClockTicked),
 }
 
-impl EventBody {
-    /// The wire name of this event type (`turn_appended`, ...).
-    pub fn type_name(&self) -> &'static str {
+/// Who may write an event type ([`Origin::may_write`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Writer {
+    /// Agents (and the service, which may write anything).
+    Agent,
+    /// Only contextfold itself.
+    Service,
+}
+
+impl Writer {
+    pub fn as_str(self) -> &'static str {
         match self {
-            EventBody::TurnAppended(_) => "turn_appended",
-            EventBody::ProviderErrorObserved(_) => "provider_error_observed",
-            EventBody::CompactionRequested(_) => "compaction_requested",
-            EventBody::ModelDeclared(_) => "model_declared",
-            EventBody::ConversationReset(_) => "conversation_reset",
-            EventBody::DebtRecorded(_) => "debt_recorded",
-            EventBody::DebtUpdated(_) => "debt_updated",
-            EventBody::DebtCleared(_) => "debt_cleared",
-            EventBody::JobIssued(_) => "job_issued",
-            EventBody::SummaryRejected(_) => "summary_rejected",
-            EventBody::EventRejected(_) => "event_rejected",
-            EventBody::MemoryFlushRequested(_) => "memory_flush_requested",
-            EventBody::SummaryRecorded(_) => "summary_recorded",
-            EventBody::SweepEnded(_) => "sweep_ended",
-            EventBody::RollingStateUpdated(_) => "rolling_state_updated",
-            EventBody::RecallAnswered(_) => "recall_answered",
-            EventBody::PolicyRecorded(_) => "policy_recorded",
-            EventBody::ClockTicked(_) => "clock_ticked",
+            Writer::Agent => "agent",
+            Writer::Service => "service",
+        }
+    }
+}
+
+/// What an event type is for, beside its name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Family {
+    /// An agent's input: the only events that can make new compaction work.
+    Input,
+    /// A decision of the fold: derived by the fold itself, so seeing one
+    /// again in the log must never change state.
+    Decision,
+    /// The result of work the service was asked for: summaries, rolling
+    /// state, sweep ends, recalls.
+    Result,
+    /// Of the partition, not of a conversation: policies and clock ticks.
+    Partition,
+}
+
+impl EventKind {
+    /// Every event type, in declaration order.
+    pub const ALL: &'static [EventKind] = <EventKind as strum::VariantArray>::VARIANTS;
+
+    /// Every event type's wire name, in the order of [`EventKind::ALL`].
+    pub const NAMES: &'static [&'static str] = <EventKind as strum::VariantNames>::VARIANTS;
+
+    /// The one table of what an event type is beside its wire name (which
+    /// is its variant's name in snake case, for serde and strum alike):
+    /// its family (whence who may write it) and its label in the audit
+    /// page. A new type does not compile until it has its row.
+    const fn row(self) -> (Family, &'static str) {
+        use EventKind as K;
+        use Family::*;
+        match self {
+            K::TurnAppended => (Input, "turn"),
+            K::ProviderErrorObserved => (Input, "provider error"),
+            K::CompactionRequested => (Input, "compaction requested"),
+            K::ModelDeclared => (Input, "model declared"),
+            K::ConversationReset => (Input, "conversation reset"),
+            K::DebtRecorded => (Decision, "debt recorded"),
+            K::DebtUpdated => (Decision, "debt updated"),
+            K::DebtCleared => (Decision, "debt cleared"),
+            K::JobIssued => (Decision, "job issued"),
+            K::SummaryRejected => (Decision, "summary rejected"),
+            K::EventRejected => (Decision, "event rejected"),
+            K::MemoryFlushRequested => (Decision, "memory flush requested"),
+            K::SummaryRecorded => (Result, "summary"),
+            K::SweepEnded => (Result, "sweep ended"),
+            K::RollingStateUpdated => (Result, "rolling state updated"),
+            K::PolicyRecorded => (Partition, "policy recorded"),
+            K::RecallAnswered => (Result, "recall answered"),
+            K::ClockTicked => (Partition, "clock ticked"),
         }
     }
 
+    /// The wire name (`turn_appended`, ...).
+    pub fn name(self) -> &'static str {
+        self.into()
+    }
+
+    pub const fn family(self) -> Family {
+        self.row().0
+    }
+
+    /// How the audit page labels an event of this type.
+    pub const fn label(self) -> &'static str {
+        self.row().1
+    }
+
+    /// Agents may write only their inputs; everything else (decisions,
+    /// summaries, rolling state, sweep ends, policies) is the service's,
+    /// the results of work already asked for, and the fold refuses it when
+    /// the log says an agent published it.
+    pub const fn writer(self) -> Writer {
+        match self.family() {
+            Family::Input => Writer::Agent,
+            Family::Decision | Family::Result | Family::Partition => Writer::Service,
+        }
+    }
+
+    /// The wire names of the types agents may write, as a sentence
+    /// (`turn_appended, ... and conversation_reset`).
+    pub fn agent_types_listed() -> String {
+        let names: Vec<&str> = EventKind::ALL
+            .iter()
+            .filter(|k| k.writer() == Writer::Agent)
+            .map(|k| k.name())
+            .collect();
+        match names.split_last() {
+            Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
+            Some((last, _)) => last.to_string(),
+            None => String::new(),
+        }
+    }
+}
+
+impl fmt::Display for EventKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl EventBody {
+    /// This event's type.
+    pub fn kind(&self) -> EventKind {
+        EventKind::from(self)
+    }
+
+    /// The wire name of this event type (`turn_appended`, ...).
+    pub fn type_name(&self) -> &'static str {
+        self.kind().name()
+    }
+
     /// Every event type's wire name, for schemas and docs.
-    pub const TYPE_NAMES: [&'static str; 18] = [
-        "turn_appended",
-        "provider_error_observed",
-        "compaction_requested",
-        "model_declared",
-        "conversation_reset",
-        "debt_recorded",
-        "debt_updated",
-        "debt_cleared",
-        "job_issued",
-        "summary_rejected",
-        "event_rejected",
-        "memory_flush_requested",
-        "summary_recorded",
-        "sweep_ended",
-        "rolling_state_updated",
-        "policy_recorded",
-        "recall_answered",
-        "clock_ticked",
-    ];
+    pub const TYPE_NAMES: &'static [&'static str] = EventKind::NAMES;
 
     /// The types an agent may write, and the only ones that can make new
-    /// compaction work: everything else (decisions, summaries, rolling
-    /// state, sweep ends) is the service's, the results of work already
-    /// asked for, and the fold refuses it when the log says an agent
-    /// published it.
+    /// compaction work ([`EventKind::writer`]).
     pub fn is_agent_event(&self) -> bool {
-        matches!(
-            self,
-            EventBody::TurnAppended(_)
-                | EventBody::ProviderErrorObserved(_)
-                | EventBody::CompactionRequested(_)
-                | EventBody::ModelDeclared(_)
-                | EventBody::ConversationReset(_)
-        )
+        self.kind().writer() == Writer::Agent
     }
 
     /// Decisions are derived by the fold itself; seeing one again in the log
     /// must never change state.
     pub fn is_decision(&self) -> bool {
-        matches!(
-            self,
-            EventBody::DebtRecorded(_)
-                | EventBody::DebtUpdated(_)
-                | EventBody::DebtCleared(_)
-                | EventBody::JobIssued(_)
-                | EventBody::SummaryRejected(_)
-                | EventBody::EventRejected(_)
-                | EventBody::MemoryFlushRequested(_)
-        )
+        self.kind().family() == Family::Decision
     }
 }
 
@@ -176,7 +263,7 @@ impl Origin {
     /// Whether this origin may write events of `body`'s type.
     pub fn may_write(self, body: &EventBody) -> bool {
         match self {
-            Origin::Agent => body.is_agent_event(),
+            Origin::Agent => body.kind().writer() == Writer::Agent,
             Origin::Service | Origin::Legacy => true,
         }
     }
@@ -528,7 +615,7 @@ pub struct PolicyRecorded {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub recorded_by: Option<String>,
     /// Boxed: the other event types are far smaller.
-    pub policy: Box<crate::core::policy::PolicyConfig>,
+    pub policy: Box<crate::core::policy_config::PolicyConfig>,
 }
 
 /// Time passed in a quiet partition: the service records one when a
@@ -811,26 +898,29 @@ mod direct {
 
     /// The body of a known type, read from the map's next value.
     fn payload<'de, A: MapAccess<'de>>(map: &mut A, kind: &str) -> Result<EventBody, A::Error> {
+        let Ok(kind) = kind.parse::<EventKind>() else {
+            return Err(de::Error::custom(format!("unknown type {kind:?}")));
+        };
+        use EventKind as K;
         Ok(match kind {
-            "turn_appended" => EventBody::TurnAppended(map.next_value()?),
-            "provider_error_observed" => EventBody::ProviderErrorObserved(map.next_value()?),
-            "compaction_requested" => EventBody::CompactionRequested(map.next_value()?),
-            "model_declared" => EventBody::ModelDeclared(map.next_value()?),
-            "conversation_reset" => EventBody::ConversationReset(map.next_value()?),
-            "debt_recorded" => EventBody::DebtRecorded(map.next_value()?),
-            "debt_updated" => EventBody::DebtUpdated(map.next_value()?),
-            "debt_cleared" => EventBody::DebtCleared(map.next_value()?),
-            "job_issued" => EventBody::JobIssued(map.next_value()?),
-            "summary_rejected" => EventBody::SummaryRejected(map.next_value()?),
-            "event_rejected" => EventBody::EventRejected(map.next_value()?),
-            "memory_flush_requested" => EventBody::MemoryFlushRequested(map.next_value()?),
-            "summary_recorded" => EventBody::SummaryRecorded(map.next_value()?),
-            "sweep_ended" => EventBody::SweepEnded(map.next_value()?),
-            "rolling_state_updated" => EventBody::RollingStateUpdated(map.next_value()?),
-            "recall_answered" => EventBody::RecallAnswered(map.next_value()?),
-            "policy_recorded" => EventBody::PolicyRecorded(map.next_value()?),
-            "clock_ticked" => EventBody::ClockTicked(map.next_value()?),
-            other => return Err(de::Error::custom(format!("unknown type {other:?}"))),
+            K::TurnAppended => EventBody::TurnAppended(map.next_value()?),
+            K::ProviderErrorObserved => EventBody::ProviderErrorObserved(map.next_value()?),
+            K::CompactionRequested => EventBody::CompactionRequested(map.next_value()?),
+            K::ModelDeclared => EventBody::ModelDeclared(map.next_value()?),
+            K::ConversationReset => EventBody::ConversationReset(map.next_value()?),
+            K::DebtRecorded => EventBody::DebtRecorded(map.next_value()?),
+            K::DebtUpdated => EventBody::DebtUpdated(map.next_value()?),
+            K::DebtCleared => EventBody::DebtCleared(map.next_value()?),
+            K::JobIssued => EventBody::JobIssued(map.next_value()?),
+            K::SummaryRejected => EventBody::SummaryRejected(map.next_value()?),
+            K::EventRejected => EventBody::EventRejected(map.next_value()?),
+            K::MemoryFlushRequested => EventBody::MemoryFlushRequested(map.next_value()?),
+            K::SummaryRecorded => EventBody::SummaryRecorded(map.next_value()?),
+            K::SweepEnded => EventBody::SweepEnded(map.next_value()?),
+            K::RollingStateUpdated => EventBody::RollingStateUpdated(map.next_value()?),
+            K::RecallAnswered => EventBody::RecallAnswered(map.next_value()?),
+            K::PolicyRecorded => EventBody::PolicyRecorded(map.next_value()?),
+            K::ClockTicked => EventBody::ClockTicked(map.next_value()?),
         })
     }
 
@@ -1116,6 +1206,76 @@ mod tests {
             .unwrap()
             .join();
         assert!(run.is_ok(), "decoding panicked");
+    }
+
+    #[test]
+    fn every_kind_is_named_as_serde_names_it() {
+        assert_eq!(EventKind::ALL.len(), EventKind::NAMES.len());
+        for (&kind, &name) in EventKind::ALL.iter().zip(EventKind::NAMES) {
+            assert_eq!(kind.name(), name);
+            assert_eq!(name.parse::<EventKind>(), Ok(kind));
+            assert_eq!(serde_json::to_value(kind).unwrap(), name);
+            // The derived decoder knows the name: a payload no type accepts
+            // fails on the payload, not on the type.
+            let json = format!(r#"{{"id":"a","conversation":"c","type":"{name}","payload":true}}"#);
+            let err = derived(json.as_bytes(), Encoding::Json).unwrap_err();
+            assert!(!err.contains("unknown variant"), "{name}: {err}");
+        }
+    }
+
+    #[test]
+    fn agents_may_write_exactly_their_inputs() {
+        let agents: Vec<&str> = EventKind::ALL
+            .iter()
+            .filter(|k| k.writer() == Writer::Agent)
+            .map(|k| k.name())
+            .collect();
+        assert_eq!(
+            agents,
+            [
+                "turn_appended",
+                "provider_error_observed",
+                "compaction_requested",
+                "model_declared",
+                "conversation_reset"
+            ]
+        );
+        assert_eq!(
+            EventKind::agent_types_listed(),
+            "turn_appended, provider_error_observed, compaction_requested, model_declared and \
+             conversation_reset"
+        );
+        for &kind in EventKind::ALL {
+            assert_eq!(
+                kind.family() == Family::Input,
+                kind.writer() == Writer::Agent,
+                "{kind}"
+            );
+            assert!(!kind.label().is_empty(), "{kind}");
+        }
+    }
+
+    /// docs/subjects.md's "who may write it" table lists every type once,
+    /// as the code's table says.
+    #[test]
+    fn the_docs_table_of_writers_is_the_codes() {
+        let doc = include_str!("../../docs/subjects.md");
+        let mut rows = doc
+            .lines()
+            .skip_while(|l| !l.starts_with("| event `type` | who may write it |"))
+            .skip(2)
+            .take_while(|l| l.starts_with('|'));
+        let mut listed = Vec::new();
+        for row in rows.by_ref() {
+            let cells: Vec<&str> = row.trim_matches('|').split('|').map(str::trim).collect();
+            assert_eq!(cells.len(), 2, "{row}");
+            listed.push((cells[0].trim_matches('`').to_string(), cells[1].to_string()));
+        }
+        let want: Vec<(String, String)> = EventKind::ALL
+            .iter()
+            .map(|k| (k.name().to_string(), k.writer().as_str().to_string()))
+            .collect();
+        assert_eq!(listed, want, "docs/subjects.md against EventKind");
     }
 
     #[test]

@@ -33,7 +33,7 @@
 //!
 //! Pure: no clock, no I/O. Replaying a record always gives the same answer.
 
-use crate::core::event::{DecodeError, Encoding, Envelope, EventBody, Origin};
+use crate::core::event::{DecodeError, Encoding, Envelope, EventBody, EventKind, Origin};
 use std::fmt;
 
 /// The documented bounds on producer input (docs/subjects.md, "Limits").
@@ -103,9 +103,8 @@ pub enum Refusal {
     )]
     WrongConversation { named: String, addressed: String },
     #[error(
-        "{event_type} events are written only by contextfold itself; agents may publish \
-         turn_appended, provider_error_observed, compaction_requested, model_declared and \
-         conversation_reset"
+        "{event_type} events are written only by contextfold itself; agents may publish {}",
+        EventKind::agent_types_listed()
     )]
     NotAnAgentEvent { event_type: &'static str },
     #[error("event {field} of {bytes} bytes is longer than the {limit}-byte limit")]

@@ -14,6 +14,7 @@ pub mod mask;
 pub mod message;
 pub mod overflow;
 pub mod policy;
+pub mod policy_config;
 pub mod probes;
 pub mod recall;
 pub mod relevance;

@@ -15,9 +15,19 @@
 //! only one unit names decides. It costs a read of every older unit's
 //! bodies, which is why it is asked for, not always on.
 
-use crate::core::assembly::Unit;
 use crate::core::identifiers;
 use crate::core::state::{BodyError, ContextItem, Conversation, TurnBodies};
+
+/// A tool group of the context as assembly lists them: items `[start,
+/// end)`, sent or left out whole (no tool result without its call).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Group {
+    pub start: usize,
+    pub end: usize,
+    /// Its items' compact cost, with the stubs for results never recorded.
+    pub tokens: u64,
+    pub fresh: bool,
+}
 
 /// What prompt-aware eviction keeps.
 #[derive(Debug, Clone, PartialEq)]
@@ -127,7 +137,7 @@ pub(crate) fn choose(
     conv: &Conversation,
     bodies: &dyn TurnBodies,
     prompt: &str,
-    units: &[Unit],
+    units: &[Group],
     budget: u64,
     used: u64,
 ) -> Result<Option<Choice>, BodyError> {

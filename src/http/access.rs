@@ -29,7 +29,7 @@
 //! Each refusal is counted (`contextfold_http_requests_refused_total`, by
 //! reason) and logged at DEBUG with the path asked.
 
-use crate::config::HttpConfig;
+use crate::http::HttpConfig;
 use crate::secret::Secret;
 use crate::telemetry::{HttpRefusal, HttpRequestRefused};
 use axum::extract::{Request, State};
@@ -233,7 +233,7 @@ fn host_and_port(authority: &str) -> (String, bool) {
 fn refuse(reason: HttpRefusal, path: &str, status: StatusCode, message: &str) -> Response {
     HttpRequestRefused {
         reason,
-        path: &crate::nats::replies::log_excerpt(path, 128),
+        path: &crate::telemetry::log_excerpt(path, 128),
     }
     .emit();
     let body = serde_json::json!({ "error": message }).to_string();

@@ -7,7 +7,7 @@
 //! |---|---|
 //! | `GET /` | the page; `#c=CONV&event=ID` selects a conversation and clicks an event (`&summary=ID`: and a summary of the DAG); `#q=TEXT&sort=S&page=N` searches, sorts and turns the list's pages |
 //! | `GET /api/conversations?q=&sort=key\|health\|recent&offset=N&limit=N` | one page of the conversation list ([`list`]: searched, naturally sorted, paged, with the count of all) |
-//! | `GET /api/audit?c=CONV` | the audit ([`crate::core::audit::Audit`], each entry with its `sentence`, as `contextfold audit` prints it), the summary DAG, and the chart's scale (`chart_top`) |
+//! | `GET /api/audit?c=CONV` | the audit ([`crate::core::audit::Audit`], each entry with its `sentence`, as `contextfold audit` prints it, each chart point with its type's `label` ([`crate::core::event::EventKind::label`]) and whether it `sets_scale`), the summary DAG, and the chart's scale (`chart_top`) |
 //! | `GET /api/context?c=CONV&at=ID` | what the model saw after event ID: `assemble --at ID --json` |
 //! | `GET /api/describe?c=CONV&id=ID` | a summary, or a turn by event id or number (`describe`) |
 //! | `GET /api/expand?c=CONV&id=SUMMARY&skip=N` | the children or raw turns under a summary (`expand`) |
@@ -217,10 +217,24 @@ async fn conversations(
     .await
 }
 
-/// The audit as the page reads it: every entry with its sentence, the DAG,
-/// and the top of the chart's y-axis ([`crate::plot::chart_top`]).
+/// The audit as the page reads it: every entry with its sentence, every
+/// point with its type's label and whether its levels set the chart's
+/// scale, the DAG, and the top of the chart's y-axis
+/// ([`crate::plot::chart_top`]). The page keeps no table of event types
+/// of its own.
 pub fn audit_json(a: &Audited) -> Result<serde_json::Value, PageError> {
     let mut audit = serde_json::to_value(&a.audit).map_err(failed)?;
+    if let Some(points) = audit
+        .get_mut("points")
+        .and_then(serde_json::Value::as_array_mut)
+    {
+        for (json, point) in points.iter_mut().zip(&a.audit.points) {
+            if let Some(obj) = json.as_object_mut() {
+                obj.insert("label".into(), point.event_type.label().into());
+                obj.insert("sets_scale".into(), crate::plot::sets_scale(point).into());
+            }
+        }
+    }
     if let Some(entries) = audit
         .get_mut("entries")
         .and_then(serde_json::Value::as_array_mut)

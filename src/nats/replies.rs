@@ -249,20 +249,6 @@ fn check_prefix(prefix: &str, service_prefix: &str) -> Result<String, ReplyPrefi
     Ok(p.to_string())
 }
 
-/// At most `max` characters of `subject`, escaped, for a log line: a
-/// requester chose these bytes.
-pub fn log_excerpt(subject: &str, max: usize) -> String {
-    let mut out: String = subject
-        .chars()
-        .take(max)
-        .flat_map(char::escape_debug)
-        .collect();
-    if subject.chars().count() > max {
-        out.push('…');
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -339,13 +325,5 @@ mod tests {
         }
         // A prefix merely sharing letters with the service's is fine.
         assert!(ReplyPolicy::new(["acme_inbox"], "acme.cf").is_ok());
-    }
-
-    #[test]
-    fn log_excerpts_are_bounded_and_escaped() {
-        assert_eq!(log_excerpt("$KV.a", 64), "$KV.a");
-        let long = "x".repeat(10_000);
-        assert_eq!(log_excerpt(&long, 8), "xxxxxxxx…");
-        assert_eq!(log_excerpt("a\nb\u{1b}", 64), "a\\nb\\u{1b}");
     }
 }

@@ -128,7 +128,7 @@ pub struct ServeOptions {
     pub flush_every: u32,
     /// What each partition's engine keeps in memory, and the process's
     /// body cache (shared by its partitions).
-    pub store: crate::config::StoreConfig,
+    pub store: crate::store::StoreConfig,
     /// Stem of the lease member id (`<name>-<pid>-<random>`); defaults to
     /// the connection name, else `contextfold`.
     pub member_name: Option<String>,
@@ -157,7 +157,7 @@ impl ServeOptions {
             data_dir: data_dir.into(),
             policy: PolicyConfig::default(),
             flush_every: 1,
-            store: crate::config::StoreConfig::default(),
+            store: crate::store::StoreConfig::default(),
             member_name: None,
             folder,
             summarizer,
@@ -197,7 +197,7 @@ pub fn redb_engines(
         dir,
         policy,
         flush_every,
-        &crate::config::StoreConfig::default(),
+        &crate::store::StoreConfig::default(),
     )
 }
 
@@ -209,7 +209,7 @@ pub fn redb_engines_with(
     dir: &Path,
     policy: PolicyConfig,
     flush_every: u32,
-    store: &crate::config::StoreConfig,
+    store: &crate::store::StoreConfig,
 ) -> EngineFactory<RedbBackend> {
     let dir = dir.to_path_buf();
     let cache = Arc::new(crate::store::state_store::BodyCache::new(

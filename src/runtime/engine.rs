@@ -114,6 +114,17 @@ impl Default for Residency {
     }
 }
 
+impl crate::store::StoreConfig {
+    /// What the engine keeps in memory (here, beside [`Residency`]: the
+    /// store's configuration is below the runtime).
+    pub fn residency(&self) -> Residency {
+        Residency {
+            conversations: self.resident_conversations,
+            idle: std::time::Duration::from_millis(self.conversation_idle_ms),
+        }
+    }
+}
+
 pub struct Engine<B: KvBackend> {
     /// The partition's counts and its resident conversations (the others
     /// are in the store: [`Engine::ensure_resident`]).

@@ -3,11 +3,14 @@
 //! of it ([`state_store`]): materialized conversations, turn bodies, blobs
 //! and the log position they reflect, committed together.
 
+pub mod config;
 pub mod memory_backend;
 pub mod redb_backend;
 #[cfg(feature = "sled-store")]
 pub mod sled_backend;
 pub mod state_store;
+
+pub use config::{StoreBackend, StoreConfig};
 
 /// The named tables of the state store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -63,12 +63,9 @@ impl FoldContext<'_> {
             .unwrap_or_else(|| "conversation reset".into());
         self.history("conversation_reset", reason);
         if self.conv.debt.take().is_some() {
-            self.decide(
-                "debt_cleared",
-                EventBody::DebtCleared(DebtCleared {
-                    reason: "conversation reset".into(),
-                }),
-            );
+            self.decide(EventBody::DebtCleared(DebtCleared {
+                reason: "conversation reset".into(),
+            }));
         }
         FoldStatus::Applied
     }
@@ -78,10 +75,7 @@ impl FoldContext<'_> {
     fn clear_debt(&mut self, reason: String) {
         self.conv.debt = None;
         self.history("debt_cleared", reason.clone());
-        self.decide(
-            "debt_cleared",
-            EventBody::DebtCleared(DebtCleared { reason }),
-        );
+        self.decide(EventBody::DebtCleared(DebtCleared { reason }));
     }
 
     /// Records a new debt or coalesces a trigger into the pending one.
@@ -117,7 +111,7 @@ impl FoldContext<'_> {
                     "debt_recorded",
                     format!("{reason:?} at {} tokens", debt.context_tokens),
                 );
-                self.decide("debt_recorded", EventBody::DebtRecorded(debt));
+                self.decide(EventBody::DebtRecorded(debt));
                 // Re-summarization takes nothing out of context, so it is not
                 // a compaction cycle: no memory flush for it.
                 if reason != DebtReason::Resummarize {
@@ -157,7 +151,7 @@ impl FoldContext<'_> {
                     "debt_updated",
                     format!("{:?}, target {}", debt.reason, debt.target_tokens),
                 );
-                self.decide("debt_updated", EventBody::DebtUpdated(debt));
+                self.decide(EventBody::DebtUpdated(debt));
                 // Compaction starts here: its cycle (and memory flush) too.
                 if takes_over {
                     self.start_cycle(reason);
@@ -170,10 +164,10 @@ impl FoldContext<'_> {
     pub(super) fn start_cycle(&mut self, reason: DebtReason) {
         self.conv.cycle += 1;
         let cycle = self.conv.cycle;
-        self.decide(
-            "memory_flush_requested",
-            EventBody::MemoryFlushRequested(MemoryFlushRequested { cycle, reason }),
-        );
+        self.decide(EventBody::MemoryFlushRequested(MemoryFlushRequested {
+            cycle,
+            reason,
+        }));
     }
 
     /// The pending job ended or expired and the fold accepted nothing of
@@ -478,6 +472,6 @@ impl FoldContext<'_> {
             .set(&self.conv.key, Some(schedule::expires_at(&pending)));
         self.conv.pending_job = Some(pending);
         self.out.issued.push((self.conv.key.clone(), job_id));
-        self.decide("job_issued", EventBody::JobIssued(job));
+        self.decide(EventBody::JobIssued(job));
     }
 }

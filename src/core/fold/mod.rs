@@ -322,7 +322,7 @@ pub fn reject_record(
     time: u64,
 ) -> Envelope {
     let env = Envelope::new(
-        derived_event_id(rejected_id, "event_rejected"),
+        derived_event_id(rejected_id, EventKind::EventRejected.name()),
         conversation,
         time,
         EventBody::EventRejected(EventRejected {
@@ -424,7 +424,12 @@ impl FoldContext<'_> {
                 self.history("event_rejected", r.reason.clone());
                 FoldStatus::Applied
             }
-            body if body.is_decision() => {
+            body @ (EventBody::DebtRecorded(_)
+            | EventBody::DebtUpdated(_)
+            | EventBody::DebtCleared(_)
+            | EventBody::JobIssued(_)
+            | EventBody::SummaryRejected(_)
+            | EventBody::MemoryFlushRequested(_)) => {
                 // A decision this fold did not take (another policy wrote it):
                 // kept for audit, never acted on.
                 self.history(
@@ -433,7 +438,9 @@ impl FoldContext<'_> {
                 );
                 FoldStatus::Applied
             }
-            _ => FoldStatus::Applied,
+            // Partition-wide: the policy is read by whoever folds the
+            // partition, and time moved the clock before this (`wake`).
+            EventBody::PolicyRecorded(_) | EventBody::ClockTicked(_) => FoldStatus::Applied,
         };
         match &status {
             // A rejected summary already produced its `summary_rejected`.
@@ -443,14 +450,11 @@ impl FoldContext<'_> {
                 self.conv.rejections += 1;
                 let reason = reason.to_string();
                 self.history("event_rejected", reason.clone());
-                self.decide(
-                    "event_rejected",
-                    EventBody::EventRejected(EventRejected {
-                        rejected_id: self.id.to_string(),
-                        event_type: Some(event.type_name().to_string()),
-                        reason,
-                    }),
-                );
+                self.decide(EventBody::EventRejected(EventRejected {
+                    rejected_id: self.id.to_string(),
+                    event_type: Some(event.type_name().to_string()),
+                    reason,
+                }));
             }
             _ => {}
         }
@@ -546,14 +550,11 @@ impl FoldContext<'_> {
         self.conv.rejections += 1;
         let reason = rejection.to_string();
         self.history("event_rejected", reason.clone());
-        self.decide(
-            "event_rejected",
-            EventBody::EventRejected(EventRejected {
-                rejected_id: self.id.to_string(),
-                event_type: Some(self.event.type_name().to_string()),
-                reason,
-            }),
-        );
+        self.decide(EventBody::EventRejected(EventRejected {
+            rejected_id: self.id.to_string(),
+            event_type: Some(self.event.type_name().to_string()),
+            reason,
+        }));
         Some(FoldStatus::Rejected(rejection))
     }
 
@@ -562,9 +563,11 @@ impl FoldContext<'_> {
             .push_history(self.now, self.id, event_type, detail);
     }
 
-    fn decide(&mut self, what: &str, body: EventBody) {
+    /// Records a decision; its id is derived from the event's and the
+    /// decision's type.
+    fn decide(&mut self, body: EventBody) {
         let env = Envelope::new(
-            derived_event_id(self.id, what),
+            derived_event_id(self.id, body.type_name()),
             self.conv.key.clone(),
             self.now,
             body,

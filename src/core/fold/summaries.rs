@@ -100,14 +100,11 @@ impl FoldContext<'_> {
             Err(rejection) => {
                 self.conv.stale_summaries += 1;
                 self.history("summary_rejected", format!("{}: {rejection}", s.summary_id));
-                self.decide(
-                    "summary_rejected",
-                    EventBody::SummaryRejected(SummaryRejected {
-                        summary_id: s.summary_id.clone(),
-                        job_id: s.job_id.clone(),
-                        reason: rejection.to_string(),
-                    }),
-                );
+                self.decide(EventBody::SummaryRejected(SummaryRejected {
+                    summary_id: s.summary_id.clone(),
+                    job_id: s.job_id.clone(),
+                    reason: rejection.to_string(),
+                }));
                 FoldStatus::Rejected(rejection.into())
             }
         }

@@ -78,9 +78,7 @@ impl FoldContext<'_> {
             && self.conv.debt.as_ref().is_some_and(|d| d.urgent)
         {
             self.conv.debt = None;
-            self.decide(
-                "debt_cleared",
-                EventBody::DebtCleared(DebtCleared {
+            self.decide(EventBody::DebtCleared(DebtCleared {
                     reason: format!("urgent compaction made no progress ({:?}); nothing left outside the fresh tail", s.stop),
                 }),
             );

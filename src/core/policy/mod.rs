@@ -5,10 +5,9 @@
 //! They work over [`PlanItem`]s so the fold (on full state) and a sweep (on
 //! a job's snapshot) take the very same decisions.
 
-pub mod config;
 pub mod schedule;
 
-pub use config::{PolicyConfig, PolicyError, ThresholdOverride};
+pub use crate::core::policy_config::{PolicyConfig, PolicyError, ThresholdOverride};
 pub use schedule::{schedule, Blocked, Grant, Schedule, Wait};
 
 use crate::core::glob::SessionGlob;

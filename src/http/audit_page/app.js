@@ -186,7 +186,8 @@ function drawChart() {
     svg.append(svgEl("text", { x: x(i), y: H - B + 16, "text-anchor": "middle", fill: "#5f6b73" }, "#" + fmt(i)));
   }
   svg.append(svgEl("line", { x1: L, x2: W - R, y1: H - B, y2: H - B, stroke: "#90a4ae" }));
-  const scaled = pts.filter((p) => p.type !== "policy_recorded");
+  // The server says which points' levels are the conversation's.
+  const scaled = pts.filter((p) => p.sets_scale);
   const line = (list, f, attrs) => {
     if (!list.length) return;
     const d = list.map((p, i) => `${i ? "L" : "M"}${x(p.index).toFixed(1)},${y(f(p)).toFixed(1)}`).join("");
@@ -204,7 +205,7 @@ function drawChart() {
     if (p.mark === "compaction") Object.assign(attrs, { r: 6, fill: "#8e24aa", "fill-opacity": 1, class: "pt mark-compaction" });
     if (p.mark === "overflow") Object.assign(attrs, { r: 6, fill: "#d50000", "fill-opacity": 1, class: "pt mark-overflow" });
     const c = svgEl("circle", attrs);
-    c.append(svgEl("title", {}, `#${p.index} ${p.type} ${p.event_id}: ${fmt(p.context_tokens)} tokens (budget ${fmt(p.budget)})`));
+    c.append(svgEl("title", {}, `#${p.index} ${p.label} ${p.event_id}: ${fmt(p.context_tokens)} tokens (budget ${fmt(p.budget)})`));
     c.addEventListener("click", () => selectEvent(p.event_id));
     svg.append(c);
   }
@@ -468,7 +469,7 @@ async function selectEvent(id) {
     return;
   }
   document.getElementById("context-title").textContent =
-    `What the model saw after #${point ? point.index : "?"} ${point ? point.type : ""} ${id}: ` +
+    `What the model saw after #${point ? point.index : "?"} ${point ? point.label : ""} ${id}: ` +
     `${fmt(out.tokens)} tokens of ${fmt(out.budget)}, ${out.messages.length} messages`;
   box.textContent = "";
   box.dataset.event = id;

@@ -1,6 +1,10 @@
 //! The compaction policy's knobs, with their documented defaults. Part of
 //! the pure core: the fold's decisions are a function of the events and of
 //! this struct, so replaying with the same policy gives the same state.
+//!
+//! A module of its own, below the events (a `policy_recorded` event carries
+//! the whole configuration) and below [`crate::core::policy`], which reads
+//! it with the conversation's state; `core::policy` re-exports it.
 
 use crate::core::glob::SessionGlob;
 use serde::{Deserialize, Serialize};
