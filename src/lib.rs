@@ -31,3 +31,4 @@ pub mod secret;
 pub mod store;
 pub mod summarizer;
 pub mod telemetry;
+pub mod testing;

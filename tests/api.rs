@@ -24,13 +24,8 @@ use contextfold::core::event::*;
 use contextfold::core::message::{ChatMessage, FunctionCall, Role, ToolCall};
 use contextfold::core::policy::PolicyConfig;
 use contextfold::core::state::{ContextItem, State};
-use contextfold::log::memory::MemoryLog;
 use contextfold::nats::api_role::{self, ServiceConfig};
 use contextfold::nats::subjects::encode_conversation;
-use contextfold::runtime::embedded::Pipeline;
-use contextfold::runtime::engine::Engine;
-use contextfold::store::memory_backend::MemoryBackend;
-use contextfold::summarizer::DeterministicSummarizer;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
@@ -154,8 +149,7 @@ fn fold_here(policy: &PolicyConfig, events: &[Envelope]) -> State {
         .build()
         .unwrap();
     rt.block_on(async {
-        let engine = Engine::open(MemoryBackend::default(), policy.clone()).unwrap();
-        let mut p = Pipeline::open(MemoryLog::new(), engine, DeterministicSummarizer)
+        let mut p = contextfold::testing::memory_pipeline(policy.clone())
             .await
             .unwrap();
         for e in events {
@@ -493,22 +487,11 @@ fn golden_history() {
         e.as_object_mut().unwrap().remove("time");
     }
     let got = serde_json::to_string_pretty(&value).unwrap() + "\n";
-    let path = golden_path("history.json");
-    if std::env::var_os("CONTEXTFOLD_BLESS").is_some_and(|v| v == "1") {
-        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-        std::fs::write(&path, &got).unwrap();
-        return;
-    }
-    let want = std::fs::read_to_string(&path).unwrap_or_else(|e| {
-        panic!(
-            "cannot read {}: {e}; run `CONTEXTFOLD_BLESS=1 cargo test --test api` to write it",
-            path.display()
-        )
-    });
-    assert!(
-        got == want,
-        "the history of the fixed conversation changed.\n--- want\n{want}\n--- got\n{got}\n\
-         If the fold's decisions changed on purpose, rerun with CONTEXTFOLD_BLESS=1 and review the diff."
+    contextfold::testing::golden::check(
+        &golden_path("history.json"),
+        &got,
+        "The history of the fixed conversation changed: did the fold's decisions?",
+        "cargo test --test api",
     );
 }
 

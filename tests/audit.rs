@@ -219,22 +219,11 @@ fn audit_json_of_a_fixed_conversation_matches_the_golden_file() {
     let mut scrubbed = audit.clone();
     scrub(&mut scrubbed);
     let got = serde_json::to_string_pretty(&scrubbed).unwrap() + "\n";
-    let path = golden_path();
-    if std::env::var_os("CONTEXTFOLD_BLESS").is_some_and(|v| v == "1") {
-        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-        std::fs::write(&path, &got).unwrap();
-        return;
-    }
-    let want = std::fs::read_to_string(&path).unwrap_or_else(|e| {
-        panic!(
-            "cannot read {}: {e}; run `CONTEXTFOLD_BLESS=1 cargo test --test audit` to write it",
-            path.display()
-        )
-    });
-    assert!(
-        got == want,
-        "the audit of the fixed conversation changed.\n--- got\n{got}\n\
-         If the fold's decisions changed on purpose, rerun with CONTEXTFOLD_BLESS=1 and review the diff."
+    contextfold::testing::golden::check(
+        &golden_path(),
+        &got,
+        "The audit of the fixed conversation changed: did the fold's decisions?",
+        "cargo test --test audit",
     );
 }
 

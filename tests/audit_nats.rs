@@ -11,11 +11,11 @@
 
 mod support;
 
+use contextfold::testing::small_policy;
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 use support::cli::{json_of, split};
 use support::nats_server::{find_binary, NatsServer};
-use support::policy::small_policy;
 use support::serve::*;
 use support::turns::turns;
 

@@ -145,16 +145,12 @@ struct Outcome {
     requeued: u64,
 }
 
-/// The mock model: a distinct, neutral summary for every request (one
-/// fixed text would be refused as a copy of the previous summary).
+/// The mock model: a summary in the handover shape that keeps the user's
+/// words and the files of its span (`llm_server::handover_answer`), so the
+/// checks accept it as a model's and the model's summaries, not fallbacks,
+/// are what the model cases converge with.
 fn summary_reply(body: &Value) -> String {
-    let digest = blake3::hash(body.to_string().as_bytes()).to_hex();
-    format!(
-        "Earlier in this session (part {}) the user and the assistant worked through the \
-         task step by step, read the relevant material and agreed on what to try next; \
-         the details of that span stay in the log and can be recalled.",
-        &digest[..10]
-    )
+    llm_server::handover_answer(body)
 }
 
 /// A loopback model server behaving as `mode` asks (`None`: no model).

@@ -28,10 +28,10 @@ use contextfold::runtime::engine::{Effects, Engine};
 use contextfold::runtime::sweep::run_sweep;
 use contextfold::store::memory_backend::MemoryBackend;
 use contextfold::summarizer::DeterministicSummarizer;
+use contextfold::testing::small_policy;
 use proptest::prelude::*;
 use std::collections::VecDeque;
 use std::time::Duration;
-use support::policy::small_policy;
 use support::turns::turns;
 
 const T0: u64 = 1_800_000_000_000;

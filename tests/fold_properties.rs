@@ -20,7 +20,7 @@ use contextfold::summarizer::DeterministicSummarizer;
 use proptest::prelude::*;
 
 mod support;
-use support::policy::small_policy;
+use contextfold::testing::small_policy;
 
 #[derive(Debug, Clone)]
 enum Step {
@@ -135,8 +135,7 @@ fn run_pipeline_and_reload(
         .build()
         .unwrap();
     rt.block_on(async {
-        let engine = Engine::open(MemoryBackend::default(), policy.clone()).unwrap();
-        let mut p = Pipeline::open(MemoryLog::new(), engine, DeterministicSummarizer)
+        let mut p = contextfold::testing::memory_pipeline(policy.clone())
             .await
             .unwrap();
         for c in input.chunks(chunk.max(1)) {

@@ -24,7 +24,7 @@ use proptest::prelude::*;
 use std::collections::BTreeSet;
 
 mod support;
-use support::policy::small_policy;
+use contextfold::testing::small_policy;
 
 const T0: u64 = 1_700_000_000_000;
 

@@ -11,7 +11,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
-use support::policy::small_policy;
+use contextfold::testing::small_policy;
 use support::replay::replay_partition;
 use support::turns::turns;
 

@@ -14,7 +14,7 @@
 #[path = "support/llm_server.rs"]
 mod llm_server;
 mod support;
-use support::policy::small_policy;
+use contextfold::testing::small_policy;
 use support::serve::*;
 use support::turns::turns;
 

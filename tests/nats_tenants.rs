@@ -40,12 +40,12 @@ use contextfold::nats::serve::{ServeOptions, Service};
 use contextfold::nats::subjects::{encode_conversation, partition_of};
 use contextfold::nats::NatsOptions;
 use contextfold::summarizer::DeterministicSummarizer;
+use contextfold::testing::small_policy;
 use futures::StreamExt;
 use serde_json::{json, Value};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use support::policy::small_policy;
 use support::tenants::{
     service_nats_config, violations_by, Users, SHARED_CONF, SHARED_USERS, TENANTS_CONF,
     TENANTS_USERS,

@@ -11,8 +11,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
+use contextfold::testing::small_policy;
 use support::nats_server::NatsServer;
-use support::policy::small_policy;
 use support::serve::*;
 use support::turns::turns;
 

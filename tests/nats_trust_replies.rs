@@ -25,11 +25,11 @@ use async_nats::ConnectOptions;
 use contextfold::nats::serve::{ServeOptions, Service};
 use contextfold::summarizer::DeterministicSummarizer;
 use contextfold::telemetry;
+use contextfold::testing::small_policy;
 use futures::{StreamExt, TryStreamExt};
 use serde_json::json;
 use std::sync::Arc;
 use std::time::Duration;
-use support::policy::small_policy;
 use support::serve::wait_until;
 use support::tenants::{service_nats_config, Users, TENANTS_CONF, TENANTS_USERS};
 

@@ -21,11 +21,11 @@ use contextfold::nats::setup::ensure;
 use contextfold::summarizer::{
     Budget, DeterministicSummarizer, RollingOutcome, SummarizeError, Summarizer, SummaryOutcome,
 };
+use contextfold::testing::small_policy;
 use futures::{StreamExt, TryStreamExt};
 use std::path::Path;
 use std::time::{Duration, Instant};
 use support::nats_server::NatsServer;
-use support::policy::small_policy;
 use support::serve::*;
 use support::turns::turns;
 

@@ -22,8 +22,8 @@ use proptest::prelude::*;
 use std::path::{Path, PathBuf};
 
 mod support;
+use contextfold::testing::small_policy;
 use support::cli;
-use support::policy::small_policy;
 use support::turns::turns;
 
 /// Three policies that fold the same turns differently.

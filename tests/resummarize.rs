@@ -9,10 +9,10 @@
 use contextfold::api::describe::{describe, DescribeRequest, DescribeResponse, NodeRef};
 use contextfold::core::event::*;
 use contextfold::core::fallback_summary;
-use contextfold::core::fold::{fold, FoldStatus};
-use contextfold::core::message::{ChatMessage, Role};
+use contextfold::core::fold::FoldStatus;
+use contextfold::core::message::ChatMessage;
 use contextfold::core::policy::PolicyConfig;
-use contextfold::core::state::{ContextItem, Resident, State, Summary};
+use contextfold::core::state::{ContextItem, Resident, Summary};
 use contextfold::core::summary::{RollingStateRequest, SummaryRequest};
 use contextfold::core::sweep;
 use contextfold::runtime::sweep::run_sweep;
@@ -22,22 +22,16 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 
 const CONV: &str = "c";
-const T0: u64 = 1_700_000_000_000;
+use contextfold::testing::{role_of, turn_of, FoldTest, T0};
 
 fn policy() -> PolicyConfig {
     PolicyConfig {
-        default_context_window: 6000,
         fresh_tail_count: 4,
-        leaf_chunk_tokens: 1200,
-        leaf_target_tokens: 200,
-        condensed_target_tokens: 200,
-        leaf_fanout: 3,
-        condensed_fanout: 2,
         summary_max_calls_per_window: 10_000,
         rolling_every_turns: 1_000_000,
         rolling_tool_loop: 1_000_000,
         rolling_threshold: 1.0,
-        ..PolicyConfig::default()
+        ..contextfold::testing::small_policy()
     }
 }
 
@@ -83,22 +77,17 @@ impl Summarizer for Flaky {
 }
 
 fn turn(i: u64, time: u64) -> Envelope {
-    let role = if i.is_multiple_of(2) {
-        Role::User
-    } else {
-        Role::Assistant
-    };
-    Envelope::new(
-        format!("t{i}"),
+    turn_of(
         CONV,
+        i,
         time,
-        EventBody::TurnAppended(TurnAppended::from(ChatMessage::text(
-            role,
+        ChatMessage::text(
+            role_of(i),
             format!(
                 "turn {i}: edited src/mod_{i}.rs; {}",
                 "more words ".repeat(60)
             ),
-        ))),
+        ),
     )
 }
 
@@ -106,8 +95,7 @@ fn turn(i: u64, time: u64) -> Envelope {
 /// folds an event, then runs every job it issues, folding what the sweep
 /// publishes. Returns every event folded and decided.
 struct Harness {
-    state: State,
-    policy: PolicyConfig,
+    t: FoldTest,
     ran: HashSet<String>,
     log: Vec<Envelope>,
     /// Leave re-summarization jobs pending instead of running them.
@@ -117,8 +105,7 @@ struct Harness {
 impl Harness {
     fn new() -> Harness {
         Harness {
-            state: State::default(),
-            policy: policy(),
+            t: FoldTest::new(policy()),
             ran: HashSet::new(),
             log: Vec::new(),
             hold_resummarize: false,
@@ -126,7 +113,7 @@ impl Harness {
     }
 
     fn apply(&mut self, e: Envelope) {
-        let out = fold(&mut self.state, &self.policy, &e);
+        let out = self.t.fold(&e);
         assert!(
             !matches!(out.status, FoldStatus::Rejected(_)),
             "{:?} rejected: {:?}",
@@ -139,7 +126,7 @@ impl Harness {
 
     async fn settle<S: Summarizer>(&mut self, summarizer: &S) {
         for _ in 0..1000 {
-            let conv = &self.state.conversations[CONV];
+            let conv = &self.t.state.conversations[CONV];
             let Some(p) = conv
                 .pending_job
                 .as_ref()
@@ -151,7 +138,7 @@ impl Harness {
                 return;
             }
             self.ran.insert(p.job.job_id.clone());
-            let snap = sweep::snapshot(conv, &p.job, &self.policy).unwrap();
+            let snap = sweep::snapshot(conv, &p.job, &self.t.policy).unwrap();
             let mut out = Vec::new();
             run_sweep(snap, summarizer, Duration::from_secs(60), |e| out.push(e)).await;
             for e in out {
@@ -169,7 +156,7 @@ impl Harness {
     }
 
     fn fallbacks_in_context(&self) -> Vec<Summary> {
-        self.state.conversations[CONV]
+        self.t.state.conversations[CONV]
             .fallback_summaries_in_context()
             .cloned()
             .collect()
@@ -198,7 +185,7 @@ impl Harness {
     /// Every fallback in `old` was replaced in context by a model summary
     /// over exactly its sources, and stays in the DAG.
     fn assert_replaced(&self, old: &[Summary]) {
-        let conv = &self.state.conversations[CONV];
+        let conv = &self.t.state.conversations[CONV];
         for x in old {
             let k = conv.summary_index(&x.id).expect("kept in the DAG");
             assert!(!conv.context.contains(&ContextItem::Summary(k)));
@@ -223,7 +210,7 @@ impl Harness {
                 conversation: CONV.into(),
                 id: NodeRef::Id(x.id.clone()),
             };
-            let Ok(DescribeResponse::Summary(d)) = describe(&self.state, &Resident, &req) else {
+            let Ok(DescribeResponse::Summary(d)) = describe(&self.t.state, &Resident, &req) else {
                 panic!("{} is not described as a summary", x.id);
             };
             let by = d.superseded_by.clone().expect("superseded_by");
@@ -233,7 +220,7 @@ impl Harness {
                 conversation: CONV.into(),
                 id: NodeRef::Id(by),
             };
-            let Ok(DescribeResponse::Summary(n)) = describe(&self.state, &Resident, &req) else {
+            let Ok(DescribeResponse::Summary(n)) = describe(&self.t.state, &Resident, &req) else {
                 panic!("the replacement is not described");
             };
             assert_eq!(n.supersedes.as_deref(), Some(x.id.as_str()));
@@ -269,16 +256,16 @@ fn fallbacks_written_while_the_model_was_down_are_replaced_when_it_is_back() {
         assert!(h.fallbacks_in_context().is_empty());
         h.assert_replaced(&old);
         assert!(h.resummaries().len() >= old.len());
-        assert!(h.state.conversations[CONV]
+        assert!(h.t.state.conversations[CONV]
             .debt
             .as_ref()
             .is_none_or(|d| d.reason != DebtReason::Resummarize));
         // The log replays to the same state.
-        let mut replayed = State::default();
+        let mut replayed = FoldTest::new(h.t.policy.clone());
         for e in &h.log {
-            fold(&mut replayed, &h.policy, e);
+            replayed.fold(e);
         }
-        assert_eq!(replayed.hash(), h.state.hash());
+        assert_eq!(replayed.state.hash(), h.t.state.hash());
     });
 }
 
@@ -295,7 +282,7 @@ fn a_resummarization_that_falls_back_again_records_nothing_and_backs_off() {
         model.up.store(true, Ordering::Relaxed);
         h.hold_resummarize = true;
         let mut i = 60;
-        while !h.state.conversations[CONV]
+        while !h.t.state.conversations[CONV]
             .pending_job
             .as_ref()
             .is_some_and(|p| p.job.reason == DebtReason::Resummarize)
@@ -322,7 +309,7 @@ fn a_resummarization_that_falls_back_again_records_nothing_and_backs_off() {
             .expect("the sweep ended");
         assert_eq!(end.stop, SweepStop::NoProgress, "{end:?}");
         assert_eq!(end.committed, 0);
-        let conv = &h.state.conversations[CONV];
+        let conv = &h.t.state.conversations[CONV];
         assert_eq!(
             conv.debt.as_ref().map(|d| d.reason),
             Some(DebtReason::Resummarize)
@@ -331,8 +318,8 @@ fn a_resummarization_that_falls_back_again_records_nothing_and_backs_off() {
         let backoff_until = conv.spend.backoff_until;
         // Within the backoff, turns issue no job (as long as no compaction
         // is owed).
-        h.apply(turn(i, h.state.conversations[CONV].last_time + 1_000));
-        assert!(h.state.conversations[CONV].pending_job.is_none());
+        h.apply(turn(i, h.t.state.conversations[CONV].last_time + 1_000));
+        assert!(h.t.state.conversations[CONV].pending_job.is_none());
         // After it, the model is back: every fallback is replaced.
         h.apply(turn(i + 1, backoff_until + 1));
         h.settle(&model).await;

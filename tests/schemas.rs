@@ -26,7 +26,7 @@ use contextfold::core::message::{ChatMessage, Content, ContentPart, FunctionCall
 use jsonschema::{Registry, Validator};
 use serde_json::{json, Map, Value};
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 const SCHEMA_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/schemas");
 const GOLDEN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/golden/events.jsonl");
@@ -1395,39 +1395,13 @@ fn golden_events_match_the_encoder_byte_for_byte() {
         expected.push_str(&line);
         expected.push('\n');
     }
-    let path = PathBuf::from(GOLDEN);
-    if std::env::var_os("CONTEXTFOLD_BLESS").is_some_and(|v| v == "1") {
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).expect("create tests/golden");
-        }
-        std::fs::write(&path, &expected).expect("write the golden file");
-        return;
-    }
-    let actual = std::fs::read_to_string(&path).unwrap_or_else(|e| {
-        panic!(
-            "cannot read {}: {e}; run `CONTEXTFOLD_BLESS=1 cargo test --test schemas` to write it",
-            path.display()
-        )
-    });
-    if actual != expected {
-        let first_diff = actual
-            .lines()
-            .zip(expected.lines())
-            .position(|(a, b)| a != b)
-            .unwrap_or_else(|| actual.lines().count().min(expected.lines().count()));
-        panic!(
-            "{} differs from the encoder at line {}:\n  file:    {}\n  encoder: {}\n\
-             The wire format changed. If that is intended, rerun with CONTEXTFOLD_BLESS=1 \
-             and say so in the commit message.",
-            path.display(),
-            first_diff + 1,
-            actual.lines().nth(first_diff).unwrap_or("<end of file>"),
-            expected
-                .lines()
-                .nth(first_diff)
-                .unwrap_or("<end of output>"),
-        );
-    }
+    contextfold::testing::golden::check(
+        Path::new(GOLDEN),
+        &expected,
+        "The wire format changed: say so in the commit message.",
+        "cargo test --test schemas",
+    );
+    let actual = expected;
     // Each golden line decodes back to its event, in both encodings.
     for (line, e) in actual.lines().zip(canonical()) {
         assert_eq!(

@@ -15,10 +15,9 @@
 #[path = "support/llm_server.rs"]
 mod llm_server;
 
-use contextfold::core::event::SummaryKind;
 use contextfold::core::message::Role;
 use contextfold::core::summary::{
-    IdentifierPolicy, RollingStateRequest, SourceItem, SummaryRequest, ROLLING_STATE_MAX_CHARS,
+    IdentifierPolicy, RollingStateRequest, SummaryRequest, ROLLING_STATE_MAX_CHARS,
 };
 use contextfold::core::tokens::{count_text, Encoding};
 use contextfold::summarizer::breaker::ManualClock;
@@ -82,25 +81,11 @@ fn source_text() -> String {
 fn request(target: u64) -> SummaryRequest {
     let text = source_text();
     let tokens = count_text(Encoding::O200kBase, &text);
-    SummaryRequest {
-        conversation: "agent:ops:deploy".into(),
-        kind: SummaryKind::Leaf,
-        depth: 0,
-        sources: vec![SourceItem {
-            label: "turn 1".into(),
-            role: Some(Role::Tool),
-            tool: Some("bash".into()),
-            text,
-            tokens,
-            time: 0,
-        }],
-        target_tokens: target,
-        previous_summary: None,
-        instructions: None,
-        custom_instructions: None,
-        identifier_policy: IdentifierPolicy::Strict,
-        aggressive: false,
-    }
+    let mut req = contextfold::testing::summary_request(&text, tokens, target);
+    req.conversation = "agent:ops:deploy".into();
+    req.sources[0].role = Some(Role::Tool);
+    req.sources[0].tool = Some("bash".into());
+    req
 }
 
 fn config(base_url: &str, model: &str, fallbacks: &[&str]) -> SummarizerConfig {

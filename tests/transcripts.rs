@@ -30,12 +30,9 @@ use contextfold::core::policy::{self, PolicyConfig};
 use contextfold::core::state::{ContextItem, Conversation};
 use contextfold::core::tokens;
 use contextfold::import::{import_file, Format};
-use contextfold::log::memory::MemoryLog;
 use contextfold::log::EventLog;
-use contextfold::runtime::embedded::Pipeline;
 use contextfold::runtime::engine::Engine;
 use contextfold::store::memory_backend::MemoryBackend;
-use contextfold::summarizer::DeterministicSummarizer;
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -416,9 +413,7 @@ fn run_file(path: &Path, rt: &tokio::runtime::Runtime) -> Result<Tally, String> 
     let policy = policy();
     let mut tally = Tally::default();
     rt.block_on(async {
-        let engine =
-            Engine::open(MemoryBackend::default(), policy.clone()).map_err(|e| e.to_string())?;
-        let mut pipeline = Pipeline::open(MemoryLog::new(), engine, DeterministicSummarizer)
+        let mut pipeline = contextfold::testing::memory_pipeline(policy.clone())
             .await
             .map_err(|e| e.to_string())?;
         for imported in &conversations {

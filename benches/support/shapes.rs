@@ -27,11 +27,6 @@ use contextfold::core::fold::fold;
 use contextfold::core::message::{ChatMessage, FunctionCall, Role, ToolCall};
 use contextfold::core::policy::PolicyConfig;
 use contextfold::core::state::{ContextItem, Conversation, State};
-use contextfold::log::memory::MemoryLog;
-use contextfold::runtime::embedded::Pipeline;
-use contextfold::runtime::engine::Engine;
-use contextfold::store::memory_backend::MemoryBackend;
-use contextfold::summarizer::DeterministicSummarizer;
 use std::time::Instant;
 
 pub const TURNS: usize = 26_500;
@@ -128,9 +123,7 @@ fn compacted() -> Option<Shape> {
                     .build()
                     .expect("tokio runtime");
                 rt.block_on(async {
-                    let engine = Engine::open(MemoryBackend::default(), policy.clone())
-                        .expect("memory store");
-                    let mut p = Pipeline::open(MemoryLog::new(), engine, DeterministicSummarizer)
+                    let mut p = contextfold::testing::memory_pipeline(policy.clone())
                         .await
                         .expect("pipeline");
                     for chunk in events.chunks(64) {

@@ -6,11 +6,6 @@ use crate::core::event::*;
 use crate::core::message::{ChatMessage, FunctionCall, Role, ToolCall};
 use crate::core::policy::PolicyConfig;
 use crate::core::state::{Conversation, State};
-use crate::log::memory::MemoryLog;
-use crate::runtime::embedded::Pipeline;
-use crate::runtime::engine::Engine;
-use crate::store::memory_backend::MemoryBackend;
-use crate::summarizer::DeterministicSummarizer;
 use std::sync::OnceLock;
 
 pub const CONV: &str = "team:alpha/session 1";
@@ -19,16 +14,7 @@ pub const NEEDLE: &str = "deploy key K-7731";
 pub const T0: u64 = 1_700_000_000_000;
 
 pub fn policy() -> PolicyConfig {
-    PolicyConfig {
-        default_context_window: 6000,
-        fresh_tail_count: 6,
-        leaf_chunk_tokens: 1200,
-        leaf_target_tokens: 200,
-        condensed_target_tokens: 200,
-        leaf_fanout: 3,
-        condensed_fanout: 2,
-        ..PolicyConfig::default()
-    }
+    crate::testing::small_policy()
 }
 
 fn words(n: usize, seed: usize) -> String {
@@ -116,8 +102,7 @@ pub fn fold_events(policy: &PolicyConfig, events: &[Envelope]) -> State {
         .build()
         .expect("test runtime");
     rt.block_on(async {
-        let engine = Engine::open(MemoryBackend::default(), policy.clone()).expect("engine");
-        let mut p = Pipeline::open(MemoryLog::new(), engine, DeterministicSummarizer)
+        let mut p = crate::testing::memory_pipeline(policy.clone())
             .await
             .expect("pipeline");
         for e in events {

@@ -767,29 +767,11 @@ pub(crate) mod tests {
     use super::*;
     use crate::core::event::SummaryKind;
     use crate::core::message::Role;
-    use crate::core::summary::IdentifierPolicy;
+
     use crate::core::summary::SourceItem;
 
     pub(crate) fn req(source_text: &str, source_tokens: u64, target: u64) -> SummaryRequest {
-        SummaryRequest {
-            conversation: "c".into(),
-            kind: SummaryKind::Leaf,
-            depth: 0,
-            sources: vec![SourceItem {
-                label: "turn 1".into(),
-                role: Some(Role::User),
-                tool: None,
-                text: source_text.into(),
-                tokens: source_tokens,
-                time: 0,
-            }],
-            target_tokens: target,
-            previous_summary: None,
-            instructions: None,
-            custom_instructions: None,
-            identifier_policy: IdentifierPolicy::Strict,
-            aggressive: false,
-        }
+        crate::testing::summary_request(source_text, source_tokens, target)
     }
 
     fn ok(text: &str) -> Result<String, Rejection> {

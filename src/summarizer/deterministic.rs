@@ -78,31 +78,11 @@ impl Summarizer for DeterministicSummarizer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::event::SummaryKind;
-    use crate::core::message::Role;
-    use crate::core::summary::{IdentifierPolicy, SourceItem};
 
     #[tokio::test]
     async fn output_is_final_and_costs_no_call() {
-        let req = SummaryRequest {
-            conversation: "c".into(),
-            kind: SummaryKind::Leaf,
-            depth: 0,
-            sources: vec![SourceItem {
-                label: "turn 1".into(),
-                role: Some(Role::User),
-                tool: None,
-                text: "please rotate the key in /etc/app/key.pem".into(),
-                tokens: 12,
-                time: 0,
-            }],
-            target_tokens: 64,
-            previous_summary: None,
-            instructions: None,
-            custom_instructions: None,
-            identifier_policy: IdentifierPolicy::Strict,
-            aggressive: false,
-        };
+        let req =
+            crate::testing::summary_request("please rotate the key in /etc/app/key.pem", 12, 64);
         let budget = Budget::new(Some(0), Some(0));
         let a = DeterministicSummarizer
             .summarize(&req, &budget)

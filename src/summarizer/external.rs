@@ -303,9 +303,7 @@ impl<P: Summarizer, F: Summarizer> Summarizer for WithFallback<P, F> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::event::SummaryKind;
-    use crate::core::message::Role;
-    use crate::core::summary::{IdentifierPolicy, SourceItem};
+
     use crate::summarizer::DeterministicSummarizer;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Mutex;
@@ -348,25 +346,7 @@ mod tests {
     }
 
     fn req() -> SummaryRequest {
-        SummaryRequest {
-            conversation: "c".into(),
-            kind: SummaryKind::Leaf,
-            depth: 0,
-            sources: vec![SourceItem {
-                label: "turn 1".into(),
-                role: Some(Role::User),
-                tool: None,
-                text: "rotate /etc/app/key.pem".into(),
-                tokens: 9,
-                time: 0,
-            }],
-            target_tokens: 64,
-            previous_summary: None,
-            instructions: None,
-            custom_instructions: None,
-            identifier_policy: IdentifierPolicy::Strict,
-            aggressive: false,
-        }
+        crate::testing::summary_request("rotate /etc/app/key.pem", 9, 64)
     }
 
     fn external(t: FakeTransport) -> ExternalSummarizer<FakeTransport> {

@@ -547,29 +547,14 @@ mod tests {
     #[test]
     fn rendered_prompts_match_golden_files() {
         let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden/prompts");
-        let bless = std::env::var_os("CONTEXTFOLD_BLESS").is_some();
-        if bless {
-            std::fs::create_dir_all(&dir).unwrap();
-        }
-        let mut mismatches = Vec::new();
         for (name, text) in golden_cases() {
-            let path = dir.join(format!("{name}.txt"));
-            let text = format!("# prompt version {PROMPT_VERSION}\n{text}");
-            if bless {
-                std::fs::write(&path, &text).unwrap();
-                continue;
-            }
-            match std::fs::read_to_string(&path) {
-                Ok(expected) if expected == text => {}
-                Ok(_) => mismatches.push(format!("{name}: differs")),
-                Err(e) => mismatches.push(format!("{name}: {e}")),
-            }
+            crate::testing::golden::check(
+                &dir.join(format!("{name}.txt")),
+                &format!("# prompt version {PROMPT_VERSION}\n{text}"),
+                "A prompt changed: bump PROMPT_VERSION.",
+                "cargo test --lib prompts",
+            );
         }
-        assert!(
-            mismatches.is_empty(),
-            "prompt golden files out of date ({mismatches:?}); if the change is intended, bump \
-             PROMPT_VERSION and rerun with CONTEXTFOLD_BLESS=1"
-        );
     }
 
     #[test]

@@ -3,7 +3,6 @@
 
 pub mod cli;
 pub mod nats_server;
-pub mod policy;
 pub mod replay;
 pub mod serve;
 pub mod spend;

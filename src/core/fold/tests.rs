@@ -1,9 +1,11 @@
 use super::*;
 use crate::core::message::ChatMessage;
 use crate::core::message::{ContentPart, FunctionCall, ToolCall};
+use crate::testing::fold_test::{jobs, sweep_ended as event};
+use crate::testing::{turn, FoldTest};
 use proptest::prelude::*;
 
-const T0: u64 = 1_700_000_000_000;
+use crate::testing::T0;
 
 fn policy() -> PolicyConfig {
     PolicyConfig {
@@ -20,50 +22,6 @@ fn policy() -> PolicyConfig {
     }
 }
 
-fn turn(conv: &str, i: u64, time: u64) -> Envelope {
-    let role = if i.is_multiple_of(2) {
-        Role::User
-    } else {
-        Role::Assistant
-    };
-    Envelope::new(
-        format!("{conv}-t{i}"),
-        conv,
-        time,
-        EventBody::TurnAppended(TurnAppended::from(ChatMessage::text(
-            role,
-            format!("turn {i}: {}", "words of a turn ".repeat(40)),
-        ))),
-    )
-}
-
-fn jobs(decisions: &[Envelope]) -> Vec<JobIssued> {
-    decisions
-        .iter()
-        .filter_map(|d| match &d.body {
-            EventBody::JobIssued(j) => Some(j.clone()),
-            _ => None,
-        })
-        .collect()
-}
-
-/// Folds turns until a job is issued; returns it and the next turn index.
-fn until_job(
-    state: &mut State,
-    p: &PolicyConfig,
-    conv: &str,
-    from: u64,
-    time: u64,
-) -> (JobIssued, u64) {
-    for i in from..from + 200 {
-        let out = fold(state, p, &turn(conv, i, time + (i - from) * 1_000));
-        if let Some(j) = jobs(&out.decisions).pop() {
-            return (j, i + 1);
-        }
-    }
-    panic!("no job issued");
-}
-
 fn ended(job: &JobIssued, committed: u32, stop: SweepStop) -> SweepEnded {
     SweepEnded {
         job_id: job.job_id.clone(),
@@ -78,45 +36,10 @@ fn ended(job: &JobIssued, committed: u32, stop: SweepStop) -> SweepEnded {
     }
 }
 
-/// Runs up to `passes` passes of `job` as its worker would (the
-/// deterministic summarizer on the job's snapshot) and folds each
-/// summary at `time`; returns how many the fold accepted.
-fn commit(
-    state: &mut State,
-    p: &PolicyConfig,
-    conv: &str,
-    job: &JobIssued,
-    passes: u32,
-    time: u64,
-) -> u32 {
-    let mut snap = crate::core::sweep::snapshot(&state.conversations[conv], job, p).unwrap();
-    let mut accepted = 0;
-    for _ in 0..passes {
-        let Some(pass) = snap.next_pass() else { break };
-        let draft = crate::core::fallback_summary::summarize(&snap.request(pass, false));
-        let rec = snap.record(pass, &draft);
-        snap.apply(pass, &rec);
-        let e = crate::core::sweep::summary_event(conv, time, rec);
-        if fold(state, p, &e).status == FoldStatus::Applied {
-            accepted += 1;
-        }
-    }
-    accepted
-}
-
-fn event(s: SweepEnded, conv: &str, time: u64) -> Envelope {
-    Envelope::new(
-        format!("se-{}-{time}", s.job_id),
-        conv,
-        time,
-        EventBody::SweepEnded(s),
-    )
-}
-
 #[test]
 fn a_turn_bigger_than_the_target_is_a_large_payload() {
     let p = policy(); // budget 2000, target 1000
-    let mut state = State::default();
+    let mut t = FoldTest::new(p.clone());
     let big = Envelope::new(
         "big",
         "c",
@@ -126,8 +49,8 @@ fn a_turn_bigger_than_the_target_is_a_large_payload() {
             "a line of a long log\n".repeat(300),
         ))),
     );
-    fold(&mut state, &p, &big);
-    let turn = &state.conversations["c"].turns[0];
+    let then = t.when(&big).then_applied().then_decisions(&[]);
+    let turn = &then.conversation("c").turns[0];
     assert!(turn.tokens > 1_000 && u64::from(turn.tokens) < p.large_payload_threshold_tokens);
     assert!(turn.large_payload, "{} tokens kept whole", turn.tokens);
     assert!(
@@ -135,8 +58,8 @@ fn a_turn_bigger_than_the_target_is_a_large_payload() {
         "a stub costs {} tokens",
         turn.context_tokens
     );
-    fold(&mut state, &p, &turn_small("c", 1));
-    assert!(!state.conversations["c"].turns[1].large_payload);
+    let then = t.when(&turn_small("c", 1)).then_applied();
+    assert!(!then.conversation("c").turns[1].large_payload);
 }
 
 fn turn_small(conv: &str, i: u64) -> Envelope {
@@ -146,26 +69,22 @@ fn turn_small(conv: &str, i: u64) -> Envelope {
 #[test]
 fn a_rate_limit_delays_the_next_job_even_after_progress() {
     let p = policy();
-    let mut state = State::default();
-    let (job, next) = until_job(&mut state, &p, "c", 0, T0);
-    assert_eq!(commit(&mut state, &p, "c", &job, 1, job.issued_at + 5), 1);
+    let mut t = FoldTest::new(p);
+    let (job, next) = t.until_job("c", 0, T0);
+    assert_eq!(t.commit("c", &job, 1, job.issued_at + 5), 1);
     let mut s = ended(&job, 1, SweepStop::SpendLimit);
     s.retry_after_ms = Some(20_000);
-    let out = fold(&mut state, &p, &event(s, "c", job.issued_at + 10));
+    let out = t.fold(&event(s, "c", job.issued_at + 10));
     assert!(jobs(&out.decisions).is_empty());
-    let conv = &state.conversations["c"];
+    let conv = &t.state.conversations["c"];
     assert_eq!(conv.spend.retry_at, job.issued_at + 20_010);
     assert_eq!(conv.spend.backoff_until, 0, "progress: no backoff");
     // Turns before the delay get no job, however far over the threshold.
     for i in next..next + 10 {
-        let out = fold(&mut state, &p, &turn("c", i, job.issued_at + 5_000 + i));
+        let out = t.fold(&turn("c", i, job.issued_at + 5_000 + i));
         assert!(jobs(&out.decisions).is_empty(), "job before Retry-After");
     }
-    let out = fold(
-        &mut state,
-        &p,
-        &turn("c", next + 10, job.issued_at + 20_011),
-    );
+    let out = t.fold(&turn("c", next + 10, job.issued_at + 20_011));
     assert_eq!(
         jobs(&out.decisions).len(),
         1,
@@ -187,13 +106,13 @@ fn backoff_only_after_rounds_without_progress() {
         (0, 1, SweepStop::Done, true),
         (0, 3, SweepStop::IterationCap, true),
     ] {
-        let mut state = State::default();
-        let (job, next) = until_job(&mut state, &p, "c", 0, T0);
-        let done = commit(&mut state, &p, "c", &job, accepted, job.issued_at + 5);
+        let mut t = FoldTest::new(p.clone());
+        let (job, next) = t.until_job("c", 0, T0);
+        let done = t.commit("c", &job, accepted, job.issued_at + 5);
         assert_eq!(done, accepted);
         let e = event(ended(&job, claimed, stop), "c", job.issued_at + 10);
-        let out = fold(&mut state, &p, &e);
-        let conv = &state.conversations["c"];
+        let out = t.fold(&e);
+        let conv = &t.state.conversations["c"];
         let why = format!("{accepted} accepted, {claimed} claimed, {stop:?}");
         assert_eq!(conv.spend.backoff_until > 0, backoff, "{why}");
         assert_eq!(
@@ -211,7 +130,7 @@ fn backoff_only_after_rounds_without_progress() {
         if backoff {
             // No job on its end, nor on the next turn: the backoff holds.
             assert!(jobs(&out.decisions).is_empty(), "{why}");
-            let out = fold(&mut state, &p, &turn("c", next, job.issued_at + 20));
+            let out = t.fold(&turn("c", next, job.issued_at + 20));
             assert!(jobs(&out.decisions).is_empty(), "{why}");
         }
     }
@@ -220,11 +139,11 @@ fn backoff_only_after_rounds_without_progress() {
 #[test]
 fn a_leaf_that_skips_the_oldest_raw_turn_is_refused() {
     let p = policy();
-    let mut state = State::default();
-    let (job, _) = until_job(&mut state, &p, "c", 0, T0);
+    let mut t = FoldTest::new(p.clone());
+    let (job, _) = t.until_job("c", 0, T0);
     // The worker's second pass, planned after a first pass that never
     // reached the fold (stale, or from an expired job's worker).
-    let mut snap = crate::core::sweep::snapshot(&state.conversations["c"], &job, &p).unwrap();
+    let mut snap = crate::core::sweep::snapshot(&t.state.conversations["c"], &job, &p).unwrap();
     let first = snap.next_pass().expect("a first pass");
     let draft = crate::core::fallback_summary::summarize(&snap.request(first, false));
     let rec = snap.record(first, &draft);
@@ -233,9 +152,12 @@ fn a_leaf_that_skips_the_oldest_raw_turn_is_refused() {
     let draft = crate::core::fallback_summary::summarize(&snap.request(second, false));
     let rec = snap.record(second, &draft);
     let e = crate::core::sweep::summary_event("c", job.issued_at + 1, rec);
-    let out = fold(&mut state, &p, &e);
-    let FoldStatus::Rejected(reason) = &out.status else {
-        panic!("accepted a leaf after raw turns: {:?}", out.status);
+    let then = t
+        .when(&e)
+        .then_rejected("summary_stale")
+        .then_decisions(&["summary_rejected"]);
+    let FoldStatus::Rejected(reason) = &then.outcome.status else {
+        unreachable!("checked above");
     };
     assert!(
         matches!(
@@ -245,14 +167,7 @@ fn a_leaf_that_skips_the_oldest_raw_turn_is_refused() {
         ),
         "{reason}"
     );
-    assert_eq!(reason.kind(), "summary_stale");
-    assert!(
-        out.decisions
-            .iter()
-            .any(|d| matches!(d.body, EventBody::SummaryRejected(_))),
-        "the refusal is recorded"
-    );
-    let conv = &state.conversations["c"];
+    let conv = then.conversation("c");
     assert!(conv.summaries.is_empty());
     assert_eq!(conv.pending_job.as_ref().map(|j| j.committed), Some(0));
 }
@@ -261,15 +176,15 @@ fn a_leaf_that_skips_the_oldest_raw_turn_is_refused() {
 fn an_expired_job_without_progress_backs_off_and_one_with_progress_does_not() {
     let p = policy();
     for progress in [false, true] {
-        let mut state = State::default();
-        let (job, next) = until_job(&mut state, &p, "c", 0, T0);
+        let mut t = FoldTest::new(p.clone());
+        let (job, next) = t.until_job("c", 0, T0);
         if progress {
-            assert_eq!(commit(&mut state, &p, "c", &job, 1, job.issued_at + 1), 1);
+            assert_eq!(t.commit("c", &job, 1, job.issued_at + 1), 1);
         }
         // The worker vanished: a turn long after its deadline expires it.
         let late = job.issued_at + 2 * job.deadline_ms + 60_001;
-        let out = fold(&mut state, &p, &turn("c", next, late));
-        let conv = &state.conversations["c"];
+        let out = t.fold(&turn("c", next, late));
+        let conv = &t.state.conversations["c"];
         assert!(conv
             .history
             .resident()
@@ -285,9 +200,9 @@ fn an_expired_job_without_progress_backs_off_and_one_with_progress_does_not() {
             // Its sweep_ended, arriving after all, changes nothing more.
             let before = conv.spend.backoff_until;
             let e = event(ended(&job, 1, SweepStop::Done), "c", late + 1);
-            let out = fold(&mut state, &p, &e);
+            let out = t.fold(&e);
             assert!(jobs(&out.decisions).is_empty());
-            assert_eq!(state.conversations["c"].spend.backoff_until, before);
+            assert_eq!(t.state.conversations["c"].spend.backoff_until, before);
         }
     }
 }
@@ -296,8 +211,8 @@ fn an_expired_job_without_progress_backs_off_and_one_with_progress_does_not() {
 fn a_failed_urgent_round_waits_for_its_backoff_or_a_new_request() {
     let p = policy();
     for asks_again in [false, true] {
-        let mut state = State::default();
-        let (job, next) = until_job(&mut state, &p, "c", 0, T0);
+        let mut t = FoldTest::new(p.clone());
+        let (job, next) = t.until_job("c", 0, T0);
         let manual = |id: &str, time| {
             Envelope::new(
                 id,
@@ -306,14 +221,14 @@ fn a_failed_urgent_round_waits_for_its_backoff_or_a_new_request() {
                 EventBody::CompactionRequested(CompactionRequested::default()),
             )
         };
-        fold(&mut state, &p, &manual("m1", job.issued_at + 1));
-        if let Some(pending) = &mut state.conversations.get_mut("c").unwrap().pending_job {
+        t.fold(&manual("m1", job.issued_at + 1));
+        if let Some(pending) = &mut t.state.conversations.get_mut("c").unwrap().pending_job {
             pending.job.urgent = true;
         }
         let e = event(ended(&job, 0, SweepStop::Failed), "c", job.issued_at + 2);
-        let out = fold(&mut state, &p, &e);
+        let out = t.fold(&e);
         assert!(jobs(&out.decisions).is_empty(), "retried on its own end");
-        let until = state.conversations["c"].spend.backoff_until;
+        let until = t.state.conversations["c"].spend.backoff_until;
         assert_eq!(until, job.issued_at + 2 + p.no_progress_backoff_ms);
         // Neither an older job's late end nor a turn is a reason to retry
         // a round that failed: the backoff holds them.
@@ -321,20 +236,20 @@ fn a_failed_urgent_round_waits_for_its_backoff_or_a_new_request() {
             job_id: "job_older".into(),
             ..ended(&job, 1, SweepStop::Done)
         };
-        let out = fold(&mut state, &p, &event(stale, "c", job.issued_at + 3));
+        let out = t.fold(&event(stale, "c", job.issued_at + 3));
         assert!(
             jobs(&out.decisions).is_empty(),
             "issued on an old job's end"
         );
-        let out = fold(&mut state, &p, &turn("c", next, job.issued_at + 4));
+        let out = t.fold(&turn("c", next, job.issued_at + 4));
         assert!(jobs(&out.decisions).is_empty(), "issued in backoff");
         let out = if asks_again {
             // A new request is never held by the backoff.
-            fold(&mut state, &p, &manual("m2", job.issued_at + 5))
+            t.fold(&manual("m2", job.issued_at + 5))
         } else {
             // Time passing alone ends it: the conversation's timer.
-            assert_eq!(state.clock.timer("c"), Some(until));
-            wake(&mut state, &p, until, "tick")
+            assert_eq!(t.state.clock.timer("c"), Some(until));
+            wake(&mut t.state, &p, until, "tick")
         };
         let again = jobs(&out.decisions);
         assert_eq!(again.len(), 1, "asks again: {asks_again}");
@@ -345,62 +260,58 @@ fn a_failed_urgent_round_waits_for_its_backoff_or_a_new_request() {
 #[test]
 fn backoffs_double_per_round_without_progress_and_reset_on_progress() {
     let p = policy();
-    let mut state = State::default();
-    let (mut job, _) = until_job(&mut state, &p, "c", 0, T0);
+    let mut t = FoldTest::new(p.clone());
+    let (mut job, _) = t.until_job("c", 0, T0);
     let mut expected = p.no_progress_backoff_ms;
     for round in 1..=4u32 {
         let at = job.issued_at + 10;
-        fold(
-            &mut state,
-            &p,
-            &event(ended(&job, 0, SweepStop::Failed), "c", at),
-        );
-        let spend = &state.conversations["c"].spend;
+        t.fold(&event(ended(&job, 0, SweepStop::Failed), "c", at));
+        let spend = &t.state.conversations["c"].spend;
         assert_eq!(spend.rounds_without_progress, round);
         assert_eq!(spend.backoff_until, at + expected, "round {round}");
         let until = spend.backoff_until;
-        let out = wake(&mut state, &p, until, &format!("tick{round}"));
+        let out = wake(&mut t.state, &p, until, &format!("tick{round}"));
         job = jobs(&out.decisions)
             .pop()
             .expect("a job at the backoff's end");
         expected = (expected * 2).min(p.summary_spend_backoff_ms);
     }
-    assert_eq!(commit(&mut state, &p, "c", &job, 1, job.issued_at + 1), 1);
-    fold(
-        &mut state,
-        &p,
-        &event(ended(&job, 1, SweepStop::Deadline), "c", job.issued_at + 2),
-    );
-    assert_eq!(state.conversations["c"].spend.rounds_without_progress, 0);
+    assert_eq!(t.commit("c", &job, 1, job.issued_at + 1), 1);
+    t.fold(&event(
+        ended(&job, 1, SweepStop::Deadline),
+        "c",
+        job.issued_at + 2,
+    ));
+    assert_eq!(t.state.conversations["c"].spend.rounds_without_progress, 0);
 }
 
 #[test]
 fn a_barren_sweep_is_not_retried_on_its_own_end() {
     let p = policy();
-    let mut state = State::default();
-    let (job, next) = until_job(&mut state, &p, "c", 0, T0);
+    let mut t = FoldTest::new(p);
+    let (job, next) = t.until_job("c", 0, T0);
     let manual = Envelope::new(
         "m1",
         "c",
         job.issued_at + 1,
         EventBody::CompactionRequested(CompactionRequested::default()),
     );
-    fold(&mut state, &p, &manual);
+    t.fold(&manual);
     let mut urgent = job.clone();
     urgent.urgent = true;
-    if let Some(pending) = &mut state.conversations.get_mut("c").unwrap().pending_job {
+    if let Some(pending) = &mut t.state.conversations.get_mut("c").unwrap().pending_job {
         pending.job.urgent = true;
     }
     let e = event(ended(&urgent, 0, SweepStop::Failed), "c", job.issued_at + 2);
-    let out = fold(&mut state, &p, &e);
+    let out = t.fold(&e);
     assert!(jobs(&out.decisions).is_empty(), "retried on its own end");
-    let conv = &state.conversations["c"];
+    let conv = &t.state.conversations["c"];
     assert!(
         conv.debt.as_ref().is_some_and(|d| d.urgent),
         "a failed urgent round keeps its debt"
     );
     let until = conv.spend.backoff_until;
-    let out = fold(&mut state, &p, &turn("c", next, until));
+    let out = t.fold(&turn("c", next, until));
     let again = jobs(&out.decisions);
     assert_eq!(again.len(), 1, "the first event after its backoff retries");
     assert!(again[0].urgent);
@@ -412,17 +323,17 @@ fn a_debt_recorded_during_a_rolling_refresh_gets_its_job_when_it_ends() {
         rolling_every_turns: 2,
         ..policy()
     };
-    let mut state = State::default();
-    let (rolling, mut next) = until_job(&mut state, &p, "c", 0, T0);
+    let mut t = FoldTest::new(p);
+    let (rolling, mut next) = t.until_job("c", 0, T0);
     assert!(
         !rolling.compact && rolling.refresh_rolling_state,
         "{rolling:?}"
     );
     // Turns go on while it runs, until the threshold records a debt.
     let mut time = rolling.issued_at;
-    while state.conversations["c"].debt.is_none() {
+    while t.state.conversations["c"].debt.is_none() {
         time += 1_000;
-        let out = fold(&mut state, &p, &turn("c", next, time));
+        let out = t.fold(&turn("c", next, time));
         assert!(jobs(&out.decisions).is_empty(), "one job at a time");
         next += 1;
     }
@@ -442,8 +353,8 @@ fn a_debt_recorded_during_a_rolling_refresh_gets_its_job_when_it_ends() {
         passes: 0,
         ..ended(&rolling, 0, SweepStop::Done)
     };
-    fold(&mut state, &p, &state_of(&rolling, time + 1));
-    let out = fold(&mut state, &p, &event(refreshed, "c", time + 1));
+    t.fold(&state_of(&rolling, time + 1));
+    let out = t.fold(&event(refreshed, "c", time + 1));
     let issued = jobs(&out.decisions);
     assert_eq!(
         issued.len(),
@@ -459,51 +370,51 @@ fn a_rolling_refresh_that_wrote_nothing_is_no_progress() {
         rolling_every_turns: 2,
         ..policy()
     };
-    let mut state = State::default();
-    let (rolling, next) = until_job(&mut state, &p, "c", 0, T0);
+    let mut t = FoldTest::new(p);
+    let (rolling, next) = t.until_job("c", 0, T0);
     assert!(!rolling.compact && rolling.refresh_rolling_state);
     // Done, but no rolling state came (the call was refused): the same
     // job again at once would be refused the same way.
     let barren = SweepStop::Done;
-    let out = fold(
-        &mut state,
-        &p,
-        &event(ended(&rolling, 0, barren), "c", rolling.issued_at + 5),
-    );
+    let out = t.fold(&event(
+        ended(&rolling, 0, barren),
+        "c",
+        rolling.issued_at + 5,
+    ));
     assert!(jobs(&out.decisions).is_empty(), "re-issued on its own end");
-    let conv = &state.conversations["c"];
+    let conv = &t.state.conversations["c"];
     assert!(conv.rolling_due && conv.spend.rounds_without_progress == 1);
     assert!(conv.spend.backoff_until > rolling.issued_at);
-    let out = fold(&mut state, &p, &turn("c", next, rolling.issued_at + 10));
+    let out = t.fold(&turn("c", next, rolling.issued_at + 10));
     assert!(jobs(&out.decisions).is_empty(), "issued in backoff");
 }
 
 #[test]
 fn spend_counts_in_a_sliding_window_of_calls_tokens_and_money() {
     let p = policy();
-    let mut state = State::default();
-    let (job, mut next) = until_job(&mut state, &p, "c", 0, T0);
+    let mut t = FoldTest::new(p.clone());
+    let (job, mut next) = t.until_job("c", 0, T0);
     assert_eq!(job.max_calls, Some(5));
     // A productive round that spent the whole money allowance.
-    assert_eq!(commit(&mut state, &p, "c", &job, 1, job.issued_at + 5), 1);
+    assert_eq!(t.commit("c", &job, 1, job.issued_at + 5), 1);
     let mut s = ended(&job, 1, SweepStop::Done);
     s.cost_micros = 1_000;
-    fold(&mut state, &p, &event(s, "c", job.issued_at + 10));
+    t.fold(&event(s, "c", job.issued_at + 10));
     let window_end = job.issued_at + p.summary_call_window_ms;
-    let mut t = job.issued_at + 1_000;
-    while t < window_end {
-        let out = fold(&mut state, &p, &turn("c", next, t));
+    let mut at = job.issued_at + 1_000;
+    while at < window_end {
+        let out = t.fold(&turn("c", next, at));
         assert!(
             jobs(&out.decisions).is_empty(),
-            "job with no money left at {t}"
+            "job with no money left at {at}"
         );
         next += 1;
-        t += 30_000;
+        at += 30_000;
     }
     // The window slides past the spending job: compaction may resume.
-    let out = fold(&mut state, &p, &turn("c", next, window_end));
+    let out = t.fold(&turn("c", next, window_end));
     assert_eq!(jobs(&out.decisions).len(), 1);
-    assert!(state.conversations["c"].spend.recent.is_empty(), "pruned");
+    assert!(t.state.conversations["c"].spend.recent.is_empty(), "pruned");
 }
 
 #[test]
@@ -512,31 +423,27 @@ fn the_partition_window_reserves_and_shares_calls() {
         summary_max_calls_per_window_global: Some(4),
         ..policy()
     };
-    let mut state = State::default();
-    let (a, _) = until_job(&mut state, &p, "a", 0, T0);
+    let mut t = FoldTest::new(p);
+    let (a, _) = t.until_job("a", 0, T0);
     assert_eq!(a.max_calls, Some(4), "alone, a may use the whole window");
     // b asks while a's allowance is reserved: nothing is left for it.
     for i in 0..200 {
-        let out = fold(&mut state, &p, &turn("b", i, T0 + 100_000 + i * 1_000));
+        let out = t.fold(&turn("b", i, T0 + 100_000 + i * 1_000));
         assert!(
             jobs(&out.decisions).is_empty(),
             "b was granted calls a holds"
         );
-        if !state.spend.waiting.is_empty() {
+        if !t.state.spend.waiting.is_empty() {
             break;
         }
     }
 
-    assert_eq!(state.spend.waiting.len(), 1, "b waits for a share");
+    assert_eq!(t.state.spend.waiting.len(), 1, "b waits for a share");
     // a ends having spent 1 call: b gets its fair share, half of 4.
-    fold(
-        &mut state,
-        &p,
-        &event(ended(&a, 1, SweepStop::Done), "a", T0 + 400_000),
-    );
-    let (b, _) = until_job(&mut state, &p, "b", 500, T0 + 401_000);
+    t.fold(&event(ended(&a, 1, SweepStop::Done), "a", T0 + 400_000));
+    let (b, _) = t.until_job("b", 500, T0 + 401_000);
     assert_eq!(b.max_calls, Some(2), "{b:?}");
-    assert!(state.spend.waiting.is_empty(), "b no longer waits");
+    assert!(t.state.spend.waiting.is_empty(), "b no longer waits");
 }
 
 /// The digest as it was first written: build the strings, hash them.
@@ -698,59 +605,7 @@ fn streamed_turn_digest_crosses_its_buffer() {
 
 // ---- re-summarization of deterministic fallback summaries ----
 
-use crate::core::fallback_summary;
-use crate::core::sweep::{self, Pass};
-
-/// Runs the conversation's pending job in process, as a sweep would:
-/// every pass answered by the deterministic summarizer, marked as a
-/// model's when `model`. A re-summarization the "model" could not do
-/// (fallback again) is not recorded. Returns every decision.
-fn run_job(state: &mut State, p: &PolicyConfig, conv: &str, model: bool) -> Vec<Envelope> {
-    let c = &state.conversations[conv];
-    let pending = c.pending_job.clone().expect("a pending job");
-    let mut snap = sweep::snapshot(c, &pending.job, p).unwrap();
-    let time = c.last_time + 100;
-    let mut decisions = Vec::new();
-    let mut committed = 0;
-    while let Some(pass) = snap.next_pass() {
-        let req = snap.request(pass, false);
-        let mut draft = fallback_summary::summarize(&req);
-        if model {
-            draft.fallback = false;
-            draft.model = "test-model".into();
-            draft.provider = "test".into();
-            draft.prompt_version = "model-v1".into();
-        } else if matches!(pass, Pass::Resummarize(_)) {
-            break;
-        }
-        let rec = snap.record(pass, &draft);
-        if rec.tokens >= rec.source_tokens || committed > 100 {
-            break;
-        }
-        snap.apply(pass, &rec);
-        let out = fold(state, p, &sweep::summary_event(conv, time, rec));
-        assert_eq!(out.status, FoldStatus::Applied, "{:?}", out.decisions);
-        decisions.extend(out.decisions);
-        committed += 1;
-    }
-    let end = SweepEnded {
-        job_id: pending.job.job_id,
-        passes: committed.max(1),
-        committed,
-        stop: if committed > 0 {
-            SweepStop::Done
-        } else {
-            SweepStop::NoProgress
-        },
-        detail: None,
-        calls: 0,
-        tokens_spent: 0,
-        cost_micros: 0,
-        retry_after_ms: None,
-    };
-    decisions.extend(fold(state, p, &event(end, conv, time + 1)).decisions);
-    decisions
-}
+use crate::core::sweep;
 
 fn debts_recorded(decisions: &[Envelope]) -> Vec<DebtReason> {
     decisions
@@ -780,11 +635,11 @@ fn assert_accounting(conv: &Conversation) {
 
 /// Turns and fallback-only jobs until fallback summaries are in context
 /// and no job is pending; returns the next turn index.
-fn with_fallbacks(state: &mut State, p: &PolicyConfig, conv: &str) -> u64 {
-    let (_, next) = until_job(state, p, conv, 0, T0);
-    let decisions = run_job(state, p, conv, false);
-    assert!(!fallbacks_in_context(state, conv).is_empty());
-    assert!(state.conversations[conv].pending_job.is_none());
+fn with_fallbacks(t: &mut FoldTest, conv: &str) -> u64 {
+    let (_, next) = t.until_job(conv, 0, T0);
+    let decisions = t.run_job(conv, false);
+    assert!(!fallbacks_in_context(&t.state, conv).is_empty());
+    assert!(t.conversation(conv).pending_job.is_none());
     assert!(!debts_recorded(&decisions).contains(&DebtReason::Resummarize));
     next
 }
@@ -792,21 +647,21 @@ fn with_fallbacks(state: &mut State, p: &PolicyConfig, conv: &str) -> u64 {
 #[test]
 fn a_deterministic_only_deployment_never_owes_resummarization() {
     let p = policy();
-    let mut state = State::default();
+    let mut t = FoldTest::new(p);
     let mut next = 0;
     let mut all = Vec::new();
     for round in 0..4 {
-        let (_, n) = until_job(&mut state, &p, "c", next, T0 + round * 1_000_000);
-        all.extend(run_job(&mut state, &p, "c", false));
+        let (_, n) = t.until_job("c", next, T0 + round * 1_000_000);
+        all.extend(t.run_job("c", false));
         next = n;
     }
-    assert!(!fallbacks_in_context(&state, "c").is_empty());
+    assert!(!fallbacks_in_context(&t.state, "c").is_empty());
     assert!(
-        state.conversations["c"].summaries.len() > 2,
+        t.state.conversations["c"].summaries.len() > 2,
         "several rounds"
     );
     assert!(!debts_recorded(&all).contains(&DebtReason::Resummarize));
-    assert!(state.conversations["c"]
+    assert!(t.state.conversations["c"]
         .debt
         .as_ref()
         .is_none_or(|d| d.reason != DebtReason::Resummarize));
@@ -815,12 +670,12 @@ fn a_deterministic_only_deployment_never_owes_resummarization() {
 #[test]
 fn a_model_summary_raises_resummarization_which_replaces_every_fallback() {
     let p = policy();
-    let mut state = State::default();
-    let next = with_fallbacks(&mut state, &p, "c");
-    let old = fallbacks_in_context(&state, "c");
+    let mut t = FoldTest::new(p);
+    let next = with_fallbacks(&mut t, "c");
+    let old = fallbacks_in_context(&t.state, "c");
     // The next compaction is done by a model: evidence it is back.
-    let (_, _) = until_job(&mut state, &p, "c", next, T0 + 1_000_000);
-    let decisions = run_job(&mut state, &p, "c", true);
+    let (_, _) = t.until_job("c", next, T0 + 1_000_000);
+    let decisions = t.run_job("c", true);
     assert_eq!(
         debts_recorded(&decisions).last(),
         Some(&DebtReason::Resummarize)
@@ -834,13 +689,13 @@ fn a_model_summary_raises_resummarization_which_replaces_every_fallback() {
     assert_eq!(job.reason, DebtReason::Resummarize);
     assert!(!job.urgent, "routine: spend window and backoff apply");
 
-    let decisions = run_job(&mut state, &p, "c", true);
-    assert!(fallbacks_in_context(&state, "c").is_empty());
+    let decisions = t.run_job("c", true);
+    assert!(fallbacks_in_context(&t.state, "c").is_empty());
     assert!(decisions.iter().any(|d| matches!(
         &d.body,
         EventBody::DebtCleared(c) if c.reason.contains("no deterministic fallback")
     )));
-    let conv = &state.conversations["c"];
+    let conv = &t.state.conversations["c"];
     assert!(conv.debt.is_none());
     assert_accounting(conv);
     for x in &old {
@@ -907,22 +762,18 @@ fn readdress(conv: &str, mut rec: SummaryRecorded) -> SummaryRecorded {
 #[test]
 fn a_resummary_is_accepted_in_the_place_of_its_fallback() {
     let p = policy();
-    let mut state = State::default();
-    with_fallbacks(&mut state, &p, "c");
-    let (x, rec) = resummary_of(&state, "c");
-    let before = state.conversations["c"].clone();
+    let mut t = FoldTest::new(p);
+    with_fallbacks(&mut t, "c");
+    let (x, rec) = resummary_of(&t.state, "c");
+    let before = t.state.conversations["c"].clone();
     let pos = before
         .context
         .iter()
         .position(|&i| i == ContextItem::Summary(before.summary_index(&x.id).unwrap()))
         .unwrap();
-    let out = fold(
-        &mut state,
-        &p,
-        &sweep::summary_event("c", T0 + 9_000_000, rec.clone()),
-    );
+    let out = t.fold(&sweep::summary_event("c", T0 + 9_000_000, rec.clone()));
     assert_eq!(out.status, FoldStatus::Applied);
-    let conv = &state.conversations["c"];
+    let conv = &t.state.conversations["c"];
     let k = conv.summary_index(&rec.summary_id).unwrap();
     assert_eq!(conv.context[pos], ContextItem::Summary(k), "same position");
     assert_eq!(conv.context.len(), before.context.len());
@@ -943,12 +794,12 @@ fn a_resummary_is_accepted_in_the_place_of_its_fallback() {
 #[test]
 fn a_resummary_that_does_not_match_is_rejected_whole() {
     let p = policy();
-    let mut state = State::default();
-    with_fallbacks(&mut state, &p, "c");
-    let (x, good) = resummary_of(&state, "c");
+    let mut t = FoldTest::new(p.clone());
+    with_fallbacks(&mut t, "c");
+    let (x, good) = resummary_of(&t.state, "c");
     let model_leaf = {
         // A model summary in context, to be wrongly "superseded".
-        let mut s2 = state.clone();
+        let mut s2 = t.state.clone();
         fold(
             &mut s2,
             &p,
@@ -962,7 +813,7 @@ fn a_resummary_that_does_not_match_is_rejected_whole() {
     let cases: Vec<(&str, State, SummaryRecorded)> = vec![
         (
             "unknown summary",
-            state.clone(),
+            t.state.clone(),
             readdress(
                 "c",
                 SummaryRecorded {
@@ -973,7 +824,7 @@ fn a_resummary_that_does_not_match_is_rejected_whole() {
         ),
         (
             "fallback summary cannot supersede",
-            state.clone(),
+            t.state.clone(),
             readdress(
                 "c",
                 SummaryRecorded {
@@ -984,7 +835,7 @@ fn a_resummary_that_does_not_match_is_rejected_whole() {
         ),
         (
             "must match",
-            state.clone(),
+            t.state.clone(),
             readdress(
                 "c",
                 SummaryRecorded {
@@ -998,7 +849,7 @@ fn a_resummary_that_does_not_match_is_rejected_whole() {
         ),
         (
             "must match",
-            state.clone(),
+            t.state.clone(),
             readdress(
                 "c",
                 SummaryRecorded {
@@ -1010,7 +861,7 @@ fn a_resummary_that_does_not_match_is_rejected_whole() {
         ),
         (
             "content address",
-            state.clone(),
+            t.state.clone(),
             SummaryRecorded {
                 content: "tampered".into(),
                 ..good.clone()
@@ -1064,15 +915,15 @@ fn a_resummary_that_does_not_match_is_rejected_whole() {
 fn a_condensed_summary_of_depth_zero_is_rejected() {
     // Its children's expected depth was depth - 1: an overflow.
     let p = policy();
-    let mut state = State::default();
-    with_fallbacks(&mut state, &p, "c");
-    let mut ids: Vec<String> = state.conversations["c"]
+    let mut t = FoldTest::new(p);
+    with_fallbacks(&mut t, "c");
+    let mut ids: Vec<String> = t.state.conversations["c"]
         .summaries
         .iter()
         .map(|s| s.id.clone())
         .collect();
     ids.extend(ids.clone());
-    let (_, leaf) = resummary_of(&state, "c");
+    let (_, leaf) = resummary_of(&t.state, "c");
     let rec = readdress(
         "c",
         SummaryRecorded {
@@ -1083,11 +934,7 @@ fn a_condensed_summary_of_depth_zero_is_rejected() {
             ..leaf
         },
     );
-    let out = fold(
-        &mut state,
-        &p,
-        &sweep::summary_event("c", T0 + 9_100_000, rec),
-    );
+    let out = t.fold(&sweep::summary_event("c", T0 + 9_100_000, rec));
     let FoldStatus::Rejected(reason) = &out.status else {
         panic!("accepted: {:?}", out.decisions);
     };
@@ -1101,25 +948,25 @@ fn a_condensed_summary_of_depth_zero_is_rejected() {
 #[test]
 fn a_threshold_trigger_takes_over_a_pending_resummarization() {
     let p = policy();
-    let mut state = State::default();
-    let next = with_fallbacks(&mut state, &p, "c");
-    let (_, next) = until_job(&mut state, &p, "c", next, T0 + 1_000_000);
-    let decisions = run_job(&mut state, &p, "c", true);
+    let mut t = FoldTest::new(p);
+    let next = with_fallbacks(&mut t, "c");
+    let (_, next) = t.until_job("c", next, T0 + 1_000_000);
+    let decisions = t.run_job("c", true);
     let job = jobs(&decisions).pop().expect("a re-summarization job");
     assert_eq!(job.reason, DebtReason::Resummarize);
-    let cycle = state.conversations["c"].cycle;
+    let cycle = t.state.conversations["c"].cycle;
     // Turns arrive while it runs (before it could expire), until
     // compaction is owed again.
     let mut taken = Vec::new();
     for i in next..next + 40 {
-        let out = fold(&mut state, &p, &turn("c", i, job.issued_at + 1_000 + i));
+        let out = t.fold(&turn("c", i, job.issued_at + 1_000 + i));
         taken.extend(out.decisions);
         if debts_recorded(&taken).contains(&DebtReason::Threshold) {
             break;
         }
     }
     assert_eq!(debts_recorded(&taken), vec![DebtReason::Threshold]);
-    let conv = &state.conversations["c"];
+    let conv = &t.state.conversations["c"];
     let debt = conv.debt.as_ref().expect("one debt");
     assert_eq!(debt.reason, DebtReason::Threshold);
     assert_eq!(conv.cycle, cycle + 1, "compaction starts a cycle");
@@ -1133,10 +980,10 @@ fn a_threshold_trigger_takes_over_a_pending_resummarization() {
         stop: SweepStop::NoProgress,
         ..ended(&job, 0, SweepStop::NoProgress)
     };
-    let out = fold(&mut state, &p, &event(failed, "c", job.issued_at + 100_000));
+    let out = t.fold(&event(failed, "c", job.issued_at + 100_000));
     assert!(jobs(&out.decisions).is_empty());
     assert_eq!(
-        state.conversations["c"].debt.as_ref().map(|d| d.reason),
+        t.state.conversations["c"].debt.as_ref().map(|d| d.reason),
         Some(DebtReason::Threshold)
     );
 }
@@ -1148,14 +995,14 @@ fn a_trigger_with_nothing_to_compact_leaves_a_resummarization_alone() {
         no_progress_backoff_ms: 1_800_000,
         ..policy()
     };
-    let mut state = State::default();
-    let next = with_fallbacks(&mut state, &p, "c");
-    let (_, next) = until_job(&mut state, &p, "c", next, T0 + 1_000_000);
-    let decisions = run_job(&mut state, &p, "c", true);
+    let mut t = FoldTest::new(p.clone());
+    let next = with_fallbacks(&mut t, "c");
+    let (_, next) = t.until_job("c", next, T0 + 1_000_000);
+    let decisions = t.run_job("c", true);
     let job = jobs(&decisions).pop().expect("a re-summarization job");
     // The model failed again: backoff, the debt stays.
     let failed = ended(&job, 0, SweepStop::NoProgress);
-    fold(&mut state, &p, &event(failed, "c", T0 + 2_000_000));
+    t.fold(&event(failed, "c", T0 + 2_000_000));
     // Everything raw is fresh tail and nothing condenses: over the
     // threshold, a trigger has no compaction work. It must neither take
     // the debt over nor let it be cleared and raised again every turn.
@@ -1165,15 +1012,15 @@ fn a_trigger_with_nothing_to_compact_leaves_a_resummarization_alone() {
         fresh_tail_max_tokens: Some(u64::MAX),
         leaf_fanout: 10_000,
         condensed_fanout: 10_000,
-        ..p.clone()
+        ..p
     };
     let mut all = Vec::new();
     let mut i = next;
     while {
-        let conv = &state.conversations["c"];
+        let conv = &t.state.conversations["c"];
         conv.context.tokens() <= policy::levels(conv, &q).threshold_tokens
     } {
-        let out = fold(&mut state, &q, &turn("c", i, T0 + 2_100_000 + i * 1_000));
+        let out = fold(&mut t.state, &q, &turn("c", i, T0 + 2_100_000 + i * 1_000));
         all.extend(out.decisions);
         i += 1;
     }
@@ -1188,9 +1035,9 @@ fn a_trigger_with_nothing_to_compact_leaves_a_resummarization_alone() {
                 context_window: None,
             }),
         );
-        all.extend(fold(&mut state, &q, &declared).decisions);
+        all.extend(fold(&mut t.state, &q, &declared).decisions);
     }
-    let conv = &state.conversations["c"];
+    let conv = &t.state.conversations["c"];
     assert!(conv.context.tokens() > policy::levels(conv, &q).threshold_tokens);
     assert!(
         !all.iter().any(|d| matches!(
@@ -1206,25 +1053,20 @@ fn a_trigger_with_nothing_to_compact_leaves_a_resummarization_alone() {
     assert!(jobs(&all).is_empty(), "in backoff");
 }
 
-/// Folds `e` as a log that stores times folds it: at `stored`.
-fn fold_at(state: &mut State, p: &PolicyConfig, e: &Envelope, stored: u64) -> FoldOutcome {
-    fold_owned(state, p, e.clone(), Some(stored), None)
-}
-
 #[test]
 fn a_backfilled_session_is_scheduled_by_the_log_not_by_its_timestamps() {
     // Turns a day apart by their own clock, stored within one second.
     let p = policy();
     let day = 86_400_000;
     let stored = T0 + 30 * day;
-    let mut state = State::default();
+    let mut t = FoldTest::new(p.clone());
     let mut issued = None;
     for i in 0..40u64 {
-        let out = fold_at(&mut state, &p, &turn("c", i, T0 + i * day), stored + i);
+        let out = t.fold_at(&turn("c", i, T0 + i * day), stored + i);
         if let Some(j) = jobs(&out.decisions).pop() {
             issued.get_or_insert(j);
         }
-        let conv = &state.conversations["c"];
+        let conv = &t.state.conversations["c"];
         assert!(
             !conv
                 .history
@@ -1240,7 +1082,7 @@ fn a_backfilled_session_is_scheduled_by_the_log_not_by_its_timestamps() {
         "{}",
         job.issued_at
     );
-    assert_eq!(state.clock.now, stored + 39);
+    assert_eq!(t.state.clock.now, stored + 39);
     // The same turns folded at their own times expire the job at once.
     let mut by_event_time = State::default();
     for i in 0..40u64 {
@@ -1256,11 +1098,11 @@ fn a_backfilled_session_is_scheduled_by_the_log_not_by_its_timestamps() {
 #[test]
 fn a_job_expires_twice_its_deadline_after_its_decision_came_back() {
     let p = policy();
-    let mut state = State::default();
+    let mut t = FoldTest::new(p.clone());
     let mut decided = None;
     let mut i = 0;
     while decided.is_none() {
-        let out = fold_at(&mut state, &p, &turn("c", i, T0 + i), T0 + i);
+        let out = t.fold_at(&turn("c", i, T0 + i), T0 + i);
         decided = out
             .decisions
             .into_iter()
@@ -1273,18 +1115,15 @@ fn a_job_expires_twice_its_deadline_after_its_decision_came_back() {
     };
     // Its copy reaches the log (and the fold) a minute later.
     let left = job.issued_at + 60_000;
-    assert_eq!(
-        fold_at(&mut state, &p, &decision, left).status,
-        FoldStatus::Duplicate
-    );
-    let pending = state.conversations["c"].pending_job.clone().unwrap();
+    assert_eq!(t.fold_at(&decision, left).status, FoldStatus::Duplicate);
+    let pending = t.state.conversations["c"].pending_job.clone().unwrap();
     assert_eq!(pending.left_at, Some(left));
     let expiry = left + 2 * job.deadline_ms + schedule::JOB_GRACE_MS;
-    assert_eq!(state.clock.timer("c"), Some(expiry));
+    assert_eq!(t.state.clock.timer("c"), Some(expiry));
     // A second copy changes nothing.
-    fold_at(&mut state, &p, &decision, left + 5);
+    t.fold_at(&decision, left + 5);
     assert_eq!(
-        state.conversations["c"]
+        t.state.conversations["c"]
             .pending_job
             .as_ref()
             .unwrap()
@@ -1292,32 +1131,32 @@ fn a_job_expires_twice_its_deadline_after_its_decision_came_back() {
         Some(left)
     );
     // Not expired a moment before; expired at its time, by the clock alone.
-    assert!(wake(&mut state, &p, expiry - 1, "tick1").woken.is_empty());
-    let out = wake(&mut state, &p, expiry, "tick2");
+    assert!(wake(&mut t.state, &p, expiry - 1, "tick1").woken.is_empty());
+    let out = wake(&mut t.state, &p, expiry, "tick2");
     assert_eq!(out.woken, ["c"]);
     assert!(out
         .notes
         .iter()
         .any(|n| matches!(n, ScheduleNote::JobExpired { job_id, .. } if job_id == &job.job_id)));
-    let conv = &state.conversations["c"];
+    let conv = &t.state.conversations["c"];
     assert!(conv.pending_job.is_none());
-    assert_eq!(state.clock.timer("c"), Some(conv.spend.backoff_until));
+    assert_eq!(t.state.clock.timer("c"), Some(conv.spend.backoff_until));
 }
 
 #[test]
 fn any_record_moves_the_partition_clock_and_wakes_who_is_due() {
     let p = policy();
-    let mut state = State::default();
-    let (job, _) = until_job(&mut state, &p, "a", 0, T0);
-    fold(
-        &mut state,
-        &p,
-        &event(ended(&job, 0, SweepStop::Failed), "a", job.issued_at + 1),
-    );
-    let until = state.conversations["a"].spend.backoff_until;
+    let mut t = FoldTest::new(p);
+    let (job, _) = t.until_job("a", 0, T0);
+    t.fold(&event(
+        ended(&job, 0, SweepStop::Failed),
+        "a",
+        job.issued_at + 1,
+    ));
+    let until = t.state.conversations["a"].spend.backoff_until;
     // Another conversation's turn, stored after `a`'s backoff ends, wakes
     // `a` first and issues its job: no event of `a` is needed.
-    let out = fold_at(&mut state, &p, &turn("b", 0, T0), until);
+    let out = t.fold_at(&turn("b", 0, T0), until);
     assert_eq!(out.woken, ["a"]);
     let issued = jobs(&out.decisions);
     assert_eq!(issued.len(), 1);
@@ -1327,8 +1166,8 @@ fn any_record_moves_the_partition_clock_and_wakes_who_is_due() {
         .iter()
         .all(|d| d.conversation == "a" || d.conversation == "b"));
     // The clock never goes back: an older record does not rewind it.
-    fold_at(&mut state, &p, &turn("b", 1, T0), until - 5_000);
-    assert_eq!(state.clock.now, until);
+    t.fold_at(&turn("b", 1, T0), until - 5_000);
+    assert_eq!(t.state.clock.now, until);
 }
 
 #[test]
@@ -1337,36 +1176,37 @@ fn a_job_end_wakes_the_conversations_waiting_for_the_partition() {
         summary_max_calls_per_window_global: Some(5),
         ..policy()
     };
-    let mut state = State::default();
-    let (job_a, _) = until_job(&mut state, &p, "a", 0, T0);
+    let mut t = FoldTest::new(p.clone());
+    let (job_a, _) = t.until_job("a", 0, T0);
     // `a` holds the whole partition allowance while its job runs: `b`
     // waits for the partition.
     let mut i = 0;
-    while state
+    while t
+        .state
         .conversations
         .get("b")
         .is_none_or(|b| b.debt.is_none())
     {
-        fold(&mut state, &p, &turn("b", i, job_a.issued_at + 10 + i));
+        t.fold(&turn("b", i, job_a.issued_at + 10 + i));
         i += 1;
     }
-    assert!(state.conversations["b"].pending_job.is_none());
+    assert!(t.state.conversations["b"].pending_job.is_none());
     assert_eq!(
-        state.conversations["b"].spend.holding,
+        t.state.conversations["b"].spend.holding,
         Some(Wait::PartitionWindow)
     );
-    let b_wait = state.clock.timer("b").expect("b waits with an end");
+    let b_wait = t.state.clock.timer("b").expect("b waits with an end");
     let end = job_a.issued_at + 100;
     assert!(b_wait > end);
     let mut done = ended(&job_a, 0, SweepStop::Done);
     done.calls = 1;
-    fold(&mut state, &p, &event(done, "a", end));
+    t.fold(&event(done, "a", end));
     assert_eq!(
-        state.clock.timer("b"),
+        t.state.clock.timer("b"),
         Some(end),
         "b looked at again at once"
     );
-    let out = wake(&mut state, &p, end, "tick");
+    let out = wake(&mut t.state, &p, end, "tick");
     assert!(out.issued.iter().any(|(c, _)| c == "b"), "{out:?}");
 }
 
@@ -1377,7 +1217,7 @@ fn a_flood_is_refused_over_the_quota_with_one_record_and_admitted_again_as_the_r
         intake_burst_events: 50,
         ..policy()
     };
-    let mut state = State::default();
+    let mut t = FoldTest::new(p.clone());
     let flood: Vec<Envelope> = (0..200)
         .map(|i| {
             Envelope::new(
@@ -1396,7 +1236,7 @@ fn a_flood_is_refused_over_the_quota_with_one_record_and_admitted_again_as_the_r
     // 200 events stored within 100 ms: the burst of 50 (100 ms refill
     // less than one more at 10/s).
     for (i, e) in flood.iter().enumerate() {
-        let out = fold_at(&mut state, &p, e, T0 + i as u64 / 2);
+        let out = t.fold_at(e, T0 + i as u64 / 2);
         records += out
             .decisions
             .iter()
@@ -1415,11 +1255,11 @@ fn a_flood_is_refused_over_the_quota_with_one_record_and_admitted_again_as_the_r
     assert_eq!(admitted, 50, "the burst");
     assert_eq!(records, 1, "one record for the episode, not one per event");
     assert_eq!(throttled, 200 - 50 - 1);
-    let conv = &state.conversations["c"];
+    let conv = &t.state.conversations["c"];
     assert_eq!(conv.quota.refused, 150);
     assert_eq!(conv.turns.len(), 50);
     // A refused id is consumed: the same event later changes nothing.
-    let again = fold_at(&mut state, &p, &flood[199], T0 + 60_000);
+    let again = t.fold_at(&flood[199], T0 + 60_000);
     assert_eq!(again.status, FoldStatus::Duplicate);
     // A second later, the rate lets the agent in again.
     let next = Envelope::new(
@@ -1428,19 +1268,16 @@ fn a_flood_is_refused_over_the_quota_with_one_record_and_admitted_again_as_the_r
         T0 + 2_000,
         EventBody::TurnAppended(TurnAppended::from(ChatMessage::text(Role::User, "back"))),
     );
-    assert_eq!(
-        fold_at(&mut state, &p, &next, T0 + 2_000).status,
-        FoldStatus::Applied
-    );
-    assert!(!state.conversations["c"].quota.refusing);
+    assert_eq!(t.fold_at(&next, T0 + 2_000).status, FoldStatus::Applied);
+    assert!(!t.state.conversations["c"].quota.refusing);
     // Replaying gives the same admissions (the buckets run on stored time).
-    let mut replay = State::default();
+    let mut replay = FoldTest::new(p);
     for (i, e) in flood.iter().enumerate() {
-        fold_at(&mut replay, &p, e, T0 + i as u64 / 2);
+        replay.fold_at(e, T0 + i as u64 / 2);
     }
-    fold_at(&mut replay, &p, &flood[199], T0 + 60_000);
-    fold_at(&mut replay, &p, &next, T0 + 2_000);
-    assert_eq!(replay.hash(), state.hash());
+    replay.fold_at(&flood[199], T0 + 60_000);
+    replay.fold_at(&next, T0 + 2_000);
+    assert_eq!(replay.state.hash(), t.state.hash());
 }
 
 /// A flood spread over many conversations, each within its own quota, is
@@ -1469,14 +1306,14 @@ fn a_flood_over_many_conversations_is_held_to_the_partitions_quota() {
             ))),
         )
     };
-    let mut state = State::default();
+    let mut t = FoldTest::new(p.clone());
     // One conversation over its own quota first: 80 events, 50 admitted,
     // 30 refused without touching the partition's bucket beyond the 50.
     for i in 0..80 {
-        fold_at(&mut state, &p, &turn("hog", i), T0);
+        t.fold_at(&turn("hog", i), T0);
     }
-    assert_eq!(state.conversations["hog"].turns.len(), 50);
-    assert_eq!(state.intake.refused, 0, "the hog's own refusals");
+    assert_eq!(t.state.conversations["hog"].turns.len(), 50);
+    assert_eq!(t.state.intake.refused, 0, "the hog's own refusals");
     // Twenty more conversations, 10 events each, all at once: 50 left in
     // the partition's burst.
     let mut records = 0;
@@ -1484,7 +1321,7 @@ fn a_flood_over_many_conversations_is_held_to_the_partitions_quota() {
     for c in 0..20 {
         let conv = format!("agent-{c}");
         for i in 0..10 {
-            let out = fold_at(&mut state, &p, &turn(&conv, i), T0 + 1);
+            let out = t.fold_at(&turn(&conv, i), T0 + 1);
             admitted += usize::from(out.status == FoldStatus::Applied);
             records += out
                 .decisions
@@ -1497,27 +1334,26 @@ fn a_flood_over_many_conversations_is_held_to_the_partitions_quota() {
         }
     }
     assert_eq!(admitted, 50, "the partition's burst left after the hog");
-    assert_eq!(state.intake.refused, 150);
+    assert_eq!(t.state.intake.refused, 150);
     assert_eq!(records, 15, "one record for each conversation refused");
     let refused: u64 = (0..20)
         .map(|c| {
-            state.conversations[format!("agent-{c}").as_str()]
+            t.state.conversations[format!("agent-{c}").as_str()]
                 .quota
                 .refused
         })
         .sum();
     assert_eq!(refused, 150, "counted in each conversation's status");
     // Ten seconds later the partition's rate lets them in again.
-    let later = fold_at(&mut state, &p, &turn("agent-19", 99), T0 + 10_000);
+    let later = t.fold_at(&turn("agent-19", 99), T0 + 10_000);
     assert_eq!(later.status, FoldStatus::Applied);
     // Replay gives the same state; without a partition quota the state
     // keeps no partition bucket and hashes as before it existed.
-    let mut without = State::default();
-    let q = PolicyConfig {
+    let mut without = FoldTest::new(PolicyConfig {
         intake_partition_events_per_second: None,
         intake_partition_burst_events: None,
-        ..p.clone()
-    };
-    fold_at(&mut without, &q, &turn("hog", 0), T0);
-    assert_eq!(without.intake, IntakeQuota::default());
+        ..p
+    });
+    without.fold_at(&turn("hog", 0), T0);
+    assert_eq!(without.state.intake, IntakeQuota::default());
 }
