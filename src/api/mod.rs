@@ -452,7 +452,9 @@ pub fn answer(op: Op, body: &[u8], held: Held<'_>) -> Result<Vec<u8>, ApiError> 
     }
 }
 
-fn parse_op(op: &str) -> Result<Op, ApiError> {
+/// The operation a request names; an unknown one is a `bad_request`
+/// listing the known ones.
+pub fn parse_op(op: &str) -> Result<Op, ApiError> {
     Op::parse(op).ok_or_else(|| {
         ApiError::bad(format!(
             "unknown operation {op:?}; known: {}",
@@ -565,13 +567,12 @@ pub enum Target<'a> {
 /// permission on the subject scopes what a client may read or compact;
 /// only `status` answers globally, and only on the admin subject.
 pub fn answer_view<V: StateView + ?Sized>(
-    op: &str,
+    op: Op,
     target: Target<'_>,
     body: &[u8],
     view: &V,
     retry_after_ms: u64,
 ) -> Result<Vec<u8>, ApiError> {
-    let op = parse_op(op)?;
     #[derive(Deserialize)]
     struct Routing {
         #[serde(default)]
@@ -640,7 +641,7 @@ pub fn handle_view<V: StateView + ?Sized>(
     view: &V,
     retry_after_ms: u64,
 ) -> Vec<u8> {
-    match answer_view(op, target, body, view, retry_after_ms) {
+    match parse_op(op).and_then(|op| answer_view(op, target, body, view, retry_after_ms)) {
         Ok(bytes) => bytes,
         Err(e) => e.to_json(),
     }
