@@ -437,11 +437,11 @@ impl<V: StateView> Handler<V> {
     ) -> Result<Vec<u8>, ApiError> {
         match op {
             Op::Assemble | Op::Grep | Op::Describe | Op::Expand | Op::History => {
-                self.from_state(op, conversation, body).await
+                self.answer_here(op, conversation, body).await
             }
             Op::Status => {
                 let global = conversation.is_none();
-                let local = self.from_state(op, conversation, body).await?;
+                let local = self.answer_here(op, conversation, body).await?;
                 // The whole service's status: what this process holds, and
                 // every other partition from the process that holds it.
                 match &self.route {
@@ -458,7 +458,7 @@ impl<V: StateView> Handler<V> {
             }
             // Effect: the compaction request is stored before the answer.
             Op::Compact => {
-                let answer = self.from_state(op, conversation, body).await?;
+                let answer = self.answer_here(op, conversation, body).await?;
                 match &self.compactions {
                     Some(subjects) => publish_compaction(&self.client, subjects, &answer).await,
                     None => Ok(answer),
@@ -482,7 +482,7 @@ impl<V: StateView> Handler<V> {
 
     /// Answers from the state this process holds, on a blocking thread (a
     /// regex over a long conversation must not stall the async workers).
-    async fn from_state(
+    async fn answer_here(
         &self,
         op: Op,
         conversation: Option<String>,
