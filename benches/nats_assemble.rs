@@ -57,7 +57,7 @@ mod shapes;
 mod nats_server;
 
 use bytes::Bytes;
-use contextfold::api::{answer_view, assemble as assemble_api, LocalState, Target};
+use contextfold::api::{answer_view, assemble as assemble_api, LocalState, Op, Target};
 use contextfold::core::assembly;
 use contextfold::core::state::{Resident, State};
 use contextfold::nats::api_role::{self, ServiceConfig};
@@ -156,7 +156,7 @@ fn handler_alone(name: &str, view: &LocalState, body: &str) -> Result<(Percentil
     for _ in 0..HANDLER_RUNS {
         let t = Instant::now();
         let reply = answer_view(
-            "assemble",
+            Op::Assemble,
             Target::Conversation(shapes::KEY),
             body.as_bytes(),
             view,

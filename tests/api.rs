@@ -186,6 +186,32 @@ fn error_of(reply: &[u8]) -> ErrorBody {
 
 // ------------------------------------------------------------ dispatch --
 
+/// The operations' wire names are the contract (docs/api.md, the subjects
+/// `<prefix>.api.<op>.<token>`, NATS permissions written against them):
+/// `Op` is derived from `Request`, so renaming a variant would rename an
+/// operation; this pins them. Each has its section in docs/api.md.
+#[test]
+fn op_wire_names_are_pinned_and_documented() {
+    let pinned = [
+        "assemble", "status", "grep", "describe", "expand", "compact", "history", "recall",
+    ];
+    assert_eq!(Op::NAMES, pinned);
+    for (&op, name) in Op::ALL.iter().zip(pinned) {
+        assert_eq!(op.as_str(), name);
+        assert_eq!(op.to_string(), name);
+        assert_eq!(Op::parse(name), Some(op));
+        assert_eq!(serde_json::to_value(op).unwrap(), json!(name));
+    }
+    let docs =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/api.md")).unwrap();
+    for name in Op::NAMES {
+        assert!(
+            docs.lines().any(|l| l == format!("## {name}")),
+            "docs/api.md has no `## {name}` section"
+        );
+    }
+}
+
 #[test]
 fn the_fixture_compacts_into_a_dag() {
     let conv = &state().conversations[CONV];

@@ -20,6 +20,36 @@ const DATA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data");
 const OPENHANDS: &str = "openhands/multi_swe_bench_output.jsonl";
 const CODEX: &str = "codex/agent-history_session-01.jsonl";
 
+/// The formats' names are the contract of `--format` (and of the error
+/// that lists them): `Format` derives them from its variants, so renaming
+/// one would rename a format; this pins them.
+#[test]
+fn format_names_are_pinned() {
+    let pinned = [
+        "auto",
+        "openai",
+        "pi",
+        "claude-code",
+        "swe-agent",
+        "openhands",
+        "aider",
+        "codex",
+    ];
+    assert_eq!(Format::NAMES, pinned);
+    for (&format, name) in Format::ALL.iter().zip(pinned) {
+        assert_eq!(format.name(), name);
+        assert_eq!(format.to_string(), name);
+        assert_eq!(name.parse::<Format>(), Ok(format));
+    }
+    let unknown = detect_format(b"not a transcript").unwrap_err().to_string();
+    assert!(
+        unknown.ends_with(
+            "pass --format with one of: openai, pi, claude-code, swe-agent, openhands, aider, codex"
+        ),
+        "{unknown}"
+    );
+}
+
 fn read(rel: &str) -> Vec<u8> {
     let path = Path::new(DATA).join(rel);
     std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))

@@ -27,7 +27,6 @@ use crate::core::policy::PolicyConfig;
 use crate::core::state::{BodyError, Conversation, Resident, State, Summary, Turn, TurnBodies};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use std::fmt;
 use std::panic::AssertUnwindSafe;
 use std::sync::RwLock;
 
@@ -47,53 +46,84 @@ pub const MAX_REQUEST_BYTES: usize = 1024 * 1024;
 /// the time a partition lease takes to move.
 pub const DEFAULT_NOT_OWNER_RETRY_MS: u64 = 500;
 
-/// One API operation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Op {
-    Assemble,
-    Status,
-    Grep,
-    Describe,
-    Expand,
-    Compact,
-    History,
-    Recall,
+/// One API request: an operation and its body. The one table of the API's
+/// operations: [`Op`] is derived from it (an operation's wire name is its
+/// variant's name in snake case, for serde and strum alike, pinned by
+/// `tests/api.rs`), and every `match` on either is exhaustive, so a new
+/// operation does not compile until its handler, its NATS dispatch and
+/// its client are written.
+#[derive(Debug, Clone, Serialize, strum::EnumDiscriminants)]
+#[serde(untagged)]
+#[strum_discriminants(
+    name(Op),
+    vis(pub),
+    doc = "One API operation ([`Request`] without its body).",
+    derive(
+        Hash,
+        Serialize,
+        Deserialize,
+        strum::IntoStaticStr,
+        strum::EnumString,
+        strum::Display,
+        strum::VariantArray,
+        strum::VariantNames
+    ),
+    strum(serialize_all = "snake_case"),
+    serde(rename_all = "snake_case")
+)]
+pub enum Request {
+    Assemble(AssembleRequest),
+    Status(StatusRequest),
+    Grep(GrepRequest),
+    Describe(DescribeRequest),
+    Expand(ExpandRequest),
+    Compact(CompactRequest),
+    History(HistoryRequest),
+    Recall(RecallRequest),
 }
 
-impl Op {
-    pub const ALL: [Op; 8] = [
-        Op::Assemble,
-        Op::Status,
-        Op::Grep,
-        Op::Describe,
-        Op::Expand,
-        Op::Compact,
-        Op::History,
-        Op::Recall,
-    ];
+impl Request {
+    /// Its operation.
+    pub fn op(&self) -> Op {
+        self.into()
+    }
 
-    pub fn as_str(self) -> &'static str {
+    /// The conversation it is about; `None`: the whole service.
+    pub fn conversation(&self) -> Option<&str> {
         match self {
-            Op::Assemble => "assemble",
-            Op::Status => "status",
-            Op::Grep => "grep",
-            Op::Describe => "describe",
-            Op::Expand => "expand",
-            Op::Compact => "compact",
-            Op::History => "history",
-            Op::Recall => "recall",
+            Request::Status(r) => r.conversation.as_deref(),
+            Request::Assemble(AssembleRequest { conversation, .. })
+            | Request::Grep(GrepRequest { conversation, .. })
+            | Request::Describe(DescribeRequest { conversation, .. })
+            | Request::Expand(ExpandRequest { conversation, .. })
+            | Request::Compact(CompactRequest { conversation, .. })
+            | Request::History(HistoryRequest { conversation, .. })
+            | Request::Recall(RecallRequest { conversation, .. }) => Some(conversation),
         }
     }
 
-    pub fn parse(name: &str) -> Option<Op> {
-        Op::ALL.into_iter().find(|op| op.as_str() == name)
+    /// The request body, as any API client sends it.
+    pub fn body(&self) -> Result<Vec<u8>, serde_json::Error> {
+        serde_json::to_vec(self)
     }
 }
 
-impl fmt::Display for Op {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
+impl Op {
+    /// Every operation, in declaration order.
+    pub const ALL: &'static [Op] = <Op as strum::VariantArray>::VARIANTS;
+
+    /// Every operation's wire name, in the order of [`Op::ALL`].
+    pub const NAMES: &'static [&'static str] = <Op as strum::VariantNames>::VARIANTS;
+
+    /// The wire name (`assemble`, ...): the subject token and the name
+    /// `docs/api.md` uses.
+    pub fn as_str(self) -> &'static str {
+        self.into()
+    }
+
+    /// The operation of a wire name (exact: `Assemble` is none).
+    pub fn parse(name: &str) -> Option<Op> {
+        name.parse().ok()
     }
 }
 
@@ -422,12 +452,13 @@ pub fn answer(op: Op, body: &[u8], held: Held<'_>) -> Result<Vec<u8>, ApiError> 
     }
 }
 
-fn parse_op(op: &str) -> Result<Op, ApiError> {
+/// The operation a request names; an unknown one is a `bad_request`
+/// listing the known ones.
+pub fn parse_op(op: &str) -> Result<Op, ApiError> {
     Op::parse(op).ok_or_else(|| {
-        let known: Vec<&str> = Op::ALL.iter().map(|o| o.as_str()).collect();
         ApiError::bad(format!(
             "unknown operation {op:?}; known: {}",
-            known.join(", ")
+            Op::NAMES.join(", ")
         ))
     })
 }
@@ -440,10 +471,15 @@ pub fn handle(op: &str, body: &[u8], state: &State, policy: &PolicyConfig) -> Ve
 
 /// [`handle`] over any [`Held`] state.
 pub fn handle_held(op: &str, body: &[u8], held: Held<'_>) -> Vec<u8> {
-    match parse_op(op).and_then(|op| answer(op, body, held)) {
-        Ok(bytes) => bytes,
+    match parse_op(op) {
+        Ok(op) => handle_op(op, body, held),
         Err(e) => e.to_json(),
     }
+}
+
+/// [`handle_held`] for an operation already parsed.
+pub fn handle_op(op: Op, body: &[u8], held: Held<'_>) -> Vec<u8> {
+    answer(op, body, held).unwrap_or_else(|e| e.to_json())
 }
 
 /// Access to the state a process holds, for a transport serving the API.
@@ -531,13 +567,12 @@ pub enum Target<'a> {
 /// permission on the subject scopes what a client may read or compact;
 /// only `status` answers globally, and only on the admin subject.
 pub fn answer_view<V: StateView + ?Sized>(
-    op: &str,
+    op: Op,
     target: Target<'_>,
     body: &[u8],
     view: &V,
     retry_after_ms: u64,
 ) -> Result<Vec<u8>, ApiError> {
-    let op = parse_op(op)?;
     #[derive(Deserialize)]
     struct Routing {
         #[serde(default)]
@@ -606,7 +641,7 @@ pub fn handle_view<V: StateView + ?Sized>(
     view: &V,
     retry_after_ms: u64,
 ) -> Vec<u8> {
-    match answer_view(op, target, body, view, retry_after_ms) {
+    match parse_op(op).and_then(|op| answer_view(op, target, body, view, retry_after_ms)) {
         Ok(bytes) => bytes,
         Err(e) => e.to_json(),
     }
@@ -626,7 +661,7 @@ mod tests {
 
     #[test]
     fn every_op_round_trips_its_name() {
-        for op in Op::ALL {
+        for &op in Op::ALL {
             assert_eq!(Op::parse(op.as_str()), Some(op));
             assert_eq!(
                 serde_json::to_value(op).unwrap(),

@@ -240,7 +240,7 @@ impl Embedded {
 
     fn ask(
         &self,
-        op: &str,
+        op: Op,
         conversation: &str,
         body: serde_json::Value,
     ) -> Result<serde_json::Value, PageError> {
@@ -281,7 +281,7 @@ impl AuditSource for Embedded {
                     Ok(
                         match api_answer(&local::answer_from(
                             engine,
-                            "status",
+                            Op::Status,
                             Some(key),
                             &body,
                             &self.config.policy,
@@ -315,7 +315,7 @@ impl AuditSource for Embedded {
             id: NodeRef::Id(id.to_string()),
         };
         self.ask(
-            "describe",
+            Op::Describe,
             conversation,
             serde_json::to_value(request).map_err(failed)?,
         )
@@ -334,7 +334,7 @@ impl AuditSource for Embedded {
             skip,
         };
         self.ask(
-            "expand",
+            Op::Expand,
             conversation,
             serde_json::to_value(request).map_err(failed)?,
         )

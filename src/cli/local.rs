@@ -81,7 +81,7 @@ impl LocalEngine {
     /// `conversation` (or, for global status, every conversation one at a
     /// time).
     /// Under the policy in force where the engine is (the log's).
-    pub(super) fn answer(&self, op: &str, conversation: Option<&str>, body: &[u8]) -> Vec<u8> {
+    pub(super) fn answer(&self, op: api::Op, conversation: Option<&str>, body: &[u8]) -> Vec<u8> {
         match self {
             LocalEngine::Stored(e) => answer_from(e, op, conversation, body, &e.policy),
             LocalEngine::Memory(e) => answer_from(e, op, conversation, body, &e.policy),
@@ -92,14 +92,14 @@ impl LocalEngine {
 /// [`LocalEngine::answer`] for one engine.
 pub(super) fn answer_from<B: KvBackend>(
     engine: &Engine<B>,
-    op: &str,
+    op: api::Op,
     conversation: Option<&str>,
     body: &[u8],
     policy: &PolicyConfig,
 ) -> Vec<u8> {
     let reply = match conversation {
         Some(key) => engine.with_conversation(key, |state, bodies| {
-            api::handle_held(
+            api::handle_op(
                 op,
                 body,
                 Held {
@@ -109,7 +109,7 @@ pub(super) fn answer_from<B: KvBackend>(
                 },
             )
         }),
-        None if op == api::Op::Status.as_str() => Ok(
+        None if op == api::Op::Status => Ok(
             match status::global_status_with(&engine.state, policy, |each| {
                 engine.each_conversation(|state, conv| each(state, conv))
             }) {
@@ -118,7 +118,7 @@ pub(super) fn answer_from<B: KvBackend>(
                 Err(e) => e.to_json(),
             },
         ),
-        None => Ok(api::handle_held(
+        None => Ok(api::handle_op(
             op,
             body,
             Held::resident(&engine.state, policy),

@@ -55,8 +55,11 @@ pub struct Cli {
 pub enum Command {
     /// Convert a transcript file into inbound events (JSONL on stdout).
     Import {
-        /// auto, openai, pi, claude-code, swe-agent, openhands, aider, codex.
-        #[arg(long, default_value = "auto")]
+        #[arg(
+            long,
+            default_value = "auto",
+            help = format!("{}.", contextfold::import::Format::NAMES.join(", "))
+        )]
         format: String,
         file: PathBuf,
     },

@@ -11,9 +11,7 @@ use super::report;
 use anyhow::{bail, Context, Result};
 use contextfold::api::grep::GrepScope;
 use contextfold::api::{
-    self, decode_reply, AssembleRequest, AssembleResponse, CompactRequest, CompactResponse,
-    DescribeRequest, ErrorCode, ExpandRequest, GrepRequest, HistoryRequest, Op, ReplyError,
-    StatusRequest,
+    self, decode_reply, AssembleResponse, CompactResponse, ErrorCode, ReplyError,
 };
 use contextfold::config::Config;
 use std::io::Write;
@@ -25,62 +23,9 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long `not_owner` answers (a partition moving) are retried.
 const NOT_OWNER_PATIENCE: Duration = Duration::from_secs(15);
 
-/// One query: the API request it sends.
-#[derive(Debug, Clone)]
-pub enum Query {
-    Assemble(AssembleRequest),
-    Status(StatusRequest),
-    Grep(GrepRequest),
-    Describe(DescribeRequest),
-    Expand(ExpandRequest),
-    Compact(CompactRequest),
-    History(HistoryRequest),
-    Recall(contextfold::api::RecallRequest),
-}
-
-impl Query {
-    pub fn op(&self) -> Op {
-        match self {
-            Query::Assemble(_) => Op::Assemble,
-            Query::Status(_) => Op::Status,
-            Query::Grep(_) => Op::Grep,
-            Query::Describe(_) => Op::Describe,
-            Query::Expand(_) => Op::Expand,
-            Query::Compact(_) => Op::Compact,
-            Query::History(_) => Op::History,
-            Query::Recall(_) => Op::Recall,
-        }
-    }
-
-    /// The conversation it is about; `None`: the whole service.
-    pub fn conversation(&self) -> Option<&str> {
-        match self {
-            Query::Assemble(r) => Some(&r.conversation),
-            Query::Status(r) => r.conversation.as_deref(),
-            Query::Grep(r) => Some(&r.conversation),
-            Query::Describe(r) => Some(&r.conversation),
-            Query::Expand(r) => Some(&r.conversation),
-            Query::Compact(r) => Some(&r.conversation),
-            Query::History(r) => Some(&r.conversation),
-            Query::Recall(r) => Some(&r.conversation),
-        }
-    }
-
-    /// The request body, as any API client sends it.
-    pub fn body(&self) -> Result<Vec<u8>> {
-        let body = match self {
-            Query::Assemble(r) => serde_json::to_vec(r),
-            Query::Status(r) => serde_json::to_vec(r),
-            Query::Grep(r) => serde_json::to_vec(r),
-            Query::Describe(r) => serde_json::to_vec(r),
-            Query::Expand(r) => serde_json::to_vec(r),
-            Query::Compact(r) => serde_json::to_vec(r),
-            Query::History(r) => serde_json::to_vec(r),
-            Query::Recall(r) => serde_json::to_vec(r),
-        };
-        body.context("encoding the request")
-    }
-}
+/// One query: the API request it sends (its operation, conversation and
+/// body come from the API's one table of operations).
+pub use contextfold::api::Request as Query;
 
 /// An idempotency key for one `compact` invocation: the process id and
 /// the wall clock, unique enough for a person at a terminal (pass
@@ -125,15 +70,19 @@ fn render(reply: &[u8], output: Output) -> Result<String> {
 async fn ask_locally(config: &Config, query: &Query) -> Result<Vec<u8>> {
     if !matches!(query, Query::Compact(_)) {
         let engine = read_engine(config).await?;
-        return Ok(engine.answer(query.op().as_str(), query.conversation(), &query.body()?));
+        return Ok(engine.answer(
+            query.op(),
+            query.conversation(),
+            &query.body().context("encoding the request")?,
+        ));
     }
     require_data(config)?;
     let mut pipeline = open_pipeline(config).await?;
     let reply = answer_from(
         &pipeline.engine,
-        query.op().as_str(),
+        query.op(),
         query.conversation(),
-        &query.body()?,
+        &query.body().context("encoding the request")?,
         &pipeline.engine.policy,
     );
     if let Query::Compact(_) = query {
@@ -175,7 +124,7 @@ pub(super) async fn ask_over_nats(
             .with_context(|| format!("conversation {conversation:?}"))?,
         None => subjects.admin(query.op()),
     };
-    let body = query.body()?;
+    let body = query.body().context("encoding the request")?;
     let (client, _version) = cfg
         .connection
         .connect()
@@ -256,11 +205,17 @@ pub fn parse_scope(s: &str) -> Result<GrepScope, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use contextfold::api::{HistoryRequest, StatusRequest};
     use contextfold::core::policy::PolicyConfig;
     use contextfold::core::state::State;
 
     fn answer(query: Query, state: &State, policy: &PolicyConfig) -> Result<String> {
-        let reply = api::handle(query.op().as_str(), &query.body()?, state, policy);
+        let reply = api::handle(
+            query.op().as_str(),
+            &query.body().context("encoding the request")?,
+            state,
+            policy,
+        );
         render(&reply, Output::Json)
     }
 

@@ -11,7 +11,10 @@
 //! events are the record.
 
 use crate::core::event::{
-    Covers, DebtReason, Envelope, EventBody, EventKind, RecallOutcome, SummaryKind, SweepStop,
+    CompactionRequested, ConversationReset, Covers, Debt, DebtCleared, DebtReason, Envelope,
+    EventBody, EventKind, EventRejected, JobIssued, MemoryFlushRequested, ModelDeclared,
+    PolicyRecorded, ProviderErrorObserved, RecallAnswered, RecallOutcome, RollingStateUpdated,
+    SummaryKind, SummaryRecorded, SummaryRejected, SweepEnded, SweepStop,
 };
 use crate::core::overflow;
 use crate::core::policy::{self, PolicyConfig};
@@ -479,10 +482,19 @@ struct Builder {
     totals: Totals,
 }
 
+/// Where an event is: its index among the conversation's events, and the
+/// step that carries it.
+#[derive(Clone, Copy)]
+struct At<'a> {
+    index: usize,
+    step: &'a Step,
+}
+
 impl Builder {
-    fn push(&mut self, index: usize, step: &Step, what: What) {
+    fn push(&mut self, at: At<'_>, what: What) {
+        let step = at.step;
         self.entries.push(Entry {
-            index,
+            index: at.index,
             event_id: step.event.id.clone(),
             time: step.event.time,
             context_before: step.before.context_tokens,
@@ -491,396 +503,336 @@ impl Builder {
         });
     }
 
-    /// Records what `step` says; returns its chart mark.
+    /// An event that only adds its line to the timeline (no chart mark).
+    fn entry(&mut self, at: At<'_>, what: What) -> Option<&'static str> {
+        self.push(at, what);
+        None
+    }
+
+    /// Records what `step` says; returns its chart mark. One arm per event
+    /// kind, without a catch-all: a new kind does not compile until the
+    /// audit says what it shows of it.
     fn step(&mut self, index: usize, step: &Step) -> Option<&'static str> {
-        let (before, after) = (&step.before, &step.after);
-        let mut mark = None;
-        // A job that left without a sweep end: expired, or reset away.
-        if let Some(job) = &before.pending_job {
-            let ended = matches!(&step.event.body, EventBody::SweepEnded(s) if &s.job_id == job);
-            if after.pending_job.as_ref() != Some(job) && !ended {
-                let job_id = job.clone();
-                self.push(index, step, What::JobAbandoned { job_id });
-            }
-        }
+        let at = At { index, step };
+        self.abandoned_job(at);
         if !step.folded {
             return None;
         }
         match &step.event.body {
-            EventBody::TurnAppended(_) => {
-                if !before.rolling_due && after.rolling_due {
-                    let (reason, detail) = self.rolling_reason(after);
-                    self.push(index, step, What::RollingDue { reason, detail });
-                }
-            }
-            EventBody::ProviderErrorObserved(e) => {
-                let verdict = overflow::classify(&e.error);
-                if verdict.overflow {
-                    self.totals.overflows += 1;
-                    mark = Some("overflow");
-                    self.last_provider_error = Some(e.error.clone());
-                }
-                self.push(
-                    index,
-                    step,
-                    What::ProviderError {
-                        overflow: verdict.overflow,
-                        error: e.error.clone(),
-                        requested_tokens: verdict.requested_tokens,
-                        limit_tokens: verdict.limit_tokens,
-                    },
-                );
-            }
-            EventBody::CompactionRequested(r) => self.push(
-                index,
-                step,
-                What::ManualRequest {
-                    instructions: r.instructions.clone(),
-                    target_tokens: r.target_tokens,
-                },
-            ),
+            EventBody::TurnAppended(_) => self.turn_appended(at),
+            EventBody::ProviderErrorObserved(e) => self.provider_error(at, e),
+            EventBody::CompactionRequested(r) => self.entry(at, r.into()),
+            EventBody::ModelDeclared(m) => self.entry(at, m.into()),
+            EventBody::ConversationReset(r) => self.entry(at, r.into()),
+            EventBody::DebtRecorded(d) => self.debt(at, d, false),
+            EventBody::DebtUpdated(d) => self.debt(at, d, true),
+            EventBody::DebtCleared(c) => self.debt_cleared(at, c),
+            EventBody::JobIssued(j) => self.job_issued(at, j),
+            EventBody::SummaryRejected(r) => self.summary_rejected(at, r),
+            EventBody::EventRejected(r) => self.entry(at, r.into()),
+            EventBody::MemoryFlushRequested(m) => self.entry(at, m.into()),
+            EventBody::SummaryRecorded(s) => self.summary_recorded(at, s),
+            EventBody::SweepEnded(s) => self.sweep_ended(at, s),
+            EventBody::RollingStateUpdated(r) => self.entry(at, r.into()),
+            EventBody::PolicyRecorded(p) => self.entry(at, p.into()),
+            EventBody::RecallAnswered(r) => self.recall_answered(at, r),
             // Time passing changes a conversation only through the
             // decisions it leads to, which are steps of their own.
-            EventBody::ClockTicked(_) => {}
-            EventBody::PolicyRecorded(p) => self.push(
-                index,
-                step,
-                What::PolicyRecorded {
-                    fingerprint: p.fingerprint.clone(),
-                    previous: p.previous.clone(),
-                    recorded_by: p.recorded_by.clone(),
-                },
-            ),
-            EventBody::ModelDeclared(m) => self.push(
-                index,
-                step,
-                What::ModelDeclared {
-                    model: m.model.clone(),
-                    context_window: m.context_window,
-                },
-            ),
-            EventBody::ConversationReset(r) => self.push(
-                index,
-                step,
-                What::Reset {
-                    reason: r.reason.clone(),
-                },
-            ),
-            EventBody::DebtRecorded(d) | EventBody::DebtUpdated(d) => {
-                let updated = matches!(step.event.body, EventBody::DebtUpdated(_));
-                let reason = reason_name(d.reason);
-                let provider_error = match d.reason {
-                    DebtReason::Overflow => self.last_provider_error.clone(),
-                    _ => None,
-                };
-                let detail = match d.reason {
-                    DebtReason::Threshold => format!(
-                        "context {} tokens over the threshold {} ({} of the {}-token budget)",
-                        d.context_tokens,
-                        d.threshold_tokens,
-                        permille(before.threshold_share_millis),
-                        before.budget
-                    ),
-                    DebtReason::Overflow => format!(
-                        "provider reported a context overflow: {}",
-                        provider_error
-                            .as_deref()
-                            .unwrap_or("(error text not in the log)")
-                    ),
-                    DebtReason::Manual => match &d.instructions {
-                        Some(i) => format!("manual request, instructions: {i}"),
-                        None => "manual request".to_string(),
-                    },
-                    DebtReason::TranscriptBytes => format!(
-                        "active transcript {} bytes over max_active_transcript_bytes {}",
-                        before.context_bytes,
-                        self.policy
-                            .max_active_transcript_bytes
-                            .map_or("?".to_string(), |m| m.to_string())
-                    ),
-                    DebtReason::Resummarize => {
-                        "fallback summaries in context wait for a model".to_string()
-                    }
-                };
-                if !updated {
-                    mark = Some("trigger");
-                }
-                self.last_trigger = Some(detail.clone());
-                self.push(
-                    index,
-                    step,
-                    What::Trigger {
-                        reason,
-                        updated,
-                        urgent: d.urgent,
-                        context_tokens: d.context_tokens,
-                        threshold_tokens: d.threshold_tokens,
-                        target_tokens: d.target_tokens,
-                        detail,
-                        provider_error,
-                        instructions: d.instructions.clone(),
-                    },
-                );
-            }
-            EventBody::DebtCleared(c) => {
-                self.last_trigger = None;
-                self.push(
-                    index,
-                    step,
-                    What::DebtCleared {
-                        reason: c.reason.clone(),
-                    },
-                );
-            }
-            EventBody::JobIssued(j) => {
-                let reason = if j.compact {
-                    reason_name(j.reason)
-                } else {
-                    "rolling_state"
-                };
-                let trigger = if j.compact {
-                    self.last_trigger.clone().unwrap_or_default()
-                } else {
-                    self.rolling_reason(before).1
-                };
-                if !self.jobs.contains_key(&j.job_id) {
-                    if j.compact {
-                        mark = Some("compaction");
-                    }
-                    self.jobs.insert(j.job_id.clone(), self.compactions.len());
-                    self.compactions.push(Compaction {
-                        job_id: j.job_id.clone(),
-                        reason,
-                        trigger,
-                        urgent: j.urgent,
-                        compact: j.compact,
-                        refresh_rolling_state: j.refresh_rolling_state,
-                        issued_event: step.event.id.clone(),
-                        issued_at: j.issued_at,
-                        deadline_ms: j.deadline_ms,
-                        context_before: j.context_tokens,
-                        context_after: None,
-                        target_tokens: j.target_tokens,
-                        summaries: Vec::new(),
-                        leaves: 0,
-                        condensed: 0,
-                        fallbacks: 0,
-                        turns_covered: None,
-                        summaries_covered: 0,
-                        models: Vec::new(),
-                        rejected: Vec::new(),
-                        outcome: None,
-                    });
-                }
-                self.push(
-                    index,
-                    step,
-                    What::JobIssued {
-                        job_id: j.job_id.clone(),
-                        reason,
-                        urgent: j.urgent,
-                        compact: j.compact,
-                        refresh_rolling_state: j.refresh_rolling_state,
-                        context_tokens: j.context_tokens,
-                        target_tokens: j.target_tokens,
-                        deadline_ms: j.deadline_ms,
-                        max_calls: j.max_calls,
-                        max_tokens: j.max_tokens,
-                    },
-                );
-            }
-            EventBody::SummaryRecorded(s) => {
-                let accepted = after.summaries > before.summaries;
-                let (turns, children) = match &s.covers {
-                    Covers::Turns { first, last } => ([*first, *last], Vec::new()),
-                    Covers::Summaries { ids } => {
-                        let first = ids
-                            .first()
-                            .and_then(|id| self.summaries.get(id))
-                            .map_or(0, |r| r[0]);
-                        let last = ids
-                            .last()
-                            .and_then(|id| self.summaries.get(id))
-                            .map_or(0, |r| r[1]);
-                        ([first, last], ids.clone())
-                    }
-                };
-                if accepted {
-                    self.totals.summaries += 1;
-                    self.summaries.insert(s.summary_id.clone(), turns);
-                    if let Some(c) = s
-                        .job_id
-                        .as_ref()
-                        .and_then(|j| self.jobs.get(j))
-                        .map(|&i| &mut self.compactions[i])
-                    {
-                        c.summaries.push(s.summary_id.clone());
-                        match s.kind {
-                            SummaryKind::Leaf => {
-                                c.leaves += 1;
-                                c.turns_covered = Some(match c.turns_covered {
-                                    Some([a, b]) => [a.min(turns[0]), b.max(turns[1])],
-                                    None => turns,
-                                });
-                            }
-                            SummaryKind::Condensed => {
-                                c.condensed += 1;
-                                c.summaries_covered += children.len() as u32;
-                            }
-                        }
-                        if s.fallback {
-                            c.fallbacks += 1;
-                        }
-                        let model = format!("{}/{}", s.provider, s.model);
-                        if !c.models.contains(&model) {
-                            c.models.push(model);
-                        }
-                    }
-                    if s.fallback {
-                        self.fallback_at
-                            .insert(s.summary_id.clone(), self.fallbacks.len());
-                        self.fallbacks.push(Fallback {
-                            summary_id: s.summary_id.clone(),
-                            job_id: s.job_id.clone(),
-                            recorded_event: step.event.id.clone(),
-                            replaced_by: None,
-                            replaced_event: None,
-                        });
-                    }
-                    if let Some(&i) = s.supersedes.as_ref().and_then(|o| self.fallback_at.get(o)) {
-                        self.fallbacks[i].replaced_by = Some(s.summary_id.clone());
-                        self.fallbacks[i].replaced_event = Some(step.event.id.clone());
-                    }
-                }
-                self.push(
-                    index,
-                    step,
-                    What::Summary {
-                        summary_id: s.summary_id.clone(),
-                        job_id: s.job_id.clone(),
-                        summary_kind: s.kind,
-                        depth: s.depth,
-                        turns,
-                        children,
-                        source_tokens: s.source_tokens,
-                        tokens: s.tokens,
-                        model: s.model.clone(),
-                        provider: s.provider.clone(),
-                        fallback: s.fallback,
-                        supersedes: s.supersedes.clone(),
-                        accepted,
-                    },
-                );
-            }
-            EventBody::SummaryRejected(r) => {
-                self.totals.rejections += 1;
-                if let Some(c) = r
-                    .job_id
-                    .as_ref()
-                    .and_then(|j| self.jobs.get(j))
-                    .map(|&i| &mut self.compactions[i])
-                {
-                    c.rejected.push(Rejected {
-                        summary_id: r.summary_id.clone(),
-                        reason: r.reason.clone(),
-                    });
-                }
-                self.push(
-                    index,
-                    step,
-                    What::SummaryRejected {
-                        summary_id: r.summary_id.clone(),
-                        job_id: r.job_id.clone(),
-                        reason: r.reason.clone(),
-                    },
-                );
-            }
-            EventBody::SweepEnded(s) => {
-                self.totals.calls += u64::from(s.calls);
-                self.totals.tokens_spent += s.tokens_spent;
-                self.totals.cost_micros += s.cost_micros;
-                let job = self.jobs.get(&s.job_id).map(|&i| &mut self.compactions[i]);
-                let (elapsed_ms, deadline_ms) = match job {
-                    Some(c) => {
-                        let elapsed = step.event.time.saturating_sub(c.issued_at);
-                        c.context_after = Some(after.context_tokens);
-                        c.outcome = Some(Outcome {
-                            stop: s.stop,
-                            passes: s.passes,
-                            calls: s.calls,
-                            tokens_spent: s.tokens_spent,
-                            cost_micros: s.cost_micros,
-                            elapsed_ms: elapsed,
-                            deadline_met: s.stop != SweepStop::Deadline && elapsed <= c.deadline_ms,
-                            spend_limited: s.stop == SweepStop::SpendLimit,
-                            detail: s.detail.clone(),
-                        });
-                        (Some(elapsed), Some(c.deadline_ms))
-                    }
-                    None => (None, None),
-                };
-                self.push(
-                    index,
-                    step,
-                    What::SweepEnded {
-                        job_id: s.job_id.clone(),
-                        stop: s.stop,
-                        passes: s.passes,
-                        committed: s.committed,
-                        calls: s.calls,
-                        tokens_spent: s.tokens_spent,
-                        cost_micros: s.cost_micros,
-                        elapsed_ms,
-                        deadline_ms,
-                        retry_after_ms: s.retry_after_ms,
-                        detail: s.detail.clone(),
-                    },
-                );
-            }
-            EventBody::RollingStateUpdated(r) => self.push(
-                index,
-                step,
-                What::RollingStateUpdated {
-                    through_turn: r.through_turn,
-                },
-            ),
-            EventBody::RecallAnswered(r) => {
-                self.totals.calls += u64::from(r.calls);
-                self.totals.tokens_spent += r.tokens_spent;
-                self.totals.cost_micros += r.cost_micros;
-                self.push(
-                    index,
-                    step,
-                    What::RecallAnswered {
-                        outcome: r.outcome,
-                        model: r.model.clone(),
-                        calls: r.calls,
-                        tokens_spent: r.tokens_spent,
-                        cost_micros: r.cost_micros,
-                        prompt_tokens: r.prompt_tokens,
-                        sources: r.sources.len(),
-                    },
-                )
-            }
-            EventBody::MemoryFlushRequested(m) => self.push(
-                index,
-                step,
-                What::MemoryFlush {
-                    cycle: m.cycle,
-                    reason: reason_name(m.reason),
-                },
-            ),
-            EventBody::EventRejected(r) => self.push(
-                index,
-                step,
-                What::EventRejected {
-                    rejected_id: r.rejected_id.clone(),
-                    event_type: r.event_type.clone(),
-                    reason: r.reason.clone(),
-                },
-            ),
+            EventBody::ClockTicked(_) => None,
         }
+    }
+
+    /// A job that left without a sweep end: expired, or reset away.
+    fn abandoned_job(&mut self, at: At<'_>) {
+        let (before, after) = (&at.step.before, &at.step.after);
+        if let Some(job) = &before.pending_job {
+            let ended = matches!(&at.step.event.body, EventBody::SweepEnded(s) if &s.job_id == job);
+            if after.pending_job.as_ref() != Some(job) && !ended {
+                let job_id = job.clone();
+                self.push(at, What::JobAbandoned { job_id });
+            }
+        }
+    }
+
+    fn turn_appended(&mut self, at: At<'_>) -> Option<&'static str> {
+        let (before, after) = (&at.step.before, &at.step.after);
+        if !before.rolling_due && after.rolling_due {
+            let (reason, detail) = self.rolling_reason(after);
+            self.push(at, What::RollingDue { reason, detail });
+        }
+        None
+    }
+
+    fn provider_error(&mut self, at: At<'_>, e: &ProviderErrorObserved) -> Option<&'static str> {
+        let verdict = overflow::classify(&e.error);
+        let mut mark = None;
+        if verdict.overflow {
+            self.totals.overflows += 1;
+            mark = Some("overflow");
+            self.last_provider_error = Some(e.error.clone());
+        }
+        self.push(
+            at,
+            What::ProviderError {
+                overflow: verdict.overflow,
+                error: e.error.clone(),
+                requested_tokens: verdict.requested_tokens,
+                limit_tokens: verdict.limit_tokens,
+            },
+        );
         mark
+    }
+
+    /// `debt_recorded` (a trigger: marked) or `debt_updated`.
+    fn debt(&mut self, at: At<'_>, d: &Debt, updated: bool) -> Option<&'static str> {
+        let provider_error = match d.reason {
+            DebtReason::Overflow => self.last_provider_error.clone(),
+            _ => None,
+        };
+        let detail = self.trigger_detail(d, &at.step.before, provider_error.as_deref());
+        self.last_trigger = Some(detail.clone());
+        self.push(
+            at,
+            What::Trigger {
+                reason: reason_name(d.reason),
+                updated,
+                urgent: d.urgent,
+                context_tokens: d.context_tokens,
+                threshold_tokens: d.threshold_tokens,
+                target_tokens: d.target_tokens,
+                detail,
+                provider_error,
+                instructions: d.instructions.clone(),
+            },
+        );
+        (!updated).then_some("trigger")
+    }
+
+    /// Why a debt was recorded, in the words of what the fold measured
+    /// `before` it.
+    fn trigger_detail(&self, d: &Debt, before: &Snapshot, provider_error: Option<&str>) -> String {
+        match d.reason {
+            DebtReason::Threshold => format!(
+                "context {} tokens over the threshold {} ({} of the {}-token budget)",
+                d.context_tokens,
+                d.threshold_tokens,
+                permille(before.threshold_share_millis),
+                before.budget
+            ),
+            DebtReason::Overflow => format!(
+                "provider reported a context overflow: {}",
+                provider_error.unwrap_or("(error text not in the log)")
+            ),
+            DebtReason::Manual => match &d.instructions {
+                Some(i) => format!("manual request, instructions: {i}"),
+                None => "manual request".to_string(),
+            },
+            DebtReason::TranscriptBytes => format!(
+                "active transcript {} bytes over max_active_transcript_bytes {}",
+                before.context_bytes,
+                self.policy
+                    .max_active_transcript_bytes
+                    .map_or("?".to_string(), |m| m.to_string())
+            ),
+            DebtReason::Resummarize => "fallback summaries in context wait for a model".to_string(),
+        }
+    }
+
+    fn debt_cleared(&mut self, at: At<'_>, c: &DebtCleared) -> Option<&'static str> {
+        self.last_trigger = None;
+        self.entry(
+            at,
+            What::DebtCleared {
+                reason: c.reason.clone(),
+            },
+        )
+    }
+
+    /// A job opens a [`Compaction`] (once per job id; a compacting one is
+    /// marked).
+    fn job_issued(&mut self, at: At<'_>, j: &JobIssued) -> Option<&'static str> {
+        let reason = if j.compact {
+            reason_name(j.reason)
+        } else {
+            "rolling_state"
+        };
+        let mut mark = None;
+        if !self.jobs.contains_key(&j.job_id) {
+            let trigger = if j.compact {
+                self.last_trigger.clone().unwrap_or_default()
+            } else {
+                self.rolling_reason(&at.step.before).1
+            };
+            if j.compact {
+                mark = Some("compaction");
+            }
+            self.jobs.insert(j.job_id.clone(), self.compactions.len());
+            self.compactions
+                .push(Compaction::issued(j, reason, trigger, &at.step.event.id));
+        }
+        self.push(
+            at,
+            What::JobIssued {
+                job_id: j.job_id.clone(),
+                reason,
+                urgent: j.urgent,
+                compact: j.compact,
+                refresh_rolling_state: j.refresh_rolling_state,
+                context_tokens: j.context_tokens,
+                target_tokens: j.target_tokens,
+                deadline_ms: j.deadline_ms,
+                max_calls: j.max_calls,
+                max_tokens: j.max_tokens,
+            },
+        );
+        mark
+    }
+
+    /// The compaction of a job, when the audit saw it issued.
+    fn job(&mut self, job_id: Option<&String>) -> Option<&mut Compaction> {
+        job_id
+            .and_then(|j| self.jobs.get(j))
+            .map(|&i| &mut self.compactions[i])
+    }
+
+    fn summary_recorded(&mut self, at: At<'_>, s: &SummaryRecorded) -> Option<&'static str> {
+        let accepted = at.step.after.summaries > at.step.before.summaries;
+        let (turns, children) = self.covered(&s.covers);
+        if accepted {
+            self.totals.summaries += 1;
+            self.summaries.insert(s.summary_id.clone(), turns);
+            if let Some(c) = self.job(s.job_id.as_ref()) {
+                c.credit(s, turns, children.len());
+            }
+            self.track_fallback(at, s);
+        }
+        self.entry(
+            at,
+            What::Summary {
+                summary_id: s.summary_id.clone(),
+                job_id: s.job_id.clone(),
+                summary_kind: s.kind,
+                depth: s.depth,
+                turns,
+                children,
+                source_tokens: s.source_tokens,
+                tokens: s.tokens,
+                model: s.model.clone(),
+                provider: s.provider.clone(),
+                fallback: s.fallback,
+                supersedes: s.supersedes.clone(),
+                accepted,
+            },
+        )
+    }
+
+    /// The raw turns `[first, last]` a summary covers (through the
+    /// summaries it condenses) and the summaries it condenses.
+    fn covered(&self, covers: &Covers) -> ([u64; 2], Vec<String>) {
+        match covers {
+            Covers::Turns { first, last } => ([*first, *last], Vec::new()),
+            Covers::Summaries { ids } => {
+                let first = ids
+                    .first()
+                    .and_then(|id| self.summaries.get(id))
+                    .map_or(0, |r| r[0]);
+                let last = ids
+                    .last()
+                    .and_then(|id| self.summaries.get(id))
+                    .map_or(0, |r| r[1]);
+                ([first, last], ids.clone())
+            }
+        }
+    }
+
+    /// An accepted fallback summary is listed; the model summary that
+    /// supersedes one is linked to it.
+    fn track_fallback(&mut self, at: At<'_>, s: &SummaryRecorded) {
+        if s.fallback {
+            self.fallback_at
+                .insert(s.summary_id.clone(), self.fallbacks.len());
+            self.fallbacks.push(Fallback {
+                summary_id: s.summary_id.clone(),
+                job_id: s.job_id.clone(),
+                recorded_event: at.step.event.id.clone(),
+                replaced_by: None,
+                replaced_event: None,
+            });
+        }
+        if let Some(&i) = s.supersedes.as_ref().and_then(|o| self.fallback_at.get(o)) {
+            self.fallbacks[i].replaced_by = Some(s.summary_id.clone());
+            self.fallbacks[i].replaced_event = Some(at.step.event.id.clone());
+        }
+    }
+
+    fn summary_rejected(&mut self, at: At<'_>, r: &SummaryRejected) -> Option<&'static str> {
+        self.totals.rejections += 1;
+        if let Some(c) = self.job(r.job_id.as_ref()) {
+            c.rejected.push(Rejected {
+                summary_id: r.summary_id.clone(),
+                reason: r.reason.clone(),
+            });
+        }
+        self.entry(
+            at,
+            What::SummaryRejected {
+                summary_id: r.summary_id.clone(),
+                job_id: r.job_id.clone(),
+                reason: r.reason.clone(),
+            },
+        )
+    }
+
+    /// A sweep's spend counts; its job gets its outcome.
+    fn sweep_ended(&mut self, at: At<'_>, s: &SweepEnded) -> Option<&'static str> {
+        self.spent(u64::from(s.calls), s.tokens_spent, s.cost_micros);
+        let (time, context_after) = (at.step.event.time, at.step.after.context_tokens);
+        let (elapsed_ms, deadline_ms) = match self.job(Some(&s.job_id)) {
+            Some(c) => {
+                let elapsed = c.ended(s, time, context_after);
+                (Some(elapsed), Some(c.deadline_ms))
+            }
+            None => (None, None),
+        };
+        self.entry(
+            at,
+            What::SweepEnded {
+                job_id: s.job_id.clone(),
+                stop: s.stop,
+                passes: s.passes,
+                committed: s.committed,
+                calls: s.calls,
+                tokens_spent: s.tokens_spent,
+                cost_micros: s.cost_micros,
+                elapsed_ms,
+                deadline_ms,
+                retry_after_ms: s.retry_after_ms,
+                detail: s.detail.clone(),
+            },
+        )
+    }
+
+    fn recall_answered(&mut self, at: At<'_>, r: &RecallAnswered) -> Option<&'static str> {
+        self.spent(u64::from(r.calls), r.tokens_spent, r.cost_micros);
+        self.entry(
+            at,
+            What::RecallAnswered {
+                outcome: r.outcome,
+                model: r.model.clone(),
+                calls: r.calls,
+                tokens_spent: r.tokens_spent,
+                cost_micros: r.cost_micros,
+                prompt_tokens: r.prompt_tokens,
+                sources: r.sources.len(),
+            },
+        )
+    }
+
+    /// Model calls counted in the totals.
+    fn spent(&mut self, calls: u64, tokens: u64, cost_micros: u64) {
+        self.totals.calls += calls;
+        self.totals.tokens_spent += tokens;
+        self.totals.cost_micros += cost_micros;
     }
 
     /// Why the rolling session state is due in `s`.
@@ -910,6 +862,145 @@ impl Builder {
                     s.context_tokens, s.rolling_tokens
                 ),
             )
+        }
+    }
+}
+
+impl Compaction {
+    /// A job as issued: nothing summarized yet, no outcome.
+    fn issued(j: &JobIssued, reason: &'static str, trigger: String, event: &str) -> Compaction {
+        Compaction {
+            job_id: j.job_id.clone(),
+            reason,
+            trigger,
+            urgent: j.urgent,
+            compact: j.compact,
+            refresh_rolling_state: j.refresh_rolling_state,
+            issued_event: event.to_string(),
+            issued_at: j.issued_at,
+            deadline_ms: j.deadline_ms,
+            context_before: j.context_tokens,
+            context_after: None,
+            target_tokens: j.target_tokens,
+            summaries: Vec::new(),
+            leaves: 0,
+            condensed: 0,
+            fallbacks: 0,
+            turns_covered: None,
+            summaries_covered: 0,
+            models: Vec::new(),
+            rejected: Vec::new(),
+            outcome: None,
+        }
+    }
+
+    /// An accepted summary of this job, covering raw `turns` (a leaf) or
+    /// `children` summaries (a condensed one).
+    fn credit(&mut self, s: &SummaryRecorded, turns: [u64; 2], children: usize) {
+        self.summaries.push(s.summary_id.clone());
+        match s.kind {
+            SummaryKind::Leaf => {
+                self.leaves += 1;
+                self.turns_covered = Some(match self.turns_covered {
+                    Some([a, b]) => [a.min(turns[0]), b.max(turns[1])],
+                    None => turns,
+                });
+            }
+            SummaryKind::Condensed => {
+                self.condensed += 1;
+                self.summaries_covered += children as u32;
+            }
+        }
+        if s.fallback {
+            self.fallbacks += 1;
+        }
+        let model = format!("{}/{}", s.provider, s.model);
+        if !self.models.contains(&model) {
+            self.models.push(model);
+        }
+    }
+
+    /// The job's sweep ended at event time `time`, leaving
+    /// `context_after` tokens; returns the time it took.
+    fn ended(&mut self, s: &SweepEnded, time: u64, context_after: u64) -> u64 {
+        let elapsed = time.saturating_sub(self.issued_at);
+        self.context_after = Some(context_after);
+        self.outcome = Some(Outcome {
+            stop: s.stop,
+            passes: s.passes,
+            calls: s.calls,
+            tokens_spent: s.tokens_spent,
+            cost_micros: s.cost_micros,
+            elapsed_ms: elapsed,
+            deadline_met: s.stop != SweepStop::Deadline && elapsed <= self.deadline_ms,
+            spend_limited: s.stop == SweepStop::SpendLimit,
+            detail: s.detail.clone(),
+        });
+        elapsed
+    }
+}
+
+// The timeline lines of events that only add a line (no totals, no jobs).
+
+impl From<&CompactionRequested> for What {
+    fn from(r: &CompactionRequested) -> What {
+        What::ManualRequest {
+            instructions: r.instructions.clone(),
+            target_tokens: r.target_tokens,
+        }
+    }
+}
+
+impl From<&ModelDeclared> for What {
+    fn from(m: &ModelDeclared) -> What {
+        What::ModelDeclared {
+            model: m.model.clone(),
+            context_window: m.context_window,
+        }
+    }
+}
+
+impl From<&ConversationReset> for What {
+    fn from(r: &ConversationReset) -> What {
+        What::Reset {
+            reason: r.reason.clone(),
+        }
+    }
+}
+
+impl From<&EventRejected> for What {
+    fn from(r: &EventRejected) -> What {
+        What::EventRejected {
+            rejected_id: r.rejected_id.clone(),
+            event_type: r.event_type.clone(),
+            reason: r.reason.clone(),
+        }
+    }
+}
+
+impl From<&MemoryFlushRequested> for What {
+    fn from(m: &MemoryFlushRequested) -> What {
+        What::MemoryFlush {
+            cycle: m.cycle,
+            reason: reason_name(m.reason),
+        }
+    }
+}
+
+impl From<&RollingStateUpdated> for What {
+    fn from(r: &RollingStateUpdated) -> What {
+        What::RollingStateUpdated {
+            through_turn: r.through_turn,
+        }
+    }
+}
+
+impl From<&PolicyRecorded> for What {
+    fn from(p: &PolicyRecorded) -> What {
+        What::PolicyRecorded {
+            fingerprint: p.fingerprint.clone(),
+            previous: p.previous.clone(),
+            recorded_by: p.recorded_by.clone(),
         }
     }
 }

@@ -64,8 +64,24 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
-/// A transcript format; `Auto` detects it from the content.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+/// A transcript format; `Auto` detects it from the content. The one table
+/// of formats: a format's name (what `--format` takes, and `Display`
+/// writes) is its variant's name in kebab case, pinned by
+/// `tests/import_formats.rs`; the lists below are generated from it.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    Default,
+    strum::IntoStaticStr,
+    strum::Display,
+    strum::VariantArray,
+    strum::VariantNames,
+)]
+#[strum(serialize_all = "kebab-case")]
 pub enum Format {
     #[default]
     Auto,
@@ -80,46 +96,24 @@ pub enum Format {
 
 impl Format {
     /// Every format, in the order of [`Format::NAMES`].
-    pub const ALL: [Format; 8] = [
-        Format::Auto,
-        Format::Openai,
-        Format::Pi,
-        Format::ClaudeCode,
-        Format::SweAgent,
-        Format::Openhands,
-        Format::Aider,
-        Format::Codex,
-    ];
+    pub const ALL: &'static [Format] = <Format as strum::VariantArray>::VARIANTS;
 
     /// The names `FromStr` accepts and `Display` writes.
-    pub const NAMES: [&'static str; 8] = [
-        "auto",
-        "openai",
-        "pi",
-        "claude-code",
-        "swe-agent",
-        "openhands",
-        "aider",
-        "codex",
-    ];
+    pub const NAMES: &'static [&'static str] = <Format as strum::VariantNames>::VARIANTS;
 
     pub fn name(self) -> &'static str {
-        match self {
-            Format::Auto => "auto",
-            Format::Openai => "openai",
-            Format::Pi => "pi",
-            Format::ClaudeCode => "claude-code",
-            Format::SweAgent => "swe-agent",
-            Format::Openhands => "openhands",
-            Format::Aider => "aider",
-            Format::Codex => "codex",
-        }
+        self.into()
     }
-}
 
-impl fmt::Display for Format {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
+    /// The formats that can be named rather than detected (all but
+    /// `auto`), comma-separated, for messages.
+    pub fn named_list() -> String {
+        Format::NAMES
+            .iter()
+            .copied()
+            .filter(|&n| n != Format::Auto.name())
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 }
 
@@ -129,7 +123,8 @@ impl FromStr for Format {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let wanted = s.trim().to_ascii_lowercase().replace('_', "-");
         Format::ALL
-            .into_iter()
+            .iter()
+            .copied()
             .find(|f| f.name() == wanted)
             .ok_or_else(|| {
                 format!(
@@ -142,7 +137,7 @@ impl FromStr for Format {
 
 impl clap::ValueEnum for Format {
     fn value_variants<'a>() -> &'a [Self] {
-        &Format::ALL
+        Format::ALL
     }
 
     fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
@@ -195,7 +190,8 @@ pub enum ImportError {
     },
     #[error(
         "{input}: not a transcript format contextfold recognizes ({reason}); \
-         pass --format with one of: openai, pi, claude-code, swe-agent, openhands, aider, codex"
+         pass --format with one of: {}",
+        Format::named_list()
     )]
     UnknownFormat { input: String, reason: String },
     #[error("{input}: invalid {} at byte {offset} (line {line}, column {column}): {detail}", what(*format, "JSON"))]
@@ -713,7 +709,7 @@ mod tests {
 
     #[test]
     fn format_names_round_trip() {
-        for (format, name) in Format::ALL.into_iter().zip(Format::NAMES) {
+        for (&format, &name) in Format::ALL.iter().zip(Format::NAMES) {
             assert_eq!(format.to_string(), name);
             assert_eq!(name.parse::<Format>(), Ok(format));
         }

@@ -33,9 +33,12 @@
 //! answers. A crash before the event is stored loses the answer and its
 //! spend record together; the caller retries with the same `request_id`.
 //!
-//! The operation and conversation come from the subject; the JSON body goes to
-//! [`crate::api::answer_view`] on a blocking thread (a regex over a long
-//! conversation must not stall the async workers). Error replies also carry
+//! The operation and conversation come from the subject; the operation is
+//! parsed once into [`Op`] and dispatched exhaustively (`Handler::dispatch`),
+//! with what it does besides answering: `compact` stores its event, `recall`
+//! its spend, a global `status` gathers the other partitions'. The JSON body
+//! goes to [`crate::api::answer_view`] on a blocking thread (a regex over a
+//! long conversation must not stall the async workers). Error replies also carry
 //! the NATS service headers `Nats-Service-Error-Code` and
 //! `Nats-Service-Error`, so generic NATS tools see them as errors. A reply
 //! too large for the server becomes an error reply: never silence.
@@ -49,14 +52,15 @@ use crate::core::policy::PolicyConfig;
 use crate::core::state::{Conversation, State};
 use crate::nats::event_log::event_headers;
 use crate::nats::folder::{EngineMap, SharedEngine};
-use crate::nats::replies::ReplyPolicy;
+use crate::nats::replies::{ReplyFamily, ReplyPolicy};
 use crate::nats::subjects::{partition_of, SubjectError, Subjects};
 use crate::runtime::recall::{RecallSetupError, Recaller};
 use crate::store::KvBackend;
 use crate::telemetry::log_excerpt;
 use async_nats::jetstream;
-use async_nats::{Client, HeaderMap, PublishErrorKind, RequestErrorKind, Subject};
+use async_nats::{Client, HeaderMap, PublishErrorKind, RequestErrorKind, Subject, Subscriber};
 use bytes::Bytes;
+use futures::stream::SelectAll;
 use futures::StreamExt;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -231,14 +235,49 @@ async fn serve<V: StateView>(
         return Err(ServiceError::QueueGroup(config.queue_group.clone()));
     }
     let filter = filters.join(" ");
-    // Partition subjects join the group too: while a lease moves, old and
-    // new owner may both be subscribed for a moment, and one answer is
-    // enough.
+    let subscriber = subscribe(&client, &filters, &config.queue_group).await?;
+    round_trip(&client).await.map_err(ServiceError::Flush)?;
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let subjects = Subjects::new(&config.prefix)?;
+    let handler = Arc::new(Handler {
+        client,
+        view,
+        route,
+        compactions: config.publish_compactions.then(|| subjects.clone()),
+        subjects,
+        recall: config.recall.clone(),
+        replies: config.replies.clone(),
+        retry_ms: config.not_owner_retry_ms,
+    });
+    tracing::info!(subject = %filter, group = %config.queue_group, "API service started");
+    let limit = config.max_in_flight.max(1);
+    let task = tokio::spawn(serve_requests(
+        handler,
+        subscriber,
+        stop_rx,
+        limit,
+        filter.clone(),
+    ));
+    Ok(ApiService {
+        stop: Some(stop_tx),
+        task: Some(task),
+        filter,
+    })
+}
+
+/// One queue subscription per filter, merged. Partition subjects join the
+/// group too: while a lease moves, old and new owner may both be
+/// subscribed for a moment, and one answer is enough.
+async fn subscribe(
+    client: &Client,
+    filters: &[String],
+    queue_group: &str,
+) -> Result<SelectAll<Subscriber>, ServiceError> {
     let mut subscribers = Vec::with_capacity(filters.len());
-    for f in &filters {
+    for f in filters {
         subscribers.push(
             client
-                .queue_subscribe(f.clone(), config.queue_group.clone())
+                .queue_subscribe(f.clone(), queue_group.to_string())
                 .await
                 .map_err(|e| ServiceError::Subscribe {
                     subject: f.clone(),
@@ -246,207 +285,305 @@ async fn serve<V: StateView>(
                 })?,
         );
     }
-    let mut subscriber = futures::stream::select_all(subscribers);
-    round_trip(&client).await.map_err(ServiceError::Flush)?;
-    let (stop_tx, mut stop_rx) = oneshot::channel::<()>();
-    let limit = Arc::new(Semaphore::new(config.max_in_flight.max(1)));
-    let retry_ms = config.not_owner_retry_ms;
-    let subjects = Subjects::new(&config.prefix)?;
-    let compactions = config.publish_compactions.then(|| subjects.clone());
-    let recall = config.recall.clone();
-    let replies = Arc::new(config.replies.clone());
-    tracing::info!(subject = %filter, group = %config.queue_group, "API service started");
-    let task_filter = filter.clone();
-    let task = tokio::spawn(async move {
-        let mut in_flight = JoinSet::new();
-        let mut draining = false;
-        loop {
-            let message = tokio::select! {
-                _ = &mut stop_rx, if !draining => {
-                    draining = true;
-                    // Drain: the server stops sending; what it already
-                    // sent still arrives and is answered.
-                    let mut drained = true;
-                    for s in subscriber.iter_mut() {
-                        if let Err(e) = s.drain().await {
-                            tracing::warn!(error = %e, "cannot drain the API subscription");
-                            drained = false;
-                        }
-                    }
-                    if !drained {
-                        break;
-                    }
-                    continue;
+    Ok(futures::stream::select_all(subscribers))
+}
+
+/// Takes requests until `stop`, each answered in a task of its own (at
+/// most `max_in_flight` at once); then drains the subscription, answers
+/// what it already received and flushes the replies.
+async fn serve_requests<V: StateView>(
+    handler: Arc<Handler<V>>,
+    mut subscriber: SelectAll<Subscriber>,
+    mut stop: oneshot::Receiver<()>,
+    max_in_flight: usize,
+    filter: String,
+) {
+    let limit = Arc::new(Semaphore::new(max_in_flight));
+    let mut in_flight = JoinSet::new();
+    let mut draining = false;
+    loop {
+        let message = tokio::select! {
+            _ = &mut stop, if !draining => {
+                draining = true;
+                if !drain(&mut subscriber).await {
+                    break;
                 }
-                message = subscriber.next() => message,
-            };
-            let Some(message) = message else { break };
-            while in_flight.try_join_next().is_some() {}
-            let Ok(permit) = limit.clone().acquire_owned().await else {
-                break;
-            };
-            let client = client.clone();
-            let view = view.clone();
-            let route = route.clone();
-            let compactions = compactions.clone();
-            let subjects = subjects.clone();
-            let recall = recall.clone();
-            let replies = replies.clone();
-            in_flight.spawn(async move {
-                let _permit = permit;
-                let Some(reply) = message.reply else {
-                    tracing::warn!(subject = %log_excerpt(&message.subject, 200), "API request without a reply subject; nothing to answer to");
-                    return;
-                };
-                // Before anything is read or done: a reply subject that is
-                // no inbox gets nothing (see crate::nats::replies).
-                if let Err(family) = replies.admit(reply.as_str(), &subjects) {
-                    let addressed = subjects.parse_api_subject(message.subject.as_str()).ok();
-                    let op = addressed
-                        .as_ref()
-                        .and_then(|a| Op::parse(&a.op))
-                        .map_or("unknown", Op::as_str);
-                    let conversation = addressed
-                        .as_ref()
-                        .and_then(|a| a.conversation.as_deref())
-                        .map(|c| log_excerpt(c, 128))
-                        .unwrap_or_default();
-                    crate::telemetry::ReplyRefused {
-                        family: family.as_str(),
-                        op,
-                        conversation_id: &conversation,
-                        reply: &log_excerpt(reply.as_str(), 64),
-                    }
-                    .emit();
-                    return;
-                }
-                if let Some(partition) = subjects.parse_partition_status(message.subject.as_str()) {
-                    let view = view.clone();
-                    let result = tokio::task::spawn_blocking(move || {
-                        match view.partition_status(partition) {
-                            Some(status) => status.and_then(|g| {
-                                serde_json::to_vec(&StatusResponse::Global(Box::new(g)))
-                                    .map_err(|e| ApiError::Internal(e.to_string()))
-                            }),
-                            None => Err(ApiError::NotOwner {
-                                conversation: String::new(),
-                                retry_after_ms: retry_ms,
-                            }),
-                        }
-                    })
-                    .await
-                    .unwrap_or_else(|e| {
-                        Err(ApiError::Internal(format!("the request task failed: {e}")))
-                    });
-                    send_reply(&client, reply, result).await;
-                    return;
-                }
-                let addressed = match subjects.parse_api_subject(message.subject.as_str()) {
-                    Ok(a) => a,
-                    Err(e) => {
-                        send_reply(&client, reply, Err(ApiError::BadRequest(e.to_string()))).await;
-                        return;
-                    }
-                };
-                let op = addressed.op.clone();
-                let global = addressed.conversation.is_none();
-                let body = message.payload;
-                let body_for_handler = body.clone();
-                let result = if op == Op::Recall.as_str() {
-                    answer_recall(
-                        &client,
-                        &subjects,
-                        &recall,
-                        view.clone(),
-                        addressed.conversation.clone(),
-                        &body,
-                        retry_ms,
-                    )
-                    .await
-                } else {
-                    tokio::task::spawn_blocking(move || {
-                    let target = match &addressed.conversation {
-                        Some(c) => Target::Conversation(c),
-                        None => Target::Global,
-                    };
-                    answer_view(&addressed.op, target, &body_for_handler, view.as_ref(), retry_ms)
-                    })
-                    .await
-                    .unwrap_or_else(|e| {
-                        Err(ApiError::Internal(format!("the request task failed: {e}")))
-                    })
-                };
-                let result = match (result, compactions.as_ref()) {
-                    (Ok(reply), Some(subjects)) if op == Op::Compact.as_str() => {
-                        publish_compaction(&client, subjects, &reply).await
-                    }
-                    (other, _) => other,
-                };
+                continue;
+            }
+            message = subscriber.next() => message,
+        };
+        let Some(message) = message else { break };
+        while in_flight.try_join_next().is_some() {}
+        let Ok(permit) = limit.clone().acquire_owned().await else {
+            break;
+        };
+        let handler = handler.clone();
+        in_flight.spawn(async move {
+            let _permit = permit;
+            handler.handle(message).await;
+        });
+    }
+    while in_flight.join_next().await.is_some() {}
+    if let Err(e) = handler.client.flush().await {
+        tracing::warn!(error = %e, "cannot flush the last API replies");
+    }
+    tracing::info!(subject = %filter, "API service stopped");
+}
+
+/// Drain: the server stops sending; what it already sent still arrives
+/// and is answered. False when a subscription could not be drained.
+async fn drain(subscriber: &mut SelectAll<Subscriber>) -> bool {
+    let mut drained = true;
+    for s in subscriber.iter_mut() {
+        if let Err(e) = s.drain().await {
+            tracing::warn!(error = %e, "cannot drain the API subscription");
+            drained = false;
+        }
+    }
+    drained
+}
+
+/// What answering a request of one subscription needs.
+struct Handler<V> {
+    client: Client,
+    view: Arc<V>,
+    route: Route,
+    /// Where `compact` stores its event; `None`: not stored
+    /// ([`ServiceConfig::publish_compactions`]).
+    compactions: Option<Subjects>,
+    subjects: Subjects,
+    recall: RecallService,
+    replies: ReplyPolicy,
+    /// `retry_after_ms` sent with `not_owner`.
+    retry_ms: u64,
+}
+
+impl<V: StateView> Handler<V> {
+    /// Answers one request: refused unanswered when its reply subject is
+    /// no inbox; a partition's own status; or an operation, parsed once
+    /// from the subject and [dispatched](Handler::dispatch).
+    async fn handle(&self, message: async_nats::Message) {
+        let Some(reply) = message.reply else {
+            tracing::warn!(subject = %log_excerpt(&message.subject, 200), "API request without a reply subject; nothing to answer to");
+            return;
+        };
+        // Before anything is read or done: a reply subject that is no
+        // inbox gets nothing (see crate::nats::replies).
+        if let Err(family) = self.replies.admit(reply.as_str(), &self.subjects) {
+            self.refuse(&message.subject, &reply, family);
+            return;
+        }
+        if let Some(partition) = self
+            .subjects
+            .parse_partition_status(message.subject.as_str())
+        {
+            let result = self.partition_status(partition).await;
+            send_reply(&self.client, reply, result).await;
+            return;
+        }
+        let addressed = self
+            .subjects
+            .parse_api_subject(message.subject.as_str())
+            .map_err(|e| ApiError::BadRequest(e.to_string()))
+            .and_then(|a| Ok((crate::api::parse_op(&a.op)?, a.conversation)));
+        let result = match addressed {
+            Ok((op, conversation)) => {
+                let result = self
+                    .dispatch(op, conversation, message.payload.clone())
+                    .await;
+                self.forward_not_owned(op, result, message.payload).await
+            }
+            Err(e) => Err(e),
+        };
+        match result {
+            Ok(Relayed::Owner(headers, payload)) => {
+                publish(&self.client, reply, headers, payload, None).await
+            }
+            Ok(Relayed::Here(result)) => send_reply(&self.client, reply, result).await,
+            Err(e) => send_reply(&self.client, reply, Err(e)).await,
+        }
+    }
+
+    /// Counts a request refused for its reply subject.
+    fn refuse(&self, subject: &Subject, reply: &Subject, family: ReplyFamily) {
+        let addressed = self.subjects.parse_api_subject(subject.as_str()).ok();
+        let op = addressed
+            .as_ref()
+            .and_then(|a| Op::parse(&a.op))
+            .map_or("unknown", Op::as_str);
+        let conversation = addressed
+            .as_ref()
+            .and_then(|a| a.conversation.as_deref())
+            .map(|c| log_excerpt(c, 128))
+            .unwrap_or_default();
+        crate::telemetry::ReplyRefused {
+            family: family.as_str(),
+            op,
+            conversation_id: &conversation,
+            reply: &log_excerpt(reply.as_str(), 64),
+        }
+        .emit();
+    }
+
+    /// The answer to one operation, effects included: what the operation
+    /// stores before its caller hears of it, and what it gathers from other
+    /// processes. Exhaustive, so a new operation does not compile until it
+    /// is placed here.
+    async fn dispatch(
+        &self,
+        op: Op,
+        conversation: Option<String>,
+        body: Bytes,
+    ) -> Result<Vec<u8>, ApiError> {
+        match op {
+            Op::Assemble | Op::Grep | Op::Describe | Op::Expand | Op::History => {
+                self.answer_here(op, conversation, body).await
+            }
+            Op::Status => {
+                let global = conversation.is_none();
+                let local = self.answer_here(op, conversation, body).await?;
                 // The whole service's status: what this process holds, and
                 // every other partition from the process that holds it.
-                let result = match (result, &route) {
-                    (
-                        Ok(local),
-                        Route::Public {
-                            forward: Some(partitions),
-                            timeout,
-                            ..
-                        },
-                    ) if op == Op::Status.as_str() && global => {
-                        gather_status(&client, &subjects, local, *partitions, *timeout).await
+                match &self.route {
+                    Route::Public {
+                        forward: Some(partitions),
+                        timeout,
+                        ..
+                    } if global => {
+                        gather_status(&self.client, &self.subjects, local, *partitions, *timeout)
+                            .await
                     }
-                    (other, _) => other,
-                };
-                match (result, &route) {
-                    (
-                        Err(ApiError::NotOwner { conversation, .. }),
-                        Route::Public {
-                            forward: Some(partitions),
-                            prefix,
-                            timeout,
-                        },
-                    ) if !conversation.is_empty() => {
-                        // A recall waits on its model: the owner answers
-                        // within the recall deadline, not a state read's.
-                        let timeout = match &recall {
-                            RecallService::On(r) if op == Op::Recall.as_str() => {
-                                (*timeout).max(r.deadline() + Duration::from_secs(5))
-                            }
-                            _ => *timeout,
-                        };
-                        let relayed = forward(
-                            &client,
-                            prefix,
-                            *partitions,
-                            timeout,
-                            &op,
-                            &conversation,
-                            body,
-                            retry_ms,
-                        )
-                        .await;
-                        match relayed {
-                            Ok((headers, payload)) => {
-                                publish(&client, reply, headers, payload, None).await
-                            }
-                            Err(e) => send_reply(&client, reply, Err(e)).await,
-                        }
-                    }
-                    (result, _) => send_reply(&client, reply, result).await,
+                    Route::Public { .. } | Route::Partition => Ok(local),
                 }
-            });
+            }
+            // Effect: the compaction request is stored before the answer.
+            Op::Compact => {
+                let answer = self.answer_here(op, conversation, body).await?;
+                match &self.compactions {
+                    Some(subjects) => publish_compaction(&self.client, subjects, &answer).await,
+                    None => Ok(answer),
+                }
+            }
+            // Effect: a model call, and its spend stored before the answer.
+            Op::Recall => {
+                answer_recall(
+                    &self.client,
+                    &self.subjects,
+                    &self.recall,
+                    self.view.clone(),
+                    conversation,
+                    &body,
+                    self.retry_ms,
+                )
+                .await
+            }
         }
-        while in_flight.join_next().await.is_some() {}
-        if let Err(e) = client.flush().await {
-            tracing::warn!(error = %e, "cannot flush the last API replies");
+    }
+
+    /// Answers from the state this process holds, on a blocking thread (a
+    /// regex over a long conversation must not stall the async workers).
+    async fn answer_here(
+        &self,
+        op: Op,
+        conversation: Option<String>,
+        body: Bytes,
+    ) -> Result<Vec<u8>, ApiError> {
+        let view = self.view.clone();
+        let retry_ms = self.retry_ms;
+        tokio::task::spawn_blocking(move || {
+            let target = match &conversation {
+                Some(c) => Target::Conversation(c),
+                None => Target::Global,
+            };
+            answer_view(op, target, &body, view.as_ref(), retry_ms)
+        })
+        .await
+        .unwrap_or_else(|e| Err(ApiError::Internal(format!("the request task failed: {e}"))))
+    }
+
+    /// A partition's own status, when this process holds it.
+    async fn partition_status(&self, partition: u32) -> Result<Vec<u8>, ApiError> {
+        let view = self.view.clone();
+        let retry_ms = self.retry_ms;
+        tokio::task::spawn_blocking(move || match view.partition_status(partition) {
+            Some(status) => status.and_then(|g| {
+                serde_json::to_vec(&StatusResponse::Global(Box::new(g)))
+                    .map_err(|e| ApiError::Internal(e.to_string()))
+            }),
+            None => Err(ApiError::NotOwner {
+                conversation: String::new(),
+                retry_after_ms: retry_ms,
+            }),
+        })
+        .await
+        .unwrap_or_else(|e| Err(ApiError::Internal(format!("the request task failed: {e}"))))
+    }
+
+    /// A `not_owner` answer on the public subjects, when the partition
+    /// count is known, is asked of the owner instead; its reply is relayed
+    /// as is.
+    async fn forward_not_owned(
+        &self,
+        op: Op,
+        result: Result<Vec<u8>, ApiError>,
+        body: Bytes,
+    ) -> Result<Relayed, ApiError> {
+        match (result, &self.route) {
+            (
+                Err(ApiError::NotOwner { conversation, .. }),
+                Route::Public {
+                    forward: Some(partitions),
+                    prefix,
+                    timeout,
+                },
+            ) if !conversation.is_empty() => {
+                let timeout = self.forward_timeout(op, *timeout);
+                let (headers, payload) = forward(
+                    &self.client,
+                    prefix,
+                    *partitions,
+                    timeout,
+                    op,
+                    &conversation,
+                    body,
+                    self.retry_ms,
+                )
+                .await?;
+                Ok(Relayed::Owner(headers, payload))
+            }
+            (result, _) => Ok(Relayed::Here(result)),
         }
-        tracing::info!(subject = %task_filter, "API service stopped");
-    });
-    Ok(ApiService {
-        stop: Some(stop_tx),
-        task: Some(task),
-        filter,
-    })
+    }
+
+    /// How long a forwarded request may wait for its owner: a recall waits
+    /// on its model, so the owner answers within the recall deadline, not
+    /// a state read's.
+    fn forward_timeout(&self, op: Op, timeout: Duration) -> Duration {
+        match (op, &self.recall) {
+            (Op::Recall, RecallService::On(r)) => {
+                timeout.max(r.deadline() + Duration::from_secs(5))
+            }
+            (Op::Recall, RecallService::Off(_))
+            | (
+                Op::Assemble
+                | Op::Status
+                | Op::Grep
+                | Op::Describe
+                | Op::Expand
+                | Op::Compact
+                | Op::History,
+                _,
+            ) => timeout,
+        }
+    }
+}
+
+/// Where a request's answer comes from.
+enum Relayed {
+    /// This process: an answer or an error, to reply with.
+    Here(Result<Vec<u8>, ApiError>),
+    /// The partition's owner: its reply as is, headers included.
+    Owner(HeaderMap, Bytes),
 }
 
 /// The global status of the whole service from this process's `local`
@@ -658,7 +795,7 @@ pub async fn ask_owner(
         prefix,
         partitions,
         timeout,
-        op.as_str(),
+        op,
         conversation,
         body,
         retry_ms,
@@ -675,7 +812,7 @@ async fn forward(
     prefix: &str,
     partitions: u32,
     timeout: Duration,
-    op: &str,
+    op: Op,
     conversation: &str,
     body: Bytes,
     retry_ms: u64,
@@ -683,9 +820,6 @@ async fn forward(
     let not_owner = || ApiError::NotOwner {
         conversation: conversation.to_string(),
         retry_after_ms: retry_ms,
-    };
-    let Some(op) = Op::parse(op) else {
-        return Err(ApiError::BadRequest(format!("unknown operation {op:?}")));
     };
     let partition = partition_of(conversation, partitions)
         .map_err(|e| ApiError::BadRequest(format!("cannot route the conversation: {e}")))?;

@@ -656,7 +656,7 @@ mod tests {
                 (subject.split('.').collect(), wildcard.split('.').collect());
             a.len() == b.len() && a.iter().zip(&b).all(|(x, w)| w == &"*" || x == w)
         };
-        for op in Op::ALL {
+        for &op in Op::ALL {
             assert_eq!(Op::parse(op.as_str()), Some(op));
             // The wildcards cover exactly the subjects they serve, and the
             // subjects parse back.
