@@ -11,7 +11,7 @@
 
 mod support;
 
-use contextfold::core::event::{Envelope, EventBody, TurnAppended};
+use contextfold::core::event::Envelope;
 use contextfold::core::message::{ChatMessage, Role};
 use std::time::{Duration, Instant};
 use support::nats_server::{find_binary, NatsServer};
@@ -31,18 +31,8 @@ fn nats_available() -> bool {
 }
 
 fn turn(conv: &str, i: usize, message: ChatMessage) -> Envelope {
-    Envelope::new(
-        format!("{conv}#{i}"),
-        conv,
-        1_700_000_000_000 + i as u64 * 1_000,
-        EventBody::TurnAppended(TurnAppended {
-            message,
-            model: None,
-            sender: None,
-            usage: None,
-            metadata: None,
-        }),
-    )
+    let i = i as u64;
+    contextfold::testing::turn_of(conv, i, 1_700_000_000_000 + i * 1_000, message)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -29,9 +29,9 @@ mod support;
 
 use contextfold::core::event::{
     CompactionRequested, DebtReason, Envelope, EventBody, ProviderErrorObserved, SweepEnded,
-    SweepStop, TurnAppended,
+    SweepStop,
 };
-use contextfold::core::message::{ChatMessage, Role};
+use contextfold::core::message::ChatMessage;
 use contextfold::core::overflow;
 use contextfold::core::policy::PolicyConfig;
 use contextfold::core::state::Conversation;
@@ -45,6 +45,7 @@ use contextfold::store::redb_backend::RedbBackend;
 use contextfold::store::KvBackend;
 use contextfold::summarizer::stack::{self, ModelStack};
 use contextfold::summarizer::SummarizerConfig;
+use contextfold::testing;
 use llm_server::{completion, FakeLlm, Llmock, Scripted, ScriptedServer};
 use serde_json::json;
 use std::path::Path;
@@ -103,16 +104,12 @@ fn prose(i: usize) -> String {
 }
 
 fn turn(conv: &str, i: usize, time: u64) -> Envelope {
-    let role = if i.is_multiple_of(2) {
-        Role::User
-    } else {
-        Role::Assistant
-    };
-    Envelope::new(
-        format!("{conv}-t{i}"),
+    let i = i as u64;
+    testing::turn_of(
         conv,
+        i,
         time,
-        EventBody::TurnAppended(TurnAppended::from(ChatMessage::text(role, prose(i)))),
+        ChatMessage::text(testing::role_of(i), prose(i as usize)),
     )
 }
 

@@ -1168,14 +1168,11 @@ mod tests {
 
     /// User turn `i` of conversation `c`, long enough that a few compact.
     fn turn(i: u64) -> Envelope {
-        Envelope::new(
-            format!("t{i}"),
+        crate::testing::turn_of(
             "c",
             i,
-            EventBody::TurnAppended(TurnAppended::from(ChatMessage::text(
-                Role::User,
-                format!("turn {i} about the build: ").repeat(10),
-            ))),
+            i,
+            ChatMessage::text(Role::User, format!("turn {i} about the build: ").repeat(10)),
         )
     }
 
