@@ -281,6 +281,11 @@ pub struct GatewayConfig {
     /// Requests in flight to the upstream per tenant (default 64): one
     /// tenant's slow upstream fills its own allowance, never another's.
     pub max_in_flight_per_tenant: usize,
+    /// Turns the conversation index holds at most (default 1,000,000, about
+    /// 100 MB): past it the conversations used least recently are
+    /// forgotten, as a restart forgets them; their next request resolves
+    /// to the same conversation by content (docs/gateway.md, "Keying").
+    pub keying_max_turns: usize,
     /// Where turns wait when NATS cannot take them (default
     /// `<data_dir>/gateway-spool`).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -341,6 +346,7 @@ impl Default for GatewayConfig {
             upstream_timeout_ms: 600_000,
             upstream_connect_timeout_ms: 10_000,
             max_in_flight_per_tenant: 64,
+            keying_max_turns: crate::gateway::keying::DEFAULT_MAX_TURNS,
             spool_dir: None,
             tenants: Vec::new(),
         }
@@ -357,6 +363,9 @@ impl GatewayConfig {
             return Err(
                 "budget_tokens must be at least 1 (omit it for the policy's budget)".into(),
             );
+        }
+        if self.keying_max_turns == 0 {
+            return Err("keying_max_turns must be at least 1".into());
         }
         if self.max_in_flight_per_tenant == 0 {
             return Err("max_in_flight_per_tenant must be at least 1".into());

@@ -30,9 +30,16 @@
 //! conversation resolves to the same id and its republished turns are
 //! duplicates the fold drops; only a fork made before the restart is found
 //! again by its divergent item, not by lookup.
+//!
+//! It is bounded (`gateway.keying_max_turns`): past that many turns held,
+//! the conversations used least recently are forgotten whole (their chain
+//! values, their turns' positions and their response ids), exactly as a
+//! restart forgets them, so nothing is lost but the lookup: the next
+//! request of a forgotten conversation resolves to the same id by the same
+//! derivation.
 
 use crate::gateway::surface::{digest16, Canon, ItemKind};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 pub type Chain = [u8; 16];
@@ -88,17 +95,83 @@ pub struct Resolution {
     pub forked_from: Option<Arc<str>>,
 }
 
+/// What the index holds of one conversation.
+#[derive(Default)]
+struct Held {
+    chains: Vec<Chain>,
+    /// The response ids recorded for it (forgotten with it).
+    responses: Vec<String>,
+    /// When it was last used (the index's own counter).
+    used: u64,
+}
+
 #[derive(Default)]
 struct Inner {
     by_chain: HashMap<Chain, (Arc<str>, u32)>,
-    chains: HashMap<Arc<str>, Vec<Chain>>,
+    chains: HashMap<Arc<str>, Held>,
     responses: HashMap<String, (Arc<str>, u32, Chain)>,
+    /// Conversations by last use, oldest first.
+    recency: BTreeMap<u64, Arc<str>>,
+    clock: u64,
 }
 
+/// Turns the index holds at most by default (about 100 MB).
+pub const DEFAULT_MAX_TURNS: usize = 1_000_000;
+
 /// The in-memory index (module doc).
-#[derive(Default)]
 pub struct Index {
     inner: Mutex<Inner>,
+    max_turns: usize,
+}
+
+impl Default for Index {
+    fn default() -> Self {
+        Index::with_max_turns(DEFAULT_MAX_TURNS)
+    }
+}
+
+impl Inner {
+    /// `conversation` was used now: it is the last to be forgotten.
+    fn touch(&mut self, conversation: &Arc<str>) {
+        self.clock += 1;
+        let now = self.clock;
+        let held = self.chains.entry(conversation.clone()).or_default();
+        let before = std::mem::replace(&mut held.used, now);
+        self.recency.remove(&before);
+        self.recency.insert(now, conversation.clone());
+    }
+
+    /// Forgets `conversation` whole: its chain values, its positions and
+    /// its response ids.
+    fn forget(&mut self, conversation: &Arc<str>) {
+        let Some(held) = self.chains.remove(conversation) else {
+            return;
+        };
+        self.recency.remove(&held.used);
+        for c in &held.chains {
+            if self
+                .by_chain
+                .get(c)
+                .is_some_and(|(conv, _)| conv == conversation)
+            {
+                self.by_chain.remove(c);
+            }
+        }
+        for id in &held.responses {
+            self.responses.remove(id);
+        }
+    }
+
+    /// Forgets the conversations used least recently until at most
+    /// `max_turns` chain values are held, never `keep`.
+    fn bound(&mut self, max_turns: usize, keep: &Arc<str>) {
+        while self.by_chain.len() > max_turns {
+            let Some(oldest) = self.recency.values().find(|c| *c != keep).cloned() else {
+                return;
+            };
+            self.forget(&oldest);
+        }
+    }
 }
 
 fn h(parts: &[&[u8]]) -> Chain {
@@ -158,6 +231,14 @@ fn key_of(prefix: &str, name: &str) -> String {
 }
 
 impl Index {
+    /// An index holding at most about `max_turns` turns (module doc).
+    pub fn with_max_turns(max_turns: usize) -> Self {
+        Index {
+            inner: Mutex::new(Inner::default()),
+            max_turns: max_turns.max(1),
+        }
+    }
+
     /// Resolves a request's conversation and registers its items.
     /// `prefix` is the tenant's conversation prefix (`""` or `name/`).
     pub fn resolve(&self, prefix: &str, hints: &Hints, items: &[Arc<Canon>]) -> Option<Resolution> {
@@ -248,7 +329,7 @@ impl Index {
 
         let (conversation, keyed_by, new_from, first_pos, forked_from) = match found {
             Some((w, conv, pos)) => {
-                let held = inner.chains.get(&conv).map_or(0, Vec::len);
+                let held = inner.chains.get(&conv).map_or(0, |h| h.chains.len());
                 let diverges = w + 1 < walk.len() && held > pos as usize + 1;
                 let by = if keyed_by == KeyedBy::Prefix {
                     KeyedBy::Prefix
@@ -269,7 +350,7 @@ impl Index {
                 let Some(&(_, first)) = walk.first() else {
                     // Nothing that is a turn: nothing to key.
                     let conv: Arc<str> = fixed?.into();
-                    let next = inner.chains.get(&conv).map_or(0, Vec::len) as u32;
+                    let next = inner.chains.get(&conv).map_or(0, |h| h.chains.len()) as u32;
                     return Some(Resolution {
                         conversation: conv,
                         keyed_by,
@@ -289,7 +370,7 @@ impl Index {
                 };
                 let pos = match (&lineage, &boundary) {
                     (Some((_, p, _)), _) => p + 1,
-                    (None, Some(_)) => inner.chains.get(&conv).map_or(0, Vec::len) as u32,
+                    (None, Some(_)) => inner.chains.get(&conv).map_or(0, |h| h.chains.len()) as u32,
                     _ => 0,
                 };
                 (conv, by, 0, pos, None)
@@ -297,15 +378,27 @@ impl Index {
         };
         // A fork copies the prefix: every walked item is new to it.
         let new_walk = &walk[new_from..];
-        let entry = inner.chains.entry(conversation.clone()).or_default();
+        inner.touch(&conversation);
+        let mut dropped = Vec::new();
+        let entry = &mut inner.chains.entry(conversation.clone()).or_default().chains;
         let mut pos = first_pos;
         for (_, c) in new_walk {
             let at = pos as usize;
             if entry.len() > at {
-                entry.truncate(at);
+                dropped.extend(entry.drain(at..));
             }
             entry.push(*c);
             pos += 1;
+        }
+        // A rewritten tail's chain values lead nowhere now.
+        for c in dropped {
+            if inner
+                .by_chain
+                .get(&c)
+                .is_some_and(|(conv, _)| *conv == conversation)
+            {
+                inner.by_chain.remove(&c);
+            }
         }
         let tail_pos = if new_walk.is_empty() { first_pos } else { pos };
         for (k, (_, c)) in new_walk.iter().enumerate() {
@@ -315,6 +408,7 @@ impl Index {
                 .or_insert((conversation.clone(), first_pos + k as u32));
         }
         let last = walk.last().map_or(seed, |(_, c)| *c);
+        inner.bound(self.max_turns, &conversation);
         Some(Resolution {
             conversation,
             keyed_by,
@@ -339,7 +433,8 @@ impl Index {
     ) -> Option<Chain> {
         let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         let chain = link(&tail.1, digest);
-        let entry = inner.chains.entry(conversation.clone()).or_default();
+        inner.touch(conversation);
+        let entry = &mut inner.chains.entry(conversation.clone()).or_default().chains;
         let at = tail.0 as usize;
         let fresh = match entry.get(at) {
             Some(c) if *c == chain => false,
@@ -358,10 +453,16 @@ impl Index {
                 .or_insert((conversation.clone(), tail.0));
         }
         if let Some(id) = response_id {
-            inner
+            let before = inner
                 .responses
                 .insert(id.to_string(), (conversation.clone(), tail.0, chain));
+            if before.is_none() {
+                if let Some(held) = inner.chains.get_mut(conversation) {
+                    held.responses.push(id.to_string());
+                }
+            }
         }
+        inner.bound(self.max_turns, conversation);
         Some(chain)
     }
 
@@ -369,6 +470,12 @@ impl Index {
     pub fn conversations(&self) -> usize {
         let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         inner.chains.len()
+    }
+
+    /// Turns (chain values) the index holds.
+    pub fn turns(&self) -> usize {
+        let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        inner.by_chain.len()
     }
 }
 
@@ -480,5 +587,57 @@ mod tests {
             event_id(&a.conversation, &a.chains[0].unwrap(), 0),
             event_id(&b.conversation, &b.chains[0].unwrap(), 0)
         );
+    }
+
+    /// A conversation of `n` user/assistant turns about `topic`.
+    fn talk(topic: &str, n: usize) -> Vec<Arc<Canon>> {
+        let msgs: Vec<(String, String)> = (0..n)
+            .map(|i| {
+                let role = if i % 2 == 0 { "user" } else { "assistant" };
+                (role.to_string(), format!("{topic} {i}"))
+            })
+            .collect();
+        let refs: Vec<(&str, &str)> = msgs.iter().map(|(r, t)| (r.as_str(), t.as_str())).collect();
+        items(&refs)
+    }
+
+    #[test]
+    fn a_bounded_index_forgets_the_least_recently_used_and_finds_them_again_by_content() {
+        let index = Index::with_max_turns(10);
+        let a = index
+            .resolve("", &Hints::default(), &talk("alpha", 4))
+            .unwrap();
+        let b = index
+            .resolve("", &Hints::default(), &talk("beta", 4))
+            .unwrap();
+        assert_eq!(index.turns(), 8);
+        // `a` is used again: `b` is now the oldest.
+        let a2 = index
+            .resolve("", &Hints::default(), &talk("alpha", 5))
+            .unwrap();
+        assert_eq!(a2.conversation, a.conversation);
+        assert_eq!(a2.new_items, vec![4]);
+        // A third conversation goes over the bound: `b` is forgotten.
+        let c = index
+            .resolve("", &Hints::default(), &talk("gamma", 4))
+            .unwrap();
+        assert!(index.turns() <= 10, "{} turns held", index.turns());
+        assert_eq!(index.conversations(), 2);
+        // `b` comes back as the same conversation, its turns under the
+        // same ids (duplicates the fold drops), and takes a place again.
+        let b2 = index
+            .resolve("", &Hints::default(), &talk("beta", 4))
+            .unwrap();
+        assert_eq!(b2.conversation, b.conversation);
+        assert_eq!(b2.new_items, vec![0, 1, 2, 3]);
+        for i in 0..4 {
+            assert_eq!(
+                event_id(&b2.conversation, &b2.prevs[i].unwrap(), i),
+                event_id(&b.conversation, &b.prevs[i].unwrap(), i),
+                "turn {i}: the same event id as before it was forgotten"
+            );
+        }
+        assert!(index.turns() <= 10);
+        assert_ne!(c.conversation, b2.conversation);
     }
 }

@@ -138,11 +138,12 @@ impl Gateway {
                 })
                 .collect()
         };
+        let index = Index::with_max_turns(config.keying_max_turns);
         Ok(Gateway {
             config,
             policy_budget,
             store,
-            index: Index::default(),
+            index,
             ledger: Ledger::default(),
             upstream,
             tenants,
