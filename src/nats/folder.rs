@@ -71,6 +71,7 @@
 //!
 
 use crate::api::status::PartitionHealth;
+use crate::core::derived_id::DerivedId;
 use crate::core::event::Origin;
 use crate::log::LogRecord;
 use crate::nats::event_log::encoding_of;
@@ -954,7 +955,11 @@ impl<B: KvBackend + 'static> FolderRole<B> {
             if done.dead_letters.contains(&i) {
                 continue;
             }
-            let msg_id = format!("dead_p{partition}_{}", letter.position);
+            let msg_id = DerivedId::DeadRecord {
+                partition,
+                position: letter.position,
+            }
+            .to_string();
             let ack = self
                 .publisher
                 .dead_letter(DeadLetterMessage {
@@ -971,7 +976,7 @@ impl<B: KvBackend + 'static> FolderRole<B> {
         }
         for (id, reason, bytes) in &unpublishable {
             tracing::error!(partition, event_id = %id, error = %reason, "decision cannot be published; dead-lettering it");
-            let msg_id = format!("dead_{id}");
+            let msg_id = DerivedId::DeadEvent { event_id: id }.to_string();
             let ack = self
                 .publisher
                 .dead_letter(DeadLetterMessage {

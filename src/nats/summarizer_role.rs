@@ -32,6 +32,7 @@
 //! means a job whose every worker died still ends somewhere (the server
 //! never delivers a job more than `max_deliver` times).
 
+use crate::core::derived_id::DerivedId;
 use crate::core::event::{Encoding, Envelope, EventBody, SweepEnded, SweepStop};
 use crate::nats::event_log::event_headers;
 use crate::nats::jobs::JobMessage;
@@ -583,7 +584,7 @@ impl<S: Summarizer + 'static> SummarizerRole<S> {
                     .map_or(0, |s| s.job.issued_at),
             };
             let ended = Envelope::new(
-                format!("se_{job_id}"),
+                DerivedId::SweepEnded { job_id: &job_id }.to_string(),
                 conversation.clone(),
                 issued_at,
                 EventBody::SweepEnded(SweepEnded {
