@@ -90,7 +90,7 @@ fn classify(e: &PublishError) -> NotStored {
     // The same judgement as the service's own publishes.
     let failure = PublishFailure::NotStored {
         what: String::new(),
-        detail: detail.clone(),
+        source: detail.clone().into(),
     };
     if e.kind() == PublishErrorKind::MaxPayloadExceeded || failure.is_permanent() {
         return NotStored::Permanent(detail);

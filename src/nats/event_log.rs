@@ -87,8 +87,8 @@ pub struct NatsEventLog {
     agent_key: Option<AgentKey>,
 }
 
-fn backend(err: impl std::fmt::Display) -> LogError {
-    LogError::Backend(err.to_string())
+fn backend(err: impl Into<crate::BoxError>) -> LogError {
+    LogError::Backend(err.into())
 }
 
 impl NatsEventLog {
@@ -206,7 +206,7 @@ impl NatsEventLog {
             _ => Err(LogError::Backend(
                 "cannot publish bytes without an event id and conversation: the subject and \
                  Nats-Msg-Id come from them"
-                    .to_string(),
+                    .into(),
             )),
         }
     }
@@ -234,7 +234,7 @@ impl NatsEventLog {
         }
         self.cursor
             .as_mut()
-            .ok_or_else(|| LogError::Backend("reader cursor vanished".to_string()))
+            .ok_or_else(|| LogError::Backend("reader cursor vanished".into()))
     }
 }
 

@@ -15,6 +15,7 @@ use crate::core::event::{Encoding, Envelope, Origin};
 use crate::nats::event_log::event_headers;
 use crate::nats::msg_id;
 use crate::nats::subjects::{SubjectError, Subjects};
+use crate::BoxError;
 use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
 use async_nats::jetstream::Context;
 use async_nats::HeaderMap;
@@ -48,10 +49,18 @@ pub enum PublishFailure {
         size: usize,
         limit: usize,
     },
-    #[error("publishing {what}: {detail}")]
-    Nats { what: String, detail: String },
-    #[error("waiting for the stream to store {what}: {detail}")]
-    NotStored { what: String, detail: String },
+    #[error("publishing {what}: {source}")]
+    Nats {
+        what: String,
+        #[source]
+        source: BoxError,
+    },
+    #[error("waiting for the stream to store {what}: {source}")]
+    NotStored {
+        what: String,
+        #[source]
+        source: BoxError,
+    },
 }
 
 impl PublishFailure {
@@ -59,8 +68,8 @@ impl PublishFailure {
     pub fn is_permanent(&self) -> bool {
         match self {
             PublishFailure::Subject { .. } | PublishFailure::TooLarge { .. } => true,
-            PublishFailure::Nats { detail, .. } | PublishFailure::NotStored { detail, .. } => {
-                let d = detail.to_ascii_lowercase();
+            PublishFailure::Nats { source, .. } | PublishFailure::NotStored { source, .. } => {
+                let d = source.to_string().to_ascii_lowercase();
                 d.contains("max payload")
                     || d.contains("maximum payload")
                     || d.contains("message size")
@@ -70,14 +79,14 @@ impl PublishFailure {
 }
 
 fn nats_failure(what: &str, e: async_nats::jetstream::context::PublishError) -> PublishFailure {
-    let detail = match e.kind() {
+    let source: BoxError = match e.kind() {
         // The client refuses before sending: say it plainly.
-        PublishErrorKind::MaxPayloadExceeded => "max payload size exceeded".to_string(),
-        _ => e.to_string(),
+        PublishErrorKind::MaxPayloadExceeded => "max payload size exceeded".into(),
+        _ => e.into(),
     };
     PublishFailure::Nats {
         what: what.to_string(),
-        detail,
+        source,
     }
 }
 
@@ -191,7 +200,7 @@ pub async fn stored(what: &str, ack: PublishAckFuture) -> Result<(), PublishFail
         .map(|_| ())
         .map_err(|e| PublishFailure::NotStored {
             what: what.to_string(),
-            detail: e.to_string(),
+            source: e.into(),
         })
 }
 
@@ -203,12 +212,12 @@ mod tests {
     fn only_size_and_routing_failures_are_permanent() {
         let nats = |detail: &str| PublishFailure::Nats {
             what: "x".into(),
-            detail: detail.into(),
+            source: detail.into(),
         };
         assert!(nats("max payload size exceeded").is_permanent());
         assert!(PublishFailure::NotStored {
             what: "x".into(),
-            detail: "nats: message size exceeds maximum allowed".into()
+            source: "nats: message size exceeds maximum allowed".into()
         }
         .is_permanent());
         assert!(!nats("timed out: didn't receive ack in time").is_permanent());
