@@ -480,8 +480,13 @@ pub enum ConfigError {
     },
     #[error("config file {path} is not valid TOML: {detail}")]
     Parse { path: String, detail: String },
-    #[error("invalid configuration{origin}: {detail}")]
-    Invalid { origin: String, detail: String },
+    #[error("invalid configuration{origin}: {source}")]
+    Invalid {
+        origin: String,
+        /// The TOML error, or the validation's sentence.
+        #[source]
+        source: crate::BoxError,
+    },
     #[error("environment variable {var}: {detail}")]
     Env { var: String, detail: String },
     #[error(
@@ -547,7 +552,7 @@ impl Config {
                 .try_into()
                 .map_err(|e: toml::de::Error| ConfigError::Invalid {
                     origin: format!(" in {}", path.display()),
-                    detail: e.to_string(),
+                    source: e.into(),
                 })?;
         policy.validate()?;
         Ok(policy)
@@ -700,7 +705,7 @@ impl Config {
                 }
                 return Err(ConfigError::Invalid {
                     origin,
-                    detail: e.to_string(),
+                    source: e.into(),
                 });
             }
         };
@@ -710,7 +715,7 @@ impl Config {
                 .validate()
                 .map_err(|detail| ConfigError::Invalid {
                     origin: String::new(),
-                    detail,
+                    source: detail.into(),
                 })?;
         }
         config
@@ -718,25 +723,25 @@ impl Config {
             .validate()
             .map_err(|detail| ConfigError::Invalid {
                 origin: String::new(),
-                detail,
+                source: detail.into(),
             })?;
         config.nats.validate().map_err(|e| ConfigError::Invalid {
             origin: String::new(),
-            detail: format!("[nats] {e}"),
+            source: format!("[nats] {e}").into(),
         })?;
         config
             .store
             .validate()
             .map_err(|detail| ConfigError::Invalid {
                 origin: String::new(),
-                detail,
+                source: detail.into(),
             })?;
         config
             .gateway
             .validate()
             .map_err(|detail| ConfigError::Invalid {
                 origin: String::new(),
-                detail: format!("[gateway] {detail}"),
+                source: format!("[gateway] {detail}").into(),
             })?;
         Ok(config)
     }

@@ -14,6 +14,10 @@
 //! - [`secret`]: secrets that are never printed, and URLs without their
 //!   credentials.
 
+/// The cause of an error kept whole (an error value, or a sentence where
+/// there is none), so `{err:#}` and `Error::source` reach it.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
 pub mod api;
 pub mod audit_text;
 pub mod blocking;

@@ -26,12 +26,10 @@ use async_nats::jetstream::context::{PublishError, PublishErrorKind};
 use async_nats::jetstream::publish::PublishAck;
 use async_nats::jetstream::{self};
 use backon::BackoffBuilder;
-use bytes::Bytes;
 use contextfold::config::Config;
-use contextfold::core::event::{Encoding, Envelope, Origin};
-use contextfold::nats::event_log::event_headers;
-use contextfold::nats::msg_id::{self, AgentKey};
-use contextfold::nats::publish::PublishFailure;
+use contextfold::core::event::{Envelope, Origin};
+use contextfold::nats::msg_id::AgentKey;
+use contextfold::nats::publish::{Outbound, PublishFailure};
 use futures::future::BoxFuture;
 use futures::stream::FuturesOrdered;
 use futures::{FutureExt, StreamExt};
@@ -63,14 +61,11 @@ struct Tally {
 /// An event's index and what the stream answered to its publish.
 type Acked = BoxFuture<'static, (usize, Result<PublishAck, PublishError>)>;
 
-/// One event to publish, as it goes on the wire.
+/// One event to publish: its id (to name it) and the message, with
+/// `Nats-Msg-Id` the id scoped and keyed ([`Outbound::event_bytes`]).
 struct Outgoing {
     id: String,
-    /// `Nats-Msg-Id`: the id scoped and keyed ([`msg_id::of`]).
-    msg_id: String,
-    subject: String,
-    encoding: Encoding,
-    bytes: Bytes,
+    message: Outbound,
 }
 
 /// Why an event was not stored, as far as waiting can change it.
@@ -90,7 +85,7 @@ fn classify(e: &PublishError) -> NotStored {
     // The same judgement as the service's own publishes.
     let failure = PublishFailure::NotStored {
         what: String::new(),
-        detail: detail.clone(),
+        source: detail.clone().into(),
     };
     if e.kind() == PublishErrorKind::MaxPayloadExceeded || failure.is_permanent() {
         return NotStored::Permanent(detail);
@@ -224,19 +219,22 @@ pub fn publish(
                     continue;
                 }
             };
-            let subject = subjects
-                .inbound(&event.conversation)
-                .with_context(|| format!("{at} ({})", event.id))?;
-            let msg_id = msg_id::of(Origin::Agent, key.as_ref(), &event.conversation, &event.id);
-            conversations.insert(event.conversation);
             // JSONL lines go out as the bytes given (as an agent would send
             // them); imported transcripts as MessagePack.
+            let message = Outbound::event_bytes(
+                &subjects,
+                Origin::Agent,
+                key.as_ref(),
+                &event.id,
+                &event.conversation,
+                encoding,
+                bytes,
+            )
+            .with_context(|| format!("{at} ({})", event.id))?;
+            conversations.insert(event.conversation);
             events.push(Outgoing {
                 id: event.id,
-                msg_id,
-                subject,
-                encoding,
-                bytes: bytes.into(),
+                message,
             });
         }
         let started = Instant::now();
@@ -269,13 +267,7 @@ pub fn publish(
                     None => break,
                 };
                 let e = &events[i];
-                let sent = js
-                    .publish_with_headers(
-                        e.subject.clone(),
-                        event_headers(&e.msg_id, e.encoding),
-                        e.bytes.clone(),
-                    )
-                    .await;
+                let sent = e.message.send(&js).await;
                 match sent {
                     Ok(ack) => pending.push_back(async move { (i, ack.await) }.boxed()),
                     Err(err) => match classify(&err) {
@@ -408,7 +400,7 @@ async fn report_duplicates(
 ) -> usize {
     let checks = futures::stream::iter(duplicates.iter().map(|&(i, sequence)| async move {
         let kept = stream.direct_get(sequence).await;
-        (i, kept.map(|m| m.payload == events[i].bytes))
+        (i, kept.map(|m| m.payload == events[i].message.bytes))
     }))
     .buffer_unordered(64)
     .collect::<Vec<_>>()

@@ -1095,7 +1095,7 @@ mod tests {
         let content = "The user asked where the entry point is: src/main.rs.";
         let id = summary_id("c:acct", SummaryKind::Leaf, 0, &covers, content, "leaf-v1");
         let summary = Envelope::new(
-            format!("sr_{id}"),
+            crate::core::derived_id::DerivedId::SummaryRecorded { summary_id: &id }.to_string(),
             "c:acct",
             1_700_000_010_000,
             EventBody::SummaryRecorded(SummaryRecorded {

@@ -4,6 +4,7 @@
 
 pub mod assembly;
 pub mod audit;
+pub mod derived_id;
 pub mod event;
 pub mod fallback_summary;
 pub mod fold;

@@ -4,6 +4,7 @@
 //! deadline; the fold later accepts each summary only if it still matches.
 
 use crate::core::assembly;
+use crate::core::derived_id::DerivedId;
 use crate::core::event::{
     Covers, DebtReason, Envelope, EventBody, JobIssued, RollingState, SummaryKind, SummaryRecorded,
 };
@@ -634,7 +635,10 @@ impl SweepSnapshot {
 /// writes the same summary is deduplicated.
 pub fn summary_event(conversation: &str, time: u64, rec: SummaryRecorded) -> Envelope {
     Envelope::new(
-        format!("sr_{}", rec.summary_id),
+        DerivedId::SummaryRecorded {
+            summary_id: &rec.summary_id,
+        }
+        .to_string(),
         conversation,
         time,
         EventBody::SummaryRecorded(rec),

@@ -53,7 +53,7 @@ pub enum GatewayError {
     #[error(transparent)]
     Upstream(#[from] upstream::UpstreamError),
     #[error("opening the store: {0}")]
-    Store(String),
+    Store(#[source] crate::BoxError),
     #[error("listening on {addr}: {source}")]
     Listen {
         addr: SocketAddr,
@@ -126,12 +126,11 @@ pub async fn open_store(config: &Config, nats: bool) -> Result<Store, GatewayErr
             .spool_dir
             .clone()
             .unwrap_or_else(|| config.data_dir.join("gateway-spool"));
-        let spool =
-            Arc::new(spool::Spool::open(&dir).map_err(|e| GatewayError::Store(e.to_string()))?);
+        let spool = Arc::new(spool::Spool::open(&dir).map_err(|e| GatewayError::Store(e.into()))?);
         Store::nats(config, spool)
             .await
-            .map_err(GatewayError::Store)
+            .map_err(|e| GatewayError::Store(e.into()))
     } else {
-        Store::embedded(config).map_err(|e| GatewayError::Store(e.to_string()))
+        Store::embedded(config).map_err(|e| GatewayError::Store(e.into()))
     }
 }

@@ -78,7 +78,7 @@ pub enum LogError {
     #[error("record of {size} bytes exceeds the log's {limit}-byte record limit")]
     TooLarge { size: usize, limit: usize },
     #[error("event log backend error: {0}")]
-    Backend(String),
+    Backend(#[source] crate::BoxError),
 }
 
 /// An append-only, ordered log of encoded events.

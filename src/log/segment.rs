@@ -658,11 +658,14 @@ impl SegmentLog {
         match lock.try_lock() {
             Ok(()) => {}
             Err(fs::TryLockError::WouldBlock) => {
-                return Err(LogError::Backend(format!(
-                    "event log at {} is already open in another process or handle; \
-                     stop it or choose another --data directory",
-                    dir.display()
-                )))
+                return Err(LogError::Backend(
+                    format!(
+                        "event log at {} is already open in another process or handle; \
+                         stop it or choose another --data directory",
+                        dir.display()
+                    )
+                    .into(),
+                ))
             }
             Err(fs::TryLockError::Error(source)) => return Err(io_error(&lock_path)(source)),
         }
@@ -1257,7 +1260,7 @@ mod tests {
         let _log = SegmentLog::open(dir.path()).unwrap();
         let err = SegmentLog::open(dir.path()).unwrap_err();
         assert!(
-            matches!(err, LogError::Backend(ref m) if m.contains("already open")),
+            matches!(err, LogError::Backend(ref m) if m.to_string().contains("already open")),
             "{err}"
         );
     }

@@ -50,8 +50,8 @@ pub use crate::api::{LocalState, StateView};
 use crate::core::event::{Encoding, Envelope, Origin};
 use crate::core::policy::PolicyConfig;
 use crate::core::state::{Conversation, State};
-use crate::nats::event_log::event_headers;
 use crate::nats::folder::{EngineMap, SharedEngine};
+use crate::nats::publish::Outbound;
 use crate::nats::replies::{ReplyFamily, ReplyPolicy};
 use crate::nats::subjects::{partition_of, SubjectError, Subjects};
 use crate::runtime::recall::{RecallSetupError, Recaller};
@@ -734,22 +734,9 @@ async fn store_event(
     event: &Envelope,
     what: &str,
 ) -> Result<(), ApiError> {
-    let subject = subjects
-        .service(&event.conversation)
+    let message = Outbound::event(subjects, Origin::Service, None, event, Encoding::Json)
         .map_err(|e| ApiError::BadRequest(format!("cannot route the conversation: {e}")))?;
-    let stored = async {
-        jetstream::new(client.clone())
-            .publish_with_headers(
-                subject,
-                event_headers(
-                    &crate::nats::msg_id::of(Origin::Service, None, &event.conversation, &event.id),
-                    Encoding::Json,
-                ),
-                event.encode(Encoding::Json).into(),
-            )
-            .await?
-            .await
-    };
+    let stored = async { message.send(&jetstream::new(client.clone())).await?.await };
     stored.await.map(drop).map_err(|e| {
         ApiError::Internal(format!(
             "cannot store {what} {} in the events stream: {e}",

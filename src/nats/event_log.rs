@@ -13,10 +13,10 @@
 
 use crate::core::event::{Encoding, Envelope, Origin, MAX_EVENT_BYTES};
 use crate::log::{Appended as AppendRecord, EventLog, LogError, LogRecord, Position};
-use crate::nats::msg_id::{self, AgentKey};
+use crate::nats::msg_id::AgentKey;
+use crate::nats::publish::Outbound;
 use crate::nats::subjects::Subjects;
 use crate::nats::NatsError;
-use async_nats::header::NATS_MESSAGE_ID;
 use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy, PullConsumer};
 use async_nats::jetstream::context::PublishAckFuture;
 use async_nats::jetstream::{self, stream, Context};
@@ -24,16 +24,7 @@ use async_nats::HeaderMap;
 use futures::StreamExt;
 use std::time::Duration;
 
-/// The header naming an event's encoding.
-pub const CONTENT_TYPE: &str = "Content-Type";
-
-/// `Content-Type` value for an encoding.
-pub fn content_type(encoding: Encoding) -> &'static str {
-    match encoding {
-        Encoding::Json => "application/json",
-        Encoding::Msgpack => "application/msgpack",
-    }
-}
+pub use crate::nats::publish::{content_type, event_headers, CONTENT_TYPE};
 
 /// The encoding of a received event: the `Content-Type` header when
 /// present, else JSON when the body starts with `{` (a MessagePack event
@@ -48,15 +39,6 @@ pub fn encoding_of(headers: Option<&HeaderMap>, payload: &[u8]) -> Encoding {
         Some(b'{') => Encoding::Json,
         _ => Encoding::Msgpack,
     }
-}
-
-/// Headers for publishing one event with message id `msg_id`
-/// ([`crate::nats::msg_id::of`]).
-pub fn event_headers(msg_id: &str, encoding: Encoding) -> HeaderMap {
-    let mut headers = HeaderMap::new();
-    headers.insert(NATS_MESSAGE_ID, msg_id);
-    headers.insert(CONTENT_TYPE, content_type(encoding));
-    headers
 }
 
 /// Result of publishing one event.
@@ -87,8 +69,8 @@ pub struct NatsEventLog {
     agent_key: Option<AgentKey>,
 }
 
-fn backend(err: impl std::fmt::Display) -> LogError {
-    LogError::Backend(err.to_string())
+fn backend(err: impl Into<crate::BoxError>) -> LogError {
+    LogError::Backend(err.into())
 }
 
 impl NatsEventLog {
@@ -149,21 +131,19 @@ impl NatsEventLog {
                 limit: MAX_EVENT_BYTES,
             });
         }
-        let subject = self
-            .subjects
-            .publish(origin, conversation)
-            .map_err(backend)?;
-        self.js
-            .publish_with_headers(
-                subject,
-                event_headers(
-                    &msg_id::of(origin, self.agent_key.as_ref(), conversation, id),
-                    encoding,
-                ),
-                bytes.into(),
-            )
-            .await
-            .map_err(backend)
+        Outbound::event_bytes(
+            &self.subjects,
+            origin,
+            self.agent_key.as_ref(),
+            id,
+            conversation,
+            encoding,
+            bytes,
+        )
+        .map_err(backend)?
+        .send(&self.js)
+        .await
+        .map_err(backend)
     }
 
     /// Publishes one event: `Nats-Msg-Id` = its id, `Content-Type` = its
@@ -206,7 +186,7 @@ impl NatsEventLog {
             _ => Err(LogError::Backend(
                 "cannot publish bytes without an event id and conversation: the subject and \
                  Nats-Msg-Id come from them"
-                    .to_string(),
+                    .into(),
             )),
         }
     }
@@ -234,7 +214,7 @@ impl NatsEventLog {
         }
         self.cursor
             .as_mut()
-            .ok_or_else(|| LogError::Backend("reader cursor vanished".to_string()))
+            .ok_or_else(|| LogError::Backend("reader cursor vanished".into()))
     }
 }
 

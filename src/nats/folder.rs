@@ -71,6 +71,7 @@
 //!
 
 use crate::api::status::PartitionHealth;
+use crate::core::derived_id::DerivedId;
 use crate::core::event::Origin;
 use crate::log::LogRecord;
 use crate::nats::event_log::encoding_of;
@@ -172,8 +173,12 @@ pub enum FolderError {
     Nats(#[from] NatsError),
     #[error(transparent)]
     Store(#[from] StoreError),
-    #[error("folder task of partition {partition} failed: {detail}")]
-    Task { partition: u32, detail: String },
+    #[error("folder task of partition {partition} failed: {source}")]
+    Task {
+        partition: u32,
+        #[source]
+        source: tokio::task::JoinError,
+    },
     /// The consumer delivered a message that never arrived (lost in flight,
     /// say when a NATS node died): acknowledging past it would skip it for
     /// good, so the consumer is recreated at the state's position.
@@ -492,10 +497,7 @@ impl<B: KvBackend + 'static> FolderRole<B> {
         let open = self.open_engine.clone();
         let engine = tokio::task::spawn_blocking(move || open(partition))
             .await
-            .map_err(|e| FolderError::Task {
-                partition,
-                detail: e.to_string(),
-            })??;
+            .map_err(|source| FolderError::Task { partition, source })??;
         Ok(Arc::new(Mutex::new(engine)))
     }
 
@@ -588,9 +590,9 @@ impl<B: KvBackend + 'static> FolderRole<B> {
             Ok::<_, StoreError>(effects)
         })
         .await
-        .map_err(|e| FolderError::Task {
+        .map_err(|source| FolderError::Task {
             partition: p,
-            detail: e.to_string(),
+            source,
         })??;
         if !self
             .publish_effects(lease, health, &effects, shutdown)
@@ -785,9 +787,9 @@ impl<B: KvBackend + 'static> FolderRole<B> {
             Ok::<_, crate::store::StoreError>((effects, e.position(), e.holding()))
         })
         .await
-        .map_err(|e| FolderError::Task {
+        .map_err(|source| FolderError::Task {
             partition: p,
-            detail: e.to_string(),
+            source,
         })??;
 
         if !carry_on(lease, shutdown).await {
@@ -805,9 +807,9 @@ impl<B: KvBackend + 'static> FolderRole<B> {
         let committing = engine.clone();
         tokio::task::spawn_blocking(move || lock(&committing).commit())
             .await
-            .map_err(|e| FolderError::Task {
+            .map_err(|source| FolderError::Task {
                 partition: p,
-                detail: e.to_string(),
+                source,
             })??;
         {
             let mut h = lock(health);
@@ -927,7 +929,7 @@ impl<B: KvBackend + 'static> FolderRole<B> {
             .await
             .map_err(|e| PublishFailure::Nats {
                 what: format!("job {}", snap.job.job_id),
-                detail: e.to_string(),
+                source: e.into(),
             })?;
             pending.push((Effect::Requeued(i), ack));
         }
@@ -945,7 +947,7 @@ impl<B: KvBackend + 'static> FolderRole<B> {
             .await
             .map_err(|e| PublishFailure::Nats {
                 what: format!("job {}", snap.job.job_id),
-                detail: e.to_string(),
+                source: e.into(),
             })?;
             pending.push((Effect::Job(i), ack));
         }
@@ -954,7 +956,11 @@ impl<B: KvBackend + 'static> FolderRole<B> {
             if done.dead_letters.contains(&i) {
                 continue;
             }
-            let msg_id = format!("dead_p{partition}_{}", letter.position);
+            let msg_id = DerivedId::DeadRecord {
+                partition,
+                position: letter.position,
+            }
+            .to_string();
             let ack = self
                 .publisher
                 .dead_letter(DeadLetterMessage {
@@ -971,7 +977,7 @@ impl<B: KvBackend + 'static> FolderRole<B> {
         }
         for (id, reason, bytes) in &unpublishable {
             tracing::error!(partition, event_id = %id, error = %reason, "decision cannot be published; dead-lettering it");
-            let msg_id = format!("dead_{id}");
+            let msg_id = DerivedId::DeadEvent { event_id: id }.to_string();
             let ack = self
                 .publisher
                 .dead_letter(DeadLetterMessage {
@@ -1079,7 +1085,7 @@ async fn carry_on(lease: &Lease, shutdown: &mut watch::Receiver<bool>) -> bool {
 }
 
 /// A message the pull stream yielded, or why there is none.
-fn pulled<E: std::fmt::Display>(
+fn pulled<E: std::error::Error + Send + Sync + 'static>(
     partition: u32,
     next: Option<Result<jetstream::Message, E>>,
 ) -> Result<jetstream::Message, FolderError> {

@@ -9,9 +9,8 @@
 //! and the bucket's `max_age` (`payload_max_age_ms`) removes what a crash
 //! left.
 
-use crate::core::event::Encoding;
 use crate::core::sweep::SweepSnapshot;
-use crate::nats::event_log::event_headers;
+use crate::nats::publish::Outbound;
 use crate::nats::subjects::Subjects;
 use crate::nats::NatsError;
 use async_nats::jetstream::context::PublishAckFuture;
@@ -128,11 +127,8 @@ pub async fn publish_job(
             snapshot_object: Some(name),
         }
     };
-    js.publish_with_headers(
-        subject,
-        event_headers(&job_id, Encoding::Msgpack),
-        encode(&message).into(),
-    )
-    .await
-    .map_err(|e| NatsError::js(format!("publishing job {job_id}"), e))
+    Outbound::job(subject, &job_id, encode(&message))
+        .send(js)
+        .await
+        .map_err(|e| NatsError::js(format!("publishing job {job_id}"), e))
 }

@@ -36,6 +36,7 @@ pub use config::NatsConfig;
 pub use connect::NatsOptions;
 pub use subjects::Subjects;
 
+use crate::BoxError;
 use std::path::PathBuf;
 
 /// What went wrong talking to NATS, phrased for the operator.
@@ -62,18 +63,23 @@ pub enum NatsError {
     JetStreamDisabled { server: String },
     #[error("{resource} exists with settings contextfold cannot use: {detail}")]
     Incompatible { resource: String, detail: String },
-    #[error("JetStream {operation} failed: {detail}")]
-    JetStream { operation: String, detail: String },
+    #[error("JetStream {operation} failed: {source}")]
+    JetStream {
+        operation: String,
+        #[source]
+        source: BoxError,
+    },
     #[error(transparent)]
     Subject(#[from] subjects::SubjectError),
 }
 
 impl NatsError {
-    /// A JetStream call that failed, naming what was attempted.
-    pub(crate) fn js(operation: impl Into<String>, err: impl std::fmt::Display) -> Self {
+    /// A JetStream call that failed, naming what was attempted; `err` is
+    /// the client's error (or, where there is none, a sentence).
+    pub(crate) fn js(operation: impl Into<String>, err: impl Into<BoxError>) -> Self {
         NatsError::JetStream {
             operation: operation.into(),
-            detail: err.to_string(),
+            source: err.into(),
         }
     }
 }

@@ -242,7 +242,11 @@ fn check_server_limits(js: &Context, cfg: &NatsConfig) -> Result<(), NatsError> 
 
 /// Turns a JetStream error into one that says what to do, for the cases an
 /// operator can hit by configuration.
-fn classify(operation: String, err: impl std::fmt::Display, replicas: usize) -> NatsError {
+fn classify(
+    operation: String,
+    err: impl std::error::Error + Send + Sync + 'static,
+    replicas: usize,
+) -> NatsError {
     let detail = err.to_string();
     let lower = detail.to_ascii_lowercase();
     if replicas > 1 && (lower.contains("replicas") || lower.contains("insufficient resources")) {
@@ -254,7 +258,7 @@ fn classify(operation: String, err: impl std::fmt::Display, replicas: usize) -> 
             ),
         };
     }
-    NatsError::js(operation, detail)
+    NatsError::js(operation, err)
 }
 
 async fn get_stream(js: &Context, name: &str) -> Result<Option<stream::Stream>, NatsError> {

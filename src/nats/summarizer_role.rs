@@ -32,9 +32,10 @@
 //! means a job whose every worker died still ends somewhere (the server
 //! never delivers a job more than `max_deliver` times).
 
-use crate::core::event::{Encoding, Envelope, EventBody, SweepEnded, SweepStop};
-use crate::nats::event_log::event_headers;
+use crate::core::derived_id::DerivedId;
+use crate::core::event::{Encoding, Envelope, EventBody, Origin, SweepEnded, SweepStop};
 use crate::nats::jobs::JobMessage;
+use crate::nats::publish::{self, Outbound};
 use crate::nats::setup::Infrastructure;
 use crate::nats::subjects::Subjects;
 use crate::nats::NatsError;
@@ -54,12 +55,8 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 use tracing::Instrument;
 
-/// Header naming why a job was dead-lettered (the one all dead letters use).
-pub use crate::nats::publish::DEAD_REASON_HEADER;
-/// Header with the number of deliveries a dead-lettered job had.
-pub const DEAD_DELIVERIES_HEADER: &str = "Contextfold-Deliveries";
-/// Header with the id of a dead-lettered job.
-pub const DEAD_JOB_HEADER: &str = "Contextfold-Job-Id";
+/// The headers of a dead-lettered job (named in [`crate::nats::publish`]).
+pub use crate::nats::publish::{DEAD_DELIVERIES_HEADER, DEAD_JOB_HEADER, DEAD_REASON_HEADER};
 
 /// Tuning of the summarizer role.
 #[derive(Debug, Clone)]
@@ -501,21 +498,8 @@ impl<S: Summarizer + 'static> SummarizerRole<S> {
     }
 
     async fn publish_event(&self, e: &Envelope) -> Result<PublishAckFuture, NatsError> {
-        let subject = self.subjects.service(&e.conversation)?;
-        self.js
-            .publish_with_headers(
-                subject,
-                event_headers(
-                    &crate::nats::msg_id::of(
-                        crate::core::event::Origin::Service,
-                        None,
-                        &e.conversation,
-                        &e.id,
-                    ),
-                    Encoding::Msgpack,
-                ),
-                e.to_msgpack().into(),
-            )
+        Outbound::event(&self.subjects, Origin::Service, None, e, Encoding::Msgpack)?
+            .send(&self.js)
             .await
             .map_err(|err| NatsError::js(format!("publishing event {}", e.id), err))
     }
@@ -558,21 +542,18 @@ impl<S: Summarizer + 'static> SummarizerRole<S> {
         } else {
             self.subjects.dead_letter(&conversation)?
         };
-        let mut headers = async_nats::HeaderMap::new();
-        headers.insert("Nats-Msg-Id", format!("dead_{job_id}").as_str());
-        headers.insert(DEAD_JOB_HEADER, job_id.as_str());
-        // Header values are one line.
-        headers.insert(
-            DEAD_REASON_HEADER,
-            reason.replace(['\r', '\n'], " ").as_str(),
-        );
-        headers.insert(DEAD_DELIVERIES_HEADER, delivered.to_string().as_str());
-        self.js
-            .publish_with_headers(subject, headers, message.payload.clone())
-            .await
-            .map_err(|e| NatsError::js(format!("dead-lettering job {job_id}"), e))?
-            .await
-            .map_err(|e| NatsError::js(format!("dead-lettering job {job_id}"), e))?;
+        publish::dead_job(
+            &self.js,
+            subject,
+            &job_id,
+            &reason,
+            delivered,
+            message.payload.clone(),
+        )
+        .await
+        .map_err(|e| NatsError::js(format!("dead-lettering job {job_id}"), e))?
+        .await
+        .map_err(|e| NatsError::js(format!("dead-lettering job {job_id}"), e))?;
         if let Some(j) = job {
             // The conversation's clock, as the sweep's own events carry it.
             let issued_at = match &j.snapshot {
@@ -583,7 +564,7 @@ impl<S: Summarizer + 'static> SummarizerRole<S> {
                     .map_or(0, |s| s.job.issued_at),
             };
             let ended = Envelope::new(
-                format!("se_{job_id}"),
+                DerivedId::SweepEnded { job_id: &job_id }.to_string(),
                 conversation.clone(),
                 issued_at,
                 EventBody::SweepEnded(SweepEnded {

@@ -9,6 +9,7 @@
 //! short included, so what the sweep reports spent is read from the budgets
 //! alone.
 
+use crate::core::derived_id::DerivedId;
 use crate::core::event::{Envelope, EventBody, RollingStateUpdated, SweepEnded, SweepStop};
 use crate::core::spend::Spend;
 use crate::core::sweep::{summary_event, Pass, SweepSnapshot};
@@ -227,7 +228,7 @@ where
                     });
                 }
                 publish(Envelope::new(
-                    format!("rs_{job_id}"),
+                    DerivedId::RollingState { job_id: &job_id }.to_string(),
                     conversation.clone(),
                     event_time,
                     EventBody::RollingStateUpdated(RollingStateUpdated {
@@ -260,7 +261,7 @@ where
     };
     tracing::info!(passes, committed, stop = ?stop, "sweep ended");
     publish(Envelope::new(
-        format!("se_{job_id}"),
+        DerivedId::SweepEnded { job_id: &job_id }.to_string(),
         conversation,
         event_time,
         EventBody::SweepEnded(ended.clone()),

@@ -61,12 +61,21 @@ pub enum Write {
 pub enum StoreError {
     #[error("state store at {path} could not be opened: {detail}")]
     Open { path: String, detail: String },
-    #[error("state store error: {0}")]
-    Backend(String),
+    #[error("state store error: {what}: {source}")]
+    Backend {
+        /// The backend and the operation (`redb commit`).
+        what: String,
+        #[source]
+        source: crate::BoxError,
+    },
     #[error(
-        "state store holds an unreadable record ({what}): {detail}; run `contextfold rebuild`"
+        "state store holds an unreadable record ({what}): {source}; run `contextfold rebuild`"
     )]
-    Corrupt { what: String, detail: String },
+    Corrupt {
+        what: String,
+        #[source]
+        source: crate::BoxError,
+    },
     #[error(
         "state store was written in {found}, this build reads {expected}: a command that \
          folds (`contextfold run /dev/null`, or a serve) refolds the log into it; `contextfold \
@@ -82,7 +91,7 @@ impl From<crate::core::state::BodyError> for StoreError {
     fn from(e: crate::core::state::BodyError) -> StoreError {
         StoreError::Corrupt {
             what: "turn body".into(),
-            detail: e.to_string(),
+            source: e.into(),
         }
     }
 }

@@ -15,7 +15,10 @@ fn definition(table: Table) -> TableDefinition<'static, &'static [u8], &'static 
 }
 
 fn backend_error(what: &str) -> impl FnOnce(redb::Error) -> StoreError + '_ {
-    move |e| StoreError::Backend(format!("redb {what}: {e}"))
+    move |e| StoreError::Backend {
+        what: format!("redb {what}"),
+        source: e.into(),
+    }
 }
 
 /// What a state store file says of itself, read without writing to it.
@@ -71,7 +74,7 @@ pub fn inspect(path: &Path) -> Result<StoreSummary, InspectError> {
             .map(u64::from_be_bytes)
             .map_err(|_| StoreError::Corrupt {
                 what: "checkpoint".into(),
-                detail: "not 8 bytes".into(),
+                source: "not 8 bytes".into(),
             })?,
         None => 0,
     };

@@ -42,7 +42,10 @@ fn is_lock_contention(e: &std::io::Error) -> bool {
 pub const SEGMENT_BYTES: usize = 16 << 20;
 
 fn backend_error(what: &str) -> impl FnOnce(sled::Error) -> StoreError + '_ {
-    move |e| StoreError::Backend(format!("sled {what}: {e}"))
+    move |e| StoreError::Backend {
+        what: format!("sled {what}"),
+        source: e.into(),
+    }
 }
 
 fn table_index(table: Table) -> usize {

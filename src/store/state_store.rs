@@ -260,7 +260,7 @@ fn encode_sized<T: serde::Serialize + ?Sized>(value: &T, capacity: usize) -> Vec
 fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8], what: &str) -> Result<T, StoreError> {
     rmp_serde::from_slice(bytes).map_err(|e| StoreError::Corrupt {
         what: what.to_string(),
-        detail: e.to_string(),
+        source: e.into(),
     })
 }
 
@@ -373,7 +373,7 @@ impl<B: KvBackend> StateStore<B> {
             Some(_) => {
                 return Err(StoreError::Corrupt {
                     what: "checkpoint".into(),
-                    detail: "not 8 bytes".into(),
+                    source: "not 8 bytes".into(),
                 })
             }
             None => 0,
@@ -432,7 +432,7 @@ impl<B: KvBackend> StateStore<B> {
             .map(|(key, _)| {
                 String::from_utf8(key).map_err(|e| StoreError::Corrupt {
                     what: "conversation key".into(),
-                    detail: e.to_string(),
+                    source: e.into(),
                 })
             })
             .collect()
@@ -466,7 +466,7 @@ impl<B: KvBackend> StateStore<B> {
             if rk.len() != prefix.len() + 8 {
                 return Err(StoreError::Corrupt {
                     what: "record key".into(),
-                    detail: format!("{rk:?}"),
+                    source: format!("{rk:?}").into(),
                 });
             }
             let chunk: LoadedChunk = decode(&value, "conversation chunk")?;
@@ -625,7 +625,7 @@ impl<B: KvBackend> StateStore<B> {
         let bodies = self.bodies();
         let corrupt = |e: BodyError| StoreError::Corrupt {
             what: "turn body".into(),
-            detail: e.to_string(),
+            source: e.into(),
         };
         for key in keys {
             let hash = match resident.conversations.get(&key) {

@@ -5,6 +5,7 @@
 //! or set the conversation's timer for the end of its wait.
 
 use super::*;
+use crate::core::derived_id::DerivedId;
 
 impl FoldContext<'_> {
     pub(super) fn provider_error(&mut self, e: &ProviderErrorObserved) -> FoldStatus {
@@ -413,11 +414,11 @@ impl FoldContext<'_> {
         if partition_limits {
             self.global.stop_waiting(&self.conv.key);
         }
-        let job_id = format!(
-            "job_{}_{}",
-            &blake3::hash(self.conv.key.as_bytes()).to_hex()[..12],
-            self.conv.jobs_issued
-        );
+        let job_id = DerivedId::Job {
+            conversation: &self.conv.key,
+            issued: self.conv.jobs_issued,
+        }
+        .to_string();
         self.conv.jobs_issued += 1;
         let deadline_ms = if grant.reason == DebtReason::Overflow {
             self.policy.compact_until_under_deadline_ms

@@ -304,8 +304,7 @@ fn job_left(conv: &mut Conversation, clock: &mut PartitionClock, job: &JobIssued
 /// never became an event, or an id too long to repeat): derived from the
 /// bytes, so replaying the same log rejects the same way.
 pub fn undecodable_id(bytes: &[u8]) -> String {
-    let digest = blake3::hash(bytes).to_hex();
-    format!("undecodable_{}", &digest[..20])
+    crate::core::derived_id::DerivedId::Undecodable { bytes }.to_string()
 }
 
 /// Records a record that intake refused (see [`crate::core::intake`]) in

@@ -339,7 +339,10 @@ fn a_debt_recorded_during_a_rolling_refresh_gets_its_job_when_it_ends() {
     }
     let state_of = |job: &JobIssued, time: u64| {
         Envelope::new(
-            format!("rs_{}", job.job_id),
+            crate::core::derived_id::DerivedId::RollingState {
+                job_id: &job.job_id,
+            }
+            .to_string(),
             "c",
             time,
             EventBody::RollingStateUpdated(RollingStateUpdated {

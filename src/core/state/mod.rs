@@ -760,8 +760,11 @@ pub fn summary_id(
 
 /// A deterministic id for an event the fold derives from `cause`.
 pub fn derived_event_id(cause: &str, what: &str) -> String {
-    let h = blake3::hash(format!("{cause}\u{0}{what}").as_bytes());
-    format!("d_{}_{}", what, &h.to_hex()[..20])
+    crate::core::derived_id::DerivedId::Decision {
+        cause,
+        event_type: what,
+    }
+    .to_string()
 }
 
 #[cfg(test)]
