@@ -295,6 +295,10 @@ pub struct GatewayConfig {
     pub tenants: Vec<GatewayTenant>,
 }
 
+/// Turns the gateway's conversation index holds at most by default (about
+/// 100 MB; `gateway.keying_max_turns`).
+pub const DEFAULT_KEYING_MAX_TURNS: usize = 1_000_000;
+
 /// What the gateway does past the budget.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -346,7 +350,7 @@ impl Default for GatewayConfig {
             upstream_timeout_ms: 600_000,
             upstream_connect_timeout_ms: 10_000,
             max_in_flight_per_tenant: 64,
-            keying_max_turns: crate::gateway::keying::DEFAULT_MAX_TURNS,
+            keying_max_turns: DEFAULT_KEYING_MAX_TURNS,
             spool_dir: None,
             tenants: Vec::new(),
         }

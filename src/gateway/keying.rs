@@ -115,9 +115,6 @@ struct Inner {
     clock: u64,
 }
 
-/// Turns the index holds at most by default (about 100 MB).
-pub const DEFAULT_MAX_TURNS: usize = 1_000_000;
-
 /// The in-memory index (module doc).
 pub struct Index {
     inner: Mutex<Inner>,
@@ -126,7 +123,7 @@ pub struct Index {
 
 impl Default for Index {
     fn default() -> Self {
-        Index::with_max_turns(DEFAULT_MAX_TURNS)
+        Index::with_max_turns(crate::config::DEFAULT_KEYING_MAX_TURNS)
     }
 }
 
