@@ -413,17 +413,7 @@ mod tests {
     struct Scripted(Answer);
 
     fn call() -> CallRecord {
-        CallRecord {
-            model: "m".into(),
-            provider: "p".into(),
-            latency_ms: 1,
-            prompt_tokens_provider: Some(100),
-            completion_tokens_provider: None,
-            prompt_tokens_ours: 90,
-            completion_tokens_ours: 0,
-            cost_micros: 3,
-            outcome: CallOutcome::Cancelled,
-        }
+        crate::testing::call_record(CallOutcome::Cancelled)
     }
 
     impl Summarizer for Scripted {
@@ -526,7 +516,11 @@ mod tests {
             assert_eq!(ended.stop, stop, "{answer:?}: {ended:?}");
             assert_eq!(ended.retry_after_ms, retry_after_ms, "{answer:?}");
             assert_eq!(ended.calls, calls, "{answer:?}: calls spent");
-            assert_eq!(ended.tokens_spent, u64::from(calls) * 100, "{answer:?}");
+            assert_eq!(
+                ended.tokens_spent,
+                u64::from(calls) * call().tokens(),
+                "{answer:?}"
+            );
             assert_eq!(ended.committed, 0, "{answer:?}");
         }
     }

@@ -156,20 +156,7 @@ impl Drop for InFlight<'_> {
 mod tests {
     use super::*;
     use crate::summarizer::CallOutcome;
-
-    fn record(outcome: CallOutcome) -> CallRecord {
-        CallRecord {
-            model: "m".into(),
-            provider: "p".into(),
-            latency_ms: 1,
-            prompt_tokens_provider: Some(100),
-            completion_tokens_provider: Some(10),
-            prompt_tokens_ours: 90,
-            completion_tokens_ours: 9,
-            cost_micros: 7,
-            outcome,
-        }
-    }
+    use crate::testing::call_record as record;
 
     #[test]
     fn a_budget_grants_what_it_has_left_and_notes_a_refusal() {

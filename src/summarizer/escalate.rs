@@ -353,19 +353,7 @@ mod tests {
         }
     }
 
-    fn call(outcome: CallOutcome) -> CallRecord {
-        CallRecord {
-            model: "m".into(),
-            provider: "p".into(),
-            latency_ms: 1,
-            prompt_tokens_provider: Some(10),
-            completion_tokens_provider: Some(5),
-            prompt_tokens_ours: 10,
-            completion_tokens_ours: 5,
-            cost_micros: 1,
-            outcome,
-        }
-    }
+    use crate::testing::call_record as call;
 
     impl Summarizer for Scripted {
         async fn summarize(

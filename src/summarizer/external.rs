@@ -9,7 +9,8 @@
 
 use super::budget::InFlight;
 use super::{
-    Budget, CallOutcome, CallRecord, RollingOutcome, SummarizeError, Summarizer, SummaryOutcome,
+    Budget, CallOutcome, CallRecord, Outcome, RollingOutcome, SummarizeError, Summarizer,
+    SummaryOutcome,
 };
 use crate::core::summary::{RollingStateRequest, SummaryDraft, SummaryRequest};
 use crate::core::tokens::{count_text, Encoding};
@@ -225,6 +226,21 @@ impl<T: RequestTransport> Summarizer for ExternalSummarizer<T> {
     }
 }
 
+/// The fallback's answer with the primary's `earlier` calls in front.
+fn after<T: Outcome>(
+    earlier: Vec<CallRecord>,
+    answer: Result<T, SummarizeError>,
+) -> Result<T, SummarizeError> {
+    match answer {
+        Ok(mut outcome) => {
+            let own = std::mem::replace(outcome.calls_mut(), earlier);
+            outcome.calls_mut().extend(own);
+            Ok(outcome)
+        }
+        Err(e) => Err(e.prepend_calls(earlier)),
+    }
+}
+
 /// Tries `primary`; on any failure uses `fallback`, keeping the calls of
 /// both.
 #[derive(Debug)]
@@ -260,15 +276,7 @@ impl<P: Summarizer, F: Summarizer> Summarizer for WithFallback<P, F> {
                     "primary summarizer failed; using the fallback"
                 );
                 let earlier = e.take_calls();
-                match self.fallback.summarize(req, budget).await {
-                    Ok(mut outcome) => {
-                        let mut calls = earlier;
-                        calls.append(&mut outcome.calls);
-                        outcome.calls = calls;
-                        Ok(outcome)
-                    }
-                    Err(e) => Err(e.prepend_calls(earlier)),
-                }
+                after(earlier, self.fallback.summarize(req, budget).await)
             }
         }
     }
@@ -282,15 +290,7 @@ impl<P: Summarizer, F: Summarizer> Summarizer for WithFallback<P, F> {
             Ok(outcome) => Ok(outcome),
             Err(mut e) => {
                 let earlier = e.take_calls();
-                match self.fallback.rolling_state(req, budget).await {
-                    Ok(mut outcome) => {
-                        let mut calls = earlier;
-                        calls.append(&mut outcome.calls);
-                        outcome.calls = calls;
-                        Ok(outcome)
-                    }
-                    Err(e) => Err(e.prepend_calls(earlier)),
-                }
+                after(earlier, self.fallback.rolling_state(req, budget).await)
             }
         }
     }

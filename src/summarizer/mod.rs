@@ -95,6 +95,24 @@ impl<S: Summarizer> Summarizer for Arc<S> {
     }
 }
 
+/// What a summarizer answers with: something written and the calls it
+/// took.
+pub trait Outcome {
+    fn calls_mut(&mut self) -> &mut Vec<CallRecord>;
+}
+
+impl Outcome for SummaryOutcome {
+    fn calls_mut(&mut self) -> &mut Vec<CallRecord> {
+        &mut self.calls
+    }
+}
+
+impl Outcome for RollingOutcome {
+    fn calls_mut(&mut self) -> &mut Vec<CallRecord> {
+        &mut self.calls
+    }
+}
+
 /// A rolling state and the calls spent on it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RollingOutcome {

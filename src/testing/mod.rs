@@ -17,7 +17,7 @@ use crate::log::memory::MemoryLog;
 use crate::runtime::embedded::{Pipeline, PipelineError};
 use crate::runtime::engine::Engine;
 use crate::store::memory_backend::MemoryBackend;
-use crate::summarizer::DeterministicSummarizer;
+use crate::summarizer::{CallOutcome, CallRecord, DeterministicSummarizer};
 
 /// A time the tests' conversations start at (2023-11-14).
 pub const T0: u64 = 1_700_000_000_000;
@@ -94,6 +94,22 @@ pub fn summary_request(text: &str, tokens: u64, target: u64) -> SummaryRequest {
         custom_instructions: None,
         identifier_policy: IdentifierPolicy::Strict,
         aggressive: false,
+    }
+}
+
+/// A model call that ended as `outcome`: 100 prompt and 10 completion
+/// tokens by the provider's count (90 and 9 by ours), 7 micro-dollars.
+pub fn call_record(outcome: CallOutcome) -> CallRecord {
+    CallRecord {
+        model: "m".into(),
+        provider: "p".into(),
+        latency_ms: 1,
+        prompt_tokens_provider: Some(100),
+        completion_tokens_provider: Some(10),
+        prompt_tokens_ours: 90,
+        completion_tokens_ours: 9,
+        cost_micros: 7,
+        outcome,
     }
 }
 
