@@ -586,8 +586,45 @@ pub fn handover_answer(body: &serde_json::Value) -> String {
     } else {
         asked.join("; ")
     };
+    // The files the span's calls name (`"file_path": "…"`, `"path": "…"`)
+    // or its child summaries list, one a line, as a model lists them.
+    let mut files: Vec<&str> = Vec::new();
+    for key in [
+        "\"file_path\":\"",
+        "\"file_path\": \"",
+        "\"path\":\"",
+        "\"path\": \"",
+    ] {
+        for (at, _) in data.match_indices(key) {
+            let rest = &data[at + key.len()..];
+            if let Some(path) = rest.split('"').next().filter(|p| !p.is_empty()) {
+                if files.len() < 24 && !files.contains(&path) {
+                    files.push(path);
+                }
+            }
+        }
+    }
+    let mut in_files = false;
+    for line in data.lines() {
+        let line = line.trim();
+        if let Some(heading) = line.strip_prefix("## ") {
+            in_files = heading.eq_ignore_ascii_case("files changed");
+        } else if in_files {
+            let entry = line.trim_start_matches("- ");
+            let path = entry.split(" (").next().unwrap_or(entry).trim();
+            if !path.is_empty() && files.len() < 24 && !files.contains(&path) {
+                files.push(path);
+            }
+        }
+    }
+    let files: String = files.iter().map(|f| format!("\n- {f}")).collect();
+    let files = if files.is_empty() {
+        String::new()
+    } else {
+        format!("\n## Files changed{files}")
+    };
     format!(
-        "## Task\nThe user raised, in order: {asked}.\n## Next\nCarry on where the user left off."
+        "## Task\nThe user raised, in order: {asked}.{files}\n## Next\nCarry on where the user left off."
     )
 }
 
