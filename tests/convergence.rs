@@ -244,8 +244,8 @@ fn serve_env(case: &Case, model: Option<&ScriptedServer>, replicas: u32) -> Vec<
 
 /// Publishes `events` as an agent would (message ids scoped to their
 /// conversation), in the order `publish` says.
-async fn publish(client: &async_nats::Client, events: &[Envelope], how: Publish) {
-    let js = jetstream::new(client.clone());
+async fn publish(url: &str, events: &[Envelope], how: Publish) {
+    let mut js = jetstream::new(connect_to(url).await);
     let subjects = Subjects::new("cf").unwrap();
     let ordered: Vec<&Envelope> = match how {
         Publish::AtOnce | Publish::Paced => events.iter().collect(),
@@ -270,7 +270,10 @@ async fn publish(client: &async_nats::Client, events: &[Envelope], how: Publish)
     };
     // In chunks: publish, wait for every acknowledgement, publish again
     // what was not stored (a leader election in the way). The message ids
-    // make a retry store nothing twice.
+    // make a retry store nothing twice. Every send and acknowledgement has
+    // a deadline, and a connection that stored nothing for 10 attempts is
+    // replaced: a client left on a node's dead connection must not hang
+    // the case.
     let chunk = if how == Publish::Paced { 1 } else { 256 };
     for events in ordered.chunks(chunk) {
         let mut left: Vec<&Envelope> = events.to_vec();
@@ -281,6 +284,9 @@ async fn publish(client: &async_nats::Client, events: &[Envelope], how: Publish)
                 attempts < 600,
                 "events not stored after {attempts} attempts"
             );
+            if attempts % 10 == 0 {
+                js = jetstream::new(connect_to(url).await);
+            }
             let mut pending = Vec::new();
             for e in &left {
                 let subject = subjects.inbound(&e.conversation).unwrap();
@@ -288,16 +294,21 @@ async fn publish(client: &async_nats::Client, events: &[Envelope], how: Publish)
                     &msg_id::of(Origin::Agent, None, &e.conversation, &e.id),
                     Encoding::Msgpack,
                 );
-                let ack = js
-                    .publish_with_headers(subject, headers, e.to_msgpack().into())
-                    .await;
+                let ack = tokio::time::timeout(
+                    Duration::from_secs(5),
+                    js.publish_with_headers(subject, headers, e.to_msgpack().into()),
+                )
+                .await;
                 pending.push((*e, ack));
             }
             let mut failed = Vec::new();
             for (e, ack) in pending {
                 let stored = match ack {
-                    Ok(ack) => ack.await.is_ok(),
-                    Err(_) => false,
+                    Ok(Ok(ack)) => matches!(
+                        tokio::time::timeout(Duration::from_secs(5), ack).await,
+                        Ok(Ok(_))
+                    ),
+                    _ => false,
                 };
                 if !stored {
                     failed.push(e);
@@ -312,6 +323,13 @@ async fn publish(client: &async_nats::Client, events: &[Envelope], how: Publish)
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
+}
+
+/// A client of every node of `url` (a comma-separated list is one
+/// address to async-nats: each is given on its own).
+async fn connect_to(url: &str) -> async_nats::Client {
+    let servers: Vec<async_nats::ServerAddr> = url.split(',').map(|u| u.parse().unwrap()).collect();
+    async_nats::connect(servers).await.unwrap()
 }
 
 /// One conversation's status over the API, or `None` while no process
@@ -444,24 +462,25 @@ async fn run_case(case: Case, limit: Duration) -> Outcome {
         *n += u64::from(matches!(e.body, EventBody::TurnAppended(_)));
     }
     let keys: Vec<String> = turns.keys().cloned().collect();
+    let url = servers.url();
     let started = Instant::now();
     match case.mode {
         Mode::ClusterNodeKilled => {
             // Half the events, then the events stream's leader dies; the
             // rest while it is down; it comes back.
             let half = events.len() / 2;
-            publish(&client, &events[..half], case.publish).await;
+            publish(&url, &events[..half], case.publish).await;
             let leader = stream_leader(&client).await;
             let Servers::Cluster(cluster) = &mut servers else {
                 unreachable!()
             };
             let index = cluster.index_of(&leader).expect("leader is a node");
             cluster.kill_node(index);
-            publish(&client, &events[half..], case.publish).await;
+            publish(&url, &events[half..], case.publish).await;
             tokio::time::sleep(Duration::from_secs(2)).await;
             cluster.restart_node(index);
         }
-        _ => publish(&client, &events, case.publish).await,
+        _ => publish(&url, &events, case.publish).await,
     }
     if case.mode == Mode::KillAtFaultPoint {
         // The first batch that issues a job aborts the process between its
