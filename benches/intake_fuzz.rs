@@ -163,15 +163,8 @@ fn env_u64(name: &str, default: u64) -> u64 {
 /// chunks, so a few dozen turns compact), and one ignored session glob.
 fn policy() -> PolicyConfig {
     PolicyConfig {
-        default_context_window: 6000,
-        fresh_tail_count: 6,
-        leaf_chunk_tokens: 1200,
-        leaf_target_tokens: 200,
-        condensed_target_tokens: 200,
-        leaf_fanout: 3,
-        condensed_fanout: 2,
         ignore_sessions: SessionGlob::parse("fuzz:ignored:*").into_iter().collect(),
-        ..PolicyConfig::default()
+        ..contextfold::testing::small_policy()
     }
 }
 

@@ -281,8 +281,8 @@ pub struct GatewayConfig {
     /// Requests in flight to the upstream per tenant (default 64): one
     /// tenant's slow upstream fills its own allowance, never another's.
     pub max_in_flight_per_tenant: usize,
-    /// Turns the conversation index holds at most (default 1,000,000, about
-    /// 100 MB): past it the conversations used least recently are
+    /// Turns the conversation index holds at most (default 1,000,000; under
+    /// 100 MB by an estimate from its entry sizes): past it the conversations used least recently are
     /// forgotten, as a restart forgets them; their next request resolves
     /// to the same conversation by content (docs/gateway.md, "Keying").
     pub keying_max_turns: usize,
@@ -295,8 +295,8 @@ pub struct GatewayConfig {
     pub tenants: Vec<GatewayTenant>,
 }
 
-/// Turns the gateway's conversation index holds at most by default (about
-/// 100 MB; `gateway.keying_max_turns`).
+/// Turns the gateway's conversation index holds at most by default
+/// (`gateway.keying_max_turns`; under 100 MB by an estimate, not measured).
 pub const DEFAULT_KEYING_MAX_TURNS: usize = 1_000_000;
 
 /// What the gateway does past the budget.

@@ -13,10 +13,6 @@ pub const CONV: &str = "team:alpha/session 1";
 pub const NEEDLE: &str = "deploy key K-7731";
 pub const T0: u64 = 1_700_000_000_000;
 
-pub fn policy() -> PolicyConfig {
-    crate::testing::small_policy()
-}
-
 fn words(n: usize, seed: usize) -> String {
     (0..n)
         .map(|i| format!("w{}x{} ", (i * 7 + seed) % 97, seed % 13))
@@ -116,7 +112,7 @@ pub fn fold_events(policy: &PolicyConfig, events: &[Envelope]) -> State {
 pub fn folded() -> (&'static State, &'static PolicyConfig) {
     static FIXTURE: OnceLock<(State, PolicyConfig)> = OnceLock::new();
     let (s, p) = FIXTURE.get_or_init(|| {
-        let policy = policy();
+        let policy = crate::testing::small_policy();
         (fold_events(&policy, &events()), policy)
     });
     (s, p)

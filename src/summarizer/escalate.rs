@@ -306,7 +306,7 @@ impl<S: Summarizer> Summarizer for EscalatingSummarizer<S> {
         req: &RollingStateRequest,
         budget: &Budget,
     ) -> Result<RollingOutcome, SummarizeError> {
-        let refused = match self.inner.rolling_state(req, budget).await {
+        let (refused, calls) = match self.inner.rolling_state(req, budget).await {
             Ok(outcome) => return Ok(outcome),
             // A refused answer: the deterministic state (better than a
             // stale one), and the sweep says why.
@@ -316,7 +316,6 @@ impl<S: Summarizer> Summarizer for EscalatingSummarizer<S> {
             Err(SummarizeError::Unavailable { calls, .. }) => (None, calls),
             Err(e) => return Err(e),
         };
-        let (refused, calls) = refused;
         Ok(RollingOutcome {
             state: DeterministicSummarizer::rolling_state_off_runtime(req).await,
             calls,
