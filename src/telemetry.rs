@@ -137,7 +137,7 @@ pub const VALIDATION_REJECTIONS: &str = "contextfold_validation_rejections_total
 pub const ESCALATIONS: &str = "contextfold_escalations_total";
 /// Spend windows closed on a debt (its summarizer calls, tokens or money
 /// ran out), counted once per closing; label `window` (`spend_window`,
-/// `urgent_spend_window`, `partition_window`).
+/// `urgent_spend_window`, `partition_window`, `tenant_window`).
 pub const SPEND_WINDOWS_CLOSED: &str = "contextfold_spend_windows_closed_total";
 /// Backoffs after a compaction round that made no progress.
 pub const NO_PROGRESS_BACKOFFS: &str = "contextfold_no_progress_backoffs_total";
@@ -504,7 +504,12 @@ pub const VALIDATION_KINDS: &[&str] = &[
 pub const ESCALATION_KINDS: &[&str] = &["aggressive", "fallback"];
 /// `window` of [`SPEND_WINDOWS_CLOSED`]: the spend waits of
 /// `core::spend::Wait`.
-pub const SPEND_WINDOWS: &[&str] = &["spend_window", "urgent_spend_window", "partition_window"];
+pub const SPEND_WINDOWS: &[&str] = &[
+    "spend_window",
+    "urgent_spend_window",
+    "partition_window",
+    "tenant_window",
+];
 /// `family` of [`API_REPLIES_REFUSED`]: `nats::replies::ReplyFamily::as_str`.
 pub const REPLY_FAMILIES: &[&str] = &[
     "kv",
@@ -1790,6 +1795,7 @@ mod tests {
             Wait::SpendWindow,
             Wait::UrgentSpendWindow,
             Wait::PartitionWindow,
+            Wait::TenantWindow,
         ];
         let spend: Vec<&str> = waits
             .iter()
@@ -1803,7 +1809,8 @@ mod tests {
                 | Wait::Backoff
                 | Wait::SpendWindow
                 | Wait::UrgentSpendWindow
-                | Wait::PartitionWindow => {}
+                | Wait::PartitionWindow
+                | Wait::TenantWindow => {}
             }
         }
         let origins: Vec<&str> = [DuplicateOrigin::Redelivery, DuplicateOrigin::OwnDecision]

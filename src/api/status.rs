@@ -214,6 +214,9 @@ pub enum DebtWait {
     /// The partition's window, or this conversation's fair share of it,
     /// is used up until `until`.
     PartitionWindow,
+    /// Its tenant's part of the partition's window is used up until
+    /// `until`.
+    TenantWindow,
     /// It cannot go on whatever the time: `blocked` says why.
     Blocked,
 }
@@ -226,6 +229,7 @@ impl From<Wait> for DebtWait {
             Wait::SpendWindow => DebtWait::SpendWindow,
             Wait::UrgentSpendWindow => DebtWait::UrgentSpendWindow,
             Wait::PartitionWindow => DebtWait::PartitionWindow,
+            Wait::TenantWindow => DebtWait::TenantWindow,
         }
     }
 }
@@ -320,6 +324,23 @@ pub struct PartitionSpend {
     pub active_conversations: usize,
     /// Each active conversation's fair share of `max_calls`.
     pub share_calls: Option<u32>,
+    /// The conversation's tenant's part of the window, when a `*_tenant`
+    /// limit is set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<TenantSpend>,
+}
+
+/// One tenant's spend in the partition's window (`core::spend::tenant_of`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TenantSpend {
+    /// The tenant: the conversation key up to its first `/` (`""`: none).
+    pub tenant: String,
+    pub calls: u32,
+    pub tokens: u64,
+    pub cost_micros: u64,
+    pub max_calls: Option<u32>,
+    pub max_tokens: Option<u64>,
+    pub max_cost_micros: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -568,7 +589,10 @@ pub fn global_status_with(
                         g.spend_paused_until = Some(g.spend_paused_until.unwrap_or(0).max(until));
                     }
                 }
-                DebtWait::SpendWindow | DebtWait::UrgentSpendWindow | DebtWait::PartitionWindow => {
+                DebtWait::SpendWindow
+                | DebtWait::UrgentSpendWindow
+                | DebtWait::PartitionWindow
+                | DebtWait::TenantWindow => {
                     g.spend_exhausted_conversations += 1;
                     if let Some(until) = d.until {
                         g.spend_paused_until = Some(g.spend_paused_until.unwrap_or(0).max(until));
@@ -1108,6 +1132,15 @@ fn spend_status(state: &State, conv: &Conversation, policy: &PolicyConfig) -> Sp
             max_cost_micros: policy.summary_max_cost_micros_per_window_global,
             active_conversations: p.active_conversations,
             share_calls: p.share_calls,
+            tenant: p.tenant.map(|t| TenantSpend {
+                tenant: spend::tenant_of(&conv.key).to_string(),
+                calls: t.calls,
+                tokens: t.tokens,
+                cost_micros: t.cost_micros,
+                max_calls: policy.summary_max_calls_per_window_tenant,
+                max_tokens: policy.summary_max_tokens_per_window_tenant,
+                max_cost_micros: policy.summary_max_cost_micros_per_window_tenant,
+            }),
         }),
     }
 }

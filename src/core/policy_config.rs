@@ -138,6 +138,18 @@ pub struct PolicyConfig {
     pub summary_max_tokens_per_window_global: Option<u64>,
     /// ...money allowed per window, micro-dollars (unlimited when unset).
     pub summary_max_cost_micros_per_window_global: Option<u64>,
+    /// Spend window of each tenant (`core::spend::tenant_of`: the key up to
+    /// its first `/`, as the gateway's tenants are keyed) across its
+    /// conversations of a partition: calls allowed per window (unlimited
+    /// when unset).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub summary_max_calls_per_window_tenant: Option<u32>,
+    /// ...tokens allowed per window (unlimited when unset).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub summary_max_tokens_per_window_tenant: Option<u64>,
+    /// ...money allowed per window, micro-dollars (unlimited when unset).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub summary_max_cost_micros_per_window_tenant: Option<u64>,
 }
 
 impl Default for PolicyConfig {
@@ -198,6 +210,9 @@ impl Default for PolicyConfig {
             summary_max_calls_per_window_global: None,
             summary_max_tokens_per_window_global: None,
             summary_max_cost_micros_per_window_global: None,
+            summary_max_calls_per_window_tenant: None,
+            summary_max_tokens_per_window_tenant: None,
+            summary_max_cost_micros_per_window_tenant: None,
         }
     }
 }
@@ -277,6 +292,9 @@ impl PolicyConfig {
             partition_calls: self.summary_max_calls_per_window_global,
             partition_tokens: self.summary_max_tokens_per_window_global,
             partition_cost_micros: self.summary_max_cost_micros_per_window_global,
+            tenant_calls: self.summary_max_calls_per_window_tenant,
+            tenant_tokens: self.summary_max_tokens_per_window_tenant,
+            tenant_cost_micros: self.summary_max_cost_micros_per_window_tenant,
         }
     }
 

@@ -12,6 +12,12 @@
 //! model calls by asking. Tokens and money are hard limits on both; the
 //! partition's limits, with a fair share per conversation, hold for both.
 //!
+//! A tenant's limits sit between the two: a tenant is the part of a
+//! conversation key up to its first `/` ([`tenant_of`]; the gateway keys
+//! a tenant's conversations `name/…`), and its conversations' spend in the
+//! partition's window is held to the tenant limits, so one tenant cannot
+//! use up the calls that several share.
+//!
 //! The limits come in as [`SpendLimits`], so the spend window knows
 //! nothing of the policy that sets them.
 
@@ -32,14 +38,59 @@ pub struct SpendLimits {
     pub partition_calls: Option<u32>,
     pub partition_tokens: Option<u64>,
     pub partition_cost_micros: Option<u64>,
+    /// Each tenant's, across its conversations in the partition.
+    pub tenant_calls: Option<u32>,
+    pub tenant_tokens: Option<u64>,
+    pub tenant_cost_micros: Option<u64>,
 }
 
 impl SpendLimits {
-    /// A partition-wide limit is set.
+    /// A limit across conversations (the partition's or each tenant's) is
+    /// set: the partition's window is kept.
     pub fn has_partition_limits(&self) -> bool {
         self.partition_calls.is_some()
             || self.partition_tokens.is_some()
             || self.partition_cost_micros.is_some()
+            || self.has_tenant_limits()
+    }
+
+    /// A per-tenant limit is set.
+    pub fn has_tenant_limits(&self) -> bool {
+        self.tenant_calls.is_some()
+            || self.tenant_tokens.is_some()
+            || self.tenant_cost_micros.is_some()
+    }
+
+    /// The conversation's own limits alone (no partition or tenant ones).
+    pub fn own(&self) -> SpendLimits {
+        SpendLimits {
+            partition_calls: None,
+            partition_tokens: None,
+            partition_cost_micros: None,
+            tenant_calls: None,
+            tenant_tokens: None,
+            tenant_cost_micros: None,
+            ..*self
+        }
+    }
+
+    /// The conversation's own limits and its tenant's (no partition ones).
+    pub fn own_and_tenant(&self) -> SpendLimits {
+        SpendLimits {
+            partition_calls: None,
+            partition_tokens: None,
+            partition_cost_micros: None,
+            ..*self
+        }
+    }
+}
+
+/// The tenant of a conversation: its key up to and including the first
+/// `/`, or `""` (the partition's one tenant) when the key has none.
+pub fn tenant_of(conversation: &str) -> &str {
+    match conversation.find('/') {
+        Some(at) => &conversation[..=at],
+        None => "",
     }
 }
 
@@ -93,9 +144,10 @@ pub struct SpendWindow {
     /// No job at all before this time: the provider asked (Retry-After).
     #[serde(default)]
     pub retry_at: u64,
-    /// Conversations refused a job for want of the partition's allowance,
-    /// and since when (partition window only): they count toward the fair
-    /// share of the calls.
+    /// Conversations refused a job for want of the partition's allowance
+    /// (or their tenant's part of it), and since when (partition window
+    /// only): they count toward the fair share of the calls, and a job's
+    /// end looks at them again.
     #[serde(default)]
     pub waiting: Vec<(String, u64)>,
 }
@@ -117,6 +169,8 @@ pub enum Wait {
     /// The partition's window, or this conversation's fair share of it,
     /// is used up.
     PartitionWindow,
+    /// Its tenant's share of the partition's window is used up.
+    TenantWindow,
 }
 
 impl Wait {
@@ -128,6 +182,7 @@ impl Wait {
             Wait::SpendWindow => "spend_window",
             Wait::UrgentSpendWindow => "urgent_spend_window",
             Wait::PartitionWindow => "partition_window",
+            Wait::TenantWindow => "tenant_window",
         }
     }
 
@@ -135,7 +190,10 @@ impl Wait {
     pub fn is_spend(self) -> bool {
         matches!(
             self,
-            Wait::SpendWindow | Wait::UrgentSpendWindow | Wait::PartitionWindow
+            Wait::SpendWindow
+                | Wait::UrgentSpendWindow
+                | Wait::PartitionWindow
+                | Wait::TenantWindow
         )
     }
 }
@@ -235,6 +293,16 @@ impl SpendWindow {
             .sum()
     }
 
+    /// What the conversations of `tenant` ([`tenant_of`]) spend in the
+    /// window at `now` (reservations included).
+    pub fn tenant_totals(&self, tenant: &str, now: u64, window_ms: u64) -> Spend {
+        self.recent
+            .iter()
+            .filter(|e| tenant_of(&e.conversation) == tenant && e.counts_at(now, window_ms))
+            .map(Spend::of)
+            .sum()
+    }
+
     /// Calls of urgent jobs that count at `now`.
     pub fn urgent_calls(&self, now: u64, window_ms: u64) -> u32 {
         self.recent
@@ -248,9 +316,23 @@ impl SpendWindow {
     /// passing, or a running job's reservation running out. `None` when
     /// nothing counts.
     pub fn reopens_at(&self, now: u64, window_ms: u64) -> Option<u64> {
+        self.reopens_at_where(now, window_ms, |_| true)
+    }
+
+    /// [`SpendWindow::reopens_at`] of the spend of `tenant`'s conversations.
+    pub fn tenant_reopens_at(&self, tenant: &str, now: u64, window_ms: u64) -> Option<u64> {
+        self.reopens_at_where(now, window_ms, |e| tenant_of(&e.conversation) == tenant)
+    }
+
+    fn reopens_at_where(
+        &self,
+        now: u64,
+        window_ms: u64,
+        which: impl Fn(&SpendEntry) -> bool,
+    ) -> Option<u64> {
         self.recent
             .iter()
-            .filter(|e| e.counts_at(now, window_ms))
+            .filter(|e| which(e) && e.counts_at(now, window_ms))
             .map(|e| match e.reserved_until {
                 Some(until) => until,
                 None => e.time.saturating_add(window_ms),
@@ -311,6 +393,9 @@ pub struct PartitionAllowance {
     pub active_conversations: usize,
     /// Each active conversation's fair share of the partition's calls.
     pub share_calls: Option<u32>,
+    /// What the conversation's tenant spends in the window, when a tenant
+    /// limit is set.
+    pub tenant: Option<Spend>,
 }
 
 impl Allowance {
@@ -392,10 +477,25 @@ pub fn allowance(
         a.cost_left,
         left(limits.partition_cost_micros, all.cost_micros),
     );
+    let tenant = limits.has_tenant_limits().then(|| {
+        let theirs = partition.tenant_totals(tenant_of(key), now, window);
+        if let Some(max) = limits.tenant_calls {
+            let room = max.saturating_sub(theirs.calls);
+            a.calls_left = a.calls_left.min(room);
+            a.urgent_calls_left = a.urgent_calls_left.min(room);
+        }
+        a.tokens_left = min_limit(a.tokens_left, left(limits.tenant_tokens, theirs.tokens));
+        a.cost_left = min_limit(
+            a.cost_left,
+            left(limits.tenant_cost_micros, theirs.cost_micros),
+        );
+        theirs
+    });
     a.partition = Some(PartitionAllowance {
         totals: all,
         active_conversations: active.len(),
         share_calls,
+        tenant,
     });
     a
 }
@@ -438,5 +538,59 @@ mod tests {
         assert_eq!(w.totals(11_000, 10_000).calls, 2);
         w.prune(12_000, 10_000);
         assert!(w.recent.is_empty());
+    }
+
+    #[test]
+    fn a_tenant_is_held_to_its_limits_and_leaves_the_others_their_room() {
+        assert_eq!(tenant_of("acme/agent-1"), "acme/");
+        assert_eq!(tenant_of("acme/a/b"), "acme/");
+        assert_eq!(tenant_of("agent-1"), "");
+        let limits = SpendLimits {
+            window_ms: 10_000,
+            calls: 100,
+            urgent_calls: 100,
+            tokens: None,
+            cost_micros: None,
+            partition_calls: None,
+            partition_tokens: None,
+            partition_cost_micros: None,
+            tenant_calls: Some(5),
+            tenant_tokens: Some(1_000),
+            tenant_cost_micros: None,
+        };
+        assert!(limits.has_partition_limits() && limits.has_tenant_limits());
+        let mut partition = SpendWindow::default();
+        for (i, conv) in ["acme/a", "acme/b"].iter().enumerate() {
+            partition.record(SpendEntry {
+                conversation: (*conv).into(),
+                tokens: 300,
+                ..entry(1_000 + i as u64, &format!("j{i}"), 2, None)
+            });
+        }
+        let own = SpendWindow::default();
+        // acme spent 4 calls and 600 tokens over two conversations: a third
+        // gets what is left of the tenant's, not its own 100.
+        let a = allowance(&own, &partition, "acme/c", &limits, 2_000);
+        assert_eq!((a.calls_left, a.urgent_calls_left), (1, 1));
+        assert_eq!(a.tokens_left, Some(400));
+        let tenant = a.partition.as_ref().and_then(|p| p.tenant).unwrap();
+        assert_eq!((tenant.calls, tenant.tokens), (4, 600));
+        // Another tenant, and the keys without one, keep all of theirs.
+        let b = allowance(&own, &partition, "globex/a", &limits, 2_000);
+        assert_eq!((b.calls_left, b.tokens_left), (5, Some(1_000)));
+        let c = allowance(&own, &partition, "agent-1", &limits, 2_000);
+        assert_eq!(c.calls_left, 5);
+        // The tenant's room comes back when its own spend leaves the window.
+        assert_eq!(
+            partition.tenant_reopens_at("acme/", 2_000, 10_000),
+            Some(11_000)
+        );
+        assert_eq!(partition.tenant_reopens_at("globex/", 2_000, 10_000), None);
+        partition.record(SpendEntry {
+            conversation: "acme/c".into(),
+            ..entry(2_000, "j9", 1, None)
+        });
+        let a = allowance(&own, &partition, "acme/c", &limits, 2_000);
+        assert!(!a.routine_ok() && !a.urgent_ok());
     }
 }

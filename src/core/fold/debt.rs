@@ -259,9 +259,10 @@ impl FoldContext<'_> {
                 self.issue(grant, limits.has_partition_limits());
             }
             Schedule::Wait { on, until: _ } => {
-                if on == Wait::PartitionWindow {
-                    // Refused only for the partition's sake: it counts
-                    // toward the fair share while it waits.
+                if matches!(on, Wait::PartitionWindow | Wait::TenantWindow) {
+                    // Refused only for the partition's (or its tenant's)
+                    // sake: it counts toward the fair share while it
+                    // waits, and a job's end looks at it again at once.
                     self.global.wait(&self.conv.key, now);
                 }
                 if on.is_spend() && self.conv.spend.holding != Some(on) {

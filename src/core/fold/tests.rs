@@ -1360,3 +1360,53 @@ fn a_flood_over_many_conversations_is_held_to_the_partitions_quota() {
     without.fold_at(&turn("hog", 0), T0);
     assert_eq!(without.state.intake, IntakeQuota::default());
 }
+
+#[test]
+fn a_tenant_limit_holds_its_conversations_and_leaves_other_tenants_their_jobs() {
+    let p = PolicyConfig {
+        summary_max_calls_per_window_tenant: Some(5),
+        ..policy()
+    };
+    let mut t = FoldTest::new(p.clone());
+    // `acme/a`'s job holds all of acme's calls while it runs; another
+    // tenant's conversation gets its job all the same.
+    let (job_a, _) = t.until_job("acme/a", 0, T0);
+    assert_eq!(job_a.max_calls, Some(5));
+    let (job_g, _) = t.until_job("globex/a", 0, t.state.clock.now + 10);
+    assert_eq!(job_g.max_calls, Some(5));
+    let mut i = 0;
+    let from = t.state.clock.now + 10;
+    while t
+        .state
+        .conversations
+        .get("acme/b")
+        .is_none_or(|b| b.debt.is_none())
+    {
+        t.fold(&turn("acme/b", i, from + i));
+        i += 1;
+    }
+    assert!(t.state.conversations["acme/b"].pending_job.is_none());
+    assert_eq!(
+        t.state.conversations["acme/b"].spend.holding,
+        Some(Wait::TenantWindow)
+    );
+    let waits_until = t.state.clock.timer("acme/b").expect("a wait with an end");
+    // acme's job ends having spent 1 call: acme/b is looked at at once and
+    // gets the 4 left.
+    let end = t.state.clock.now + 100;
+    assert!(waits_until > end);
+    let mut done = ended(&job_a, 0, SweepStop::Done);
+    done.calls = 1;
+    t.fold(&event(done, "acme/a", end));
+    assert_eq!(t.state.clock.timer("acme/b"), Some(end));
+    let out = wake(&mut t.state, &p, end, "tick");
+    let job_b = out
+        .decisions
+        .iter()
+        .find_map(|d| match &d.body {
+            EventBody::JobIssued(j) if d.conversation == "acme/b" => Some(j),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("{out:?}"));
+    assert_eq!(job_b.max_calls, Some(4));
+}

@@ -196,9 +196,10 @@ pub fn schedule(
 }
 
 /// The wait of a debt the spend windows hold: which window binds (the
-/// partition's when the conversation's own limits alone would allow the
-/// job) and when it next has room. A wake that comes early only looks
-/// again; one that never comes (a limit of 0) is [`Blocked`].
+/// conversation's own when its own limits refuse the job, else its
+/// tenant's when those do, else the partition's) and when it next has
+/// room. A wake that comes early only looks again; one that never comes
+/// (a limit of 0) is [`Blocked`].
 fn spend_wait(
     key: &str,
     own_window: &SpendWindow,
@@ -207,26 +208,32 @@ fn spend_wait(
     urgent: bool,
     now: u64,
 ) -> Schedule {
-    let own_limits = SpendLimits {
-        partition_calls: None,
-        partition_tokens: None,
-        partition_cost_micros: None,
-        ..*limits
+    let allows = |limits: &SpendLimits| {
+        let a = spend::allowance(own_window, partition, key, limits, now);
+        if urgent {
+            a.urgent_ok()
+        } else {
+            a.routine_ok()
+        }
     };
-    let own = spend::allowance(own_window, partition, key, &own_limits, now);
-    let own_ok = if urgent {
-        own.urgent_ok()
+    let window = limits.window_ms;
+    let (on, reopens) = if !allows(&limits.own()) {
+        let on = if urgent {
+            Wait::UrgentSpendWindow
+        } else {
+            Wait::SpendWindow
+        };
+        (on, own_window.reopens_at(now, window))
+    } else if limits.has_tenant_limits() && !allows(&limits.own_and_tenant()) {
+        let tenant = spend::tenant_of(key);
+        (
+            Wait::TenantWindow,
+            partition.tenant_reopens_at(tenant, now, window),
+        )
     } else {
-        own.routine_ok()
+        (Wait::PartitionWindow, partition.reopens_at(now, window))
     };
-    let (on, window) = if own_ok && limits.has_partition_limits() {
-        (Wait::PartitionWindow, partition)
-    } else if urgent {
-        (Wait::UrgentSpendWindow, own_window)
-    } else {
-        (Wait::SpendWindow, own_window)
-    };
-    match window.reopens_at(now, limits.window_ms) {
+    match reopens {
         Some(until) => Schedule::Wait {
             on,
             until: until.max(now.saturating_add(1)),
