@@ -36,6 +36,7 @@ pub mod shadow;
 pub mod spool;
 pub mod store;
 pub mod surface;
+pub mod sweeper;
 pub mod tee;
 pub mod upstream;
 

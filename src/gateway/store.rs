@@ -2,10 +2,12 @@
 //!
 //! Two backends. **Embedded** (the default): one thread owns the embedded
 //! pipeline (`runtime::embedded::Pipeline`, segment log + redb state under
-//! the data directory, deterministic summarizer); turns arrive on a
-//! channel, are ingested in batches (one fsync and one state commit a
-//! batch; jobs the fold issues run right there), and the summary block of
-//! every conversation a batch touched is rebuilt. **NATS**: turns are
+//! the data directory); turns arrive on a channel, are ingested in batches
+//! (one fsync and one state commit a batch), and the summary block of
+//! every conversation a batch touched is rebuilt. Jobs the fold issues run
+//! right there with the deterministic summarizer, or, with `[summarizer]`
+//! configured, beside the fold with the model (`sweeper.rs`), their
+//! results folded as they finish. **NATS**: turns are
 //! published to `cf.in.<conversation>` with `Nats-Msg-Id` = the event id
 //! (`nats::publish`); a failed publish is spooled (`spool.rs`); the block
 //! is rebuilt from the deployment's `assemble` answer after each publish.
@@ -24,13 +26,14 @@ use crate::core::state::{ContextItem, TurnBodies};
 use crate::core::tokens;
 use crate::gateway::spool::Spool;
 use crate::gateway::surface::{message_digest, Surface, SUMMARY_MARKER};
+use crate::gateway::sweeper::{SweepDone, Sweeper};
 use crate::log::EventLog;
 use crate::nats::publish::{self, Publisher};
 use crate::runtime::embedded::Pipeline;
 use crate::runtime::engine::Engine;
 use crate::store::state_store::{BodyCache, StateStore};
 use crate::store::KvBackend;
-use crate::summarizer::DeterministicSummarizer;
+use crate::summarizer::{DeterministicSummarizer, Summarizer};
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -298,8 +301,30 @@ impl Store {
                 .load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// The embedded store under `config.data_dir` (segment log + redb).
+    /// The embedded store under `config.data_dir` (segment log + redb),
+    /// summarizing with the model `[summarizer]` names, else with the
+    /// deterministic summarizer.
     pub fn embedded(config: &Config) -> Result<Store, std::io::Error> {
+        match &config.summarizer {
+            None => Self::embedded_with(config, Arc::new(DeterministicSummarizer), false),
+            Some(cfg) if cfg.external.is_some() => Err(std::io::Error::other(
+                "summarizer.external asks a team's summarizer over NATS: run the gateway with --nats (a deployment), or remove [summarizer.external]",
+            )),
+            Some(cfg) => {
+                let stack = crate::summarizer::stack::model(cfg)
+                    .map_err(|e| std::io::Error::other(format!("the model summarizer: {e}")))?;
+                Self::embedded_with(config, Arc::new(stack), true)
+            }
+        }
+    }
+
+    /// The embedded store with `summarizer`: its jobs run inline, or
+    /// `beside` the fold (a model's).
+    pub fn embedded_with<S: Summarizer + 'static>(
+        config: &Config,
+        summarizer: Arc<S>,
+        beside: bool,
+    ) -> Result<Store, std::io::Error> {
         let config = config.clone();
         std::fs::create_dir_all(&config.data_dir)?;
         let open = move || -> Result<_, String> {
@@ -321,7 +346,7 @@ impl Store {
             engine.record_policy_as(EMBEDDED_PARTITION_KEY.into(), "embedded");
             Ok((log, engine))
         };
-        Self::spawn_embedded(open)
+        Self::spawn_embedded(open, summarizer, beside)
     }
 
     /// The embedded pipeline in memory (tests and benchmarks).
@@ -334,13 +359,18 @@ impl Store {
             .map_err(|e| e.to_string())?;
             Ok((crate::log::memory::MemoryLog::new(), engine))
         };
-        Self::spawn_embedded(open)
+        Self::spawn_embedded(open, Arc::new(DeterministicSummarizer), false)
     }
 
-    fn spawn_embedded<L, B, F>(open: F) -> Result<Store, std::io::Error>
+    fn spawn_embedded<L, B, S, F>(
+        open: F,
+        summarizer: Arc<S>,
+        beside: bool,
+    ) -> Result<Store, std::io::Error>
     where
         L: EventLog + 'static,
         B: KvBackend + 'static,
+        S: Summarizer + 'static,
         F: FnOnce() -> Result<(L, Engine<B>), String> + Send + 'static,
     {
         let (tx, rx) = mpsc::unbounded_channel();
@@ -369,9 +399,21 @@ impl Store {
                             return;
                         }
                     };
-                    let pipeline = match Pipeline::open(log, engine, DeterministicSummarizer).await
-                    {
-                        Ok(p) => p,
+                    let opened = if beside {
+                        Pipeline::open_leaving_jobs(log, engine, summarizer.clone())
+                            .await
+                            .map(|(p, pending)| {
+                                let mut sweeper = Sweeper::new(summarizer);
+                                sweeper.add(pending);
+                                (p, Some(sweeper))
+                            })
+                    } else {
+                        Pipeline::open(log, engine, summarizer)
+                            .await
+                            .map(|p| (p, None))
+                    };
+                    let (pipeline, sweeper) = match opened {
+                        Ok(x) => x,
                         Err(e) => {
                             let _ = ready_tx.send(Err(e.to_string()));
                             return;
@@ -380,7 +422,7 @@ impl Store {
                     h.reachable
                         .store(true, std::sync::atomic::Ordering::Relaxed);
                     let _ = ready_tx.send(Ok(()));
-                    run_embedded(pipeline, rx, b, h).await;
+                    run_embedded(pipeline, sweeper, rx, b, h).await;
                 });
             })?;
         match ready_rx.recv() {
@@ -434,14 +476,36 @@ impl Store {
     }
 }
 
-async fn run_embedded<L: EventLog, B: KvBackend>(
-    mut pipeline: Pipeline<L, B, DeterministicSummarizer>,
+/// The embedded store's loop: batches of turns are stored and folded as
+/// they come; with a `sweeper`, jobs run beside and their results are
+/// folded as each finishes.
+async fn run_embedded<L: EventLog, B: KvBackend, S: Summarizer + 'static>(
+    mut pipeline: Pipeline<L, B, Arc<S>>,
+    mut sweeper: Option<Sweeper<S>>,
     mut rx: mpsc::UnboundedReceiver<Command>,
     blocks: Arc<Blocks>,
     health: Arc<StoreHealth>,
 ) {
     let mut closing = None;
-    while let Some(first) = rx.recv().await {
+    loop {
+        let first = tokio::select! {
+            cmd = rx.recv() => match cmd {
+                Some(cmd) => cmd,
+                None => break,
+            },
+            done = finished(&mut sweeper) => {
+                match pipeline.append_leaving_jobs(Origin::Service, &done.events).await {
+                    Ok(jobs) => {
+                        if let Some(s) = sweeper.as_mut() {
+                            s.add(jobs);
+                        }
+                    }
+                    Err(e) => store_failed(&e),
+                }
+                rebuild_blocks(&mut pipeline, [done.conversation].iter(), &blocks);
+                continue;
+            }
+        };
         let mut events = Vec::new();
         let mut flushes = Vec::new();
         let mut next = Some(first);
@@ -461,7 +525,14 @@ async fn run_embedded<L: EventLog, B: KvBackend>(
         if !events.is_empty() {
             let touched: BTreeSet<String> = events.iter().map(|e| e.conversation.clone()).collect();
             let n = events.len() as u64;
-            match pipeline.ingest(&events).await {
+            let stored = match sweeper.as_mut() {
+                Some(s) => pipeline
+                    .append_leaving_jobs(Origin::Agent, &events)
+                    .await
+                    .map(|jobs| s.add(jobs)),
+                None => pipeline.ingest(&events).await,
+            };
+            match stored {
                 Ok(()) => {
                     health
                         .published
@@ -471,27 +542,10 @@ async fn run_embedded<L: EventLog, B: KvBackend>(
                     health
                         .failed
                         .fetch_add(n, std::sync::atomic::Ordering::Relaxed);
-                    crate::telemetry::GatewayStoreFailed {
-                        error: &e.to_string(),
-                    }
-                    .emit();
+                    store_failed(&e);
                 }
             }
-            for conv in &touched {
-                let block = pipeline
-                    .engine
-                    .with_conversation(conv, |state, bodies| {
-                        state
-                            .conversations
-                            .get(conv)
-                            .and_then(|c| block_from_state(c, bodies))
-                    })
-                    .ok()
-                    .flatten();
-                if blocks.set(block, conv) {
-                    crate::telemetry::GatewayBlockChanged.emit();
-                }
-            }
+            rebuild_blocks(&mut pipeline, touched.iter(), &blocks);
         }
         for f in flushes {
             let _ = f.send(());
@@ -501,14 +555,51 @@ async fn run_embedded<L: EventLog, B: KvBackend>(
         }
     }
     if let Err(e) = pipeline.engine.flush() {
-        crate::telemetry::GatewayStoreFailed {
-            error: &e.to_string(),
-        }
-        .emit();
+        store_failed(&e);
     }
     drop(pipeline);
     if let Some(tx) = closing {
         let _ = tx.send(());
+    }
+}
+
+/// The next sweep to finish, when jobs run beside the fold; never resolves
+/// otherwise.
+async fn finished<S: Summarizer + 'static>(sweeper: &mut Option<Sweeper<S>>) -> SweepDone {
+    match sweeper {
+        Some(s) => s.finished().await,
+        None => std::future::pending().await,
+    }
+}
+
+fn store_failed(e: &dyn std::fmt::Display) {
+    crate::telemetry::GatewayStoreFailed {
+        error: &e.to_string(),
+    }
+    .emit();
+}
+
+/// Rebuilds the summary block of each conversation in `touched` from the
+/// state.
+fn rebuild_blocks<'a, L: EventLog, B: KvBackend, S: Summarizer>(
+    pipeline: &mut Pipeline<L, B, S>,
+    touched: impl Iterator<Item = &'a String>,
+    blocks: &Blocks,
+) {
+    for conv in touched {
+        let block = pipeline
+            .engine
+            .with_conversation(conv, |state, bodies| {
+                state
+                    .conversations
+                    .get(conv)
+                    .and_then(|c| block_from_state(c, bodies))
+            })
+            .ok()
+            .flatten();
+        if blocks.set(block, conv) {
+            crate::telemetry::GatewayBlockChanged.emit();
+        }
     }
 }
 

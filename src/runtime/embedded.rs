@@ -75,11 +75,23 @@ impl<L: EventLog, B: KvBackend, S: Summarizer> Pipeline<L, B, S> {
     /// log holds past the store is history (its decisions are in the log
     /// already, see [`Engine::hold_through`]); jobs it left pending (their
     /// runner stopped with the previous process) run now.
-    pub async fn open(
+    pub async fn open(log: L, engine: Engine<B>, summarizer: S) -> Result<Self, PipelineError> {
+        let (mut p, pending) = Self::open_leaving_jobs(log, engine, summarizer).await?;
+        p.settle_unsynced(pending, &mut CatchUp::default()).await?;
+        p.log.sync().await?;
+        p.engine.commit()?;
+        Ok(p)
+    }
+
+    /// [`Pipeline::open`] for a runtime that runs jobs beside the fold (the
+    /// gateway with a model): the jobs the history left pending are
+    /// returned, not run; their results come back through
+    /// [`Pipeline::append_leaving_jobs`].
+    pub async fn open_leaving_jobs(
         mut log: L,
         mut engine: Engine<B>,
         summarizer: S,
-    ) -> Result<Self, PipelineError> {
+    ) -> Result<(Self, Vec<SweepSnapshot>), PipelineError> {
         engine.hold_through(log.last_position().await?);
         let mut p = Pipeline {
             log,
@@ -88,8 +100,8 @@ impl<L: EventLog, B: KvBackend, S: Summarizer> Pipeline<L, B, S> {
             read_batch: 4096,
         };
         let mut total = CatchUp::default();
-        // Every job the history left pending runs below, the ones its
-        // replay released among them.
+        // Every job the history left pending is returned below, the ones
+        // its replay released among them.
         p.fold_available(&mut total).await?;
         // The policy this process folds under goes into the log before
         // anything is folded under it, when the log's differs and the
@@ -101,10 +113,35 @@ impl<L: EventLog, B: KvBackend, S: Summarizer> Pipeline<L, B, S> {
             p.fold_available(&mut total).await?;
         }
         let pending = p.engine.pending_snapshots()?;
-        p.settle_unsynced(pending, &mut total).await?;
         p.log.sync().await?;
         p.engine.commit()?;
-        Ok(p)
+        Ok((p, pending))
+    }
+
+    /// The summarizer jobs run with.
+    pub fn summarizer(&self) -> &S {
+        &self.summarizer
+    }
+
+    /// Appends `events` (as `origin`'s: an agent's turns, or a job's
+    /// results as the service's) and folds them, with one sync and one
+    /// state commit; returns the jobs they issued, not run. The log holds
+    /// every decision before the state that took it is committed, so a
+    /// crash loses no job: the next open finds it pending.
+    pub async fn append_leaving_jobs(
+        &mut self,
+        origin: Origin,
+        events: &[Envelope],
+    ) -> Result<Vec<SweepSnapshot>, PipelineError> {
+        for e in events {
+            self.log
+                .append_deferred(origin, Encoding::Msgpack, &e.to_msgpack())
+                .await?;
+        }
+        let jobs = self.fold_available(&mut CatchUp::default()).await?;
+        self.log.sync().await?;
+        self.engine.commit()?;
+        Ok(jobs)
     }
 
     /// Folds every record after the engine's position, runs every job
