@@ -19,9 +19,10 @@ pub(super) fn is_error_line(line: &str) -> bool {
         && !regex!(r"(?i)\b0 (failures?|failed|errors?)\b").is_match(line)
 }
 
-/// A bare exit status: an error, but a weak one to quote.
+/// A bare exit status or a traceback's header: an error, but a weak one to
+/// quote (the line that says what went wrong comes after it).
 fn is_bare_exit(line: &str) -> bool {
-    regex!(r"(?i)^\s*(exit code|command exited with code|exited with code) \d+\s*$").is_match(line)
+    regex!(r"(?i)^\s*((exit code|command exited with code|exited with code) \d+|traceback \(most recent call last\):?)\s*$").is_match(line)
 }
 
 /// The line that best says what went wrong in a tool output or a pasted
