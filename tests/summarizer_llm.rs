@@ -742,7 +742,7 @@ fn rules() -> String {
              "respond": {"content": "Okay, so the conversation is about a deploy."}},
             {"name": "ids_retry", "when": {"model_matches": "ids", "messages_contain": MISSING_IDENTIFIERS_PHRASE},
              "respond": {"content": format!(
-                 "The deploy of build {} fails: config {}, CI job {}, database {} untouched.",
+                 "The deploy of build {} fails on an expired certificate: config {}, CI job {}, database {} untouched.",
                  IDS[4], IDS[0], IDS[1], IDS[3])}},
             {"name": "ids_first", "when": {"model_matches": "ids"},
              "respond": {"content": format!(
@@ -857,7 +857,8 @@ async fn strict_identifiers_survive_retry_then_appended_section() {
     // The retry's summary is used; the one identifier it still dropped is
     // appended deterministically.
     let expected = format!(
-        "The deploy of build {} fails: config {}, CI job {}, database {} untouched.\n\n\
+        "The deploy of build {} fails on an expired certificate: config {}, CI job {}, \
+         database {} untouched.\n\n\
          Exact identifiers:\n- {}",
         IDS[4], IDS[0], IDS[1], IDS[3], IDS[2]
     );
@@ -891,8 +892,10 @@ async fn external_summarizer_over_nats_falls_back_to_the_built_in_path() {
             tokio::spawn(async move {
                 let req: SummaryRequest = serde_json::from_slice(&msg.payload).expect("request");
                 let reply = match req.conversation.as_str() {
-                    "team:ok" => json!({"content": format!("Team summary. {}", IDS.join(" ")),
-                                        "model": "team-model"}),
+                    "team:ok" => {
+                        json!({"content": format!("Team summary: the TLS handshake failed, the certificate had expired. {}", IDS.join(" ")),
+                                        "model": "team-model"})
+                    }
                     "team:error" => json!({"error": "model overloaded"}),
                     "team:slow" => {
                         tokio::time::sleep(Duration::from_secs(3)).await;

@@ -1167,4 +1167,57 @@ pub(crate) mod tests {
         assert_eq!(unusable_kind("m: refused: no"), "refusal");
         assert_eq!(unusable_kind("m: response has no choices"), "unusable");
     }
+
+    #[test]
+    fn the_floor_holds_a_model_to_the_errors_the_deterministic_summary_keeps() {
+        let turn = |label: &str, role: Role, tool: Option<&str>, text: &str| SourceItem {
+            label: label.into(),
+            role: Some(role),
+            tool: tool.map(str::to_string),
+            text: text.into(),
+            tokens: 400,
+            time: 0,
+        };
+        let sources = vec![
+            turn(
+                "turn 1",
+                Role::User,
+                None,
+                "Fix the TimeDelta rounding in src/marshmallow/fields.py without touching the tests.",
+            ),
+            turn(
+                "turn 2",
+                Role::Tool,
+                Some("bash"),
+                "Traceback (most recent call last):\n  File \"reproduce.py\", line 3\nIndentationError: unexpected indent at reproduce_rounding line 3",
+            ),
+        ];
+        let r = SummaryRequest {
+            sources: sources.clone(),
+            ..req("", 800, 200)
+        };
+        let deterministic = crate::summarizer::DeterministicSummarizer::draft(&r).content;
+        let facts = HandoverFacts::of(&sources);
+        assert_eq!(facts.errors.len(), 1, "{facts:?}");
+        assert!(
+            deterministic.contains("IndentationError"),
+            "{deterministic}"
+        );
+        let floor = Floor::new(&sources, &deterministic);
+        let dropped = "The user asked to fix the TimeDelta rounding in fields.py and to leave \
+                       the tests untouched; the agent reproduced it.";
+        match floor.check(dropped) {
+            Err(Rejection::BelowDeterministic { missing, .. }) => {
+                assert!(
+                    missing.iter().any(|m| m.starts_with("the error")),
+                    "{missing:?}"
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+        let kept = "The user asked to fix the TimeDelta rounding in fields.py and to leave \
+                    the tests untouched; running reproduce.py hit IndentationError: unexpected \
+                    indent (reproduce_rounding, line 3).";
+        assert_eq!(floor.check(kept), Ok(()));
+    }
 }

@@ -623,8 +623,37 @@ pub fn handover_answer(body: &serde_json::Value) -> String {
     } else {
         format!("\n## Files changed{files}")
     };
+    // The errors the span shows (output lines that say one, or a child
+    // summary's), quoted as a model quotes them.
+    let mut errors: Vec<String> = Vec::new();
+    for line in data.lines() {
+        let line = line.trim().trim_start_matches("- ");
+        let lower = line.to_lowercase();
+        let says_error = [
+            "error",
+            "failed",
+            "exception",
+            "fatal",
+            "no such file",
+            "not found",
+        ]
+        .iter()
+        .any(|w| lower.contains(w));
+        if says_error && line.len() < 400 && errors.len() < 12 {
+            let quoted: String = line.chars().take(200).collect();
+            if !errors.contains(&quoted) {
+                errors.push(quoted);
+            }
+        }
+    }
+    let errors: String = errors.iter().map(|e| format!("\n- {e}")).collect();
+    let errors = if errors.is_empty() {
+        String::new()
+    } else {
+        format!("\n## Errors{errors}")
+    };
     format!(
-        "## Task\nThe user raised, in order: {asked}.{files}\n## Next\nCarry on where the user left off."
+        "## Task\nThe user raised, in order: {asked}.{files}{errors}\n## Next\nCarry on where the user left off."
     )
 }
 

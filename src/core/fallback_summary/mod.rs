@@ -267,12 +267,13 @@ fn ranked_identifiers(sources: &[SourceItem]) -> Vec<String> {
 
 /// What code can check a summary of some sources keeps, so that a model's
 /// summary can be held to at least what the deterministic one keeps: the
-/// user's requests (each as its content words) and the files changed
-/// (each by its name).
+/// user's requests and the errors that came up (each as its content
+/// words) and the files changed (each by its name).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct HandoverFacts {
     pub requests: Vec<Vec<String>>,
     pub files: Vec<String>,
+    pub errors: Vec<Vec<String>>,
 }
 
 impl HandoverFacts {
@@ -299,22 +300,44 @@ impl HandoverFacts {
             .map(|l| content_terms(strip_label(&l.text)))
             .filter(|t| !t.is_empty())
             .collect();
-        HandoverFacts { requests, files }
+        // An error by what went wrong, not by the command that met it.
+        let errors = notes
+            .errors
+            .iter()
+            .map(|l| content_terms(strip_label(l.short.as_deref().unwrap_or(&l.text))))
+            .filter(|t| !t.is_empty())
+            .collect();
+        HandoverFacts {
+            requests,
+            files,
+            errors,
+        }
     }
 
     /// How many facts `text` keeps (a request when a third of its words
-    /// are there, a file when its name is), and the ones it misses.
+    /// are there; an error when two of them are, or a third of fewer: a
+    /// summary names an error by its gist, not its whole line; a file when
+    /// its name is), and the ones it misses.
     pub fn kept_by(&self, text: &str) -> (usize, Vec<String>) {
         let lower = text.to_lowercase();
         let mut kept = 0;
         let mut missing = Vec::new();
-        for terms in &self.requests {
+        for (what, terms, needed) in self
+            .requests
+            .iter()
+            .map(|t| ("request", t, t.len().div_ceil(3)))
+            .chain(
+                self.errors
+                    .iter()
+                    .map(|t| ("error", t, t.len().div_ceil(3).min(2))),
+            )
+        {
             let found = terms.iter().filter(|t| lower.contains(t.as_str())).count();
-            if found * 3 >= terms.len() {
+            if found >= needed {
                 kept += 1;
             } else {
                 missing.push(format!(
-                    "the request \"{}…\"",
+                    "the {what} \"{}…\"",
                     terms[..terms.len().min(4)].join(" ")
                 ));
             }
