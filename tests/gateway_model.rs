@@ -13,6 +13,8 @@ mod llm_server;
 
 use gw::{cli_json, long_turn, settle, Behaviour, GatewayProc, Upstream, SMALL_POLICY};
 use serde_json::{json, Value};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const TENANT_CALLS: u64 = 3;
@@ -46,6 +48,33 @@ async fn session(base: &str, key: &str, name: &str, turns: usize) -> String {
     conversation
 }
 
+/// Waits until the model has been quiet for two seconds.
+async fn until_quiet(llm: &llm_server::ScriptedServer) {
+    let started = Instant::now();
+    let mut seen = usize::MAX;
+    while llm.received().len() != seen {
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "the sweeps never ended"
+        );
+        seen = llm.received().len();
+        tokio::time::sleep(Duration::from_millis(2_000)).await;
+    }
+}
+
+fn model_config(llm: &llm_server::ScriptedServer, extra: &str) -> String {
+    format!(
+        r#"{SMALL_POLICY}{extra}
+
+[summarizer]
+base_url = "{}"
+model = "good"
+api_key_env = "CONTEXTFOLD_TEST_UNSET_KEY"
+"#,
+        llm.base_url()
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_embedded_gateway_summarizes_with_the_model_and_holds_each_tenant_to_its_window() {
     // A model that answers in the handover shape (the checks refuse an
@@ -59,22 +88,18 @@ async fn the_embedded_gateway_summarizes_with_the_model_and_holds_each_tenant_to
     .await;
     let up = Upstream::start(Behaviour::default()).await;
     let dir = tempfile::tempdir().unwrap();
-    let config = format!(
-        r#"{SMALL_POLICY}summary_max_calls_per_window_tenant = {TENANT_CALLS}
-
-[summarizer]
-base_url = "{}"
-model = "good"
-api_key_env = "CONTEXTFOLD_TEST_UNSET_KEY"
+    let config = model_config(
+        &llm,
+        &format!(
+            r#"summary_max_calls_per_window_tenant = {TENANT_CALLS}
 
 [[gateway.tenants]]
 name = "acme"
 key = "gk-acme-0001"
 [[gateway.tenants]]
 name = "globex"
-key = "gk-globex-0002"
-"#,
-        llm.base_url()
+key = "gk-globex-0002""#
+        ),
     );
     let mut g = GatewayProc::start(dir.path(), &up.base, &config, &[]);
     // acme's two long sessions come first and owe more calls than acme
@@ -83,18 +108,8 @@ key = "gk-globex-0002"
     let a2 = session(&g.base, "gk-acme-0001", "a2", 40).await;
     let g1 = session(&g.base, "gk-globex-0002", "g1", 40).await;
     assert!(a1.starts_with("acme/") && a2.starts_with("acme/") && g1.starts_with("globex/"));
-    // The sweeps run beside the fold: wait until the model has been quiet
-    // for a while.
-    let started = Instant::now();
-    let mut seen = usize::MAX;
-    while llm.received().len() != seen {
-        assert!(
-            started.elapsed() < Duration::from_secs(120),
-            "the sweeps never ended"
-        );
-        seen = llm.received().len();
-        tokio::time::sleep(Duration::from_millis(2_000)).await;
-    }
+    // The sweeps run beside the fold: wait until the model is quiet.
+    until_quiet(&llm).await;
     g.stop();
 
     let status = |conv: &str| cli_json(dir.path(), &["status", conv]);
@@ -131,4 +146,51 @@ key = "gk-globex-0002"
     let model_written =
         sg["summaries"]["total"].as_u64().unwrap() - sg["summaries"]["fallback"].as_u64().unwrap();
     assert!(model_written >= 1, "{}", sg["summaries"]);
+}
+
+/// A stop drops the sweeps in flight; their jobs are pending in the state
+/// and run again when the gateway starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sweeps_a_stop_cut_short_run_again_when_the_gateway_starts() {
+    let slow = Arc::new(AtomicBool::new(true));
+    let s = slow.clone();
+    let llm = llm_server::ScriptedServer::start(move |req| {
+        let answer = llm_server::Scripted::json(
+            200,
+            llm_server::completion(&req.model(), &llm_server::handover_answer(&req.body)),
+        );
+        if s.load(Ordering::SeqCst) {
+            answer.delayed(Duration::from_secs(60))
+        } else {
+            answer
+        }
+    })
+    .await;
+    let up = Upstream::start(Behaviour::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = model_config(&llm, "");
+    let mut g = GatewayProc::start(dir.path(), &up.base, &config, &[]);
+    let conv = session(&g.base, "", "long", 30).await;
+    // A sweep waits on the model; the gateway stops under it.
+    let started = Instant::now();
+    while llm.received().is_empty() {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "no sweep began"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    g.stop();
+    let before = cli_json(dir.path(), &["status", &conv]);
+    assert_eq!(before["summaries"]["total"], 0, "{}", before["summaries"]);
+    assert!(!before["pending_job"].is_null(), "the job is pending");
+
+    slow.store(false, Ordering::SeqCst);
+    let mut g = GatewayProc::start(dir.path(), &up.base, &config, &[]);
+    until_quiet(&llm).await;
+    g.stop();
+    let after = cli_json(dir.path(), &["status", &conv]);
+    let model_written = after["summaries"]["total"].as_u64().unwrap()
+        - after["summaries"]["fallback"].as_u64().unwrap();
+    assert!(model_written >= 1, "{}", after["summaries"]);
 }
