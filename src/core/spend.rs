@@ -414,6 +414,18 @@ impl Allowance {
     pub fn urgent_ok(&self) -> bool {
         self.urgent_calls_left > 0 && self.money_left()
     }
+
+    /// Holds the allowance to what a limit across conversations leaves:
+    /// `calls` more calls of either kind, `tokens` and `cost` more (`None`:
+    /// no such limit).
+    fn hold_to(&mut self, calls: Option<u32>, tokens: Option<u64>, cost: Option<u64>) {
+        if let Some(room) = calls {
+            self.calls_left = self.calls_left.min(room);
+            self.urgent_calls_left = self.urgent_calls_left.min(room);
+        }
+        self.tokens_left = min_limit(self.tokens_left, tokens);
+        self.cost_left = min_limit(self.cost_left, cost);
+    }
 }
 
 /// The tighter of two optional limits (`None` is unlimited).
@@ -464,29 +476,28 @@ pub fn allowance(
     let share_calls = limits
         .partition_calls
         .map(|max| max.div_ceil(active.len().max(1) as u32));
-    if let (Some(max), Some(share)) = (limits.partition_calls, share_calls) {
-        let used = partition.calls_of(key, now, window);
-        let room = max
-            .saturating_sub(all.calls)
-            .min(share.saturating_sub(used));
-        a.calls_left = a.calls_left.min(room);
-        a.urgent_calls_left = a.urgent_calls_left.min(room);
-    }
-    a.tokens_left = min_limit(a.tokens_left, left(limits.partition_tokens, all.tokens));
-    a.cost_left = min_limit(
-        a.cost_left,
+    let calls_room = match (limits.partition_calls, share_calls) {
+        (Some(max), Some(share)) => {
+            let used = partition.calls_of(key, now, window);
+            Some(
+                max.saturating_sub(all.calls)
+                    .min(share.saturating_sub(used)),
+            )
+        }
+        _ => None,
+    };
+    a.hold_to(
+        calls_room,
+        left(limits.partition_tokens, all.tokens),
         left(limits.partition_cost_micros, all.cost_micros),
     );
     let tenant = limits.has_tenant_limits().then(|| {
         let theirs = partition.tenant_totals(tenant_of(key), now, window);
-        if let Some(max) = limits.tenant_calls {
-            let room = max.saturating_sub(theirs.calls);
-            a.calls_left = a.calls_left.min(room);
-            a.urgent_calls_left = a.urgent_calls_left.min(room);
-        }
-        a.tokens_left = min_limit(a.tokens_left, left(limits.tenant_tokens, theirs.tokens));
-        a.cost_left = min_limit(
-            a.cost_left,
+        a.hold_to(
+            limits
+                .tenant_calls
+                .map(|max| max.saturating_sub(theirs.calls)),
+            left(limits.tenant_tokens, theirs.tokens),
             left(limits.tenant_cost_micros, theirs.cost_micros),
         );
         theirs
