@@ -29,6 +29,7 @@
 //! from traffic and state.
 
 pub mod compaction;
+pub mod item_memo;
 pub mod keying;
 pub mod rewrite;
 pub mod server;

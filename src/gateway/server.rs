@@ -24,6 +24,7 @@ use crate::core::event::{
 use crate::core::overflow;
 use crate::core::tokens;
 use crate::gateway::compaction;
+use crate::gateway::item_memo::{ItemMemo, DEFAULT_MEMO_BYTES};
 use crate::gateway::keying::{self, Hints, Index, Resolution};
 use crate::gateway::rewrite;
 use crate::gateway::shadow::{Ledger, Observed};
@@ -78,6 +79,8 @@ pub struct Gateway {
     upstream: Upstream,
     tenants: Vec<Arc<Tenant>>,
     canon: quick_cache::sync::Cache<[u8; 32], Arc<Canon>>,
+    /// Each conversation's last request, by its items' bytes.
+    memo: ItemMemo,
     rest_tokens: quick_cache::sync::Cache<[u8; 16], u64>,
     /// Per conversation: the usage the last response reported, and the
     /// budget a Codex compaction set (compaction.rs).
@@ -148,6 +151,7 @@ impl Gateway {
             upstream,
             tenants,
             canon: quick_cache::sync::Cache::new(200_000),
+            memo: ItemMemo::new(DEFAULT_MEMO_BYTES),
             rest_tokens: quick_cache::sync::Cache::new(10_000),
             usage: Mutex::new(HashMap::new()),
             in_flight: std::sync::atomic::AtomicU64::new(0),
@@ -498,9 +502,13 @@ async fn surface_request(ctx: Ctx, surface: Surface, body: Bytes) -> Response {
         }
     };
     let enc = tokens::Encoding::for_model(parsed.model.as_deref());
+    let raws: Vec<&str> = parsed.items.iter().map(|r| r.get()).collect();
+    let memo_key = ItemMemo::key(&ctx.tenant.prefix, surface, enc, &raws);
+    let memo = memo_key.and_then(|k| gw.memo.get(&k));
     let mut canons = Vec::with_capacity(parsed.items.len() + 1);
-    for (i, raw) in parsed.items.iter().enumerate() {
-        match gw.canonical(surface, raw.get(), enc) {
+    for (i, raw) in raws.iter().enumerate() {
+        let known = memo.as_ref().and_then(|m| m.canon(i, raw));
+        match known.map_or_else(|| gw.canonical(surface, raw, enc), Ok) {
             Ok(c) => canons.push(c),
             Err(reason) => {
                 return error(
@@ -510,6 +518,9 @@ async fn surface_request(ctx: Ctx, surface: Surface, body: Bytes) -> Response {
                 )
             }
         }
+    }
+    if let Some(key) = memo_key {
+        gw.memo.put(key, &body, &raws, &canons);
     }
     let input_text_item = parsed.input_text.as_deref().map(surface::input_text_item);
     if let Some(item) = &input_text_item {
