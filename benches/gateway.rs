@@ -28,7 +28,11 @@ use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
 async fn upstream() -> String {
-    let app = axum::Router::new().fallback(|_req: axum::extract::Request| async {
+    let app = axum::Router::new().fallback(|req: axum::extract::Request| async {
+        // Read the whole request as a provider does: a server that answers
+        // before the body is in closes the connection under the client's
+        // next request on it (hyper's IncompleteMessage).
+        let _ = axum::body::to_bytes(req.into_body(), usize::MAX).await;
         let chunks = futures::stream::iter([
             Ok::<_, std::io::Error>(bytes::Bytes::from_static(
                 b"data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"ok\"}}]}\n\n",
