@@ -24,12 +24,39 @@ fn screened(screen: &Regex, pattern: &Regex, text: &str) -> bool {
     screen.is_match(text) && pattern.is_match(text)
 }
 
+/// The screen of [`is_error_line`].
+fn error_screen() -> &'static Regex {
+    regex!(
+        r"(?i-u:error|fatal|panic|exception|traceback|fail|no such file|not found|permission denied|cannot|could not|unable to|exit|e999)|[\x{17F}\x{212A}]"
+    )
+}
+
+/// The lines of `text` as [`str::lines`] cuts them, each with whether
+/// `screen` matches in it, from one search of the whole text rather than
+/// one a line (a screen's literals hold no line end, so a match lies in
+/// the line where it starts). A line without a hit fails the screened
+/// check without asking.
+fn lines_with_hits<'a>(
+    text: &'a str,
+    screen: &'static Regex,
+) -> impl Iterator<Item = (&'a str, bool)> + 'a {
+    let mut hits = screen.find_iter(text).map(|m| m.start()).peekable();
+    let mut end = 0;
+    text.split_inclusive('\n').map(move |piece| {
+        end += piece.len();
+        let mut hit = false;
+        while hits.next_if(|&start| start < end).is_some() {
+            hit = true;
+        }
+        let line = piece.strip_suffix('\n').unwrap_or(piece);
+        (line.strip_suffix('\r').unwrap_or(line), hit)
+    })
+}
+
 /// A line that reports an error or a failure (not a listing or code line
 /// that merely mentions one).
 pub(super) fn is_error_line(line: &str) -> bool {
-    let screen = regex!(
-        r"(?i-u:error|fatal|panic|exception|traceback|fail|no such file|not found|permission denied|cannot|could not|unable to|exit|e999)|[\x{17F}\x{212A}]"
-    );
+    let screen = error_screen();
     let strong = regex!(
         r"(?i)^\s*(error|fatal|panic|exception|traceback)\b|\b\w*(Error|Exception)\b:|\berror(\[\w+\])?:|\bfailed\b|(?-i:\bFAIL(ED)?\b)|\b[1-9]\d* (failures?|failed|errors?)\b|\bno such file\b|\bnot found\b|\bpermission denied\b|\b(cannot|could not|unable to)\b|\bexit(ed)? (with )?code [1-9]|\bE999\b|\bsyntax error"
     );
@@ -54,9 +81,10 @@ fn find_error_line(text: &str, accept: impl Fn(&str) -> bool) -> Option<String> 
     let head = prefix_bytes(text, MINED_BYTES);
     let tail = suffix_bytes(text, 2000);
     let mut bare = None;
-    for line in head.lines().chain(tail.lines()) {
+    let screen = error_screen();
+    for (line, hit) in lines_with_hits(head, screen).chain(lines_with_hits(tail, screen)) {
         let line = line.trim();
-        if !is_error_line(line) || !accept(line) {
+        if !hit || !is_error_line(line) || !accept(line) {
             continue;
         }
         if is_bare_exit(line) {
@@ -83,8 +111,9 @@ pub(super) fn reported_error_line(text: &str) -> Option<String> {
 /// issue closed.
 pub(super) fn milestone_lines(text: &str) -> Vec<String> {
     // Test counts anywhere in the line, screened; the rest are anchored at
-    // the line's start, so they fail fast on any line: one alternation for
-    // them.
+    // the line's start (one alternation), so a line can match them only
+    // when it starts, after its white space, with `[`, `C`, a hex digit or
+    // `✓`.
     let counts_screen = regex!(r"(?i-u:0 failures|passed|test result: ok)|[\x{17F}\x{212A}]");
     let counts = regex!(
         r"(?i)\b\d+ (tests?|examples?|specs?|doctests?|properties)\b[^\n]{0,40}\b0 failures\b|\b\d+ passed\b|\btest result: ok\b"
@@ -95,12 +124,17 @@ pub(super) fn milestone_lines(text: &str) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
     let head = prefix_bytes(text, MINED_BYTES);
     let tail = suffix_bytes(text, 2000);
-    for line in head.lines().chain(tail.lines()) {
+    let screened_lines =
+        |text| lines_with_hits(text, error_screen()).zip(lines_with_hits(text, counts_screen));
+    for ((line, error_hit), (_, counts_hit)) in screened_lines(head).chain(screened_lines(tail)) {
         let line = line.trim();
-        if line.is_empty() || is_error_line(line) && !line.contains(" 0 fail") {
+        if line.is_empty() || error_hit && is_error_line(line) && !line.contains(" 0 fail") {
             continue;
         }
-        if screened(counts_screen, counts, line) || at_start.is_match(line) {
+        let may_start_one = line
+            .trim_start()
+            .starts_with(|c: char| matches!(c, '[' | 'C' | '0'..='9' | 'a'..='f' | '✓'));
+        if counts_hit && counts.is_match(line) || may_start_one && at_start.is_match(line) {
             let l = clip_words(line, RESULT_CHARS);
             if !out.contains(&l) {
                 out.push(l);
@@ -535,6 +569,31 @@ mod tests {
                 && !regex!(r"(?i)\b0 (failures?|failed|errors?)\b").is_match(line)
         }
 
+        pub(super) fn find_error_line(text: &str, accept: impl Fn(&str) -> bool) -> Option<String> {
+            let head = prefix_bytes(text, MINED_BYTES);
+            let tail = suffix_bytes(text, 2000);
+            let mut bare = None;
+            for line in head.lines().chain(tail.lines()) {
+                let line = line.trim();
+                if !is_error_line(line) || !accept(line) {
+                    continue;
+                }
+                if is_bare_exit(line) {
+                    bare = bare.or(Some(line));
+                    continue;
+                }
+                return Some(clip_words(line, RESULT_CHARS));
+            }
+            bare.map(|l| clip_words(l, RESULT_CHARS))
+        }
+
+        pub(super) fn reported_error_line(text: &str) -> Option<String> {
+            find_error_line(text, |line| {
+                regex!(r"(?i)\b\w*(Error|Exception)\b|error(\[\w+\])?:|\btraceback\b|\bfatal:|(?-i:\bFAIL(ED)?\b)|\bfailed\b|\bexit(ed)? (with )?code [1-9]|\bE\d{3}\b|\bno such file\b|\bpanicked\b")
+                    .is_match(line)
+            })
+        }
+
         pub(super) fn milestone_lines(text: &str) -> Vec<String> {
             let patterns = [
                 regex!(
@@ -740,6 +799,8 @@ mod tests {
         "  ",
         "\t",
         " ",
+        "\r",
+        "Exit code 1\n",
     ];
 
     fn text(max_pieces: usize) -> impl Strategy<Value = String> {
@@ -753,7 +814,27 @@ mod tests {
     }
 
     fn lines() -> impl Strategy<Value = String> {
-        prop::collection::vec(text(10), 0..8).prop_map(|lines| lines.join("\n"))
+        (
+            prop::collection::vec(text(10), 0..8),
+            prop::sample::select(&["\n", "\r\n", "\n\n"][..]),
+        )
+            .prop_map(|(lines, end)| lines.join(end))
+    }
+
+    /// Outputs longer than the head and the tail the recognizers read.
+    fn long_lines() -> impl Strategy<Value = String> {
+        prop::collection::vec(text(10), 100..900).prop_map(|lines| lines.join("\n"))
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        #[test]
+        fn screened_long_outputs_agree_with_the_unscreened_patterns(text in long_lines()) {
+            prop_assert_eq!(milestone_lines(&text), unscreened::milestone_lines(&text));
+            prop_assert_eq!(error_line(&text), unscreened::find_error_line(&text, |_| true));
+            prop_assert_eq!(reported_error_line(&text), unscreened::reported_error_line(&text));
+        }
     }
 
     proptest! {
@@ -769,8 +850,10 @@ mod tests {
         }
 
         #[test]
-        fn screened_milestones_agree_with_the_unscreened_patterns(text in lines()) {
+        fn screened_output_lines_agree_with_the_unscreened_patterns(text in lines()) {
             prop_assert_eq!(milestone_lines(&text), unscreened::milestone_lines(&text));
+            prop_assert_eq!(error_line(&text), unscreened::find_error_line(&text, |_| true));
+            prop_assert_eq!(reported_error_line(&text), unscreened::reported_error_line(&text));
         }
     }
 
