@@ -83,9 +83,17 @@ pub fn extract(text: &str) -> Vec<String> {
 
 /// Like [`extract`], with the kind of each identifier.
 pub fn extract_with_kinds(text: &str) -> Vec<Identifier> {
+    extract_by(text, Holds::of(text))
+}
+
+/// Every identifier of `text`, asking only the rules whose bytes `holds`
+/// says the text holds (a rule that cannot match finds nothing).
+fn extract_by(text: &str, holds: Holds) -> Vec<Identifier> {
     let mut found: Vec<Found> = Vec::new();
     for rule in RULES.iter() {
-        (rule.scan)(&rule.regex, text, &mut found);
+        if holds.may_match(rule.needs) {
+            (rule.scan)(&rule.regex, text, &mut found);
+        }
     }
     // Text that still holds JSON escapes (`\nsrc/lib.rs`) must not glue the
     // escape letter to the identifier after it.
@@ -134,6 +142,55 @@ struct Found {
 struct Rule {
     regex: Regex,
     scan: fn(&Regex, &str, &mut Vec<Found>),
+    /// Bytes of [`Holds`] of which every match holds one (0: no such
+    /// bytes): a text without any of them is not searched.
+    needs: u8,
+}
+
+/// Which of the bytes the rules need a text holds, one bit each, from one
+/// pass over it: most rules have no literal for the regex crate to look
+/// for, so each would otherwise scan every byte of a text that cannot
+/// match it (a call's arguments without a `/`, a sentence without a
+/// digit).
+#[derive(Clone, Copy)]
+struct Holds(u8);
+
+const COLON: u8 = 1;
+const DOT: u8 = 1 << 1;
+const SLASH: u8 = 1 << 2;
+const DASH: u8 = 1 << 3;
+const HASH: u8 = 1 << 4;
+const BRACKET: u8 = 1 << 5;
+const DIGIT: u8 = 1 << 6;
+const UPPER: u8 = 1 << 7;
+
+impl Holds {
+    fn of(text: &str) -> Holds {
+        let mut bits = 0u8;
+        for chunk in text.as_bytes().chunks(256) {
+            for &b in chunk {
+                bits |= match b {
+                    b':' => COLON,
+                    b'.' => DOT,
+                    b'/' => SLASH,
+                    b'-' => DASH,
+                    b'#' => HASH,
+                    b'[' => BRACKET,
+                    b'0'..=b'9' => DIGIT,
+                    b'A'..=b'Z' => UPPER,
+                    _ => 0,
+                };
+            }
+            if bits == u8::MAX {
+                break;
+            }
+        }
+        Holds(bits)
+    }
+
+    fn may_match(self, needs: u8) -> bool {
+        needs == 0 || self.0 & needs != 0
+    }
 }
 
 /// Compiles a pattern with ASCII-only word boundaries (see the module doc).
@@ -453,12 +510,14 @@ static RULES: LazyLock<Vec<Rule>> = LazyLock::new(|| {
                 r#"\b(?:https?|wss?|ftp|sftp|ssh|git|file|s3|gs|nats|redis|postgres(?:ql)?|mysql|mongodb(?:\+srv)?|amqp)://[^\s<>"'`\\]+"#,
             ),
             scan: scan_urls,
+            needs: COLON,
         },
         Rule {
             regex: compile(
                 r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b",
             ),
             scan: |re, text, out| push_all(re, text, out, IdentifierKind::Uuid),
+            needs: DASH,
         },
         Rule {
             // A digest mixes digits and letters: the pattern requires both, so
@@ -467,16 +526,19 @@ static RULES: LazyLock<Vec<Rule>> = LazyLock::new(|| {
                 r"\b(?:0x[0-9a-fA-F]{4,64}|[0-9a-f]*(?:[0-9][0-9a-f]*[a-f]|[a-f][0-9a-f]*[0-9])[0-9a-f]*|[0-9A-F]*(?:[0-9][0-9A-F]*[A-F]|[A-F][0-9A-F]*[0-9])[0-9A-F]*)\b",
             ),
             scan: scan_hashes,
+            needs: DIGIT,
         },
         Rule {
             regex: compile(r"\b(?:[0-9]{1,3}\.){3}[0-9]{1,3}(?::[0-9]{1,5}|/[0-9]{1,2})?\b"),
             scan: scan_ipv4,
+            needs: DOT,
         },
         Rule {
             regex: compile(
                 r"\[[0-9a-fA-F:.]{2,45}\](?::[0-9]{1,5})?|[0-9a-fA-F]{0,4}(?::[0-9a-fA-F]{0,4}){2,7}(?:/[0-9]{1,3})?",
             ),
             scan: scan_ipv6,
+            needs: COLON | BRACKET,
         },
         Rule {
             regex: compile(&format!(
@@ -484,20 +546,24 @@ static RULES: LazyLock<Vec<Rule>> = LazyLock::new(|| {
                 HOST_TLDS.join("|")
             )),
             scan: scan_hosts,
+            needs: DOT | COLON,
         },
         Rule {
             // Absolute, home- or dot-relative unix paths.
             regex: compile(r"(?:~|\.{1,2})?/[A-Za-z0-9_.@+%-]+(?:/[A-Za-z0-9_.@+%-]+)*/?"),
             scan: scan_unix_paths,
+            needs: SLASH,
         },
         Rule {
             regex: compile(r#"\b[A-Za-z]:\\[^\s"'<>|*?]+"#),
             scan: scan_windows_paths,
+            needs: COLON,
         },
         Rule {
             // Relative paths with at least one directory: src/core/mod.rs.
             regex: compile(r"\b[A-Za-z0-9_.@+-]+(?:/[A-Za-z0-9_.@+-]+)+"),
             scan: scan_relative_paths,
+            needs: SLASH,
         },
         Rule {
             // Bare file names: Cargo.toml, README.md, test_schema.py.
@@ -506,60 +572,71 @@ static RULES: LazyLock<Vec<Rule>> = LazyLock::new(|| {
                 FILE_EXTENSIONS.join("|")
             )),
             scan: scan_file_names,
+            needs: DOT,
         },
         Rule {
             regex: compile(r"(?i)\bports?\s*(?:number\s*)?[:=#]?\s*([0-9]{2,5})\b"),
             scan: scan_ports,
+            needs: 0,
         },
         Rule {
             // `:8080` standing alone (`listening on :8080`).
             regex: compile(r":[0-9]{2,5}\b"),
             scan: scan_bare_ports,
+            needs: COLON,
         },
         Rule {
             regex: compile(
                 r"\b(?:E[0-9]{4}|(?:TS|CS|SC|SA|PLR|PLW|PLE|RUF|SIM|UP|ANN|E|W|F|C|D|N|B|I)[0-9]{3,4}|SIG[A-Z]{2,7}|E[A-Z0-9_]{2,14}|[A-Z][A-Za-z0-9]+(?:Error|Exception|Warning))\b",
             ),
             scan: scan_codes,
+            needs: UPPER,
         },
         Rule {
             regex: compile(
                 r"(?i)\bHTTP(?:/[0-9.]+)?\s*[1-5][0-9]{2}\b|\bstatus(?:[ _]code)?\s*[:=]?\s*[1-5][0-9]{2}\b|\bexit(?:ed)?(?: with)? (?:code|status)\s*[:=]?\s*-?[0-9]{1,3}\b",
             ),
             scan: |re, text, out| push_all(re, text, out, IdentifierKind::ErrorCode),
+            needs: DIGIT,
         },
         Rule {
             regex: compile(
                 r"\b[1-5][0-9]{2} (?:Not Found|Bad Request|Unauthorized|Forbidden|Internal Server Error|Bad Gateway|Service Unavailable|Gateway Timeout|Too Many Requests|Conflict|Method Not Allowed|Unprocessable Entity|Payload Too Large|Request Entity Too Large|Not Implemented|Moved Permanently|Not Modified|Gone|Precondition Failed|Request Timeout)\b",
             ),
             scan: |re, text, out| push_all(re, text, out, IdentifierKind::ErrorCode),
+            needs: DIGIT,
         },
         Rule {
             // Found by its `#`; an `owner/repo` before it is taken in by hand.
             regex: compile(r"#[0-9]{2,7}\b"),
             scan: scan_hash_tickets,
+            needs: HASH,
         },
         Rule {
             regex: compile(r"\bCVE-[0-9]{4}-[0-9]{4,7}\b|\b[A-Z][A-Z0-9]{1,9}-[0-9]{1,7}\b"),
             scan: scan_key_tickets,
+            needs: DASH,
         },
         Rule {
             // Five or more numeric arcs: longer than an IPv4 address, so the
             // version rule below cannot cut it into `1.2.840` and `10008.1.2`.
             regex: compile(r"\b[0-9]+(?:\.[0-9]+){4,}\b"),
             scan: |re, text, out| push_all(re, text, out, IdentifierKind::Oid),
+            needs: DOT,
         },
         Rule {
             regex: compile(
                 r"\bv?[0-9]+\.[0-9]+\.[0-9]+(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?\b|\bv[0-9]+\.[0-9]+\b",
             ),
             scan: |re, text, out| push_all(re, text, out, IdentifierKind::Version),
+            needs: DOT,
         },
         Rule {
             regex: compile(
                 r"\b[0-9]{4}-[0-9]{2}-[0-9]{2}(?:[T ][0-9]{2}:[0-9]{2}(?::[0-9]{2}(?:\.[0-9]+)?)?(?:Z|[+-][0-9]{2}:?[0-9]{2})?)?\b",
             ),
             scan: |re, text, out| push_all(re, text, out, IdentifierKind::Date),
+            needs: DASH,
         },
         Rule {
             // Machine-made ids: snake/kebab compounds and uppercase codes.
@@ -569,6 +646,7 @@ static RULES: LazyLock<Vec<Rule>> = LazyLock::new(|| {
                 r"\b[A-Za-z][A-Za-z0-9_-]*[0-9][A-Za-z0-9_-]*\b|\b[A-Z0-9]*(?:[A-Z][A-Z0-9]*[0-9]|[0-9][A-Z0-9]*[A-Z])[A-Z0-9]*\b",
             ),
             scan: scan_tokens,
+            needs: DIGIT,
         },
     ]
 });
@@ -982,6 +1060,118 @@ fn scan_tokens(re: &Regex, text: &str, out: &mut Vec<Found>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    /// Pieces of text around identifiers: each rule's bytes alone and in
+    /// its shapes, words, non-ASCII text and the JSON escape before a path.
+    const PIECES: &[&str] = &[
+        "https://example.com/a?b=1",
+        "postgres://db:5432",
+        "://",
+        "3f2b8c1e-9a4d-4e6f-8b2a-1c3d5e7f9a0b",
+        "deadbeef1",
+        "0x1F2E3D",
+        "abc1234",
+        "ABC123F",
+        "10.0.0.1:8080",
+        "192.168.1.0/24",
+        "1.2.3.4.5",
+        "[::1]:80",
+        "fe80::1",
+        "2001:db8::1/64",
+        "de::Error",
+        "12:30:45",
+        "api.example.com",
+        "host.io:443",
+        "localhost:3000",
+        "self.config",
+        "/usr/lib/x.so",
+        "~/a/b",
+        "../up",
+        "./here",
+        "C:\\Users\\x.txt",
+        "src/core/mod.rs",
+        "Cargo.toml",
+        "README.md",
+        "lib.rs:120",
+        "port 8080",
+        "PORT=9000",
+        ":8080",
+        "E0308",
+        "TS2345",
+        "SIGKILL",
+        "ENOENT",
+        "ValueError",
+        "HTTP 404",
+        "status code 500",
+        "exit code 2",
+        "404 Not Found",
+        "#123",
+        "owner/repo#45",
+        "ABC-123",
+        "CVE-2024-12345",
+        "UTF-8",
+        "1.2.840.10008.1.2.1",
+        "v1.2.3",
+        "1.2.3-rc.1+build.5",
+        "v2.0",
+        "2026-12-03",
+        "2026-12-03T20:40:00Z",
+        "toolu_01ABC",
+        "mia_li_3668",
+        "HAT136",
+        "4WQ150",
+        "\\nsrc/lib.rs",
+        "\\t",
+        "word",
+        "Word",
+        "x",
+        "é",
+        "→",
+        "日本",
+        "ſ",
+        "\u{212A}",
+        ".",
+        ":",
+        "/",
+        "-",
+        "#",
+        "[",
+        "]",
+        "0",
+        "9",
+        "A",
+        "Z",
+        "_",
+        " ",
+        "\n",
+        ",",
+        "(",
+        ")",
+        "\"",
+        "'",
+        "`",
+    ];
+
+    fn text() -> impl Strategy<Value = String> {
+        prop_oneof![
+            3 => prop::collection::vec(prop::sample::select(PIECES), 0..16).prop_map(|p| p.join(" ")),
+            3 => prop::collection::vec(prop::sample::select(PIECES), 0..16).prop_map(|p| p.concat()),
+            1 => "\\PC{0,80}",
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(3000))]
+
+        /// Skipping the rules whose bytes a text lacks finds what asking
+        /// every rule finds.
+        #[test]
+        fn rules_skipped_by_their_bytes_find_nothing(text in text()) {
+            let every_rule = Holds(u8::MAX);
+            prop_assert_eq!(extract_with_kinds(&text), extract_by(&text, every_rule));
+        }
+    }
 
     fn ids(text: &str) -> Vec<String> {
         extract(text)

@@ -107,6 +107,11 @@ impl PlanView for SweepSnapshot {
 /// from text given to a summarizer; the stored turn is untouched.
 pub fn strip_injected(text: &str, tags: &[String]) -> String {
     let mut out = text.to_string();
+    // Most turns hold no tag at all: one byte search instead of a substring
+    // search per tag.
+    if !text.contains('<') {
+        return out;
+    }
     for tag in tags {
         let open = format!("<{tag}");
         let close = format!("</{tag}>");

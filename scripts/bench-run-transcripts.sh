@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# `contextfold run` throughput on real transcripts (issue 26): events/s of
+# one binary, or of two side by side.
+#
+#   scripts/bench-run-transcripts.sh BINARY [BINARY_B] [RUNS]
+#
+# The fleet: the Claude Code transcripts of ../shared/data (the long
+# session fa812bfe, tool_heavy and short: 382 events) imported with
+# BINARY's `import` and copied COPIES times (default 200: 76,400 events),
+# each copy's conversation keys (`KEY#xN`), event ids and times made its
+# own (copies one after the other, times increasing), written once to
+# OUT_DIR/fleet.jsonl. Each run folds it with `run` into a fresh data
+# directory under WINDOW (default 32000, so the long session compacts: the
+# deterministic summarizer writes ~3,000 summaries; 1000000 for no
+# compaction) and prints its wall time, events/s and the final line (the
+# state hash: the same for both binaries when the summaries are).
+# With two binaries the runs alternate A B A B ... RUNS (default 3) each.
+# Needs jq.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+a="${1:?usage: $0 BINARY [BINARY_B] [RUNS]}"
+b="${2:-}"
+runs="${3:-3}"
+copies="${COPIES:-200}"
+window="${WINDOW:-32000}"
+out="${OUT_DIR:-$here/target/bench-run-transcripts}"
+data="${CONTEXTFOLD_SHARED_DATA:-$here/../shared/data}"
+cc="$data/transcripts/claude-code_marot-spotter"
+mkdir -p "$out"
+
+fleet="$out/fleet.$copies.jsonl"
+if [ ! -s "$fleet" ]; then
+    one="$out/one-copy.jsonl"
+    : > "$one"
+    for f in fa812bfe-b295-4cca-9c2f-fdf01028cb46.jsonl tool_heavy.jsonl short.jsonl; do
+        "$a" import "$cc/$f" >> "$one" 2>/dev/null
+    done
+    # Copy k is shifted back (copies-1-k) x 200,000,000 ms (2.3 days, longer
+    # than one copy spans), so times increase and none is in the future.
+    for k in $(seq 0 $((copies - 1))); do
+        jq -c --argjson k "$k" --argjson n "$copies" \
+            '.id += "-x\($k)" | .conversation += "#x\($k)" | .time -= (($n - 1 - $k) * 200000000)' \
+            "$one"
+    done > "$fleet.tmp"
+    mv "$fleet.tmp" "$fleet"
+fi
+events=$(wc -l < "$fleet")
+echo "fleet: $fleet, $events events, window $window"
+
+one_run() {
+    local label="$1" bin="$2" dir="$out/data.$1"
+    rm -rf "$dir"
+    local start end
+    start=$(date +%s.%N)
+    CONTEXTFOLD_POLICY__DEFAULT_CONTEXT_WINDOW="$window" "$bin" --data "$dir" run "$fleet" > "$out/run.$label.txt" 2>&1
+    end=$(date +%s.%N)
+    awk -v l="$label" -v s="$start" -v e="$end" -v n="$events" -v last="$(tail -1 "$out/run.$label.txt")" \
+        'BEGIN { printf "%s: %.2f s, %.0f events/s | %s\n", l, e - s, n / (e - s), last }'
+    rm -rf "$dir"
+}
+
+for r in $(seq 1 "$runs"); do
+    one_run A "$a"
+    [ -n "$b" ] && one_run B "$b"
+done
