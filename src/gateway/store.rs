@@ -217,6 +217,17 @@ pub fn block_from_assembled(reply: &AssembleResponse) -> Option<SummaryBlock> {
     Some(SummaryBlock::new(&reply.conversation, ids, &texts, &tail))
 }
 
+/// Where the embedded store runs the jobs its fold issues.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sweeps {
+    /// Each before the batch that issued it is answered: the deterministic
+    /// summarizer, which takes milliseconds.
+    Inline,
+    /// Beside the fold, a few at a time (`sweeper.rs`): a model, which
+    /// takes seconds to minutes.
+    Beside,
+}
+
 /// A batch of turns for the store.
 enum Command {
     Publish(Vec<Envelope>),
@@ -306,24 +317,23 @@ impl Store {
     /// deterministic summarizer.
     pub fn embedded(config: &Config) -> Result<Store, std::io::Error> {
         match &config.summarizer {
-            None => Self::embedded_with(config, Arc::new(DeterministicSummarizer), false),
+            None => Self::embedded_with(config, Arc::new(DeterministicSummarizer), Sweeps::Inline),
             Some(cfg) if cfg.external.is_some() => Err(std::io::Error::other(
                 "summarizer.external asks a team's summarizer over NATS: run the gateway with --nats (a deployment), or remove [summarizer.external]",
             )),
             Some(cfg) => {
                 let stack = crate::summarizer::stack::model(cfg)
                     .map_err(|e| std::io::Error::other(format!("the model summarizer: {e}")))?;
-                Self::embedded_with(config, Arc::new(stack), true)
+                Self::embedded_with(config, Arc::new(stack), Sweeps::Beside)
             }
         }
     }
 
-    /// The embedded store with `summarizer`: its jobs run inline, or
-    /// `beside` the fold (a model's).
+    /// The embedded store with `summarizer`, its jobs run as `sweeps` says.
     pub fn embedded_with<S: Summarizer + 'static>(
         config: &Config,
         summarizer: Arc<S>,
-        beside: bool,
+        sweeps: Sweeps,
     ) -> Result<Store, std::io::Error> {
         let config = config.clone();
         std::fs::create_dir_all(&config.data_dir)?;
@@ -346,7 +356,7 @@ impl Store {
             engine.record_policy_as(EMBEDDED_PARTITION_KEY.into(), "embedded");
             Ok((log, engine))
         };
-        Self::spawn_embedded(open, summarizer, beside)
+        Self::spawn_embedded(open, summarizer, sweeps)
     }
 
     /// The embedded pipeline in memory (tests and benchmarks).
@@ -359,13 +369,13 @@ impl Store {
             .map_err(|e| e.to_string())?;
             Ok((crate::log::memory::MemoryLog::new(), engine))
         };
-        Self::spawn_embedded(open, Arc::new(DeterministicSummarizer), false)
+        Self::spawn_embedded(open, Arc::new(DeterministicSummarizer), Sweeps::Inline)
     }
 
     fn spawn_embedded<L, B, S, F>(
         open: F,
         summarizer: Arc<S>,
-        beside: bool,
+        sweeps: Sweeps,
     ) -> Result<Store, std::io::Error>
     where
         L: EventLog + 'static,
@@ -399,18 +409,19 @@ impl Store {
                             return;
                         }
                     };
-                    let opened = if beside {
-                        Pipeline::open_leaving_jobs(log, engine, summarizer.clone())
+                    let opened = match sweeps {
+                        Sweeps::Beside => {
+                            Pipeline::open_leaving_jobs(log, engine, summarizer.clone())
+                                .await
+                                .map(|(p, pending)| {
+                                    let mut sweeper = Sweeper::new(summarizer);
+                                    sweeper.add(pending);
+                                    (p, Some(sweeper))
+                                })
+                        }
+                        Sweeps::Inline => Pipeline::open(log, engine, summarizer)
                             .await
-                            .map(|(p, pending)| {
-                                let mut sweeper = Sweeper::new(summarizer);
-                                sweeper.add(pending);
-                                (p, Some(sweeper))
-                            })
-                    } else {
-                        Pipeline::open(log, engine, summarizer)
-                            .await
-                            .map(|p| (p, None))
+                            .map(|p| (p, None)),
                     };
                     let (pipeline, sweeper) = match opened {
                         Ok(x) => x,
