@@ -79,13 +79,7 @@ api_key_env = "CONTEXTFOLD_TEST_UNSET_KEY"
 async fn the_embedded_gateway_summarizes_with_the_model_and_holds_each_tenant_to_its_window() {
     // A model that answers in the handover shape (the checks refuse an
     // echo of the request).
-    let llm = llm_server::ScriptedServer::start(|req| {
-        llm_server::Scripted::json(
-            200,
-            llm_server::completion(&req.model(), &llm_server::handover_answer(&req.body)),
-        )
-    })
-    .await;
+    let llm = llm_server::ScriptedServer::start(llm_server::Scripted::handover).await;
     let up = Upstream::start(Behaviour::default()).await;
     let dir = tempfile::tempdir().unwrap();
     let config = model_config(
@@ -155,10 +149,7 @@ async fn sweeps_a_stop_cut_short_run_again_when_the_gateway_starts() {
     let slow = Arc::new(AtomicBool::new(true));
     let s = slow.clone();
     let llm = llm_server::ScriptedServer::start(move |req| {
-        let answer = llm_server::Scripted::json(
-            200,
-            llm_server::completion(&req.model(), &llm_server::handover_answer(&req.body)),
-        );
+        let answer = llm_server::Scripted::handover(req);
         if s.load(Ordering::SeqCst) {
             answer.delayed(Duration::from_secs(60))
         } else {

@@ -648,13 +648,7 @@ async fn the_serve_binary_summarizes_with_the_configured_model() {
     // A model that answers in the handover shape, keeping the user's
     // words (validation refuses an answer below the deterministic summary
     // of the same span, as an echo of the request would be).
-    let llm = llm_server::ScriptedServer::start(|req| {
-        llm_server::Scripted::json(
-            200,
-            llm_server::completion(&req.model(), &llm_server::handover_answer(&req.body)),
-        )
-    })
-    .await;
+    let llm = llm_server::ScriptedServer::start(llm_server::Scripted::handover).await;
     let server = NatsServer::start();
     let dir = tempfile::tempdir().unwrap();
     let base = llm.base_url();

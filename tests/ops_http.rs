@@ -413,13 +413,7 @@ async fn every_family_is_exported_from_start_up_and_every_dashboard_and_alert_qu
     // A model that answers every summary request differently, in the
     // handover shape and keeping the user's words (one fixed text would be
     // refused as a copy, an echo as below the deterministic summary).
-    let llm = llm_server::ScriptedServer::start(|req| {
-        llm_server::Scripted::json(
-            200,
-            llm_server::completion(&req.model(), &llm_server::handover_answer(&req.body)),
-        )
-    })
-    .await;
+    let llm = llm_server::ScriptedServer::start(llm_server::Scripted::handover).await;
     let server = NatsServer::start();
     let dir = tempfile::tempdir().unwrap();
     let http_port = free_port();

@@ -338,6 +338,12 @@ impl Scripted {
         self
     }
 
+    /// A 200 whose completion is [`handover_answer`] to `req`: what the
+    /// tests' diligent model says.
+    pub fn handover(req: &Received) -> Scripted {
+        Scripted::json(200, completion(&req.model(), &handover_answer(&req.body)))
+    }
+
     pub fn delayed(mut self, delay: Duration) -> Scripted {
         self.delay = delay;
         self
