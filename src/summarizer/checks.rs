@@ -32,7 +32,7 @@ pub enum Copied {
     PreviousSummaryRestated,
     /// One source, by its label.
     Source(String),
-    /// The prompt's own instructions (a rolling-state section).
+    /// The prompt's own instructions (its section list, its rules).
     Instructions,
 }
 
@@ -97,9 +97,10 @@ pub enum Rejection {
     AgentVoice(String),
     /// An outcome (tests passed, a file updated) that no source shows.
     UnsupportedClaim(String),
-    /// It keeps fewer of what code can check (the user's requests, the
-    /// files changed) than the deterministic summary of the same sources:
-    /// a stored model summary is never worse than the fallback.
+    /// It misses some of what code can check (the user's requests, the
+    /// errors, the decisions, the files changed) that the deterministic
+    /// summary of the same sources keeps: a stored model summary is never
+    /// worse than the fallback.
     BelowDeterministic {
         kept: usize,
         deterministic: usize,
@@ -169,7 +170,7 @@ impl fmt::Display for Rejection {
                 missing,
             } => write!(
                 f,
-                "keeps {kept} of the user's requests and files changed, the deterministic summary {deterministic} (missing {})",
+                "keeps {kept} of the {deterministic} requests, errors, decisions and files changed the deterministic summary keeps (missing {})",
                 missing
                     .iter()
                     .take(3)
@@ -386,6 +387,7 @@ fn find_copy(req: &SummaryRequest, text: &str) -> Option<Copied> {
         return None;
     }
     if let Some(prev) = req.previous_summary.as_deref() {
+        let told = normalize(narrative(prev));
         let prev = normalize(prev);
         if !prev.is_empty() && (norm == prev || containment(&norm, &prev) >= COPY_CONTAINMENT) {
             return Some(Copied::PreviousSummary);
@@ -393,6 +395,12 @@ fn find_copy(req: &SummaryRequest, text: &str) -> Option<Copied> {
         // The previous summary restated whole, with something added: the
         // context would then hold it twice (a real 0.5B model's answer).
         if !prev.is_empty() && containment(&prev, &norm) >= COPY_CONTAINMENT {
+            return Some(Copied::PreviousSummaryRestated);
+        }
+        // Its story restated, whatever identifiers follow it.
+        if told.split_whitespace().count() >= 8
+            && containment(&told, &normalize(narrative(text))) >= COPY_CONTAINMENT
+        {
             return Some(Copied::PreviousSummaryRestated);
         }
     }
@@ -486,7 +494,12 @@ pub fn check(
     overage_factor: f64,
 ) -> Result<String, Rejection> {
     let had_reasoning = reasoning_block().is_match(raw);
-    let text = clean(raw);
+    // A deterministic header copied from the previous summary says nothing
+    // of this span and names a summarizer that did not write it.
+    let text = deterministic_header()
+        .replace_all(&clean(raw), "")
+        .trim()
+        .to_string();
     if text.is_empty() {
         return Err(if had_reasoning {
             Rejection::ReasoningOnly
@@ -558,6 +571,15 @@ pub fn check(
             source_tokens,
         });
     }
+    if copies_instructions(&text) {
+        return Err(Rejection::Copy(Copied::Instructions));
+    }
+    if narrative_words(&text) < 3 && source_tokens >= 200 {
+        return Err(Rejection::TooShort {
+            tokens: count_text(encoding, narrative(&text)),
+            source_tokens,
+        });
+    }
     if let Some(what) = find_copy(req, &text) {
         return Err(Rejection::Copy(what));
     }
@@ -567,12 +589,76 @@ pub fn check(
     Ok(text)
 }
 
-/// The bar a model's answer must reach: what the deterministic summary of
-/// the same sources keeps of the user's requests and the files changed.
+/// A deterministic summary's first line (`Summary of turn 3 … turn 9;
+/// deterministic det-4.`), wherever an answer copied it.
+fn deterministic_header() -> &'static Regex {
+    regex!(
+        r"(?m)^[#>*_ ]*(?:Condensed summary \(depth \d+\)|Summary) of [^\n]*; deterministic [^\n]*(?:\n|$)"
+    )
+}
+
+/// A summary's text before its identifier appendix: what it tells.
+fn narrative(text: &str) -> &str {
+    let mut at = 0;
+    for line in text.split_inclusive('\n') {
+        let bare = line.trim_start_matches(['#', ' ', '*']);
+        if bare.starts_with(EXACT_IDENTIFIERS_HEADING) {
+            return &text[..at];
+        }
+        at += line.len();
+    }
+    text
+}
+
+/// The words of [`narrative`] outside headings: a model that wrote only
+/// section titles and an identifier list told nothing.
+fn narrative_words(text: &str) -> usize {
+    narrative(text)
+        .lines()
+        .filter(|l| !l.trim_start().starts_with('#'))
+        .map(|l| l.split_whitespace().count())
+        .sum()
+}
+
+/// Whether the answer repeats the prompt's instructions (its section
+/// list, its rules) instead of following them: two such lines, or a third
+/// of the narrative.
+fn copies_instructions(text: &str) -> bool {
+    static INSTRUCTIONS: std::sync::LazyLock<String> =
+        std::sync::LazyLock::new(|| normalize(&prompts::instructions()));
+    let (mut lines, mut copied, mut total) = (0, 0, 0);
+    for line in narrative(text).lines() {
+        let norm = normalize(line);
+        let words = norm.split_whitespace().count();
+        total += words;
+        if words >= 6 && containment(&norm, &INSTRUCTIONS) >= COPY_CONTAINMENT {
+            lines += 1;
+            copied += words;
+        }
+    }
+    lines >= 2 || (copied > 0 && copied * 3 >= total)
+}
+
+/// The bar a model's answer must reach: every fact code can check (the
+/// user's requests, the errors, the decisions, the files changed) that the
+/// deterministic summary of the same span keeps. An answer that misses some
+/// can be completed with the deterministic summary's own lines for them
+/// ([`Floor::complete`]): a stored model summary then keeps, fact by fact,
+/// at least what the fallback keeps.
 #[derive(Debug, Clone)]
 pub struct Floor {
     facts: HandoverFacts,
-    deterministic: usize,
+    /// For each fact (in [`HandoverFacts::each`]'s order) the deterministic
+    /// summary keeps: its line there; `None` for a fact it does not keep.
+    kept: Vec<Option<Kept>>,
+}
+
+#[derive(Debug, Clone)]
+enum Kept {
+    /// The deterministic summary's line that keeps the fact.
+    Line(String),
+    /// Kept, but across lines: no one line can stand for it.
+    Spread,
 }
 
 impl Floor {
@@ -580,26 +666,108 @@ impl Floor {
     /// `sources`.
     pub fn new(sources: &[SourceItem], deterministic: &str) -> Floor {
         let facts = HandoverFacts::of(sources);
-        let deterministic = facts.kept_by(deterministic).0;
-        Floor {
-            facts,
+        let whole = deterministic.to_lowercase();
+        let lines: Vec<(&str, String)> = deterministic
+            .lines()
+            .map(|l| (l, l.to_lowercase()))
+            .collect();
+        let kept = facts
+            .each()
+            .map(|fact| {
+                if !fact.kept_in(&whole) {
+                    return None;
+                }
+                Some(
+                    lines
+                        .iter()
+                        .find(|(_, lower)| fact.kept_in(lower))
+                        .map_or(Kept::Spread, |(line, _)| {
+                            Kept::Line(line.trim().to_string())
+                        }),
+                )
+            })
+            .collect();
+        Floor { facts, kept }
+    }
+
+    /// The facts the deterministic summary keeps that `text` misses.
+    fn missing(&self, text: &str) -> Vec<(String, Option<&str>)> {
+        let lower = text.to_lowercase();
+        self.facts
+            .each()
+            .zip(&self.kept)
+            .filter_map(|(fact, kept)| {
+                let kept = kept.as_ref()?;
+                if fact.kept_in(&lower) {
+                    return None;
+                }
+                Some((
+                    fact.describe(),
+                    match kept {
+                        Kept::Line(line) => Some(line.as_str()),
+                        Kept::Spread => None,
+                    },
+                ))
+            })
+            .collect()
+    }
+
+    fn below(&self, missing: Vec<(String, Option<&str>)>) -> Rejection {
+        let deterministic = self.kept.iter().flatten().count();
+        Rejection::BelowDeterministic {
+            kept: deterministic - missing.len(),
             deterministic,
+            missing: missing.into_iter().map(|(what, _)| what).collect(),
         }
     }
 
-    /// Refuses `text` when it keeps fewer facts than the deterministic one.
+    /// Refuses `text` when it misses a fact the deterministic one keeps.
     pub fn check(&self, text: &str) -> Result<(), Rejection> {
-        let (kept, missing) = self.facts.kept_by(text);
-        if kept < self.deterministic {
-            return Err(Rejection::BelowDeterministic {
-                kept,
-                deterministic: self.deterministic,
-                missing,
-            });
+        let missing = self.missing(text);
+        if missing.is_empty() {
+            return Ok(());
         }
-        Ok(())
+        Err(self.below(missing))
+    }
+
+    /// `text` with the deterministic summary's lines for the facts it
+    /// misses appended under [`FROM_THE_TURNS_HEADING`]: what the model
+    /// said, anchored to what code knows. Refused when a missing fact has
+    /// no one line to stand for it, or when the lines would take the text
+    /// over `max_tokens`.
+    pub fn complete(&self, text: &str, max_tokens: u64) -> Result<String, Rejection> {
+        let missing = self.missing(text);
+        if missing.is_empty() {
+            return Ok(text.to_string());
+        }
+        if missing.iter().any(|(_, line)| line.is_none()) {
+            return Err(self.below(missing));
+        }
+        let mut out = text.trim_end().to_string();
+        out.push_str("\n\n");
+        out.push_str(FROM_THE_TURNS_HEADING);
+        let mut added: Vec<&str> = Vec::new();
+        for line in missing.iter().filter_map(|(_, line)| *line) {
+            if added.contains(&line) {
+                continue;
+            }
+            added.push(line);
+            out.push('\n');
+            if !line.starts_with("- ") {
+                out.push_str("- ");
+            }
+            out.push_str(line);
+        }
+        if count_text(Encoding::O200kBase, &out) > max_tokens {
+            return Err(self.below(missing));
+        }
+        Ok(out)
     }
 }
+
+/// The heading under which [`Floor::complete`] adds the deterministic
+/// lines a model's answer missed.
+pub const FROM_THE_TURNS_HEADING: &str = "## Also in these turns";
 
 /// Checks a rolling-state answer like a summary: no delimiters, reasoning
 /// tags, refusals, role prefixes, copies of one source or of the prompt
@@ -669,6 +837,20 @@ pub fn source_identifiers(req: &SummaryRequest) -> Vec<String> {
         }
     }
     all
+}
+
+/// The identifiers of the request's sources that `deterministic` (the
+/// deterministic summary of the same request) keeps, in the order it
+/// names them: it ranked them (touched by an edit, named by the user,
+/// named often) and fitted them to the target, so a model's summary is
+/// held to those, not to every path a listing printed.
+pub fn deterministic_identifiers(req: &SummaryRequest, deterministic: &str) -> Vec<String> {
+    let mut kept: Vec<(usize, String)> = source_identifiers(req)
+        .into_iter()
+        .filter_map(|id| deterministic.find(id.as_str()).map(|at| (at, id)))
+        .collect();
+    kept.sort_by_key(|(at, _)| *at);
+    kept.into_iter().map(|(_, id)| id).collect()
 }
 
 /// The identifiers not found verbatim in `summary`, in source order.
@@ -1168,6 +1350,52 @@ pub(crate) mod tests {
         assert_eq!(unusable_kind("m: response has no choices"), "unusable");
     }
 
+    /// Three answers a real 0.5B model wrote over a long Claude Code
+    /// session (real-model eval, this shape, other words), each stored
+    /// before these checks: the prompt's section list echoed, a copied
+    /// deterministic header with only identifiers under it, and the
+    /// previous summary's story restated over a new identifier list.
+    #[test]
+    fn rejects_echoed_instructions_headers_without_a_story_and_a_restated_story() {
+        let r = req("source", 1000, 100);
+        let echo = "## Files changed: one line per file, its path and what changed in it;\n\
+                    ## Errors and fixes: each error or failure and how it was fixed (or that it is not yet);\n\
+                    ## Decisions: each decision and its reason;\n\n\
+                    Exact identifiers:\n- lib/app/router.ex\n- lib/app/endpoint.ex";
+        assert_eq!(
+            check(&r, echo, Encoding::O200kBase, 3.0),
+            Err(Rejection::Copy(Copied::Instructions))
+        );
+        let header_only = "Summary of turn 119 … turn 125; deterministic det-4.\n\n\
+                           Exact identifiers:\n- lib/foo.ex\n- /tmp/test\n- 1.0.0";
+        assert!(matches!(
+            check(&r, header_only, Encoding::O200kBase, 3.0),
+            Err(Rejection::TooShort { .. })
+        ));
+        // The header is dropped from an answer that has a story.
+        let told = "Summary of turn 3 … turn 9; deterministic det-4.\n\
+                    The agent added a session registry and its sweep of stale sessions.";
+        assert_eq!(
+            check(&r, told, Encoding::O200kBase, 3.0),
+            Ok("The agent added a session registry and its sweep of stale sessions.".into())
+        );
+        let story = "The segment creates a SessionRegistry that registers sessions and \
+                     sweeps those older than the TTL on a heartbeat.";
+        let previous = format!("{story}\n\nExact identifiers:\n- lib/spotter/registry.ex");
+        let r = SummaryRequest {
+            previous_summary: Some(previous),
+            ..req("source", 1000, 100)
+        };
+        let restated = format!(
+            "{story}\n\nThe summary shows the setup of the registry.\n\n\
+             Exact identifiers:\n- lib/spotter/tmux.ex\n- ErlangError"
+        );
+        assert_eq!(
+            check(&r, &restated, Encoding::O200kBase, 3.0),
+            Err(Rejection::Copy(Copied::PreviousSummaryRestated))
+        );
+    }
+
     #[test]
     fn the_floor_holds_a_model_to_the_errors_the_deterministic_summary_keeps() {
         let turn = |label: &str, role: Role, tool: Option<&str>, text: &str| SourceItem {
@@ -1219,5 +1447,13 @@ pub(crate) mod tests {
                     the tests untouched; running reproduce.py hit IndentationError: unexpected \
                     indent (reproduce_rounding, line 3).";
         assert_eq!(floor.check(kept), Ok(()));
+        // Its words without its name are not the error.
+        let unnamed = "The user asked to fix the TimeDelta rounding in fields.py and to leave \
+                       the tests untouched; reproduce.py failed on an unexpected indent.";
+        assert!(floor.check(unnamed).is_err());
+        // Completed, it carries the deterministic line that names it.
+        let completed = floor.complete(unnamed, 400).unwrap();
+        assert!(completed.contains("IndentationError"), "{completed}");
+        assert_eq!(floor.check(&completed), Ok(()));
     }
 }

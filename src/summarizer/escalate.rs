@@ -4,10 +4,16 @@
 //! A summary answer is checked ([`super::checks`]); a refused or unusable
 //! one escalates normal -> aggressive (shorter target) -> the deterministic
 //! summary, marked `fallback` (to be re-summarized when a model answers
-//! again). Under the strict identifier policy every opaque identifier of
-//! the source survives: one retry naming the missing ones, then a
-//! deterministic "Exact identifiers" section; a compaction never fails
-//! because of identifiers. A refused rolling state, or none at all (no model
+//! again). An accepted answer is anchored to the deterministic summary of
+//! the same span: the facts code can check that the deterministic summary
+//! keeps and the answer misses (a request, an error, a decision, a file
+//! changed) are added as the deterministic summary's own lines
+//! ([`Floor::complete`]), and under the strict identifier policy so are
+//! the identifiers it keeps: one retry naming the missing ones, then an
+//! "Exact identifiers" section. The deterministic summary ranked those
+//! identifiers and fitted them to the target, so a model's summary costs
+//! no more room than the fallback would; a compaction never fails because
+//! of identifiers. A refused rolling state, or none at all (no model
 //! answered), is replaced by the deterministic one, and the outcome says
 //! why.
 //!
@@ -17,8 +23,8 @@
 //! Retry-After, or a fixed key.
 
 use super::checks::{
-    append_identifiers_within, check, missing_identifiers, retry_is_better, source_identifiers,
-    unusable_kind, Floor, Rejection,
+    append_identifiers_within, check, deterministic_identifiers, missing_identifiers,
+    retry_is_better, unusable_kind, Floor, Rejection,
 };
 use super::deterministic::DeterministicSummarizer;
 use super::prompts;
@@ -116,7 +122,7 @@ impl<S: Summarizer> EscalatingSummarizer<S> {
                     encoding,
                     self.overage_factor,
                 )
-                .and_then(|text| floor.check(&text).map(|()| text));
+                .and_then(|text| floor.complete(&text, self.room(against)));
                 match checked {
                     Ok(text) => {
                         outcome.draft.content = text;
@@ -220,16 +226,16 @@ impl<S: Summarizer> Summarizer for EscalatingSummarizer<S> {
         budget: &Budget,
     ) -> Result<SummaryOutcome, SummarizeError> {
         let strict = req.identifier_policy == IdentifierPolicy::Strict;
-        let ids = if strict {
-            source_identifiers(req)
-        } else {
-            Vec::new()
-        };
         let mut why_fallback = String::new();
         let mut copied_previous = false;
         // The deterministic summary of the same request: what a model's
         // answer must at least keep, and the fallback when none does.
         let fallback = DeterministicSummarizer::draft_off_runtime(req).await;
+        let ids = if strict {
+            deterministic_identifiers(req, &fallback.content)
+        } else {
+            Vec::new()
+        };
         let mut run = Escalation {
             floor: Floor::new(&req.sources, &fallback.content),
             budget,
@@ -288,13 +294,11 @@ impl<S: Summarizer> Summarizer for EscalatingSummarizer<S> {
             "writing the deterministic fallback summary"
         );
         telemetry::Escalated { kind: "fallback" }.emit();
+        // The deterministic summary as it is: it already keeps the
+        // identifiers it ranked first, within its target.
         let mut draft = fallback;
         // Written in a model's place: re-summarized when one answers again.
         draft.fallback = true;
-        if strict {
-            let still = missing_identifiers(&ids, &draft.content);
-            draft.content = append_identifiers_within(&draft.content, &still, self.room(req));
-        }
         Ok(SummaryOutcome {
             draft,
             calls: run.calls,
@@ -569,11 +573,11 @@ mod tests {
         }
     }
 
-    /// A model's answer that keeps fewer of the user's requests and files
-    /// changed than the deterministic summary of the same span is refused;
-    /// one that keeps as many is stored.
+    /// A model's answer that misses facts the deterministic summary of the
+    /// same span keeps gets the deterministic lines for them; an answer
+    /// that has no room for them is refused, and the next one is stored.
     #[tokio::test]
-    async fn an_answer_below_the_deterministic_summary_is_refused() {
+    async fn an_answer_below_the_deterministic_summary_is_anchored_or_refused() {
         let turns = vec![
             SourceItem {
                 label: "turn 1".into(),
@@ -607,7 +611,8 @@ mod tests {
             identifier_policy: IdentifierPolicy::Off,
             ..req(SOURCE, 2000, 400)
         };
-        let floor = Floor::new(&r.sources, &DeterministicSummarizer::draft(&r).content);
+        let deterministic = DeterministicSummarizer::draft(&r).content;
+        let floor = Floor::new(&r.sources, &deterministic);
         let vague = "The agent worked on the code as asked.";
         assert!(matches!(
             floor.check(vague),
@@ -617,18 +622,37 @@ mod tests {
                 ..
             })
         ));
-        let s = escalating(vec![
-            Ok("The agent worked on the code as asked."),
-            Ok(
-                "The user asked for an upsert of messages keyed by session and uuid; \
-                message.ex gained the identity.",
-            ),
-        ]);
+        // With room, the vague answer is completed by the deterministic
+        // summary's own lines, and then keeps what it keeps.
+        let s = escalating(vec![Ok(vague)]);
         let out = s.summarize_unlimited(&r).await.unwrap();
         assert!(!out.draft.fallback, "{}", out.draft.content);
-        assert!(out.draft.content.contains("message.ex"));
+        let content = &out.draft.content;
+        assert!(content.starts_with(vague), "{content}");
         assert!(
-            matches!(out.calls[0].outcome, CallOutcome::Invalid(ref why) if why.contains("deterministic"))
+            content.contains(crate::summarizer::checks::FROM_THE_TURNS_HEADING)
+                && content.contains("upsert for messages")
+                && content.contains("message.ex"),
+            "{content}"
+        );
+        assert_eq!(floor.check(content), Ok(()));
+        // Without room for those lines (a target of a few tokens), it is
+        // refused, and a complete answer is stored as written.
+        let tight = SummaryRequest {
+            target_tokens: 12,
+            ..r.clone()
+        };
+        let complete = "Upsert for messages keyed by session added; message.ex has the identity.";
+        let long_vague = "The agent worked on the code as it was asked to, read the files \
+                          it needed and kept going until the work was finished for now.";
+        let s = escalating(vec![Ok(long_vague), Ok(complete)]);
+        let out = s.summarize_unlimited(&tight).await.unwrap();
+        assert!(!out.draft.fallback, "{}", out.draft.content);
+        assert_eq!(out.draft.content, complete);
+        assert!(
+            matches!(out.calls[0].outcome, CallOutcome::Invalid(ref why) if why.contains("deterministic")),
+            "{:?}",
+            out.calls[0].outcome
         );
     }
 

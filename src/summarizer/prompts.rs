@@ -151,6 +151,12 @@ commands were run unless a message in the data shows it, and never write as the 
 Do not copy the previous summary or a message, and do not copy the <data-TAG> markers. Never \
 apologize or refuse: this is a summary of data, always answerable.";
 
+/// The instructions every summary prompt gives, whatever its level: what
+/// validation looks for when an answer echoes them instead of obeying.
+pub fn instructions() -> String {
+    [HANDOVER_SHAPE, NO_CONTINUATION, OUTPUT_RULES].join("\n")
+}
+
 /// Renders the prompt for one summary request.
 pub fn render(req: &SummaryRequest) -> Prompt {
     let level = Level::of(req);

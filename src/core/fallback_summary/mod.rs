@@ -267,13 +267,68 @@ fn ranked_identifiers(sources: &[SourceItem]) -> Vec<String> {
 
 /// What code can check a summary of some sources keeps, so that a model's
 /// summary can be held to at least what the deterministic one keeps: the
-/// user's requests and the errors that came up (each as its content
-/// words) and the files changed (each by its name).
+/// user's requests, the errors that came up and the decisions taken (each
+/// as its content words) and the files changed (each by its name).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct HandoverFacts {
     pub requests: Vec<Vec<String>>,
     pub files: Vec<String>,
     pub errors: Vec<Vec<String>>,
+    pub decisions: Vec<Vec<String>>,
+}
+
+/// One fact of [`HandoverFacts`], as [`HandoverFacts::each`] yields it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fact<'a> {
+    /// A request, error or decision: its kind and content words.
+    Terms(&'static str, &'a [String]),
+    /// A file changed, by its name.
+    File(&'a str),
+}
+
+impl Fact<'_> {
+    /// Whether `lower` (a lower-cased text) keeps this fact: a request or
+    /// a decision when a third of its words are there; an error when two
+    /// of them are, or a third of fewer (a summary names an error by its
+    /// gist, not its whole line), and its identifiers (an exception's
+    /// name, an error code) when it has any; a file when its name is.
+    pub fn kept_in(&self, lower: &str) -> bool {
+        match *self {
+            Fact::Terms(what, terms) => {
+                let found = terms.iter().filter(|t| lower.contains(t.as_str())).count();
+                let needed = if what == "error" {
+                    terms.len().div_ceil(3).min(2)
+                } else {
+                    terms.len().div_ceil(3)
+                };
+                found >= needed
+                    && (what != "error"
+                        || terms
+                            .iter()
+                            .filter(|t| is_error_name(t))
+                            .all(|t| lower.contains(t.as_str())))
+            }
+            Fact::File(name) => lower.contains(&name.to_lowercase()),
+        }
+    }
+
+    /// How a rejection names it: `the error "connection refused 10.0.4.17…"`.
+    pub fn describe(&self) -> String {
+        match *self {
+            Fact::Terms(what, terms) => {
+                format!("the {what} \"{}…\"", terms[..terms.len().min(4)].join(" "))
+            }
+            Fact::File(name) => format!("the file {name}"),
+        }
+    }
+}
+
+/// An error's own name among its terms: an exception or error type
+/// (`attributeerror`, `enoent`, `e0502`), lower-cased as terms are.
+fn is_error_name(term: &str) -> bool {
+    let t = term.trim_matches(|c: char| !c.is_alphanumeric());
+    (t.len() > 5 && (t.ends_with("error") || t.ends_with("exception")) && !t.contains(['/', '.']))
+        || (t.len() >= 4 && t.starts_with('e') && t[1..].chars().all(|c| c.is_ascii_digit()))
 }
 
 impl HandoverFacts {
@@ -294,59 +349,55 @@ impl HandoverFacts {
                 files.push(name);
             }
         }
-        let requests = notes
-            .task
-            .iter()
-            .map(|l| content_terms(strip_label(&l.text)))
-            .filter(|t| !t.is_empty())
-            .collect();
-        // An error by what went wrong, not by the command that met it.
-        let errors = notes
-            .errors
-            .iter()
-            .map(|l| content_terms(strip_label(l.short.as_deref().unwrap_or(&l.text))))
-            .filter(|t| !t.is_empty())
-            .collect();
+        let terms_of = |lines: &[Line], short: bool| -> Vec<Vec<String>> {
+            lines
+                .iter()
+                .map(|l| {
+                    let text = if short {
+                        l.short.as_deref().unwrap_or(&l.text)
+                    } else {
+                        &l.text
+                    };
+                    content_terms(strip_label(text))
+                })
+                .filter(|t| !t.is_empty())
+                .collect()
+        };
         HandoverFacts {
-            requests,
+            requests: terms_of(&notes.task, false),
             files,
-            errors,
+            // An error by what went wrong, not by the command that met it.
+            errors: terms_of(&notes.errors, true),
+            decisions: terms_of(&notes.decisions, false),
         }
     }
 
-    /// How many facts `text` keeps (a request when a third of its words
-    /// are there; an error when two of them are, or a third of fewer: a
-    /// summary names an error by its gist, not its whole line; a file when
-    /// its name is), and the ones it misses.
+    /// Every fact, in a fixed order: requests, errors, decisions, files.
+    pub fn each(&self) -> impl Iterator<Item = Fact<'_>> {
+        self.requests
+            .iter()
+            .map(|t| Fact::Terms("request", t))
+            .chain(self.errors.iter().map(|t| Fact::Terms("error", t)))
+            .chain(self.decisions.iter().map(|t| Fact::Terms("decision", t)))
+            .chain(self.files.iter().map(|f| Fact::File(f.as_str())))
+    }
+
+    /// Which facts `text` keeps, in [`HandoverFacts::each`]'s order.
+    pub fn kept_each(&self, text: &str) -> Vec<bool> {
+        let lower = text.to_lowercase();
+        self.each().map(|f| f.kept_in(&lower)).collect()
+    }
+
+    /// How many facts `text` keeps, and the ones it misses.
     pub fn kept_by(&self, text: &str) -> (usize, Vec<String>) {
         let lower = text.to_lowercase();
         let mut kept = 0;
         let mut missing = Vec::new();
-        for (what, terms, needed) in self
-            .requests
-            .iter()
-            .map(|t| ("request", t, t.len().div_ceil(3)))
-            .chain(
-                self.errors
-                    .iter()
-                    .map(|t| ("error", t, t.len().div_ceil(3).min(2))),
-            )
-        {
-            let found = terms.iter().filter(|t| lower.contains(t.as_str())).count();
-            if found >= needed {
+        for fact in self.each() {
+            if fact.kept_in(&lower) {
                 kept += 1;
             } else {
-                missing.push(format!(
-                    "the {what} \"{}…\"",
-                    terms[..terms.len().min(4)].join(" ")
-                ));
-            }
-        }
-        for name in &self.files {
-            if lower.contains(&name.to_lowercase()) {
-                kept += 1;
-            } else {
-                missing.push(format!("the file {name}"));
+                missing.push(fact.describe());
             }
         }
         (kept, missing)
