@@ -536,24 +536,19 @@ fn turn_slot(
         masked: None,
         show_raw: true,
     };
-    if !maskable || t.large_payload || !mask::maskable(t.role, t.bytes as usize, true) {
+    // The fold counted its masked rendering (0: none is shorter).
+    let cost = u64::from(t.masked_tokens);
+    if !maskable || t.large_payload || cost == 0 || cost >= raw {
         return Ok(plain);
     }
     let body = bodies.turn_body(conv, seq)?;
     Ok(match mask::masked(&body.message, seq) {
-        Some(m) => {
-            let cost = tokens::count_message(conv.encoding, &m);
-            if cost < raw {
-                Slot::Turn {
-                    seq,
-                    raw,
-                    masked: Some((Box::new(m), cost)),
-                    show_raw: false,
-                }
-            } else {
-                plain
-            }
-        }
+        Some(m) => Slot::Turn {
+            seq,
+            raw,
+            masked: Some((Box::new(m), cost)),
+            show_raw: false,
+        },
         None => plain,
     })
 }
@@ -1453,7 +1448,10 @@ mod tests {
             budget: Some(budget),
             ..AssemblyRequest::default()
         };
+        // The fold weighed the masked renderings: assembly counts nothing.
+        let before = tokens::texts_counted();
         let out = assemble(conv, &cfg, &req).unwrap();
+        assert_eq!(tokens::texts_counted(), before, "assembly counted a text");
         assert!(!out.over_budget, "{:?}", out.sources);
         assert!(out.tokens <= budget, "{} > {budget}", out.tokens);
         check_tool_pairing(&out.messages).unwrap();

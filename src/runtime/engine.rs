@@ -186,7 +186,8 @@ pub struct Engine<B: KvBackend> {
 /// 12: the head keeps the context's sums as one `ContextWindow`.
 /// 13: the partition's clock and timers (`PartitionClock`); spend windows
 ///     count no-progress rounds and urgent spend; no `awaiting_input`.
-pub const STATE_LAYOUT: u32 = 13;
+/// 14: turns keep what their masked rendering costs (`masked_tokens`).
+pub const STATE_LAYOUT: u32 = 14;
 
 /// What the store records of its layout: a store of another layout is
 /// rebuilt from the log by a process that folds, and refused by a reader.

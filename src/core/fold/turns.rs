@@ -172,6 +172,16 @@ impl FoldContext<'_> {
             tokens
         };
         let bytes = msg.text_bytes() as u64;
+        // What its masked rendering would cost, counted once here so that
+        // assembly (a cold query too) weighs it without a tokenizer.
+        let masked_tokens = if large {
+            0
+        } else {
+            crate::core::mask::masked(msg, seq)
+                .map(|m| tokens::count_message(self.conv.encoding, &m))
+                .filter(|&cost| cost < context_tokens)
+                .unwrap_or(0)
+        };
         // Stored as 32-bit counts; what context sums is the same count.
         let (tokens, context_tokens, bytes) = (
             u64::from(turn_count(tokens)),
@@ -195,6 +205,7 @@ impl FoldContext<'_> {
             role: msg.role,
             in_context,
             large_payload: large,
+            masked_tokens: turn_count(masked_tokens),
             tool_ids: tool_ids_of(msg),
         });
         self.conv.bodies.insert(

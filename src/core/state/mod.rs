@@ -129,6 +129,10 @@ pub struct Turn {
     pub in_context: bool,
     /// The payload exceeds `large_payload_threshold_tokens`: shown as a stub.
     pub large_payload: bool,
+    /// Tokens its masked rendering ([`crate::core::mask::masked`]) costs
+    /// in context, counted when it is folded; 0 when it has none shorter
+    /// than the turn itself. Assembly then needs no tokenizer to weigh it.
+    pub masked_tokens: u32,
     /// [`call_digest`]s of its tool-call ids: the calls an assistant turn
     /// makes, or the one call a tool turn answers. Enough for the guards
     /// and tool pairing, at 8 bytes an id instead of its text.
@@ -800,6 +804,7 @@ mod tests {
             role: Role::Tool,
             in_context: false,
             large_payload: true,
+            masked_tokens: 0,
             tool_ids: Box::new([call_digest("call_1")]),
         }
     }
@@ -809,8 +814,8 @@ mod tests {
         let t = turn();
         let named = rmp_serde::to_vec_named(&t).unwrap();
         assert_eq!(rmp_serde::from_slice::<Turn>(&named).unwrap(), t);
-        // A list of eleven fields, not a map of their names.
-        assert_eq!(named[0], 0x9b);
+        // A list of twelve fields, not a map of their names.
+        assert_eq!(named[0], 0x9c);
         assert!(!named.windows(7).any(|w| w == b"in_cont"));
         let positional = rmp_serde::to_vec(&t).unwrap();
         assert_eq!(rmp_serde::from_slice::<Turn>(&positional).unwrap(), t);
@@ -829,6 +834,7 @@ mod tests {
         role: Role,
         in_context: bool,
         large_payload: bool,
+        masked_tokens: u32,
         tool_ids: &'a [u64],
     }
 
@@ -846,6 +852,7 @@ mod tests {
             role: t.role,
             in_context: t.in_context,
             large_payload: t.large_payload,
+            masked_tokens: t.masked_tokens,
             tool_ids: &t.tool_ids,
         };
         assert_eq!(
@@ -856,7 +863,7 @@ mod tests {
             rmp_serde::to_vec_named(&derived).unwrap().len(),
             rmp_serde::to_vec_named(&t).unwrap().len(),
         );
-        assert_eq!(named - row, 88, "named {named}, row {row}");
+        assert_eq!(named - row, 102, "named {named}, row {row}");
     }
 
     #[test]
