@@ -96,23 +96,41 @@ pub fn telling_line(text: &str) -> String {
             .map(str::trim)
             .filter(|l| l.chars().filter(|c| c.is_alphanumeric()).count() >= 3)
     };
-    let error = regex!(
-        r"(?i)\b(error|exception|traceback|failed|failures?|fatal|panicked|denied|not found|no such file|cannot|could not|unable to)\b|exit code [1-9]"
+    // Each pattern runs only on lines its screen finds a word of (see
+    // `fallback_summary::signals::screened`): the fold masks every long
+    // tool output as it arrives, and most of their lines hold none.
+    let error_screen = regex!(
+        r"(?i-u:error|exception|traceback|fail|fatal|panicked|denied|not found|no such file|cannot|could not|unable to|exit code)|[\x{17F}\x{212A}]"
     );
-    let milestone = regex!(
-        r"(?i)\b(\d+ (tests?|examples?|specs?) (passed|pass|run)|\d+ passed|0 failures|tests? pass|closed|committed|merged|pushed|created|successfully)\b|^\[[\w./-]+ [0-9a-f]{7,}\]|[0-9a-f]{7,}\.\.[0-9a-f]{7,}"
+    let milestone_screen = regex!(
+        r"(?i-u:pass|run|0 failures|closed|committed|merged|pushed|created|successfully)|[\x{17F}\x{212A}]|\[|\.\."
     );
     let pick = lines()
-        .find(|l| error.is_match(l) && !crate::core::fallback_summary::is_listing_line(l))
-        .or_else(|| lines().find(|l| milestone.is_match(l)))
+        .find(|l| {
+            error_screen.is_match(l)
+                && telling_error().is_match(l)
+                && !crate::core::fallback_summary::is_listing_line(l)
+        })
+        .or_else(|| {
+            lines().find(|l| milestone_screen.is_match(l) && telling_milestone().is_match(l))
+        })
         .or_else(|| lines().next())
         .unwrap_or("");
     clip(pick, KEPT_LINE_CHARS).replace('"', "'")
 }
 
-/// Tool-call arguments with each long string value cut to its first
-/// line; `None` when none is long. Arguments that are not a JSON object
-/// are cut as one string.
+fn telling_error() -> &'static regex::Regex {
+    regex!(
+        r"(?i)\b(error|exception|traceback|failed|failures?|fatal|panicked|denied|not found|no such file|cannot|could not|unable to)\b|exit code [1-9]"
+    )
+}
+
+fn telling_milestone() -> &'static regex::Regex {
+    regex!(
+        r"(?i)\b(\d+ (tests?|examples?|specs?) (passed|pass|run)|\d+ passed|0 failures|tests? pass|closed|committed|merged|pushed|created|successfully)\b|^\[[\w./-]+ [0-9a-f]{7,}\]|[0-9a-f]{7,}\.\.[0-9a-f]{7,}"
+    )
+}
+
 pub fn elide_arguments(arguments: &str) -> Option<String> {
     if arguments.len() < MASK_MIN_BYTES {
         return None;
@@ -184,6 +202,91 @@ pub fn group_digits(n: usize) -> String {
 mod tests {
     use super::*;
     use crate::core::message::{FunctionCall, ToolCall};
+    use proptest::prelude::*;
+
+    /// [`telling_line`] as it was before its screens: the oracle.
+    fn unscreened_telling_line(text: &str) -> String {
+        let head = crate::core::fallback_summary::prefix_bytes(text, 20_000);
+        let lines = || {
+            head.lines()
+                .map(str::trim)
+                .filter(|l| l.chars().filter(|c| c.is_alphanumeric()).count() >= 3)
+        };
+        let pick = lines()
+            .find(|l| {
+                telling_error().is_match(l) && !crate::core::fallback_summary::is_listing_line(l)
+            })
+            .or_else(|| lines().find(|l| telling_milestone().is_match(l)))
+            .or_else(|| lines().next())
+            .unwrap_or("");
+        clip(pick, KEPT_LINE_CHARS).replace('"', "'")
+    }
+
+    const PIECES: &[&str] = &[
+        "error",
+        "ERROR:",
+        "Exception",
+        "TypeError:",
+        "traceback",
+        "FAILED",
+        "failures",
+        "fatal",
+        "panicked",
+        "denied",
+        "not found",
+        "no such file",
+        "cannot",
+        "could not",
+        "unable to",
+        "exit code 2",
+        "exit code 0",
+        "3 tests passed",
+        "12 passed",
+        "0 failures",
+        "closed",
+        "committed",
+        "merged",
+        "pushed",
+        "created",
+        "successfully",
+        "[main 1a2b3c4d]",
+        "1a2b3c4..5d6e7f8",
+        "→",
+        "✓",
+        "é",
+        "ſ",
+        "\u{212A}",
+        "faıled",
+        "src/lib.rs",
+        "42",
+        "the",
+        "build",
+        "ok",
+        "  31→",
+        "{:error, reason}",
+        "-",
+        ":",
+    ];
+
+    fn outputs() -> impl Strategy<Value = String> {
+        let line = prop_oneof![
+            4 => prop::collection::vec(prop::sample::select(PIECES), 0..10)
+                .prop_map(|pieces| pieces.join(" ")),
+            1 => prop::collection::vec(prop::sample::select(PIECES), 0..10)
+                .prop_map(|pieces| pieces.concat()),
+            1 => "\\PC{0,60}",
+        ];
+        prop::collection::vec(line, 0..12).prop_map(|lines| lines.join("\n"))
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        #[test]
+        fn the_screened_telling_line_is_the_unscreened_one(text in outputs()) {
+            prop_assert_eq!(telling_line(&text), unscreened_telling_line(&text));
+        }
+    }
 
     #[test]
     fn a_long_tool_output_becomes_one_line_naming_its_turn() {
