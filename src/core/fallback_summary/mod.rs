@@ -277,12 +277,14 @@ pub struct HandoverFacts {
     pub decisions: Vec<Vec<String>>,
 }
 
-/// One fact of [`HandoverFacts`], as [`HandoverFacts::each`] yields it.
+/// One fact of [`HandoverFacts`], as [`HandoverFacts::each`] yields it:
+/// a request, an error or a decision by its content words, a file changed
+/// by its name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fact<'a> {
-    /// A request, error or decision: its kind and content words.
-    Terms(&'static str, &'a [String]),
-    /// A file changed, by its name.
+    Request(&'a [String]),
+    Error(&'a [String]),
+    Decision(&'a [String]),
     File(&'a str),
 }
 
@@ -293,20 +295,15 @@ impl Fact<'_> {
     /// gist, not its whole line), and its identifiers (an exception's
     /// name, an error code) when it has any; a file when its name is.
     pub fn kept_in(&self, lower: &str) -> bool {
+        let found = |terms: &[String]| terms.iter().filter(|t| lower.contains(t.as_str())).count();
         match *self {
-            Fact::Terms(what, terms) => {
-                let found = terms.iter().filter(|t| lower.contains(t.as_str())).count();
-                let needed = if what == "error" {
-                    terms.len().div_ceil(3).min(2)
-                } else {
-                    terms.len().div_ceil(3)
-                };
-                found >= needed
-                    && (what != "error"
-                        || terms
-                            .iter()
-                            .filter(|t| is_error_name(t))
-                            .all(|t| lower.contains(t.as_str())))
+            Fact::Request(terms) | Fact::Decision(terms) => found(terms) >= terms.len().div_ceil(3),
+            Fact::Error(terms) => {
+                found(terms) >= terms.len().div_ceil(3).min(2)
+                    && terms
+                        .iter()
+                        .filter(|t| is_error_name(t))
+                        .all(|t| lower.contains(t.as_str()))
             }
             Fact::File(name) => lower.contains(&name.to_lowercase()),
         }
@@ -314,12 +311,13 @@ impl Fact<'_> {
 
     /// How a rejection names it: `the error "connection refused 10.0.4.17…"`.
     pub fn describe(&self) -> String {
-        match *self {
-            Fact::Terms(what, terms) => {
-                format!("the {what} \"{}…\"", terms[..terms.len().min(4)].join(" "))
-            }
-            Fact::File(name) => format!("the file {name}"),
-        }
+        let (what, terms) = match *self {
+            Fact::Request(terms) => ("request", terms),
+            Fact::Error(terms) => ("error", terms),
+            Fact::Decision(terms) => ("decision", terms),
+            Fact::File(name) => return format!("the file {name}"),
+        };
+        format!("the {what} \"{}…\"", terms[..terms.len().min(4)].join(" "))
     }
 }
 
@@ -376,31 +374,10 @@ impl HandoverFacts {
     pub fn each(&self) -> impl Iterator<Item = Fact<'_>> {
         self.requests
             .iter()
-            .map(|t| Fact::Terms("request", t))
-            .chain(self.errors.iter().map(|t| Fact::Terms("error", t)))
-            .chain(self.decisions.iter().map(|t| Fact::Terms("decision", t)))
+            .map(|t| Fact::Request(t))
+            .chain(self.errors.iter().map(|t| Fact::Error(t)))
+            .chain(self.decisions.iter().map(|t| Fact::Decision(t)))
             .chain(self.files.iter().map(|f| Fact::File(f.as_str())))
-    }
-
-    /// Which facts `text` keeps, in [`HandoverFacts::each`]'s order.
-    pub fn kept_each(&self, text: &str) -> Vec<bool> {
-        let lower = text.to_lowercase();
-        self.each().map(|f| f.kept_in(&lower)).collect()
-    }
-
-    /// How many facts `text` keeps, and the ones it misses.
-    pub fn kept_by(&self, text: &str) -> (usize, Vec<String>) {
-        let lower = text.to_lowercase();
-        let mut kept = 0;
-        let mut missing = Vec::new();
-        for fact in self.each() {
-            if fact.kept_in(&lower) {
-                kept += 1;
-            } else {
-                missing.push(fact.describe());
-            }
-        }
-        (kept, missing)
     }
 }
 
