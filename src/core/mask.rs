@@ -44,13 +44,22 @@ pub fn masked(msg: &ChatMessage, seq: u64) -> Option<ChatMessage> {
     }
     match msg.role {
         Role::Tool => {
-            let text = msg.text_content();
+            let text: std::borrow::Cow<'_, str> = match &msg.content {
+                Some(Content::Text(t)) => t.into(),
+                _ => msg.text_content().into(),
+            };
             if text.len() < MASK_MIN_BYTES {
                 return None;
             }
-            let mut m = msg.clone();
-            m.content = Some(Content::Text(result_stub(msg, &text, seq)));
-            Some(m)
+            // Built from its parts: a clone would copy the whole output
+            // only to drop it (the fold masks every long output it folds).
+            Some(ChatMessage {
+                role: msg.role,
+                content: Some(Content::Text(result_stub(msg, &text, seq))),
+                tool_calls: msg.tool_calls.clone(),
+                tool_call_id: msg.tool_call_id.clone(),
+                name: msg.name.clone(),
+            })
         }
         Role::Assistant => {
             let mut m = msg.clone();
