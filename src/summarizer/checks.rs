@@ -496,7 +496,7 @@ pub fn check(
     let had_reasoning = reasoning_block().is_match(raw);
     // A deterministic header copied from the previous summary says nothing
     // of this span and names a summarizer that did not write it.
-    let text = deterministic_header()
+    let text = crate::core::fallback_summary::header_pattern()
         .replace_all(&clean(raw), "")
         .trim()
         .to_string();
@@ -587,14 +587,6 @@ pub fn check(
         return Err(rejection);
     }
     Ok(text)
-}
-
-/// A deterministic summary's first line (`Summary of turn 3 … turn 9;
-/// deterministic det-4.`), wherever an answer copied it.
-fn deterministic_header() -> &'static Regex {
-    regex!(
-        r"(?m)^[#>*_ ]*(?:Condensed summary \(depth \d+\)|Summary) of [^\n]*; deterministic [^\n]*(?:\n|$)"
-    )
 }
 
 /// A summary's text before its identifier appendix: what it tells.

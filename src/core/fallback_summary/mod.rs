@@ -411,6 +411,15 @@ fn content_terms(text: &str) -> Vec<String> {
     out
 }
 
+/// Matches the line [`header_line`] writes, wherever a text holds it (a
+/// model may copy it from the previous summary it is shown), with its
+/// line end.
+pub fn header_pattern() -> &'static Regex {
+    lazy_regex::regex!(
+        r"(?m)^[#>*_ ]*(?:Condensed summary \(depth \d+\)|Summary) of [^\n]*; deterministic [^\n]*(?:\n|$)"
+    )
+}
+
 fn header_line(req: &SummaryRequest, condensed: bool) -> String {
     let first = req.sources.first().map_or("", |s| s.label.as_str());
     let last = req.sources.last().map_or("", |s| s.label.as_str());

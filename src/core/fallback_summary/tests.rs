@@ -137,6 +137,35 @@ fn marked_as_deterministic_fallback() {
 }
 
 #[test]
+fn the_header_pattern_matches_the_headers_written() {
+    let long = "The parser drops the last field of a quoted row; see src/parse.rs. ".repeat(40);
+    let sources = vec![
+        turn(1, Role::User, &format!("Fix the parser. {long}")),
+        turn(2, Role::Assistant, &long),
+    ];
+    let leaf_text = summarize(&leaf(sources, 200)).content;
+    let child = SourceItem {
+        label: "summary sum_1".into(),
+        role: None,
+        tool: None,
+        text: leaf_text.clone(),
+        tokens: 50,
+        time: 0,
+    };
+    let mut condensed = leaf(vec![child.clone(), child], 200);
+    condensed.kind = SummaryKind::Condensed;
+    condensed.depth = 1;
+    let condensed_text = summarize(&condensed).content;
+    for text in [&leaf_text, &condensed_text] {
+        let first = text.lines().next().unwrap_or("");
+        assert!(header_pattern().is_match(first), "{first:?}");
+        // Only the header: the rest of the summary is left alone.
+        let rest = header_pattern().replace_all(text, "");
+        assert_eq!(rest, text[first.len()..].trim_start_matches('\n'));
+    }
+}
+
+#[test]
 fn same_input_same_output() {
     let Some(items) = tau_bench_items(20_000) else {
         return;
