@@ -411,9 +411,9 @@ fn content_terms(text: &str) -> Vec<String> {
     out
 }
 
-/// Matches the line [`header_line`] writes, wherever a text holds it (a
-/// model may copy it from the previous summary it is shown), with its
-/// line end.
+/// Matches the header line the deterministic summary opens with (what
+/// `header_line` writes), wherever a text holds it (a model may copy it
+/// from the previous summary it is shown), with its line end.
 pub fn header_pattern() -> &'static Regex {
     lazy_regex::regex!(
         r"(?m)^[#>*_ ]*(?:Condensed summary \(depth \d+\)|Summary) of [^\n]*; deterministic [^\n]*(?:\n|$)"
