@@ -8,14 +8,15 @@
 //! default policy (no summarizer runs, so the long sessions carry their
 //! pending debt and job as a worker that has not answered yet would leave
 //! them). Four paths:
-//! - `fold_precounted`: events decoded and turns counted beforehand
-//!   (`fold_counted` with `Some(tokens)`), the fold alone; goal 1,000,000
-//!   events/s;
+//! - `fold_precounted`: events decoded and turns measured beforehand
+//!   (`fold_counted` with each turn's `TurnMeasure`: its tokens and a long
+//!   tool output's telling line, as `run` measures them on its other core),
+//!   the fold alone; goal 1,000,000 events/s;
 //! - `fold_counting`: the fold counting each turn's tokens itself (`fold`);
 //! - `fold_owned_precounted`: the same with events the fold may keep
 //!   (`fold_owned`): turns move into the state instead of being copied;
 //! - `decode_and_fold`: MessagePack bytes as the log holds them, decoded
-//!   (`Envelope::decode`) then folded with pre-counted tokens (`fold_owned`,
+//!   (`Envelope::decode`) then folded with pre-measured turns (`fold_owned`,
 //!   as the engine does).
 //!
 //! The duplicate and flood guards read a turn's text only when a turn it
@@ -40,6 +41,7 @@ mod transcripts;
 
 use contextfold::core::event::{Encoding, Envelope, EventBody, TurnAppended};
 use contextfold::core::fold::{fold, fold_counted, fold_owned};
+use contextfold::core::measure::TurnMeasure;
 use contextfold::core::message::{ChatMessage, FunctionCall, Role, ToolCall};
 use contextfold::core::policy::PolicyConfig;
 use contextfold::core::state::State;
@@ -52,8 +54,8 @@ use std::sync::OnceLock;
 struct Corpus {
     name: &'static str,
     events: Vec<Envelope>,
-    /// Each turn's tokens as the fold counts them; `None` for other events.
-    tokens: Vec<Option<u64>>,
+    /// Each turn measured as the fold measures it; `None` for other events.
+    tokens: Vec<Option<TurnMeasure>>,
     msgpack: Vec<Vec<u8>>,
 }
 
@@ -120,19 +122,20 @@ fn load(name: &'static str, events: Vec<Envelope>) -> Option<Corpus> {
     for e in &events {
         fold(&mut state, &policy, e);
     }
-    let counted: HashMap<String, u64> = state
+    let counted: HashMap<String, TurnMeasure> = state
         .conversations
         .values()
         .flat_map(|c| {
             c.turns.iter().map(|t| {
                 let body = c.bodies.get(t.seq).expect("folded in memory");
-                (body.event_id.to_string(), u64::from(t.tokens))
+                let measure = TurnMeasure::of(c.encoding, &body.turn.message);
+                (body.event_id.to_string(), measure)
             })
         })
         .collect();
     let tokens = events
         .iter()
-        .map(|e| counted.get(e.id.as_str()).copied())
+        .map(|e| counted.get(e.id.as_str()).cloned())
         .collect();
     let msgpack: Vec<Vec<u8>> = events.iter().map(Envelope::to_msgpack).collect();
     let text: u64 = state
@@ -211,7 +214,7 @@ fn fold_precounted(bencher: Bencher, input: Input) {
         .with_inputs(State::default)
         .bench_local_values(|mut state| {
             for (e, t) in c.events.iter().zip(&c.tokens) {
-                fold_counted(&mut state, &policy, e, *t);
+                fold_counted(&mut state, &policy, e, t.as_ref());
             }
             state
         });
@@ -229,7 +232,7 @@ fn fold_owned_precounted(bencher: Bencher, input: Input) {
         .with_inputs(|| (State::default(), c.events.clone()))
         .bench_local_values(|(mut state, events)| {
             for (e, t) in events.into_iter().zip(&c.tokens) {
-                fold_owned(&mut state, &policy, e, None, *t);
+                fold_owned(&mut state, &policy, e, None, t.as_ref());
             }
             state
         });
@@ -260,7 +263,7 @@ fn decode_and_fold(bencher: Bencher, input: Input) {
         .bench_local_values(|mut state| {
             for (bytes, t) in c.msgpack.iter().zip(&c.tokens) {
                 let e = Envelope::decode(bytes, Encoding::Msgpack).expect("corpus decodes");
-                fold_owned(&mut state, &policy, e, None, *t);
+                fold_owned(&mut state, &policy, e, None, t.as_ref());
             }
             state
         });

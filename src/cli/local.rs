@@ -25,7 +25,7 @@ use contextfold::core::policy::PolicyConfig;
 use contextfold::import::{self, Format};
 use contextfold::log::segment::{SegmentLog, DEFAULT_MAX_RECORD_BYTES};
 use contextfold::log::{EventLog, LogRecord};
-use contextfold::runtime::embedded::{self, Pipeline};
+use contextfold::runtime::embedded::{self, Measurer, Pipeline};
 use contextfold::runtime::engine::Engine;
 use contextfold::store::memory_backend::MemoryBackend;
 use contextfold::store::redb_backend::{ReadOnlyRedb, RedbBackend};
@@ -478,14 +478,29 @@ pub fn run(
         let mut done = 0;
         let mut skipped = 0;
         let mut last_report = Instant::now();
-        loop {
+        // The turns of the next chunk are measured on the other core while
+        // this one folds the chunk before (`core::measure`).
+        let measure = |mut measurer: Measurer, records: Vec<(Encoding, Vec<u8>)>| {
+            tokio::task::spawn_blocking(move || {
+                let measures = measurer.measure(&records);
+                (measurer, records, measures)
+            })
+        };
+        // The next chunk's storable records, or `None` at the input's end.
+        let mut next_chunk = |input: &mut InputRecords| -> Result<Option<Vec<_>>> {
             let chunk: Vec<Input> = input.by_ref().take(batch.max(1)).collect::<Result<_>>()?;
             if chunk.is_empty() {
-                break;
+                return Ok(None);
             }
             let (records, dropped) = drop_unstorable(chunk);
             skipped += dropped;
-            p.ingest_raw(&records).await?;
+            Ok(Some(records))
+        };
+        let mut ahead = next_chunk(&mut input)?.map(|first| measure(Measurer::default(), first));
+        while let Some(measuring) = ahead {
+            let (measurer, records, measures) = measuring.await.context("measuring turns")?;
+            ahead = next_chunk(&mut input)?.map(|following| measure(measurer, following));
+            p.ingest_measured(&records, measures).await?;
             done += records.len();
             if last_report.elapsed().as_millis() >= 500 {
                 eprintln!(

@@ -39,23 +39,42 @@ pub fn maskable(role: Role, bytes: usize, has_tool_calls: bool) -> bool {
 /// The masked rendering of turn `seq`, or `None` when masking would not
 /// make it shorter (nothing long to leave out).
 pub fn masked(msg: &ChatMessage, seq: u64) -> Option<ChatMessage> {
+    masked_told(msg, seq, None)
+}
+
+/// The tool output a turn's masked rendering quotes from: `Some` for a
+/// tool result long enough to be masked (see [`masked`]), `None` for any
+/// other turn.
+pub fn output_to_mask(msg: &ChatMessage) -> Option<std::borrow::Cow<'_, str>> {
+    if msg.role != Role::Tool || !maskable(msg.role, msg.text_bytes(), !msg.tool_calls.is_empty()) {
+        return None;
+    }
+    let text: std::borrow::Cow<'_, str> = match &msg.content {
+        Some(Content::Text(t)) => t.into(),
+        _ => msg.text_content().into(),
+    };
+    (text.len() >= MASK_MIN_BYTES).then_some(text)
+}
+
+/// [`masked`] with the output's [`telling_line`] when it is already known
+/// (measured ahead of the fold: see [`crate::core::measure`]); the same
+/// rendering either way.
+pub fn masked_told(msg: &ChatMessage, seq: u64, telling: Option<&str>) -> Option<ChatMessage> {
     if !maskable(msg.role, msg.text_bytes(), !msg.tool_calls.is_empty()) {
         return None;
     }
     match msg.role {
         Role::Tool => {
-            let text: std::borrow::Cow<'_, str> = match &msg.content {
-                Some(Content::Text(t)) => t.into(),
-                _ => msg.text_content().into(),
+            let text = output_to_mask(msg)?;
+            let line = match telling {
+                Some(line) => std::borrow::Cow::Borrowed(line),
+                None => std::borrow::Cow::Owned(telling_line(&text)),
             };
-            if text.len() < MASK_MIN_BYTES {
-                return None;
-            }
             // Built from its parts: a clone would copy the whole output
             // only to drop it (the fold masks every long output it folds).
             Some(ChatMessage {
                 role: msg.role,
-                content: Some(Content::Text(result_stub(msg, &text, seq))),
+                content: Some(Content::Text(result_stub(msg, &text, &line, seq))),
                 tool_calls: msg.tool_calls.clone(),
                 tool_call_id: msg.tool_call_id.clone(),
                 name: msg.name.clone(),
@@ -78,12 +97,11 @@ pub fn masked(msg: &ChatMessage, seq: u64) -> Option<ChatMessage> {
 
 /// `[output of `Read` masked: 32,133 bytes; "…line…"; `describe` turn 291
 /// shows it whole]`.
-fn result_stub(msg: &ChatMessage, text: &str, seq: u64) -> String {
+fn result_stub(msg: &ChatMessage, text: &str, line: &str, seq: u64) -> String {
     let tool = msg
         .name
         .as_deref()
         .map_or(String::from("tool output"), |n| format!("output of `{n}`"));
-    let line = telling_line(text);
     let quoted = if line.is_empty() {
         String::new()
     } else {

@@ -12,6 +12,7 @@ pub mod glob;
 pub mod identifiers;
 pub mod intake;
 pub mod mask;
+pub mod measure;
 pub mod message;
 pub mod overflow;
 pub mod policy;

@@ -3,13 +3,18 @@
 //! log; jobs run right here with a summarizer; their results go back into
 //! the log and are folded like any other event.
 
-use crate::core::event::{Encoding, Envelope, Origin};
+use crate::core::event::{Encoding, Envelope, EventBody, Origin};
+use crate::core::intake::{self, Address};
+use crate::core::measure::TurnMeasure;
+use crate::core::tokens;
+
 use crate::core::sweep::SweepSnapshot;
 use crate::log::{EventLog, LogError};
 use crate::runtime::engine::{Effects, Engine};
 use crate::runtime::sweep::run_sweep;
 use crate::store::{KvBackend, StoreError};
 use crate::summarizer::Summarizer;
+use std::collections::HashMap;
 use std::time::Duration;
 
 #[derive(Debug, thiserror::Error)]
@@ -239,11 +244,28 @@ impl<L: EventLog, B: KvBackend, S: Summarizer> Pipeline<L, B, S> {
         &mut self,
         records: &[(Encoding, Vec<u8>)],
     ) -> Result<(), PipelineError> {
+        self.ingest_measured(records, Vec::new()).await
+    }
+
+    /// [`Pipeline::ingest_raw`] with the turns measured ahead
+    /// ([`Measurer::measure`], the `i`th measure for the `i`th record;
+    /// missing ones are measured by the fold): the same log and state,
+    /// with less of the work on this thread.
+    pub async fn ingest_measured(
+        &mut self,
+        records: &[(Encoding, Vec<u8>)],
+        measures: Vec<Option<TurnMeasure>>,
+    ) -> Result<(), PipelineError> {
         let mut total = CatchUp::default();
+        let mut measures = measures.into_iter();
         for (encoding, bytes) in records {
-            self.log
+            let position = self
+                .log
                 .append_deferred(Origin::Agent, *encoding, bytes)
                 .await?;
+            if let Some(measure) = measures.next().flatten() {
+                self.engine.measured_ahead(position, measure);
+            }
             let jobs = self.fold_available(&mut total).await?;
             self.settle_unsynced(jobs, &mut total).await?;
         }
@@ -271,6 +293,44 @@ impl<L: EventLog, B: KvBackend, S: Summarizer> Pipeline<L, B, S> {
     }
 }
 
+/// Measures the turns of records ahead of the fold ([`crate::core::measure`]),
+/// on whatever thread it is given, while the pipeline folds the records
+/// before them. It counts each conversation's turns in the encoding of the
+/// model its first turn named, as the fold does; where that guess is wrong
+/// (a conversation begun before this process), the fold counts again.
+#[derive(Debug, Default)]
+pub struct Measurer {
+    encodings: HashMap<String, tokens::Encoding>,
+}
+
+impl Measurer {
+    /// One measure per record: `None` for a record that is not a turn (or
+    /// that intake refuses).
+    pub fn measure(&mut self, records: &[(Encoding, Vec<u8>)]) -> Vec<Option<TurnMeasure>> {
+        records
+            .iter()
+            .map(|(encoding, bytes)| {
+                let admitted = intake::admit(intake::Arrival {
+                    origin: Origin::Agent,
+                    address: &Address::Unaddressed,
+                    stored_at_ms: None,
+                    encoding: *encoding,
+                    bytes,
+                })
+                .ok()?;
+                let EventBody::TurnAppended(turn) = &admitted.event.body else {
+                    return None;
+                };
+                let encoding = *self
+                    .encodings
+                    .entry(admitted.event.conversation.clone())
+                    .or_insert_with(|| tokens::Encoding::for_model(turn.model.as_deref()));
+                Some(TurnMeasure::of(encoding, &turn.message))
+            })
+            .collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -282,6 +342,132 @@ mod tests {
 
     fn engine() -> Engine<MemoryBackend> {
         Engine::open(MemoryBackend::default(), PolicyConfig::default()).unwrap()
+    }
+
+    /// Three conversations that compact, with long tool results (masked),
+    /// a model on the first turn (cl100k), and a model named only later.
+    fn measured_session() -> Vec<(Encoding, Vec<u8>)> {
+        use crate::core::message::{FunctionCall, ToolCall};
+        let mut events = Vec::new();
+        for (c, key) in ["m:a", "m:b", "m:c"].into_iter().enumerate() {
+            for i in 0..60u64 {
+                let time = 1_000_000 + i * 1_000 + c as u64;
+                let mut user = TurnAppended::from(ChatMessage::text(
+                    Role::User,
+                    format!("step {i}: run the tests of crate {key} and fix what fails"),
+                ));
+                user.model = match (key, i) {
+                    ("m:b", _) => Some("gpt-4-0613".into()),
+                    ("m:c", 0) => None,
+                    _ => Some("gpt-4o".into()),
+                };
+                let mut call = ChatMessage::text(Role::Assistant, "Running the tests.");
+                call.tool_calls.push(ToolCall {
+                    id: format!("call_{i}"),
+                    kind: "function".into(),
+                    function: FunctionCall {
+                        name: "Bash".into(),
+                        arguments: r#"{"command":"cargo test"}"#.into(),
+                    },
+                });
+                let mut result = ChatMessage::text(
+                    Role::Tool,
+                    format!(
+                        "{}error[E0308]: mismatched types in step {i}\n{}",
+                        "   Compiling crate v0.1.0\n".repeat(20),
+                        "test result: FAILED. 3 passed; 1 failed\n".repeat(5)
+                    ),
+                );
+                result.tool_call_id = Some(format!("call_{i}"));
+                result.name = Some("Bash".into());
+                for (k, body) in [
+                    EventBody::TurnAppended(user),
+                    EventBody::TurnAppended(TurnAppended::from(call)),
+                    EventBody::TurnAppended(TurnAppended::from(result)),
+                ]
+                .into_iter()
+                .enumerate()
+                {
+                    let e = Envelope::new(format!("{key}-{i}-{k}"), key, time + k as u64, body);
+                    events.push((Encoding::Msgpack, e.to_msgpack()));
+                }
+            }
+        }
+        // Interleaved, as a fleet publishes.
+        let mut interleaved: Vec<_> = events.chunks(3).map(<[_]>::to_vec).collect();
+        let n = interleaved.len() / 3;
+        let mut out = Vec::new();
+        for i in 0..n {
+            for c in 0..3 {
+                out.extend(std::mem::take(&mut interleaved[c * n + i]));
+            }
+        }
+        out
+    }
+
+    #[tokio::test]
+    async fn turns_measured_ahead_fold_to_the_same_log_and_state() {
+        let records = measured_session();
+        let policy = PolicyConfig {
+            default_context_window: 6_000,
+            ..PolicyConfig::default()
+        };
+        let open = || async {
+            Pipeline::open(
+                MemoryLog::new(),
+                Engine::open(MemoryBackend::default(), policy.clone()).unwrap(),
+                crate::summarizer::DeterministicSummarizer,
+            )
+            .await
+            .unwrap()
+        };
+        let mut plain = open().await;
+        let counted_before = crate::core::tokens::texts_counted();
+        for chunk in records.chunks(50) {
+            plain.ingest_raw(chunk).await.unwrap();
+        }
+        let counted_plain = crate::core::tokens::texts_counted() - counted_before;
+
+        let mut measured = open().await;
+        let mut measurer = Measurer::default();
+        let (mut counted_measured, mut counted_ahead) = (0, 0);
+        for chunk in records.chunks(50) {
+            let before = crate::core::tokens::texts_counted();
+            let measures = measurer.measure(chunk);
+            counted_ahead += crate::core::tokens::texts_counted() - before;
+            assert_eq!(measures.len(), chunk.len());
+            assert!(
+                measures.iter().all(Option::is_some),
+                "every record is a turn"
+            );
+            let before = crate::core::tokens::texts_counted();
+            measured.ingest_measured(chunk, measures).await.unwrap();
+            counted_measured += crate::core::tokens::texts_counted() - before;
+        }
+
+        let summaries: usize = plain
+            .engine
+            .state
+            .conversations
+            .values()
+            .map(|c| c.summaries.len())
+            .sum();
+        assert!(summaries > 0, "the session compacts");
+        assert_eq!(
+            measured.engine.state_hash().unwrap(),
+            plain.engine.state_hash().unwrap()
+        );
+        let log = |p: &mut Pipeline<MemoryLog, MemoryBackend, _>| {
+            let mut log = std::mem::replace(&mut p.log, MemoryLog::new());
+            async move { log.read_after(0, usize::MAX).await.unwrap() }
+        };
+        let (a, b) = (log(&mut plain).await, log(&mut measured).await);
+        assert_eq!(a.len(), b.len());
+        assert!(a.iter().zip(&b).all(|(a, b)| a.bytes == b.bytes));
+        // The fold counted every text but the turns measured ahead (the
+        // stubs, summaries and states it counts stay its own work).
+        assert!(counted_ahead > 0);
+        assert_eq!(counted_plain - counted_measured, counted_ahead);
     }
 
     #[tokio::test]

@@ -37,6 +37,7 @@
 use crate::core::event::{self, Encoding, Envelope, EventBody};
 use crate::core::fold::{self, FoldStatus};
 use crate::core::intake::{self, Refused};
+use crate::core::measure::TurnMeasure;
 use crate::core::policy::PolicyConfig;
 use crate::core::state::State;
 use crate::core::sweep::{self, SweepSnapshot};
@@ -44,7 +45,7 @@ use crate::log::{LogRecord, Position};
 use crate::store::state_store::StateStore;
 use crate::store::{KvBackend, StoreError};
 use crate::telemetry as t;
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 /// What folding records produced, for the runtime to carry out.
@@ -164,6 +165,9 @@ pub struct Engine<B: KvBackend> {
     requeue_pending: bool,
     /// Folding history ([`Engine::hold_through`]) that has not ended yet.
     in_history: bool,
+    /// Turns measured ahead of the fold, by log position, oldest first
+    /// ([`Engine::measured_ahead`]).
+    ahead: VecDeque<(Position, TurnMeasure)>,
 }
 
 /// The layout of the stored state. Raise it when a state record changes
@@ -278,6 +282,7 @@ impl<B: KvBackend> Engine<B> {
             issued: Vec::new(),
             requeue_pending: false,
             in_history: false,
+            ahead: VecDeque::new(),
         }
     }
 
@@ -903,6 +908,26 @@ impl<B: KvBackend> Engine<B> {
         self.state.clock.now
     }
 
+    /// Gives the fold the measure of the turn the record at `position`
+    /// holds, taken ahead of it (on another core: see
+    /// [`crate::core::measure`]). Measures are given in log order, before
+    /// their records are folded; one whose record is never folded is
+    /// dropped when a later record is.
+    pub fn measured_ahead(&mut self, position: Position, measure: TurnMeasure) {
+        self.ahead.push_back((position, measure));
+    }
+
+    /// The measure given for the record being folded, if any.
+    fn take_measure(&mut self) -> Option<TurnMeasure> {
+        while self.ahead.front().is_some_and(|(p, _)| *p < self.position) {
+            self.ahead.pop_front();
+        }
+        match self.ahead.front() {
+            Some((p, _)) if *p == self.position => self.ahead.pop_front().map(|(_, m)| m),
+            _ => None,
+        }
+    }
+
     /// Hands out every pending job again at the next [`Engine::finish`]
     /// (a runtime whose job queue may have lost them, e.g. after it was
     /// recreated).
@@ -928,7 +953,14 @@ impl<B: KvBackend> Engine<B> {
         let event_time = event.time;
         let decision = event.body.is_decision();
         let job_copy = matches!(event.body, EventBody::JobIssued(_));
-        let outcome = fold::fold_owned(&mut self.state, &self.policy, event, Some(time), None);
+        let measured = self.take_measure();
+        let outcome = fold::fold_owned(
+            &mut self.state,
+            &self.policy,
+            event,
+            Some(time),
+            measured.as_ref(),
+        );
         for key in &outcome.woken {
             if !self.dirty.contains(key) {
                 self.dirty.insert(key.clone());

@@ -321,7 +321,7 @@ proptest! {
                 time,
                 EventBody::TurnAppended(TurnAppended::from(msg)),
             );
-            let outcome = fold_counted(&mut state, &policy, &event, Some(10));
+            let outcome = fold(&mut state, &policy, &event);
             let conv = &state.conversations["c:guard"];
             match expected {
                 Err(reason) => {

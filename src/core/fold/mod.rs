@@ -28,6 +28,7 @@
 
 use crate::core::assembly;
 use crate::core::event::*;
+use crate::core::measure::TurnMeasure;
 use crate::core::message::{ChatMessage, Content, Role};
 use crate::core::overflow;
 use crate::core::policy::{self, schedule, PolicyConfig, Schedule, Wait};
@@ -129,16 +130,16 @@ pub fn fold(state: &mut State, policy: &PolicyConfig, event: &Envelope) -> FoldO
     fold_counted(state, policy, event, None)
 }
 
-/// Folds one event whose turn tokens were already counted (by the same
-/// encoding the conversation uses), so counting can run ahead of the fold.
+/// Folds one event whose turn was measured ahead of the fold (see
+/// [`crate::core::measure`]): the same outcome as [`fold`], sooner.
 pub fn fold_counted(
     state: &mut State,
     policy: &PolicyConfig,
     event: &Envelope,
-    turn_tokens: Option<u64>,
+    measured: Option<&TurnMeasure>,
 ) -> FoldOutcome {
     let woke = wake(state, policy, event.time, &event.id);
-    fold_with(state, policy, event, turn_tokens, None).after(woke)
+    fold_with(state, policy, event, measured, None).after(woke)
 }
 
 /// [`fold_counted`] for an event the caller owns (one just decoded): a
@@ -150,7 +151,7 @@ pub fn fold_owned(
     policy: &PolicyConfig,
     mut event: Envelope,
     stored_at: Option<u64>,
-    turn_tokens: Option<u64>,
+    measured: Option<&TurnMeasure>,
 ) -> FoldOutcome {
     let woke = wake(state, policy, stored_at.unwrap_or(event.time), &event.id);
     // The id moves with the turn (the fold reads it from there): a copy
@@ -162,7 +163,7 @@ pub fn fold_owned(
         })),
         _ => None,
     };
-    fold_with(state, policy, &event, turn_tokens, turn.as_ref()).after(woke)
+    fold_with(state, policy, &event, measured, turn.as_ref()).after(woke)
 }
 
 /// Moves the partition's clock to `time` (never back) and evaluates every
@@ -210,7 +211,7 @@ pub fn wake(state: &mut State, policy: &PolicyConfig, time: u64, cause: &str) ->
             event: &event,
             id: &id,
             event_digest: id_digest(&id),
-            turn_tokens: None,
+            measured: None,
             turn: None,
             out: FoldOutcome::new(FoldStatus::Applied),
             levels: None,
@@ -241,7 +242,7 @@ fn fold_with(
     state: &mut State,
     policy: &PolicyConfig,
     event: &Envelope,
-    turn_tokens: Option<u64>,
+    measured: Option<&TurnMeasure>,
     turn: Option<&Arc<TurnBody>>,
 ) -> FoldOutcome {
     if policy::session_matches(&policy.ignore_sessions, &event.conversation) {
@@ -276,7 +277,7 @@ fn fold_with(
         event,
         id,
         event_digest,
-        turn_tokens,
+        measured,
         turn,
         out: FoldOutcome::new(FoldStatus::Applied),
         levels: None,
@@ -360,7 +361,9 @@ struct FoldContext<'a> {
     /// The event's id (read it here: a turn given up took it along).
     id: &'a str,
     event_digest: IdDigest,
-    turn_tokens: Option<u64>,
+    /// The turn's measure, taken ahead of the fold (used when it was taken
+    /// in the conversation's encoding).
+    measured: Option<&'a TurnMeasure>,
     /// The turn, when the caller gave it up: it is kept without a copy.
     turn: Option<&'a Arc<TurnBody>>,
     /// Decisions, jobs issued and notes so far.

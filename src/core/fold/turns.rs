@@ -113,9 +113,11 @@ impl FoldContext<'_> {
                 self.conv.encoding = tokens::Encoding::for_model(Some(model));
             }
         }
+        let encoding = self.conv.encoding;
         let tokens = self
-            .turn_tokens
-            .unwrap_or_else(|| tokens::count_message(self.conv.encoding, msg));
+            .measured
+            .and_then(|m| m.tokens_in(encoding))
+            .unwrap_or_else(|| tokens::count_message(encoding, msg));
         self.push_turn(t, tokens, in_context, shared);
         FoldStatus::Applied
     }
@@ -177,7 +179,8 @@ impl FoldContext<'_> {
         let masked_tokens = if large {
             0
         } else {
-            crate::core::mask::masked(msg, seq)
+            let telling = self.measured.and_then(|m| m.telling.as_deref());
+            crate::core::mask::masked_told(msg, seq, telling)
                 .map(|m| tokens::count_message(self.conv.encoding, &m))
                 .filter(|&cost| cost < context_tokens)
                 .unwrap_or(0)
