@@ -133,6 +133,19 @@ pub(crate) fn texts_counted() -> u64 {
 
 /// Counts tokens of text (the same count as tiktoken's `encode_ordinary`).
 pub fn count_text(encoding: Encoding, text: &str) -> u64 {
+    count_up_to(encoding, text, u64::MAX)
+}
+
+/// [`count_text`] when it is `limit` or less, else `None`, found without
+/// counting the pieces past the limit (a piece's tokens never depend on
+/// the pieces after it): whether a long text fits a small budget costs
+/// what the budget's worth of it does.
+pub fn count_within(encoding: Encoding, text: &str, limit: u64) -> Option<u64> {
+    Some(count_up_to(encoding, text, limit)).filter(|&n| n <= limit)
+}
+
+/// The count of `text`, or some count over `limit` once it is sure to pass it.
+fn count_up_to(encoding: Encoding, text: &str, limit: u64) -> u64 {
     #[cfg(test)]
     TEXTS_COUNTED.with(|n| n.set(n.get() + 1));
     if text.is_empty() {
@@ -144,6 +157,9 @@ pub fn count_text(encoding: Encoding, text: &str) -> u64 {
         let remembered = &mut memo.0[encoding as usize];
         let mut total = 0u64;
         pretokenizer::for_each_piece(encoding, text, |piece| {
+            if total > limit {
+                return;
+            }
             let piece = piece.as_bytes();
             if piece.len() > REMEMBERED_PIECE_BYTES {
                 total += tokenizer.bpe.count(piece) as u64;
@@ -225,6 +241,20 @@ mod tests {
             Encoding::O200kBase
         );
         assert_eq!(Encoding::for_model(None), Encoding::O200kBase);
+    }
+
+    #[test]
+    fn counting_within_a_limit_is_the_count_or_none() {
+        let text = "fn main() { println!(\"héllo, wörld\"); }\n".repeat(50);
+        for encoding in [Encoding::O200kBase, Encoding::Cl100kBase] {
+            let n = count_text(encoding, &text);
+            assert!(n > 100);
+            assert_eq!(count_within(encoding, &text, n), Some(n));
+            assert_eq!(count_within(encoding, &text, u64::MAX), Some(n));
+            assert_eq!(count_within(encoding, &text, n - 1), None);
+            assert_eq!(count_within(encoding, &text, 10), None);
+            assert_eq!(count_within(encoding, "", 0), Some(0));
+        }
     }
 
     #[test]
