@@ -24,9 +24,10 @@
 
 use super::checks::{
     append_identifiers_within, check, deterministic_identifiers, missing_identifiers,
-    retry_is_better, unusable_kind, Floor, Rejection,
+    retry_is_better, unusable_kind, Rejection,
 };
 use super::deterministic::DeterministicSummarizer;
+use super::floor::Floor;
 use super::prompts;
 use super::{
     Budget, CallOutcome, CallRecord, RollingOutcome, SummarizeError, Summarizer, SummarizerConfig,
@@ -630,7 +631,7 @@ mod tests {
         let content = &out.draft.content;
         assert!(content.starts_with(vague), "{content}");
         assert!(
-            content.contains(crate::summarizer::checks::FROM_THE_TURNS_HEADING)
+            content.contains(crate::summarizer::floor::FROM_THE_TURNS_HEADING)
                 && content.contains("upsert for messages")
                 && content.contains("message.ex"),
             "{content}"

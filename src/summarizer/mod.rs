@@ -32,6 +32,7 @@ pub mod config;
 pub mod deterministic;
 pub mod escalate;
 pub mod external;
+pub mod floor;
 pub mod llm;
 pub mod prompts;
 pub mod stack;
