@@ -18,9 +18,12 @@
 //! why.
 //!
 //! What escalation never does: escalate or fall back over a spend refusal
-//! ([`SummarizeError::OverBudget`]), a rate limit or an auth failure. Those
-//! pass through untouched, so the sweep can wait for the window, the
-//! Retry-After, or a fixed key.
+//! ([`SummarizeError::OverBudget`]) of a pass's first call, a rate limit or
+//! an auth failure. Those pass through untouched, so the sweep can wait for
+//! the window, the Retry-After, or a fixed key. A spend refusal after the
+//! pass spent a call on a refused answer ends it with the fallback, as a
+//! refusal inside a model chain does ([`super::LlmSummarizer`]): the span
+//! is not left, with what it cost, for nothing.
 
 use super::checks::{
     append_identifiers_within, check, deterministic_identifiers, missing_identifiers,
@@ -263,6 +266,20 @@ impl<S: Summarizer> Summarizer for EscalatingSummarizer<S> {
             };
             let stage = match self.attempt(&stage_req, &against, &mut run).await {
                 Ok(stage) => stage,
+                // The allowance ran out after this pass spent a call on a
+                // refused answer: as when it runs out inside a model chain
+                // (an outage to the escalation), the pass ends with the
+                // fallback rather than leaving its span, and its spend,
+                // for nothing.
+                Err(SummarizeError::OverBudget { calls: mut c })
+                    if !run.calls.is_empty() && self.fallback_on_unavailable =>
+                {
+                    run.calls.append(&mut c);
+                    why_fallback = format!(
+                        "{why_fallback}; the spend allowance cannot pay for another attempt"
+                    );
+                    break;
+                }
                 Err(e) => return Err(e.prepend_calls(run.calls)),
             };
             match stage {
@@ -410,6 +427,42 @@ mod tests {
         ) -> Result<SummaryOutcome, SummarizeError> {
             self.summarize(req, &Budget::unlimited()).await
         }
+    }
+
+    #[tokio::test]
+    async fn a_spend_refusal_falls_back_only_after_the_pass_spent_a_call() {
+        let over = || SummarizeError::OverBudget { calls: Vec::new() };
+        // The allowance paid for one answer, refused: the pass still ends
+        // with a summary, the fallback, and the call it cost is recorded.
+        let s = escalating(vec![Ok(REFUSAL), Err(over())]);
+        let out = s
+            .summarize_unlimited(&req(SOURCE, 2000, 400))
+            .await
+            .unwrap();
+        assert!(out.draft.fallback);
+        assert_eq!(out.calls.len(), 1);
+        assert!(
+            matches!(&out.calls[0].outcome, CallOutcome::Invalid(r) if r.starts_with("refusal")),
+            "{:?}",
+            out.calls[0].outcome
+        );
+        // Nothing spent yet: the refusal passes through (the work waits for
+        // the window).
+        let s = escalating(vec![Err(over())]);
+        assert!(matches!(
+            s.summarize_unlimited(&req(SOURCE, 2000, 400)).await,
+            Err(SummarizeError::OverBudget { .. })
+        ));
+        // Without the fallback configured, it passes through either way.
+        let config = SummarizerConfig {
+            fallback_on_unavailable: false,
+            ..SummarizerConfig::default()
+        };
+        let s = EscalatingSummarizer::new(Scripted::new(vec![Ok(REFUSAL), Err(over())]), &config);
+        assert!(matches!(
+            s.summarize_unlimited(&req(SOURCE, 2000, 400)).await,
+            Err(SummarizeError::OverBudget { calls }) if calls.len() == 1
+        ));
     }
 
     #[tokio::test]

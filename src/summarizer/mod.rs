@@ -8,8 +8,9 @@
 //! - [`escalate::EscalatingSummarizer`]: checks what the layer below wrote
 //!   ([`checks`]) and escalates normal -> aggressive -> the deterministic
 //!   summary, for summaries and rolling states alike; a spend refusal
-//!   ([`SummarizeError::OverBudget`]) and a rate limit pass through it
-//!   untouched;
+//!   ([`SummarizeError::OverBudget`]) of a pass's first call and a rate
+//!   limit pass through it untouched (a spend refusal after a refused
+//!   answer ends the pass with the fallback);
 //! - [`external::WithFallback`] over [`external::ExternalSummarizer`]: a
 //!   team's own summarizer over NATS request/reply, the model when it fails;
 //! - [`llm::LlmSummarizer`]: any OpenAI-compatible chat-completions
