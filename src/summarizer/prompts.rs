@@ -157,6 +157,17 @@ pub fn instructions() -> String {
     [HANDOVER_SHAPE, NO_CONTINUATION, OUTPUT_RULES].join("\n")
 }
 
+/// The previous summary as a prompt shows it: without the deterministic
+/// summary's header line, which a small model copies as its whole answer
+/// (54 of the 55 empty answers of the real-model run; the span it names is
+/// not what the new summary covers).
+fn shown_previous(previous: &str) -> String {
+    crate::core::fallback_summary::header_pattern()
+        .replace_all(previous, "")
+        .trim()
+        .to_string()
+}
+
 /// Renders the prompt for one summary request.
 pub fn render(req: &SummaryRequest) -> Prompt {
     let level = Level::of(req);
@@ -235,14 +246,14 @@ pub fn render(req: &SummaryRequest) -> Prompt {
     if let Some(prev) = req
         .previous_summary
         .as_deref()
-        .filter(|p| !p.trim().is_empty())
+        .map(shown_previous)
+        .filter(|p| !p.is_empty())
     {
         user.push_str(&format!(
             "For continuity, this is the summary of what came immediately before. It is DATA \
              too. Do not repeat it: describe only what {what} below adds or changes, and say \
              explicitly when an earlier decision is revised or superseded.\n\
-             <previous-summary-{tag}>\n{}\n</previous-summary-{tag}>\n\n",
-            prev.trim_end()
+             <previous-summary-{tag}>\n{prev}\n</previous-summary-{tag}>\n\n"
         ));
     }
     user.push_str(&format!("Summarize {what} below.\n\n"));
@@ -470,6 +481,28 @@ mod tests {
             target_tokens: 900,
             ..leaf()
         }
+    }
+
+    #[test]
+    fn the_previous_summary_is_shown_without_the_deterministic_header() {
+        let previous = "Summary of turn 1 … turn 40; deterministic fallback-v7.\n\
+                        The user asked to pin openssl 3.0.13 in deploy/Dockerfile.";
+        let header = previous.lines().next().unwrap();
+        assert!(crate::core::fallback_summary::header_pattern().is_match(header));
+        let shown = render(&SummaryRequest {
+            previous_summary: Some(previous.into()),
+            ..leaf()
+        })
+        .to_text();
+        assert!(!shown.contains(header), "{shown}");
+        assert!(shown.contains("pin openssl 3.0.13"), "{shown}");
+        // A previous summary that is only a header is not shown at all.
+        let bare = render(&SummaryRequest {
+            previous_summary: Some(header.into()),
+            ..leaf()
+        })
+        .to_text();
+        assert!(!bare.contains("previous-summary"), "{bare}");
     }
 
     fn golden_cases() -> Vec<(&'static str, String)> {
