@@ -12,7 +12,7 @@
 //! deterministic summary's own bar is [`super::floor`]'s). What
 //! happens to a refused answer is [`super::escalate`]'s business.
 
-use super::floor::Floor;
+use super::floor::{Below, Floor};
 use super::prompts::{self, EXACT_IDENTIFIERS_HEADING};
 use crate::core::event::RollingState;
 use crate::core::identifiers;
@@ -106,6 +106,16 @@ pub enum Rejection {
         deterministic: usize,
         missing: Vec<String>,
     },
+}
+
+impl From<Below> for Rejection {
+    fn from(b: Below) -> Rejection {
+        Rejection::BelowDeterministic {
+            kept: b.kept,
+            deterministic: b.deterministic,
+            missing: b.missing,
+        }
+    }
 }
 
 impl Rejection {
@@ -685,7 +695,9 @@ pub fn check_rolling_state(
     }
     // Never below the deterministic state of the same turns.
     let deterministic = crate::core::fallback_summary::rolling_state(req);
-    Floor::new(&req.sources, &prompts::format_rolling_state(&deterministic)).check(&text)
+    Floor::new(&req.sources, &prompts::format_rolling_state(&deterministic))
+        .check(&text)
+        .map_err(Rejection::from)
 }
 
 /// Identifiers of the request's sources (what the strict policy protects).

@@ -126,7 +126,7 @@ impl<S: Summarizer> EscalatingSummarizer<S> {
                     encoding,
                     self.overage_factor,
                 )
-                .and_then(|text| floor.complete(&text, self.room(against)));
+                .and_then(|text| Ok(floor.complete(&text, self.room(against))?));
                 match checked {
                     Ok(text) => {
                         outcome.draft.content = text;
@@ -669,7 +669,7 @@ mod tests {
         let floor = Floor::new(&r.sources, &deterministic);
         let vague = "The agent worked on the code as asked.";
         assert!(matches!(
-            floor.check(vague),
+            floor.check(vague).map_err(Rejection::from),
             Err(Rejection::BelowDeterministic {
                 kept: 0,
                 deterministic: 2,

@@ -4,9 +4,9 @@
 //! span keeps. [`Floor::check`] refuses an answer below it with the facts
 //! it misses; [`Floor::complete`] adds the deterministic summary's own
 //! lines for them, so a stored model summary keeps, fact by fact, at least
-//! what the fallback keeps. Pure: no I/O.
+//! what the fallback keeps. Pure: no I/O. Below [`super::checks`], which
+//! reports a [`Below`] as one of its rejections.
 
-use super::checks::Rejection;
 use crate::core::fallback_summary::HandoverFacts;
 use crate::core::summary::SourceItem;
 use crate::core::tokens::{count_text, Encoding};
@@ -17,6 +17,15 @@ use crate::core::tokens::{count_text, Encoding};
 /// can be completed with the deterministic summary's own lines for them
 /// ([`Floor::complete`]): a stored model summary then keeps, fact by fact,
 /// at least what the fallback keeps.
+/// An answer below the floor: it keeps `kept` of the `deterministic` facts
+/// the deterministic summary keeps; `missing` says which, in words.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Below {
+    pub kept: usize,
+    pub deterministic: usize,
+    pub missing: Vec<String>,
+}
+
 #[derive(Debug, Clone)]
 pub struct Floor {
     facts: HandoverFacts,
@@ -84,9 +93,9 @@ impl Floor {
             .collect()
     }
 
-    fn below(&self, missing: Vec<(String, Option<&str>)>) -> Rejection {
+    fn below(&self, missing: Vec<(String, Option<&str>)>) -> Below {
         let deterministic = self.kept.iter().flatten().count();
-        Rejection::BelowDeterministic {
+        Below {
             kept: deterministic - missing.len(),
             deterministic,
             missing: missing.into_iter().map(|(what, _)| what).collect(),
@@ -94,7 +103,7 @@ impl Floor {
     }
 
     /// Refuses `text` when it misses a fact the deterministic one keeps.
-    pub fn check(&self, text: &str) -> Result<(), Rejection> {
+    pub fn check(&self, text: &str) -> Result<(), Below> {
         let missing = self.missing(text);
         if missing.is_empty() {
             return Ok(());
@@ -107,7 +116,7 @@ impl Floor {
     /// said, anchored to what code knows. Refused when a missing fact has
     /// no one line to stand for it, or when the lines would take the text
     /// over `max_tokens`.
-    pub fn complete(&self, text: &str, max_tokens: u64) -> Result<String, Rejection> {
+    pub fn complete(&self, text: &str, max_tokens: u64) -> Result<String, Below> {
         let missing = self.missing(text);
         if missing.is_empty() {
             return Ok(text.to_string());
@@ -146,7 +155,7 @@ mod tests {
     use super::*;
     use crate::core::message::Role;
     use crate::core::summary::SummaryRequest;
-    use crate::summarizer::checks::tests::req;
+    use crate::testing::summary_request as req;
 
     #[test]
     fn the_floor_holds_a_model_to_the_errors_the_deterministic_summary_keeps() {
@@ -187,7 +196,7 @@ mod tests {
         let dropped = "The user asked to fix the TimeDelta rounding in fields.py and to leave \
                        the tests untouched; the agent reproduced it.";
         match floor.check(dropped) {
-            Err(Rejection::BelowDeterministic { missing, .. }) => {
+            Err(Below { missing, .. }) => {
                 assert!(
                     missing.iter().any(|m| m.starts_with("the error")),
                     "{missing:?}"
