@@ -15,6 +15,7 @@
 use super::floor::{Below, Floor};
 use super::prompts::{self, EXACT_IDENTIFIERS_HEADING};
 use crate::core::event::RollingState;
+use crate::core::fallback_summary::HandoverFacts;
 use crate::core::identifiers;
 use crate::core::summary::{RollingStateRequest, SourceItem, SummaryRequest};
 use crate::core::tokens::{count_text, Encoding};
@@ -581,7 +582,7 @@ pub fn check(
             source_tokens,
         });
     }
-    if copies_instructions(&text) {
+    if copies_instructions(&text, &req.sources) {
         return Err(Rejection::Copy(Copied::Instructions));
     }
     if narrative_words(&text) < 3 && source_tokens >= 200 {
@@ -622,12 +623,19 @@ fn narrative_words(text: &str) -> usize {
         .sum()
 }
 
-/// Whether the answer repeats the prompt's instructions (its section
-/// list, its rules) instead of following them: two such lines, or a third
-/// of the narrative.
-fn copies_instructions(text: &str) -> bool {
+/// Whether the answer repeats the prompt's instructions instead of
+/// following them: anywhere in it (its identifier appendix too), one of the
+/// phrases that say what a section holds ([`holds_an_instruction_phrase`]);
+/// in its narrative, two lines of the instructions, or a third of it.
+fn copies_instructions(text: &str, sources: &[SourceItem]) -> bool {
     static INSTRUCTIONS: std::sync::LazyLock<String> =
         std::sync::LazyLock::new(|| normalize(&prompts::instructions()));
+    if text
+        .lines()
+        .any(|line| holds_an_instruction_phrase(line, sources))
+    {
+        return true;
+    }
     let (mut lines, mut copied, mut total) = (0, 0, 0);
     for line in narrative(text).lines() {
         let norm = normalize(line);
@@ -639,6 +647,42 @@ fn copies_instructions(text: &str) -> bool {
         }
     }
     lines >= 2 || (copied > 0 && copied * 3 >= total)
+}
+
+/// Whether `line` holds, word for word (case, punctuation and spacing
+/// aside), a clause of five words or more of one of the prompts' phrases
+/// for what a section holds ([`prompts::instruction_phrases`]), such as
+/// "each error or failure and how it was fixed" or "the user's current
+/// request, in the user's words", that no source has: no summary of real
+/// turns says that unless the turns do.
+fn holds_an_instruction_phrase(line: &str, sources: &[SourceItem]) -> bool {
+    static CLAUSES: std::sync::LazyLock<Vec<String>> = std::sync::LazyLock::new(|| {
+        prompts::instruction_phrases()
+            .flat_map(|p| p.split(['(', ')']))
+            .map(words_only)
+            .filter(|c| c.split(' ').count() >= 5)
+            .collect()
+    });
+    let line = format!(" {} ", words_only(line));
+    CLAUSES
+        .iter()
+        .map(|c| format!(" {c} "))
+        .filter(|c| line.contains(c.as_str()))
+        .any(|c| {
+            !sources
+                .iter()
+                .any(|s| format!(" {} ", words_only(&s.text)).contains(&c))
+        })
+}
+
+/// Lower-cased words (letters, digits, apostrophes) joined by one space.
+fn words_only(text: &str) -> String {
+    text.replace(['\u{2019}', '\u{2018}'], "'")
+        .to_lowercase()
+        .split(|c: char| !(c.is_alphanumeric() || c == '\''))
+        .filter(|w| !w.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// Checks a rolling-state answer like a summary: no delimiters, reasoning
@@ -674,6 +718,9 @@ pub fn check_rolling_state(
                 m.as_str().trim()
             )));
         }
+        if holds_an_instruction_phrase(section, &req.sources) {
+            return Err(Rejection::Copy(Copied::Instructions));
+        }
         let norm = normalize(section);
         // Short sections ("none", a file name) may match anything.
         if norm.split_whitespace().count() < 12 {
@@ -690,12 +737,31 @@ pub fn check_rolling_state(
             return Err(Rejection::Copy(Copied::Source(source.label.clone())));
         }
     }
-    if let Some(rejection) = find_unsupported(&req.sources, &text) {
+    // What the previous state told is shown too: a model that carries its
+    // "All 386 tests pass" forward claims nothing new.
+    let mut shown: Vec<SourceItem> = Vec::with_capacity(req.sources.len() + 1);
+    if let Some(previous) = &req.previous {
+        shown.push(SourceItem {
+            label: "previous state".into(),
+            role: None,
+            tool: None,
+            text: prompts::format_rolling_state(previous),
+            tokens: 0,
+            time: 0,
+        });
+    }
+    shown.extend(req.sources.iter().cloned());
+    if let Some(rejection) = find_unsupported(&shown, &text) {
         return Err(rejection);
     }
-    // Never below the deterministic state of the same turns.
+    // Never below the deterministic update of the same state and turns:
+    // the facts of the turns, and those the previous state carried.
     let deterministic = crate::core::fallback_summary::rolling_state(req);
-    Floor::new(&req.sources, &prompts::format_rolling_state(&deterministic))
+    let mut facts = HandoverFacts::of(&req.sources);
+    if let Some(previous) = &req.previous {
+        facts.extend(HandoverFacts::carried_by(previous));
+    }
+    Floor::of_facts(facts, &prompts::format_rolling_state(&deterministic))
         .check(&text)
         .map_err(Rejection::from)
 }
@@ -1267,6 +1333,104 @@ pub(crate) mod tests {
         assert_eq!(
             check(&r, &restated, Encoding::O200kBase, 3.0),
             Err(Rejection::Copy(Copied::PreviousSummaryRestated))
+        );
+    }
+
+    /// The real-model run (0.5B model, Claude Code session fa812bfe)
+    /// stored a summary whose identifier appendix carried five of the
+    /// prompt's section phrases: the whole-instructions check looked only
+    /// at the narrative above the appendix.
+    #[test]
+    fn rejects_an_instruction_phrase_anywhere_unless_a_source_says_it() {
+        let r = req("source", 1000, 100);
+        let appendix = "## Next\n- turn 17: Now let me look at the existing SessionRegistry.\n\
+                        ## Exact identifiers\nlib/spotter/services/session_registry.ex\n\
+                        ## Errors and fixes: each error or failure and how it was fixed (or that it is not yet);\n\
+                        ## Decisions: each decision and its reason;\n\n\
+                        Exact identifiers:\n- ErlangError";
+        assert_eq!(
+            check(&r, appendix, Encoding::O200kBase, 3.0),
+            Err(Rejection::Copy(Copied::Instructions))
+        );
+        // One phrase is enough, whatever its case and punctuation.
+        let one = "The agent added the registry and its sweep.\n\
+                   ## Decisions\n- Each decision, and its reason.";
+        assert_eq!(
+            check(&r, one, Encoding::O200kBase, 3.0),
+            Err(Rejection::Copy(Copied::Instructions))
+        );
+        // Words a summary shares with the section names pass.
+        let told = "The agent added the registry; each decision was reviewed by the user, \
+                    and the next step is the sweep.";
+        assert!(check(&r, told, Encoding::O200kBase, 3.0).is_ok());
+        // A conversation about prompts may say it: then so may its summary.
+        let about = req(
+            "Change the summary prompt: replace 'each decision and its reason' with a list.",
+            1000,
+            100,
+        );
+        let quoted = "The user asked to replace 'each decision and its reason' in the summary \
+                      prompt with a list.";
+        assert!(check(&about, quoted, Encoding::O200kBase, 3.0).is_ok());
+    }
+
+    /// The same run's rolling state at turn 287: "In progress" was the
+    /// prompt's own placeholder and the user's decision ("use the
+    /// Ash-generated migration") carried since turn 195 was replaced by
+    /// words of no use; the deterministic update kept it.
+    #[test]
+    fn a_rolling_state_keeps_the_decisions_its_previous_state_carried() {
+        let rolling = RollingStateRequest {
+            conversation: "c".into(),
+            previous: Some(RollingState {
+                completed: "All 386 tests pass, credo clean.".into(),
+                in_progress: "continue until all are done".into(),
+                decisions: "I should remove my manual migration and use the Ash-generated one \
+                            instead."
+                    .into(),
+                blockers: String::new(),
+                next: "Let me run the full suite.".into(),
+            }),
+            sources: vec![SourceItem {
+                label: "turn 287".into(),
+                role: Some(Role::Assistant),
+                tool: None,
+                text: "Let me add the scroll handler near the other component functions at the \
+                       bottom of pane_list_live.ex."
+                    .into(),
+                tokens: 30,
+                time: 0,
+            }],
+        };
+        let prompt = prompts::render_rolling_state(&rolling);
+        let state = |in_progress: &str, decisions: &str| RollingState {
+            completed: "All 386 tests pass, credo clean.".into(),
+            in_progress: in_progress.into(),
+            decisions: decisions.into(),
+            blockers: String::new(),
+            next: "Add the scroll handler to pane_list_live.ex.".into(),
+        };
+        let kept = state(
+            "continue until all are done",
+            "use the Ash-generated migration instead of the manual one",
+        );
+        assert_eq!(check_rolling_state(&rolling, &prompt.system, &kept), Ok(()));
+        let placeholder = state(
+            "The user's current request, in the user's words.",
+            "use the Ash-generated migration instead of the manual one",
+        );
+        assert_eq!(
+            check_rolling_state(&rolling, &prompt.system, &placeholder),
+            Err(Rejection::Copy(Copied::Instructions))
+        );
+        let dropped = state(
+            "continue until all are done",
+            "The decision to read the key files is force.",
+        );
+        let got = check_rolling_state(&rolling, &prompt.system, &dropped);
+        assert!(
+            matches!(&got, Err(Rejection::BelowDeterministic { .. })),
+            "{got:?}"
         );
     }
 }

@@ -46,7 +46,12 @@ impl Floor {
     /// The floor set by `deterministic`, a deterministic text written over
     /// `sources`.
     pub fn new(sources: &[SourceItem], deterministic: &str) -> Floor {
-        let facts = HandoverFacts::of(sources);
+        Floor::of_facts(HandoverFacts::of(sources), deterministic)
+    }
+
+    /// The floor set by `deterministic` on `facts` (those of its sources,
+    /// and for a rolling state those its previous state carried).
+    pub fn of_facts(facts: HandoverFacts, deterministic: &str) -> Floor {
         let whole = deterministic.to_lowercase();
         let lines: Vec<(&str, String)> = deterministic
             .lines()

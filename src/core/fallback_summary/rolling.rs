@@ -109,6 +109,45 @@ pub fn rolling_state(req: &RollingStateRequest) -> RollingState {
     }
 }
 
+impl HandoverFacts {
+    /// The facts a rolling state carries into its update: the requests in
+    /// progress and the decisions in force, by their content words. The
+    /// deterministic update keeps them while they fit, so a model's update
+    /// is held to them too ([`crate::summarizer::floor`]): a decision
+    /// stated fifty turns ago is not in the new turns, and a model that
+    /// drops it from the state loses it for good.
+    pub fn carried_by(state: &RollingState) -> HandoverFacts {
+        let terms = |section: &str| -> Vec<Vec<String>> {
+            items_of(section)
+                .iter()
+                .map(|i| content_terms(i.trim_start_matches("earlier: ")))
+                .filter(|t| !t.is_empty())
+                .collect()
+        };
+        HandoverFacts {
+            requests: terms(&state.in_progress),
+            files: Vec::new(),
+            errors: Vec::new(),
+            decisions: terms(&state.decisions),
+        }
+    }
+
+    /// These facts and `other`'s, each once.
+    pub fn extend(&mut self, other: HandoverFacts) {
+        fn add<T: PartialEq>(to: &mut Vec<T>, more: Vec<T>) {
+            for m in more {
+                if !to.contains(&m) {
+                    to.push(m);
+                }
+            }
+        }
+        add(&mut self.requests, other.requests);
+        add(&mut self.files, other.files);
+        add(&mut self.errors, other.errors);
+        add(&mut self.decisions, other.decisions);
+    }
+}
+
 /// A section's items as the state wrote them.
 fn items_of(section: &str) -> Vec<String> {
     section
