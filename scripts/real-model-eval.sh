@@ -528,6 +528,11 @@ if pd or pm_:
     if tot[0]:
         pct = lambda x: f"{100 * x / tot[0]:.1f}%"
         print(f"{'all':<10} {pct(tot[1]):>14} {pct(tot[2]):>8} {pct(tot[3]):>11}   ({tot[0]} probes)")
+    for name, run in (("deterministic", d), ("model", m)):
+        ids = run.get("probes", {}).get("missed_by_contextfold", [])
+        print(f"missed by the {name} run: {', '.join(ids) or 'none'}")
+    ids = d.get("probes", {}).get("missed_by_truncation", [])
+    print(f"missed by truncation: {', '.join(ids) or 'none'}")
     print()
 # The server's own timings: one "prompt eval time" and one "eval time" line a request.
 prompt = [tuple(map(float, x)) for x in re.findall(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", open(llama_log, errors="replace").read())]

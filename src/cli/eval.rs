@@ -341,6 +341,8 @@ fn eval_at(
                 "by_kind": total.probes.by_kind,
                 "total": total.probes.total(),
                 "not_in_these_files": probes_elsewhere,
+                "missed_by_contextfold": missed_ids(&total.probes, |o| o.contextfold),
+                "missed_by_truncation": missed_ids(&total.probes, |o| o.truncation),
             });
         }
         println!("{summary}");
@@ -1056,22 +1058,16 @@ fn print_probes(reports: &[FileReport], total: &FileReport, budget: u64, elsewhe
             100.0 * share(all.truncation, all.probes)
         );
     }
-    let missed = |ours: bool| -> String {
-        let ids: Vec<&str> = total
-            .probes
-            .outcomes
-            .iter()
-            .filter(|o| if ours { !o.contextfold } else { !o.truncation })
-            .map(|o| o.id.as_str())
-            .collect();
+    let missed = |passed: fn(&probes::ProbeOutcome) -> bool| -> String {
+        let ids = missed_ids(&total.probes, passed);
         if ids.is_empty() {
             "none".into()
         } else {
             ids.join(", ")
         }
     };
-    println!("missed by contextfold: {}", missed(true));
-    println!("missed by truncation: {}", missed(false));
+    println!("missed by contextfold: {}", missed(|o| o.contextfold));
+    println!("missed by truncation: {}", missed(|o| o.truncation));
     if !total.probes_never_reached.is_empty() {
         println!(
             "never checked (their at_turn is past the conversation's end): {}",
@@ -1081,6 +1077,17 @@ fn print_probes(reports: &[FileReport], total: &FileReport, budget: u64, elsewhe
     if elsewhere > 0 {
         println!("{elsewhere} probes name conversations not in these files");
     }
+}
+
+/// The ids of the probes `passed` says a context missed, in the order
+/// they were checked.
+fn missed_ids(report: &ProbeReport, passed: fn(&probes::ProbeOutcome) -> bool) -> Vec<&str> {
+    report
+        .outcomes
+        .iter()
+        .filter(|o| !passed(o))
+        .map(|o| o.id.as_str())
+        .collect()
 }
 
 /// `kind n, kind n` or `none`.

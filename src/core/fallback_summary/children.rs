@@ -98,6 +98,11 @@ pub(super) fn parse_child(text: &str) -> ChildSections {
             .or_else(|| line.strip_prefix("* "))
             .unwrap_or(line)
             .to_string();
+        // A lead-in whose list never came ("You'll need to:", a model
+        // copying a turn's first line) tells nothing.
+        if item.ends_with(':') && !matches!(into, Into::Identifiers) {
+            continue;
+        }
         match into {
             Into::Progress if !structured => mine_prose(&mut child, &item),
             Into::Progress => child.progress.push(item),
@@ -222,5 +227,22 @@ mod tests {
         assert_eq!(prose.decisions.len(), 1, "{:?}", prose.decisions);
         assert_eq!(prose.done.len(), 1, "{:?}", prose.done);
         assert_eq!(prose.progress.len(), 1);
+    }
+
+    /// A depth-2 summary of the real-model run carried "## Progress /
+    /// - You'll need to:" (a model child's copy of a turn's first line)
+    /// into every summary above it.
+    #[test]
+    fn a_lead_in_without_its_list_is_not_carried() {
+        let c = parse_child(
+            "The agent added the touch calls.\n## Progress\n- You'll need to:\n\
+             - wired the registry\n## Files changed\n- Changed:\n- lib/a.ex (edited in turn 3)",
+        );
+        assert_eq!(
+            c.progress,
+            vec!["The agent added the touch calls.", "wired the registry"]
+        );
+        assert_eq!(c.files.len(), 1);
+        assert_eq!(c.files[0].path, "lib/a.ex");
     }
 }
