@@ -229,8 +229,8 @@ mod tests {
         assert_eq!(prose.progress.len(), 1);
     }
 
-    /// A depth-2 summary of the real-model run carried "## Progress /
-    /// - You'll need to:" (a model child's copy of a turn's first line)
+    /// A depth-2 summary of the real-model run carried a Progress item
+    /// "You'll need to:" (a model child's copy of a turn's first line)
     /// into every summary above it.
     #[test]
     fn a_lead_in_without_its_list_is_not_carried() {
