@@ -656,29 +656,30 @@ fn copies_instructions(text: &str, sources: &[SourceItem]) -> bool {
 /// request, in the user's words", that no source has: no summary of real
 /// turns says that unless the turns do.
 fn holds_an_instruction_phrase(line: &str, sources: &[SourceItem]) -> bool {
+    // Each clause as " words ": found only at word boundaries.
     static CLAUSES: std::sync::LazyLock<Vec<String>> = std::sync::LazyLock::new(|| {
         prompts::instruction_phrases()
             .flat_map(|p| p.split(['(', ')']))
             .map(words_only)
             .filter(|c| c.split(' ').count() >= 5)
+            .map(|c| format!(" {c} "))
             .collect()
     });
     let line = format!(" {} ", words_only(line));
     CLAUSES
         .iter()
-        .map(|c| format!(" {c} "))
         .filter(|c| line.contains(c.as_str()))
         .any(|c| {
             !sources
                 .iter()
-                .any(|s| format!(" {} ", words_only(&s.text)).contains(&c))
+                .any(|s| format!(" {} ", words_only(&s.text)).contains(c.as_str()))
         })
 }
 
-/// Lower-cased words (letters, digits, apostrophes) joined by one space.
+/// [`normalize`]d words (letters, digits, apostrophes), punctuation
+/// dropped, joined by one space.
 fn words_only(text: &str) -> String {
-    text.replace(['\u{2019}', '\u{2018}'], "'")
-        .to_lowercase()
+    normalize(text)
         .split(|c: char| !(c.is_alphanumeric() || c == '\''))
         .filter(|w| !w.is_empty())
         .collect::<Vec<_>>()

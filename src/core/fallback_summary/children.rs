@@ -98,8 +98,9 @@ pub(super) fn parse_child(text: &str) -> ChildSections {
             .or_else(|| line.strip_prefix("* "))
             .unwrap_or(line)
             .to_string();
-        // A lead-in whose list never came ("You'll need to:", a model
-        // copying a turn's first line) tells nothing.
+        // A lead-in ("You'll need to:", a model copying a turn's first
+        // line) tells nothing by itself: the items of its list, when one
+        // came, are lines of their own.
         if item.ends_with(':') && !matches!(into, Into::Identifiers) {
             continue;
         }
