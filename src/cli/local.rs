@@ -496,7 +496,8 @@ pub fn run(
             skipped += dropped;
             Ok(Some(records))
         };
-        let mut ahead = next_chunk(&mut input)?.map(|first| measure(Measurer::default(), first));
+        let mut ahead = next_chunk(&mut input)?
+            .map(|first| measure(Measurer::for_policy(&config.policy), first));
         while let Some(measuring) = ahead {
             let (measurer, records, measures) = measuring.await.context("measuring turns")?;
             ahead = next_chunk(&mut input)?.map(|following| measure(measurer, following));

@@ -12,7 +12,9 @@
 
 use crate::core::mask;
 use crate::core::message::ChatMessage;
+use crate::core::summary::SourceReading;
 use crate::core::tokens::{self, Encoding};
+use std::sync::Arc;
 
 /// A turn measured ahead of the fold.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -24,6 +26,10 @@ pub struct TurnMeasure {
     /// [`mask::telling_line`] of the output a masked rendering would stand
     /// for (`None`: the turn has no such output, or it was not measured).
     pub telling: Option<String>,
+    /// What a summarizer reads of the turn, with the turn's event id, when
+    /// it was read ahead too ([`SourceReading`]; the fold does not use it,
+    /// its runtime hands it to the turn's drafts).
+    pub reading: Option<(Box<str>, Arc<SourceReading>)>,
 }
 
 impl TurnMeasure {
@@ -33,6 +39,7 @@ impl TurnMeasure {
             encoding,
             tokens: tokens::count_message(encoding, msg),
             telling: mask::output_to_mask(msg).map(|text| mask::telling_line(&text)),
+            reading: None,
         }
     }
 

@@ -20,7 +20,7 @@ pub enum IdentifierPolicy {
 }
 
 /// One thing a summary is written over: a raw turn or a child summary.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct SourceItem {
     /// `turn 17` or `summary sum_ab12...`: how the summary may refer to it.
     pub label: String,
@@ -36,6 +36,71 @@ pub struct SourceItem {
     /// Event time of the turn (or newest covered turn).
     #[serde(default)]
     pub time: u64,
+    /// What the deterministic summarizer reads of this source, when it was
+    /// read ahead of the draft (see [`SourceReading`]); never sent.
+    #[serde(skip)]
+    pub read_ahead: ReadAhead,
+}
+
+/// What the deterministic summarizer reads of one source on its own,
+/// whatever came before it: the error its output reports, its milestones
+/// and the files it says were changed, and (when read) its identifiers.
+/// These are most of a draft's work and pure functions of the source, so
+/// `run` reads them on its other core while the fold works on the turns
+/// before (`runtime::embedded::Measurer`), and the draft, which waits on
+/// the fold's thread, only merges them. A reading names the text it was
+/// taken from (role, tool and the text's digest): a draft uses it only for
+/// that text and reads anything else itself, so a reading changes the time
+/// a draft takes, never what it writes (`fallback_summary::reading`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SourceReading {
+    pub role: Option<Role>,
+    pub tool: Option<String>,
+    /// The BLAKE3 digest of the text read.
+    pub text_digest: [u8; 32],
+    pub output: OutputReading,
+    /// `None` when only the output was read.
+    pub identifiers: Option<IdentifierReading>,
+}
+
+/// What a turn's output says on its own (a tool's result, or console
+/// output pasted in a user's turn); empty for other turns.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct OutputReading {
+    pub error: Option<String>,
+    pub milestones: Vec<String>,
+    pub file_changes: Vec<(String, &'static str)>,
+}
+
+/// A source's identifiers in order of appearance, the identifiers of the
+/// arguments of the calls that act (an edit, a command, an action) and
+/// the names of every call it makes, in order.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct IdentifierReading {
+    pub identifiers: Vec<String>,
+    pub acted: Vec<String>,
+    pub calls: Vec<String>,
+}
+
+/// A [`SourceReading`] taken ahead, if any: a shortcut, not content, so
+/// two sources that differ only in it are equal.
+#[derive(Clone, Default)]
+pub struct ReadAhead(pub Option<std::sync::Arc<SourceReading>>);
+
+impl PartialEq for ReadAhead {
+    fn eq(&self, _: &ReadAhead) -> bool {
+        true
+    }
+}
+
+impl std::fmt::Debug for ReadAhead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "ReadAhead(Some(..))"
+        } else {
+            "ReadAhead(None)"
+        })
+    }
 }
 
 /// A request for one summary.

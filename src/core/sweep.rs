@@ -8,11 +8,11 @@ use crate::core::derived_id::DerivedId;
 use crate::core::event::{
     Covers, DebtReason, Envelope, EventBody, JobIssued, RollingState, SummaryKind, SummaryRecorded,
 };
-use crate::core::message::Role;
+use crate::core::message::{ChatMessage, Role};
 use crate::core::policy::{self, PlanItem, PlanView, PolicyConfig, Run};
 use crate::core::state::{summary_id, BodyError, ContextItem, Conversation, Resident, TurnBodies};
 use crate::core::summary::{
-    IdentifierPolicy, RollingStateRequest, SourceItem, SummaryDraft, SummaryRequest,
+    IdentifierPolicy, ReadAhead, RollingStateRequest, SourceItem, SummaryDraft, SummaryRequest,
 };
 use crate::core::tokens;
 use serde::{Deserialize, Serialize};
@@ -129,6 +129,15 @@ pub fn strip_injected(text: &str, tags: &[String]) -> String {
     out
 }
 
+/// The tool a turn's source names: its first call's, or the tool whose
+/// result it is.
+pub fn source_tool(msg: &ChatMessage) -> Option<String> {
+    msg.tool_calls
+        .first()
+        .map(|c| c.function.name.clone())
+        .or_else(|| msg.name.clone())
+}
+
 fn turn_source(
     conv: &Conversation,
     bodies: &dyn TurnBodies,
@@ -138,11 +147,7 @@ fn turn_source(
     let turn = &conv.turns[seq as usize];
     let body = bodies.turn_body(conv, seq)?;
     let msg = &body.message;
-    let tool = msg
-        .tool_calls
-        .first()
-        .map(|c| c.function.name.clone())
-        .or_else(|| msg.name.clone());
+    let tool = source_tool(msg);
     let text = if msg.is_demonstration() {
         // Another task's example: sent whole, a small model summarizes it as
         // the task (a pydicom run's first leaf described marshmallow's
@@ -168,6 +173,13 @@ fn turn_source(
     } else {
         context_tokens
     };
+    // A demonstration's note is not its message's text: nothing read
+    // ahead is for it.
+    let read_ahead = if msg.is_demonstration() {
+        None
+    } else {
+        bodies.read_ahead(&body.event_id)
+    };
     Ok(SourceItem {
         label: format!("turn {seq}"),
         role: Some(turn.role),
@@ -175,6 +187,7 @@ fn turn_source(
         text,
         tokens,
         time: turn.time,
+        read_ahead: ReadAhead(read_ahead),
     })
 }
 
@@ -264,6 +277,7 @@ fn summary_source(
         text: bodies.summary_text(conv, index)?.to_string(),
         tokens: s.tokens,
         time: s.time,
+        read_ahead: Default::default(),
     })
 }
 
@@ -618,6 +632,7 @@ impl SweepSnapshot {
                 text: rec.content.clone(),
                 tokens: cost,
                 time: 0,
+                read_ahead: Default::default(),
             }),
             fallback: rec.fallback,
             resummarize: None,
@@ -817,6 +832,7 @@ mod tests {
             tokens: tokens::count_text(enc, &text),
             text,
             time: 0,
+            read_ahead: Default::default(),
         };
         let small = item("turn 1", "the user asked for a fix".into());
         let big = item("turn 2", "word ".repeat(3000));

@@ -8,13 +8,17 @@ use crate::core::intake::{self, Address};
 use crate::core::measure::TurnMeasure;
 use crate::core::tokens;
 
-use crate::core::sweep::SweepSnapshot;
+use crate::core::fallback_summary;
+use crate::core::policy::PolicyConfig;
+use crate::core::summary::SourceItem;
+use crate::core::sweep::{self, SweepSnapshot};
 use crate::log::{EventLog, LogError};
 use crate::runtime::engine::{Effects, Engine};
 use crate::runtime::sweep::run_sweep;
 use crate::store::{KvBackend, StoreError};
 use crate::summarizer::Summarizer;
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 #[derive(Debug, thiserror::Error)]
@@ -298,12 +302,36 @@ impl<L: EventLog, B: KvBackend, S: Summarizer> Pipeline<L, B, S> {
 /// before them. It counts each conversation's turns in the encoding of the
 /// model its first turn named, as the fold does; where that guess is wrong
 /// (a conversation begun before this process), the fold counts again.
+///
+/// It also reads each turn for its drafts ([`crate::runtime::read_ahead`]):
+/// the output's signals always (rolling states read every turn), the
+/// identifiers once the conversation has half the tokens that start
+/// compaction under the default window (before that its turns may never be
+/// summarized; a turn not read ahead is read by its draft).
 #[derive(Debug, Default)]
 pub struct Measurer {
-    encodings: HashMap<String, tokens::Encoding>,
+    conversations: HashMap<String, Measured>,
+    /// Tokens of a conversation from which its turns' identifiers are read
+    /// ahead (0: every turn's).
+    identifiers_from: u64,
+}
+
+#[derive(Debug)]
+struct Measured {
+    encoding: tokens::Encoding,
+    tokens: u64,
 }
 
 impl Measurer {
+    /// A measurer for a pipeline folding under `policy`.
+    pub fn for_policy(policy: &PolicyConfig) -> Measurer {
+        Measurer {
+            conversations: HashMap::new(),
+            identifiers_from: (policy.default_context_window as f64 * policy.context_threshold
+                / 2.0) as u64,
+        }
+    }
+
     /// One measure per record: `None` for a record that is not a turn (or
     /// that intake refuses).
     pub fn measure(&mut self, records: &[(Encoding, Vec<u8>)]) -> Vec<Option<TurnMeasure>> {
@@ -321,11 +349,30 @@ impl Measurer {
                 let EventBody::TurnAppended(turn) = &admitted.event.body else {
                     return None;
                 };
-                let encoding = *self
-                    .encodings
+                let measured = self
+                    .conversations
                     .entry(admitted.event.conversation.clone())
-                    .or_insert_with(|| tokens::Encoding::for_model(turn.model.as_deref()));
-                Some(TurnMeasure::of(encoding, &turn.message))
+                    .or_insert_with(|| Measured {
+                        encoding: tokens::Encoding::for_model(turn.model.as_deref()),
+                        tokens: 0,
+                    });
+                let mut measure = TurnMeasure::of(measured.encoding, &turn.message);
+                measured.tokens += measure.tokens;
+                let msg = &turn.message;
+                if !msg.is_demonstration() {
+                    let source = SourceItem {
+                        role: Some(msg.role),
+                        tool: sweep::source_tool(msg),
+                        text: msg.searchable_text(),
+                        ..SourceItem::default()
+                    };
+                    let identifiers = measured.tokens >= self.identifiers_from;
+                    measure.reading = Some((
+                        admitted.event.id.as_str().into(),
+                        Arc::new(fallback_summary::read_source(&source, identifiers)),
+                    ));
+                }
+                Some(measure)
             })
             .collect()
     }
@@ -430,6 +477,7 @@ mod tests {
 
         let mut measured = open().await;
         let mut measurer = Measurer::default();
+        let used_before = crate::core::fallback_summary::readings_used();
         let (mut counted_measured, mut counted_ahead) = (0, 0);
         for chunk in records.chunks(50) {
             let before = crate::core::tokens::texts_counted();
@@ -453,6 +501,8 @@ mod tests {
             .map(|c| c.summaries.len())
             .sum();
         assert!(summaries > 0, "the session compacts");
+        // The drafts read what the measurer read ahead (and wrote the same).
+        assert!(crate::core::fallback_summary::readings_used() > used_before);
         assert_eq!(
             measured.engine.state_hash().unwrap(),
             plain.engine.state_hash().unwrap()

@@ -42,6 +42,7 @@ use crate::core::policy::PolicyConfig;
 use crate::core::state::State;
 use crate::core::sweep::{self, SweepSnapshot};
 use crate::log::{LogRecord, Position};
+use crate::runtime::read_ahead::{Readings, WithReadings};
 use crate::store::state_store::StateStore;
 use crate::store::{KvBackend, StoreError};
 use crate::telemetry as t;
@@ -168,6 +169,8 @@ pub struct Engine<B: KvBackend> {
     /// Turns measured ahead of the fold, by log position, oldest first
     /// ([`Engine::measured_ahead`]).
     ahead: VecDeque<(Position, TurnMeasure)>,
+    /// Turns read ahead of their drafts, by event id (the measures' readings).
+    readings: Readings,
 }
 
 /// The layout of the stored state. Raise it when a state record changes
@@ -283,6 +286,7 @@ impl<B: KvBackend> Engine<B> {
             requeue_pending: false,
             in_history: false,
             ahead: VecDeque::new(),
+            readings: Readings::default(),
         }
     }
 
@@ -562,7 +566,10 @@ impl<B: KvBackend> Engine<B> {
             };
             out.push(sweep::snapshot_from(
                 conv,
-                &self.store.bodies(),
+                &WithReadings {
+                    bodies: self.store.bodies(),
+                    readings: &self.readings,
+                },
                 &pending.job,
                 &self.policy,
             )?);
@@ -823,7 +830,10 @@ impl<B: KvBackend> Engine<B> {
                 if pending.job.job_id == job_id && seen.insert(job_id) {
                     let snapshot = sweep::snapshot_from(
                         conv,
-                        &self.store.bodies(),
+                        &WithReadings {
+                            bodies: self.store.bodies(),
+                            readings: &self.readings,
+                        },
                         &pending.job,
                         &self.policy,
                     )?;
@@ -913,7 +923,10 @@ impl<B: KvBackend> Engine<B> {
     /// [`crate::core::measure`]). Measures are given in log order, before
     /// their records are folded; one whose record is never folded is
     /// dropped when a later record is.
-    pub fn measured_ahead(&mut self, position: Position, measure: TurnMeasure) {
+    pub fn measured_ahead(&mut self, position: Position, mut measure: TurnMeasure) {
+        if let Some((event_id, reading)) = measure.reading.take() {
+            self.readings.insert(event_id, reading);
+        }
         self.ahead.push_back((position, measure));
     }
 

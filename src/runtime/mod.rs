@@ -5,5 +5,6 @@
 pub mod audit;
 pub mod embedded;
 pub mod engine;
+pub mod read_ahead;
 pub mod recall;
 pub mod sweep;

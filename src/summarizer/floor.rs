@@ -171,6 +171,7 @@ mod tests {
             text: text.into(),
             tokens: 400,
             time: 0,
+            read_ahead: Default::default(),
         };
         let sources = vec![
             turn(

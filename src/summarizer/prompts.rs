@@ -468,6 +468,7 @@ mod tests {
             text: text.into(),
             tokens: 40,
             time: 0,
+            read_ahead: Default::default(),
         }
     }
 
@@ -479,6 +480,7 @@ mod tests {
             text: text.into(),
             tokens: 60,
             time: 0,
+            read_ahead: Default::default(),
         }
     }
 

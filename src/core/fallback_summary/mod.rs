@@ -52,6 +52,7 @@ use std::sync::LazyLock;
 mod children;
 mod fit;
 mod notes;
+mod reading;
 mod rolling;
 mod signals;
 
@@ -59,6 +60,9 @@ use children::*;
 use fit::*;
 use notes::*;
 pub use notes::{is_listing_line, prefix_bytes};
+pub use reading::read_source;
+#[cfg(test)]
+pub(crate) use reading::readings_used;
 pub use rolling::rolling_state;
 
 /// What [`SummaryDraft::model`] says for this summarizer.
@@ -187,23 +191,14 @@ fn ranked_identifiers(sources: &[SourceItem]) -> Vec<String> {
     // Names of the calls whose results come next, in order.
     let mut pending: std::collections::VecDeque<String> = Default::default();
     for (at, source) in sources.iter().enumerate() {
-        let mut acted: HashSet<String> = HashSet::new();
+        // Read ahead when it was (`reading`).
+        let read = reading::identifiers_of(source);
+        let acted: HashSet<&str> = read.acted.iter().map(String::as_str).collect();
         let mut listing = false;
         match source.role {
             Some(Role::Assistant) => {
-                let (_, calls) = signals::split_calls(&source.text, source.tool.as_deref());
                 pending.clear();
-                for call in &calls {
-                    if matches!(
-                        signals::classify_call(call),
-                        signals::CallKind::File { .. }
-                            | signals::CallKind::Shell(_)
-                            | signals::CallKind::Action
-                    ) {
-                        acted.extend(identifiers::extract(&call.arguments));
-                    }
-                    pending.push_back(call.name.clone());
-                }
+                pending.extend(read.calls.iter().cloned());
             }
             Some(Role::Tool) => {
                 let name = pending.pop_front().or_else(|| source.tool.clone());
@@ -212,18 +207,18 @@ fn ranked_identifiers(sources: &[SourceItem]) -> Vec<String> {
             _ => pending.clear(),
         }
         let mut here: HashSet<String> = HashSet::new();
-        for id in identifiers::extract(&source.text) {
+        for id in &read.identifiers {
             if !here.insert(id.clone()) {
                 continue;
             }
             let by_user = source.role == Some(Role::User);
-            let acted_on = acted.contains(&id);
+            let acted_on = acted.contains(id.as_str());
             let child = source.role.is_none();
             let rank = if child { here.len() } else { 0 };
             // Recency and length order turns only (see above).
             let at = if child { 0 } else { at };
             let mention = u32::from(!listing);
-            match seen.get_mut(&id) {
+            match seen.get_mut(id.as_str()) {
                 Some(s) => {
                     s.acted_on |= acted_on;
                     s.by_user |= by_user;
@@ -242,7 +237,7 @@ fn ranked_identifiers(sources: &[SourceItem]) -> Vec<String> {
                             newest: at,
                         },
                     );
-                    order.push(id);
+                    order.push(id.clone());
                 }
             }
         }

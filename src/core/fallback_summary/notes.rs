@@ -265,6 +265,8 @@ impl Notes {
         for (at, item) in sources.iter().enumerate() {
             let label = &item.label;
             let text = item.text.as_str();
+            // The output's own signals, read ahead when they were.
+            let output = super::reading::output_of(item);
             match item.role {
                 // Another task's example (its text is a note saying so).
                 Some(Role::User) if item.tool.as_deref() == Some(DEMONSTRATION_NAME) => {}
@@ -285,8 +287,8 @@ impl Notes {
                     }
                     // Output pasted or printed in the user's turn (an error
                     // to fix, a tool's console): its errors and milestones.
-                    if let Some(error) = reported_error_line(text) {
-                        if seen.first(SectionId::Errors, &error) {
+                    if let Some(error) = &output.error {
+                        if seen.first(SectionId::Errors, error) {
                             notes.errors.push(Line {
                                 at,
                                 text: format!("{label}: reported {error}"),
@@ -295,8 +297,8 @@ impl Notes {
                             unanswered_error = Some(notes.errors.len() - 1);
                         }
                     }
-                    for m in milestone_lines(text) {
-                        if seen.first(SectionId::Done, &m) {
+                    for m in &output.milestones {
+                        if seen.first(SectionId::Done, m) {
                             notes.done.push(Line {
                                 at,
                                 text: format!("{label}: {m}"),
@@ -304,8 +306,8 @@ impl Notes {
                             });
                         }
                     }
-                    for (path, verb) in reported_file_changes(text) {
-                        notes.add_file(file_entry(path, verb, label, None, at));
+                    for (path, verb) in &output.file_changes {
+                        notes.add_file(file_entry(path.clone(), verb, label, None, at));
                     }
                     pending.clear();
                 }
@@ -394,8 +396,8 @@ impl Notes {
                                 .unwrap_or("tool")
                         ),
                     };
-                    if let Some(error) = error_line(text) {
-                        if seen.first(SectionId::Errors, &error) {
+                    if let Some(error) = &output.error {
+                        if seen.first(SectionId::Errors, error) {
                             notes.errors.push(Line {
                                 at,
                                 text: format!("{label}: {what} failed: {error}"),
@@ -404,8 +406,8 @@ impl Notes {
                             unanswered_error = Some(notes.errors.len() - 1);
                         }
                     }
-                    for m in milestone_lines(text) {
-                        if seen.first(SectionId::Done, &m) {
+                    for m in &output.milestones {
+                        if seen.first(SectionId::Done, m) {
                             notes.done.push(Line {
                                 at,
                                 text: format!("{label}: {m}"),
@@ -415,8 +417,8 @@ impl Notes {
                     }
                     // A result confirming its own call's edit adds nothing.
                     if !edit_call {
-                        for (path, verb) in reported_file_changes(text) {
-                            notes.add_file(file_entry(path, verb, label, None, at));
+                        for (path, verb) in &output.file_changes {
+                            notes.add_file(file_entry(path.clone(), verb, label, None, at));
                         }
                     }
                 }

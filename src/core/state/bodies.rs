@@ -6,6 +6,7 @@
 
 use super::{Conversation, HistoryEntry};
 use crate::core::event::TurnAppended;
+use crate::core::summary::SourceReading;
 use serde_tuple::{Deserialize_tuple, Serialize_tuple};
 use std::sync::Arc;
 
@@ -241,6 +242,11 @@ pub trait TurnBodies {
     fn summary_text(&self, conv: &Conversation, index: u32) -> Result<Arc<str>, BodyError>;
     /// Every history entry of `conv`, oldest first.
     fn history(&self, conv: &Conversation) -> Result<Vec<HistoryEntry>, BodyError>;
+    /// What a summarizer reads of the turn of event `event_id`, when a
+    /// runtime read it ahead (see [`SourceReading`]): a shortcut only.
+    fn read_ahead(&self, _event_id: &str) -> Option<Arc<SourceReading>> {
+        None
+    }
 }
 
 /// Bodies from the conversation alone: for a state folded in memory,
