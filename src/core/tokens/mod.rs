@@ -156,25 +156,23 @@ fn count_up_to(encoding: Encoding, text: &str, limit: u64) -> u64 {
         let mut memo = memo.borrow_mut();
         let remembered = &mut memo.0[encoding as usize];
         let mut total = 0u64;
-        pretokenizer::for_each_piece(encoding, text, |piece| {
-            if total > limit {
-                return;
-            }
+        // Once past `limit` the count is sure to pass it: the rest of the
+        // text is not cut into pieces.
+        pretokenizer::for_each_piece_while(encoding, text, |piece| {
             let piece = piece.as_bytes();
-            if piece.len() > REMEMBERED_PIECE_BYTES {
-                total += tokenizer.bpe.count(piece) as u64;
-                return;
-            }
-            if let Some(&n) = remembered.get(piece) {
-                total += u64::from(n);
-                return;
-            }
-            let n = tokenizer.bpe.count(piece) as u32;
-            if remembered.len() >= REMEMBERED_PIECES {
-                remembered.clear();
-            }
-            remembered.insert(piece.into(), n);
-            total += u64::from(n);
+            total += if piece.len() > REMEMBERED_PIECE_BYTES {
+                tokenizer.bpe.count(piece) as u64
+            } else if let Some(&n) = remembered.get(piece) {
+                u64::from(n)
+            } else {
+                let n = tokenizer.bpe.count(piece) as u32;
+                if remembered.len() >= REMEMBERED_PIECES {
+                    remembered.clear();
+                }
+                remembered.insert(piece.into(), n);
+                u64::from(n)
+            };
+            total <= limit
         });
         total
     })
@@ -254,6 +252,24 @@ mod tests {
             assert_eq!(count_within(encoding, &text, n - 1), None);
             assert_eq!(count_within(encoding, &text, 10), None);
             assert_eq!(count_within(encoding, "", 0), Some(0));
+        }
+    }
+
+    proptest::proptest! {
+        /// Counting stops once past the limit (`for_each_piece_while`):
+        /// the answer is the whole count's, for ASCII and mixed text.
+        #[test]
+        fn counting_within_stops_past_the_limit_with_the_same_answer(
+            text in "([ -~\n]{0,40}|\\PC{0,20}){0,12}",
+            limit in 0u64..120,
+        ) {
+            for encoding in [Encoding::O200kBase, Encoding::Cl100kBase] {
+                let n = count_text(encoding, &text);
+                proptest::prop_assert_eq!(
+                    count_within(encoding, &text, limit),
+                    (n <= limit).then_some(n)
+                );
+            }
         }
     }
 
