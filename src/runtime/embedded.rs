@@ -306,20 +306,25 @@ impl<L: EventLog, B: KvBackend, S: Summarizer> Pipeline<L, B, S> {
 /// It also reads each turn for its drafts ([`crate::runtime::read_ahead`]):
 /// the output's signals always (rolling states read every turn), the
 /// identifiers once the conversation has half the tokens that start
-/// compaction under the default window (before that its turns may never be
-/// summarized; a turn not read ahead is read by its draft).
+/// compaction in its window (the one it declared, or the default; before
+/// that its turns may never be summarized; a turn not read ahead is read
+/// by its draft).
 #[derive(Debug, Default)]
 pub struct Measurer {
     conversations: HashMap<String, Measured>,
-    /// Tokens of a conversation from which its turns' identifiers are read
-    /// ahead (0: every turn's).
-    identifiers_from: u64,
+    /// The share of a conversation's window from which its turns'
+    /// identifiers are read ahead (0: every turn's).
+    identifiers_share: f64,
+    default_window: u64,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Default)]
 struct Measured {
-    encoding: tokens::Encoding,
+    /// The encoding of the model its first turn named.
+    encoding: Option<tokens::Encoding>,
     tokens: u64,
+    /// The context window it declared.
+    window: Option<u64>,
 }
 
 impl Measurer {
@@ -327,8 +332,8 @@ impl Measurer {
     pub fn for_policy(policy: &PolicyConfig) -> Measurer {
         Measurer {
             conversations: HashMap::new(),
-            identifiers_from: (policy.default_context_window as f64 * policy.context_threshold
-                / 2.0) as u64,
+            identifiers_share: policy.context_threshold / 2.0,
+            default_window: policy.default_context_window,
         }
     }
 
@@ -346,17 +351,27 @@ impl Measurer {
                     bytes,
                 })
                 .ok()?;
-                let EventBody::TurnAppended(turn) = &admitted.event.body else {
-                    return None;
+                let turn = match &admitted.event.body {
+                    EventBody::TurnAppended(turn) => turn,
+                    EventBody::ModelDeclared(declared) => {
+                        if let Some(window) = declared.context_window {
+                            self.conversations
+                                .entry(admitted.event.conversation.clone())
+                                .or_default()
+                                .window = Some(window);
+                        }
+                        return None;
+                    }
+                    _ => return None,
                 };
                 let measured = self
                     .conversations
                     .entry(admitted.event.conversation.clone())
-                    .or_insert_with(|| Measured {
-                        encoding: tokens::Encoding::for_model(turn.model.as_deref()),
-                        tokens: 0,
-                    });
-                let mut measure = TurnMeasure::of(measured.encoding, &turn.message);
+                    .or_default();
+                let encoding = *measured
+                    .encoding
+                    .get_or_insert_with(|| tokens::Encoding::for_model(turn.model.as_deref()));
+                let mut measure = TurnMeasure::of(encoding, &turn.message);
                 measured.tokens += measure.tokens;
                 let msg = &turn.message;
                 if !msg.is_demonstration() {
@@ -366,7 +381,9 @@ impl Measurer {
                         text: msg.searchable_text(),
                         ..SourceItem::default()
                     };
-                    let identifiers = measured.tokens >= self.identifiers_from;
+                    let window = measured.window.unwrap_or(self.default_window);
+                    let identifiers =
+                        measured.tokens as f64 >= window as f64 * self.identifiers_share;
                     measure.reading = Some((
                         admitted.event.id.as_str().into(),
                         Arc::new(fallback_summary::read_source(&source, identifiers)),
@@ -518,6 +535,56 @@ mod tests {
         // stubs, summaries and states it counts stay its own work).
         assert!(counted_ahead > 0);
         assert_eq!(counted_plain - counted_measured, counted_ahead);
+    }
+
+    #[test]
+    fn identifiers_are_read_ahead_once_a_conversation_nears_compaction() {
+        use crate::core::event::ModelDeclared;
+        let event = |id: String, key: &str, body: EventBody| {
+            (
+                Encoding::Msgpack,
+                Envelope::new(id, key, 1_000, body).to_msgpack(),
+            )
+        };
+        let mut records = vec![event(
+            "declared".into(),
+            "w:small",
+            EventBody::ModelDeclared(ModelDeclared {
+                model: "gpt-4o".into(),
+                context_window: Some(1_000),
+            }),
+        )];
+        for i in 0..6 {
+            for key in ["w:small", "w:default"] {
+                let text = format!("step {i}: read src/lib.rs and fix it. ").repeat(12);
+                records.push(event(
+                    format!("{key}-{i}"),
+                    key,
+                    EventBody::TurnAppended(TurnAppended::from(ChatMessage::text(
+                        Role::User,
+                        text,
+                    ))),
+                ));
+            }
+        }
+        let measures = Measurer::for_policy(&PolicyConfig::default()).measure(&records);
+        let read = |key: &str| -> Vec<bool> {
+            measures
+                .iter()
+                .filter_map(|m| {
+                    let (id, reading) = m.as_ref()?.reading.as_ref()?;
+                    id.starts_with(key).then(|| reading.identifiers.is_some())
+                })
+                .collect()
+        };
+        // 1,000 tokens declared: from 375 tokens (half the 0.75 that starts
+        // compaction) every turn's identifiers are read too; under the
+        // default window, only the output's signals.
+        let small = read("w:small");
+        assert_eq!(small.len(), 6);
+        assert!(!small[0] && small[5], "{small:?}");
+        assert!(small.windows(2).all(|w| w[0] <= w[1]));
+        assert_eq!(read("w:default"), vec![false; 6]);
     }
 
     #[tokio::test]
