@@ -21,7 +21,7 @@ pub struct Readings {
 }
 
 impl Readings {
-    pub const CAP: usize = 16_384;
+    pub const CAP: usize = 8_192;
 
     pub fn insert(&mut self, event_id: Box<str>, reading: Arc<SourceReading>) {
         if self.by_event.insert(event_id.clone(), reading).is_none() {
