@@ -138,6 +138,13 @@ pub fn source_tool(msg: &ChatMessage) -> Option<String> {
         .or_else(|| msg.name.clone())
 }
 
+/// The text a summarizer is given for a turn, `None` for a demonstration
+/// (another task's example: a note of what it is goes instead). What a
+/// runtime reads ahead for the turn's drafts is read from this text.
+pub fn turn_text(msg: &ChatMessage, tags: &[String]) -> Option<String> {
+    (!msg.is_demonstration()).then(|| strip_injected(&msg.searchable_text(), tags))
+}
+
 fn turn_source(
     conv: &Conversation,
     bodies: &dyn TurnBodies,
@@ -148,7 +155,9 @@ fn turn_source(
     let body = bodies.turn_body(conv, seq)?;
     let msg = &body.message;
     let tool = source_tool(msg);
-    let text = if msg.is_demonstration() {
+    let own_text = turn_text(msg, tags);
+    let demonstration = own_text.is_none();
+    let text = own_text.unwrap_or_else(|| {
         // Another task's example: sent whole, a small model summarizes it as
         // the task (a pydicom run's first leaf described marshmallow's
         // demonstrated fix). What it is goes instead; `expand` shows it.
@@ -157,9 +166,7 @@ fn turn_source(
              interface: {} tokens, not this conversation's work, left out here.)",
             turn.context_tokens
         )
-    } else {
-        strip_injected(&msg.searchable_text(), tags)
-    };
+    });
     // What is sent, not only what the turn costs in context: a large
     // payload costs its stub there but is sent whole (until `fit_sources`),
     // so it is counted again. Any other turn is sent as it was counted at
@@ -175,11 +182,9 @@ fn turn_source(
     };
     // A demonstration's note is not its message's text: nothing read
     // ahead is for it.
-    let read_ahead = if msg.is_demonstration() {
-        None
-    } else {
-        bodies.read_ahead(&body.event_id)
-    };
+    let read_ahead = (!demonstration)
+        .then(|| bodies.read_ahead(&body.event_id))
+        .flatten();
     Ok(SourceItem {
         label: format!("turn {seq}"),
         role: Some(turn.role),

@@ -316,6 +316,9 @@ pub struct Measurer {
     /// identifiers are read ahead (0: every turn's).
     identifiers_share: f64,
     default_window: u64,
+    /// The injected-context tags a turn's source text is stripped of
+    /// (`sweep::turn_text`), as the snapshots strip them.
+    tags: Vec<String>,
 }
 
 #[derive(Debug, Default)]
@@ -334,6 +337,7 @@ impl Measurer {
             conversations: HashMap::new(),
             identifiers_share: policy.context_threshold / 2.0,
             default_window: policy.default_context_window,
+            tags: policy.strip_injected_context_tags.clone(),
         }
     }
 
@@ -374,11 +378,11 @@ impl Measurer {
                 let mut measure = TurnMeasure::of(encoding, &turn.message);
                 measured.tokens += measure.tokens;
                 let msg = &turn.message;
-                if !msg.is_demonstration() {
+                if let Some(text) = sweep::turn_text(msg, &self.tags) {
                     let source = SourceItem {
                         role: Some(msg.role),
                         tool: sweep::source_tool(msg),
-                        text: msg.searchable_text(),
+                        text,
                         ..SourceItem::default()
                     };
                     let window = measured.window.unwrap_or(self.default_window);
@@ -494,11 +498,17 @@ mod tests {
 
         let mut measured = open().await;
         let mut measurer = Measurer::default();
-        let used_before = crate::core::fallback_summary::readings_used();
+        let mut read = Vec::new();
         let (mut counted_measured, mut counted_ahead) = (0, 0);
         for chunk in records.chunks(50) {
             let before = crate::core::tokens::texts_counted();
             let measures = measurer.measure(chunk);
+            read.extend(
+                measures
+                    .iter()
+                    .flatten()
+                    .filter_map(|m| m.reading.as_ref().map(|(_, reading)| reading.text_digest)),
+            );
             counted_ahead += crate::core::tokens::texts_counted() - before;
             assert_eq!(measures.len(), chunk.len());
             assert!(
@@ -519,7 +529,7 @@ mod tests {
             .sum();
         assert!(summaries > 0, "the session compacts");
         // The drafts read what the measurer read ahead (and wrote the same).
-        assert!(crate::core::fallback_summary::readings_used() > used_before);
+        assert!(read.iter().any(crate::core::fallback_summary::reading_used));
         assert_eq!(
             measured.engine.state_hash().unwrap(),
             plain.engine.state_hash().unwrap()

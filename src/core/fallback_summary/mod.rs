@@ -62,7 +62,7 @@ use notes::*;
 pub use notes::{is_listing_line, prefix_bytes};
 pub use reading::read_source;
 #[cfg(test)]
-pub(crate) use reading::readings_used;
+pub(crate) use reading::reading_used;
 pub use rolling::rolling_state;
 
 /// What [`SummaryDraft::model`] says for this summarizer.

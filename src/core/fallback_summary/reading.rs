@@ -45,20 +45,27 @@ fn read_ahead(item: &SourceItem) -> Option<&SourceReading> {
         r.role == item.role && r.tool == item.tool && r.text_digest == digest(&item.text)
     });
     #[cfg(test)]
-    if reading.is_some() {
-        READINGS_USED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    if let Some(r) = reading {
+        if let Ok(mut used) = READINGS_USED.lock() {
+            used.insert(r.text_digest);
+        }
     }
     reading
 }
 
-/// Readings read ahead that drafts used, in this process (drafts run on
-/// other threads than the tests that start them).
+/// The texts (by digest) whose readings drafts used, in this process:
+/// drafts run on other threads than the tests that start them, and tests
+/// run beside each other, so a test asks about its own texts.
 #[cfg(test)]
-static READINGS_USED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static READINGS_USED: std::sync::Mutex<std::collections::BTreeSet<[u8; 32]>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
 
+/// Whether a draft used the reading of a text of digest `text_digest`.
 #[cfg(test)]
-pub(crate) fn readings_used() -> u64 {
-    READINGS_USED.load(std::sync::atomic::Ordering::Relaxed)
+pub(crate) fn reading_used(text_digest: &[u8; 32]) -> bool {
+    READINGS_USED
+        .lock()
+        .is_ok_and(|used| used.contains(text_digest))
 }
 
 fn digest(text: &str) -> [u8; 32] {
