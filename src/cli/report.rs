@@ -84,7 +84,13 @@ pub fn print<B: KvBackend>(
         reports.push(conversation_report(conv, &bodies)?);
         Ok(())
     })?;
-    let state_hash = engine.state_hash()?;
+    // The state hash from the conversations' hashes just reported (in the
+    // same key order): each conversation's bodies are read once.
+    let state_hash = engine.state.hash_of(
+        reports
+            .iter()
+            .map(|r| (r.conversation.as_str(), r.state_hash.as_str())),
+    );
     if json {
         let total = serde_json::json!({
             "conversations": reports,

@@ -26,7 +26,7 @@
 
 use crate::core::state::{
     body_size, id_digest, AppliedIds, BodyError, ContextItem, Conversation, HistoryEntry, IdDigest,
-    IntakeQuota, State, StateHasher, Summary, Turn, TurnBodies, TurnBody,
+    IntakeQuota, State, Summary, Turn, TurnBodies, TurnBody,
 };
 use crate::log::Position;
 use crate::store::{KvBackend, StoreError, Table, Write};
@@ -621,7 +621,7 @@ impl<B: KvBackend> StateStore<B> {
     /// at a time.
     pub fn state_hash(&self, resident: &State) -> Result<String, StoreError> {
         let keys = self.keys_with(resident)?;
-        let mut hasher = StateHasher::default();
+        let mut hashes = Vec::with_capacity(keys.len());
         let bodies = self.bodies();
         let corrupt = |e: BodyError| StoreError::Corrupt {
             what: "turn body".into(),
@@ -635,13 +635,12 @@ impl<B: KvBackend> StateStore<B> {
                     None => continue,
                 },
             };
-            hasher.conversation(&key, &hash);
+            hashes.push((key, hash));
         }
-        Ok(hasher.finish(
-            resident.unattributed_rejections,
-            &resident.spend,
-            &resident.clock,
-            &resident.intake,
+        Ok(resident.hash_of(
+            hashes
+                .iter()
+                .map(|(key, hash)| (key.as_str(), hash.as_str())),
         ))
     }
 

@@ -644,15 +644,15 @@ impl Conversation {
 /// Combines conversation hashes into a state hash: fed each
 /// conversation's key and hash in key order, then the partition's own.
 #[derive(Default)]
-pub struct StateHasher(blake3::Hasher);
+struct StateHasher(blake3::Hasher);
 
 impl StateHasher {
-    pub fn conversation(&mut self, key: &str, hash: &str) {
+    fn conversation(&mut self, key: &str, hash: &str) {
         self.0.update(key.as_bytes());
         self.0.update(hash.as_bytes());
     }
     #[allow(clippy::expect_used)] // only a bug reaches the expect (see its message)
-    pub fn finish(
+    fn finish(
         mut self,
         unattributed_rejections: u64,
         spend: &SpendWindow,
@@ -688,16 +688,32 @@ impl State {
     }
 
     pub fn hash_with(&self, bodies: &dyn TurnBodies) -> Result<String, BodyError> {
+        let hashes = self
+            .conversations
+            .iter()
+            .map(|(key, conv)| Ok((key.as_str(), conv.hash_with(bodies)?)))
+            .collect::<Result<Vec<_>, BodyError>>()?;
+        Ok(self.hash_of(hashes.iter().map(|(key, hash)| (*key, hash.as_str()))))
+    }
+
+    /// The state hash from every conversation's [`Conversation::hash_with`]
+    /// given in key order, with this partition's own fields: for a caller
+    /// that has the conversation hashes already (a report of each, a
+    /// store that reads conversations one at a time).
+    pub fn hash_of<'a>(
+        &self,
+        conversations: impl IntoIterator<Item = (&'a str, &'a str)>,
+    ) -> String {
         let mut hasher = StateHasher::default();
-        for (key, conv) in &self.conversations {
-            hasher.conversation(key, &conv.hash_with(bodies)?);
+        for (key, hash) in conversations {
+            hasher.conversation(key, hash);
         }
-        Ok(hasher.finish(
+        hasher.finish(
             self.unattributed_rejections,
             &self.spend,
             &self.clock,
             &self.intake,
-        ))
+        )
     }
 }
 
@@ -708,14 +724,20 @@ impl Conversation {
     #[allow(clippy::expect_used)] // only a bug reaches the expect (see its message)
     pub fn hash_with(&self, bodies: &dyn TurnBodies) -> Result<String, BodyError> {
         let mut hasher = blake3::Hasher::new();
-        hasher.update(&rmp_serde::to_vec(self).expect("state serializes"));
+        // One buffer for every encoding (a long conversation has thousands).
+        let mut buf = rmp_serde::to_vec(self).expect("state serializes");
+        hasher.update(&buf);
         for turn in &self.turns {
             let body = bodies.turn_body(self, turn.seq)?;
-            hasher.update(&rmp_serde::to_vec(&*body).expect("turns serialize"));
+            buf.clear();
+            rmp_serde::encode::write(&mut buf, &*body).expect("turns serialize");
+            hasher.update(&buf);
         }
         for index in 0..self.summaries.len() as u32 {
             let text = bodies.summary_text(self, index)?;
-            hasher.update(&rmp_serde::to_vec(&*text).expect("texts serialize"));
+            buf.clear();
+            rmp_serde::encode::write(&mut buf, &*text).expect("texts serialize");
+            hasher.update(&buf);
         }
         Ok(hasher.finalize().to_hex()[..32].to_string())
     }
