@@ -292,10 +292,26 @@ pub fn classify_errors() -> Result<ExitCode> {
 
 /// One input record and where it came from, for messages.
 pub(super) struct Input {
-    /// `line 12` of event JSONL, or `event 12` of an imported transcript.
-    pub at: String,
+    pub at: Place,
     pub encoding: Encoding,
     pub bytes: Vec<u8>,
+}
+
+/// Where an input record came from: `line 12` of event JSONL, or `event 12`
+/// of an imported transcript (written only when a message names it).
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Place {
+    Line(usize),
+    Event(usize),
+}
+
+impl std::fmt::Display for Place {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Place::Line(n) => write!(f, "line {n}"),
+            Place::Event(n) => write!(f, "event {n}"),
+        }
+    }
 }
 
 /// Reads input as event JSONL when it looks like it, else as a transcript.
@@ -310,7 +326,7 @@ pub(super) fn read_input(file: Option<&Path>, format: &str) -> Result<Vec<Input>
 /// (transcript formats are one document).
 pub(super) enum InputRecords {
     Lines {
-        reader: Box<dyn BufRead>,
+        reader: Box<dyn BufRead + Send>,
         /// The first non-blank line, read to tell the format.
         first: Option<(usize, Vec<u8>)>,
         line: usize,
@@ -360,7 +376,7 @@ fn trim_line_end(buf: &mut Vec<u8>) {
 
 fn event_line(line: usize, bytes: Vec<u8>) -> Input {
     Input {
-        at: format!("line {line}"),
+        at: Place::Line(line),
         encoding: Encoding::Json,
         bytes,
     }
@@ -369,7 +385,7 @@ fn event_line(line: usize, bytes: Vec<u8>) -> Input {
 /// Opens the input: event JSONL when `format` says so or (`auto`) its first
 /// non-blank line is an event, else a transcript of `format`.
 pub(super) fn input_records(file: Option<&Path>, format: &str) -> Result<InputRecords> {
-    let mut reader: Box<dyn BufRead> = match file {
+    let mut reader: Box<dyn BufRead + Send> = match file {
         Some(p) if p != Path::new("-") => Box::new(std::io::BufReader::with_capacity(
             1 << 20,
             std::fs::File::open(p).with_context(|| format!("reading {}", p.display()))?,
@@ -426,7 +442,7 @@ pub(super) fn input_records(file: Option<&Path>, format: &str) -> Result<InputRe
         .flat_map(|c| c.events.iter())
         .enumerate()
         .map(|(i, e)| Input {
-            at: format!("event {}", i + 1),
+            at: Place::Event(i + 1),
             encoding: Encoding::Msgpack,
             bytes: e.to_msgpack(),
         })
@@ -470,7 +486,7 @@ pub fn run(
     batch: usize,
     json: bool,
 ) -> Result<ExitCode> {
-    let mut input = input_records(file, format)?;
+    let input = input_records(file, format)?;
     let rt = runtime()?;
     rt.block_on(async {
         let mut p = open_pipeline(config).await?;
@@ -478,29 +494,26 @@ pub fn run(
         let mut done = 0;
         let mut skipped = 0;
         let mut last_report = Instant::now();
-        // The turns of the next chunk are measured on the other core while
-        // this one folds the chunk before (`core::measure`).
-        let measure = |mut measurer: Measurer, records: Vec<(Encoding, Vec<u8>)>| {
-            tokio::task::spawn_blocking(move || {
+        // The next chunk is read and its turns measured on the other core
+        // while this one folds the chunk before (`core::measure`).
+        let read_ahead = |mut input: InputRecords, mut measurer: Measurer| {
+            tokio::task::spawn_blocking(move || -> Result<_> {
+                let chunk: Vec<Input> = input.by_ref().take(batch.max(1)).collect::<Result<_>>()?;
+                let at_end = chunk.is_empty();
+                let (records, dropped) = drop_unstorable(chunk);
                 let measures = measurer.measure(&records);
-                (measurer, records, measures)
+                Ok((input, measurer, at_end, records, measures, dropped))
             })
         };
-        // The next chunk's storable records, or `None` at the input's end.
-        let mut next_chunk = |input: &mut InputRecords| -> Result<Option<Vec<_>>> {
-            let chunk: Vec<Input> = input.by_ref().take(batch.max(1)).collect::<Result<_>>()?;
-            if chunk.is_empty() {
-                return Ok(None);
+        let mut ahead = read_ahead(input, Measurer::for_policy(&config.policy));
+        loop {
+            let (input, measurer, at_end, records, measures, dropped) =
+                ahead.await.context("reading and measuring input")??;
+            if at_end {
+                break;
             }
-            let (records, dropped) = drop_unstorable(chunk);
             skipped += dropped;
-            Ok(Some(records))
-        };
-        let mut ahead = next_chunk(&mut input)?
-            .map(|first| measure(Measurer::for_policy(&config.policy), first));
-        while let Some(measuring) = ahead {
-            let (measurer, records, measures) = measuring.await.context("measuring turns")?;
-            ahead = next_chunk(&mut input)?.map(|following| measure(measurer, following));
+            ahead = read_ahead(input, measurer);
             p.ingest_measured(&records, measures).await?;
             done += records.len();
             if last_report.elapsed().as_millis() >= 500 {
