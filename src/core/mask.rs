@@ -121,7 +121,7 @@ pub fn telling_line(text: &str) -> String {
     let lines = || {
         head.lines()
             .map(str::trim)
-            .filter(|l| l.chars().filter(|c| c.is_alphanumeric()).count() >= 3)
+            .filter(|l| crate::core::fallback_summary::has_alphanumerics(l, 3))
     };
     // Each pattern runs only on lines its screen finds a word of (see
     // `fallback_summary::signals::screened`): the fold masks every long

@@ -59,7 +59,7 @@ mod signals;
 use children::*;
 use fit::*;
 use notes::*;
-pub use notes::{is_listing_line, prefix_bytes};
+pub use notes::{has_alphanumerics, is_listing_line, prefix_bytes};
 pub use reading::read_source;
 #[cfg(test)]
 pub(crate) use reading::reading_used;

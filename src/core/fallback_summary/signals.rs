@@ -368,19 +368,19 @@ pub(super) fn change_of(call: &Call) -> Option<String> {
                 .lines()
                 .map(str::trim)
                 .filter(|l| {
-                    l.chars().filter(|c| c.is_alphanumeric()).count() >= 4 && !old_lines.contains(l)
+                    has_alphanumerics(l, 4) && !old_lines.contains(l)
                 })
                 .collect();
             added
                 .iter()
-                .find(|l| l.chars().filter(|c| c.is_alphanumeric()).count() >= 16)
+                .find(|l| has_alphanumerics(l, 16))
                 .or(added.first())
                 .map(|l| format!("+ {}", clip_words(l, 90)))
         }
         (None, Some(content)) => content
             .lines()
             .map(str::trim)
-            .find(|l| l.chars().filter(|c| c.is_alphanumeric()).count() >= 4)
+            .find(|l| has_alphanumerics(l, 4))
             .map(|l| format!("new: {}", clip_words(l, 90))),
         (None, None) => None,
     };

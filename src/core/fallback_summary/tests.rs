@@ -744,6 +744,15 @@ mod properties {
     use super::*;
     use proptest::prelude::*;
 
+    proptest! {
+        /// Stopping at the n-th alphanumeric answers as counting them all.
+        #[test]
+        fn has_alphanumerics_is_a_count_that_stops(line in "[a-zé9 .:_\\-日]{0,40}", n in 0usize..20) {
+            let all = line.chars().filter(|c| c.is_alphanumeric()).count();
+            prop_assert_eq!(has_alphanumerics(&line, n), all >= n);
+        }
+    }
+
     fn role_strategy() -> impl Strategy<Value = Option<Role>> {
         prop_oneof![
             Just(Some(Role::User)),
