@@ -20,6 +20,7 @@ use contextfold::api::{self, status, Held};
 use contextfold::config::Config;
 use contextfold::core::assembly::{self, AssemblyRequest};
 use contextfold::core::event::{Encoding, MAX_EVENT_BYTES};
+use contextfold::core::measure::TurnMeasure;
 use contextfold::core::overflow;
 use contextfold::core::policy::PolicyConfig;
 use contextfold::import::{self, Format};
@@ -479,6 +480,74 @@ fn drop_unstorable(input: Vec<Input>) -> (Vec<(Encoding, Vec<u8>)>, usize) {
     (records, skipped)
 }
 
+/// A chunk of input records, read and measured.
+struct MeasuredChunk {
+    records: Vec<(Encoding, Vec<u8>)>,
+    measures: Vec<Option<TurnMeasure>>,
+    /// Records of the chunk too large to store (reported on stderr).
+    dropped: usize,
+}
+
+/// `run`'s input, read and measured on its own thread one chunk ahead of
+/// the fold: asked for the next chunk, it hands over the one it has ready
+/// and starts on the following. One thread for the whole run, not a pool
+/// thread per chunk: each thread that allocates gets its own malloc arena,
+/// and a chunk's records are freed on the fold's thread long after.
+struct InputAhead {
+    ask: std::sync::mpsc::Sender<()>,
+    ready: tokio::sync::mpsc::Receiver<Result<Option<MeasuredChunk>>>,
+}
+
+impl InputAhead {
+    fn start(mut input: InputRecords, mut measurer: Measurer, batch: usize) -> Result<InputAhead> {
+        let (ask, asked) = std::sync::mpsc::channel::<()>();
+        let (send, ready) = tokio::sync::mpsc::channel(1);
+        std::thread::Builder::new()
+            .name("measure".into())
+            .spawn(move || {
+                // Ends when the fold stops asking (it finished or failed).
+                while asked.recv().is_ok() {
+                    let chunk = input
+                        .by_ref()
+                        .take(batch.max(1))
+                        .collect::<Result<Vec<Input>>>()
+                        .map(|chunk| {
+                            (!chunk.is_empty()).then(|| {
+                                let (records, dropped) = drop_unstorable(chunk);
+                                let measures = measurer.measure(&records);
+                                MeasuredChunk {
+                                    records,
+                                    measures,
+                                    dropped,
+                                }
+                            })
+                        });
+                    if send.blocking_send(chunk).is_err() {
+                        break;
+                    }
+                }
+            })
+            .context("starting the measuring thread")?;
+        // The first chunk is read at once.
+        let _ = ask.send(());
+        Ok(InputAhead { ask, ready })
+    }
+
+    /// The next chunk (`None` at the input's end); the one after it is
+    /// read while the caller folds this one.
+    async fn next(&mut self) -> Result<Option<MeasuredChunk>> {
+        let chunk = self
+            .ready
+            .recv()
+            .await
+            .context("the measuring thread stopped")??;
+        if chunk.is_some() {
+            let _ = self.ask.send(());
+        }
+        Ok(chunk)
+    }
+}
+
 pub fn run(
     config: &Config,
     file: Option<&Path>,
@@ -496,24 +565,14 @@ pub fn run(
         let mut last_report = Instant::now();
         // The next chunk is read and its turns measured on the other core
         // while this one folds the chunk before (`core::measure`).
-        let read_ahead = |mut input: InputRecords, mut measurer: Measurer| {
-            tokio::task::spawn_blocking(move || -> Result<_> {
-                let chunk: Vec<Input> = input.by_ref().take(batch.max(1)).collect::<Result<_>>()?;
-                let at_end = chunk.is_empty();
-                let (records, dropped) = drop_unstorable(chunk);
-                let measures = measurer.measure(&records);
-                Ok((input, measurer, at_end, records, measures, dropped))
-            })
-        };
-        let mut ahead = read_ahead(input, Measurer::for_policy(&config.policy));
-        loop {
-            let (input, measurer, at_end, records, measures, dropped) =
-                ahead.await.context("reading and measuring input")??;
-            if at_end {
-                break;
-            }
+        let mut ahead = InputAhead::start(input, Measurer::for_policy(&config.policy), batch)?;
+        while let Some(MeasuredChunk {
+            records,
+            measures,
+            dropped,
+        }) = ahead.next().await?
+        {
             skipped += dropped;
-            ahead = read_ahead(input, measurer);
             p.ingest_measured(&records, measures).await?;
             done += records.len();
             if last_report.elapsed().as_millis() >= 500 {

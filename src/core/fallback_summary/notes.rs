@@ -713,7 +713,12 @@ pub(super) fn sentences(text: &str) -> Vec<&str> {
 /// Whether `line` has at least `n` alphanumeric characters: stops at the
 /// `n`-th (a long line of a tool output is not counted through).
 pub fn has_alphanumerics(line: &str, n: usize) -> bool {
-    n == 0 || line.chars().filter(|c| c.is_alphanumeric()).nth(n - 1).is_some()
+    n == 0
+        || line
+            .chars()
+            .filter(|c| c.is_alphanumeric())
+            .nth(n - 1)
+            .is_some()
 }
 
 /// At most `max` bytes of `text`, cut on a char boundary.

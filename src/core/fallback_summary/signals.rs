@@ -367,9 +367,7 @@ pub(super) fn change_of(call: &Call) -> Option<String> {
             let added: Vec<&str> = new
                 .lines()
                 .map(str::trim)
-                .filter(|l| {
-                    has_alphanumerics(l, 4) && !old_lines.contains(l)
-                })
+                .filter(|l| has_alphanumerics(l, 4) && !old_lines.contains(l))
                 .collect();
             added
                 .iter()
