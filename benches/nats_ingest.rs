@@ -24,8 +24,8 @@
 //!   committed its last message and the server reports the ack floor
 //!   there. Each round starts from empty state stores.
 //!
-//! The ratio is end-to-end rate / raw rate of the same round; the goal is
-//! at least 0.5. Telemetry runs as under `serve --http` (the Prometheus
+//! The ratio is end-to-end rate / raw rate of the same round; the goal
+//! (issue 26) is a median of at least 0.6 with no round under 0.55. Telemetry runs as under `serve --http` (the Prometheus
 //! recorder, logs at warn); built with `--features telemetry-off` it
 //! compiles to nothing, and the two builds side by side are its cost.
 //!
@@ -493,13 +493,18 @@ async fn run() -> Result<(), Error> {
         raw_rates.push(raw_rate);
         e2e_rates.push(e2e_rate);
     }
+    let lowest = ratios.iter().copied().fold(f64::INFINITY, f64::min);
     let ratio = median(ratios);
     println!(
-        "median of {rounds}: raw {:.0} events/s, end to end {:.0} events/s, ratio {ratio:.2} \
-         (goal >= 0.5: {})",
+        "median of {rounds}: raw {:.0} events/s, end to end {:.0} events/s, ratio {ratio:.2}, \
+         lowest {lowest:.2} (goal: median >= 0.6, every round >= 0.55: {})",
         median(raw_rates),
         median(e2e_rates),
-        if ratio >= 0.5 { "met" } else { "NOT met" }
+        if ratio >= 0.6 && lowest >= 0.55 {
+            "met"
+        } else {
+            "NOT met"
+        }
     );
     Ok(())
 }
