@@ -282,7 +282,7 @@ fn summary_source(
         text: bodies.summary_text(conv, index)?.to_string(),
         tokens: s.tokens,
         time: s.time,
-        read_ahead: Default::default(),
+        ..SourceItem::default()
     })
 }
 
@@ -637,7 +637,7 @@ impl SweepSnapshot {
                 text: rec.content.clone(),
                 tokens: cost,
                 time: 0,
-                read_ahead: Default::default(),
+                ..SourceItem::default()
             }),
             fallback: rec.fallback,
             resummarize: None,
@@ -837,7 +837,7 @@ mod tests {
             tokens: tokens::count_text(enc, &text),
             text,
             time: 0,
-            read_ahead: Default::default(),
+            ..SourceItem::default()
         };
         let small = item("turn 1", "the user asked for a fix".into());
         let big = item("turn 2", "word ".repeat(3000));

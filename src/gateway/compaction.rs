@@ -160,7 +160,7 @@ pub fn summary_text(
             },
             tokens: crate::core::tokens::count_message(crate::core::tokens::Encoding::O200kBase, m),
             time: 0,
-            read_ahead: Default::default(),
+            ..SourceItem::default()
         })
         .collect();
     let recent = if sources.is_empty() {

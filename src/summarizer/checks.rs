@@ -749,7 +749,7 @@ pub fn check_rolling_state(
             text: prompts::format_rolling_state(previous),
             tokens: 0,
             time: 0,
-            read_ahead: Default::default(),
+            ..SourceItem::default()
         });
     }
     shown.extend(req.sources.iter().cloned());
@@ -1106,7 +1106,7 @@ pub(crate) mod tests {
             text: PREVIOUS.into(),
             tokens: 60,
             time: 0,
-            read_ahead: Default::default(),
+            ..SourceItem::default()
         });
         let got = check(&r, PREVIOUS, Encoding::O200kBase, 3.0);
         assert_eq!(
@@ -1162,7 +1162,7 @@ pub(crate) mod tests {
                 .into(),
             tokens: 60,
             time: 0,
-            read_ahead: Default::default(),
+            ..SourceItem::default()
         });
         let refused = SourceItem {
             label: "turn 15".into(),
@@ -1176,7 +1176,7 @@ pub(crate) mod tests {
                 .into(),
             tokens: 80,
             time: 0,
-            read_ahead: Default::default(),
+            ..SourceItem::default()
         };
         r.sources.push(refused.clone());
         const QWEN: &str = "The conversation segment below introduces a new syntax error in the \
@@ -1220,7 +1220,7 @@ pub(crate) mod tests {
             text: "str_replace pydicom/filereader.py".into(),
             tokens: 20,
             time: 0,
-            read_ahead: Default::default(),
+            ..SourceItem::default()
         });
         r.sources.push(SourceItem {
             label: "turn 3".into(),
@@ -1229,7 +1229,7 @@ pub(crate) mod tests {
             text: "python reproduce.py\n===== 12 passed in 0.41s =====".into(),
             tokens: 20,
             time: 0,
-            read_ahead: Default::default(),
+            ..SourceItem::default()
         });
         let text = "The assistant edited pydicom/filereader.py and the file has been updated \
                     to handle transfer syntax 1.2.840.10008.1.2.1; after it ran the reproduce \
@@ -1250,7 +1250,7 @@ pub(crate) mod tests {
                 text: "Fix the KeyError raised for transfer syntax 1.2.840.10008.1.2.1.".into(),
                 tokens: 20,
                 time: 0,
-                read_ahead: Default::default(),
+                ..SourceItem::default()
             }],
         };
         let prompt = prompts::render_rolling_state(&rolling);
@@ -1408,7 +1408,7 @@ pub(crate) mod tests {
                     .into(),
                 tokens: 30,
                 time: 0,
-                read_ahead: Default::default(),
+                ..SourceItem::default()
             }],
         };
         let prompt = prompts::render_rolling_state(&rolling);

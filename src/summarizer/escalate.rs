@@ -640,7 +640,7 @@ mod tests {
                 text: "Add an upsert for messages, keyed by session and uuid.".into(),
                 tokens: 600,
                 time: 0,
-                read_ahead: Default::default(),
+                ..SourceItem::default()
             },
             SourceItem {
                 label: "turn 2".into(),
@@ -651,7 +651,7 @@ mod tests {
                     .into(),
                 tokens: 700,
                 time: 0,
-                read_ahead: Default::default(),
+                ..SourceItem::default()
             },
             SourceItem {
                 label: "turn 3".into(),
@@ -660,7 +660,7 @@ mod tests {
                 text: "The file lib/spotter/message.ex has been updated successfully.".into(),
                 tokens: 700,
                 time: 0,
-                read_ahead: Default::default(),
+                ..SourceItem::default()
             },
         ];
         let r = SummaryRequest {

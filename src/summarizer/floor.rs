@@ -171,7 +171,7 @@ mod tests {
             text: text.into(),
             tokens: 400,
             time: 0,
-            read_ahead: Default::default(),
+            ..SourceItem::default()
         };
         let sources = vec![
             turn(

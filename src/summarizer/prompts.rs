@@ -468,7 +468,7 @@ mod tests {
             text: text.into(),
             tokens: 40,
             time: 0,
-            read_ahead: Default::default(),
+            ..SourceItem::default()
         }
     }
 
@@ -480,7 +480,7 @@ mod tests {
             text: text.into(),
             tokens: 60,
             time: 0,
-            read_ahead: Default::default(),
+            ..SourceItem::default()
         }
     }
 

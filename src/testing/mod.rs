@@ -87,7 +87,7 @@ pub fn summary_request(text: &str, tokens: u64, target: u64) -> SummaryRequest {
             text: text.into(),
             tokens,
             time: 0,
-            read_ahead: Default::default(),
+            ..SourceItem::default()
         }],
         target_tokens: target,
         previous_summary: None,

@@ -29,7 +29,7 @@ fn item_of(turn: usize, message: &ChatMessage) -> SourceItem {
         text: message.searchable_text(),
         tokens: count_message(ENCODING, message),
         time: turn as u64,
-        read_ahead: Default::default(),
+        ..SourceItem::default()
     }
 }
 
@@ -152,7 +152,7 @@ fn the_header_pattern_matches_the_headers_written() {
         text: leaf_text.clone(),
         tokens: 50,
         time: 0,
-        read_ahead: Default::default(),
+        ..SourceItem::default()
     };
     let mut condensed = leaf(vec![child.clone(), child], 200);
     condensed.kind = SummaryKind::Condensed;
@@ -549,7 +549,7 @@ fn condensed_merges_children() {
         text: content.to_string(),
         tokens: tokens(content),
         time: n as u64,
-        read_ahead: Default::default(),
+        ..SourceItem::default()
     };
     let children = vec![child(1, &first), child(2, &first), child(3, &second)];
     let mut req = leaf(children, 0);
@@ -777,7 +777,7 @@ mod properties {
                 text,
                 tokens,
                 time: 0,
-                read_ahead: Default::default(),
+                ..SourceItem::default()
             })
     }
 
