@@ -117,31 +117,35 @@ fn result_stub(msg: &ChatMessage, text: &str, line: &str, seq: u64) -> String {
 /// failure or a test count first, then a milestone (a commit, a closed
 /// task, a push), else the first line with some letters in it.
 pub fn telling_line(text: &str) -> String {
+    use crate::core::fallback_summary::{has_alphanumerics, is_listing_line, lines_with_hits};
     let head = crate::core::fallback_summary::prefix_bytes(text, 20_000);
-    let lines = || {
-        head.lines()
-            .map(str::trim)
-            .filter(|l| crate::core::fallback_summary::has_alphanumerics(l, 3))
+    // The lines with some letters, each with whether `screen` matched in it.
+    let lines = |screen: &'static regex::Regex| {
+        lines_with_hits(head, screen)
+            .map(|(line, hit)| (line.trim(), hit))
+            .filter(|(line, _)| has_alphanumerics(line, 3))
     };
-    // Each pattern runs only on lines its screen finds a word of (see
-    // `fallback_summary::signals::screened`): the fold masks every long
-    // tool output as it arrives, and most of their lines hold none.
+    // Each pattern runs only on lines its screen finds a word of, from one
+    // search of the whole head (see `fallback_summary::signals::screened`):
+    // the fold masks every long tool output as it arrives, and most of
+    // their lines hold none.
     let error_screen = regex!(
         r"(?i-u:error|exception|traceback|fail|fatal|panicked|denied|not found|no such file|cannot|could not|unable to|exit code)|[\x{17F}\x{212A}]"
     );
     let milestone_screen = regex!(
         r"(?i-u:pass|run|0 failures|closed|committed|merged|pushed|created|successfully)|[\x{17F}\x{212A}]|\[|\.\."
     );
-    let pick = lines()
-        .find(|l| {
-            error_screen.is_match(l)
-                && telling_error().is_match(l)
-                && !crate::core::fallback_summary::is_listing_line(l)
-        })
+    let pick = lines(error_screen)
+        .find(|&(l, hit)| hit && telling_error().is_match(l) && !is_listing_line(l))
         .or_else(|| {
-            lines().find(|l| milestone_screen.is_match(l) && telling_milestone().is_match(l))
+            lines(milestone_screen).find(|&(l, hit)| hit && telling_milestone().is_match(l))
         })
-        .or_else(|| lines().next())
+        .map(|(line, _)| line)
+        .or_else(|| {
+            head.lines()
+                .map(str::trim)
+                .find(|line| has_alphanumerics(line, 3))
+        })
         .unwrap_or("");
     clip(pick, KEPT_LINE_CHARS).replace('"', "'")
 }
@@ -303,7 +307,8 @@ mod tests {
                 .prop_map(|pieces| pieces.concat()),
             1 => "\\PC{0,60}",
         ];
-        prop::collection::vec(line, 0..12).prop_map(|lines| lines.join("\n"))
+        (prop::collection::vec(line, 0..12), any::<bool>())
+            .prop_map(|(lines, crlf)| lines.join(if crlf { "\r\n" } else { "\n" }))
     }
 
     proptest! {

@@ -36,7 +36,7 @@ fn error_screen() -> &'static Regex {
 /// one a line (a screen's literals hold no line end, so a match lies in
 /// the line where it starts). A line without a hit fails the screened
 /// check without asking.
-fn lines_with_hits<'a>(
+pub fn lines_with_hits<'a>(
     text: &'a str,
     screen: &'static Regex,
 ) -> impl Iterator<Item = (&'a str, bool)> + 'a {
