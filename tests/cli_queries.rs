@@ -211,6 +211,52 @@ fn a_line_too_large_for_the_log_is_rejected_by_number_and_the_rest_folded() {
     );
 }
 
+/// `run` reads and measures its input a chunk ahead, on a thread of its
+/// own: in chunks of two records it folds to the state that one chunk
+/// gives, and a line too large for the log in a later chunk is named by its
+/// line while the chunks after it are folded.
+#[test]
+fn a_run_in_small_chunks_folds_to_the_state_of_one_chunk() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = "agent:chunks";
+    // 11 lines: the last chunk of two holds one.
+    let mut lines = turn_lines(key, 10);
+    // Line 7, in the fourth chunk of two; 17 MiB, more than a record holds.
+    lines.insert(
+        6,
+        format!("{{\"junk\":\"{}\"}}", "x".repeat(17 * 1024 * 1024)),
+    );
+    let file = dir.path().join("events.jsonl");
+    std::fs::write(&file, lines.join("\n")).unwrap();
+    let state_of = |name: &str, extra: &[&str]| {
+        let data = dir.path().join(name);
+        let mut args = vec!["run", file.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        let (ok, out, err) = cli(&data, &args);
+        assert!(
+            !ok,
+            "{name}: a rejected line makes the exit status a failure"
+        );
+        assert!(err.contains("line 7 rejected: "), "{name}: {err}");
+        let (ok, status, err) = cli(&data, &["status", key]);
+        assert!(ok, "{name} status: {err}");
+        assert_eq!(json_of(&status)["turns"]["total"], 10, "{name}: {status}");
+        let total = out.lines().find(|l| l.starts_with("total:")).unwrap();
+        total
+            .split("state ")
+            .nth(1)
+            .unwrap()
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(
+        state_of("whole", &[]),
+        state_of("chunks", &["--batch", "2"])
+    );
+}
+
 /// `classify-errors` tells a context overflow, a byte-size limit (no
 /// compaction) and any other error apart, one line of stdin each.
 #[test]
