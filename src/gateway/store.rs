@@ -629,6 +629,12 @@ async fn run_nats(
     retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let cmd = tokio::select! {
+            // Commands first: a retry of the spool may take a publish
+            // timeout (5 s) while NATS is away, and an unbiased select let a
+            // turn handed over meanwhile wait behind several retries in a
+            // row. Taking a command while the spool holds turns only
+            // appends to it, so the retries are not starved.
+            biased;
             cmd = rx.recv() => cmd,
             _ = retry.tick() => {
                 // Spooled turns go out when NATS takes them again.
