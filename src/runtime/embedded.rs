@@ -9,7 +9,7 @@ use crate::core::measure::TurnMeasure;
 use crate::core::tokens;
 
 use crate::core::fallback_summary;
-use crate::core::policy::PolicyConfig;
+use crate::core::policy::{self, PolicyConfig};
 use crate::core::summary::SourceItem;
 use crate::core::sweep::{self, SweepSnapshot};
 use crate::log::{EventLog, LogError};
@@ -306,19 +306,17 @@ impl<L: EventLog, B: KvBackend, S: Summarizer> Pipeline<L, B, S> {
 /// It also reads each turn for its drafts ([`crate::runtime::read_ahead`]):
 /// the output's signals always (rolling states read every turn), the
 /// identifiers once the conversation has half the tokens that start
-/// compaction in its window (the one it declared, or the default; before
-/// that its turns may never be summarized; a turn not read ahead is read
-/// by its draft).
+/// compaction (its threshold as the fold resolves it, `policy::levels_of`:
+/// the model and window it declared, or the default, and the policy's
+/// overrides; before that its turns may never be summarized; a turn not
+/// read ahead is read by its draft).
 #[derive(Debug, Default)]
 pub struct Measurer {
     conversations: HashMap<String, Measured>,
-    /// The share of a conversation's window from which its turns'
-    /// identifiers are read ahead (0: every turn's).
-    identifiers_share: f64,
-    default_window: u64,
-    /// The injected-context tags a turn's source text is stripped of
+    /// The policy the pipeline folds under: its levels (`policy::levels_of`)
+    /// and the injected-context tags a turn's source text is stripped of
     /// (`sweep::turn_text`), as the snapshots strip them.
-    tags: Vec<String>,
+    policy: PolicyConfig,
 }
 
 #[derive(Debug, Default)]
@@ -326,8 +324,12 @@ struct Measured {
     /// The encoding of the model its first turn named.
     encoding: Option<tokens::Encoding>,
     tokens: u64,
-    /// The context window it declared.
+    /// The model and the context window it declared.
+    model: Option<String>,
     window: Option<u64>,
+    /// Tokens from which its turns' identifiers are read ahead: half its
+    /// compaction threshold, resolved when first needed.
+    identifiers_from: Option<u64>,
 }
 
 impl Measurer {
@@ -335,9 +337,7 @@ impl Measurer {
     pub fn for_policy(policy: &PolicyConfig) -> Measurer {
         Measurer {
             conversations: HashMap::new(),
-            identifiers_share: policy.context_threshold / 2.0,
-            default_window: policy.default_context_window,
-            tags: policy.strip_injected_context_tags.clone(),
+            policy: policy.clone(),
         }
     }
 
@@ -358,12 +358,15 @@ impl Measurer {
                 let turn = match &admitted.event.body {
                     EventBody::TurnAppended(turn) => turn,
                     EventBody::ModelDeclared(declared) => {
-                        if let Some(window) = declared.context_window {
-                            self.conversations
-                                .entry(admitted.event.conversation.clone())
-                                .or_default()
-                                .window = Some(window);
+                        let measured = self
+                            .conversations
+                            .entry(admitted.event.conversation.clone())
+                            .or_default();
+                        measured.model = Some(declared.model.clone());
+                        if declared.context_window.is_some() {
+                            measured.window = declared.context_window;
                         }
+                        measured.identifiers_from = None;
                         return None;
                     }
                     _ => return None,
@@ -378,16 +381,22 @@ impl Measurer {
                 let mut measure = TurnMeasure::of(encoding, &turn.message);
                 measured.tokens += measure.tokens;
                 let msg = &turn.message;
-                if let Some(text) = sweep::turn_text(msg, &self.tags) {
+                if let Some(text) = sweep::turn_text(msg, &self.policy.strip_injected_context_tags)
+                {
                     let source = SourceItem {
                         role: Some(msg.role),
                         tool: sweep::source_tool(msg),
                         text,
                         ..SourceItem::default()
                     };
-                    let window = measured.window.unwrap_or(self.default_window);
-                    let identifiers =
-                        measured.tokens as f64 >= window as f64 * self.identifiers_share;
+                    let key = &admitted.event.conversation;
+                    let policy = &self.policy;
+                    let from = *measured.identifiers_from.get_or_insert_with(|| {
+                        policy::levels_of(key, measured.model.as_deref(), measured.window, policy)
+                            .threshold_tokens
+                            / 2
+                    });
+                    let identifiers = measured.tokens >= from;
                     measure.reading = Some((
                         admitted.event.id.as_str().into(),
                         Arc::new(fallback_summary::read_source(&source, identifiers)),

@@ -30,7 +30,12 @@ pub struct Levels {
 
 /// The budget: the declared window, capped by `max_assembly_token_budget`.
 pub fn budget(conv: &Conversation, cfg: &PolicyConfig) -> u64 {
-    let window = conv.context_window.unwrap_or(cfg.default_context_window);
+    budget_of(conv.context_window, cfg)
+}
+
+/// [`budget`] under the context window a conversation declared.
+fn budget_of(context_window: Option<u64>, cfg: &PolicyConfig) -> u64 {
+    let window = context_window.unwrap_or(cfg.default_context_window);
     match cfg.max_assembly_token_budget {
         Some(cap) => window.min(cap),
         None => window,
@@ -39,13 +44,25 @@ pub fn budget(conv: &Conversation, cfg: &PolicyConfig) -> u64 {
 
 /// Resolves threshold and target, applying the most specific override.
 pub fn levels(conv: &Conversation, cfg: &PolicyConfig) -> Levels {
-    let budget = budget(conv, cfg);
-    let window = conv.context_window.unwrap_or(cfg.default_context_window);
+    levels_of(&conv.key, conv.model.as_deref(), conv.context_window, cfg)
+}
+
+/// [`levels`] of a conversation known by its key, the model and the
+/// context window it declared: for a reader ahead of the fold, which has
+/// no [`Conversation`].
+pub fn levels_of(
+    key: &str,
+    model: Option<&str>,
+    context_window: Option<u64>,
+    cfg: &PolicyConfig,
+) -> Levels {
+    let window = context_window.unwrap_or(cfg.default_context_window);
+    let budget = budget_of(context_window, cfg);
     let mut best: Option<(u32, &ThresholdOverride)> = None;
     for rule in &cfg.threshold_overrides {
         let mut score = 0u32;
         if let Some(m) = &rule.model {
-            if conv.model.as_deref() != Some(m.as_str()) {
+            if model != Some(m.as_str()) {
                 continue;
             }
             score += 1000;
@@ -63,7 +80,7 @@ pub fn levels(conv: &Conversation, cfg: &PolicyConfig) -> Levels {
             score += 10;
         }
         if let Some(glob) = &rule.session {
-            if !glob.matches(&conv.key) {
+            if !glob.matches(key) {
                 continue;
             }
             score += 100 + glob.specificity().0.min(99);
