@@ -15,6 +15,7 @@
 // Tests and benches fail loudly: a panic is their report.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+#[allow(dead_code)] // the Claude Code corpus is for benches/identifiers.rs
 #[path = "../tests/corpus/mod.rs"]
 mod corpus;
 

@@ -7,7 +7,7 @@
 // Tests and benches fail loudly: a panic is their report.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[allow(dead_code)] // the aider corpus is for the benchmark
+#[allow(dead_code)] // the aider and Claude Code corpora are for the benchmarks
 mod corpus;
 
 use contextfold::core::tokens::{count_text, count_text_tiktoken, Encoding};

@@ -9,11 +9,19 @@
 //!
 //! It runs over whole transcripts, so every pattern is compiled once and only
 //! uses ASCII word boundaries: a Unicode `\b` makes the regex crate leave its
-//! fast DFA as soon as the text holds one non-ASCII byte.
+//! fast DFA as soon as the text holds one non-ASCII byte. And most rules
+//! search only part of a text: a match of theirs holds no whitespace and one
+//! of a few bytes (a `/` for a path, a digit for a version), so it lies in
+//! one word that holds such a byte, and the words that hold none are
+//! skipped ([`Words`]).
 
-use regex::Regex;
+use regex_automata::meta::{Cache, Regex};
+use regex_automata::util::iter::Searcher;
+use regex_automata::{Input, Match};
+use std::cell::RefCell;
 use std::collections::HashSet;
 use std::net::{Ipv4Addr, Ipv6Addr};
+use std::ops::Range;
 use std::sync::LazyLock;
 
 /// What kind of opaque identifier a string is.
@@ -83,18 +91,45 @@ pub fn extract(text: &str) -> Vec<String> {
 
 /// Like [`extract`], with the kind of each identifier.
 pub fn extract_with_kinds(text: &str) -> Vec<Identifier> {
-    extract_by(text, Holds::of(text))
+    extract_by(text, &Words::of(text))
 }
 
-/// Every identifier of `text`, asking only the rules whose bytes `holds`
-/// says the text holds (a rule that cannot match finds nothing).
-fn extract_by(text: &str, holds: Holds) -> Vec<Identifier> {
+/// Like [`extract_with_kinds`], with every rule searching the whole text:
+/// the reference that skipping texts and words is proptested against here
+/// and measured against in `benches/identifiers.rs`.
+pub fn extract_with_kinds_unskipped(text: &str) -> Vec<Identifier> {
+    let everywhere = Words {
+        holds: Holds(u8::MAX),
+        words: vec![Word {
+            span: 0..text.len(),
+            holds: u8::MAX,
+        }],
+    };
+    extract_by(text, &everywhere)
+}
+
+/// Every identifier of `text`, each rule searching only the spans of
+/// `words` that hold its bytes (a rule finds nothing elsewhere).
+fn extract_by(text: &str, words: &Words) -> Vec<Identifier> {
     let mut found: Vec<Found> = Vec::new();
-    for rule in RULES.iter() {
-        if holds.may_match(rule.needs) {
-            (rule.scan)(&rule.regex, text, &mut found);
+    CACHES.with_borrow_mut(|caches| {
+        for (rule, cache) in RULES.iter().zip(caches.iter_mut()) {
+            if !words.holds.may_match(rule.needs) {
+                continue;
+            }
+            if rule.within_words {
+                search(rule, cache, text, words.holding(rule.needs), &mut found);
+            } else {
+                search(
+                    rule,
+                    cache,
+                    text,
+                    std::iter::once(0..text.len()),
+                    &mut found,
+                );
+            }
         }
-    }
+    });
     // Text that still holds JSON escapes (`\nsrc/lib.rs`) must not glue the
     // escape letter to the identifier after it.
     for f in &mut found {
@@ -141,17 +176,21 @@ struct Found {
 
 struct Rule {
     regex: Regex,
-    scan: fn(&Regex, &str, &mut Vec<Found>),
+    /// Pushes what a match of `regex` in the text is, if anything.
+    judge: fn(&str, Match, &mut Vec<Found>),
     /// Bytes of [`Holds`] of which every match holds one (0: no such
     /// bytes): a text without any of them is not searched.
     needs: u8,
+    /// No match holds whitespace (the pattern has no `\s`, space or
+    /// class that takes one), so each lies within one word: only the words
+    /// holding one of `needs` are searched ([`Words::holding`]).
+    within_words: bool,
 }
 
-/// Which of the bytes the rules need a text holds, one bit each, from one
-/// pass over it: most rules have no literal for the regex crate to look
-/// for, so each would otherwise scan every byte of a text that cannot
-/// match it (a call's arguments without a `/`, a sentence without a
-/// digit).
+/// Which of the bytes the rules need a text (or a word) holds, one bit
+/// each: most rules have no literal for the regex crate to look for, so
+/// each would otherwise scan every byte of a text that cannot match it (a
+/// call's arguments without a `/`, a sentence without a digit).
 #[derive(Clone, Copy)]
 struct Holds(u8);
 
@@ -165,31 +204,126 @@ const DIGIT: u8 = 1 << 6;
 const UPPER: u8 = 1 << 7;
 
 impl Holds {
-    fn of(text: &str) -> Holds {
-        let mut bits = 0u8;
-        for chunk in text.as_bytes().chunks(256) {
-            for &b in chunk {
-                bits |= match b {
-                    b':' => COLON,
-                    b'.' => DOT,
-                    b'/' => SLASH,
-                    b'-' => DASH,
-                    b'#' => HASH,
-                    b'[' => BRACKET,
-                    b'0'..=b'9' => DIGIT,
-                    b'A'..=b'Z' => UPPER,
-                    _ => 0,
-                };
-            }
-            if bits == u8::MAX {
-                break;
-            }
-        }
-        Holds(bits)
-    }
-
     fn may_match(self, needs: u8) -> bool {
         needs == 0 || self.0 & needs != 0
+    }
+}
+
+/// Marks ASCII whitespace in [`BYTE_CLASS`], which no match holds.
+const SPACE: u16 = 1 << 8;
+
+/// Each byte's bit of [`Holds`], or [`SPACE`] (0: neither).
+static BYTE_CLASS: [u16; 256] = {
+    let mut table = [0u16; 256];
+    let mut b = 0;
+    while b < 256 {
+        table[b] = match b as u8 {
+            b' ' | b'\t' | b'\n' | b'\r' | b'\x0b' | b'\x0c' => SPACE,
+            byte => holds_bit(byte) as u16,
+        };
+        b += 1;
+    }
+    table
+};
+
+/// The bit of [`Holds`] a byte sets (0: none).
+const fn holds_bit(b: u8) -> u8 {
+    match b {
+        b':' => COLON,
+        b'.' => DOT,
+        b'/' => SLASH,
+        b'-' => DASH,
+        b'#' => HASH,
+        b'[' => BRACKET,
+        b'0'..=b'9' => DIGIT,
+        b'A'..=b'Z' => UPPER,
+        _ => 0,
+    }
+}
+
+/// A text's words (runs between ASCII whitespace) that hold a byte of
+/// [`Holds`], each with the bits it holds, from one pass over the text.
+struct Words {
+    /// What the whole text holds.
+    holds: Holds,
+    words: Vec<Word>,
+}
+
+struct Word {
+    span: Range<usize>,
+    holds: u8,
+}
+
+impl Words {
+    fn of(text: &str) -> Words {
+        let mut words = Vec::new();
+        let mut all = 0u8;
+        let mut start = 0usize;
+        let mut bits = 0u8;
+        for (i, &b) in text.as_bytes().iter().enumerate() {
+            let class = BYTE_CLASS[usize::from(b)];
+            if class == SPACE {
+                if bits != 0 {
+                    words.push(Word {
+                        span: start..i,
+                        holds: bits,
+                    });
+                    all |= bits;
+                    bits = 0;
+                }
+                start = i + 1;
+            } else {
+                bits |= class as u8;
+            }
+        }
+        if bits != 0 {
+            words.push(Word {
+                span: start..text.len(),
+                holds: bits,
+            });
+            all |= bits;
+        }
+        Words {
+            holds: Holds(all),
+            words,
+        }
+    }
+
+    /// The spans to search for a match holding one of `needs`: the words
+    /// that hold one. A search in a word sees each match there whole, and
+    /// `\b` and a judge's look at the bytes around a match see the text as
+    /// it is. (Searching words a few bytes apart as one span, to start
+    /// fewer searches, measured slower: starting one is cheap.)
+    fn holding(&self, needs: u8) -> impl Iterator<Item = Range<usize>> + '_ {
+        self.words
+            .iter()
+            .filter(move |w| w.holds & needs != 0)
+            .map(|w| w.span.clone())
+    }
+}
+
+thread_local! {
+    /// Each rule's search cache, per thread: the regex's own pool of them
+    /// is fast only for the thread that first used it, and a text's
+    /// rules make thousands of short searches.
+    static CACHES: RefCell<Vec<Cache>> =
+        RefCell::new(RULES.iter().map(|rule| rule.regex.create_cache()).collect());
+}
+
+/// Every match of `rule` in `spans` of `text`, in order, judged; look-around
+/// (`\b`) sees the whole text.
+fn search(
+    rule: &Rule,
+    cache: &mut Cache,
+    text: &str,
+    spans: impl Iterator<Item = Range<usize>>,
+    out: &mut Vec<Found>,
+) {
+    for span in spans {
+        let mut searcher = Searcher::new(Input::new(text).range(span));
+        while let Some(m) = searcher.advance(|input| Ok(rule.regex.search_with(cache, input))) {
+            (rule.judge)(text, m, out);
+        }
     }
 }
 
@@ -509,15 +643,17 @@ static RULES: LazyLock<Vec<Rule>> = LazyLock::new(|| {
             regex: compile(
                 r#"\b(?:https?|wss?|ftp|sftp|ssh|git|file|s3|gs|nats|redis|postgres(?:ql)?|mysql|mongodb(?:\+srv)?|amqp)://[^\s<>"'`\\]+"#,
             ),
-            scan: scan_urls,
+            judge: judge_urls,
             needs: COLON,
+            within_words: true,
         },
         Rule {
             regex: compile(
                 r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b",
             ),
-            scan: |re, text, out| push_all(re, text, out, IdentifierKind::Uuid),
+            judge: |_, m, out| push(m, out, IdentifierKind::Uuid),
             needs: DASH,
+            within_words: true,
         },
         Rule {
             // A digest mixes digits and letters: the pattern requires both, so
@@ -525,45 +661,52 @@ static RULES: LazyLock<Vec<Rule>> = LazyLock::new(|| {
             regex: compile(
                 r"\b(?:0x[0-9a-fA-F]{4,64}|[0-9a-f]*(?:[0-9][0-9a-f]*[a-f]|[a-f][0-9a-f]*[0-9])[0-9a-f]*|[0-9A-F]*(?:[0-9][0-9A-F]*[A-F]|[A-F][0-9A-F]*[0-9])[0-9A-F]*)\b",
             ),
-            scan: scan_hashes,
+            judge: judge_hashes,
             needs: DIGIT,
+            within_words: true,
         },
         Rule {
             regex: compile(r"\b(?:[0-9]{1,3}\.){3}[0-9]{1,3}(?::[0-9]{1,5}|/[0-9]{1,2})?\b"),
-            scan: scan_ipv4,
+            judge: judge_ipv4,
             needs: DOT,
+            within_words: true,
         },
         Rule {
             regex: compile(
                 r"\[[0-9a-fA-F:.]{2,45}\](?::[0-9]{1,5})?|[0-9a-fA-F]{0,4}(?::[0-9a-fA-F]{0,4}){2,7}(?:/[0-9]{1,3})?",
             ),
-            scan: scan_ipv6,
+            judge: judge_ipv6,
             needs: COLON | BRACKET,
+            within_words: true,
         },
         Rule {
             regex: compile(&format!(
                 r"\b(?:localhost:[0-9]{{2,5}}|(?:[A-Za-z0-9](?:[A-Za-z0-9-]{{0,61}}[A-Za-z0-9])?\.)+(?:[A-Za-z]{{2,24}}:[0-9]{{2,5}}|(?i:{})))\b",
                 HOST_TLDS.join("|")
             )),
-            scan: scan_hosts,
+            judge: judge_hosts,
             needs: DOT | COLON,
+            within_words: true,
         },
         Rule {
             // Absolute, home- or dot-relative unix paths.
             regex: compile(r"(?:~|\.{1,2})?/[A-Za-z0-9_.@+%-]+(?:/[A-Za-z0-9_.@+%-]+)*/?"),
-            scan: scan_unix_paths,
+            judge: judge_unix_paths,
             needs: SLASH,
+            within_words: true,
         },
         Rule {
             regex: compile(r#"\b[A-Za-z]:\\[^\s"'<>|*?]+"#),
-            scan: scan_windows_paths,
+            judge: judge_windows_paths,
             needs: COLON,
+            within_words: true,
         },
         Rule {
             // Relative paths with at least one directory: src/core/mod.rs.
             regex: compile(r"\b[A-Za-z0-9_.@+-]+(?:/[A-Za-z0-9_.@+-]+)+"),
-            scan: scan_relative_paths,
+            judge: judge_relative_paths,
             needs: SLASH,
+            within_words: true,
         },
         Rule {
             // Bare file names: Cargo.toml, README.md, test_schema.py.
@@ -571,72 +714,83 @@ static RULES: LazyLock<Vec<Rule>> = LazyLock::new(|| {
                 r"\b[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*\.(?i:{})\b",
                 FILE_EXTENSIONS.join("|")
             )),
-            scan: scan_file_names,
+            judge: judge_file_names,
             needs: DOT,
+            within_words: true,
         },
         Rule {
-            regex: compile(r"(?i)\bports?\s*(?:number\s*)?[:=#]?\s*([0-9]{2,5})\b"),
-            scan: scan_ports,
+            regex: compile(r"(?i)\bports?\s*(?:number\s*)?[:=#]?\s*[0-9]{2,5}\b"),
+            judge: judge_ports,
             needs: 0,
+            within_words: false,
         },
         Rule {
             // `:8080` standing alone (`listening on :8080`).
             regex: compile(r":[0-9]{2,5}\b"),
-            scan: scan_bare_ports,
+            judge: judge_bare_ports,
             needs: COLON,
+            within_words: true,
         },
         Rule {
             regex: compile(
                 r"\b(?:E[0-9]{4}|(?:TS|CS|SC|SA|PLR|PLW|PLE|RUF|SIM|UP|ANN|E|W|F|C|D|N|B|I)[0-9]{3,4}|SIG[A-Z]{2,7}|E[A-Z0-9_]{2,14}|[A-Z][A-Za-z0-9]+(?:Error|Exception|Warning))\b",
             ),
-            scan: scan_codes,
+            judge: judge_codes,
             needs: UPPER,
+            within_words: true,
         },
         Rule {
             regex: compile(
                 r"(?i)\bHTTP(?:/[0-9.]+)?\s*[1-5][0-9]{2}\b|\bstatus(?:[ _]code)?\s*[:=]?\s*[1-5][0-9]{2}\b|\bexit(?:ed)?(?: with)? (?:code|status)\s*[:=]?\s*-?[0-9]{1,3}\b",
             ),
-            scan: |re, text, out| push_all(re, text, out, IdentifierKind::ErrorCode),
+            judge: |_, m, out| push(m, out, IdentifierKind::ErrorCode),
             needs: DIGIT,
+            within_words: false,
         },
         Rule {
             regex: compile(
                 r"\b[1-5][0-9]{2} (?:Not Found|Bad Request|Unauthorized|Forbidden|Internal Server Error|Bad Gateway|Service Unavailable|Gateway Timeout|Too Many Requests|Conflict|Method Not Allowed|Unprocessable Entity|Payload Too Large|Request Entity Too Large|Not Implemented|Moved Permanently|Not Modified|Gone|Precondition Failed|Request Timeout)\b",
             ),
-            scan: |re, text, out| push_all(re, text, out, IdentifierKind::ErrorCode),
+            judge: |_, m, out| push(m, out, IdentifierKind::ErrorCode),
             needs: DIGIT,
+            within_words: false,
         },
         Rule {
             // Found by its `#`; an `owner/repo` before it is taken in by hand.
             regex: compile(r"#[0-9]{2,7}\b"),
-            scan: scan_hash_tickets,
+            judge: judge_hash_tickets,
             needs: HASH,
+            within_words: true,
         },
         Rule {
             regex: compile(r"\bCVE-[0-9]{4}-[0-9]{4,7}\b|\b[A-Z][A-Z0-9]{1,9}-[0-9]{1,7}\b"),
-            scan: scan_key_tickets,
+            judge: judge_key_tickets,
             needs: DASH,
+            within_words: true,
         },
         Rule {
             // Five or more numeric arcs: longer than an IPv4 address, so the
             // version rule below cannot cut it into `1.2.840` and `10008.1.2`.
             regex: compile(r"\b[0-9]+(?:\.[0-9]+){4,}\b"),
-            scan: |re, text, out| push_all(re, text, out, IdentifierKind::Oid),
+            judge: |_, m, out| push(m, out, IdentifierKind::Oid),
             needs: DOT,
+            within_words: true,
         },
         Rule {
             regex: compile(
                 r"\bv?[0-9]+\.[0-9]+\.[0-9]+(?:-[0-9A-Za-z.-]+)?(?:\+[0-9A-Za-z.-]+)?\b|\bv[0-9]+\.[0-9]+\b",
             ),
-            scan: |re, text, out| push_all(re, text, out, IdentifierKind::Version),
+            judge: |_, m, out| push(m, out, IdentifierKind::Version),
             needs: DOT,
+            within_words: true,
         },
         Rule {
             regex: compile(
                 r"\b[0-9]{4}-[0-9]{2}-[0-9]{2}(?:[T ][0-9]{2}:[0-9]{2}(?::[0-9]{2}(?:\.[0-9]+)?)?(?:Z|[+-][0-9]{2}:?[0-9]{2})?)?\b",
             ),
-            scan: |re, text, out| push_all(re, text, out, IdentifierKind::Date),
+            judge: |_, m, out| push(m, out, IdentifierKind::Date),
             needs: DASH,
+            within_words: false,
         },
         Rule {
             // Machine-made ids: snake/kebab compounds and uppercase codes.
@@ -645,265 +799,246 @@ static RULES: LazyLock<Vec<Rule>> = LazyLock::new(|| {
             regex: compile(
                 r"\b[A-Za-z][A-Za-z0-9_-]*[0-9][A-Za-z0-9_-]*\b|\b[A-Z0-9]*(?:[A-Z][A-Z0-9]*[0-9]|[0-9][A-Z0-9]*[A-Z])[A-Z0-9]*\b",
             ),
-            scan: scan_tokens,
+            judge: judge_tokens,
             needs: DIGIT,
+            within_words: true,
         },
     ]
 });
 
-fn push_all(re: &Regex, text: &str, out: &mut Vec<Found>, kind: IdentifierKind) {
-    for m in re.find_iter(text) {
-        out.push(Found {
-            start: m.start(),
-            end: m.end(),
-            kind,
-        });
-    }
+fn push(m: Match, out: &mut Vec<Found>, kind: IdentifierKind) {
+    out.push(Found {
+        start: m.start(),
+        end: m.end(),
+        kind,
+    });
 }
 
-fn scan_urls(re: &Regex, text: &str, out: &mut Vec<Found>) {
-    for m in re.find_iter(text) {
-        let end = trim_trailing(text, m.start(), m.end());
-        // A scheme alone (`https://`) is not an identifier.
-        if text[m.start()..end].ends_with("://") {
-            continue;
-        }
-        out.push(Found {
-            start: m.start(),
-            end,
-            kind: IdentifierKind::Url,
-        });
+fn judge_urls(text: &str, m: Match, out: &mut Vec<Found>) {
+    let end = trim_trailing(text, m.start(), m.end());
+    // A scheme alone (`https://`) is not an identifier.
+    if text[m.start()..end].ends_with("://") {
+        return;
     }
+    out.push(Found {
+        start: m.start(),
+        end,
+        kind: IdentifierKind::Url,
+    });
 }
 
-fn scan_hashes(re: &Regex, text: &str, out: &mut Vec<Found>) {
-    for m in re.find_iter(text) {
-        let s = m.as_str();
-        if !s.starts_with("0x") && !(7..=128).contains(&s.len()) {
-            continue;
-        }
-        // Part of a longer token such as `abc1234-foo` or `x.abcdef12`.
-        if matches!(byte_before(text, m.start()), Some(b'-' | b'.' | b'/'))
-            || matches!(byte_at(text, m.end()), Some(b'-'))
+fn judge_hashes(text: &str, m: Match, out: &mut Vec<Found>) {
+    let s = &text[m.range()];
+    if !s.starts_with("0x") && !(7..=128).contains(&s.len()) {
+        return;
+    }
+    // Part of a longer token such as `abc1234-foo` or `x.abcdef12`.
+    if matches!(byte_before(text, m.start()), Some(b'-' | b'.' | b'/'))
+        || matches!(byte_at(text, m.end()), Some(b'-'))
+    {
+        return;
+    }
+    out.push(Found {
+        start: m.start(),
+        end: m.end(),
+        kind: IdentifierKind::Hash,
+    });
+}
+
+fn judge_ipv4(text: &str, m: Match, out: &mut Vec<Found>) {
+    let s = &text[m.range()];
+    let addr = s.split([':', '/']).next().unwrap_or(s);
+    if addr.parse::<Ipv4Addr>().is_err() {
+        return;
+    }
+    // `1.2.3.4.5` is a version or an OID, not an address.
+    if matches!(byte_before(text, m.start()), Some(b'.'))
+        || (matches!(byte_at(text, m.end()), Some(b'.'))
+            && byte_at(text, m.end() + 1).is_some_and(|b| b.is_ascii_digit()))
+    {
+        return;
+    }
+    out.push(Found {
+        start: m.start(),
+        end: m.end(),
+        kind: IdentifierKind::IpAddress,
+    });
+}
+
+fn judge_ipv6(text: &str, m: Match, out: &mut Vec<Found>) {
+    let s = &text[m.range()];
+    let (addr, bracketed) = if let Some(rest) = s.strip_prefix('[') {
+        (rest.split(']').next().unwrap_or(rest), true)
+    } else {
+        (s.split('/').next().unwrap_or(s), false)
+    };
+    if addr.parse::<Ipv6Addr>().is_err() {
+        return;
+    }
+    if !bracketed {
+        // Rust paths (`de::Error`, `crate::db::add`) and clock times
+        // share the alphabet: require a digit and clean edges.
+        if !addr.bytes().any(|b| b.is_ascii_digit())
+            || byte_before(text, m.start()).is_some_and(|b| is_ident_byte(b) || b == b':')
+            || byte_at(text, m.end()).is_some_and(|b| is_ident_byte(b) || b == b':')
         {
-            continue;
+            return;
         }
-        out.push(Found {
-            start: m.start(),
-            end: m.end(),
-            kind: IdentifierKind::Hash,
-        });
+    }
+    out.push(Found {
+        start: m.start(),
+        end: m.end(),
+        kind: IdentifierKind::IpAddress,
+    });
+}
+
+fn judge_hosts(text: &str, m: Match, out: &mut Vec<Found>) {
+    let s = &text[m.range()];
+    let (host, port) = match s.rsplit_once(':') {
+        Some((h, p)) => (h, Some(p)),
+        None => (s, None),
+    };
+    // Inside an e-mail address, a path or a dotted attribute chain.
+    if matches!(
+        byte_before(text, m.start()),
+        Some(b'@' | b'.' | b'/' | b'-')
+    ) {
+        return;
+    }
+    if host.eq_ignore_ascii_case("localhost") {
+        if port.is_none() {
+            return;
+        }
+    } else {
+        let tld = host.rsplit('.').next().unwrap_or(host);
+        // `lib.rs:120` is a file position, `self.config` is code.
+        if is_file_extension(tld) {
+            return;
+        }
+        if port.is_none() && !HOST_TLDS.contains(&tld.to_ascii_lowercase().as_str()) {
+            return;
+        }
+        if port.is_none() && byte_at(text, m.end()) == Some(b'(') {
+            return;
+        }
+    }
+    if port.is_some_and(|p| p.parse::<u32>().map_or(true, |n| n > 65535)) {
+        return;
+    }
+    out.push(Found {
+        start: m.start(),
+        end: m.end(),
+        kind: IdentifierKind::Host,
+    });
+}
+
+fn judge_unix_paths(text: &str, m: Match, out: &mut Vec<Found>) {
+    // `and/or`, `1/2`, the `//host` of a URL.
+    if byte_before(text, m.start())
+        .is_some_and(|b| is_ident_byte(b) || matches!(b, b'/' | b':' | b'.' | b'-' | b'<'))
+    {
+        return;
+    }
+    let end = trim_trailing(text, m.start(), m.end());
+    let s = &text[m.start()..end];
+    let anchored = s.starts_with('~') || s.starts_with('.');
+    let body = s.trim_start_matches(['~', '.']).trim_matches('/');
+    if body.is_empty() || !body.bytes().any(|b| b.is_ascii_alphabetic()) {
+        return;
+    }
+    let segments = body.split('/').count();
+    let last = body.rsplit('/').next().unwrap_or(body);
+    let has_ext = extension_of(last).is_some_and(|e| e.bytes().any(|b| b.is_ascii_alphabetic()));
+    if !(anchored || segments >= 2 || has_ext) {
+        return;
+    }
+    out.push(Found {
+        start: m.start(),
+        end,
+        kind: IdentifierKind::Path,
+    });
+}
+
+fn judge_windows_paths(text: &str, m: Match, out: &mut Vec<Found>) {
+    let end = trim_trailing(text, m.start(), m.end());
+    if end - m.start() <= 3 {
+        return;
+    }
+    out.push(Found {
+        start: m.start(),
+        end,
+        kind: IdentifierKind::Path,
+    });
+}
+
+fn judge_relative_paths(text: &str, m: Match, out: &mut Vec<Found>) {
+    if matches!(
+        byte_before(text, m.start()),
+        Some(b'/' | b'.' | b'-' | b'@')
+    ) {
+        return;
+    }
+    let end = trim_trailing(text, m.start(), m.end());
+    let s = &text[m.start()..end];
+    let last = s.rsplit('/').next().unwrap_or(s);
+    // Without an extension `input/output` is prose; with one it is a file.
+    let Some(ext) = extension_of(last) else {
+        return;
+    };
+    if !ext.bytes().next().is_some_and(|b| b.is_ascii_alphabetic()) {
+        return;
+    }
+    out.push(Found {
+        start: m.start(),
+        end,
+        kind: IdentifierKind::Path,
+    });
+}
+
+fn judge_file_names(text: &str, m: Match, out: &mut Vec<Found>) {
+    let s = &text[m.range()];
+    let Some(ext) = extension_of(s) else {
+        return;
+    };
+    if !is_file_extension(ext) {
+        return;
+    }
+    // `response.json()` and `obj.py_attr` are code, not files.
+    if matches!(byte_at(text, m.end()), Some(b'(' | b'_'))
+        || matches!(byte_before(text, m.start()), Some(b'.' | b'-'))
+    {
+        return;
+    }
+    // A lone letter before the dot (`e.g`, `a.out`-like prose) is noise.
+    if s.find('.').is_some_and(|i| i < 2) && !s.starts_with('_') {
+        return;
+    }
+    out.push(Found {
+        start: m.start(),
+        end: m.end(),
+        kind: IdentifierKind::Path,
+    });
+}
+
+fn judge_bare_ports(text: &str, m: Match, out: &mut Vec<Found>) {
+    let alone = match byte_before(text, m.start()) {
+        None => true,
+        Some(b) => b.is_ascii_whitespace() || matches!(b, b'(' | b'[' | b'=' | b','),
+    };
+    if alone {
+        push_port(text, m.start(), m.end(), out);
     }
 }
 
-fn scan_ipv4(re: &Regex, text: &str, out: &mut Vec<Found>) {
-    for m in re.find_iter(text) {
-        let s = m.as_str();
-        let addr = s.split([':', '/']).next().unwrap_or(s);
-        if addr.parse::<Ipv4Addr>().is_err() {
-            continue;
-        }
-        // `1.2.3.4.5` is a version or an OID, not an address.
-        if matches!(byte_before(text, m.start()), Some(b'.'))
-            || (matches!(byte_at(text, m.end()), Some(b'.'))
-                && byte_at(text, m.end() + 1).is_some_and(|b| b.is_ascii_digit()))
-        {
-            continue;
-        }
-        out.push(Found {
-            start: m.start(),
-            end: m.end(),
-            kind: IdentifierKind::IpAddress,
-        });
-    }
-}
-
-fn scan_ipv6(re: &Regex, text: &str, out: &mut Vec<Found>) {
-    for m in re.find_iter(text) {
-        let s = m.as_str();
-        let (addr, bracketed) = if let Some(rest) = s.strip_prefix('[') {
-            (rest.split(']').next().unwrap_or(rest), true)
-        } else {
-            (s.split('/').next().unwrap_or(s), false)
-        };
-        if addr.parse::<Ipv6Addr>().is_err() {
-            continue;
-        }
-        if !bracketed {
-            // Rust paths (`de::Error`, `crate::db::add`) and clock times
-            // share the alphabet: require a digit and clean edges.
-            if !addr.bytes().any(|b| b.is_ascii_digit())
-                || byte_before(text, m.start()).is_some_and(|b| is_ident_byte(b) || b == b':')
-                || byte_at(text, m.end()).is_some_and(|b| is_ident_byte(b) || b == b':')
-            {
-                continue;
-            }
-        }
-        out.push(Found {
-            start: m.start(),
-            end: m.end(),
-            kind: IdentifierKind::IpAddress,
-        });
-    }
-}
-
-fn scan_hosts(re: &Regex, text: &str, out: &mut Vec<Found>) {
-    for m in re.find_iter(text) {
-        let s = m.as_str();
-        let (host, port) = match s.rsplit_once(':') {
-            Some((h, p)) => (h, Some(p)),
-            None => (s, None),
-        };
-        // Inside an e-mail address, a path or a dotted attribute chain.
-        if matches!(
-            byte_before(text, m.start()),
-            Some(b'@' | b'.' | b'/' | b'-')
-        ) {
-            continue;
-        }
-        if host.eq_ignore_ascii_case("localhost") {
-            if port.is_none() {
-                continue;
-            }
-        } else {
-            let tld = host.rsplit('.').next().unwrap_or(host);
-            // `lib.rs:120` is a file position, `self.config` is code.
-            if is_file_extension(tld) {
-                continue;
-            }
-            if port.is_none() && !HOST_TLDS.contains(&tld.to_ascii_lowercase().as_str()) {
-                continue;
-            }
-            if port.is_none() && byte_at(text, m.end()) == Some(b'(') {
-                continue;
-            }
-        }
-        if port.is_some_and(|p| p.parse::<u32>().map_or(true, |n| n > 65535)) {
-            continue;
-        }
-        out.push(Found {
-            start: m.start(),
-            end: m.end(),
-            kind: IdentifierKind::Host,
-        });
-    }
-}
-
-fn scan_unix_paths(re: &Regex, text: &str, out: &mut Vec<Found>) {
-    for m in re.find_iter(text) {
-        // `and/or`, `1/2`, the `//host` of a URL.
-        if byte_before(text, m.start())
-            .is_some_and(|b| is_ident_byte(b) || matches!(b, b'/' | b':' | b'.' | b'-' | b'<'))
-        {
-            continue;
-        }
-        let end = trim_trailing(text, m.start(), m.end());
-        let s = &text[m.start()..end];
-        let anchored = s.starts_with('~') || s.starts_with('.');
-        let body = s.trim_start_matches(['~', '.']).trim_matches('/');
-        if body.is_empty() || !body.bytes().any(|b| b.is_ascii_alphabetic()) {
-            continue;
-        }
-        let segments = body.split('/').count();
-        let last = body.rsplit('/').next().unwrap_or(body);
-        let has_ext =
-            extension_of(last).is_some_and(|e| e.bytes().any(|b| b.is_ascii_alphabetic()));
-        if !(anchored || segments >= 2 || has_ext) {
-            continue;
-        }
-        out.push(Found {
-            start: m.start(),
-            end,
-            kind: IdentifierKind::Path,
-        });
-    }
-}
-
-fn scan_windows_paths(re: &Regex, text: &str, out: &mut Vec<Found>) {
-    for m in re.find_iter(text) {
-        let end = trim_trailing(text, m.start(), m.end());
-        if end - m.start() <= 3 {
-            continue;
-        }
-        out.push(Found {
-            start: m.start(),
-            end,
-            kind: IdentifierKind::Path,
-        });
-    }
-}
-
-fn scan_relative_paths(re: &Regex, text: &str, out: &mut Vec<Found>) {
-    for m in re.find_iter(text) {
-        if matches!(
-            byte_before(text, m.start()),
-            Some(b'/' | b'.' | b'-' | b'@')
-        ) {
-            continue;
-        }
-        let end = trim_trailing(text, m.start(), m.end());
-        let s = &text[m.start()..end];
-        let last = s.rsplit('/').next().unwrap_or(s);
-        // Without an extension `input/output` is prose; with one it is a file.
-        let Some(ext) = extension_of(last) else {
-            continue;
-        };
-        if !ext.bytes().next().is_some_and(|b| b.is_ascii_alphabetic()) {
-            continue;
-        }
-        out.push(Found {
-            start: m.start(),
-            end,
-            kind: IdentifierKind::Path,
-        });
-    }
-}
-
-fn scan_file_names(re: &Regex, text: &str, out: &mut Vec<Found>) {
-    for m in re.find_iter(text) {
-        let s = m.as_str();
-        let Some(ext) = extension_of(s) else {
-            continue;
-        };
-        if !is_file_extension(ext) {
-            continue;
-        }
-        // `response.json()` and `obj.py_attr` are code, not files.
-        if matches!(byte_at(text, m.end()), Some(b'(' | b'_'))
-            || matches!(byte_before(text, m.start()), Some(b'.' | b'-'))
-        {
-            continue;
-        }
-        // A lone letter before the dot (`e.g`, `a.out`-like prose) is noise.
-        if s.find('.').is_some_and(|i| i < 2) && !s.starts_with('_') {
-            continue;
-        }
-        out.push(Found {
-            start: m.start(),
-            end: m.end(),
-            kind: IdentifierKind::Path,
-        });
-    }
-}
-
-fn scan_bare_ports(re: &Regex, text: &str, out: &mut Vec<Found>) {
-    for m in re.find_iter(text) {
-        let alone = match byte_before(text, m.start()) {
-            None => true,
-            Some(b) => b.is_ascii_whitespace() || matches!(b, b'(' | b'[' | b'=' | b','),
-        };
-        if alone {
-            push_port(text, m.start(), m.end(), out);
-        }
-    }
-}
-
-fn scan_ports(re: &Regex, text: &str, out: &mut Vec<Found>) {
-    for caps in re.captures_iter(text) {
-        if let Some(m) = caps.get(1) {
-            push_port(text, m.start(), m.end(), out);
-        }
-    }
+/// The port is the match's trailing digits: nothing the pattern takes
+/// before them is a digit.
+fn judge_ports(text: &str, m: Match, out: &mut Vec<Found>) {
+    let digits = text[m.range()]
+        .bytes()
+        .rev()
+        .take_while(u8::is_ascii_digit)
+        .count();
+    push_port(text, m.end() - digits, m.end(), out);
 }
 
 fn push_port(text: &str, start: usize, end: usize, out: &mut Vec<Found>) {
@@ -924,137 +1059,128 @@ fn push_port(text: &str, start: usize, end: usize, out: &mut Vec<Found>) {
     });
 }
 
-fn scan_codes(re: &Regex, text: &str, out: &mut Vec<Found>) {
-    for m in re.find_iter(text) {
-        let s = m.as_str();
-        let keep = if s.ends_with("Error") || s.ends_with("Exception") || s.ends_with("Warning") {
-            true
-        } else if s.starts_with("SIG") && s.bytes().all(|b| b.is_ascii_uppercase()) {
-            matches!(
-                s,
-                "SIGKILL"
-                    | "SIGTERM"
-                    | "SIGINT"
-                    | "SIGSEGV"
-                    | "SIGABRT"
-                    | "SIGHUP"
-                    | "SIGPIPE"
-                    | "SIGBUS"
-                    | "SIGFPE"
-                    | "SIGILL"
-                    | "SIGQUIT"
-                    | "SIGUSR1"
-                    | "SIGUSR2"
-                    | "SIGCHLD"
-                    | "SIGALRM"
-                    | "SIGSTOP"
-                    | "SIGCONT"
-                    | "SIGTRAP"
-            )
-        } else if s.bytes().skip(1).all(|b| b.is_ascii_digit()) || digit_count(s) >= 3 {
-            // E0308, W291, TS2345: a prefix then digits.
-            let digits = digit_count(s);
-            digits >= 3 && s.bytes().rev().take(digits).all(|b| b.is_ascii_digit())
-        } else {
-            ERRNO.contains(&s)
-        };
-        if keep && !matches!(byte_before(text, m.start()), Some(b'-' | b'.')) {
-            out.push(Found {
-                start: m.start(),
-                end: m.end(),
-                kind: IdentifierKind::ErrorCode,
-            });
-        }
+fn judge_codes(text: &str, m: Match, out: &mut Vec<Found>) {
+    let s = &text[m.range()];
+    let keep = if s.ends_with("Error") || s.ends_with("Exception") || s.ends_with("Warning") {
+        true
+    } else if s.starts_with("SIG") && s.bytes().all(|b| b.is_ascii_uppercase()) {
+        matches!(
+            s,
+            "SIGKILL"
+                | "SIGTERM"
+                | "SIGINT"
+                | "SIGSEGV"
+                | "SIGABRT"
+                | "SIGHUP"
+                | "SIGPIPE"
+                | "SIGBUS"
+                | "SIGFPE"
+                | "SIGILL"
+                | "SIGQUIT"
+                | "SIGUSR1"
+                | "SIGUSR2"
+                | "SIGCHLD"
+                | "SIGALRM"
+                | "SIGSTOP"
+                | "SIGCONT"
+                | "SIGTRAP"
+        )
+    } else if s.bytes().skip(1).all(|b| b.is_ascii_digit()) || digit_count(s) >= 3 {
+        // E0308, W291, TS2345: a prefix then digits.
+        let digits = digit_count(s);
+        digits >= 3 && s.bytes().rev().take(digits).all(|b| b.is_ascii_digit())
+    } else {
+        ERRNO.contains(&s)
+    };
+    if keep && !matches!(byte_before(text, m.start()), Some(b'-' | b'.')) {
+        out.push(Found {
+            start: m.start(),
+            end: m.end(),
+            kind: IdentifierKind::ErrorCode,
+        });
     }
 }
 
-fn scan_hash_tickets(re: &Regex, text: &str, out: &mut Vec<Found>) {
+fn judge_hash_tickets(text: &str, m: Match, out: &mut Vec<Found>) {
     let bytes = text.as_bytes();
     let repo_byte = |b: u8| is_ident_byte(b) || b == b'.' || b == b'-';
-    for m in re.find_iter(text) {
-        let mut start = m.start();
-        // `owner/repo#123`: walk back over `repo`, `/`, `owner`.
-        let mut i = start;
-        while i > 0 && repo_byte(bytes[i - 1]) {
-            i -= 1;
-        }
-        if i < start && i > 0 && bytes[i - 1] == b'/' {
-            let mut j = i - 1;
-            while j > 0 && repo_byte(bytes[j - 1]) {
-                j -= 1;
-            }
-            if j < i - 1 && (j == 0 || bytes[j - 1] != b'/') {
-                start = j;
-            }
-        }
-        // `&#123;` is an HTML entity, `abc#12` an anchor inside a word.
-        if start == m.start()
-            && byte_before(text, start).is_some_and(|b| is_ident_byte(b) || b == b'&')
-        {
-            continue;
-        }
-        out.push(Found {
-            start,
-            end: m.end(),
-            kind: IdentifierKind::Ticket,
-        });
+    let mut start = m.start();
+    // `owner/repo#123`: walk back over `repo`, `/`, `owner`.
+    let mut i = start;
+    while i > 0 && repo_byte(bytes[i - 1]) {
+        i -= 1;
     }
+    if i < start && i > 0 && bytes[i - 1] == b'/' {
+        let mut j = i - 1;
+        while j > 0 && repo_byte(bytes[j - 1]) {
+            j -= 1;
+        }
+        if j < i - 1 && (j == 0 || bytes[j - 1] != b'/') {
+            start = j;
+        }
+    }
+    // `&#123;` is an HTML entity, `abc#12` an anchor inside a word.
+    if start == m.start() && byte_before(text, start).is_some_and(|b| is_ident_byte(b) || b == b'&')
+    {
+        return;
+    }
+    out.push(Found {
+        start,
+        end: m.end(),
+        kind: IdentifierKind::Ticket,
+    });
 }
 
-fn scan_key_tickets(re: &Regex, text: &str, out: &mut Vec<Found>) {
-    for m in re.find_iter(text) {
-        let s = m.as_str();
-        let prefix = s.split('-').next().unwrap_or(s);
-        if !s.starts_with("CVE-") && NOT_TICKET_PREFIXES.contains(&prefix) {
-            continue;
-        }
-        if matches!(byte_before(text, m.start()), Some(b'-' | b'_' | b'.'))
-            || matches!(byte_at(text, m.end()), Some(b'-' | b'_'))
-        {
-            continue;
-        }
-        out.push(Found {
-            start: m.start(),
-            end: m.end(),
-            kind: IdentifierKind::Ticket,
-        });
+fn judge_key_tickets(text: &str, m: Match, out: &mut Vec<Found>) {
+    let s = &text[m.range()];
+    let prefix = s.split('-').next().unwrap_or(s);
+    if !s.starts_with("CVE-") && NOT_TICKET_PREFIXES.contains(&prefix) {
+        return;
     }
+    if matches!(byte_before(text, m.start()), Some(b'-' | b'_' | b'.'))
+        || matches!(byte_at(text, m.end()), Some(b'-' | b'_'))
+    {
+        return;
+    }
+    out.push(Found {
+        start: m.start(),
+        end: m.end(),
+        kind: IdentifierKind::Ticket,
+    });
 }
 
-fn scan_tokens(re: &Regex, text: &str, out: &mut Vec<Found>) {
-    for m in re.find_iter(text) {
-        let s = m.as_str();
-        let letters = s.bytes().filter(u8::is_ascii_alphabetic).count();
-        let digits = digit_count(s);
-        if s.len() < 5 || letters == 0 || digits < 2 {
-            continue;
-        }
-        if s.contains(['_', '-']) {
-            // Compound ids have clean separators (`a_b-c`, not `a__b`, `a-`).
-            if s.ends_with(['_', '-']) || s.contains("__") || s.contains("--") {
-                continue;
-            }
-        } else if s.len() > 12 || s.bytes().any(|b| b.is_ascii_lowercase()) {
-            // Unseparated, only short uppercase codes (`HAT136`, `4WQ150`).
-            continue;
-        }
-        if matches!(
-            byte_before(text, m.start()),
-            Some(b'-' | b'.' | b'/' | b'$')
-        ) || matches!(byte_at(text, m.end()), Some(b'('))
-        {
-            continue;
-        }
-        let first = s.split(['-', '_']).next().unwrap_or(s).to_ascii_uppercase();
-        if NOT_TICKET_PREFIXES.contains(&first.as_str()) {
-            continue;
-        }
-        out.push(Found {
-            start: m.start(),
-            end: m.end(),
-            kind: IdentifierKind::Token,
-        });
+fn judge_tokens(text: &str, m: Match, out: &mut Vec<Found>) {
+    let s = &text[m.range()];
+    let letters = s.bytes().filter(u8::is_ascii_alphabetic).count();
+    let digits = digit_count(s);
+    if s.len() < 5 || letters == 0 || digits < 2 {
+        return;
     }
+    if s.contains(['_', '-']) {
+        // Compound ids have clean separators (`a_b-c`, not `a__b`, `a-`).
+        if s.ends_with(['_', '-']) || s.contains("__") || s.contains("--") {
+            return;
+        }
+    } else if s.len() > 12 || s.bytes().any(|b| b.is_ascii_lowercase()) {
+        // Unseparated, only short uppercase codes (`HAT136`, `4WQ150`).
+        return;
+    }
+    if matches!(
+        byte_before(text, m.start()),
+        Some(b'-' | b'.' | b'/' | b'$')
+    ) || matches!(byte_at(text, m.end()), Some(b'('))
+    {
+        return;
+    }
+    let first = s.split(['-', '_']).next().unwrap_or(s).to_ascii_uppercase();
+    if NOT_TICKET_PREFIXES.contains(&first.as_str()) {
+        return;
+    }
+    out.push(Found {
+        start: m.start(),
+        end: m.end(),
+        kind: IdentifierKind::Token,
+    });
 }
 
 #[cfg(test)]
@@ -1123,6 +1249,12 @@ mod tests {
         "4WQ150",
         "\\nsrc/lib.rs",
         "\\t",
+        "\t",
+        "\r\n",
+        "\u{b}",
+        "\u{c}",
+        "\u{a0}",
+        "\u{3000}",
         "word",
         "Word",
         "x",
@@ -1164,13 +1296,28 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(3000))]
 
-        /// Skipping the rules whose bytes a text lacks finds what asking
-        /// every rule finds.
+        /// Skipping the rules whose bytes a text lacks, and the words
+        /// that hold none of a rule's bytes, finds what every rule finds
+        /// over the whole text.
         #[test]
         fn rules_skipped_by_their_bytes_find_nothing(text in text()) {
-            let every_rule = Holds(u8::MAX);
-            prop_assert_eq!(extract_with_kinds(&text), extract_by(&text, every_rule));
+            prop_assert_eq!(extract_with_kinds(&text), extract_with_kinds_unskipped(&text));
         }
+    }
+
+    #[test]
+    fn a_rule_searched_in_words_names_the_bytes_its_words_hold() {
+        // A rule with no bytes to look for would search no word at all.
+        for (i, rule) in RULES.iter().enumerate() {
+            assert!(!rule.within_words || rule.needs != 0, "rule {i}");
+        }
+        let text = "see src/lib.rs\tand\u{a0}v1.2.3 at :8080\n";
+        let words = Words::of(text);
+        let spans = |needs| -> Vec<&str> { words.holding(needs).map(|s| &text[s]).collect() };
+        assert_eq!(spans(SLASH), ["src/lib.rs"]);
+        assert_eq!(spans(DOT), ["src/lib.rs", "and\u{a0}v1.2.3"]);
+        assert_eq!(spans(COLON | HASH), [":8080"]);
+        assert!(spans(BRACKET).is_empty());
     }
 
     fn ids(text: &str) -> Vec<String> {

@@ -14,6 +14,8 @@ pub const SHARED_DATA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/da
 pub const SHARED_DATA_ENV: &str = "CONTEXTFOLD_SHARED_DATA";
 pub const TAU_BENCH: &str = "transcripts/tau-bench_sierra-research/gpt-4o-airline.json";
 pub const AIDER: &str = "transcripts/aider_Aider-AI-aider/chat-history.md";
+pub const CLAUDE_CODE: &str =
+    "transcripts/claude-code_marot-spotter/fa812bfe-b295-4cca-9c2f-fdf01028cb46.jsonl";
 
 /// Where a file of the shared data directory is.
 pub fn shared_path(relative: &str) -> PathBuf {
@@ -186,6 +188,34 @@ pub fn aider() -> Result<Option<Corpus>, CorpusError> {
     flush(&mut current);
     Ok(Some(Corpus {
         name: "aider chat-history",
+        messages,
+    }))
+}
+
+/// A Claude Code session (the long one `scripts/bench-run-transcripts.sh`
+/// folds), read with contextfold's own importer: one message per turn.
+pub fn claude_code() -> Result<Option<Corpus>, CorpusError> {
+    use contextfold::core::event::EventBody;
+    use contextfold::import::{import_file, Format};
+    let path = shared_path(CLAUDE_CODE);
+    if !path.exists() {
+        return Ok(None);
+    }
+    let conversations = import_file(&path, Format::ClaudeCode)
+        .map_err(|e| CorpusError(format!("{CLAUDE_CODE}: {e}")))?;
+    let mut messages = Vec::new();
+    for conversation in conversations {
+        for (i, event) in conversation.events.iter().enumerate() {
+            if let EventBody::TurnAppended(turn) = &event.body {
+                messages.push(Message {
+                    label: format!("{} event {i}", conversation.conversation),
+                    pieces: pieces_of(&turn.message),
+                });
+            }
+        }
+    }
+    Ok(Some(Corpus {
+        name: "claude-code session",
         messages,
     }))
 }
