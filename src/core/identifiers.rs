@@ -98,36 +98,26 @@ pub fn extract_with_kinds(text: &str) -> Vec<Identifier> {
 /// the reference that skipping texts and words is proptested against here
 /// and measured against in `benches/identifiers.rs`.
 pub fn extract_with_kinds_unskipped(text: &str) -> Vec<Identifier> {
-    let everywhere = Words {
-        holds: Holds(u8::MAX),
-        words: vec![Word {
-            span: 0..text.len(),
-            holds: u8::MAX,
-        }],
-    };
-    extract_by(text, &everywhere)
+    extract_by(text, &Words::everywhere(text))
 }
 
 /// Every identifier of `text`, each rule searching only the spans of
 /// `words` that hold its bytes (a rule finds nothing elsewhere).
 fn extract_by(text: &str, words: &Words) -> Vec<Identifier> {
     let mut found: Vec<Found> = Vec::new();
+    let mut spans: Vec<Range<usize>> = Vec::new();
     CACHES.with_borrow_mut(|caches| {
         for (rule, cache) in RULES.iter().zip(caches.iter_mut()) {
             if !words.holds.may_match(rule.needs) {
                 continue;
             }
             if rule.within_words {
-                search(rule, cache, text, words.holding(rule.needs), &mut found);
+                words.holding(rule.needs, &mut spans);
             } else {
-                search(
-                    rule,
-                    cache,
-                    text,
-                    std::iter::once(0..text.len()),
-                    &mut found,
-                );
+                spans.clear();
+                spans.push(0..text.len());
             }
+            search(rule, cache, text, &spans, &mut found);
         }
     });
     // Text that still holds JSON escapes (`\nsrc/lib.rs`) must not glue the
@@ -242,33 +232,27 @@ const fn holds_bit(b: u8) -> u8 {
 }
 
 /// A text's words (runs between ASCII whitespace) that hold a byte of
-/// [`Holds`], each with the bits it holds, from one pass over the text.
+/// [`Holds`], listed under each bit they hold, from one pass over the text.
 struct Words {
     /// What the whole text holds.
     holds: Holds,
-    words: Vec<Word>,
-}
-
-struct Word {
-    span: Range<usize>,
-    holds: u8,
+    /// For each bit of [`Holds`], the words holding it, in order.
+    by_bit: [Vec<Range<usize>>; 8],
 }
 
 impl Words {
     fn of(text: &str) -> Words {
-        let mut words = Vec::new();
-        let mut all = 0u8;
+        let mut words = Words {
+            holds: Holds(0),
+            by_bit: Default::default(),
+        };
         let mut start = 0usize;
         let mut bits = 0u8;
         for (i, &b) in text.as_bytes().iter().enumerate() {
             let class = BYTE_CLASS[usize::from(b)];
             if class == SPACE {
                 if bits != 0 {
-                    words.push(Word {
-                        span: start..i,
-                        holds: bits,
-                    });
-                    all |= bits;
+                    words.push(start..i, bits);
                     bits = 0;
                 }
                 start = i + 1;
@@ -277,28 +261,62 @@ impl Words {
             }
         }
         if bits != 0 {
-            words.push(Word {
-                span: start..text.len(),
-                holds: bits,
-            });
-            all |= bits;
+            words.push(start..text.len(), bits);
         }
+        words
+    }
+
+    /// The whole text as one word holding every bit: every rule searches
+    /// all of it.
+    fn everywhere(text: &str) -> Words {
         Words {
-            holds: Holds(all),
-            words,
+            holds: Holds(u8::MAX),
+            by_bit: std::array::from_fn(|_| std::iter::once(0..text.len()).collect()),
+        }
+    }
+
+    fn push(&mut self, span: Range<usize>, bits: u8) {
+        self.holds.0 |= bits;
+        for (bit, list) in self.by_bit.iter_mut().enumerate() {
+            if bits & (1 << bit) != 0 {
+                list.push(span.clone());
+            }
         }
     }
 
     /// The spans to search for a match holding one of `needs`: the words
-    /// that hold one. A search in a word sees each match there whole, and
-    /// `\b` and a judge's look at the bytes around a match see the text as
-    /// it is. (Searching words a few bytes apart as one span, to start
-    /// fewer searches, measured slower: starting one is cheap.)
-    fn holding(&self, needs: u8) -> impl Iterator<Item = Range<usize>> + '_ {
-        self.words
-            .iter()
-            .filter(move |w| w.holds & needs != 0)
-            .map(|w| w.span.clone())
+    /// that hold one, in order, each once. A search in a word sees each
+    /// match there whole, and `\b` and a judge's look at the bytes around a
+    /// match see the text as it is. (Searching words a few bytes apart as
+    /// one span, to start fewer searches, measured slower: starting one is
+    /// cheap.)
+    fn holding(&self, needs: u8, out: &mut Vec<Range<usize>>) {
+        out.clear();
+        for (bit, list) in self.by_bit.iter().enumerate() {
+            if needs & (1 << bit) == 0 {
+                continue;
+            }
+            if out.is_empty() {
+                out.extend(list.iter().cloned());
+            } else {
+                // A second bit (two rules have two): merge, words in order.
+                let mut merged = Vec::with_capacity(out.len() + list.len());
+                let (mut a, mut b) = (out.iter().peekable(), list.iter().peekable());
+                while let (Some(x), Some(y)) = (a.peek(), b.peek()) {
+                    match x.start.cmp(&y.start) {
+                        std::cmp::Ordering::Less => merged.extend(a.next().cloned()),
+                        std::cmp::Ordering::Greater => merged.extend(b.next().cloned()),
+                        std::cmp::Ordering::Equal => {
+                            merged.extend(a.next().cloned());
+                            b.next();
+                        }
+                    }
+                }
+                merged.extend(a.cloned());
+                merged.extend(b.cloned());
+                *out = merged;
+            }
+        }
     }
 }
 
@@ -316,11 +334,11 @@ fn search(
     rule: &Rule,
     cache: &mut Cache,
     text: &str,
-    spans: impl Iterator<Item = Range<usize>>,
+    spans: &[Range<usize>],
     out: &mut Vec<Found>,
 ) {
     for span in spans {
-        let mut searcher = Searcher::new(Input::new(text).range(span));
+        let mut searcher = Searcher::new(Input::new(text).range(span.clone()));
         while let Some(m) = searcher.advance(|input| Ok(rule.regex.search_with(cache, input))) {
             (rule.judge)(text, m, out);
         }
@@ -1313,10 +1331,18 @@ mod tests {
         }
         let text = "see src/lib.rs\tand\u{a0}v1.2.3 at :8080\n";
         let words = Words::of(text);
-        let spans = |needs| -> Vec<&str> { words.holding(needs).map(|s| &text[s]).collect() };
+        let spans = |needs| -> Vec<&str> {
+            let mut spans = Vec::new();
+            words.holding(needs, &mut spans);
+            spans.into_iter().map(|s| &text[s]).collect()
+        };
         assert_eq!(spans(SLASH), ["src/lib.rs"]);
         assert_eq!(spans(DOT), ["src/lib.rs", "and\u{a0}v1.2.3"]);
         assert_eq!(spans(COLON | HASH), [":8080"]);
+        assert_eq!(
+            spans(SLASH | DIGIT),
+            ["src/lib.rs", "and\u{a0}v1.2.3", ":8080"]
+        );
         assert!(spans(BRACKET).is_empty());
     }
 
