@@ -159,8 +159,21 @@ pub struct Admitted {
     pub clamped_from: Option<u64>,
 }
 
+#[cfg(test)]
+thread_local! {
+    static RECORDS_ADMITTED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// How many records [`admit`] was asked to admit on this thread.
+#[cfg(test)]
+pub(crate) fn records_admitted() -> u64 {
+    RECORDS_ADMITTED.with(std::cell::Cell::get)
+}
+
 /// The admission rules of the module doc.
 pub fn admit(arrival: Arrival<'_>) -> Result<Admitted, Box<Refused>> {
+    #[cfg(test)]
+    RECORDS_ADMITTED.with(|n| n.set(n.get() + 1));
     let addressed = match arrival.address {
         Address::Conversation(c) => Some(c.as_str()),
         Address::Unaddressed | Address::Unroutable(_) => None,

@@ -1,15 +1,18 @@
-//! What the fold measures of a turn, measured ahead of it: the turn's
-//! token count and, for a long tool result, the line its masked rendering
-//! quotes. Both are pure functions of the turn and the encoding, and the
-//! two costliest steps of folding a turn (a tokenizer pass over its text,
-//! a pattern scan of its output), so a runtime may compute them on another
-//! core while the fold works on the turns before ([`crate::runtime::embedded`]
-//! does, for `run`).
+//! What the fold measures of a turn, measured ahead of it: the record's
+//! admission (decoding it), the turn's token count and, for a long tool
+//! result, the line its masked rendering quotes. All are pure functions of
+//! the record and the encoding, and the costliest steps of folding a turn
+//! (a decode, a tokenizer pass over its text, a pattern scan of its
+//! output), so a runtime may compute them on another core while the fold
+//! works on the turns before ([`crate::runtime::embedded`] does, for `run`).
 //!
-//! A measure is only a shortcut: the fold uses it when it was taken under
-//! the encoding the conversation counts in, and measures the turn itself
+//! A measure is only a shortcut: the fold uses an admission for a record
+//! that arrived as the one admitted ahead, and a count when it was taken
+//! under the encoding the conversation counts in, and does the work itself
 //! otherwise, so a stale or missing measure changes nothing but the time.
 
+use crate::core::event::{Encoding as RecordEncoding, Origin};
+use crate::core::intake::{self, Address, Arrival};
 use crate::core::mask;
 use crate::core::message::ChatMessage;
 use crate::core::summary::SourceReading;
@@ -17,7 +20,7 @@ use crate::core::tokens::{self, Encoding};
 use std::sync::Arc;
 
 /// A turn measured ahead of the fold.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct TurnMeasure {
     /// The encoding `tokens` was counted in.
     pub encoding: Encoding,
@@ -30,6 +33,49 @@ pub struct TurnMeasure {
     /// it was read ahead too ([`SourceReading`]; the fold does not use it,
     /// its runtime hands it to the turn's drafts).
     pub reading: Option<(Box<str>, Arc<SourceReading>)>,
+    /// The record's admission, when it was admitted ahead too.
+    pub admitted: Option<AdmittedAhead>,
+}
+
+/// A record's admission ([`intake::admit`]) and what it was admitted
+/// from but its bytes: the fold takes it for the record at the same log
+/// position when that arrived the same way.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdmittedAhead {
+    origin: Origin,
+    address: Address,
+    stored_at_ms: Option<u64>,
+    encoding: RecordEncoding,
+    admitted: intake::Admitted,
+}
+
+impl AdmittedAhead {
+    /// `arrival`'s admission, if it admits.
+    pub fn admit(arrival: Arrival<'_>) -> Option<AdmittedAhead> {
+        let admitted = intake::admit(arrival).ok()?;
+        Some(AdmittedAhead {
+            origin: arrival.origin,
+            address: arrival.address.clone(),
+            stored_at_ms: arrival.stored_at_ms,
+            encoding: arrival.encoding,
+            admitted,
+        })
+    }
+
+    /// What was admitted.
+    pub fn admitted(&self) -> &intake::Admitted {
+        &self.admitted
+    }
+
+    /// The admission, for a record with the bytes it was taken from that
+    /// arrived as `arrival` did (else `None`: admit it again).
+    pub fn for_arrival(self, arrival: &Arrival<'_>) -> Option<intake::Admitted> {
+        (self.origin == arrival.origin
+            && self.address == *arrival.address
+            && self.stored_at_ms == arrival.stored_at_ms
+            && self.encoding == arrival.encoding)
+            .then_some(self.admitted)
+    }
 }
 
 impl TurnMeasure {
@@ -40,6 +86,7 @@ impl TurnMeasure {
             tokens: tokens::count_message(encoding, msg),
             telling: mask::output_to_mask(msg).map(|text| mask::telling_line(&text)),
             reading: None,
+            admitted: None,
         }
     }
 
@@ -84,6 +131,59 @@ mod tests {
         }
         let m = TurnMeasure::of(Encoding::O200kBase, &msg);
         assert_eq!(m.tokens_in(Encoding::Cl100kBase), None);
+    }
+
+    #[test]
+    fn an_admission_ahead_serves_only_a_record_that_arrived_the_same_way() {
+        use crate::core::event::{Envelope, EventBody, TurnAppended};
+        let bytes = Envelope::new(
+            "e1",
+            "c",
+            1_000,
+            EventBody::TurnAppended(TurnAppended::from(ChatMessage::text(Role::User, "hi"))),
+        )
+        .to_json()
+        .into_bytes();
+        let unaddressed = Address::Unaddressed;
+        let arrival = Arrival {
+            origin: Origin::Agent,
+            address: &unaddressed,
+            stored_at_ms: None,
+            encoding: RecordEncoding::Json,
+            bytes: &bytes,
+        };
+        let ahead = AdmittedAhead::admit(arrival).unwrap();
+        assert_eq!(
+            ahead.clone().for_arrival(&arrival),
+            intake::admit(arrival).ok()
+        );
+        let addressed = Address::Conversation("c".into());
+        for other in [
+            Arrival {
+                origin: Origin::Service,
+                ..arrival
+            },
+            Arrival {
+                address: &addressed,
+                ..arrival
+            },
+            Arrival {
+                stored_at_ms: Some(2_000),
+                ..arrival
+            },
+            Arrival {
+                encoding: RecordEncoding::Msgpack,
+                ..arrival
+            },
+        ] {
+            assert_eq!(ahead.clone().for_arrival(&other), None);
+        }
+        // A record intake refuses has no admission to hand over.
+        let refused = Arrival {
+            bytes: b"not json",
+            ..arrival
+        };
+        assert!(AdmittedAhead::admit(refused).is_none());
     }
 
     #[test]

@@ -5,7 +5,7 @@
 
 use crate::core::event::{Encoding, Envelope, EventBody, Origin};
 use crate::core::intake::{self, Address};
-use crate::core::measure::TurnMeasure;
+use crate::core::measure::{AdmittedAhead, TurnMeasure};
 use crate::core::tokens;
 
 use crate::core::fallback_summary;
@@ -347,14 +347,15 @@ impl Measurer {
         records
             .iter()
             .map(|(encoding, bytes)| {
-                let admitted = intake::admit(intake::Arrival {
+                // As `ingest_measured` appends it.
+                let ahead = AdmittedAhead::admit(intake::Arrival {
                     origin: Origin::Agent,
                     address: &Address::Unaddressed,
                     stored_at_ms: None,
                     encoding: *encoding,
                     bytes,
-                })
-                .ok()?;
+                })?;
+                let admitted = ahead.admitted();
                 let turn = match &admitted.event.body {
                     EventBody::TurnAppended(turn) => turn,
                     EventBody::ModelDeclared(declared) => {
@@ -402,6 +403,7 @@ impl Measurer {
                         Arc::new(fallback_summary::read_source(&source, identifiers)),
                     ));
                 }
+                measure.admitted = Some(ahead);
                 Some(measure)
             })
             .collect()
@@ -500,18 +502,30 @@ mod tests {
         };
         let mut plain = open().await;
         let counted_before = crate::core::tokens::texts_counted();
+        let admitted_before = intake::records_admitted();
         for chunk in records.chunks(50) {
             plain.ingest_raw(chunk).await.unwrap();
         }
         let counted_plain = crate::core::tokens::texts_counted() - counted_before;
+        let admitted_plain = intake::records_admitted() - admitted_before;
 
         let mut measured = open().await;
         let mut measurer = Measurer::default();
         let mut read = Vec::new();
         let (mut counted_measured, mut counted_ahead) = (0, 0);
+        let (mut admitted_measured, mut admitted_ahead) = (0, 0);
         for chunk in records.chunks(50) {
             let before = crate::core::tokens::texts_counted();
+            let admitted_before = intake::records_admitted();
             let measures = measurer.measure(chunk);
+            admitted_ahead += measures
+                .iter()
+                .filter(|m| m.as_ref().is_some_and(|m| m.admitted.is_some()))
+                .count() as u64;
+            assert_eq!(
+                intake::records_admitted() - admitted_before,
+                chunk.len() as u64
+            );
             read.extend(
                 measures
                     .iter()
@@ -525,8 +539,10 @@ mod tests {
                 "every record is a turn"
             );
             let before = crate::core::tokens::texts_counted();
+            let admitted_before = intake::records_admitted();
             measured.ingest_measured(chunk, measures).await.unwrap();
             counted_measured += crate::core::tokens::texts_counted() - before;
+            admitted_measured += intake::records_admitted() - admitted_before;
         }
 
         let summaries: usize = plain
@@ -554,6 +570,9 @@ mod tests {
         // stubs, summaries and states it counts stay its own work).
         assert!(counted_ahead > 0);
         assert_eq!(counted_plain - counted_measured, counted_ahead);
+        // Nor did it admit (decode) again a turn admitted ahead.
+        assert_eq!(admitted_ahead, records.len() as u64);
+        assert_eq!(admitted_plain - admitted_measured, admitted_ahead);
     }
 
     #[test]

@@ -711,7 +711,17 @@ impl<B: KvBackend> Engine<B> {
         if record.position <= self.position {
             return Ok(None);
         }
-        let admitted = intake::admit(record.arrival());
+        // Admitted ahead (decoded on the measuring core) or here.
+        let mut measured = self.take_measure(record.position);
+        let arrival = record.arrival();
+        let ahead = measured
+            .as_mut()
+            .and_then(|m| m.admitted.take())
+            .and_then(|ahead| ahead.for_arrival(&arrival));
+        let admitted = match ahead {
+            Some(admitted) => Ok(admitted),
+            None => intake::admit(arrival),
+        };
         let conversation = match &admitted {
             Ok(a) => Some(a.event.conversation.as_str()),
             Err(refused) => refused.conversation.as_deref(),
@@ -759,7 +769,7 @@ impl<B: KvBackend> Engine<B> {
                 self.woke(woke, effects);
                 Some(id)
             }
-            Ok(admitted) => Some(self.fold_admitted(admitted, time, history, effects)),
+            Ok(admitted) => Some(self.fold_admitted(admitted, measured, time, history, effects)),
             Err(refused) => {
                 let cause = refused
                     .event_id
@@ -930,13 +940,14 @@ impl<B: KvBackend> Engine<B> {
         self.ahead.push_back((position, measure));
     }
 
-    /// The measure given for the record being folded, if any.
-    fn take_measure(&mut self) -> Option<TurnMeasure> {
-        while self.ahead.front().is_some_and(|(p, _)| *p < self.position) {
+    /// The measure given for the record at `position`, if any (the ones
+    /// for records before it are dropped: their records were folded).
+    fn take_measure(&mut self, position: Position) -> Option<TurnMeasure> {
+        while self.ahead.front().is_some_and(|(p, _)| *p < position) {
             self.ahead.pop_front();
         }
         match self.ahead.front() {
-            Some((p, _)) if *p == self.position => self.ahead.pop_front().map(|(_, m)| m),
+            Some((p, _)) if *p == position => self.ahead.pop_front().map(|(_, m)| m),
             _ => None,
         }
     }
@@ -951,6 +962,7 @@ impl<B: KvBackend> Engine<B> {
     fn fold_admitted(
         &mut self,
         admitted: intake::Admitted,
+        measured: Option<TurnMeasure>,
         time: u64,
         history: bool,
         effects: &mut Effects,
@@ -966,7 +978,6 @@ impl<B: KvBackend> Engine<B> {
         let event_time = event.time;
         let decision = event.body.is_decision();
         let job_copy = matches!(event.body, EventBody::JobIssued(_));
-        let measured = self.take_measure();
         let outcome = fold::fold_owned(
             &mut self.state,
             &self.policy,
