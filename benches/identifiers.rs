@@ -31,23 +31,11 @@ static CORPORA: OnceLock<Vec<Corpus>> = OnceLock::new();
 
 fn corpora() -> &'static [Corpus] {
     CORPORA.get_or_init(|| {
-        let mut found = Vec::new();
-        for (path, load) in [
-            (corpus::TAU_BENCH, corpus::tau_bench as fn() -> _),
+        corpus::available(&[
+            (corpus::TAU_BENCH, corpus::tau_bench as corpus::Loader),
             (corpus::AIDER, corpus::aider),
             (corpus::CLAUDE_CODE, corpus::claude_code),
-        ] {
-            match load() {
-                Ok(Some(c)) => found.push(c),
-                Ok(None) => eprintln!(
-                    "skipping {}: absent (set {} to the shared data directory)",
-                    corpus::shared_path(path).display(),
-                    corpus::SHARED_DATA_ENV
-                ),
-                Err(e) => eprintln!("skipping {path}: {e}"),
-            }
-        }
-        found
+        ])
     })
 }
 

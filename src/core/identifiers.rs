@@ -13,7 +13,7 @@
 //! search only part of a text: a match of theirs holds no whitespace and one
 //! of a few bytes (a `/` for a path, a digit for a version), so it lies in
 //! one word that holds such a byte, and the words that hold none are
-//! skipped ([`Words`]).
+//! skipped (`Words`).
 
 use regex_automata::meta::{Cache, Regex};
 use regex_automata::util::iter::Searcher;

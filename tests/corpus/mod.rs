@@ -47,6 +47,28 @@ impl Corpus {
     }
 }
 
+/// Loads one corpus: `Ok(None)` when its file is absent.
+pub type Loader = fn() -> Result<Option<Corpus>, CorpusError>;
+
+/// The corpora of `loaders` (each with its file, for the message) that can
+/// be read; each one absent or unreadable is said on stderr and left out,
+/// so a bench times what there is.
+pub fn available(loaders: &[(&str, Loader)]) -> Vec<Corpus> {
+    let mut found = Vec::new();
+    for &(path, load) in loaders {
+        match load() {
+            Ok(Some(c)) => found.push(c),
+            Ok(None) => eprintln!(
+                "skipping {}: absent (set {} to the shared data directory)",
+                shared_path(path).display(),
+                SHARED_DATA_ENV
+            ),
+            Err(e) => eprintln!("skipping {path}: {e}"),
+        }
+    }
+    found
+}
+
 /// Why a corpus could not be loaded (absent files are `Ok(None)` instead).
 #[derive(Debug)]
 pub struct CorpusError(pub String);
