@@ -108,7 +108,7 @@ fn extract_by(text: &str, words: &Words) -> Vec<Identifier> {
     let mut spans: Vec<Range<usize>> = Vec::new();
     CACHES.with_borrow_mut(|caches| {
         for (rule, cache) in RULES.iter().zip(caches.iter_mut()) {
-            if !words.holds.may_match(rule.needs) {
+            if !words.may_match(rule.needs) {
                 continue;
             }
             if rule.within_words {
@@ -168,7 +168,7 @@ struct Rule {
     regex: Regex,
     /// Pushes what a match of `regex` in the text is, if anything.
     judge: fn(&str, Match, &mut Vec<Found>),
-    /// Bytes of [`Holds`] of which every match holds one (0: no such
+    /// The bytes (bits) of which every match holds one (0: no such
     /// bytes): a text without any of them is not searched.
     needs: u8,
     /// No match holds whitespace (the pattern has no `\s`, space or
@@ -177,13 +177,10 @@ struct Rule {
     within_words: bool,
 }
 
-/// Which of the bytes the rules need a text (or a word) holds, one bit
-/// each: most rules have no literal for the regex crate to look for, so
-/// each would otherwise scan every byte of a text that cannot match it (a
-/// call's arguments without a `/`, a sentence without a digit).
-#[derive(Clone, Copy)]
-struct Holds(u8);
-
+// The bytes the rules need, one bit each (a rule's `needs`, the bits a
+// word holds): most rules have no literal for the regex crate to look
+// for, so each would otherwise scan every byte of a text that cannot match
+// it (a call's arguments without a `/`, a sentence without a digit).
 const COLON: u8 = 1;
 const DOT: u8 = 1 << 1;
 const SLASH: u8 = 1 << 2;
@@ -193,16 +190,10 @@ const BRACKET: u8 = 1 << 5;
 const DIGIT: u8 = 1 << 6;
 const UPPER: u8 = 1 << 7;
 
-impl Holds {
-    fn may_match(self, needs: u8) -> bool {
-        needs == 0 || self.0 & needs != 0
-    }
-}
-
 /// Marks ASCII whitespace in [`BYTE_CLASS`], which no match holds.
 const SPACE: u16 = 1 << 8;
 
-/// Each byte's bit of [`Holds`], or [`SPACE`] (0: neither).
+/// Each byte's bit (`COLON` ... `UPPER`), or [`SPACE`] (0: neither).
 static BYTE_CLASS: [u16; 256] = {
     let mut table = [0u16; 256];
     let mut b = 0;
@@ -216,7 +207,7 @@ static BYTE_CLASS: [u16; 256] = {
     table
 };
 
-/// The bit of [`Holds`] a byte sets (0: none).
+/// The bit a byte sets (0: none).
 const fn holds_bit(b: u8) -> u8 {
     match b {
         b':' => COLON,
@@ -231,19 +222,16 @@ const fn holds_bit(b: u8) -> u8 {
     }
 }
 
-/// A text's words (runs between ASCII whitespace) that hold a byte of
-/// [`Holds`], listed under each bit they hold, from one pass over the text.
+/// A text's words (runs between ASCII whitespace) that hold a byte the
+/// rules need, listed under each bit they hold, from one pass over the text.
 struct Words {
-    /// What the whole text holds.
-    holds: Holds,
-    /// For each bit of [`Holds`], the words holding it, in order.
+    /// For each bit, the words holding it, in order.
     by_bit: [Vec<Range<usize>>; 8],
 }
 
 impl Words {
     fn of(text: &str) -> Words {
         let mut words = Words {
-            holds: Holds(0),
             by_bit: Default::default(),
         };
         let mut start = 0usize;
@@ -270,13 +258,17 @@ impl Words {
     /// all of it.
     fn everywhere(text: &str) -> Words {
         Words {
-            holds: Holds(u8::MAX),
             by_bit: std::array::from_fn(|_| std::iter::once(0..text.len()).collect()),
         }
     }
 
+    /// Whether the text holds one of `needs` (a rule that needs none may
+    /// match anywhere).
+    fn may_match(&self, needs: u8) -> bool {
+        needs == 0 || (0..8).any(|bit| needs & (1 << bit) != 0 && !self.by_bit[bit].is_empty())
+    }
+
     fn push(&mut self, span: Range<usize>, bits: u8) {
-        self.holds.0 |= bits;
         for (bit, list) in self.by_bit.iter_mut().enumerate() {
             if bits & (1 << bit) != 0 {
                 list.push(span.clone());
@@ -856,11 +848,7 @@ fn judge_hashes(text: &str, m: Match, out: &mut Vec<Found>) {
     {
         return;
     }
-    out.push(Found {
-        start: m.start(),
-        end: m.end(),
-        kind: IdentifierKind::Hash,
-    });
+    push(m, out, IdentifierKind::Hash);
 }
 
 fn judge_ipv4(text: &str, m: Match, out: &mut Vec<Found>) {
@@ -876,11 +864,7 @@ fn judge_ipv4(text: &str, m: Match, out: &mut Vec<Found>) {
     {
         return;
     }
-    out.push(Found {
-        start: m.start(),
-        end: m.end(),
-        kind: IdentifierKind::IpAddress,
-    });
+    push(m, out, IdentifierKind::IpAddress);
 }
 
 fn judge_ipv6(text: &str, m: Match, out: &mut Vec<Found>) {
@@ -903,11 +887,7 @@ fn judge_ipv6(text: &str, m: Match, out: &mut Vec<Found>) {
             return;
         }
     }
-    out.push(Found {
-        start: m.start(),
-        end: m.end(),
-        kind: IdentifierKind::IpAddress,
-    });
+    push(m, out, IdentifierKind::IpAddress);
 }
 
 fn judge_hosts(text: &str, m: Match, out: &mut Vec<Found>) {
@@ -943,11 +923,7 @@ fn judge_hosts(text: &str, m: Match, out: &mut Vec<Found>) {
     if port.is_some_and(|p| p.parse::<u32>().map_or(true, |n| n > 65535)) {
         return;
     }
-    out.push(Found {
-        start: m.start(),
-        end: m.end(),
-        kind: IdentifierKind::Host,
-    });
+    push(m, out, IdentifierKind::Host);
 }
 
 fn judge_unix_paths(text: &str, m: Match, out: &mut Vec<Found>) {
@@ -1031,11 +1007,7 @@ fn judge_file_names(text: &str, m: Match, out: &mut Vec<Found>) {
     if s.find('.').is_some_and(|i| i < 2) && !s.starts_with('_') {
         return;
     }
-    out.push(Found {
-        start: m.start(),
-        end: m.end(),
-        kind: IdentifierKind::Path,
-    });
+    push(m, out, IdentifierKind::Path);
 }
 
 fn judge_bare_ports(text: &str, m: Match, out: &mut Vec<Found>) {
@@ -1111,11 +1083,7 @@ fn judge_codes(text: &str, m: Match, out: &mut Vec<Found>) {
         ERRNO.contains(&s)
     };
     if keep && !matches!(byte_before(text, m.start()), Some(b'-' | b'.')) {
-        out.push(Found {
-            start: m.start(),
-            end: m.end(),
-            kind: IdentifierKind::ErrorCode,
-        });
+        push(m, out, IdentifierKind::ErrorCode);
     }
 }
 
@@ -1160,11 +1128,7 @@ fn judge_key_tickets(text: &str, m: Match, out: &mut Vec<Found>) {
     {
         return;
     }
-    out.push(Found {
-        start: m.start(),
-        end: m.end(),
-        kind: IdentifierKind::Ticket,
-    });
+    push(m, out, IdentifierKind::Ticket);
 }
 
 fn judge_tokens(text: &str, m: Match, out: &mut Vec<Found>) {
@@ -1194,11 +1158,7 @@ fn judge_tokens(text: &str, m: Match, out: &mut Vec<Found>) {
     if NOT_TICKET_PREFIXES.contains(&first.as_str()) {
         return;
     }
-    out.push(Found {
-        start: m.start(),
-        end: m.end(),
-        kind: IdentifierKind::Token,
-    });
+    push(m, out, IdentifierKind::Token);
 }
 
 #[cfg(test)]
