@@ -29,10 +29,11 @@ pub struct TurnMeasure {
     /// [`mask::telling_line`] of the output a masked rendering would stand
     /// for (`None`: the turn has no such output, or it was not measured).
     pub telling: Option<String>,
-    /// What a summarizer reads of the turn, with the turn's event id, when
-    /// it was read ahead too ([`SourceReading`]; the fold does not use it,
-    /// its runtime hands it to the turn's drafts).
-    pub reading: Option<(Box<str>, Arc<SourceReading>)>,
+    /// What a summarizer reads of the turn, when it was read ahead too
+    /// ([`SourceReading`]; the fold does not use it, its runtime hands it
+    /// to the turn's drafts by the event id of `admitted`, so a reading
+    /// without an admission is not kept).
+    pub reading: Option<Arc<SourceReading>>,
     /// The record's admission, when it was admitted ahead too.
     pub admitted: Option<AdmittedAhead>,
 }

@@ -398,10 +398,10 @@ impl Measurer {
                             / 2
                     });
                     let identifiers = measured.tokens >= from;
-                    measure.reading = Some((
-                        admitted.event.id.as_str().into(),
-                        Arc::new(fallback_summary::read_source(&source, identifiers)),
-                    ));
+                    measure.reading = Some(Arc::new(fallback_summary::read_source(
+                        &source,
+                        identifiers,
+                    )));
                 }
                 measure.admitted = Some(ahead);
                 Some(measure)
@@ -530,7 +530,7 @@ mod tests {
                 measures
                     .iter()
                     .flatten()
-                    .filter_map(|m| m.reading.as_ref().map(|(_, reading)| reading.text_digest)),
+                    .filter_map(|m| m.reading.as_ref().map(|reading| reading.text_digest)),
             );
             counted_ahead += crate::core::tokens::texts_counted() - before;
             assert_eq!(measures.len(), chunk.len());
@@ -610,7 +610,9 @@ mod tests {
             measures
                 .iter()
                 .filter_map(|m| {
-                    let (id, reading) = m.as_ref()?.reading.as_ref()?;
+                    let m = m.as_ref()?;
+                    let id = &m.admitted.as_ref()?.admitted().event.id;
+                    let reading = m.reading.as_ref()?;
                     id.starts_with(key).then(|| reading.identifiers.is_some())
                 })
                 .collect()

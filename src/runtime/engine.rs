@@ -934,8 +934,9 @@ impl<B: KvBackend> Engine<B> {
     /// their records are folded; one whose record is never folded is
     /// dropped when a later record is.
     pub fn measured_ahead(&mut self, position: Position, mut measure: TurnMeasure) {
-        if let Some((event_id, reading)) = measure.reading.take() {
-            self.readings.insert(event_id, reading);
+        if let (Some(reading), Some(ahead)) = (measure.reading.take(), &measure.admitted) {
+            self.readings
+                .insert(ahead.admitted().event.id.as_str().into(), reading);
         }
         self.ahead.push_back((position, measure));
     }
