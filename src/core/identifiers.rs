@@ -91,31 +91,29 @@ pub fn extract(text: &str) -> Vec<String> {
 
 /// Like [`extract`], with the kind of each identifier.
 pub fn extract_with_kinds(text: &str) -> Vec<Identifier> {
-    extract_by(text, &Words::of(text))
+    extract_by(text, Some(&Words::of(text)))
 }
 
 /// Like [`extract_with_kinds`], with every rule searching the whole text:
 /// the reference that skipping texts and words is proptested against here
 /// and measured against in `benches/identifiers.rs`.
 pub fn extract_with_kinds_unskipped(text: &str) -> Vec<Identifier> {
-    extract_by(text, &Words::everywhere(text))
+    extract_by(text, None)
 }
 
 /// Every identifier of `text`, each rule searching only the spans of
-/// `words` that hold its bytes (a rule finds nothing elsewhere).
-fn extract_by(text: &str, words: &Words) -> Vec<Identifier> {
+/// `words` that hold its bytes (a rule finds nothing elsewhere), or the
+/// whole text without `words`.
+fn extract_by(text: &str, words: Option<&Words>) -> Vec<Identifier> {
     let mut found: Vec<Found> = Vec::new();
     let mut spans: Vec<Range<usize>> = Vec::new();
     CACHES.with_borrow_mut(|caches| {
         for (rule, cache) in RULES.iter().zip(caches.iter_mut()) {
-            if !words.may_match(rule.needs) {
-                continue;
-            }
-            if rule.within_words {
-                words.holding(rule.needs, &mut spans);
-            } else {
-                spans.clear();
-                spans.push(0..text.len());
+            spans.clear();
+            match words {
+                Some(words) if !words.may_match(rule.needs) => continue,
+                Some(words) if rule.within_words => words.holding(rule.needs, &mut spans),
+                _ => spans.push(0..text.len()),
             }
             search(rule, cache, text, &spans, &mut found);
         }
@@ -252,14 +250,6 @@ impl Words {
             words.push(start..text.len(), bits);
         }
         words
-    }
-
-    /// The whole text as one word holding every bit: every rule searches
-    /// all of it.
-    fn everywhere(text: &str) -> Words {
-        Words {
-            by_bit: std::array::from_fn(|_| std::iter::once(0..text.len()).collect()),
-        }
     }
 
     /// Whether the text holds one of `needs` (a rule that needs none may
