@@ -25,9 +25,10 @@
 //!   there. Each round starts from empty state stores.
 //!
 //! The ratio is end-to-end rate / raw rate of the same round; the goal
-//! (issue 26) is a median of at least 0.6 with no round under 0.55. Telemetry runs as under `serve --http` (the Prometheus
-//! recorder, logs at warn); built with `--features telemetry-off` it
-//! compiles to nothing, and the two builds side by side are its cost.
+//! (issue 26) is a median of at least 0.6 with no round under 0.55.
+//! Telemetry runs as under `serve --http` (the Prometheus recorder, logs
+//! at warn); built with `--features telemetry-off` it compiles to nothing,
+//! and the two builds side by side are its cost.
 //!
 //! ```text
 //! cargo bench --bench nats_ingest
