@@ -928,10 +928,26 @@ async fn nats_run_follows_the_held_partitions_and_stops_on_shutdown() {
             }
         }
     };
-    answered(false).await;
-    // The public subject answers from the start.
-    let reply = ask(&client, "status", json!({"conversation": CONV})).await;
+    // The public subject answers from the start: once the role is up
+    // (it subscribes after the spawn returns), and before it holds any
+    // partition, whose owner subject stays unanswered.
+    let public = subject_of("status", &json!({"conversation": CONV}));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let reply = loop {
+        match client.request(public.clone(), body.clone().into()).await {
+            Ok(reply) => break reply,
+            Err(e) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "{public}: the role never answered"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("request on {public}: {e}"),
+        }
+    };
     assert!(decode_reply::<StatusResponse>(&reply.payload).is_ok());
+    answered(false).await;
     held.lock().unwrap().push(partition);
     answered(true).await;
     held.lock().unwrap().clear();
