@@ -13,6 +13,7 @@
 //! same way.
 
 use crate::core::message::{ChatMessage, Content, Role};
+use crate::core::line_pattern::LinePattern;
 use lazy_regex::regex;
 use serde_json::Value;
 
@@ -150,14 +151,20 @@ pub fn telling_line(text: &str) -> String {
     clip(pick, KEPT_LINE_CHARS).replace('"', "'")
 }
 
-fn telling_error() -> &'static regex::Regex {
-    regex!(
+fn telling_error() -> &'static LinePattern {
+    crate::line_pattern!(
         r"(?i)\b(error|exception|traceback|failed|failures?|fatal|panicked|denied|not found|no such file|cannot|could not|unable to)\b|exit code [1-9]"
     )
 }
 
-fn telling_milestone() -> &'static regex::Regex {
-    regex!(
+/// Whether both patterns of [`telling_line`] run as ASCII twins where they may.
+#[cfg(test)]
+pub(crate) fn telling_patterns_have_twins() -> bool {
+    telling_error().has_twin() && telling_milestone().has_twin()
+}
+
+fn telling_milestone() -> &'static LinePattern {
+    crate::line_pattern!(
         r"(?i)\b(\d+ (tests?|examples?|specs?) (passed|pass|run)|\d+ passed|0 failures|tests? pass|closed|committed|merged|pushed|created|successfully)\b|^\[[\w./-]+ [0-9a-f]{7,}\]|[0-9a-f]{7,}\.\.[0-9a-f]{7,}"
     )
 }

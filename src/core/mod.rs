@@ -11,6 +11,7 @@ pub mod fold;
 pub mod glob;
 pub mod identifiers;
 pub mod intake;
+pub mod line_pattern;
 pub mod mask;
 pub mod measure;
 pub mod message;

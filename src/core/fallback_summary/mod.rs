@@ -39,6 +39,7 @@
 use crate::core::event::RollingState;
 use crate::core::event::SummaryKind;
 use crate::core::identifiers;
+use crate::core::line_pattern::LinePattern;
 use crate::core::message::{Role, DEMONSTRATION_NAME};
 use crate::core::summary::{
     IdentifierPolicy, RollingStateRequest, SourceItem, SummaryDraft, SummaryRequest,

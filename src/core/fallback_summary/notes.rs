@@ -650,19 +650,11 @@ pub(super) fn strip_label(line: &str) -> &str {
     }
 }
 
-pub(super) static DECISION: LazyLock<Regex> = LazyLock::new(|| {
-    regex_or_bug(
+pub(super) static DECISION: LazyLock<LinePattern> = LazyLock::new(|| {
+    LinePattern::new(
         r"(?i)\b(?:decid(?:e|ed|es|ing)|decision|chose|choose|chosen|opt(?:ed|ing)? (?:for|to)|will use|we'll use|i'll use|going to use|instead|rather than|prefer(?:red|s)?|switch(?:ed|ing)? to|settled on|agreed|the plan is|approach is|we will|let's go with|go with|should (?:be|use|go|live|stay)|must not|don't want|do not want|i want|we want|only want)\b",
     )
 });
-
-pub(super) fn regex_or_bug(pattern: &str) -> Regex {
-    match Regex::new(pattern) {
-        Ok(regex) => regex,
-        // Constant patterns of this file: only a bug reaches this.
-        Err(e) => panic!("summarizer pattern does not compile: {e}"),
-    }
-}
 
 /// A line of a file listing (`1480:     except ValueError as error:`) or of
 /// code: it mentions errors without reporting one.

@@ -5,6 +5,7 @@
 //! and agents write, never about one transcript.
 
 use super::*;
+use crate::line_pattern;
 use lazy_regex::regex;
 use serde_json::Value;
 
@@ -20,7 +21,7 @@ use serde_json::Value;
 /// screen with a SIMD literal search whatever the text, and most lines
 /// hold none of the words. So the answer is the pattern's own,
 /// and the pattern runs on the few lines that could match.
-fn screened(screen: &Regex, pattern: &Regex, text: &str) -> bool {
+fn screened(screen: &Regex, pattern: &LinePattern, text: &str) -> bool {
     screen.is_match(text) && pattern.is_match(text)
 }
 
@@ -56,22 +57,25 @@ pub fn lines_with_hits<'a>(
 /// A line that reports an error or a failure (not a listing or code line
 /// that merely mentions one).
 pub(super) fn is_error_line(line: &str) -> bool {
-    let screen = error_screen();
-    let strong = regex!(
-        r"(?i)^\s*(error|fatal|panic|exception|traceback)\b|\b\w*(Error|Exception)\b:|\berror(\[\w+\])?:|\bfailed\b|(?-i:\bFAIL(ED)?\b)|\b[1-9]\d* (failures?|failed|errors?)\b|\bno such file\b|\bnot found\b|\bpermission denied\b|\b(cannot|could not|unable to)\b|\bexit(ed)? (with )?code [1-9]|\bE999\b|\bsyntax error"
-    );
     // A listing line (`  31→ {:error, reason}`) is told without a regex:
     // asked before the pattern, it spares the pattern's slow engine.
-    screen.is_match(line)
+    error_screen().is_match(line)
         && !is_listing_line(line)
-        && strong.is_match(line)
-        && !regex!(r"(?i)\b0 (failures?|failed|errors?)\b").is_match(line)
+        && error_pattern().is_match(line)
+        && !line_pattern!(r"(?i)\b0 (failures?|failed|errors?)\b").is_match(line)
+}
+
+/// The pattern of [`is_error_line`].
+fn error_pattern() -> &'static LinePattern {
+    line_pattern!(
+        r"(?i)^\s*(error|fatal|panic|exception|traceback)\b|\b\w*(Error|Exception)\b:|\berror(\[\w+\])?:|\bfailed\b|(?-i:\bFAIL(ED)?\b)|\b[1-9]\d* (failures?|failed|errors?)\b|\bno such file\b|\bnot found\b|\bpermission denied\b|\b(cannot|could not|unable to)\b|\bexit(ed)? (with )?code [1-9]|\bE999\b|\bsyntax error"
+    )
 }
 
 /// A bare exit status or a traceback's header: an error, but a weak one to
 /// quote (the line that says what went wrong comes after it).
 fn is_bare_exit(line: &str) -> bool {
-    regex!(r"(?i)^\s*((exit code|command exited with code|exited with code) \d+|traceback \(most recent call last\):?)\s*$").is_match(line)
+    line_pattern!(r"(?i)^\s*((exit code|command exited with code|exited with code) \d+|traceback \(most recent call last\):?)\s*$").is_match(line)
 }
 
 /// The line that best says what went wrong in a tool output or a pasted
@@ -105,7 +109,7 @@ fn find_error_line(text: &str, accept: impl Fn(&str) -> bool) -> Option<String> 
 /// something "cannot" be done.
 pub(super) fn reported_error_line(text: &str) -> Option<String> {
     find_error_line(text, |line| {
-        regex!(r"(?i)\b\w*(Error|Exception)\b|error(\[\w+\])?:|\btraceback\b|\bfatal:|(?-i:\bFAIL(ED)?\b)|\bfailed\b|\bexit(ed)? (with )?code [1-9]|\bE\d{3}\b|\bno such file\b|\bpanicked\b")
+        line_pattern!(r"(?i)\b\w*(Error|Exception)\b|error(\[\w+\])?:|\btraceback\b|\bfatal:|(?-i:\bFAIL(ED)?\b)|\bfailed\b|\bexit(ed)? (with )?code [1-9]|\bE\d{3}\b|\bno such file\b|\bpanicked\b")
             .is_match(line)
     })
 }
@@ -154,7 +158,7 @@ pub(super) fn claims_milestone(sentence: &str) -> bool {
     let screen = regex!(
         r"(?i-u:test|committed|pushed|merged|deployed|released|complete|done|fixed|resolved|closed|successfully)|[\x{17F}\x{212A}]"
     );
-    let claim = regex!(
+    let claim = line_pattern!(
         r"(?i)\b(all )?\d+ tests? (pass|passed|passing)\b|\btests? (all )?(pass|passed|passing)\b|\b(committed|pushed|merged|deployed|released)\b|\b(is|are|now) (now )?(complete|completed|done|fixed|resolved|closed)\b|\bcomplete\.|^(done|fixed|all done)\b|\bclosed \S+|\bsuccessfully (booked|cancell?ed|updated|changed|modified|processed|completed)\b"
     );
     screened(screen, claim, sentence)
@@ -165,13 +169,13 @@ pub(super) fn is_diagnosis(sentence: &str) -> bool {
     let failure_screen = regex!(
         r"(?i-u:fail|error|bug|issue|problem|broke|wrong|crash|exception)|[\x{17F}\x{212A}]"
     );
-    let failure = regex!(
+    let failure = line_pattern!(
         r"(?i)\b(fail(s|ed|ing|ure)?|errors?|bug|issue|problem|broke|broken|wrong|crash\w*|exception)\b"
     );
     let cause_screen = regex!(
         r"(?i-u:because|caused by|due to|comes from|root cause|the reason|is that|since the|so the|the issue|the problem|the bug|the cause|the error)|[\x{17F}\x{212A}]"
     );
-    let cause = regex!(
+    let cause = line_pattern!(
         r"(?i)\b(because|caused by|due to|comes from|root cause|the reason|is that|since the|so the)\b|\bthe (issue|problem|bug|cause|error) (is|was)\b"
     );
     screened(failure_screen, failure, sentence) && screened(cause_screen, cause, sentence)
@@ -187,7 +191,7 @@ pub(super) fn is_decision(sentence: &str) -> bool {
 
 /// A sentence saying what comes next.
 pub(super) fn is_intention(sentence: &str) -> bool {
-    regex!(
+    line_pattern!(
         r"(?i)^(now,? |next,? |then,? |first,? |finally,? |so,? |ok,? |okay,? )?(let me|let's|let us|i'll|i will|i need to|i'm going to|i am going to|we need to|we should|the next step|next step|next,)\b"
     )
     .is_match(sentence)
@@ -198,7 +202,7 @@ pub(super) fn is_open(sentence: &str) -> bool {
     let screen = regex!(
         r"(?i-u:todo|fixme|still |remaining|not yet|pending|open question|follow|tbd|left to do|yet to)|[\x{17F}\x{212A}]"
     );
-    let open = regex!(
+    let open = line_pattern!(
         r"(?i)\b(todo|fixme|still (need|needs|to|missing)|remaining|not yet|pending|open question|follow[- ]up|tbd|left to do|yet to)\b"
     );
     screened(screen, open, sentence)
@@ -803,6 +807,14 @@ mod tests {
         " ",
         "\r",
         "Exit code 1\n",
+        // What an ASCII twin (`core::line_pattern`) must not be used on:
+        // Unicode white space, digits and marks; and what it may be.
+        "\u{3000}",
+        "\u{a0}",
+        "٣",
+        "e\u{301}",
+        "—",
+        "“",
     ];
 
     fn text(max_pieces: usize) -> impl Strategy<Value = String> {
@@ -871,6 +883,16 @@ mod tests {
             .filter(|c| letter.is_match(c.encode_utf8(&mut [0; 4])))
             .collect();
         assert_eq!(folding, vec!['\u{17F}', '\u{212A}']);
+    }
+
+    /// The patterns asked of every screened line of an output run as their
+    /// ASCII twin where it answers the same (`core::line_pattern`): an edit
+    /// that adds a `\S`, a `.` or a negated class loses the twin.
+    #[test]
+    fn the_line_patterns_keep_their_ascii_twins() {
+        assert!(error_pattern().has_twin());
+        assert!(super::super::notes::DECISION.has_twin());
+        assert!(crate::core::mask::telling_patterns_have_twins());
     }
 
     #[test]
