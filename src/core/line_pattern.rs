@@ -105,7 +105,14 @@ mod tests {
         }
         // A letter, a Unicode digit, white space, the two folding letters,
         // a combining mark.
-        for line in ["café error", "٣ passed", "a\u{3000}b", "\u{212A}", "ſ", "e\u{301}"] {
+        for line in [
+            "café error",
+            "٣ passed",
+            "a\u{3000}b",
+            "\u{212A}",
+            "ſ",
+            "e\u{301}",
+        ] {
             assert!(!ascii_answers(line), "{line:?}");
         }
     }

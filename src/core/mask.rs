@@ -12,8 +12,8 @@
 //! turns are never masked. Deterministic: the same turn always masks the
 //! same way.
 
-use crate::core::message::{ChatMessage, Content, Role};
 use crate::core::line_pattern::LinePattern;
+use crate::core::message::{ChatMessage, Content, Role};
 use lazy_regex::regex;
 use serde_json::Value;
 

@@ -57,8 +57,12 @@ impl<'m> Probe<'m> {
         let theirs = match seen.digest {
             SeenDigest::Known(d) => d,
             SeenDigest::Of(seq) if !self.may_equal(turns.get(seq as usize)) => return false,
-            SeenDigest::Of(seq) => match (bodies.get(seq), bodies.guard(seq)) {
-                (Some(body), _) => {
+            // Its sketch is known once it was compared: no body is looked
+            // up to tell most pairs apart (a duplicate guard compares each
+            // long user turn with every one of the window's).
+            SeenDigest::Of(_) if seen.sketch.is_some_and(|s| s != self.sketch()) => return false,
+            SeenDigest::Of(seq) => match bodies.get(seq) {
+                Some(body) => {
                     let msg = &body.message;
                     let sketch = *seen.sketch.get_or_insert_with(|| turn_sketch(msg).value);
                     if sketch != self.sketch() {
@@ -68,17 +72,19 @@ impl<'m> Probe<'m> {
                     seen.digest = SeenDigest::Known(d);
                     d
                 }
-                // Its body is in a store: what `guard_read` took of it.
-                (None, Some((_, sketch, d))) => {
-                    let sketch = *seen.sketch.get_or_insert(sketch);
-                    if sketch != self.sketch() {
-                        return false;
+                None => match bodies.guard(seq) {
+                    // Its body is in a store: what `guard_read` took of it.
+                    Some((_, sketch, d)) => {
+                        let sketch = *seen.sketch.get_or_insert(sketch);
+                        if sketch != self.sketch() {
+                            return false;
+                        }
+                        seen.digest = SeenDigest::Known(d);
+                        d
                     }
-                    seen.digest = SeenDigest::Known(d);
-                    d
-                }
-                // Never so: a seen turn's body is kept or what it reads is.
-                (None, None) => return false,
+                    // Never so: a seen turn's body is kept or what it reads is.
+                    None => return false,
+                },
             },
         };
         if seen.sketch.is_some_and(|s| s != self.sketch()) {
