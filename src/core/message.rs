@@ -129,6 +129,14 @@ impl ChatMessage {
     /// tool-call names and arguments.
     pub fn searchable_text(&self) -> String {
         let mut out = self.text_content();
+        // One allocation of the final size: the calls' text was a second
+        // (or third) growth of a long content's buffer.
+        out.reserve_exact(
+            self.tool_calls
+                .iter()
+                .map(|c| c.function.name.len() + c.function.arguments.len() + 3)
+                .sum(),
+        );
         for call in &self.tool_calls {
             if !out.is_empty() {
                 out.push('\n');

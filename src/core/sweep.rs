@@ -105,13 +105,14 @@ impl PlanView for SweepSnapshot {
 
 /// Removes `<tag ...>...</tag>` blocks of injected context (memory plugins)
 /// from text given to a summarizer; the stored turn is untouched.
-pub fn strip_injected(text: &str, tags: &[String]) -> String {
-    let mut out = text.to_string();
-    // Most turns hold no tag at all: one byte search instead of a substring
-    // search per tag.
-    if !text.contains('<') {
-        return out;
+pub fn strip_injected(text: String, tags: &[String]) -> String {
+    // Most turns open no tag at all: one pass over the `<`s (code and
+    // markup hold many) instead of a substring search per tag, and the
+    // text handed back as it came.
+    if !opens_a_tag(&text, tags) {
+        return text;
     }
+    let mut out = text;
     for tag in tags {
         let open = format!("<{tag}");
         let close = format!("</{tag}>");
@@ -129,6 +130,15 @@ pub fn strip_injected(text: &str, tags: &[String]) -> String {
     out
 }
 
+/// Whether `<tag` occurs in `text` for one of `tags`: where none does,
+/// [`strip_injected`] finds nothing to strip.
+fn opens_a_tag(text: &str, tags: &[String]) -> bool {
+    memchr::memchr_iter(b'<', text.as_bytes()).any(|at| {
+        let after = &text.as_bytes()[at + 1..];
+        tags.iter().any(|tag| after.starts_with(tag.as_bytes()))
+    })
+}
+
 /// The tool a turn's source names: its first call's, or the tool whose
 /// result it is.
 pub fn source_tool(msg: &ChatMessage) -> Option<String> {
@@ -142,7 +152,7 @@ pub fn source_tool(msg: &ChatMessage) -> Option<String> {
 /// (another task's example: a note of what it is goes instead). What a
 /// runtime reads ahead for the turn's drafts is read from this text.
 pub fn turn_text(msg: &ChatMessage, tags: &[String]) -> Option<String> {
-    (!msg.is_demonstration()).then(|| strip_injected(&msg.searchable_text(), tags))
+    (!msg.is_demonstration()).then(|| strip_injected(msg.searchable_text(), tags))
 }
 
 fn turn_source(
@@ -885,5 +895,67 @@ mod tests {
             "{:?}",
             snap.rolling_sources
         );
+    }
+
+    fn tags() -> Vec<String> {
+        PolicyConfig::default().strip_injected_context_tags
+    }
+
+    #[test]
+    fn injected_blocks_are_stripped_and_the_rest_kept() {
+        let text = "before <relevant-memories>\nold notes\n</relevant-memories> after <b>bold</b>";
+        assert_eq!(
+            strip_injected(text.into(), &tags()),
+            "before  after <b>bold</b>"
+        );
+        // A tag name that only starts like one, or a block never closed,
+        // stays (and ends the search for that tag).
+        for kept in [
+            "<relevant-memoriesx> x </relevant-memories>",
+            "<relevant_memories> open",
+        ] {
+            assert_eq!(strip_injected(kept.into(), &tags()), kept);
+        }
+        assert_eq!(
+            strip_injected("a < b && c<d".into(), &tags()),
+            "a < b && c<d"
+        );
+    }
+
+    /// The search before the one pass over `<`s: a substring search per
+    /// tag over every text holding a `<`.
+    fn strip_injected_by_tag(text: &str, tags: &[String]) -> String {
+        let mut out = text.to_string();
+        for tag in tags {
+            let open = format!("<{tag}");
+            let close = format!("</{tag}>");
+            while let Some(start) = out.find(&open) {
+                let after = &out[start + open.len()..];
+                if !(after.starts_with('>') || after.starts_with(' ')) {
+                    break;
+                }
+                match out[start..].find(&close) {
+                    Some(rel) => out.replace_range(start..start + rel + close.len(), ""),
+                    None => break,
+                }
+            }
+        }
+        out
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2000))]
+        #[test]
+        fn stripping_is_the_search_by_tag(
+            pieces in proptest::collection::vec(proptest::sample::select(&[
+                "<relevant-memories>", "</relevant-memories>", "<relevant_memories ", "</relevant_memories>",
+                "<active_memory_plugin>", "</active_memory_plugin>", "<hindsight_memories>",
+                "</hindsight_memories>", "<relevant-memoriesx>", "<", ">", "</", "<b>", "x", " ", "\n",
+                "é", "a < b",
+            ][..]), 0..14)
+        ) {
+            let text = pieces.concat();
+            proptest::prop_assert_eq!(strip_injected(text.clone(), &tags()), strip_injected_by_tag(&text, &tags()));
+        }
     }
 }
