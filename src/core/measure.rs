@@ -1,10 +1,12 @@
 //! What the fold measures of a turn, measured ahead of it: the record's
-//! admission (decoding it), the turn's token count and, for a long tool
-//! result, the line its masked rendering quotes. All are pure functions of
-//! the record and the encoding, and the costliest steps of folding a turn
-//! (a decode, a tokenizer pass over its text, a pattern scan of its
-//! output), so a runtime may compute them on another core while the fold
-//! works on the turns before ([`crate::runtime::embedded`] does, for `run`).
+//! admission (decoding it), the turn's token count, for a long tool result
+//! the line its masked rendering quotes, and for an assistant turn with
+//! long call arguments what its masked rendering costs. All are pure
+//! functions of the record and the encoding, and the costliest steps of
+//! folding a turn (a decode, a tokenizer pass over its text, a pattern scan
+//! of its output, parsing its calls' arguments), so a runtime may compute
+//! them on another core while the fold works on the turns before
+//! ([`crate::runtime::embedded`] does, for `run`).
 //!
 //! A measure is only a shortcut: the fold uses an admission for a record
 //! that arrived as the one admitted ahead, and a count when it was taken
@@ -14,7 +16,7 @@
 use crate::core::event::{Encoding as RecordEncoding, Origin};
 use crate::core::intake::{self, Address, Arrival};
 use crate::core::mask;
-use crate::core::message::ChatMessage;
+use crate::core::message::{ChatMessage, Role};
 use crate::core::summary::SourceReading;
 use crate::core::tokens::{self, Encoding};
 use std::sync::Arc;
@@ -29,6 +31,12 @@ pub struct TurnMeasure {
     /// [`mask::telling_line`] of the output a masked rendering would stand
     /// for (`None`: the turn has no such output, or it was not measured).
     pub telling: Option<String>,
+    /// [`tokens::count_message`] under `encoding` of the turn's masked
+    /// rendering when that does not name the turn (an assistant turn's
+    /// calls with their long arguments elided: [`mask::masked_told`]);
+    /// `None` when it has none, or when it is a tool result (whose stub
+    /// names its turn, so the fold renders and counts it).
+    pub masked_calls_tokens: Option<u64>,
     /// What a summarizer reads of the turn, when it was read ahead too
     /// ([`SourceReading`]; the fold does not use it, its runtime hands it
     /// to the turn's drafts by the event id of `admitted`, so a reading
@@ -86,6 +94,10 @@ impl TurnMeasure {
             encoding,
             tokens: tokens::count_message(encoding, msg),
             telling: mask::output_to_mask(msg).map(|text| mask::telling_line(&text)),
+            masked_calls_tokens: (msg.role == Role::Assistant)
+                .then(|| mask::masked(msg, 0))
+                .flatten()
+                .map(|m| tokens::count_message(encoding, &m)),
             reading: None,
             admitted: None,
         }
@@ -132,6 +144,34 @@ mod tests {
         }
         let m = TurnMeasure::of(Encoding::O200kBase, &msg);
         assert_eq!(m.tokens_in(Encoding::Cl100kBase), None);
+        assert_eq!(m.masked_calls_tokens, None);
+
+        // An assistant turn's calls with a long argument: what its masked
+        // rendering costs, whatever turn it is.
+        let mut call = ChatMessage::text(Role::Assistant, "Writing the file.");
+        call.tool_calls.push(crate::core::message::ToolCall {
+            id: "call_2".into(),
+            kind: "function".into(),
+            function: crate::core::message::FunctionCall {
+                name: "Write".into(),
+                arguments: serde_json::json!({"path": "src/lib.rs", "content": long}).to_string(),
+            },
+        });
+        for encoding in [Encoding::O200kBase, Encoding::Cl100kBase] {
+            let m = TurnMeasure::of(encoding, &call);
+            for seq in [0, 7, 123_456] {
+                let rendered = mask::masked(&call, seq).expect("a long argument is elided");
+                assert_eq!(
+                    m.masked_calls_tokens,
+                    Some(tokens::count_message(encoding, &rendered))
+                );
+            }
+        }
+        let short = ChatMessage::text(Role::Assistant, "Done.");
+        assert_eq!(
+            TurnMeasure::of(Encoding::O200kBase, &short).masked_calls_tokens,
+            None
+        );
     }
 
     #[test]

@@ -424,7 +424,8 @@ mod tests {
     }
 
     /// Three conversations that compact, with long tool results (masked),
-    /// a model on the first turn (cl100k), and a model named only later.
+    /// calls with long arguments (elided when masked), a model on the first
+    /// turn (cl100k), and a model named only later.
     fn measured_session() -> Vec<(Encoding, Vec<u8>)> {
         use crate::core::message::{FunctionCall, ToolCall};
         let mut events = Vec::new();
@@ -449,6 +450,22 @@ mod tests {
                         arguments: r#"{"command":"cargo test"}"#.into(),
                     },
                 });
+                // Every third call writes a file: a long argument, elided
+                // in the turn's masked rendering (counted ahead).
+                if i % 3 == 0 {
+                    call.tool_calls.push(ToolCall {
+                        id: format!("write_{i}"),
+                        kind: "function".into(),
+                        function: FunctionCall {
+                            name: "Write".into(),
+                            arguments: serde_json::json!({
+                                "file_path": format!("src/step_{i}.rs"),
+                                "content": "fn step() { /* the fix */ }\n".repeat(40),
+                            })
+                            .to_string(),
+                        },
+                    });
+                }
                 let mut result = ChatMessage::text(
                     Role::Tool,
                     format!(

@@ -179,9 +179,18 @@ impl FoldContext<'_> {
         let masked_tokens = if large {
             0
         } else {
-            let telling = self.measured.and_then(|m| m.telling.as_deref());
-            crate::core::mask::masked_told(msg, seq, telling)
-                .map(|m| tokens::count_message(self.conv.encoding, &m))
+            // An assistant turn's masked rendering does not name the turn:
+            // measured ahead in this encoding, its count is taken as it is.
+            let measured_calls = self
+                .measured
+                .filter(|m| msg.role == Role::Assistant && m.encoding == self.conv.encoding)
+                .map(|m| m.masked_calls_tokens);
+            measured_calls
+                .unwrap_or_else(|| {
+                    let telling = self.measured.and_then(|m| m.telling.as_deref());
+                    crate::core::mask::masked_told(msg, seq, telling)
+                        .map(|m| tokens::count_message(self.conv.encoding, &m))
+                })
                 .filter(|&cost| cost < context_tokens)
                 .unwrap_or(0)
         };
