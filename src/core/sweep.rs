@@ -112,7 +112,11 @@ pub fn strip_injected(text: String, tags: &[String]) -> String {
     if !opens_a_tag(&text, tags) {
         return text;
     }
-    let mut out = text;
+    strip_by_tag(text, tags)
+}
+
+/// [`strip_injected`] without its screen: a substring search per tag.
+fn strip_by_tag(mut out: String, tags: &[String]) -> String {
     for tag in tags {
         let open = format!("<{tag}");
         let close = format!("</{tag}>");
@@ -922,27 +926,6 @@ mod tests {
         );
     }
 
-    /// The search before the one pass over `<`s: a substring search per
-    /// tag over every text holding a `<`.
-    fn strip_injected_by_tag(text: &str, tags: &[String]) -> String {
-        let mut out = text.to_string();
-        for tag in tags {
-            let open = format!("<{tag}");
-            let close = format!("</{tag}>");
-            while let Some(start) = out.find(&open) {
-                let after = &out[start + open.len()..];
-                if !(after.starts_with('>') || after.starts_with(' ')) {
-                    break;
-                }
-                match out[start..].find(&close) {
-                    Some(rel) => out.replace_range(start..start + rel + close.len(), ""),
-                    None => break,
-                }
-            }
-        }
-        out
-    }
-
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2000))]
         #[test]
@@ -955,7 +938,8 @@ mod tests {
             ][..]), 0..14)
         ) {
             let text = pieces.concat();
-            proptest::prop_assert_eq!(strip_injected(text.clone(), &tags()), strip_injected_by_tag(&text, &tags()));
+            // The screen only skips texts where the search finds nothing.
+            proptest::prop_assert_eq!(strip_injected(text.clone(), &tags()), strip_by_tag(text, &tags()));
         }
     }
 }
