@@ -78,78 +78,122 @@ fn is_bare_exit(line: &str) -> bool {
     line_pattern!(r"(?i)^\s*((exit code|command exited with code|exited with code) \d+|traceback \(most recent call last\):?)\s*$").is_match(line)
 }
 
-/// The line that best says what went wrong in a tool output or a pasted
-/// error: the first error line with some words (a bare "Exit code 2" only
-/// when there is nothing better), looked for in the head and the tail.
-pub(super) fn error_line(text: &str) -> Option<String> {
-    find_error_line(text, |_| true)
+/// Whether an error line of a user turn looks like output (pasted output,
+/// a traceback, a tool's console), not a sentence that says something
+/// "cannot" be done: what [`output_report`] accepts for a user turn.
+pub(super) fn reports_an_error(line: &str) -> bool {
+    line_pattern!(r"(?i)\b\w*(Error|Exception)\b|error(\[\w+\])?:|\btraceback\b|\bfatal:|(?-i:\bFAIL(ED)?\b)|\bfailed\b|\bexit(ed)? (with )?code [1-9]|\bE\d{3}\b|\bno such file\b|\bpanicked\b")
+        .is_match(line)
 }
 
-fn find_error_line(text: &str, accept: impl Fn(&str) -> bool) -> Option<String> {
+/// What a tool output (or console output pasted in a user turn) reports,
+/// from one screening of its head and tail:
+/// - the line that best says what went wrong: the first error line with
+///   some words that `accept` takes (a bare "Exit code 2" only when there
+///   is nothing better);
+/// - the lines that report a milestone: tests passing, a commit, a push, a
+///   task or issue closed.
+pub(super) fn output_report(
+    text: &str,
+    accept: impl Fn(&str) -> bool,
+) -> (Option<String>, Vec<String>) {
+    let mut pick = ErrorPick::default();
+    let mut milestones = Vec::new();
+    for line in screened_output_lines(text) {
+        pick.offer(&line, &accept);
+        add_milestone(&line, &mut milestones);
+    }
+    (pick.line(), milestones)
+}
+
+/// A line of an output's head or tail, trimmed, as the error and milestone
+/// checks read it.
+struct OutputLine<'a> {
+    line: &'a str,
+    /// An error line ([`is_error_line`], asked only where the error screen
+    /// hit).
+    error: bool,
+    /// Whether the test counts' screen hit it.
+    counts_hit: bool,
+}
+
+/// The lines of `text`'s head and tail ([`MINED_BYTES`] and 2,000 bytes)
+/// as [`str::lines`] cuts them, each screened for errors and test counts.
+fn screened_output_lines(text: &str) -> impl Iterator<Item = OutputLine<'_>> {
     let head = prefix_bytes(text, MINED_BYTES);
     let tail = suffix_bytes(text, 2000);
-    let mut bare = None;
-    let screen = error_screen();
-    for (line, hit) in lines_with_hits(head, screen).chain(lines_with_hits(tail, screen)) {
-        let line = line.trim();
-        if !hit || !is_error_line(line) || !accept(line) {
-            continue;
+    let screened =
+        |text| lines_with_hits(text, error_screen()).zip(lines_with_hits(text, counts_screen()));
+    screened(head)
+        .chain(screened(tail))
+        .map(|((line, error_hit), (_, counts_hit))| {
+            let line = line.trim();
+            OutputLine {
+                line,
+                error: error_hit && is_error_line(line),
+                counts_hit,
+            }
+        })
+}
+
+/// The error line looked for, as lines are offered in order.
+#[derive(Default)]
+struct ErrorPick<'a> {
+    found: Option<&'a str>,
+    /// The first bare exit status or traceback header, kept in case nothing
+    /// better comes.
+    bare: Option<&'a str>,
+}
+
+impl<'a> ErrorPick<'a> {
+    /// Takes `line` if it is the error line looked for.
+    fn offer(&mut self, line: &OutputLine<'a>, accept: impl Fn(&str) -> bool) {
+        if self.found.is_none() && line.error && accept(line.line) {
+            if is_bare_exit(line.line) {
+                self.bare = self.bare.or(Some(line.line));
+            } else {
+                self.found = Some(line.line);
+            }
         }
-        if is_bare_exit(line) {
-            bare = bare.or(Some(line));
-            continue;
-        }
-        return Some(clip_words(line, RESULT_CHARS));
     }
-    bare.map(|l| clip_words(l, RESULT_CHARS))
+
+    fn line(self) -> Option<String> {
+        self.found
+            .or(self.bare)
+            .map(|l| clip_words(l, RESULT_CHARS))
+    }
 }
 
-/// An error a user turn carries (pasted output, a traceback, a tool's
-/// console): only what output looks like, not a sentence that says
-/// something "cannot" be done.
-pub(super) fn reported_error_line(text: &str) -> Option<String> {
-    find_error_line(text, |line| {
-        line_pattern!(r"(?i)\b\w*(Error|Exception)\b|error(\[\w+\])?:|\btraceback\b|\bfatal:|(?-i:\bFAIL(ED)?\b)|\bfailed\b|\bexit(ed)? (with )?code [1-9]|\bE\d{3}\b|\bno such file\b|\bpanicked\b")
-            .is_match(line)
-    })
+/// The screen of the test counts among the milestone patterns.
+fn counts_screen() -> &'static Regex {
+    regex!(r"(?i-u:0 failures|passed|test result: ok)|[\x{17F}\x{212A}]")
 }
 
-/// Lines of a tool output (or of console output pasted in a user turn)
-/// that report a milestone: tests passing, a commit, a push, a task or
-/// issue closed.
-pub(super) fn milestone_lines(text: &str) -> Vec<String> {
+/// Adds `line` to `out` (once) if it reports a milestone.
+fn add_milestone(line: &OutputLine<'_>, out: &mut Vec<String>) {
     // Test counts anywhere in the line, screened; the rest are anchored at
     // the line's start (one alternation), so a line can match them only
     // when it starts, after its white space, with `[`, `C`, a hex digit or
     // `✓`.
-    let counts_screen = regex!(r"(?i-u:0 failures|passed|test result: ok)|[\x{17F}\x{212A}]");
     let counts = regex!(
         r"(?i)\b\d+ (tests?|examples?|specs?|doctests?|properties)\b[^\n]{0,40}\b0 failures\b|\b\d+ passed\b|\btest result: ok\b"
     );
     let at_start = regex!(
         r"^\s*\[[\w./-]+ [0-9a-f]{7,40}\] \S|^\s*Commit [0-9a-f]{7,40} \S|^\s*[0-9a-f]{7,40}\.\.[0-9a-f]{7,40}\s+\S+\s+->\s+\S+|^\s*✓ (Closed|Created|Merged|Completed|Resolved)\b"
     );
-    let mut out: Vec<String> = Vec::new();
-    let head = prefix_bytes(text, MINED_BYTES);
-    let tail = suffix_bytes(text, 2000);
-    let screened_lines =
-        |text| lines_with_hits(text, error_screen()).zip(lines_with_hits(text, counts_screen));
-    for ((line, error_hit), (_, counts_hit)) in screened_lines(head).chain(screened_lines(tail)) {
-        let line = line.trim();
-        if line.is_empty() || error_hit && is_error_line(line) && !line.contains(" 0 fail") {
-            continue;
-        }
-        let may_start_one = line
-            .trim_start()
-            .starts_with(|c: char| matches!(c, '[' | 'C' | '0'..='9' | 'a'..='f' | '✓'));
-        if counts_hit && counts.is_match(line) || may_start_one && at_start.is_match(line) {
-            let l = clip_words(line, RESULT_CHARS);
-            if !out.contains(&l) {
-                out.push(l);
-            }
+    let text = line.line;
+    if text.is_empty() || line.error && !text.contains(" 0 fail") {
+        return;
+    }
+    let may_start_one = text
+        .trim_start()
+        .starts_with(|c: char| matches!(c, '[' | 'C' | '0'..='9' | 'a'..='f' | '✓'));
+    if line.counts_hit && counts.is_match(text) || may_start_one && at_start.is_match(text) {
+        let l = clip_words(text, RESULT_CHARS);
+        if !out.contains(&l) {
+            out.push(l);
         }
     }
-    out
 }
 
 /// A sentence in which the agent says something is done (tests pass, a
@@ -560,6 +604,18 @@ pub(super) fn sentences_up_to(text: &str, max: usize) -> String {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    fn error_line(text: &str) -> Option<String> {
+        output_report(text, |_| true).0
+    }
+
+    fn reported_error_line(text: &str) -> Option<String> {
+        output_report(text, reports_an_error).0
+    }
+
+    fn milestone_lines(text: &str) -> Vec<String> {
+        output_report(text, |_| true).1
+    }
 
     /// The recognizers as they were before their screens: the oracle the
     /// screened ones must agree with on every text.
