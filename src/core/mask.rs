@@ -81,19 +81,30 @@ pub fn masked_told(msg: &ChatMessage, seq: u64, telling: Option<&str>) -> Option
                 name: msg.name.clone(),
             })
         }
-        Role::Assistant => {
-            let mut m = msg.clone();
-            let mut changed = false;
-            for call in &mut m.tool_calls {
-                if let Some(args) = elide_arguments(&call.function.arguments) {
-                    call.function.arguments = args;
-                    changed = true;
-                }
-            }
-            changed.then_some(m)
-        }
+        Role::Assistant => masked_calls(msg),
         Role::User | Role::System => None,
     }
+}
+
+/// An assistant turn's masked rendering: its calls with their long
+/// arguments elided (`None`: another role, or nothing long to elide). It
+/// does not name the turn, unlike a tool result's stub, so it may be
+/// rendered (and counted) ahead of the fold (`core::measure`).
+pub fn masked_calls(msg: &ChatMessage) -> Option<ChatMessage> {
+    if msg.role != Role::Assistant
+        || !maskable(msg.role, msg.text_bytes(), !msg.tool_calls.is_empty())
+    {
+        return None;
+    }
+    let mut m = msg.clone();
+    let mut changed = false;
+    for call in &mut m.tool_calls {
+        if let Some(args) = elide_arguments(&call.function.arguments) {
+            call.function.arguments = args;
+            changed = true;
+        }
+    }
+    changed.then_some(m)
 }
 
 /// `[output of `Read` masked: 32,133 bytes; "…line…"; `describe` turn 291

@@ -16,7 +16,7 @@
 use crate::core::event::{Encoding as RecordEncoding, Origin};
 use crate::core::intake::{self, Address, Arrival};
 use crate::core::mask;
-use crate::core::message::{ChatMessage, Role};
+use crate::core::message::ChatMessage;
 use crate::core::summary::SourceReading;
 use crate::core::tokens::{self, Encoding};
 use std::sync::Arc;
@@ -32,8 +32,7 @@ pub struct TurnMeasure {
     /// for (`None`: the turn has no such output, or it was not measured).
     pub telling: Option<String>,
     /// [`tokens::count_message`] under `encoding` of the turn's masked
-    /// rendering when that does not name the turn (an assistant turn's
-    /// calls with their long arguments elided: [`mask::masked_told`]);
+    /// rendering when that does not name the turn ([`mask::masked_calls`]);
     /// `None` when it has none, or when it is a tool result (whose stub
     /// names its turn, so the fold renders and counts it).
     pub masked_calls_tokens: Option<u64>,
@@ -94,9 +93,7 @@ impl TurnMeasure {
             encoding,
             tokens: tokens::count_message(encoding, msg),
             telling: mask::output_to_mask(msg).map(|text| mask::telling_line(&text)),
-            masked_calls_tokens: (msg.role == Role::Assistant)
-                .then(|| mask::masked(msg, 0))
-                .flatten()
+            masked_calls_tokens: mask::masked_calls(msg)
                 .map(|m| tokens::count_message(encoding, &m)),
             reading: None,
             admitted: None,
