@@ -74,6 +74,12 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
 
+// `serve` runs on the binary's allocator (src/main.rs); so does the folder
+// role measured here.
+#[cfg(not(target_env = "msvc"))]
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 const CONVERSATIONS: usize = 256;
 /// How long one measurement may take before the bench gives up.
 const LIMIT: Duration = Duration::from_secs(600);

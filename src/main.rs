@@ -4,6 +4,15 @@ mod cli;
 
 use clap::Parser;
 
+/// jemalloc rather than glibc's malloc: `run` allocates a turn's readings
+/// on its measuring thread and frees them on the fold's, and the folder
+/// allocates and frees every message; on the real-transcript fleet `run`
+/// needs ~11% less CPU with it (`docs/notes/issue-26.md`, fifth pass) for
+/// ~8% more peak RSS (mimalloc was as fast but held ~38% more).
+#[cfg(not(target_env = "msvc"))]
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 fn main() -> std::process::ExitCode {
     let args = cli::Cli::parse();
     // Logging starts once the configuration (`[log] format`) is read.
