@@ -81,7 +81,7 @@ pub fn masked_told(msg: &ChatMessage, seq: u64, telling: Option<&str>) -> Option
                 name: msg.name.clone(),
             })
         }
-        Role::Assistant => masked_calls(msg),
+        Role::Assistant => elided_calls(msg),
         Role::User | Role::System => None,
     }
 }
@@ -91,11 +91,14 @@ pub fn masked_told(msg: &ChatMessage, seq: u64, telling: Option<&str>) -> Option
 /// does not name the turn, unlike a tool result's stub, so it may be
 /// rendered (and counted) ahead of the fold (`core::measure`).
 pub fn masked_calls(msg: &ChatMessage) -> Option<ChatMessage> {
-    if msg.role != Role::Assistant
-        || !maskable(msg.role, msg.text_bytes(), !msg.tool_calls.is_empty())
-    {
-        return None;
-    }
+    let maskable = maskable(msg.role, msg.text_bytes(), !msg.tool_calls.is_empty());
+    (msg.role == Role::Assistant && maskable)
+        .then(|| elided_calls(msg))
+        .flatten()
+}
+
+/// `msg` with its calls' long arguments elided, once [`maskable`] said so.
+fn elided_calls(msg: &ChatMessage) -> Option<ChatMessage> {
     let mut m = msg.clone();
     let mut changed = false;
     for call in &mut m.tool_calls {
