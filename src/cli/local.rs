@@ -23,7 +23,6 @@ use contextfold::core::event::{Encoding, MAX_EVENT_BYTES};
 use contextfold::core::measure::TurnMeasure;
 use contextfold::core::overflow;
 use contextfold::core::policy::PolicyConfig;
-use contextfold::core::summary::SourceReading;
 use contextfold::import::{self, Format};
 use contextfold::log::segment::{SegmentLog, DEFAULT_MAX_RECORD_BYTES};
 use contextfold::log::{EventLog, LogRecord};
@@ -37,7 +36,6 @@ use contextfold::summarizer::DeterministicSummarizer;
 use std::io::{BufRead, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Instant;
 
 pub(super) fn runtime() -> Result<tokio::runtime::Runtime> {
@@ -494,25 +492,21 @@ struct MeasuredChunk {
 /// the fold: asked for the next chunk, it hands over the one it has ready
 /// and starts on the following. One thread for the whole run, not a pool
 /// thread per chunk: each thread that allocates gets its own malloc arena,
-/// and a chunk's records are freed on the fold's thread long after. The
-/// readings the engine drops come back with each ask and are freed here,
-/// in the arena they were allocated in (freed on the fold's thread, each
-/// free waited on this thread's arena lock).
+/// and a chunk's records are freed on the fold's thread long after.
 struct InputAhead {
-    ask: std::sync::mpsc::Sender<Vec<Arc<SourceReading>>>,
+    ask: std::sync::mpsc::Sender<()>,
     ready: tokio::sync::mpsc::Receiver<Result<Option<MeasuredChunk>>>,
 }
 
 impl InputAhead {
     fn start(mut input: InputRecords, mut measurer: Measurer, batch: usize) -> Result<InputAhead> {
-        let (ask, asked) = std::sync::mpsc::channel::<Vec<Arc<SourceReading>>>();
+        let (ask, asked) = std::sync::mpsc::channel::<()>();
         let (send, ready) = tokio::sync::mpsc::channel(1);
         std::thread::Builder::new()
             .name("measure".into())
             .spawn(move || {
                 // Ends when the fold stops asking (it finished or failed).
-                while let Ok(spent) = asked.recv() {
-                    drop(spent);
+                while asked.recv().is_ok() {
                     let chunk = input
                         .by_ref()
                         .take(batch.max(1))
@@ -535,21 +529,20 @@ impl InputAhead {
             })
             .context("starting the measuring thread")?;
         // The first chunk is read at once.
-        let _ = ask.send(Vec::new());
+        let _ = ask.send(());
         Ok(InputAhead { ask, ready })
     }
 
     /// The next chunk (`None` at the input's end); the one after it is
-    /// read while the caller folds this one. `spent`: readings the engine
-    /// dropped, freed on the measuring thread.
-    async fn next(&mut self, spent: Vec<Arc<SourceReading>>) -> Result<Option<MeasuredChunk>> {
+    /// read while the caller folds this one.
+    async fn next(&mut self) -> Result<Option<MeasuredChunk>> {
         let chunk = self
             .ready
             .recv()
             .await
             .context("the measuring thread stopped")??;
         if chunk.is_some() {
-            let _ = self.ask.send(spent);
+            let _ = self.ask.send(());
         }
         Ok(chunk)
     }
@@ -577,7 +570,7 @@ pub fn run(
             records,
             measures,
             dropped,
-        }) = ahead.next(p.engine.take_spent_readings()).await?
+        }) = ahead.next().await?
         {
             skipped += dropped;
             p.ingest_measured(&records, measures).await?;

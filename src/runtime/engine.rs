@@ -40,7 +40,6 @@ use crate::core::intake::{self, Refused};
 use crate::core::measure::TurnMeasure;
 use crate::core::policy::PolicyConfig;
 use crate::core::state::State;
-use crate::core::summary::SourceReading;
 use crate::core::sweep::{self, SweepSnapshot};
 use crate::log::{LogRecord, Position};
 use crate::runtime::read_ahead::{Readings, WithReadings};
@@ -48,7 +47,6 @@ use crate::store::state_store::StateStore;
 use crate::store::{KvBackend, StoreError};
 use crate::telemetry as t;
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// What folding records produced, for the runtime to carry out.
@@ -928,12 +926,6 @@ impl<B: KvBackend> Engine<B> {
     /// The partition's clock (the newest record time folded, ms).
     pub fn clock(&self) -> u64 {
         self.state.clock.now
-    }
-
-    /// Readings read ahead that the engine dropped since the last call
-    /// ([`Readings::take_spent`]): for the thread that read them to free.
-    pub fn take_spent_readings(&mut self) -> Vec<Arc<SourceReading>> {
-        self.readings.take_spent()
     }
 
     /// Gives the fold the measure of the turn the record at `position`

@@ -14,17 +14,10 @@ use std::sync::Arc;
 /// The readings of the newest turns, by event id: at most [`Readings::CAP`],
 /// the oldest dropped first (a turn is drafted within a few thousand turns
 /// of its arrival, or read again by its draft).
-///
-/// The readings it drops are kept aside ([`Readings::take_spent`]), up to
-/// another [`Readings::CAP`], for the thread that allocated them to free:
-/// freed on the fold's thread, each waited on the measuring thread's malloc
-/// arena lock (8% of the fold's thread in a profile of `run`). Past that
-/// cap, or with no one taking them, they are freed where they are dropped.
 #[derive(Debug, Default)]
 pub struct Readings {
     by_event: HashMap<Box<str>, Arc<SourceReading>>,
     order: VecDeque<Box<str>>,
-    spent: Vec<Arc<SourceReading>>,
 }
 
 impl Readings {
@@ -36,17 +29,9 @@ impl Readings {
         }
         while self.order.len() > Self::CAP {
             if let Some(oldest) = self.order.pop_front() {
-                let dropped = self.by_event.remove(&oldest);
-                if self.spent.len() < Self::CAP {
-                    self.spent.extend(dropped);
-                }
+                self.by_event.remove(&oldest);
             }
         }
-    }
-
-    /// The readings dropped since the last call, to be freed by the caller.
-    pub fn take_spent(&mut self) -> Vec<Arc<SourceReading>> {
-        std::mem::take(&mut self.spent)
     }
 
     pub fn get(&self, event_id: &str) -> Option<Arc<SourceReading>> {
@@ -117,13 +102,5 @@ mod tests {
         readings.insert("e5".into(), reading(9));
         readings.insert("e5".into(), reading(9));
         assert_eq!(readings.len(), Readings::CAP);
-        // The two dropped are handed over once; past a cap of them, the
-        // ones nobody took are freed where they are dropped.
-        assert_eq!(readings.take_spent(), vec![reading(0), reading(1)]);
-        assert!(readings.take_spent().is_empty());
-        for i in 0..3 * Readings::CAP {
-            readings.insert(format!("f{i}").into(), reading(1));
-        }
-        assert_eq!(readings.take_spent().len(), Readings::CAP);
     }
 }
