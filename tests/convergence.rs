@@ -563,6 +563,9 @@ async fn run_case(case: Case, limit: Duration) -> Outcome {
     let (jobs, rounds_without_progress) = tally(&client).await;
     let log = std::fs::read_to_string(dir.path().join("serve.log")).unwrap_or_default();
     let requeued = log.matches("queued again").count() as u64;
+    if std::env::var_os("CONVERGENCE_DEBUG").is_some() {
+        eprintln!("SERVE LOG\n{log}");
+    }
     let mut outcome = Outcome {
         conversations: keys.len(),
         worst_share: 0.0,
@@ -718,7 +721,9 @@ async fn a_cluster_that_loses_the_stream_leader_converges() {
             mode: Mode::ClusterNodeKilled,
             window: SMALL,
         },
-        Duration::from_secs(240),
+        // 7-11 s here; a job whose results met the leaderless stream used
+        // to wait for its expiry (108 s, two runs in five).
+        Duration::from_secs(60),
     )
     .await;
 }

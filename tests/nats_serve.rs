@@ -394,6 +394,102 @@ async fn a_job_of_a_killed_worker_is_redelivered_and_finished_by_another() {
     folder.shutdown().await;
 }
 
+/// A summarizer whose first call waits until the test opens the gate.
+struct Gated {
+    open: std::sync::atomic::AtomicBool,
+    calls: AtomicU64,
+}
+
+impl Summarizer for Gated {
+    async fn summarize(
+        &self,
+        req: &SummaryRequest,
+        budget: &Budget,
+    ) -> Result<SummaryOutcome, SummarizeError> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        while !self.open.load(Ordering::Relaxed) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        DeterministicSummarizer.summarize(req, budget).await
+    }
+    async fn rolling_state(
+        &self,
+        req: &RollingStateRequest,
+        budget: &Budget,
+    ) -> Result<RollingOutcome, SummarizeError> {
+        DeterministicSummarizer.rolling_state(req, budget).await
+    }
+    fn name(&self) -> &str {
+        "gated"
+    }
+}
+
+/// The events stream takes nothing for a while (as when it has no leader):
+/// the worker holds the job and publishes its results again until the
+/// stream takes them, instead of spending the job's deliveries on the
+/// outage and dead-lettering it (which left the conversation waiting for
+/// the job to expire: 100 s in the cluster convergence case).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_whose_results_the_stream_cannot_store_for_a_while_is_finished() {
+    let server = NatsServer::start();
+    let policy = small_policy();
+    let (dir_f, dir_w) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    // Two deliveries: an outage of a few seconds used to be enough to
+    // dead-letter the job.
+    let mut folder_opts = options(&server.url(), dir_f.path(), &policy, "folder");
+    folder_opts.roles = "folder".parse().unwrap();
+    folder_opts.nats.job_max_deliver = 2;
+    let folder = start_alone(folder_opts).await;
+    let gated = Arc::new(Gated {
+        open: false.into(),
+        calls: AtomicU64::new(0),
+    });
+    let mut worker_opts = options(&server.url(), dir_w.path(), &policy, "worker");
+    worker_opts.roles = "summarizer".parse().unwrap();
+    worker_opts.nats.job_max_deliver = 2;
+    let worker = Service::start(worker_opts, gated.clone()).await.unwrap();
+    let counters = worker.summarizer_counters().unwrap();
+
+    let (client, js, infra) = client_for(&server.url()).await;
+    let conv = "agent:outage";
+    raw_publish(&client, &turns(conv, 0..40, 120)).await;
+    wait_until("the worker is mid-sweep", Duration::from_secs(20), || {
+        gated.calls.load(Ordering::Relaxed) > 0
+    })
+    .await;
+    // The stream stops taking anything: no subject is its own.
+    let stream = infra.events.cached_info().config.clone();
+    let mut closed = stream.clone();
+    closed.subjects = vec!["test.nowhere.>".into()];
+    js.update_stream(&closed).await.unwrap();
+    gated.open.store(true, Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(counters.done.load(Ordering::Relaxed), 0, "stored nowhere");
+    js.update_stream(&stream).await.unwrap();
+
+    wait_until(
+        "the worker finished the job",
+        Duration::from_secs(20),
+        || counters.done.load(Ordering::Relaxed) >= 1,
+    )
+    .await;
+    assert_eq!(counters.dead_lettered.load(Ordering::Relaxed), 0);
+    assert!(
+        counters.progress_acks.load(Ordering::Relaxed) >= 2,
+        "the job was held through the outage"
+    );
+    wait_until("summaries folded", Duration::from_secs(20), || {
+        conversations(&folder).get(conv).is_some_and(|c| c.1 > 0)
+    })
+    .await;
+    let events = partition_events(&js, &infra, partition_of(conv)).await;
+    one_job_at_a_time(&events, conv);
+    let all: BTreeSet<u32> = (0..16).collect();
+    assert_matches_replay(&folder, &js, &infra, &all, &policy).await;
+    worker.shutdown().await;
+    folder.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_instances_split_partitions_and_a_kill_moves_them_to_the_survivor() {
     let server = NatsServer::start();

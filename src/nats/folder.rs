@@ -381,22 +381,8 @@ impl<B: KvBackend + 'static> FolderRole<B> {
         settings: FolderSettings,
     ) -> Self {
         crate::core::tokens::load_tokenizers();
-        let stream_max = usize::try_from(infra.events.cached_info().config.max_message_size)
-            .ok()
-            .filter(|&m| m > 0)
-            .unwrap_or(crate::core::event::MAX_EVENT_BYTES);
-        let server_max = js.client().server_info().max_payload;
-        let max_message_bytes = if server_max > 0 {
-            stream_max.min(server_max)
-        } else {
-            stream_max
-        };
         FolderRole {
-            publisher: Publisher {
-                js,
-                subjects: infra.subjects.clone(),
-                max_message_bytes,
-            },
+            publisher: Publisher::for_events(js, infra),
             subjects: infra.subjects.clone(),
             events: infra.events.clone(),
             jobs: infra.jobs.clone(),

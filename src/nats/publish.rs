@@ -22,6 +22,7 @@
 use crate::core::derived_id::DerivedId;
 use crate::core::event::{Encoding, Envelope, Origin};
 use crate::nats::msg_id::{self, AgentKey};
+use crate::nats::setup::Infrastructure;
 use crate::nats::subjects::{SubjectError, Subjects};
 use crate::BoxError;
 use async_nats::header::NATS_MESSAGE_ID;
@@ -207,6 +208,26 @@ pub struct Publisher {
 }
 
 impl Publisher {
+    /// Publishes to `infra`'s events stream, as large as the stream's
+    /// `max_message_size` (or the server's `max_payload` when smaller).
+    pub fn for_events(js: Context, infra: &Infrastructure) -> Publisher {
+        let stream_max = usize::try_from(infra.events.cached_info().config.max_message_size)
+            .ok()
+            .filter(|&m| m > 0)
+            .unwrap_or(crate::core::event::MAX_EVENT_BYTES);
+        let server_max = js.client().server_info().max_payload;
+        let max_message_bytes = if server_max > 0 {
+            stream_max.min(server_max)
+        } else {
+            stream_max
+        };
+        Publisher {
+            js,
+            subjects: infra.subjects.clone(),
+            max_message_bytes,
+        }
+    }
+
     /// Starts publishing `event` as `origin` wrote it, MessagePack encoded.
     pub async fn event(
         &self,
@@ -304,12 +325,10 @@ pub async fn dead_job(
     reason: &str,
     delivered: i64,
     payload: Bytes,
-) -> Result<PublishAckFuture, PublishError> {
+) -> Result<PublishAckFuture, PublishFailure> {
+    let msg_id = DerivedId::DeadJob { job_id }.to_string();
     let mut headers = HeaderMap::new();
-    headers.insert(
-        NATS_MESSAGE_ID,
-        DerivedId::DeadJob { job_id }.to_string().as_str(),
-    );
+    headers.insert(NATS_MESSAGE_ID, msg_id.as_str());
     headers.insert(DEAD_JOB_HEADER, job_id);
     // Header values are one line.
     headers.insert(
@@ -317,7 +336,9 @@ pub async fn dead_job(
         reason.replace(['\r', '\n'], " ").as_str(),
     );
     headers.insert(DEAD_DELIVERIES_HEADER, delivered.to_string().as_str());
-    js.publish_with_headers(subject, headers, payload).await
+    js.publish_with_headers(subject, headers, payload)
+        .await
+        .map_err(|e| nats_failure(&format!("dead letter {msg_id}"), e))
 }
 
 /// Waits for the stream to store what `ack` was published as.

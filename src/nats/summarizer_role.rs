@@ -9,12 +9,23 @@
 //! 2. run [`run_sweep`] under the job's deadline, sending an in-progress
 //!    acknowledgement every `progress_every` so the server does not hand the
 //!    job to another worker while this one is working;
-//! 3. publish each produced event (summaries, rolling state, last the
-//!    `sweep_ended`) to the conversation's inbound subject, where the folder
-//!    consumes it, with the event id as `Nats-Msg-Id`, and wait until the
-//!    stream stored them;
+//! 3. publish each produced event (summaries, rolling state) to the
+//!    conversation's inbound subject, where the folder consumes it, with
+//!    the event id as `Nats-Msg-Id`, wait until the stream stored them,
+//!    then the same for the `sweep_ended` (so the folder never reads a
+//!    job's end before what the job produced);
 //! 4. acknowledge the job, and once the server confirmed it, delete its
 //!    snapshot from the object store (if it travelled there).
+//!
+//! While the stream cannot take the results (no leader for a moment, the
+//! connection down), the worker keeps the job and publishes them again,
+//! all of them (the server's duplicate window and the fold drop what is
+//! already stored), with a growing pause, sending in-progress
+//! acknowledgements, for up to `store_patience`: an outage of the stream
+//! is not the job's fault and must not use up its deliveries. The same
+//! holds for a dead letter, whose delivery is the job's last (the server
+//! delivers it no more). Only a failure that cannot pass (an event larger
+//! than the stream takes) or patience run out hands the job back.
 //!
 //! A job that cannot run now (rate limited or spend window closed before
 //! any pass committed: `SweepEnded.retry_after_ms`) is negatively
@@ -33,9 +44,9 @@
 //! never delivers a job more than `max_deliver` times).
 
 use crate::core::derived_id::DerivedId;
-use crate::core::event::{Encoding, Envelope, EventBody, Origin, SweepEnded, SweepStop};
+use crate::core::event::{Envelope, EventBody, Origin, SweepEnded, SweepStop};
 use crate::nats::jobs::JobMessage;
-use crate::nats::publish::{self, Outbound};
+use crate::nats::publish::{self, PublishFailure, Publisher};
 use crate::nats::setup::Infrastructure;
 use crate::nats::subjects::Subjects;
 use crate::nats::NatsError;
@@ -48,6 +59,7 @@ use async_nats::jetstream::message::AckKind;
 use async_nats::jetstream::object_store::ObjectStore;
 use async_nats::jetstream::{self, Context};
 use futures::StreamExt;
+use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -77,6 +89,10 @@ pub struct SummarizerSettings {
     pub shutdown_grace: Duration,
     /// First delay before retrying after an error; doubles up to 5 s.
     pub retry_backoff: Duration,
+    /// How long a worker keeps publishing a job's results (or its dead
+    /// letter) again while the stream cannot store them, before it hands
+    /// the job back. Default 60 s.
+    pub store_patience: Duration,
 }
 
 impl Default for SummarizerSettings {
@@ -88,6 +104,7 @@ impl Default for SummarizerSettings {
             poll: Duration::from_secs(1),
             shutdown_grace: Duration::from_secs(10),
             retry_backoff: Duration::from_millis(200),
+            store_patience: Duration::from_secs(60),
         }
     }
 }
@@ -129,6 +146,7 @@ pub struct SummarizerCounters {
 /// The summarizer role of one process.
 pub struct SummarizerRole<S: Summarizer + 'static> {
     js: Context,
+    publisher: Publisher,
     subjects: Subjects,
     payloads: ObjectStore,
     consumer: PullConsumer,
@@ -142,6 +160,7 @@ impl<S: Summarizer + 'static> Clone for SummarizerRole<S> {
     fn clone(&self) -> Self {
         SummarizerRole {
             js: self.js.clone(),
+            publisher: self.publisher.clone(),
             subjects: self.subjects.clone(),
             payloads: self.payloads.clone(),
             consumer: self.consumer.clone(),
@@ -179,6 +198,70 @@ async fn until(grace: &mut Option<std::pin::Pin<Box<tokio::time::Sleep>>>) {
     }
 }
 
+/// How long, and how often, to try again what the stream did not take.
+#[derive(Debug, Clone, Copy)]
+struct Patience {
+    /// The first pause; each next one is twice as long, up to `longest`.
+    first: Duration,
+    longest: Duration,
+    /// No try starts once this has passed since the first.
+    total: Duration,
+}
+
+/// Runs `attempt` until it succeeds, fails for good
+/// ([`PublishFailure::is_permanent`]), the process stops, or the next try
+/// would start after `patience.total`; before each pause, `hold`. Returns
+/// the last failure when it gives up.
+async fn patiently<A, AF, H, HF>(
+    patience: Patience,
+    shutdown: &mut watch::Receiver<bool>,
+    mut attempt: A,
+    mut hold: H,
+) -> Result<(), PublishFailure>
+where
+    A: FnMut() -> AF,
+    AF: Future<Output = Result<(), PublishFailure>>,
+    H: FnMut() -> HF,
+    HF: Future<Output = ()>,
+{
+    let give_up = tokio::time::Instant::now() + patience.total;
+    let mut pause = patience.first.max(Duration::from_millis(1));
+    loop {
+        let failure = match attempt().await {
+            Ok(()) => return Ok(()),
+            Err(e) => e,
+        };
+        if failure.is_permanent()
+            || stopping(shutdown)
+            || tokio::time::Instant::now() + pause > give_up
+        {
+            return Err(failure);
+        }
+        tracing::warn!(
+            error = %failure,
+            retry_in_ms = pause.as_millis() as u64,
+            "the stream did not store a job's output; the job is held and published again"
+        );
+        hold().await;
+        tokio::select! {
+            _ = shutdown.changed() => {}
+            _ = tokio::time::sleep(pause) => {}
+        }
+        pause = (pause * 2).min(patience.longest.max(patience.first));
+    }
+}
+
+/// The pause before a job that could not run is delivered again: 1 s (or
+/// `backoff`, when longer) after its first delivery, doubling with each
+/// next one, at most 30 s.
+fn redelivery_delay(backoff: Duration, delivered: i64) -> Duration {
+    let doublings = u32::try_from(delivered.saturating_sub(1).clamp(0, 5)).unwrap_or(0);
+    backoff
+        .max(Duration::from_secs(1))
+        .saturating_mul(1 << doublings)
+        .min(Duration::from_secs(30))
+}
+
 /// Why a job could not be run at all (it will be dead-lettered at its last
 /// delivery, retried before).
 #[derive(Debug, thiserror::Error)]
@@ -202,6 +285,7 @@ impl<S: Summarizer + 'static> SummarizerRole<S> {
             .await
             .map_err(|e| NatsError::js(format!("looking up consumer {name}"), e))?;
         Ok(SummarizerRole {
+            publisher: Publisher::for_events(js.clone(), infra),
             js,
             subjects: infra.subjects.clone(),
             payloads: infra.payloads.clone(),
@@ -291,8 +375,8 @@ impl<S: Summarizer + 'static> SummarizerRole<S> {
         let outcome = match outcome {
             Ok(o) => o,
             Err(e) => {
-                // Unacknowledged: the server redelivers after ack_wait.
-                tracing::warn!("job left for redelivery: {e}");
+                // Unacknowledged: the error says what becomes of the job.
+                tracing::warn!("job not finished: {e}");
                 return;
             }
         };
@@ -330,7 +414,7 @@ impl<S: Summarizer + 'static> SummarizerRole<S> {
                 // Undecodable bytes never become runnable: dead-letter now.
                 let reason = format!("undecodable job: {e}");
                 return self
-                    .dead_letter(&message, None, delivered, "undecodable", reason)
+                    .dead_letter(&message, None, delivered, "undecodable", reason, shutdown)
                     .await;
             }
         };
@@ -344,7 +428,14 @@ impl<S: Summarizer + 'static> SummarizerRole<S> {
                  were deferred each time)"
             );
             return self
-                .dead_letter(&message, Some(&job), delivered, "max_deliveries", reason)
+                .dead_letter(
+                    &message,
+                    Some(&job),
+                    delivered,
+                    "max_deliveries",
+                    reason,
+                    shutdown,
+                )
                 .await;
         }
         let job_id = job.job_id.clone();
@@ -362,6 +453,7 @@ impl<S: Summarizer + 'static> SummarizerRole<S> {
                     delivered,
                     "deferred_too_often",
                     reason,
+                    shutdown,
                 )
                 .await
             }
@@ -370,14 +462,27 @@ impl<S: Summarizer + 'static> SummarizerRole<S> {
                 Ok(JobOutcome::Deferred { job_id, delay })
             }
             Err(Unrunnable::Bad(reason)) if delivered >= max => {
-                self.dead_letter(&message, Some(&job), delivered, "unrunnable", reason)
-                    .await
+                self.dead_letter(
+                    &message,
+                    Some(&job),
+                    delivered,
+                    "unrunnable",
+                    reason,
+                    shutdown,
+                )
+                .await
             }
             Err(Unrunnable::Bad(reason)) => {
                 // Maybe transient (the object store was unreachable): hand
-                // it back for another try.
-                tracing::warn!(job = %job_id, "job could not run, retrying later: {reason}");
-                let delay = self.settings.retry_backoff.max(Duration::from_secs(1));
+                // it back for another try, later with each delivery, so
+                // the deliveries span a longer outage.
+                let delay = redelivery_delay(self.settings.retry_backoff, delivered);
+                tracing::warn!(
+                    job = %job_id,
+                    delivered,
+                    retry_in_ms = delay.as_millis() as u64,
+                    "job could not run, retrying later: {reason}"
+                );
                 let _ = message.ack_with(AckKind::Nak(Some(delay))).await;
                 Ok(JobOutcome::Deferred { job_id, delay })
             }
@@ -416,7 +521,9 @@ impl<S: Summarizer + 'static> SummarizerRole<S> {
         });
         let mut sweep = Box::pin(sweep);
         let mut pending: Vec<PublishAckFuture> = Vec::new();
-        let mut publish_error = None;
+        let mut publish_error: Option<PublishFailure> = None;
+        // Everything sent, to send again if the stream missed some.
+        let mut sent: Vec<Envelope> = Vec::new();
         let mut progress = tokio::time::interval(self.settings.progress_every);
         progress.tick().await;
         let mut grace: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
@@ -424,10 +531,11 @@ impl<S: Summarizer + 'static> SummarizerRole<S> {
             tokio::select! {
                 ended = &mut sweep => break ended,
                 Some(e) = rx.recv() => {
-                    match self.publish_event(&e).await {
+                    match self.publisher.event(Origin::Service, &e).await {
                         Ok(ack) => pending.push(ack),
                         Err(err) => publish_error = Some(err),
                     }
+                    sent.push(e);
                 }
                 _ = progress.tick() => {
                     if message.ack_with(AckKind::Progress).await.is_ok() {
@@ -444,7 +552,7 @@ impl<S: Summarizer + 'static> SummarizerRole<S> {
                     // another worker reruns the rest.
                     drop(sweep);
                     while let Ok(e) = rx.try_recv() {
-                        if let Ok(ack) = self.publish_event(&e).await {
+                        if let Ok(ack) = self.publisher.event(Origin::Service, &e).await {
                             pending.push(ack);
                         }
                     }
@@ -457,35 +565,39 @@ impl<S: Summarizer + 'static> SummarizerRole<S> {
             }
         };
         drop(sweep);
-        let deferred = ended.committed == 0 && ended.retry_after_ms.is_some();
-        if !deferred {
-            if let Some(e) = ended_event.take() {
-                let _ = tx.send(e);
-            }
-        }
         drop(tx);
         while let Some(e) = rx.recv().await {
-            match self.publish_event(&e).await {
+            match self.publisher.event(Origin::Service, &e).await {
                 Ok(ack) => pending.push(ack),
                 Err(err) => publish_error = Some(err),
             }
+            sent.push(e);
         }
         for ack in pending {
-            if let Err(e) = ack.await {
-                publish_error = Some(NatsError::js("waiting for the stream to store an event", e));
+            if let Err(e) = publish::stored("a job's result", ack).await {
+                publish_error = Some(e);
             }
         }
-        if let Some(e) = publish_error {
-            // Not acknowledged: redelivered after ack_wait and rerun; what
-            // was stored is deduplicated.
-            return Err(Unrunnable::Bad(format!(
-                "publishing the results failed: {e}"
-            )));
+        let unstored = |e: PublishFailure| {
+            // Not acknowledged: run again; what was stored is deduplicated.
+            Unrunnable::Bad(format!("publishing the results failed: {e}"))
+        };
+        if publish_error.is_some() {
+            self.patiently(message, shutdown, || self.store(&sent))
+                .await
+                .map_err(unstored)?;
         }
-        if deferred {
+        if ended.committed == 0 && ended.retry_after_ms.is_some() {
             return Ok(Ran::Deferred(Duration::from_millis(
                 ended.retry_after_ms.unwrap_or(0),
             )));
+        }
+        // The end, once the stream holds everything the job produced.
+        if let Some(e) = ended_event.take() {
+            let end = std::slice::from_ref(&e);
+            self.patiently(message, shutdown, || self.store(end))
+                .await
+                .map_err(unstored)?;
         }
         // A lost ack means one redelivery, whose events are dropped as
         // duplicates: the snapshot stays for it (the bucket's max_age
@@ -497,16 +609,49 @@ impl<S: Summarizer + 'static> SummarizerRole<S> {
         Ok(Ran::Done(ended.stop))
     }
 
-    async fn publish_event(&self, e: &Envelope) -> Result<PublishAckFuture, NatsError> {
-        Outbound::event(&self.subjects, Origin::Service, None, e, Encoding::Msgpack)?
-            .send(&self.js)
-            .await
-            .map_err(|err| NatsError::js(format!("publishing event {}", e.id), err))
+    /// Publishes `events` in order and waits until the stream stored them all.
+    async fn store(&self, events: &[Envelope]) -> Result<(), PublishFailure> {
+        let mut pending = Vec::with_capacity(events.len());
+        for e in events {
+            pending.push((e, self.publisher.event(Origin::Service, e).await?));
+        }
+        for (e, ack) in pending {
+            publish::stored(&format!("{} {}", e.type_name(), e.id), ack).await?;
+        }
+        Ok(())
+    }
+
+    /// [`patiently`], holding `message`'s job meanwhile (an in-progress
+    /// acknowledgement before each pause).
+    async fn patiently<A, AF>(
+        &self,
+        message: &jetstream::Message,
+        shutdown: &mut watch::Receiver<bool>,
+        attempt: A,
+    ) -> Result<(), PublishFailure>
+    where
+        A: FnMut() -> AF,
+        AF: Future<Output = Result<(), PublishFailure>>,
+    {
+        let patience = Patience {
+            first: self.settings.retry_backoff,
+            // Pauses no longer than the progress interval keep the job
+            // held whatever the consumer's ack_wait.
+            longest: Duration::from_secs(5).min(self.settings.progress_every),
+            total: self.settings.store_patience,
+        };
+        patiently(patience, shutdown, attempt, || async {
+            if message.ack_with(AckKind::Progress).await.is_ok() {
+                self.counters.progress_acks.fetch_add(1, Ordering::Relaxed);
+            }
+        })
+        .await
     }
 
     /// Moves a job to `cf.dead.<conv>` with the reason, tells the folder the
     /// job ended (so the conversation is not left with a pending job for
-    /// ever), then acknowledges it.
+    /// ever), then acknowledges it. Both publishes are retried
+    /// [`patiently`]: this is usually the job's last delivery.
     async fn dead_letter(
         &self,
         message: &jetstream::Message,
@@ -514,6 +659,7 @@ impl<S: Summarizer + 'static> SummarizerRole<S> {
         delivered: i64,
         kind: &'static str,
         reason: String,
+        shutdown: &mut watch::Receiver<bool>,
     ) -> Result<JobOutcome, NatsError> {
         let conversation = match job {
             Some(j) => j.conversation.clone(),
@@ -542,18 +688,30 @@ impl<S: Summarizer + 'static> SummarizerRole<S> {
         } else {
             self.subjects.dead_letter(&conversation)?
         };
-        publish::dead_job(
-            &self.js,
-            subject,
-            &job_id,
-            &reason,
-            delivered,
-            message.payload.clone(),
-        )
+        let last = self.settings.max_deliver > 0 && delivered >= self.settings.max_deliver;
+        let unstored = |what: &str, e: PublishFailure| {
+            let then = if last {
+                "its last delivery: the server delivers it no more, the folder issues the \
+                 conversation's next job when this one expires"
+            } else {
+                "the server delivers it again after ack_wait"
+            };
+            NatsError::js(format!("{what} of job {job_id} ({then})"), e)
+        };
+        self.patiently(message, shutdown, || async {
+            let ack = publish::dead_job(
+                &self.js,
+                subject.clone(),
+                &job_id,
+                &reason,
+                delivered,
+                message.payload.clone(),
+            )
+            .await?;
+            publish::stored("a dead letter", ack).await
+        })
         .await
-        .map_err(|e| NatsError::js(format!("dead-lettering job {job_id}"), e))?
-        .await
-        .map_err(|e| NatsError::js(format!("dead-lettering job {job_id}"), e))?;
+        .map_err(|e| unstored("dead-lettering", e))?;
         if let Some(j) = job {
             // The conversation's clock, as the sweep's own events carry it.
             let issued_at = match &j.snapshot {
@@ -579,10 +737,11 @@ impl<S: Summarizer + 'static> SummarizerRole<S> {
                     retry_after_ms: None,
                 }),
             );
-            self.publish_event(&ended)
-                .await?
-                .await
-                .map_err(|e| NatsError::js("publishing the end of a dead-lettered job", e))?;
+            self.patiently(message, shutdown, || {
+                self.store(std::slice::from_ref(&ended))
+            })
+            .await
+            .map_err(|e| unstored("publishing the end", e))?;
         }
         match message.double_ack().await {
             Ok(()) => {
@@ -605,5 +764,105 @@ impl<S: Summarizer + 'static> SummarizerRole<S> {
                 "cannot delete the ended job's snapshot; the object store's max_age removes it"
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+
+    fn transient() -> PublishFailure {
+        PublishFailure::NotStored {
+            what: "a job's result".into(),
+            source: "no stream found for given subject".into(),
+        }
+    }
+
+    const PATIENCE: Patience = Patience {
+        first: Duration::from_millis(200),
+        longest: Duration::from_millis(500),
+        total: Duration::from_secs(2),
+    };
+
+    /// Runs [`patiently`] over `outcomes` (the attempts' results in turn,
+    /// transient failures after the last): the result, attempts, holds and
+    /// the time it took.
+    async fn run(
+        outcomes: Vec<Result<(), PublishFailure>>,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> (Result<(), PublishFailure>, usize, usize, Duration) {
+        let outcomes = std::cell::RefCell::new(outcomes.into_iter());
+        let (attempts, holds) = (Cell::new(0), Cell::new(0));
+        let started = tokio::time::Instant::now();
+        let result = patiently(
+            PATIENCE,
+            shutdown,
+            || {
+                attempts.set(attempts.get() + 1);
+                let next = outcomes
+                    .borrow_mut()
+                    .next()
+                    .unwrap_or_else(|| Err(transient()));
+                async move { next }
+            },
+            || {
+                holds.set(holds.get() + 1);
+                async {}
+            },
+        )
+        .await;
+        (result, attempts.get(), holds.get(), started.elapsed())
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn results_the_stream_did_not_take_are_sent_again_until_it_does() {
+        let (_stop, mut shutdown) = watch::channel(false);
+        let outcomes = vec![Err(transient()), Err(transient()), Err(transient()), Ok(())];
+        let (result, attempts, holds, took) = run(outcomes, &mut shutdown).await;
+        assert!(result.is_ok());
+        assert_eq!((attempts, holds), (4, 3), "the job held before each pause");
+        // Pauses of 200, 400, then 500 ms (the longest).
+        assert_eq!(took, Duration::from_millis(1_100));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn patience_runs_out_with_the_last_failure() {
+        let (_stop, mut shutdown) = watch::channel(false);
+        let (result, attempts, _, took) = run(Vec::new(), &mut shutdown).await;
+        assert!(result.unwrap_err().to_string().contains("no stream found"));
+        // Tries at 0, 0.2, 0.6, 1.1 and 1.6 s; the next would start after 2 s.
+        assert_eq!(attempts, 5);
+        assert_eq!(took, Duration::from_millis(1_600));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failure_no_retry_can_mend_or_a_stop_ends_it_at_once() {
+        let (stop, mut shutdown) = watch::channel(false);
+        let too_large = PublishFailure::TooLarge {
+            what: "summary s".into(),
+            size: 2 << 20,
+            limit: 1 << 20,
+        };
+        let (result, attempts, holds, took) = run(vec![Err(too_large)], &mut shutdown).await;
+        assert!(matches!(result, Err(PublishFailure::TooLarge { .. })));
+        assert_eq!((attempts, holds, took), (1, 0, Duration::ZERO));
+
+        stop.send(true).unwrap();
+        let (result, attempts, holds, _) = run(Vec::new(), &mut shutdown).await;
+        assert!(result.is_err());
+        assert_eq!((attempts, holds), (1, 0));
+    }
+
+    #[test]
+    fn redeliveries_of_a_job_that_could_not_run_come_later_each_time() {
+        let delays: Vec<u64> = (0..=7)
+            .map(|d| redelivery_delay(Duration::from_millis(200), d).as_secs())
+            .collect();
+        assert_eq!(delays, [1, 1, 2, 4, 8, 16, 30, 30]);
+        assert_eq!(
+            redelivery_delay(Duration::from_secs(3), 2),
+            Duration::from_secs(6)
+        );
     }
 }
