@@ -216,10 +216,31 @@ impl FoldContext<'_> {
         if !model_available {
             return;
         }
+        // A round gave up on this evidence: wait for newer.
+        if self.conv.resummary_given_up_at == Some(self.conv.summaries.len() as u64) {
+            return;
+        }
         if self.conv.fallback_summaries_in_context().next().is_none() {
             return;
         }
+        self.conv.resummary_given_up_at = None;
         self.raise_debt(DebtReason::Resummarize, false, levels.target_tokens, None);
+    }
+
+    /// A re-summarization round ended without progress (not told to retry
+    /// later): its model summaries failed or were rejected. Re-summarizing
+    /// is opportunistic, and another round would meet the same sources and
+    /// the same model, and spend on them, without an end: the debt is
+    /// cleared and the fallbacks stay until a newer model summary is
+    /// recorded ([`FoldContext::maybe_owe_resummary`]).
+    pub(super) fn give_up_resummary(&mut self) {
+        self.conv.resummary_given_up_at = Some(self.conv.summaries.len() as u64);
+        let fallbacks = self.conv.fallback_summaries_in_context().count();
+        self.clear_debt(format!(
+            "re-summarization made no progress (the model's summaries failed or were \
+             rejected); {fallbacks} fallback summaries stay in context until a newer model \
+             summary is recorded"
+        ));
     }
 
     /// Re-evaluates the triggers after every event (and when the

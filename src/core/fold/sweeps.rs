@@ -71,6 +71,17 @@ impl FoldContext<'_> {
         // all stale keeps it for the next agent input.
         let nothing_to_do =
             matches!(s.stop, SweepStop::Done | SweepStop::NoProgress) && s.retry_after_ms.is_none();
+        let resummarizing = pending
+            .as_ref()
+            .is_some_and(|p| p.job.reason == DebtReason::Resummarize)
+            && self
+                .conv
+                .debt
+                .as_ref()
+                .is_some_and(|d| d.reason == DebtReason::Resummarize);
+        if resummarizing && !progress && s.retry_after_ms.is_none() {
+            self.give_up_resummary();
+        }
         if !progress
             && s.committed == 0
             && urgent

@@ -723,6 +723,51 @@ fn a_model_summary_raises_resummarization_which_replaces_every_fallback() {
     }
 }
 
+#[test]
+fn a_resummarization_the_model_cannot_do_gives_up_until_a_newer_model_summary() {
+    let p = policy();
+    let mut t = FoldTest::new(p);
+    let next = with_fallbacks(&mut t, "c");
+    let (_, next) = t.until_job("c", next, T0 + 1_000_000);
+    let decisions = t.run_job("c", true);
+    let job = jobs(&decisions).pop().expect("a re-summarization job");
+    assert_eq!(job.reason, DebtReason::Resummarize);
+    let fallbacks = fallbacks_in_context(&t.state, "c");
+    assert!(!fallbacks.is_empty());
+
+    // The model fails every re-summary (rejected, or erring): the round
+    // ends without progress, and the debt with it.
+    let decisions = t.run_job("c", false);
+    assert!(
+        decisions.iter().any(|d| matches!(
+            &d.body,
+            EventBody::DebtCleared(c) if c.reason.contains("re-summarization made no progress")
+        )),
+        "{decisions:?}"
+    );
+    let conv = t.conversation("c");
+    assert!(conv.debt.is_none() && conv.pending_job.is_none());
+    assert_eq!(fallbacks_in_context(&t.state, "c"), fallbacks, "they stay");
+
+    // Nothing new to go on: later events, long after any backoff, owe no
+    // re-summarization and issue no job (it used to come back for ever).
+    let later = T0 + 100_000_000;
+    for i in next..next + 2 {
+        let out = t.fold(&turn("c", i, later + i));
+        assert!(jobs(&out.decisions).is_empty(), "{:?}", out.decisions);
+        assert!(!debts_recorded(&out.decisions).contains(&DebtReason::Resummarize));
+    }
+    assert!(t.conversation("c").debt.is_none());
+
+    // A newer model summary is new evidence: re-summarization is owed again.
+    let (_, _) = t.until_job("c", next + 2, later + 1_000);
+    let decisions = t.run_job("c", true);
+    assert_eq!(
+        debts_recorded(&decisions).last(),
+        Some(&DebtReason::Resummarize)
+    );
+}
+
 /// A fallback leaf in context and a model leaf over the same turns.
 fn resummary_of(state: &State, conv: &str) -> (Summary, SummaryRecorded) {
     let c = &state.conversations[conv];
