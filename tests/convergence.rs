@@ -35,7 +35,7 @@ use contextfold::nats::msg_id;
 use contextfold::nats::subjects::Subjects;
 use llm_server::{completion, Scripted, ScriptedServer};
 use serde_json::Value;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -385,14 +385,20 @@ fn converged(s: &Value, turns: u64) -> Result<(), String> {
 }
 
 /// Counts, from the events stream, the jobs issued and the rounds that
-/// made no progress (a sweep that committed nothing and did not end
-/// `done`: a rolling-state refresh commits no summary and is progress).
+/// made no progress (a sweep that committed nothing, did not end `done`
+/// and refreshed no rolling state: a refresh commits no summary and is
+/// progress, as the fold counts it).
 async fn tally(client: &async_nats::Client) -> (u64, u64) {
     let js = jetstream::new(client.clone());
     let mut log = NatsEventLog::open(js, Subjects::new("cf").unwrap())
         .await
         .unwrap();
-    let (mut jobs, mut barren) = (0, 0);
+    let mut jobs = 0;
+    // Jobs that ended with nothing committed and without a Done, and the
+    // jobs that refreshed the rolling state (progress, even when the
+    // model's answer was refused and the deterministic state written: the
+    // sweep then ends `failed`).
+    let (mut barren, mut refreshed) = (BTreeSet::new(), BTreeSet::new());
     let mut after = 0;
     loop {
         let records = log.read_after(after, 4096).await.unwrap();
@@ -407,13 +413,16 @@ async fn tally(client: &async_nats::Client) -> (u64, u64) {
                 EventBody::SweepEnded(s)
                     if s.committed == 0 && s.stop != contextfold::core::event::SweepStop::Done =>
                 {
-                    barren += 1
+                    barren.insert(s.job_id);
+                }
+                EventBody::RollingStateUpdated(r) => {
+                    refreshed.extend(r.job_id);
                 }
                 _ => {}
             }
         }
     }
-    (jobs, barren)
+    (jobs, barren.difference(&refreshed).count() as u64)
 }
 
 /// Where the NATS servers of a case run.
