@@ -198,6 +198,42 @@ async fn healthy_setup_is_all_ok_and_a_broken_one_fails_saying_what_to_do() {
     assert!(line(&out, "stream CF_EVENTS").starts_with("ok "), "{out}");
 }
 
+/// A serve that dies without releasing its leases (kill -9) leaves their
+/// records in the bucket until its `max_age` (30 s); once their TTL has
+/// passed unrenewed, doctor says nobody holds those partitions and the
+/// turns waiting there are stalled, not that the dead member holds them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_a_dead_serve_left_behind_are_held_by_nobody_after_their_ttl() {
+    let server = NatsServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let opts = options(&server.url(), dir.path(), &PolicyConfig::default(), "gone");
+    let service = start_alone(opts).await;
+    service.abort();
+    let (client, _, _) = client_for(&server.url()).await;
+    raw_publish(&client, &turns("doctor-orphan", 0..3, 10)).await;
+    let partition = partition_of("doctor-orphan");
+
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let out = loop {
+        let (_, out, _) = doctor(dir.path(), &server.url(), &[]).await;
+        if line(&out, "stalled partitions").starts_with("FAIL ") || Instant::now() > deadline {
+            break out;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    let leases = line(&out, "leases (cf_leases)");
+    assert!(leases.starts_with("warn "), "{out}");
+    assert!(leases.contains("no folder holds partition(s)"), "{out}");
+    assert!(
+        !leases.contains("gone"),
+        "a dead member holds nothing:\n{out}"
+    );
+    assert!(
+        line(&out, "stalled partitions").contains(&format!("{partition} (3 waiting)")),
+        "{out}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_missing_or_of_another_layout_fail() {
     let server = NatsServer::start();

@@ -1593,23 +1593,51 @@ pub async fn live_member_records(kv: &kv::Store) -> Result<Vec<LiveMember>, Nats
         .collect())
 }
 
-/// Who holds `partition`, if anyone (for routing a request to the owner).
+/// Who holds `partition`, if anyone (for `doctor`): the owner of a lease
+/// written within its TTL. A holder that stopped without releasing (a
+/// crash, or a shutdown whose release did not finish) holds nothing once
+/// its TTL has passed, though its record stays until the bucket's
+/// `max_age` removes it. The record's age is the server's write time
+/// against this host's clock: a one-off reading has no other.
 pub async fn owner_of(kv: &kv::Store, partition: u32) -> Result<Option<String>, NatsError> {
     let entry = kv
         .entry(partition_key(partition))
         .await
         .map_err(|e| NatsError::js("reading a partition lease", e))?;
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
     Ok(match entry {
         Some(e) if e.operation == Operation::Put => serde_json::from_slice::<LeaseRecord>(&e.value)
             .ok()
+            .filter(|r| {
+                let written_ms = e.created.unix_timestamp_nanos() / 1_000_000;
+                !lapsed(written_ms, r.ttl_ms, now_ms as i128)
+            })
             .map(|r| r.owner),
         _ => None,
     })
 }
 
+/// Whether a lease written at `written_ms` with `ttl_ms` has lapsed at
+/// `now_ms` (a record without a TTL lasts as long as the bucket keeps it).
+fn lapsed(written_ms: i128, ttl_ms: Option<u64>, now_ms: i128) -> bool {
+    ttl_ms.is_some_and(|ttl| now_ms - written_ms > i128::from(ttl))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_lease_unrenewed_past_its_ttl_is_held_by_nobody() {
+        assert!(!lapsed(10_000, Some(2_000), 12_000));
+        assert!(lapsed(10_000, Some(2_000), 12_001));
+        // Written "after" now (clocks apart): still held.
+        assert!(!lapsed(10_000, Some(2_000), 9_000));
+        // Older versions' records: the bucket's max_age decides.
+        assert!(!lapsed(10_000, None, 1_000_000));
+    }
 
     #[test]
     fn fair_share_rounds_up() {
