@@ -1598,7 +1598,8 @@ pub async fn live_member_records(kv: &kv::Store) -> Result<Vec<LiveMember>, Nats
 /// crash, or a shutdown whose release did not finish) holds nothing once
 /// its TTL has passed, though its record stays until the bucket's
 /// `max_age` removes it. The record's age is the server's write time
-/// against this host's clock: a one-off reading has no other.
+/// against this host's clock (a one-off reading has no other), so
+/// [`CLOCK_ALLOWANCE_MS`] is added to the TTL.
 pub async fn owner_of(kv: &kv::Store, partition: u32) -> Result<Option<String>, NatsError> {
     let entry = kv
         .entry(partition_key(partition))
@@ -1619,10 +1620,15 @@ pub async fn owner_of(kv: &kv::Store, partition: u32) -> Result<Option<String>, 
     })
 }
 
+/// How far this host's clock may be from the server's before [`owner_of`]
+/// takes a live lease for a lapsed one.
+pub const CLOCK_ALLOWANCE_MS: u64 = 5_000;
+
 /// Whether a lease written at `written_ms` with `ttl_ms` has lapsed at
-/// `now_ms` (a record without a TTL lasts as long as the bucket keeps it).
+/// `now_ms`, clocks up to [`CLOCK_ALLOWANCE_MS`] apart (a record without a
+/// TTL lasts as long as the bucket keeps it).
 fn lapsed(written_ms: i128, ttl_ms: Option<u64>, now_ms: i128) -> bool {
-    ttl_ms.is_some_and(|ttl| now_ms - written_ms > i128::from(ttl))
+    ttl_ms.is_some_and(|ttl| now_ms - written_ms > i128::from(ttl + CLOCK_ALLOWANCE_MS))
 }
 
 #[cfg(test)]
@@ -1631,8 +1637,9 @@ mod tests {
 
     #[test]
     fn a_lease_unrenewed_past_its_ttl_is_held_by_nobody() {
-        assert!(!lapsed(10_000, Some(2_000), 12_000));
-        assert!(lapsed(10_000, Some(2_000), 12_001));
+        let by = 10_000 + 2_000 + i128::from(CLOCK_ALLOWANCE_MS);
+        assert!(!lapsed(10_000, Some(2_000), by));
+        assert!(lapsed(10_000, Some(2_000), by + 1));
         // Written "after" now (clocks apart): still held.
         assert!(!lapsed(10_000, Some(2_000), 9_000));
         // Older versions' records: the bucket's max_age decides.
