@@ -25,7 +25,7 @@ use contextfold::core::policy::PolicyConfig;
 use contextfold::core::summary::{RollingStateRequest, SummaryRequest};
 use contextfold::nats::config::StorageKind;
 use contextfold::nats::serve::{Roles, Service};
-use contextfold::nats::setup::ensure;
+use contextfold::nats::setup::{ensure, Infrastructure};
 use contextfold::summarizer::{
     Budget, DeterministicSummarizer, RollingOutcome, SummarizeError, Summarizer, SummaryOutcome,
 };
@@ -290,14 +290,53 @@ async fn an_overflowing_conversation_gets_one_job_at_a_time_and_its_summaries_ar
     service.shutdown().await;
 }
 
-/// The deterministic summarizer, slowed down: a sweep takes long enough to
-/// kill its worker in the middle.
-struct Slow {
+/// `conv`'s summaries reach `folder`, its jobs went out one at a time,
+/// and every partition's state is a clean replay's.
+async fn summaries_folded_as_replayed(
+    folder: &Service,
+    js: &jetstream::Context,
+    infra: &Infrastructure,
+    conv: &str,
+    policy: &PolicyConfig,
+) {
+    wait_until("summaries folded", Duration::from_secs(20), || {
+        conversations(folder).get(conv).is_some_and(|c| c.1 > 0)
+    })
+    .await;
+    let events = partition_events(js, infra, partition_of(conv)).await;
+    one_job_at_a_time(&events, conv);
+    let all: BTreeSet<u32> = (0..16).collect();
+    assert_matches_replay(folder, js, infra, &all, policy).await;
+}
+
+/// A summarizer whose summaries wait: `delay` each, and until `open`.
+struct Held {
     delay: Duration,
+    open: std::sync::atomic::AtomicBool,
     calls: AtomicU64,
 }
 
-impl Summarizer for Slow {
+impl Held {
+    /// Each summary `delay` late.
+    fn slow(delay: Duration) -> Held {
+        Held {
+            delay,
+            open: true.into(),
+            calls: AtomicU64::new(0),
+        }
+    }
+
+    /// Summaries wait until the test opens the gate.
+    fn gated() -> Held {
+        Held {
+            delay: Duration::ZERO,
+            open: false.into(),
+            calls: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Summarizer for Held {
     async fn summarize(
         &self,
         req: &SummaryRequest,
@@ -305,6 +344,9 @@ impl Summarizer for Slow {
     ) -> Result<SummaryOutcome, SummarizeError> {
         self.calls.fetch_add(1, Ordering::Relaxed);
         tokio::time::sleep(self.delay).await;
+        while !self.open.load(Ordering::Relaxed) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         DeterministicSummarizer.summarize(req, budget).await
     }
     async fn rolling_state(
@@ -315,7 +357,7 @@ impl Summarizer for Slow {
         DeterministicSummarizer.rolling_state(req, budget).await
     }
     fn name(&self) -> &str {
-        "slow"
+        "held"
     }
 }
 
@@ -333,10 +375,7 @@ async fn a_job_of_a_killed_worker_is_redelivered_and_finished_by_another() {
     let folder = Service::start(folder_opts, Arc::new(DeterministicSummarizer))
         .await
         .unwrap();
-    let slow = Arc::new(Slow {
-        delay: Duration::from_secs(30),
-        calls: AtomicU64::new(0),
-    });
+    let slow = Arc::new(Held::slow(Duration::from_secs(30)));
     let mut worker_opts = options(&server.url(), dir_a.path(), &policy, "doomed");
     worker_opts.roles = "summarizer".parse().unwrap();
     let doomed = Service::start(worker_opts, slow.clone()).await.unwrap();
@@ -382,46 +421,9 @@ async fn a_job_of_a_killed_worker_is_redelivered_and_finished_by_another() {
         || counters.done.load(Ordering::Relaxed) >= 1,
     )
     .await;
-    wait_until("summaries folded", Duration::from_secs(20), || {
-        conversations(&folder).get(conv).is_some_and(|c| c.1 > 0)
-    })
-    .await;
-    let events = partition_events(&js, &infra, partition_of(conv)).await;
-    one_job_at_a_time(&events, conv);
-    let all: BTreeSet<u32> = (0..16).collect();
-    assert_matches_replay(&folder, &js, &infra, &all, &policy).await;
+    summaries_folded_as_replayed(&folder, &js, &infra, conv, &policy).await;
     rescuer.shutdown().await;
     folder.shutdown().await;
-}
-
-/// A summarizer whose first call waits until the test opens the gate.
-struct Gated {
-    open: std::sync::atomic::AtomicBool,
-    calls: AtomicU64,
-}
-
-impl Summarizer for Gated {
-    async fn summarize(
-        &self,
-        req: &SummaryRequest,
-        budget: &Budget,
-    ) -> Result<SummaryOutcome, SummarizeError> {
-        self.calls.fetch_add(1, Ordering::Relaxed);
-        while !self.open.load(Ordering::Relaxed) {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        DeterministicSummarizer.summarize(req, budget).await
-    }
-    async fn rolling_state(
-        &self,
-        req: &RollingStateRequest,
-        budget: &Budget,
-    ) -> Result<RollingOutcome, SummarizeError> {
-        DeterministicSummarizer.rolling_state(req, budget).await
-    }
-    fn name(&self) -> &str {
-        "gated"
-    }
 }
 
 /// The events stream takes nothing for a while (as when it has no leader):
@@ -440,10 +442,7 @@ async fn a_job_whose_results_the_stream_cannot_store_for_a_while_is_finished() {
     folder_opts.roles = "folder".parse().unwrap();
     folder_opts.nats.job_max_deliver = 2;
     let folder = start_alone(folder_opts).await;
-    let gated = Arc::new(Gated {
-        open: false.into(),
-        calls: AtomicU64::new(0),
-    });
+    let gated = Arc::new(Held::gated());
     let mut worker_opts = options(&server.url(), dir_w.path(), &policy, "worker");
     worker_opts.roles = "summarizer".parse().unwrap();
     worker_opts.nats.job_max_deliver = 2;
@@ -478,14 +477,7 @@ async fn a_job_whose_results_the_stream_cannot_store_for_a_while_is_finished() {
         counters.progress_acks.load(Ordering::Relaxed) >= 2,
         "the job was held through the outage"
     );
-    wait_until("summaries folded", Duration::from_secs(20), || {
-        conversations(&folder).get(conv).is_some_and(|c| c.1 > 0)
-    })
-    .await;
-    let events = partition_events(&js, &infra, partition_of(conv)).await;
-    one_job_at_a_time(&events, conv);
-    let all: BTreeSet<u32> = (0..16).collect();
-    assert_matches_replay(&folder, &js, &infra, &all, &policy).await;
+    summaries_folded_as_replayed(&folder, &js, &infra, conv, &policy).await;
     worker.shutdown().await;
     folder.shutdown().await;
 }

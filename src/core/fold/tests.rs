@@ -647,6 +647,18 @@ fn with_fallbacks(t: &mut FoldTest, conv: &str) -> u64 {
     next
 }
 
+/// Fallback summaries in context, then a compaction by a model, whose
+/// summary owes their re-summarization: returns its job and the next turn
+/// index.
+fn with_resummarization_job(t: &mut FoldTest, conv: &str) -> (JobIssued, u64) {
+    let next = with_fallbacks(t, conv);
+    let (_, next) = t.until_job(conv, next, T0 + 1_000_000);
+    let decisions = t.run_job(conv, true);
+    let job = jobs(&decisions).pop().expect("a re-summarization job");
+    assert_eq!(job.reason, DebtReason::Resummarize);
+    (job, next)
+}
+
 #[test]
 fn a_deterministic_only_deployment_never_owes_resummarization() {
     let p = policy();
@@ -727,11 +739,7 @@ fn a_model_summary_raises_resummarization_which_replaces_every_fallback() {
 fn a_resummarization_the_model_cannot_do_gives_up_until_a_newer_model_summary() {
     let p = policy();
     let mut t = FoldTest::new(p);
-    let next = with_fallbacks(&mut t, "c");
-    let (_, next) = t.until_job("c", next, T0 + 1_000_000);
-    let decisions = t.run_job("c", true);
-    let job = jobs(&decisions).pop().expect("a re-summarization job");
-    assert_eq!(job.reason, DebtReason::Resummarize);
+    let (_, next) = with_resummarization_job(&mut t, "c");
     let fallbacks = fallbacks_in_context(&t.state, "c");
     assert!(!fallbacks.is_empty());
 
@@ -997,11 +1005,7 @@ fn a_condensed_summary_of_depth_zero_is_rejected() {
 fn a_threshold_trigger_takes_over_a_pending_resummarization() {
     let p = policy();
     let mut t = FoldTest::new(p);
-    let next = with_fallbacks(&mut t, "c");
-    let (_, next) = t.until_job("c", next, T0 + 1_000_000);
-    let decisions = t.run_job("c", true);
-    let job = jobs(&decisions).pop().expect("a re-summarization job");
-    assert_eq!(job.reason, DebtReason::Resummarize);
+    let (job, next) = with_resummarization_job(&mut t, "c");
     let cycle = t.state.conversations["c"].cycle;
     // Turns arrive while it runs (before it could expire), until
     // compaction is owed again.
@@ -1044,11 +1048,9 @@ fn a_trigger_with_nothing_to_compact_leaves_a_resummarization_alone() {
         ..policy()
     };
     let mut t = FoldTest::new(p.clone());
-    let next = with_fallbacks(&mut t, "c");
-    let (_, next) = t.until_job("c", next, T0 + 1_000_000);
-    let decisions = t.run_job("c", true);
-    let job = jobs(&decisions).pop().expect("a re-summarization job");
-    // The model failed again: backoff, the debt stays.
+    let (job, next) = with_resummarization_job(&mut t, "c");
+    // Its worker vanished: the job expires before its end arrives (a
+    // round without progress, backoff; the debt stays).
     let failed = ended(&job, 0, SweepStop::NoProgress);
     t.fold(&event(failed, "c", T0 + 2_000_000));
     // Everything raw is fresh tail and nothing condenses: over the
