@@ -7,6 +7,10 @@
 use super::*;
 use crate::core::derived_id::DerivedId;
 
+/// Rounds in a row without progress after which a re-summarization debt
+/// is given up until newer evidence ([`FoldContext::resummary_made_no_progress`]).
+pub(crate) const RESUMMARY_ROUNDS: u32 = 3;
+
 impl FoldContext<'_> {
     pub(super) fn provider_error(&mut self, e: &ProviderErrorObserved) -> FoldStatus {
         let verdict = overflow::classify(&e.error);
@@ -228,18 +232,24 @@ impl FoldContext<'_> {
     }
 
     /// A re-summarization round ended without progress (not told to retry
-    /// later): its model summaries failed or were rejected. Re-summarizing
-    /// is opportunistic, and another round would meet the same sources and
-    /// the same model, and spend on them, without an end: the debt is
-    /// cleared and the fallbacks stay until a newer model summary is
-    /// recorded ([`FoldContext::maybe_owe_resummary`]).
-    pub(super) fn give_up_resummary(&mut self) {
+    /// later): its model summaries failed or were rejected. A failure may
+    /// pass, so the debt waits out the backoff and tries again; after
+    /// [`RESUMMARY_ROUNDS`] such rounds in a row, another would meet the
+    /// same sources and the same model, and spend on them, without an end
+    /// (re-summarizing is opportunistic): the debt is cleared and the
+    /// fallbacks stay until a newer model summary is recorded
+    /// ([`FoldContext::maybe_owe_resummary`]).
+    pub(super) fn resummary_made_no_progress(&mut self) {
+        let rounds = self.conv.spend.rounds_without_progress;
+        if rounds < RESUMMARY_ROUNDS {
+            return;
+        }
         self.conv.resummary_given_up_at = Some(self.conv.summaries.len() as u64);
         let fallbacks = self.conv.fallback_summaries_in_context().count();
         self.clear_debt(format!(
-            "re-summarization made no progress (the model's summaries failed or were \
-             rejected); {fallbacks} fallback summaries stay in context until a newer model \
-             summary is recorded"
+            "re-summarization made no progress in {rounds} rounds (the model's summaries \
+             failed or were rejected); {fallbacks} fallback summaries stay in context until a \
+             newer model summary is recorded"
         ));
     }
 

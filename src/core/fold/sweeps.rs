@@ -80,7 +80,7 @@ impl FoldContext<'_> {
                 .as_ref()
                 .is_some_and(|d| d.reason == DebtReason::Resummarize);
         if resummarizing && !progress && s.retry_after_ms.is_none() {
-            self.give_up_resummary();
+            self.resummary_made_no_progress();
         }
         if !progress
             && s.committed == 0

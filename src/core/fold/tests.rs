@@ -743,9 +743,32 @@ fn a_resummarization_the_model_cannot_do_gives_up_until_a_newer_model_summary() 
     let fallbacks = fallbacks_in_context(&t.state, "c");
     assert!(!fallbacks.is_empty());
 
-    // The model fails every re-summary (rejected, or erring): the round
-    // ends without progress, and the debt with it.
-    let decisions = t.run_job("c", false);
+    // The model fails every re-summary (rejected, or erring): a round
+    // without progress backs off and tries again (a failure may pass),
+    // until RESUMMARY_ROUNDS of them in a row end the debt.
+    let mut decisions = t.run_job("c", false);
+    for round in 2..=debt::RESUMMARY_ROUNDS {
+        let conv = t.conversation("c");
+        assert_eq!(
+            conv.debt.as_ref().map(|d| d.reason),
+            Some(DebtReason::Resummarize),
+            "kept after {} rounds",
+            round - 1
+        );
+        // The next event after the backoff issues the next round.
+        let tick = Envelope::new(
+            format!("tick-{round}"),
+            "c",
+            conv.spend.backoff_until + 1,
+            EventBody::ModelDeclared(ModelDeclared {
+                model: "gpt-4o".into(),
+                context_window: None,
+            }),
+        );
+        let job = jobs(&t.fold(&tick).decisions).pop().expect("another round");
+        assert_eq!(job.reason, DebtReason::Resummarize);
+        decisions = t.run_job("c", false);
+    }
     assert!(
         decisions.iter().any(|d| matches!(
             &d.body,
@@ -759,7 +782,7 @@ fn a_resummarization_the_model_cannot_do_gives_up_until_a_newer_model_summary() 
 
     // Nothing new to go on: later events, long after any backoff, owe no
     // re-summarization and issue no job (it used to come back for ever).
-    let later = T0 + 100_000_000;
+    let later = conv.spend.backoff_until + 100_000_000;
     for i in next..next + 2 {
         let out = t.fold(&turn("c", i, later + i));
         assert!(jobs(&out.decisions).is_empty(), "{:?}", out.decisions);
