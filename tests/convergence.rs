@@ -11,7 +11,8 @@
 //! waiting without an end, within a bounded wall time.
 //!
 //! The default run is the cases CI can afford (the headline backfill, each
-//! failure mode once, the many-conversation case); `CONTEXTFOLD_CONVERGENCE
+//! failure mode once, a model that cannot replace a fallback, the
+//! many-conversation case); `CONTEXTFOLD_CONVERGENCE
 //! =full` runs every long transcript in every mode. Each case prints one
 //! row of the table: transcript, publishing, model, conversations, the
 //! largest final context over its threshold, summaries, seconds to
@@ -655,6 +656,31 @@ async fn a_backfilled_session_is_compacted_without_a_model() {
     assert!(out.summaries > 0);
     assert_eq!(out.fallbacks, 0, "without a model nothing is a fallback");
     assert!(out.worst_share <= 1.0);
+}
+
+/// The same session with a model whose summaries the checks reject for
+/// one span (its fallback stays): the re-summarization of that fallback
+/// is rejected every round. Before, the debt came back after each backoff
+/// for ever (40 jobs, two model calls each, in 300 s, never converged);
+/// now three barren rounds end it until a newer model summary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_that_cannot_replace_a_fallback_stops_trying() {
+    let out = run_case(
+        Case {
+            transcripts: &[Transcript::Pi],
+            publish: Publish::AtOnce,
+            mode: Mode::Model,
+            window: BIG,
+        },
+        Duration::from_secs(120),
+    )
+    .await;
+    assert!(out.summaries > out.fallbacks, "the model writes summaries");
+    assert!(
+        out.rounds_without_progress <= 3,
+        "{} barren rounds",
+        out.rounds_without_progress
+    );
 }
 
 /// A kill -9 after a batch's job decisions were stored and before its
