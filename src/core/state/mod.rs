@@ -477,11 +477,12 @@ pub struct Conversation {
     pub duplicates_dropped: u64,
     pub stale_summaries: u64,
     pub last_overflow_tokens: Option<u64>,
-    /// How many summaries the conversation had when a re-summarization
-    /// round ended without progress (the model's summaries failed or were
-    /// rejected): none is owed again until a newer model summary is
-    /// recorded, the next evidence that a model can do better. Skipped when
-    /// absent, so other states hash and store as before.
+    /// How many summaries the conversation had when its re-summarization
+    /// was given up (rounds in a row without progress: the model's
+    /// summaries failed or were rejected, `fold::debt::RESUMMARY_ROUNDS`):
+    /// none is owed again until a newer model summary is recorded, the
+    /// next evidence that a model can do better. Skipped when absent, so
+    /// other states hash and store as before.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resummary_given_up_at: Option<u64>,
     #[serde(skip)]
