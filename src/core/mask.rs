@@ -91,10 +91,12 @@ pub fn masked_told(msg: &ChatMessage, seq: u64, telling: Option<&str>) -> Option
 /// does not name the turn, unlike a tool result's stub, so it may be
 /// rendered (and counted) ahead of the fold (`core::measure`).
 pub fn masked_calls(msg: &ChatMessage) -> Option<ChatMessage> {
-    let maskable = maskable(msg.role, msg.text_bytes(), !msg.tool_calls.is_empty());
-    (msg.role == Role::Assistant && maskable)
-        .then(|| elided_calls(msg))
-        .flatten()
+    if msg.role != Role::Assistant
+        || !maskable(msg.role, msg.text_bytes(), !msg.tool_calls.is_empty())
+    {
+        return None;
+    }
+    elided_calls(msg)
 }
 
 /// `msg` with its calls' long arguments elided, once [`maskable`] said so.
