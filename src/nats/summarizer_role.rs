@@ -521,9 +521,10 @@ impl<S: Summarizer + 'static> SummarizerRole<S> {
         });
         let mut sweep = Box::pin(sweep);
         let mut pending: Vec<PublishAckFuture> = Vec::new();
-        let mut publish_error: Option<PublishFailure> = None;
-        // Everything sent, to send again if the stream missed some.
-        let mut sent: Vec<Envelope> = Vec::new();
+        // Every result, in order: what the stream has not confirmed goes
+        // out again from here.
+        let mut results: Vec<Envelope> = Vec::new();
+        let mut all_sent = true;
         let mut progress = tokio::time::interval(self.settings.progress_every);
         progress.tick().await;
         let mut grace: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
@@ -533,9 +534,9 @@ impl<S: Summarizer + 'static> SummarizerRole<S> {
                 Some(e) = rx.recv() => {
                     match self.publisher.event(Origin::Service, &e).await {
                         Ok(ack) => pending.push(ack),
-                        Err(err) => publish_error = Some(err),
+                        Err(_) => all_sent = false,
                     }
-                    sent.push(e);
+                    results.push(e);
                 }
                 _ = progress.tick() => {
                     if message.ack_with(AckKind::Progress).await.is_ok() {
@@ -566,24 +567,20 @@ impl<S: Summarizer + 'static> SummarizerRole<S> {
         };
         drop(sweep);
         drop(tx);
-        while let Some(e) = rx.recv().await {
-            match self.publisher.event(Origin::Service, &e).await {
-                Ok(ack) => pending.push(ack),
-                Err(err) => publish_error = Some(err),
-            }
-            sent.push(e);
-        }
+        let streamed = results.len();
+        results.extend(std::iter::from_fn(|| rx.try_recv().ok()));
         for ack in pending {
-            if let Err(e) = publish::stored("a job's result", ack).await {
-                publish_error = Some(e);
-            }
+            all_sent &= publish::stored("a job's result", ack).await.is_ok();
         }
+        // The results not yet out, or all of them when the stream missed
+        // one (the server's duplicate window and the fold drop the rest).
         let unstored = |e: PublishFailure| {
             // Not acknowledged: run again; what was stored is deduplicated.
             Unrunnable::Bad(format!("publishing the results failed: {e}"))
         };
-        if publish_error.is_some() {
-            self.patiently(message, shutdown, || self.store(&sent))
+        let rest = &results[if all_sent { streamed } else { 0 }..];
+        if !rest.is_empty() {
+            self.patiently(message, shutdown, || self.store(rest))
                 .await
                 .map_err(unstored)?;
         }
