@@ -8,9 +8,8 @@ use clap::Parser;
 /// on its measuring thread and frees them on the fold's, and the folder
 /// allocates and frees every message; on the real-transcript fleet `run`
 /// needs ~11% less CPU with it (`docs/notes/issue-26.md`, fifth pass) for
-/// ~8% more peak RSS (mimalloc was as fast but held ~38% more). Under it,
-/// `run` frees dropped readings where they are dropped: handing them back
-/// to the measuring thread, which glibc needed, no longer gained anything.
+/// ~8% more peak RSS (mimalloc was as fast but held ~38% more), and frees
+/// on one thread what another allocated without waiting on its arena.
 #[cfg(not(target_env = "msvc"))]
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
