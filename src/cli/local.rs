@@ -488,63 +488,57 @@ struct MeasuredChunk {
     dropped: usize,
 }
 
-/// `run`'s input, read and measured on its own thread one chunk ahead of
-/// the fold: asked for the next chunk, it hands over the one it has ready
-/// and starts on the following. One thread for the whole run, not a pool
-/// thread per chunk: each thread that allocates gets its own malloc arena,
-/// and a chunk's records are freed on the fold's thread long after.
+/// `run`'s input, read and measured on its own thread ahead of the fold:
+/// it measures the next chunk while the fold works on one, and one more
+/// while a chunk waits, so a chunk that is slow to fold (a burst of drafts)
+/// or slow to measure does not idle the other thread. One thread for the
+/// whole run, not a pool thread per chunk: each thread that allocates gets
+/// its own malloc arena, and a chunk's records are freed on the fold's
+/// thread long after.
 struct InputAhead {
-    ask: std::sync::mpsc::Sender<()>,
     ready: tokio::sync::mpsc::Receiver<Result<Option<MeasuredChunk>>>,
 }
 
 impl InputAhead {
     fn start(mut input: InputRecords, mut measurer: Measurer, batch: usize) -> Result<InputAhead> {
-        let (ask, asked) = std::sync::mpsc::channel::<()>();
+        // One chunk waiting; the thread blocks with the next one measured.
         let (send, ready) = tokio::sync::mpsc::channel(1);
         std::thread::Builder::new()
             .name("measure".into())
-            .spawn(move || {
-                // Ends when the fold stops asking (it finished or failed).
-                while asked.recv().is_ok() {
-                    let chunk = input
-                        .by_ref()
-                        .take(batch.max(1))
-                        .collect::<Result<Vec<Input>>>()
-                        .map(|chunk| {
-                            (!chunk.is_empty()).then(|| {
-                                let (records, dropped) = drop_unstorable(chunk);
-                                let measures = measurer.measure(&records);
-                                MeasuredChunk {
-                                    records,
-                                    measures,
-                                    dropped,
-                                }
-                            })
-                        });
-                    if send.blocking_send(chunk).is_err() {
-                        break;
-                    }
+            .spawn(move || loop {
+                let chunk = input
+                    .by_ref()
+                    .take(batch.max(1))
+                    .collect::<Result<Vec<Input>>>()
+                    .map(|chunk| {
+                        (!chunk.is_empty()).then(|| {
+                            let (records, dropped) = drop_unstorable(chunk);
+                            let measures = measurer.measure(&records);
+                            MeasuredChunk {
+                                records,
+                                measures,
+                                dropped,
+                            }
+                        })
+                    });
+                let last = !matches!(chunk, Ok(Some(_)));
+                // Ends at the input's end or error, or when the fold stops
+                // taking chunks (it finished or failed).
+                if send.blocking_send(chunk).is_err() || last {
+                    break;
                 }
             })
             .context("starting the measuring thread")?;
-        // The first chunk is read at once.
-        let _ = ask.send(());
-        Ok(InputAhead { ask, ready })
+        Ok(InputAhead { ready })
     }
 
-    /// The next chunk (`None` at the input's end); the one after it is
+    /// The next chunk (`None` at the input's end); the ones after it are
     /// read while the caller folds this one.
     async fn next(&mut self) -> Result<Option<MeasuredChunk>> {
-        let chunk = self
-            .ready
+        self.ready
             .recv()
             .await
-            .context("the measuring thread stopped")??;
-        if chunk.is_some() {
-            let _ = self.ask.send(());
-        }
-        Ok(chunk)
+            .context("the measuring thread stopped")?
     }
 }
 
