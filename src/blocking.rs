@@ -7,11 +7,35 @@
 //! token count by token count) must not run on them: it once held both
 //! workers for 1.6 s while four summarizer jobs ran, the renewals stalled,
 //! and a `serve` lost every partition it held in the middle of a burst.
+//!
+//! A task that has the runtime to itself and waits on each piece of such
+//! work anyway (the CLI's `run`: one fold, one draft at a time) runs it
+//! where it awaits it instead ([`inline_within`]): the hand-off to the pool
+//! and back, and the copy of the work's input it needs, cost more than
+//! they free (measured for `run` in `docs/notes/issue-26.md`).
+
+use std::future::Future;
+
+tokio::task_local! {
+    /// Set within [`inline_within`]: this task's blocking work runs inline.
+    static INLINE: ();
+}
+
+/// Runs `task` with the work it hands to [`run`] done in place, on the
+/// thread that polls it. Only for a task that is the only one its runtime
+/// runs, and waits on that work anyway: tasks it spawns do not inherit
+/// the choice (a task-local), so their work goes to the pool as before.
+pub async fn inline_within<F: Future>(task: F) -> F::Output {
+    INLINE.scope((), task).await
+}
 
 /// Runs `work` on the blocking pool and waits for it. A panic in it is a
 /// bug and is resumed here, as if it had run inline. `None` only when the
 /// runtime shut down before the pool started it.
 pub async fn run<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    if INLINE.try_with(|_| ()).is_ok() {
+        return Some(work());
+    }
     match tokio::task::spawn_blocking(work).await {
         Ok(done) => Some(done),
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
@@ -34,5 +58,29 @@ mod tests {
     #[should_panic(expected = "a bug")]
     async fn a_panic_in_the_work_is_resumed() {
         let _ = run(|| -> u8 { panic!("a bug") }).await;
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn within_an_inline_task_work_runs_on_its_thread_but_not_in_tasks_it_spawns() {
+        let caller = std::thread::current().id();
+        let (inline, spawned) = inline_within(async {
+            let inline = run(|| std::thread::current().id()).await;
+            let spawned = tokio::spawn(async { run(|| std::thread::current().id()).await })
+                .await
+                .unwrap();
+            (inline, spawned)
+        })
+        .await;
+        assert_eq!(inline, Some(caller));
+        assert!(spawned.is_some_and(|t| t != caller));
+        // And after the scope, off the thread again.
+        let after = run(|| std::thread::current().id()).await;
+        assert!(after.is_some_and(|t| t != caller));
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "a bug")]
+    async fn a_panic_in_inline_work_is_a_panic() {
+        let _ = inline_within(run(|| -> u8 { panic!("a bug") })).await;
     }
 }

@@ -551,7 +551,9 @@ pub fn run(
 ) -> Result<ExitCode> {
     let input = input_records(file, format)?;
     let rt = runtime()?;
-    rt.block_on(async {
+    // The fold is the runtime's one task, and it waits on each draft: the
+    // drafts are written on its thread (`blocking::inline_within`).
+    rt.block_on(contextfold::blocking::inline_within(async {
         let mut p = open_pipeline(config).await?;
         let started = Instant::now();
         let mut done = 0;
@@ -588,7 +590,7 @@ pub fn run(
             return Ok(ExitCode::FAILURE);
         }
         Ok(ExitCode::SUCCESS)
-    })
+    }))
 }
 
 pub(super) fn open_log(config: &Config) -> Result<SegmentLog> {
