@@ -662,7 +662,7 @@ async fn a_backfilled_session_is_compacted_without_a_model() {
 /// one span (its fallback stays): the re-summarization of that fallback
 /// is rejected every round. Before, the debt came back after each backoff
 /// for ever (40 jobs, two model calls each, in 300 s, never converged);
-/// now three barren rounds end it until a newer model summary.
+/// now `RESUMMARY_ROUNDS` barren rounds end it until a newer model summary.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_model_that_cannot_replace_a_fallback_stops_trying() {
     let out = run_case(
@@ -677,7 +677,7 @@ async fn a_model_that_cannot_replace_a_fallback_stops_trying() {
     .await;
     assert!(out.summaries > out.fallbacks, "the model writes summaries");
     assert!(
-        out.rounds_without_progress <= 3,
+        out.rounds_without_progress <= u64::from(contextfold::core::fold::RESUMMARY_ROUNDS),
         "{} barren rounds",
         out.rounds_without_progress
     );

@@ -9,7 +9,7 @@ use crate::core::derived_id::DerivedId;
 
 /// Rounds in a row without progress after which a re-summarization debt
 /// is given up until newer evidence ([`FoldContext::resummary_made_no_progress`]).
-pub(crate) const RESUMMARY_ROUNDS: u32 = 3;
+pub const RESUMMARY_ROUNDS: u32 = 3;
 
 impl FoldContext<'_> {
     pub(super) fn provider_error(&mut self, e: &ProviderErrorObserved) -> FoldStatus {

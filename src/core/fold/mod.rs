@@ -48,6 +48,7 @@ mod summaries;
 mod sweeps;
 mod turns;
 
+pub use debt::RESUMMARY_ROUNDS;
 pub use guards::guard_read;
 use guards::*;
 pub use rejection::{QuotaScope, Rejection, SummaryRejection, TurnRejection};
