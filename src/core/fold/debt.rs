@@ -7,8 +7,9 @@
 use super::*;
 use crate::core::derived_id::DerivedId;
 
-/// Rounds in a row without progress after which a re-summarization debt
-/// is given up until newer evidence ([`FoldContext::resummary_made_no_progress`]).
+/// Rounds in a row without progress (the model's re-summaries failed or
+/// were rejected) after which a re-summarization debt is cleared, and none
+/// is owed again until a newer model summary is recorded.
 pub const RESUMMARY_ROUNDS: u32 = 3;
 
 impl FoldContext<'_> {
