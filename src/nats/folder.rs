@@ -909,7 +909,7 @@ impl<B: KvBackend + 'static> FolderRole<B> {
                 &self.publisher.js,
                 &self.payloads,
                 &self.subjects,
-                snap.clone(),
+                snap,
                 self.settings.max_inline_job_bytes,
             )
             .await
@@ -927,7 +927,7 @@ impl<B: KvBackend + 'static> FolderRole<B> {
                 &self.publisher.js,
                 &self.payloads,
                 &self.subjects,
-                snap.clone(),
+                snap,
                 self.settings.max_inline_job_bytes,
             )
             .await

@@ -90,45 +90,102 @@ impl JobMessage {
     }
 }
 
+/// The bytes of an inline [`JobMessage`] around its snapshot's bytes: what
+/// `rmp_serde::to_vec_named` writes for `JobMessage { job_id, conversation,
+/// snapshot: Some(..), snapshot_object: None }` (a map of three named
+/// fields; the skipped `None` is not written), with the snapshot encoded
+/// once: its bytes were needed anyway to tell inline from stored.
+#[allow(clippy::expect_used)] // only a bug reaches the expect (see its message)
+fn inline_message(job_id: &str, conversation: &str, snapshot: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(snapshot.len() + job_id.len() + conversation.len() + 32);
+    let writing = "MessagePack into a Vec cannot fail";
+    rmp::encode::write_map_len(&mut out, 3).expect(writing);
+    for (field, value) in [("job_id", job_id), ("conversation", conversation)] {
+        rmp::encode::write_str(&mut out, field).expect(writing);
+        rmp::encode::write_str(&mut out, value).expect(writing);
+    }
+    rmp::encode::write_str(&mut out, "snapshot").expect(writing);
+    out.extend_from_slice(snapshot);
+    out
+}
+
 /// Publishes a job (storing a large snapshot first); returns the pending
 /// acknowledgement so several publishes can be in flight.
 pub async fn publish_job(
     js: &Context,
     payloads: &ObjectStore,
     subjects: &Subjects,
-    snapshot: SweepSnapshot,
+    snapshot: &SweepSnapshot,
     max_inline_bytes: usize,
 ) -> Result<PublishAckFuture, NatsError> {
-    let job_id = snapshot.job.job_id.clone();
-    let conversation = snapshot.conversation.clone();
-    let subject = subjects.job(&conversation)?;
-    let snapshot_bytes = encode(&snapshot);
+    let job_id = &snapshot.job.job_id;
+    let conversation = &snapshot.conversation;
+    let subject = subjects.job(conversation)?;
+    let snapshot_bytes = encode(snapshot);
     // The envelope around an inline snapshot adds the two strings and a
     // few field names.
     let inline_size = snapshot_bytes.len() + job_id.len() + conversation.len() + 64;
     let message = if inline_size <= max_inline_bytes {
-        JobMessage {
-            job_id: job_id.clone(),
-            conversation,
-            snapshot: Some(snapshot),
-            snapshot_object: None,
-        }
+        inline_message(job_id, conversation, &snapshot_bytes)
     } else {
-        let name = snapshot_object_name(&job_id);
+        let name = snapshot_object_name(job_id);
         // Same name, same content on a republish: overwriting is harmless.
         payloads
             .put(name.as_str(), &mut snapshot_bytes.as_slice())
             .await
             .map_err(|e| NatsError::js(format!("storing job snapshot {name}"), e))?;
-        JobMessage {
+        encode(&JobMessage {
             job_id: job_id.clone(),
-            conversation,
+            conversation: conversation.clone(),
             snapshot: None,
             snapshot_object: Some(name),
-        }
+        })
     };
-    Outbound::job(subject, &job_id, encode(&message))
+    Outbound::job(subject, job_id, message)
         .send(js)
         .await
         .map_err(|e| NatsError::js(format!("publishing job {job_id}"), e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::policy::PolicyConfig;
+    use crate::testing::fold_test::FoldTest;
+
+    fn a_snapshot() -> SweepSnapshot {
+        let policy = PolicyConfig {
+            default_context_window: 2_000,
+            ..PolicyConfig::default()
+        };
+        let mut t = FoldTest::new(policy.clone());
+        let (job, _) = t.until_job("a-conversation", 0, 1_700_000_000_000);
+        let Ok(snapshot) =
+            crate::core::sweep::snapshot(t.conversation("a-conversation"), &job, &policy)
+        else {
+            panic!("no snapshot of the job");
+        };
+        snapshot
+    }
+
+    #[test]
+    fn an_inline_job_is_the_message_serde_writes() {
+        let snapshot = a_snapshot();
+        assert!(!snapshot.items.is_empty());
+        let written = inline_message(
+            &snapshot.job.job_id,
+            &snapshot.conversation,
+            &encode(&snapshot),
+        );
+        let derived = encode(&JobMessage {
+            job_id: snapshot.job.job_id.clone(),
+            conversation: snapshot.conversation.clone(),
+            snapshot: Some(snapshot.clone()),
+            snapshot_object: None,
+        });
+        assert_eq!(written, derived);
+        let decoded = JobMessage::decode(&written).unwrap();
+        assert_eq!(decoded.snapshot.as_ref(), Some(&snapshot));
+        assert_eq!(decoded.snapshot_object, None);
+    }
 }
