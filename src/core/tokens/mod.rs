@@ -13,7 +13,7 @@
 
 mod pretokenizer;
 
-use crate::core::message::ChatMessage;
+use crate::core::message::{ChatMessage, Content};
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 use std::cell::RefCell;
@@ -197,7 +197,12 @@ pub fn count_text_tiktoken(encoding: Encoding, text: &str) -> u64 {
 
 /// Tokens a chat message costs in a prompt: text, tool calls, name, overhead.
 pub fn count_message(encoding: Encoding, message: &ChatMessage) -> u64 {
-    let mut total = MESSAGE_OVERHEAD_TOKENS + count_text(encoding, &message.text_content());
+    // A text content is counted where it is, not copied first.
+    let text = match &message.content {
+        Some(Content::Text(t)) => count_text(encoding, t),
+        _ => count_text(encoding, &message.text_content()),
+    };
+    let mut total = MESSAGE_OVERHEAD_TOKENS + text;
     for call in &message.tool_calls {
         total += 3
             + count_text(encoding, &call.function.name)
