@@ -108,7 +108,8 @@ pub struct FolderSettings {
     pub batch: usize,
     /// Unacknowledged messages the server lets a folder have. Default 8192.
     pub max_ack_pending: i64,
-    /// Job snapshots above this go to the object store. Default 262144.
+    /// A job message with its snapshot above this many bytes carries the
+    /// snapshot in the object store instead. Default 262144.
     pub max_inline_job_bytes: usize,
     /// First delay before retrying after an error; doubles up to 5 s.
     pub retry_backoff: Duration,

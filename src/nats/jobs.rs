@@ -2,12 +2,12 @@
 //!
 //! The folder publishes one [`JobMessage`] per issued job, MessagePack with
 //! `Nats-Msg-Id` = the job id (a republished job is dropped by the server),
-//! carrying the [`SweepSnapshot`] a stateless summarizer needs. A snapshot
-//! larger than `max_inline_payload_bytes` goes to the object store under
-//! `jobs/<job id>` and the message carries its name instead; the
-//! summarizer deletes it when the job ends ([`JobMessage::discard_snapshot`]),
-//! and the bucket's `max_age` (`payload_max_age_ms`) removes what a crash
-//! left.
+//! carrying the [`SweepSnapshot`] a stateless summarizer needs. When that
+//! message would be larger than `max_inline_payload_bytes`, the snapshot
+//! goes to the object store under `jobs/<job id>` and the message carries
+//! its name instead; the summarizer deletes it when the job ends
+//! ([`JobMessage::discard_snapshot`]), and the bucket's `max_age`
+//! (`payload_max_age_ms`) removes what a crash left.
 
 use crate::core::sweep::SweepSnapshot;
 use crate::nats::publish::Outbound;
@@ -90,27 +90,19 @@ impl JobMessage {
     }
 }
 
-/// The bytes of an inline [`JobMessage`] around its snapshot's bytes: what
-/// `rmp_serde::to_vec_named` writes for `JobMessage { job_id, conversation,
-/// snapshot: Some(..), snapshot_object: None }` (a map of three named
-/// fields; the skipped `None` is not written), with the snapshot encoded
-/// once: its bytes were needed anyway to tell inline from stored.
-#[allow(clippy::expect_used)] // only a bug reaches the expect (see its message)
-fn inline_message(job_id: &str, conversation: &str, snapshot: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(snapshot.len() + job_id.len() + conversation.len() + 32);
-    let writing = "MessagePack into a Vec cannot fail";
-    rmp::encode::write_map_len(&mut out, 3).expect(writing);
-    for (field, value) in [("job_id", job_id), ("conversation", conversation)] {
-        rmp::encode::write_str(&mut out, field).expect(writing);
-        rmp::encode::write_str(&mut out, value).expect(writing);
-    }
-    rmp::encode::write_str(&mut out, "snapshot").expect(writing);
-    out.extend_from_slice(snapshot);
-    out
+/// A [`JobMessage`] carrying its snapshot, borrowed: it writes the same
+/// bytes (`an_inline_job_is_the_message_serde_writes`) without cloning the
+/// snapshot into an owned message first.
+#[derive(Serialize)]
+struct InlineJob<'a> {
+    job_id: &'a str,
+    conversation: &'a str,
+    snapshot: &'a SweepSnapshot,
 }
 
 /// Publishes a job (storing a large snapshot first); returns the pending
-/// acknowledgement so several publishes can be in flight.
+/// acknowledgement so several publishes can be in flight. The job travels
+/// with its snapshot when that message is at most `max_inline_bytes`.
 pub async fn publish_job(
     js: &Context,
     payloads: &ObjectStore,
@@ -121,17 +113,18 @@ pub async fn publish_job(
     let job_id = &snapshot.job.job_id;
     let conversation = &snapshot.conversation;
     let subject = subjects.job(conversation)?;
-    let snapshot_bytes = encode(snapshot);
-    // The envelope around an inline snapshot adds the two strings and a
-    // few field names.
-    let inline_size = snapshot_bytes.len() + job_id.len() + conversation.len() + 64;
-    let message = if inline_size <= max_inline_bytes {
-        inline_message(job_id, conversation, &snapshot_bytes)
+    let inline = encode(&InlineJob {
+        job_id,
+        conversation,
+        snapshot,
+    });
+    let message = if inline.len() <= max_inline_bytes {
+        inline
     } else {
         let name = snapshot_object_name(job_id);
         // Same name, same content on a republish: overwriting is harmless.
         payloads
-            .put(name.as_str(), &mut snapshot_bytes.as_slice())
+            .put(name.as_str(), &mut encode(snapshot).as_slice())
             .await
             .map_err(|e| NatsError::js(format!("storing job snapshot {name}"), e))?;
         encode(&JobMessage {
@@ -172,11 +165,11 @@ mod tests {
     fn an_inline_job_is_the_message_serde_writes() {
         let snapshot = a_snapshot();
         assert!(!snapshot.items.is_empty());
-        let written = inline_message(
-            &snapshot.job.job_id,
-            &snapshot.conversation,
-            &encode(&snapshot),
-        );
+        let written = encode(&InlineJob {
+            job_id: &snapshot.job.job_id,
+            conversation: &snapshot.conversation,
+            snapshot: &snapshot,
+        });
         let derived = encode(&JobMessage {
             job_id: snapshot.job.job_id.clone(),
             conversation: snapshot.conversation.clone(),

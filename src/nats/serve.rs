@@ -140,9 +140,9 @@ pub struct ServeOptions {
 
 impl ServeOptions {
     /// Defaults for everything but the NATS settings and data directory;
-    /// summarizer timing follows the job consumer of `nats`, and job
-    /// snapshots above `nats.max_inline_payload_bytes` go to the object
-    /// store.
+    /// summarizer timing follows the job consumer of `nats`, and a job
+    /// message that would be above `nats.max_inline_payload_bytes` with its
+    /// snapshot carries the snapshot in the object store instead.
     pub fn new(nats: NatsConfig, data_dir: impl Into<PathBuf>) -> Self {
         let summarizer = SummarizerSettings::from_config(&nats);
         let folder = FolderSettings {
