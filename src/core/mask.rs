@@ -50,10 +50,7 @@ pub fn output_to_mask(msg: &ChatMessage) -> Option<std::borrow::Cow<'_, str>> {
     if msg.role != Role::Tool || !maskable(msg.role, msg.text_bytes(), !msg.tool_calls.is_empty()) {
         return None;
     }
-    let text: std::borrow::Cow<'_, str> = match &msg.content {
-        Some(Content::Text(t)) => t.into(),
-        _ => msg.text_content().into(),
-    };
+    let text = msg.text_view();
     (text.len() >= MASK_MIN_BYTES).then_some(text)
 }
 

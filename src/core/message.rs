@@ -5,6 +5,7 @@
 //! kept so a turn is returned exactly as it was published.
 
 use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 /// Who spoke. Anything else is rejected with a clear reason when decoded.
@@ -107,9 +108,16 @@ impl ChatMessage {
     /// The message's text: the string content, or the text parts joined by
     /// newlines. Non-text parts contribute nothing.
     pub fn text_content(&self) -> String {
+        self.text_view().into_owned()
+    }
+
+    /// [`text_content`](Self::text_content) without a copy where the
+    /// content is one string (what a reader that only looks at it wants:
+    /// the token count of every turn, the masking of tool outputs).
+    pub fn text_view(&self) -> Cow<'_, str> {
         match &self.content {
-            None => String::new(),
-            Some(Content::Text(t)) => t.clone(),
+            None => Cow::Borrowed(""),
+            Some(Content::Text(t)) => Cow::Borrowed(t),
             Some(Content::Parts(parts)) => {
                 let mut out = String::new();
                 for p in parts {
@@ -120,7 +128,7 @@ impl ChatMessage {
                         out.push_str(t);
                     }
                 }
-                out
+                Cow::Owned(out)
             }
         }
     }
@@ -171,6 +179,21 @@ impl ChatMessage {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_text_view_borrows_one_string_and_joins_parts() {
+        let one = ChatMessage::text(Role::User, "one string");
+        assert!(matches!(one.text_view(), Cow::Borrowed("one string")));
+        let json = r#"{"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url","image_url":{"url":"https://x/y.png"}},{"type":"text","text":"b"}]}"#;
+        let parts: ChatMessage = serde_json::from_str(json).unwrap();
+        assert_eq!(parts.text_view(), "a\nb");
+        assert_eq!(parts.text_view(), parts.text_content());
+        let none = ChatMessage {
+            content: None,
+            ..one
+        };
+        assert_eq!(none.text_view(), "");
+    }
 
     #[test]
     fn parts_round_trip_keeps_unknown_fields() {

@@ -13,7 +13,7 @@
 
 mod pretokenizer;
 
-use crate::core::message::{ChatMessage, Content};
+use crate::core::message::ChatMessage;
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 use std::cell::RefCell;
@@ -197,12 +197,7 @@ pub fn count_text_tiktoken(encoding: Encoding, text: &str) -> u64 {
 
 /// Tokens a chat message costs in a prompt: text, tool calls, name, overhead.
 pub fn count_message(encoding: Encoding, message: &ChatMessage) -> u64 {
-    // A text content is counted where it is, not copied first.
-    let text = match &message.content {
-        Some(Content::Text(t)) => count_text(encoding, t),
-        _ => count_text(encoding, &message.text_content()),
-    };
-    let mut total = MESSAGE_OVERHEAD_TOKENS + text;
+    let mut total = MESSAGE_OVERHEAD_TOKENS + count_text(encoding, &message.text_view());
     for call in &message.tool_calls {
         total += 3
             + count_text(encoding, &call.function.name)
