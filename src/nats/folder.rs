@@ -26,7 +26,11 @@
 //!    acknowledges every earlier delivery too, so a delivery that never
 //!    arrived (lost in flight when a NATS node dies) must not be acked
 //!    past: the consumer numbers its deliveries, and a number skipped drops
-//!    the batch and starts again at step 2 from the committed position;
+//!    the batch and starts again at step 2 from the committed position. A
+//!    pull request lost with a NATS node (missed idle heartbeats, or no
+//!    consumer leader to answer) is sent again from the same consumer,
+//!    which is not recreated: recreating it during its election would
+//!    start the election over;
 //! 5. when no record comes and a conversation of the partition waits for a
 //!    time (a backoff's end, a job's expiry, a spend window reopening),
 //!    record a `clock_ticked` for the partition once that time has passed
@@ -84,6 +88,7 @@ use crate::nats::NatsError;
 use crate::runtime::engine::{Effects, Engine};
 use crate::store::{KvBackend, StoreError};
 use crate::telemetry;
+use async_nats::jetstream::consumer::pull::{self, MessagesErrorKind};
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::context::PublishAckFuture;
 use async_nats::jetstream::object_store::ObjectStore;
@@ -101,6 +106,40 @@ pub type EngineFactory<B> = Arc<dyn Fn(u32) -> Result<Engine<B>, StoreError> + S
 /// An engine shared between its folder task and readers (the API).
 pub type SharedEngine<B> = Arc<Mutex<Engine<B>>>;
 
+/// The longest delay between two retries of a failing partition.
+pub const MAX_RETRY_BACKOFF: Duration = Duration::from_secs(5);
+
+/// The delays between retries of a failing attempt: doubling from the
+/// first up to [`MAX_RETRY_BACKOFF`], and short again for a new failure.
+#[derive(Debug)]
+struct Backoff {
+    first: Duration,
+    next: Duration,
+}
+
+impl Backoff {
+    fn new(first: Duration) -> Self {
+        Backoff { first, next: first }
+    }
+
+    /// The delay before the next retry; each one doubles.
+    fn next_delay(&mut self) -> Duration {
+        let delay = self.next;
+        self.next = (delay * 2).min(MAX_RETRY_BACKOFF);
+        delay
+    }
+
+    /// The delay after an attempt that failed having run for `ran_for`: an
+    /// attempt that made progress, or ran longer than the longest delay,
+    /// failed anew, and its retries start short again.
+    fn after_attempt(&mut self, progressed: bool, ran_for: Duration) -> Duration {
+        if progressed || ran_for >= MAX_RETRY_BACKOFF {
+            self.next = self.first;
+        }
+        self.next_delay()
+    }
+}
+
 /// Tuning of the folder.
 #[derive(Debug, Clone)]
 pub struct FolderSettings {
@@ -111,7 +150,9 @@ pub struct FolderSettings {
     /// A job message with its snapshot above this many bytes carries the
     /// snapshot in the object store instead. Default 262144.
     pub max_inline_job_bytes: usize,
-    /// First delay before retrying after an error; doubles up to 5 s.
+    /// First delay before retrying after an error; doubles up to
+    /// [`MAX_RETRY_BACKOFF`], and starts again here once the partition
+    /// folds again.
     pub retry_backoff: Duration,
     /// Longest a batch waits, from its first message, for more while it
     /// is not full and the server reports more of the partition pending.
@@ -122,6 +163,17 @@ pub struct FolderSettings {
     /// (`CONTEXTFOLD_BENCH_GATHER_MS`) commits 100k events in about 390
     /// batches at 5 ms and about 150 at 50 ms.
     pub gather_wait: Duration,
+    /// How often the server confirms an idle partition's pull is alive.
+    /// Default 1 s. A pull request lives only on its consumer's leader and
+    /// the connection that sent it: when a NATS node dies holding either,
+    /// nothing is delivered and nothing says so. After two missed
+    /// heartbeats the folder pulls again from the same consumer (a consumer
+    /// electing a new leader is asked again every two periods, never
+    /// recreated), so a lost pull costs about twice this beyond the
+    /// consumer's election (the node-failure test in
+    /// `tests/nats_takeover.rs` bounds it). An idle partition costs the
+    /// server one small message per period.
+    pub pull_heartbeat: Duration,
     /// A test's fault point ([`Fault`]); `None` in service.
     pub fault: Option<Fault>,
 }
@@ -163,6 +215,7 @@ impl Default for FolderSettings {
             max_inline_job_bytes: 256 * 1024,
             retry_backoff: Duration::from_millis(200),
             gather_wait: Duration::from_millis(50),
+            pull_heartbeat: Duration::from_secs(1),
             fault: None,
         }
     }
@@ -461,19 +514,21 @@ impl<B: KvBackend + 'static> FolderRole<B> {
             "folder started"
         );
         let health: SharedHealth = Arc::new(Mutex::new(PartitionHealth::new(p)));
-        let mut backoff = self.settings.retry_backoff;
+        let mut backoff = Backoff::new(self.settings.retry_backoff);
         while carry_on(&lease, &mut shutdown).await {
+            let (started, from) = (std::time::Instant::now(), lock(&health).position);
             match self.fold_while_held(&lease, &health, &mut shutdown).await {
                 Ok(()) => break,
                 Err(e) => {
                     tracing::warn!(partition = p, error = %e, "folder error, retrying");
                     note_failure(&health, &e);
+                    let progressed = lock(&health).position != from;
+                    let delay = backoff.after_attempt(progressed, started.elapsed());
                     tokio::select! {
                         _ = lease.lost() => {}
                         _ = shutdown.changed() => {}
-                        _ = tokio::time::sleep(backoff) => {}
+                        _ = tokio::time::sleep(delay) => {}
                     }
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
                 }
             }
         }
@@ -519,6 +574,23 @@ impl<B: KvBackend + 'static> FolderRole<B> {
             .create_consumer(config)
             .await
             .map_err(|e| NatsError::js(format!("creating consumer {name}"), e))
+    }
+
+    /// A partition's pull: batches of `batch`, idle heartbeats every
+    /// `pull_heartbeat`.
+    async fn pull(
+        &self,
+        partition: u32,
+        consumer: &PullConsumer,
+        batch: usize,
+    ) -> Result<pull::Stream, NatsError> {
+        consumer
+            .stream()
+            .max_messages_per_batch(batch)
+            .heartbeat(self.settings.pull_heartbeat)
+            .messages()
+            .await
+            .map_err(|e| NatsError::js(format!("pulling partition {partition}"), e))
     }
 
     async fn fold_while_held(
@@ -594,14 +666,7 @@ impl<B: KvBackend + 'static> FolderRole<B> {
             h.catching_up = pending > 0;
         }
         let batch = self.settings.batch.max(1);
-        let messages = consumer
-            .stream()
-            .max_messages_per_batch(batch)
-            .heartbeat(Duration::from_secs(5))
-            .messages()
-            .await
-            .map_err(|e| NatsError::js(format!("pulling partition {p}"), e))?;
-        let mut messages = messages;
+        let mut messages = self.pull(p, &consumer, batch).await?;
         let mut ticks = TickPlan { last: None };
         // A new consumer numbers its deliveries from 1.
         let mut delivered = 0u64;
@@ -628,6 +693,30 @@ impl<B: KvBackend + 'static> FolderRole<B> {
                 }
                 m = messages.next() => m,
             };
+            if let Some(Err(e)) = &first {
+                // The pull request was lost (see
+                // `FolderSettings::pull_heartbeat`) or found no consumer
+                // leader, with everything received folded: pull again from
+                // the same consumer, which may be electing a leader (a
+                // delivery lost with the request shows as a gap in the
+                // delivery numbers). Recreating the consumer instead would
+                // start its election over.
+                let kind = e.kind();
+                if matches!(
+                    kind,
+                    MessagesErrorKind::MissingHeartbeat | MessagesErrorKind::NoResponders
+                ) {
+                    tracing::debug!(partition = p, error = %e, "pulling again");
+                    if kind == MessagesErrorKind::NoResponders {
+                        tokio::select! {
+                            _ = shutdown.changed() => return Ok(()),
+                            _ = tokio::time::sleep(self.settings.pull_heartbeat) => {}
+                        }
+                    }
+                    messages = self.pull(p, &consumer, batch).await?;
+                    continue;
+                }
+            }
             let mut msgs = Batch::new(&self.subjects, p, &mut delivered);
             msgs.push(pulled(p, first)?)?;
             let gathered = tokio::time::sleep(self.settings.gather_wait);
@@ -839,7 +928,7 @@ impl<B: KvBackend + 'static> FolderRole<B> {
             }
             return false;
         }
-        let mut backoff = self.settings.retry_backoff;
+        let mut backoff = Backoff::new(self.settings.retry_backoff);
         // Effects already stored, by index, so a retry sends only the rest.
         let mut done = Done::default();
         loop {
@@ -866,9 +955,8 @@ impl<B: KvBackend + 'static> FolderRole<B> {
                     }
                 }
                 _ = shutdown.changed() => return false,
-                _ = tokio::time::sleep(backoff) => {}
+                _ = tokio::time::sleep(backoff.next_delay()) => {}
             }
-            backoff = (backoff * 2).min(Duration::from_secs(5));
         }
     }
 
@@ -1155,5 +1243,36 @@ impl<'s> Batch<'s> {
         self.last_ack = Some(acker);
         self.pending = pending;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FIRST: Duration = Duration::from_millis(200);
+
+    #[test]
+    fn retries_double_up_to_the_longest_delay() {
+        let mut b = Backoff::new(FIRST);
+        let delays: Vec<u128> = (0..8).map(|_| b.next_delay().as_millis()).collect();
+        assert_eq!(delays, [200, 400, 800, 1600, 3200, 5000, 5000, 5000]);
+    }
+
+    #[test]
+    fn a_failure_after_progress_or_a_long_run_retries_short_again() {
+        let quick = Duration::from_millis(10);
+        let mut b = Backoff::new(FIRST);
+        for _ in 0..6 {
+            b.after_attempt(false, quick);
+        }
+        // Failing fast without progress: still the longest delay.
+        assert_eq!(b.after_attempt(false, quick), MAX_RETRY_BACKOFF);
+        // The partition folded again before it failed: a new failure.
+        assert_eq!(b.after_attempt(true, quick), FIRST);
+        assert_eq!(b.after_attempt(false, quick), FIRST * 2);
+        // Ran for longer than the longest delay without folding (an idle
+        // partition): a new failure too.
+        assert_eq!(b.after_attempt(false, MAX_RETRY_BACKOFF), FIRST);
     }
 }
