@@ -1336,6 +1336,41 @@ async fn a_delivery_lost_on_the_way_is_folded_all_the_same() {
     service.shutdown().await;
 }
 
+/// A folder consumer an operator deletes under a running serve is
+/// recreated at the partition's committed position, and the partition
+/// folds on: the pull ends with the server's notice (or, if that notice is
+/// lost, once its pulls go unanswered, `folder::UNANSWERED_PULLS`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_folder_consumer_deleted_under_a_running_serve_is_recreated() {
+    let server = NatsServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let policy = PolicyConfig::default();
+    let mut opts = options(&server.url(), dir.path(), &policy, "deleted");
+    opts.roles = "folder".parse::<Roles>().unwrap();
+    let service = start_alone(opts).await;
+    let (client, js, _) = client_for(&server.url()).await;
+    let key = "agent:deleted/one";
+    let all = turns(key, 0..5, 8);
+    raw_publish(&client, &all[..2]).await;
+    wait_until("2 turns folded", Duration::from_secs(20), || {
+        conversations(&service).get(key).map(|c| c.0) == Some(2)
+    })
+    .await;
+    let subjects = contextfold::nats::subjects::Subjects::new("cf").unwrap();
+    js.get_stream(subjects.events_stream())
+        .await
+        .unwrap()
+        .delete_consumer(&subjects.folder_consumer(partition_of(key)))
+        .await
+        .unwrap();
+    raw_publish(&client, &all[2..]).await;
+    wait_until("all 5 turns folded", Duration::from_secs(20), || {
+        conversations(&service).get(key).map(|c| c.0) == Some(5)
+    })
+    .await;
+    service.shutdown().await;
+}
+
 /// `publish` names its duplicates: a re-run's (the same bytes already
 /// stored) pass; an event whose message id another record holds (here one
 /// published first on the same conversation without credentials, as an

@@ -140,6 +140,12 @@ impl Backoff {
     }
 }
 
+/// Pulls a partition sends again in a row, for lost pull requests or a
+/// consumer without a leader (one every two pull heartbeats, or every one),
+/// before it takes the consumer for gone and recreates it: half a minute at
+/// the default heartbeat, longer than a NATS election.
+pub const UNANSWERED_PULLS: u32 = 30;
+
 /// Tuning of the folder.
 #[derive(Debug, Clone)]
 pub struct FolderSettings {
@@ -670,6 +676,8 @@ impl<B: KvBackend + 'static> FolderRole<B> {
         let mut ticks = TickPlan { last: None };
         // A new consumer numbers its deliveries from 1.
         let mut delivered = 0u64;
+        // Pulls sent again in a row without a delivery.
+        let mut unanswered = 0u32;
         loop {
             let tick_in = {
                 let e = lock(engine);
@@ -701,11 +709,17 @@ impl<B: KvBackend + 'static> FolderRole<B> {
                 // delivery lost with the request shows as a gap in the
                 // delivery numbers). Recreating the consumer instead would
                 // start its election over.
+                // A consumer that stays unanswered that long is gone (an
+                // operator deleted it while its deletion notice was lost):
+                // the error path recreates it.
                 let kind = e.kind();
-                if matches!(
-                    kind,
-                    MessagesErrorKind::MissingHeartbeat | MessagesErrorKind::NoResponders
-                ) {
+                unanswered += 1;
+                if unanswered <= UNANSWERED_PULLS
+                    && matches!(
+                        kind,
+                        MessagesErrorKind::MissingHeartbeat | MessagesErrorKind::NoResponders
+                    )
+                {
                     tracing::debug!(partition = p, error = %e, "pulling again");
                     if kind == MessagesErrorKind::NoResponders {
                         tokio::select! {
@@ -717,6 +731,7 @@ impl<B: KvBackend + 'static> FolderRole<B> {
                     continue;
                 }
             }
+            unanswered = 0;
             let mut msgs = Batch::new(&self.subjects, p, &mut delivered);
             msgs.push(pulled(p, first)?)?;
             let gathered = tokio::time::sleep(self.settings.gather_wait);
