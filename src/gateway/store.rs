@@ -21,7 +21,7 @@ use crate::api::{self, AssembleRequest, AssembleResponse};
 use crate::config::Config;
 use crate::core::assembly::{summary_message, Source};
 use crate::core::event::{Envelope, Origin, EMBEDDED_PARTITION_KEY};
-use crate::core::message::{ChatMessage, Content, Role};
+use crate::core::message::{ChatMessage, Role};
 use crate::core::state::{ContextItem, TurnBodies};
 use crate::core::tokens;
 use crate::gateway::spool::Spool;
@@ -757,14 +757,6 @@ async fn assemble_over_nats(
         .timeout(Some(ASSEMBLE_TIMEOUT));
     let reply = client.send_request(subject, request).await.ok()?;
     api::decode_reply::<AssembleResponse>(&reply.payload).ok()
-}
-
-/// The text of a message, for summaries rendered by the store.
-pub fn text_of(m: &ChatMessage) -> String {
-    match &m.content {
-        Some(Content::Text(t)) => t.clone(),
-        _ => m.text_content(),
-    }
 }
 
 /// A user turn holding the block (what a compaction answer is built from).
