@@ -140,10 +140,10 @@ impl Backoff {
     }
 }
 
-/// Pulls a partition sends again in a row, for lost pull requests or a
-/// consumer without a leader (one every two pull heartbeats, or every one),
-/// before it takes the consumer for gone and recreates it: half a minute at
-/// the default heartbeat, longer than a NATS election.
+/// Pulls a partition sends again in a row without a delivery (after two
+/// missed pull heartbeats, or one heartbeat after "no responders") before
+/// it takes the consumer for gone and recreates it: half a minute or more
+/// at the default heartbeat, longer than a NATS election.
 pub const UNANSWERED_PULLS: u32 = 30;
 
 /// Tuning of the folder.
@@ -709,9 +709,10 @@ impl<B: KvBackend + 'static> FolderRole<B> {
                 // delivery lost with the request shows as a gap in the
                 // delivery numbers). Recreating the consumer instead would
                 // start its election over.
-                // A consumer that stays unanswered that long is gone (an
-                // operator deleted it while its deletion notice was lost):
-                // the error path recreates it.
+                //
+                // A consumer unanswered for `UNANSWERED_PULLS` pulls is
+                // gone (an operator deleted it while the server's notice
+                // was lost): the error path recreates it.
                 let kind = e.kind();
                 unanswered += 1;
                 if unanswered <= UNANSWERED_PULLS
@@ -720,7 +721,11 @@ impl<B: KvBackend + 'static> FolderRole<B> {
                         MessagesErrorKind::MissingHeartbeat | MessagesErrorKind::NoResponders
                     )
                 {
-                    tracing::debug!(partition = p, error = %e, "pulling again");
+                    if unanswered == 1 {
+                        tracing::info!(partition = p, error = %e, "pull lost; pulling again");
+                    } else {
+                        tracing::debug!(partition = p, error = %e, "pulling again");
+                    }
                     if kind == MessagesErrorKind::NoResponders {
                         tokio::select! {
                             _ = shutdown.changed() => return Ok(()),
