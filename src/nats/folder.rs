@@ -174,9 +174,9 @@ pub struct FolderSettings {
     /// the connection that sent it: when a NATS node dies holding either,
     /// nothing is delivered and nothing says so. After two missed
     /// heartbeats the folder pulls again from the same consumer (a consumer
-    /// electing a new leader is asked again every two periods, never
-    /// recreated), so a lost pull costs about twice this beyond the
-    /// consumer's election (the node-failure test in
+    /// electing a new leader answers "no responders" and is asked again
+    /// every period, never recreated), so a lost pull costs about twice
+    /// this beyond the consumer's election (the node-failure test in
     /// `tests/nats_takeover.rs` bounds it). An idle partition costs the
     /// server one small message per period.
     pub pull_heartbeat: Duration,
