@@ -1278,6 +1278,14 @@ async fn recall_over_nats_asks_the_model_and_counts_its_spend() {
     child.kill().await.unwrap();
 }
 
+/// A serve process with the folder role only, default policy.
+async fn a_folder_alone(server: &NatsServer, dir: &Path, name: &str) -> Service {
+    let policy = PolicyConfig::default();
+    let mut opts = options(&server.url(), dir, &policy, name);
+    opts.roles = "folder".parse::<Roles>().unwrap();
+    start_alone(opts).await
+}
+
 /// A delivery the folder never receives (here taken by another client
 /// pulling from the folder's own consumer, as a message lost in flight when
 /// a NATS node dies) is not acknowledged past by the folder's ack-all: the
@@ -1287,10 +1295,7 @@ async fn recall_over_nats_asks_the_model_and_counts_its_spend() {
 async fn a_delivery_lost_on_the_way_is_folded_all_the_same() {
     let server = NatsServer::start();
     let dir = tempfile::tempdir().unwrap();
-    let policy = PolicyConfig::default();
-    let mut opts = options(&server.url(), dir.path(), &policy, "gap");
-    opts.roles = "folder".parse::<Roles>().unwrap();
-    let service = start_alone(opts).await;
+    let service = a_folder_alone(&server, dir.path(), "gap").await;
     let (client, _, _) = client_for(&server.url()).await;
     let key = "agent:gap/one";
     raw_publish(&client, &turns(key, 0..2, 8)).await;
@@ -1338,16 +1343,14 @@ async fn a_delivery_lost_on_the_way_is_folded_all_the_same() {
 
 /// A folder consumer an operator deletes under a running serve is
 /// recreated at the partition's committed position, and the partition
-/// folds on: the pull ends with the server's notice (or, if that notice is
-/// lost, once its pulls go unanswered, `folder::UNANSWERED_PULLS`).
+/// folds on: the server's deletion notice ends the pull and the folder
+/// recreates the consumer (taking that notice for a lost pull, and pulling
+/// again, fails this test).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_folder_consumer_deleted_under_a_running_serve_is_recreated() {
     let server = NatsServer::start();
     let dir = tempfile::tempdir().unwrap();
-    let policy = PolicyConfig::default();
-    let mut opts = options(&server.url(), dir.path(), &policy, "deleted");
-    opts.roles = "folder".parse::<Roles>().unwrap();
-    let service = start_alone(opts).await;
+    let service = a_folder_alone(&server, dir.path(), "deleted").await;
     let (client, js, _) = client_for(&server.url()).await;
     let key = "agent:deleted/one";
     let all = turns(key, 0..5, 8);
