@@ -82,6 +82,7 @@ use crate::nats::event_log::encoding_of;
 use crate::nats::jobs::publish_job;
 use crate::nats::leases::{Lease, LeaseEvent};
 use crate::nats::publish::{stored, DeadLetterMessage, PublishFailure, Publisher};
+use crate::nats::retry::Backoff;
 use crate::nats::setup::{folder_consumer_config, Infrastructure};
 use crate::nats::subjects::Subjects;
 use crate::nats::NatsError;
@@ -106,40 +107,6 @@ pub type EngineFactory<B> = Arc<dyn Fn(u32) -> Result<Engine<B>, StoreError> + S
 /// An engine shared between its folder task and readers (the API).
 pub type SharedEngine<B> = Arc<Mutex<Engine<B>>>;
 
-/// The longest delay between two retries of a failing partition.
-pub const MAX_RETRY_BACKOFF: Duration = Duration::from_secs(5);
-
-/// The delays between retries of a failing attempt: doubling from the
-/// first up to [`MAX_RETRY_BACKOFF`], and short again for a new failure.
-#[derive(Debug)]
-struct Backoff {
-    first: Duration,
-    next: Duration,
-}
-
-impl Backoff {
-    fn new(first: Duration) -> Self {
-        Backoff { first, next: first }
-    }
-
-    /// The delay before the next retry; each one doubles.
-    fn next_delay(&mut self) -> Duration {
-        let delay = self.next;
-        self.next = (delay * 2).min(MAX_RETRY_BACKOFF);
-        delay
-    }
-
-    /// The delay after an attempt that failed having run for `ran_for`: an
-    /// attempt that made progress, or ran longer than the longest delay,
-    /// failed anew, and its retries start short again.
-    fn after_attempt(&mut self, progressed: bool, ran_for: Duration) -> Duration {
-        if progressed || ran_for >= MAX_RETRY_BACKOFF {
-            self.next = self.first;
-        }
-        self.next_delay()
-    }
-}
-
 /// Pulls a partition sends again in a row without a delivery (after two
 /// missed pull heartbeats, or one heartbeat after "no responders") before
 /// it takes the consumer for gone and recreates it: half a minute or more
@@ -157,8 +124,8 @@ pub struct FolderSettings {
     /// snapshot in the object store instead. Default 262144.
     pub max_inline_job_bytes: usize,
     /// First delay before retrying after an error; doubles up to
-    /// [`MAX_RETRY_BACKOFF`], and starts again here once the partition
-    /// folds again.
+    /// [`MAX_RETRY_BACKOFF`](crate::nats::retry::MAX_RETRY_BACKOFF), and
+    /// starts again here once the partition folds again.
     pub retry_backoff: Duration,
     /// Longest a batch waits, from its first message, for more while it
     /// is not full and the server reports more of the partition pending.
@@ -1263,36 +1230,5 @@ impl<'s> Batch<'s> {
         self.last_ack = Some(acker);
         self.pending = pending;
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const FIRST: Duration = Duration::from_millis(200);
-
-    #[test]
-    fn retries_double_up_to_the_longest_delay() {
-        let mut b = Backoff::new(FIRST);
-        let delays: Vec<u128> = (0..8).map(|_| b.next_delay().as_millis()).collect();
-        assert_eq!(delays, [200, 400, 800, 1600, 3200, 5000, 5000, 5000]);
-    }
-
-    #[test]
-    fn a_failure_after_progress_or_a_long_run_retries_short_again() {
-        let quick = Duration::from_millis(10);
-        let mut b = Backoff::new(FIRST);
-        for _ in 0..6 {
-            b.after_attempt(false, quick);
-        }
-        // Failing fast without progress: still the longest delay.
-        assert_eq!(b.after_attempt(false, quick), MAX_RETRY_BACKOFF);
-        // The partition folded again before it failed: a new failure.
-        assert_eq!(b.after_attempt(true, quick), FIRST);
-        assert_eq!(b.after_attempt(false, quick), FIRST * 2);
-        // Ran for longer than the longest delay without folding (an idle
-        // partition): a new failure too.
-        assert_eq!(b.after_attempt(false, MAX_RETRY_BACKOFF), FIRST);
     }
 }

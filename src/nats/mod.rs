@@ -26,6 +26,7 @@ pub mod leases;
 pub mod msg_id;
 pub mod publish;
 pub mod replies;
+pub mod retry;
 pub mod serve;
 pub mod setup;
 pub mod subjects;

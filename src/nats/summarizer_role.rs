@@ -47,6 +47,7 @@ use crate::core::derived_id::DerivedId;
 use crate::core::event::{Envelope, EventBody, Origin, SweepEnded, SweepStop};
 use crate::nats::jobs::JobMessage;
 use crate::nats::publish::{self, PublishFailure, Publisher};
+use crate::nats::retry::Backoff;
 use crate::nats::setup::Infrastructure;
 use crate::nats::subjects::Subjects;
 use crate::nats::NatsError;
@@ -87,7 +88,9 @@ pub struct SummarizerSettings {
     /// On shutdown, how long a job in flight may still run before it is
     /// handed back (NAK without delay). Default 10 s.
     pub shutdown_grace: Duration,
-    /// First delay before retrying after an error; doubles up to 5 s.
+    /// First delay before retrying after an error; doubles up to
+    /// [`MAX_RETRY_BACKOFF`](crate::nats::retry::MAX_RETRY_BACKOFF), and
+    /// starts again here after a job.
     pub retry_backoff: Duration,
     /// How long a worker keeps publishing a job's results (or its dead
     /// letter) again while the stream cannot store them, before it hands
@@ -325,11 +328,11 @@ impl<S: Summarizer + 'static> SummarizerRole<S> {
 
     async fn worker(self, index: usize, mut shutdown: watch::Receiver<bool>) {
         tracing::debug!(worker = index, "summarizer worker started");
-        let mut backoff = self.settings.retry_backoff;
+        let mut backoff = Backoff::new(self.settings.retry_backoff);
         while !stopping(&shutdown) {
             match self.next_job().await {
                 Ok(Some(message)) => {
-                    backoff = self.settings.retry_backoff;
+                    backoff.reset();
                     let span = tracing::info_span!(
                         "summarizer_job",
                         stream_seq = message.info().map_or(0, |i| i.stream_sequence),
@@ -344,9 +347,8 @@ impl<S: Summarizer + 'static> SummarizerRole<S> {
                     tracing::warn!(worker = index, "pulling a job failed, retrying: {e}");
                     tokio::select! {
                         _ = shutdown.changed() => {}
-                        _ = tokio::time::sleep(backoff) => {}
+                        _ = tokio::time::sleep(backoff.next_delay()) => {}
                     }
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
                 }
             }
         }
