@@ -131,32 +131,37 @@ fn result_stub(msg: &ChatMessage, text: &str, line: &str, seq: u64) -> String {
 /// failure or a test count first, then a milestone (a commit, a closed
 /// task, a push), else the first line with some letters in it.
 pub fn telling_line(text: &str) -> String {
-    use crate::core::fallback_summary::{has_alphanumerics, is_listing_line, lines_with_hits};
-    let head = crate::core::fallback_summary::prefix_bytes(text, 20_000);
-    // The lines with some letters, each with whether `screen` matched in it.
-    let lines = |screen: &'static regex::Regex| {
-        lines_with_hits(head, screen)
-            .map(|(line, hit)| (line.trim(), hit))
-            .filter(|(line, _)| has_alphanumerics(line, 3))
-    };
-    // Each pattern runs only on lines its screen finds a word of, from one
-    // search of the whole head (see `fallback_summary::signals::screened`):
-    // the fold masks every long tool output as it arrives, and most of
-    // their lines hold none.
+    use crate::core::fallback_summary::{has_alphanumerics, is_listing_line, Lowered};
+    let text = crate::core::fallback_summary::prefix_bytes(text, 20_000);
+    let head = Lowered::new(text);
+    // The lines with some letters that a screen found a word of, from one
+    // search of the whole head (see `fallback_summary::Lowered`): the fold
+    // masks every long tool output as it arrives, and most of their lines
+    // hold none. Each pattern runs only on those lines.
     let error_screen = regex!(
-        r"(?i-u:error|exception|traceback|fail|fatal|panicked|denied|not found|no such file|cannot|could not|unable to|exit code)|[\x{17F}\x{212A}]"
+        r"error|exception|traceback|fail|fatal|panicked|denied|not found|no such file|cannot|could not|unable to|exit code|[\x{17F}\x{212A}]"
     );
+    let mut errors = head
+        .lines_with_hits(error_screen)
+        .map(|(line, hit)| (line.trim(), hit));
+    // A milestone's words; its two shapes without one (`[main 1a2b3c4]`
+    // at the line's start, `1a2b3c4..5d6e7f8`) are looked for in the line:
+    // `[` and `..` as literals of the screen would hit half the lines of
+    // code and data.
     let milestone_screen = regex!(
-        r"(?i-u:pass|run|0 failures|closed|committed|merged|pushed|created|successfully)|[\x{17F}\x{212A}]|\[|\.\."
+        r"pass|run|0 failures|closed|committed|merged|pushed|created|successfully|[\x{17F}\x{212A}]"
     );
-    let pick = lines(error_screen)
-        .find(|&(l, hit)| hit && telling_error().is_match(l) && !is_listing_line(l))
-        .or_else(|| {
-            lines(milestone_screen).find(|&(l, hit)| hit && telling_milestone().is_match(l))
-        })
+    let mut milestones = head.lines_with_hits(milestone_screen).map(|(line, hit)| {
+        let line = line.trim();
+        (line, hit || line.starts_with('[') || line.contains(".."))
+    });
+    let worded = |line: &str, hit: bool| hit && has_alphanumerics(line, 3);
+    let pick = errors
+        .find(|&(l, hit)| worded(l, hit) && telling_error().is_match(l) && !is_listing_line(l))
+        .or_else(|| milestones.find(|&(l, hit)| worded(l, hit) && telling_milestone().is_match(l)))
         .map(|(line, _)| line)
         .or_else(|| {
-            head.lines()
+            text.lines()
                 .map(str::trim)
                 .find(|line| has_alphanumerics(line, 3))
         })
@@ -276,6 +281,9 @@ mod tests {
     const PIECES: &[&str] = &[
         "error",
         "ERROR:",
+        "Error",
+        "NOT FOUND",
+        "Exit Code 3",
         "Exception",
         "TypeError:",
         "traceback",
@@ -293,7 +301,13 @@ mod tests {
         "exit code 0",
         "3 tests passed",
         "12 passed",
+        "12 PASSED",
+        "Ran 4 tests",
         "0 failures",
+        "0 Failures",
+        "Committed",
+        "MERGED",
+        "Successfully",
         "closed",
         "committed",
         "merged",
@@ -302,6 +316,9 @@ mod tests {
         "successfully",
         "[main 1a2b3c4d]",
         "1a2b3c4..5d6e7f8",
+        "1A2B3C4..5D6E7F8",
+        "[",
+        "..",
         "→",
         "✓",
         "é",

@@ -25,42 +25,79 @@ fn screened(screen: &Regex, pattern: &LinePattern, text: &str) -> bool {
     screen.is_match(text) && pattern.is_match(text)
 }
 
-/// The screen of [`is_error_line`].
+/// The screen of [`is_error_line`], searched in a [`Lowered`] text.
 fn error_screen() -> &'static Regex {
     regex!(
-        r"(?i-u:error|fatal|panic|exception|traceback|fail|no such file|not found|permission denied|cannot|could not|unable to|exit|e999)|[\x{17F}\x{212A}]"
+        r"error|fatal|panic|exception|traceback|fail|no such file|not found|permission denied|cannot|could not|unable to|exit|e999|[\x{17F}\x{212A}]"
     )
 }
 
-/// The lines of `text` as [`str::lines`] cuts them, each with whether
-/// `screen` matches in it, from one search of the whole text rather than
-/// one a line (a screen's literals hold no line end, so a match lies in
-/// the line where it starts). A line without a hit fails the screened
-/// check without asking.
-pub fn lines_with_hits<'a>(
+/// A text beside a copy of it with its ASCII letters lowered (the same
+/// bytes at the same offsets, but for case), in which the screens search.
+///
+/// A screen is an alternation of lowercase literals, case-sensitive, so
+/// the regex crate runs it as one SIMD search of a few literals. The same
+/// screen written ASCII case-insensitive (`(?i-u:…)`) has every case of
+/// every literal to look for, too many for that search: the crate ran it
+/// as a lazy DFA, a third of a tool output's reading. Lowering a copy
+/// costs a copy.
+pub struct Lowered<'a> {
     text: &'a str,
-    screen: &'static Regex,
-) -> impl Iterator<Item = (&'a str, bool)> + 'a {
-    let mut hits = screen.find_iter(text).map(|m| m.start()).peekable();
-    let mut end = 0;
-    text.split_inclusive('\n').map(move |piece| {
-        end += piece.len();
-        let mut hit = false;
-        while hits.next_if(|&start| start < end).is_some() {
-            hit = true;
+    lower: String,
+}
+
+impl<'a> Lowered<'a> {
+    pub fn new(text: &'a str) -> Lowered<'a> {
+        Lowered {
+            text,
+            lower: text.to_ascii_lowercase(),
         }
-        let line = piece.strip_suffix('\n').unwrap_or(piece);
-        (line.strip_suffix('\r').unwrap_or(line), hit)
-    })
+    }
+
+    /// The lines of the text as [`str::lines`] cuts them, each with
+    /// whether `screen` (lowercase literals) matches in it, from one search
+    /// of the whole lowered copy rather than one a line (a screen's
+    /// literals hold no line end, so a match lies in the line where it
+    /// starts). A line without a hit fails the screened check without
+    /// asking.
+    pub fn lines_with_hits<'s>(
+        &'s self,
+        screen: &'static Regex,
+    ) -> impl Iterator<Item = (&'a str, bool)> + 's {
+        let mut hits = screen.find_iter(&self.lower).map(|m| m.start()).peekable();
+        let mut end = 0;
+        self.text.split_inclusive('\n').map(move |piece| {
+            end += piece.len();
+            let mut hit = false;
+            while hits.next_if(|&start| start < end).is_some() {
+                hit = true;
+            }
+            let line = piece.strip_suffix('\n').unwrap_or(piece);
+            (line.strip_suffix('\r').unwrap_or(line), hit)
+        })
+    }
+}
+
+/// Whether `screen` (lowercase literals) matches in `line`, of any case.
+fn screen_matches(screen: &Regex, line: &str) -> bool {
+    if line.bytes().any(|b| b.is_ascii_uppercase()) {
+        screen.is_match(&line.to_ascii_lowercase())
+    } else {
+        screen.is_match(line)
+    }
 }
 
 /// A line that reports an error or a failure (not a listing or code line
 /// that merely mentions one).
 pub(super) fn is_error_line(line: &str) -> bool {
+    screen_matches(error_screen(), line) && is_screened_error_line(line)
+}
+
+/// [`is_error_line`] for a line the error screen matched in.
+fn is_screened_error_line(line: &str) -> bool {
     // A listing line (`  31→ {:error, reason}`) is told without a regex:
     // asked before the pattern, it spares the pattern's slow engine.
-    error_screen().is_match(line)
-        && !is_listing_line(line)
+    !is_listing_line(line)
         && error_pattern().is_match(line)
         && !line_pattern!(r"(?i)\b0 (failures?|failed|errors?)\b").is_match(line)
 }
@@ -99,9 +136,12 @@ pub(super) fn output_report(
 ) -> (Option<String>, Vec<String>) {
     let mut pick = ErrorPick::default();
     let mut milestones = Vec::new();
-    for line in screened_output_lines(text) {
-        pick.offer(&line, &accept);
-        add_milestone(&line, &mut milestones);
+    for part in [prefix_bytes(text, MINED_BYTES), suffix_bytes(text, 2000)] {
+        let part = Lowered::new(part);
+        for line in screened_output_lines(&part) {
+            pick.offer(&line, &accept);
+            add_milestone(&line, &mut milestones);
+        }
     }
     (pick.line(), milestones)
 }
@@ -117,20 +157,19 @@ struct OutputLine<'a> {
     counts_hit: bool,
 }
 
-/// The lines of `text`'s head and tail ([`MINED_BYTES`] and 2,000 bytes)
-/// as [`str::lines`] cuts them, each screened for errors and test counts.
-fn screened_output_lines(text: &str) -> impl Iterator<Item = OutputLine<'_>> {
-    let head = prefix_bytes(text, MINED_BYTES);
-    let tail = suffix_bytes(text, 2000);
-    let screened =
-        |text| lines_with_hits(text, error_screen()).zip(lines_with_hits(text, counts_screen()));
-    screened(head)
-        .chain(screened(tail))
+/// The lines of `part` (an output's head, [`MINED_BYTES`], or its tail,
+/// 2,000 bytes) as [`str::lines`] cuts them, each screened for errors and
+/// test counts.
+fn screened_output_lines<'a, 's>(
+    part: &'s Lowered<'a>,
+) -> impl Iterator<Item = OutputLine<'a>> + 's {
+    part.lines_with_hits(error_screen())
+        .zip(part.lines_with_hits(counts_screen()))
         .map(|((line, error_hit), (_, counts_hit))| {
             let line = line.trim();
             OutputLine {
                 line,
-                error: error_hit && is_error_line(line),
+                error: error_hit && is_screened_error_line(line),
                 counts_hit,
             }
         })
@@ -164,9 +203,10 @@ impl<'a> ErrorPick<'a> {
     }
 }
 
-/// The screen of the test counts among the milestone patterns.
+/// The screen of the test counts among the milestone patterns, searched
+/// in a [`Lowered`] text.
 fn counts_screen() -> &'static Regex {
-    regex!(r"(?i-u:0 failures|passed|test result: ok)|[\x{17F}\x{212A}]")
+    regex!(r"0 failures|passed|test result: ok|[\x{17F}\x{212A}]")
 }
 
 /// Adds `line` to `out` (once) if it reports a milestone.
