@@ -255,7 +255,8 @@ impl Notes {
         let mut notes = Notes::default();
         let mut seen = Dedup::default();
         // Calls of the newest assistant turn still waiting for results.
-        let mut pending: std::collections::VecDeque<Call> = Default::default();
+        // The calls awaiting their results, each with how it was read.
+        let mut pending: std::collections::VecDeque<(Call, CallKind)> = Default::default();
         // The newest error not yet followed by the agent's words.
         let mut unanswered_error: Option<usize> = None;
         // The newest intention of the agent, and the newest user request.
@@ -338,11 +339,14 @@ impl Notes {
                     }
                     pending.clear();
                     for call in calls {
-                        match classify_call(&call) {
+                        let args = call_arguments(&call);
+                        let kind = classify_parsed_call(&call, args.as_ref());
+                        match &kind {
                             CallKind::File { path, verb } => {
-                                let what = first.clone().or_else(|| change_of(&call));
-                                let mut entry = file_entry(path, verb, label, what, at);
-                                if let Some(change) = change_of(&call) {
+                                let change = args.as_ref().and_then(change_of);
+                                let what = first.clone().or_else(|| change.clone());
+                                let mut entry = file_entry(path.clone(), verb, label, what, at);
+                                if let Some(change) = change {
                                     if !entry.what.contains(&change) {
                                         entry.what.push(change);
                                     }
@@ -350,7 +354,7 @@ impl Notes {
                                 notes.add_file(entry);
                             }
                             CallKind::Shell(command) => {
-                                for (path, verb) in shell_file_changes(&command) {
+                                for (path, verb) in shell_file_changes(command) {
                                     notes.add_file(file_entry(path, verb, label, None, at));
                                 }
                             }
@@ -369,29 +373,26 @@ impl Notes {
                                 &mut seen,
                                 at,
                                 label,
-                                &thought,
+                                thought,
                                 &mut intention,
                                 &mut last_question,
                             ),
                             CallKind::Read => {}
                         }
-                        pending.push_back(call);
+                        pending.push_back((call, kind));
                     }
                 }
                 Some(Role::Tool) => {
                     let call = pending.pop_front();
-                    let edit_call = matches!(
-                        call.as_ref().map(classify_call),
-                        Some(CallKind::File { .. })
-                    );
-                    let what = match call.as_ref().map(classify_call) {
-                        Some(CallKind::Shell(command)) => {
-                            format!("`{}`", clip_words(&command, COMMAND_CHARS))
+                    let edit_call = matches!(call, Some((_, CallKind::File { .. })));
+                    let what = match &call {
+                        Some((_, CallKind::Shell(command))) => {
+                            format!("`{}`", clip_words(command, COMMAND_CHARS))
                         }
                         _ => format!(
                             "`{}`",
                             call.as_ref()
-                                .map(|c| c.name.as_str())
+                                .map(|(c, _)| c.name.as_str())
                                 .or(item.tool.as_deref())
                                 .unwrap_or("tool")
                         ),

@@ -54,6 +54,11 @@ impl<'a> Lowered<'a> {
         }
     }
 
+    /// Whether `screen` (lowercase literals) matches anywhere in the text.
+    pub fn has(&self, screen: &Regex) -> bool {
+        screen.is_match(&self.lower)
+    }
+
     /// The lines of the text as [`str::lines`] cuts them, each with
     /// whether `screen` (lowercase literals) matches in it, from one search
     /// of the whole lowered copy rather than one a line (a screen's
@@ -364,10 +369,21 @@ const PATH_KEYS: [&str; 8] = [
 ];
 
 pub(super) fn classify_call(call: &Call) -> CallKind {
+    classify_parsed_call(call, call_arguments(call).as_ref())
+}
+
+/// A call's arguments as JSON, when they are JSON.
+pub(super) fn call_arguments(call: &Call) -> Option<Value> {
+    serde_json::from_str(&call.arguments).ok()
+}
+
+/// [`classify_call`] with the call's arguments parsed already
+/// ([`call_arguments`]): a draft reads a call's arguments (a written file's
+/// whole content, often) once, not for each question it asks of them.
+pub(super) fn classify_parsed_call(call: &Call, args: Option<&Value>) -> CallKind {
     let name = call.name.to_lowercase();
-    let args: Option<Value> = serde_json::from_str(&call.arguments).ok();
     let string_arg = |keys: &[&str]| -> Option<String> {
-        let obj = args.as_ref()?.as_object()?;
+        let obj = args?.as_object()?;
         keys.iter()
             .find_map(|k| obj.get(*k).and_then(Value::as_str))
             .map(str::to_string)
@@ -428,10 +444,10 @@ fn patched_path(arguments: &str) -> Option<String> {
         .map(|c| c[1].to_string())
 }
 
-/// What an edit call changed, in a few words: the first line its new text
-/// adds (for an edit with old and new text), or a new file's first line.
-pub(super) fn change_of(call: &Call) -> Option<String> {
-    let args: Value = serde_json::from_str(&call.arguments).ok()?;
+/// What an edit call changed, in a few words, from its arguments
+/// ([`call_arguments`]): the first line its new text adds (for an edit with
+/// old and new text), or a new file's first line.
+pub(super) fn change_of(args: &Value) -> Option<String> {
     let obj = args.as_object()?;
     let get = |keys: &[&str]| {
         keys.iter()
@@ -513,6 +529,19 @@ pub(super) fn shell_file_changes(command: &str) -> Vec<(String, &'static str)> {
 /// updated").
 pub(super) fn reported_file_changes(text: &str) -> Vec<(String, &'static str)> {
     let head = prefix_bytes(text, MINED_BYTES);
+    // Most outputs say none of it: one search for the words every report
+    // holds spares the patterns' six.
+    let screen = regex!(
+        r"file created successfully|has been|applied edit to|successfully wr|successfully replaced text in|file updated|[\x{17F}\x{212A}]"
+    );
+    if !Lowered::new(head).has(screen) {
+        return Vec::new();
+    }
+    file_changes_in(head)
+}
+
+/// [`reported_file_changes`] of an output's head, unscreened.
+fn file_changes_in(head: &str) -> Vec<(String, &'static str)> {
     let mut out: Vec<(String, &'static str)> = Vec::new();
     let mut push = |path: &str, verb: &'static str| {
         let path = path
@@ -923,6 +952,23 @@ mod tests {
         ]
     }
 
+    /// What tools say when they change a file, and near misses.
+    const FILE_REPORTS: &[&str] = &[
+        "File created successfully at: /w/a.ex",
+        "file created successfully at /w/b.ex",
+        "The file /w/c.ex has been updated",
+        "the file src/d.rs has been modified.",
+        "Applied edit to src/e.py",
+        "Successfully wrote 1,204 bytes to /w/f.txt",
+        "successfully written 12 bytes to g.md",
+        "Successfully replaced text in /w/h.ts",
+        "[File: /repo/i.py (3 lines total)]",
+        "File updated. Please review.",
+        "ſucceſſfully wrote 3 bytes to /w/j.txt",
+        "the file has been",
+        "applied edit",
+    ];
+
     fn lines() -> impl Strategy<Value = String> {
         (
             prop::collection::vec(text(10), 0..8),
@@ -957,6 +1003,27 @@ mod tests {
             prop_assert_eq!(is_diagnosis(&line), unscreened::is_diagnosis(&line));
             prop_assert_eq!(is_decision(&line), unscreened::is_decision(&line));
             prop_assert_eq!(is_open(&line), unscreened::is_open(&line));
+        }
+
+        #[test]
+        fn screened_file_changes_are_the_unscreened_ones(
+            reports in prop::collection::vec(
+                (prop::sample::select(FILE_REPORTS), text(3), any::<bool>()),
+                0..6,
+            ),
+        ) {
+            // Reports in any case, between other words.
+            let text: String = reports
+                .iter()
+                .map(|(report, words, upper)| {
+                    let report = if *upper { report.to_uppercase() } else { report.to_string() };
+                    format!("{words} {report} {words}\n")
+                })
+                .collect();
+            prop_assert_eq!(
+                reported_file_changes(&text),
+                file_changes_in(prefix_bytes(&text, MINED_BYTES))
+            );
         }
 
         #[test]
@@ -1042,7 +1109,10 @@ mod tests {
             }
         );
         assert_eq!(
-            change_of(&calls[0]).as_deref(),
+            call_arguments(&calls[0])
+                .as_ref()
+                .and_then(change_of)
+                .as_deref(),
             Some("+ identity :unique_session, [:a]")
         );
         let CallKind::Shell(cmd) = classify_call(&calls[1]) else {
