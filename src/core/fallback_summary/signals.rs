@@ -38,15 +38,17 @@ fn error_screen() -> &'static Regex {
 /// A screen is an alternation of lowercase literals, case-sensitive, so
 /// the regex crate runs it as one SIMD search of a few literals. The same
 /// screen written ASCII case-insensitive (`(?i-u:…)`) has every case of
-/// every literal to look for, too many for that search: the crate ran it
-/// as a lazy DFA, a third of a tool output's reading. Lowering a copy
-/// costs a copy.
+/// every literal to look for, too many for that search, and the crate ran
+/// some as a lazy DFA over every byte: the screens were half of the time
+/// spent on an output's report and telling line (docs/notes/issue-26.md,
+/// tenth pass). Lowering a copy costs a copy.
 pub struct Lowered<'a> {
     text: &'a str,
     lower: String,
 }
 
 impl<'a> Lowered<'a> {
+    /// `text` and its lowered copy.
     pub fn new(text: &'a str) -> Lowered<'a> {
         Lowered {
             text,
