@@ -17,10 +17,13 @@ use serde_json::Value;
 /// A screen is an alternation of literals (ASCII, any case) of which every
 /// match of its pattern holds one, plus `[\x{17F}\x{212A}]`: the two
 /// characters a case-insensitive Unicode pattern takes for an ASCII letter
-/// (`ſ` for `s`, the Kelvin sign for `k`). The regex crate searches a
-/// screen with a SIMD literal search whatever the text, and most lines
-/// hold none of the words. So the answer is the pattern's own,
-/// and the pattern runs on the few lines that could match.
+/// (`ſ` for `s`, the Kelvin sign for `k`). The regex crate searches such a
+/// screen with a literal search or its DFA, never the slower engines,
+/// whatever the text (with many literals in every case it may pick the
+/// DFA, which costs little on a sentence; the screens of whole outputs are
+/// lowercase literals searched in a [`Lowered`] copy, for the literal
+/// search), and most lines hold none of the words. So the answer is the
+/// pattern's own, and the pattern runs on the few lines that could match.
 fn screened(screen: &Regex, pattern: &LinePattern, text: &str) -> bool {
     screen.is_match(text) && pattern.is_match(text)
 }
