@@ -53,6 +53,7 @@ use crate::core::state::{Conversation, State};
 use crate::nats::folder::{EngineMap, SharedEngine};
 use crate::nats::publish::Outbound;
 use crate::nats::replies::{ReplyFamily, ReplyPolicy};
+use crate::nats::retry::Backoff;
 use crate::nats::subjects::{partition_of, SubjectError, Subjects};
 use crate::runtime::recall::{RecallSetupError, Recaller};
 use crate::store::KvBackend;
@@ -831,7 +832,7 @@ async fn ask_partition(
     // owner still subscribed but no longer holding it: ask again, backing
     // off, within the forward budget, so clients rarely see it.
     let deadline = tokio::time::Instant::now() + timeout;
-    let mut pause = FORWARD_RETRY_FIRST;
+    let mut backoff = Backoff::up_to(FORWARD_RETRY_FIRST, FORWARD_RETRY_MAX);
     loop {
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         if left.is_zero() {
@@ -873,8 +874,7 @@ async fn ask_partition(
             },
         }
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-        tokio::time::sleep(pause.min(left)).await;
-        pause = (pause * 2).min(FORWARD_RETRY_MAX);
+        tokio::time::sleep(backoff.next_delay().min(left)).await;
     }
 }
 

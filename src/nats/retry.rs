@@ -10,22 +10,33 @@ use std::time::Duration;
 pub const MAX_RETRY_BACKOFF: Duration = Duration::from_secs(5);
 
 /// The delays between retries of a failing attempt: doubling from the
-/// first up to [`MAX_RETRY_BACKOFF`], and short again for a new failure.
+/// first up to the longest ([`MAX_RETRY_BACKOFF`] unless said otherwise),
+/// and short again for a new failure.
 #[derive(Debug)]
 pub(crate) struct Backoff {
     first: Duration,
     next: Duration,
+    longest: Duration,
 }
 
 impl Backoff {
     pub(crate) fn new(first: Duration) -> Self {
-        Backoff { first, next: first }
+        Backoff::up_to(first, MAX_RETRY_BACKOFF)
+    }
+
+    /// Delays doubling from `first` up to `longest` (never below `first`).
+    pub(crate) fn up_to(first: Duration, longest: Duration) -> Self {
+        Backoff {
+            first,
+            next: first,
+            longest: longest.max(first),
+        }
     }
 
     /// The delay before the next retry; each one doubles.
     pub(crate) fn next_delay(&mut self) -> Duration {
         let delay = self.next;
-        self.next = (delay * 2).min(MAX_RETRY_BACKOFF);
+        self.next = (delay * 2).min(self.longest);
         delay
     }
 
@@ -33,7 +44,7 @@ impl Backoff {
     /// attempt that made progress, or ran longer than the longest delay,
     /// failed anew, and its retries start short again.
     pub(crate) fn after_attempt(&mut self, progressed: bool, ran_for: Duration) -> Duration {
-        if progressed || ran_for >= MAX_RETRY_BACKOFF {
+        if progressed || ran_for >= self.longest {
             self.reset();
         }
         self.next_delay()
@@ -55,6 +66,16 @@ mod tests {
         let mut b = Backoff::new(FIRST);
         let delays: Vec<u128> = (0..8).map(|_| b.next_delay().as_millis()).collect();
         assert_eq!(delays, [200, 400, 800, 1600, 3200, 5000, 5000, 5000]);
+    }
+
+    #[test]
+    fn a_backoff_up_to_its_own_longest_stops_there() {
+        let mut b = Backoff::up_to(Duration::from_millis(50), Duration::from_millis(400));
+        let delays: Vec<u128> = (0..6).map(|_| b.next_delay().as_millis()).collect();
+        assert_eq!(delays, [50, 100, 200, 400, 400, 400]);
+        // A longest below the first is the first.
+        let mut b = Backoff::up_to(FIRST, Duration::from_millis(1));
+        assert_eq!((b.next_delay(), b.next_delay()), (FIRST, FIRST));
     }
 
     #[test]

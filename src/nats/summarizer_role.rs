@@ -228,12 +228,16 @@ where
     HF: Future<Output = ()>,
 {
     let give_up = tokio::time::Instant::now() + patience.total;
-    let mut pause = patience.first.max(Duration::from_millis(1));
+    let mut backoff = Backoff::up_to(
+        patience.first.max(Duration::from_millis(1)),
+        patience.longest,
+    );
     loop {
         let failure = match attempt().await {
             Ok(()) => return Ok(()),
             Err(e) => e,
         };
+        let pause = backoff.next_delay();
         if failure.is_permanent()
             || stopping(shutdown)
             || tokio::time::Instant::now() + pause > give_up
@@ -250,7 +254,6 @@ where
             _ = shutdown.changed() => {}
             _ = tokio::time::sleep(pause) => {}
         }
-        pause = (pause * 2).min(patience.longest.max(patience.first));
     }
 }
 
