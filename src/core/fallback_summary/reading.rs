@@ -77,18 +77,13 @@ fn digest(text: &str) -> [u8; 32] {
 /// and for a demonstration.
 fn read_output(item: &SourceItem) -> OutputReading {
     let text = item.text.as_str();
-    let (error, milestones) = match item.role {
+    match item.role {
         Some(Role::User) if item.tool.as_deref() == Some(DEMONSTRATION_NAME) => {
-            return OutputReading::default();
+            OutputReading::default()
         }
         Some(Role::User) => output_report(text, reports_an_error),
         Some(Role::Tool) => output_report(text, |_| true),
-        _ => return OutputReading::default(),
-    };
-    OutputReading {
-        error,
-        milestones,
-        file_changes: reported_file_changes(text),
+        _ => OutputReading::default(),
     }
 }
 

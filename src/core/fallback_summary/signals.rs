@@ -5,6 +5,7 @@
 //! and agents write, never about one transcript.
 
 use super::*;
+use crate::core::summary::OutputReading;
 use crate::line_pattern;
 use lazy_regex::regex;
 use serde_json::Value;
@@ -139,21 +140,25 @@ pub(super) fn reports_an_error(line: &str) -> bool {
 ///   some words that `accept` takes (a bare "Exit code 2" only when there
 ///   is nothing better);
 /// - the lines that report a milestone: tests passing, a commit, a push, a
-///   task or issue closed.
-pub(super) fn output_report(
-    text: &str,
-    accept: impl Fn(&str) -> bool,
-) -> (Option<String>, Vec<String>) {
+///   task or issue closed;
+/// - the files it says were changed ([`reported_file_changes`], from the
+///   same lowered head).
+pub(super) fn output_report(text: &str, accept: impl Fn(&str) -> bool) -> OutputReading {
     let mut pick = ErrorPick::default();
     let mut milestones = Vec::new();
-    for part in [prefix_bytes(text, MINED_BYTES), suffix_bytes(text, 2000)] {
-        let part = Lowered::new(part);
-        for line in screened_output_lines(&part) {
+    let head = Lowered::new(prefix_bytes(text, MINED_BYTES));
+    let tail = Lowered::new(suffix_bytes(text, 2000));
+    for part in [&head, &tail] {
+        for line in screened_output_lines(part) {
             pick.offer(&line, &accept);
             add_milestone(&line, &mut milestones);
         }
     }
-    (pick.line(), milestones)
+    OutputReading {
+        error: pick.line(),
+        milestones,
+        file_changes: reported_file_changes(&head),
+    }
 }
 
 /// A line of an output's head or tail, trimmed, as the error and milestone
@@ -531,18 +536,17 @@ pub(super) fn shell_file_changes(command: &str) -> Vec<(String, &'static str)> {
 /// Files a tool output says were written or edited ("File created
 /// successfully at: X", "The file X has been updated", "Applied edit to
 /// X", "Successfully wrote N bytes to X", "[File: X" followed by "File
-/// updated").
-pub(super) fn reported_file_changes(text: &str) -> Vec<(String, &'static str)> {
-    let head = prefix_bytes(text, MINED_BYTES);
+/// updated"), read from the output's head ([`MINED_BYTES`]), lowered.
+fn reported_file_changes(head: &Lowered<'_>) -> Vec<(String, &'static str)> {
     // Most outputs say none of it: one search for the words every report
     // holds spares the patterns' six.
     let screen = regex!(
         r"file created successfully|has been|applied edit to|successfully wr|successfully replaced text in|file updated|[\x{17F}\x{212A}]"
     );
-    if !Lowered::new(head).has(screen) {
+    if !head.has(screen) {
         return Vec::new();
     }
-    file_changes_in(head)
+    file_changes_in(head.text)
 }
 
 /// [`reported_file_changes`] of an output's head, unscreened.
@@ -680,15 +684,19 @@ mod tests {
     use proptest::prelude::*;
 
     fn error_line(text: &str) -> Option<String> {
-        output_report(text, |_| true).0
+        output_report(text, |_| true).error
     }
 
     fn reported_error_line(text: &str) -> Option<String> {
-        output_report(text, reports_an_error).0
+        output_report(text, reports_an_error).error
     }
 
     fn milestone_lines(text: &str) -> Vec<String> {
-        output_report(text, |_| true).1
+        output_report(text, |_| true).milestones
+    }
+
+    fn file_changes(text: &str) -> Vec<(String, &'static str)> {
+        output_report(text, |_| true).file_changes
     }
 
     /// The recognizers as they were before their screens: the oracle the
@@ -1026,7 +1034,7 @@ mod tests {
                 })
                 .collect();
             prop_assert_eq!(
-                reported_file_changes(&text),
+                file_changes(&text),
                 file_changes_in(prefix_bytes(&text, MINED_BYTES))
             );
         }
@@ -1143,14 +1151,14 @@ mod tests {
     fn file_changes_are_read_from_tool_output_and_words() {
         let out = "File created successfully at: /w/lib/a.ex\nThe file /w/lib/b.ex has been updated successfully.";
         assert_eq!(
-            reported_file_changes(out),
+            file_changes(out),
             vec![
                 ("/w/lib/a.ex".to_string(), "written"),
                 ("/w/lib/b.ex".to_string(), "edited")
             ]
         );
         let swe = "[File: /repo/pkg/handler.py (373 lines total)]\n(236 more lines above)\nFile updated. Please review.";
-        assert_eq!(reported_file_changes(swe)[0].0, "/repo/pkg/handler.py");
+        assert_eq!(file_changes(swe)[0].0, "/repo/pkg/handler.py");
         let words = "Here is the change:\n\nbenchmark/over_time.py\n```python\n<<<<<<< SEARCH\nx\n=======\ny\n>>>>>>> REPLACE\n```";
         assert_eq!(search_replace_paths(words), vec!["benchmark/over_time.py"]);
     }
