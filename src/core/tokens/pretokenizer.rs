@@ -7,8 +7,12 @@
 //! Two paths give the same pieces:
 //! - ASCII text (most agent traffic: English, code, JSON, logs) is split by
 //!   hand-written rules that follow the patterns' leftmost-first semantics
-//!   for ASCII characters, at a fraction of the regex's cost per piece;
-//! - any other text goes through the regex. bpe-openai searches through
+//!   for ASCII characters, at a fraction of the regex's cost per piece. So
+//!   are the characters outside ASCII that every pattern treats as it
+//!   treats ASCII punctuation ([`is_punctuation`]: the `→` on every line of
+//!   a numbered file listing, `✓`, `─`, `…`, most emoji);
+//! - any other text (letters, digits, spaces and marks outside ASCII, and
+//!   the few bytes before them) goes through the regex. bpe-openai searches through
 //!   the regex's shared cache pool, which is a mutex for every thread but
 //!   the first one to use it (per piece, on the folder's blocking threads);
 //!   here each thread keeps its own search cache.
@@ -19,7 +23,9 @@
 use super::Encoding;
 use regex_automata::meta::{Cache, Regex};
 use regex_automata::{Anchored, Input};
+use regex_syntax::hir::{Class, HirKind};
 use std::cell::RefCell;
+use std::cmp::Ordering;
 use std::sync::LazyLock;
 
 struct Patterns {
@@ -67,6 +73,41 @@ fn patterns(encoding: Encoding) -> &'static Patterns {
     }
 }
 
+/// The characters outside ASCII in none of `\s`, `\p{L}`, `\p{N}` and
+/// `\p{M}`, as ranges, from the regex crate's own Unicode tables (the
+/// ones the patterns are compiled with). Each class of the patterns holds
+/// such a character exactly when it holds ASCII punctuation: `[^\r\n\p{L}\p{N}]`
+/// and `[^\s\p{L}\p{N}]` do, the letter, digit, space and newline classes
+/// do not.
+static PUNCTUATION: LazyLock<Vec<(char, char)>> = LazyLock::new(|| {
+    match regex_syntax::parse(r"[^\s\p{L}\p{N}\p{M}\x00-\x7F]").map(|hir| hir.into_kind()) {
+        Ok(HirKind::Class(Class::Unicode(class))) => class
+            .ranges()
+            .iter()
+            .map(|range| (range.start(), range.end()))
+            .collect(),
+        // Only a bug gets here (the pattern is a constant class); with no
+        // ranges, all text outside ASCII goes through the regex, as it did.
+        _ => Vec::new(),
+    }
+});
+
+/// Whether `c` (outside ASCII) is punctuation to every pattern (see
+/// [`PUNCTUATION`]).
+fn is_punctuation(c: char) -> bool {
+    PUNCTUATION
+        .binary_search_by(|&(first, last)| {
+            if last < c {
+                Ordering::Less
+            } else if first > c {
+                Ordering::Greater
+            } else {
+                Ordering::Equal
+            }
+        })
+        .is_ok()
+}
+
 thread_local! {
     static CACHES: RefCell<[Option<Cache>; 2]> = const { RefCell::new([None, None]) };
 }
@@ -89,21 +130,22 @@ pub fn for_each_piece_while(encoding: Encoding, text: &str, mut piece: impl FnMu
         return;
     }
     // Mixed text: the ASCII rules wherever the bytes they look at (the
-    // piece and the three bytes after it) are ASCII, the regex elsewhere.
+    // piece and the three bytes after it) are ASCII or punctuation, the
+    // regex elsewhere.
     let t = text.as_bytes();
     let patterns = patterns(encoding);
     CACHES.with(|caches| {
         let mut caches = caches.borrow_mut();
         let cache = caches[encoding as usize].get_or_insert_with(|| patterns.regex.create_cache());
         let mut i = 0;
-        let mut non_ascii = first_non_ascii(t, 0);
+        let mut unhandled = first_unhandled(text, 0);
         while i < t.len() {
-            if non_ascii < i {
-                non_ascii = first_non_ascii(t, i);
+            if unhandled < i {
+                unhandled = first_unhandled(text, i);
             }
-            if i < non_ascii {
+            if i < unhandled {
                 let end = ascii::piece_end(encoding, t, i);
-                if non_ascii == t.len() || end + LOOKS_PAST_PIECE < non_ascii {
+                if unhandled == t.len() || end + LOOKS_PAST_PIECE < unhandled {
                     if !piece(&text[i..end]) {
                         break;
                     }
@@ -126,11 +168,22 @@ pub fn for_each_piece_while(encoding: Encoding, text: &str, mut piece: impl FnMu
 /// after a word: `'ll`).
 const LOOKS_PAST_PIECE: usize = 3;
 
-fn first_non_ascii(t: &[u8], from: usize) -> usize {
-    t[from..]
-        .iter()
-        .position(|b| !b.is_ascii())
-        .map_or(t.len(), |n| from + n)
+/// The first byte at or after `from` (a character boundary) of a
+/// character the ASCII rules leave to the regex: outside ASCII and not
+/// punctuation.
+fn first_unhandled(text: &str, from: usize) -> usize {
+    let t = text.as_bytes();
+    let mut i = from;
+    loop {
+        match t[i..].iter().position(|b| !b.is_ascii()) {
+            None => return t.len(),
+            Some(n) => i += n,
+        }
+        match text[i..].chars().next() {
+            Some(c) if is_punctuation(c) => i += c.len_utf8(),
+            _ => return i,
+        }
+    }
 }
 
 /// The end of the piece at `start`, as the regex finds it.
@@ -169,6 +222,9 @@ fn split_by_regex(encoding: Encoding, text: &str, mut piece: impl FnMut(&str)) {
 /// case `Lu`, lower case `Ll`, no `Lt`/`Lm`/`Lo`/`M`), `\p{N}` is `[0-9]`
 /// and `\s` is `[\t\n\x0B\x0C\r ]`. Each rule below is one alternative,
 /// tried in the patterns' order; the first that matches gives the piece.
+/// A byte outside ASCII they are given is part of a punctuation character
+/// ([`super::is_punctuation`]): the classes take each of its bytes as they
+/// take ASCII punctuation, and a word's prefix takes the whole character.
 mod ascii {
     use super::Encoding;
 
@@ -215,12 +271,23 @@ mod ascii {
     }
 
     /// The optional word prefix at `i`, taken if it is one (a greedy `?`
-    /// that only matters when letters follow it).
+    /// that only matters when letters follow it): one character, of one
+    /// to four bytes.
     fn after_prefix(t: &[u8], i: usize) -> usize {
         if is_word_prefix(t[i]) {
-            i + 1
+            i + char_len(t[i])
         } else {
             i
+        }
+    }
+
+    /// The length of the UTF-8 character `lead` starts.
+    fn char_len(lead: u8) -> usize {
+        match lead {
+            0..=0x7f => 1,
+            0xc0..=0xdf => 2,
+            0xe0..=0xef => 3,
+            _ => 4,
         }
     }
 
@@ -324,9 +391,12 @@ mod tests {
     /// Characters the rules tell apart, and non-ASCII ones next to which
     /// they must leave the decision to the regex: letters and digits
     /// outside ASCII, Unicode spaces, a combining mark, `ſ` (matches `s`
-    /// case-insensitively).
-    const MIXED: [&str; 12] = [
-        "é", "ſ", "٣", "\u{85}", "\u{a0}", "日", "\u{301}", "É", "\u{2028}", "ǅ", "ʰ", "😀",
+    /// case-insensitively), a variation selector (a mark); and punctuation
+    /// they split themselves: symbols, quotes, box drawing, emoji, a skin
+    /// tone, a zero-width joiner.
+    const MIXED: &[&str] = &[
+        "é", "ſ", "٣", "\u{85}", "\u{a0}", "日", "\u{301}", "É", "\u{2028}", "ǅ", "ʰ", "😀", "→",
+        "✓", "─", "…", "“", "•", "🏽", "\u{200d}", "\u{fe0f}", "²",
     ];
 
     proptest::proptest! {
@@ -336,7 +406,7 @@ mod tests {
             parts in proptest::collection::vec(proptest::prop_oneof![
                 4 => proptest::sample::select(b"aZbYsSTtmMdDrReEvVlLxQ0159 \t\n\r\x0B\x0C'/.,(\"-_\x00\x7F~".to_vec())
                     .prop_map(|b| (b as char).to_string()),
-                1 => proptest::sample::select(MIXED.to_vec()).prop_map(str::to_string),
+                2 => proptest::sample::select(MIXED.to_vec()).prop_map(str::to_string),
             ], 0..40)
         ) {
             let text: String = parts.concat();
@@ -372,6 +442,24 @@ mod tests {
     }
 
     #[test]
+    fn punctuation_is_what_no_letter_digit_space_or_mark_class_holds() {
+        for c in [
+            '→', '✓', '─', '…', '“', '•', '😀', '🏽', '\u{200d}', '€', '©',
+        ] {
+            assert!(is_punctuation(c), "{c:?}");
+        }
+        for c in [
+            'é', 'ſ', '٣', '²', '\u{85}', '\u{a0}', '\u{2028}', '日', '\u{301}', '\u{fe0f}',
+        ] {
+            assert!(!is_punctuation(c), "{c:?}");
+        }
+        // A numbered file listing's line: only `→` outside ASCII, no regex.
+        let line = "    12→    let x = foo(); // ok\n";
+        assert_eq!(first_unhandled(line, 0), line.len());
+        assert_eq!(first_unhandled("→ é", 0), 4);
+    }
+
+    #[test]
     fn splits_as_bpe_openai_does() {
         let samples = [
             "hello world",
@@ -383,6 +471,8 @@ mod tests {
             " ",
             "x  ",
             "CamelCaseWords andALLCAPS I'M YOU'LL",
+            "     1→use std::io;\n     2→\n     3→fn main() {}\n",
+            "⏺ Done ✓ — “quoted” … ├── src/ └── 👍🏽 €5",
         ];
         for (encoding, reference) in [
             (Encoding::O200kBase, bpe_openai::o200k_base()),
