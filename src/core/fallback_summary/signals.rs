@@ -228,8 +228,9 @@ fn counts_screen() -> &'static Regex {
 fn add_milestone(line: &OutputLine<'_>, out: &mut Vec<String>) {
     // Test counts anywhere in the line, screened; the rest are anchored at
     // the line's start (one alternation), so a line can match them only
-    // when it starts, after its white space, with `[`, `C`, a hex digit or
-    // `✓`.
+    // when it starts, after its white space, with `[`, `Commit `, `✓ ` or
+    // a hex digit, and the last only when it holds `..` (a line of a
+    // numbered file listing starts with a digit, and few hold `..`).
     let counts = regex!(
         r"(?i)\b\d+ (tests?|examples?|specs?|doctests?|properties)\b[^\n]{0,40}\b0 failures\b|\b\d+ passed\b|\btest result: ok\b"
     );
@@ -240,9 +241,9 @@ fn add_milestone(line: &OutputLine<'_>, out: &mut Vec<String>) {
     if text.is_empty() || line.error && !text.contains(" 0 fail") {
         return;
     }
-    let may_start_one = text
-        .trim_start()
-        .starts_with(|c: char| matches!(c, '[' | 'C' | '0'..='9' | 'a'..='f' | '✓'));
+    let start = text.trim_start();
+    let may_start_one = start.starts_with(['[', 'C', '✓'])
+        || start.starts_with(|c: char| matches!(c, '0'..='9' | 'a'..='f')) && start.contains("..");
     if line.counts_hit && counts.is_match(text) || may_start_one && at_start.is_match(text) {
         let l = clip_words(text, RESULT_CHARS);
         if !out.contains(&l) {
