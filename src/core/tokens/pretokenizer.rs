@@ -25,7 +25,6 @@ use regex_automata::meta::{Cache, Regex};
 use regex_automata::{Anchored, Input};
 use regex_syntax::hir::{Class, HirKind};
 use std::cell::RefCell;
-use std::cmp::Ordering;
 use std::sync::LazyLock;
 
 struct Patterns {
@@ -95,17 +94,9 @@ static PUNCTUATION: LazyLock<Vec<(char, char)>> = LazyLock::new(|| {
 /// Whether `c` (outside ASCII) is punctuation to every pattern (see
 /// [`PUNCTUATION`]).
 fn is_punctuation(c: char) -> bool {
-    PUNCTUATION
-        .binary_search_by(|&(first, last)| {
-            if last < c {
-                Ordering::Less
-            } else if first > c {
-                Ordering::Greater
-            } else {
-                Ordering::Equal
-            }
-        })
-        .is_ok()
+    let ranges = &*PUNCTUATION;
+    let at = ranges.partition_point(|&(_, last)| last < c);
+    ranges.get(at).is_some_and(|&(first, _)| first <= c)
 }
 
 thread_local! {
