@@ -656,7 +656,10 @@ async fn kill_the_lease_bucket_leader(check_replay: bool) {
     // whose own election on a cluster short of a node takes as long as the
     // longest this run saw. Seen: 3 to 8 s beyond the bounds below, in CI
     // once and in loaded runs. That is the product's cost today, not
-    // slack; the stop note of 2026-12-05 (seventh) says what would spare it.
+    // slack. What would spare it: a delivery gap filled from the stream
+    // (direct get) instead of a new consumer, retries woken when the
+    // cluster answers again rather than only by the timer, and a consumer
+    // re-created even when its delete was lost.
     let errors = last_errors(&[&a, &b]);
     let longest_consumer_election = consumer_back.values().max().copied().unwrap_or_default();
     let after_failures = |p: &u32| {
