@@ -14,10 +14,16 @@
 # `--bench assembly` in each tree (divan, same corpus from ../shared/data);
 # `--bench nats_ingest` alternating before/after for ROUNDS passes (default
 # 2); then this tree's process benches `fleet_memory` and `takeover` with
-# both binaries (CONTEXTFOLD_BENCH_BINS). Benches a tree does not have are
-# skipped and said so. Knobs the benches read (CONTEXTFOLD_FLEET_*,
+# both binaries (CONTEXTFOLD_BENCH_BINS); `fleet_memory` again with the
+# fleet's window at 128,000 (no compaction); `run` on the real-transcript
+# fleet (`scripts/bench-run-transcripts.sh`, both binaries alternating,
+# RUN_RUNS runs each, default 3) under windows 32,000 and 1,000,000 (no
+# compaction). With TEN_X=1, last, `fleet_memory` on 20,000 conversations
+# (a log ten times the default's, ~4 GiB; about 25 minutes more), for
+# cold queries on a large log. Benches a tree does not have are skipped
+# and said so. Knobs the benches read (CONTEXTFOLD_FLEET_*,
 # CONTEXTFOLD_TAKEOVER_*, CONTEXTFOLD_BENCH_EVENTS, ...) pass through.
-# About 45 minutes on 2 cores, most of it the two release builds.
+# About 55 minutes on 2 cores, most of it the two release builds.
 set -euo pipefail
 
 after="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -68,4 +74,27 @@ for bench in fleet_memory takeover; do
     echo "== $bench, both binaries"
     (cd "$after" && cargo bench --locked --quiet --bench "$bench") > "$out/$bench.txt" 2>&1
 done
+echo "== fleet_memory without compaction, both binaries"
+(cd "$after" && CONTEXTFOLD_FLEET_WINDOW=128000 cargo bench --locked --quiet --bench fleet_memory) \
+    > "$out/fleet_memory.no-compaction.txt" 2>&1
+
+# `run` on real transcripts. The after binary is A: when the fleet file
+# is not there yet, A imports it.
+median() { sort -n | awk '{ v[NR] = $1 } END { if (NR) print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }'; }
+for window in 32000 1000000; do
+    echo "== run on real transcripts, window $window, both binaries"
+    file="$out/run-transcripts.$window.txt"
+    WINDOW="$window" "$after/scripts/bench-run-transcripts.sh" \
+        "$after/target/release/contextfold" "$before/target/release/contextfold" "${RUN_RUNS:-3}" > "$file" 2>&1
+    for side in "after A" "before B"; do
+        set -- $side
+        note "run on real transcripts, window $window, $1: median $(grep "^$2:" "$file" | awk '{ print $4 }' | median) events/s, state $(grep "^$2:" "$file" | grep -o 'state [0-9a-f]*' | awk '{ print $2 }' | sort -u | tr '\n' ' ')"
+    done
+done
+
+if [ "${TEN_X:-0}" = 1 ]; then
+    echo "== fleet_memory on a log ten times larger, both binaries"
+    (cd "$after" && CONTEXTFOLD_FLEET_CONVERSATIONS=20000 cargo bench --locked --quiet --bench fleet_memory) \
+        > "$out/fleet_memory.ten-x.txt" 2>&1
+fi
 note "outputs in $out"
