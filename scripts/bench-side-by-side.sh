@@ -13,8 +13,9 @@
 # In order: release builds of both trees; `cargo bench --bench fold` and
 # `--bench assembly` in each tree (divan, same corpus from ../shared/data);
 # `--bench nats_ingest` alternating before/after for ROUNDS passes (default
-# 3: the issue asks for three medians); then this tree's process benches `fleet_memory` and `takeover` with
-# both binaries (CONTEXTFOLD_BENCH_BINS); `fleet_memory` again with the
+# 3: issue 26 asks for three medians); then this tree's process benches
+# `fleet_memory` and `takeover` with both binaries
+# (CONTEXTFOLD_BENCH_BINS); `fleet_memory` again with the
 # fleet's window at 128,000 (no compaction); `run` on the real-transcript
 # fleet (`scripts/bench-run-transcripts.sh`, both binaries alternating,
 # RUN_RUNS runs each, default 3) under windows 32,000 and 1,000,000 (no
@@ -81,15 +82,20 @@ echo "== fleet_memory without compaction, both binaries"
 # `run` on real transcripts. The after binary is A: when the fleet file
 # is not there yet, A imports it.
 median() { sort -n | awk '{ v[NR] = $1 } END { if (NR) print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }'; }
+# note_run WINDOW TREE COLUMN FILE: the median events/s of COLUMN's runs in
+# FILE, and the distinct state hashes they ended in.
+note_run() {
+    local runs
+    runs="$(grep "^$3:" "$4" || true)"
+    note "run on real transcripts, window $1, $2: median $(awk '{ print $4 }' <<< "$runs" | median) events/s, state $(grep -o 'state [0-9a-f]*' <<< "$runs" | awk '{ print $2 }' | sort -u | tr '\n' ' ')"
+}
 for window in 32000 1000000; do
     echo "== run on real transcripts, window $window, both binaries"
     file="$out/run-transcripts.$window.txt"
     WINDOW="$window" "$after/scripts/bench-run-transcripts.sh" \
         "$after/target/release/contextfold" "$before/target/release/contextfold" "${RUN_RUNS:-3}" > "$file" 2>&1
-    for side in "after A" "before B"; do
-        set -- $side
-        note "run on real transcripts, window $window, $1: median $(grep "^$2:" "$file" | awk '{ print $4 }' | median) events/s, state $(grep "^$2:" "$file" | grep -o 'state [0-9a-f]*' | awk '{ print $2 }' | sort -u | tr '\n' ' ')"
-    done
+    note_run "$window" after A "$file"
+    note_run "$window" before B "$file"
 done
 
 if [ "${TEN_X:-0}" = 1 ]; then
