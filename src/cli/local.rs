@@ -480,75 +480,71 @@ fn drop_unstorable(input: Vec<Input>) -> (Vec<(Encoding, Vec<u8>)>, usize) {
     (records, skipped)
 }
 
-/// The sizes of `run`'s chunks for a batch of `batch` records: from a
-/// sixteenth of it, doubling, then `batch` each. The fold waits for the
-/// first chunk to be read and measured, with the other core idle (about
-/// 0.2 s for 4,096 turns of real transcripts); a small first chunk starts
-/// it sooner, for a few more commits.
-fn chunk_sizes(batch: usize) -> impl Iterator<Item = usize> {
-    let batch = batch.max(1);
-    std::iter::successors(Some((batch / 16).max(1)), move |&size| {
-        Some((size * 2).min(batch))
-    })
+/// The records `run`'s measuring thread hands to the fold at a time: a
+/// sixteenth of the batch. The fold starts as soon as the first piece is
+/// measured, not the first batch, and at the input's end it is a piece
+/// behind the measuring, not a batch (about 0.2 s for 4,096 turns of real
+/// transcripts, with the other core idle). Commits stay one per batch.
+fn piece_size(batch: usize) -> usize {
+    (batch / 16).max(1)
 }
 
-/// A chunk of input records, read and measured.
-struct MeasuredChunk {
+/// A piece of input records, read and measured.
+struct MeasuredPiece {
     records: Vec<(Encoding, Vec<u8>)>,
     measures: Vec<Option<TurnMeasure>>,
-    /// Records of the chunk too large to store (reported on stderr).
+    /// Records of the piece too large to store (reported on stderr).
     dropped: usize,
 }
 
-/// `run`'s input, read and measured on its own thread ahead of the fold:
-/// it measures the next chunk while the fold works on one, and one more
-/// while a chunk waits, so a chunk that is slow to fold (a burst of drafts)
-/// or slow to measure does not idle the other thread. One thread for the
-/// whole run, not a pool thread per chunk: each thread that allocates gets
-/// its own malloc arena, and a chunk's records are freed on the fold's
-/// thread long after.
+/// `run`'s input, read and measured on its own thread ahead of the fold,
+/// in pieces ([`piece_size`]): up to a batch of them wait measured, so a
+/// stretch that is slow to fold (a burst of drafts) or slow to measure
+/// does not idle the other thread. One thread for the whole run, not a
+/// pool thread per piece: each thread that allocates gets its own malloc
+/// arena, and a piece's records are freed on the fold's thread long after.
 struct InputAhead {
-    ready: tokio::sync::mpsc::Receiver<Result<Option<MeasuredChunk>>>,
+    ready: tokio::sync::mpsc::Receiver<Result<Option<MeasuredPiece>>>,
 }
 
 impl InputAhead {
     fn start(mut input: InputRecords, mut measurer: Measurer, batch: usize) -> Result<InputAhead> {
-        // One chunk waiting; the thread blocks with the next one measured.
-        let (send, ready) = tokio::sync::mpsc::channel(1);
+        let size = piece_size(batch);
+        // A batch of pieces waiting; the thread blocks with the next one
+        // measured.
+        let (send, ready) = tokio::sync::mpsc::channel(batch.max(1).div_ceil(size));
         std::thread::Builder::new()
             .name("measure".into())
-            .spawn(move || {
-                for size in chunk_sizes(batch) {
-                    let chunk = input
-                        .by_ref()
-                        .take(size)
-                        .collect::<Result<Vec<Input>>>()
-                        .map(|chunk| {
-                            (!chunk.is_empty()).then(|| {
-                                let (records, dropped) = drop_unstorable(chunk);
-                                let measures = measurer.measure(&records);
-                                MeasuredChunk {
-                                    records,
-                                    measures,
-                                    dropped,
-                                }
-                            })
-                        });
-                    let last = !matches!(chunk, Ok(Some(_)));
-                    // Ends at the input's end or error, or when the fold stops
-                    // taking chunks (it finished or failed).
-                    if send.blocking_send(chunk).is_err() || last {
-                        break;
-                    }
+            .spawn(move || loop {
+                let piece = input
+                    .by_ref()
+                    .take(size)
+                    .collect::<Result<Vec<Input>>>()
+                    .map(|records| {
+                        (!records.is_empty()).then(|| {
+                            let (records, dropped) = drop_unstorable(records);
+                            let measures = measurer.measure(&records);
+                            MeasuredPiece {
+                                records,
+                                measures,
+                                dropped,
+                            }
+                        })
+                    });
+                let last = !matches!(piece, Ok(Some(_)));
+                // Ends at the input's end or error, or when the fold stops
+                // taking pieces (it finished or failed).
+                if send.blocking_send(piece).is_err() || last {
+                    break;
                 }
             })
             .context("starting the measuring thread")?;
         Ok(InputAhead { ready })
     }
 
-    /// The next chunk (`None` at the input's end); the ones after it are
+    /// The next piece (`None` at the input's end); the ones after it are
     /// read while the caller folds this one.
-    async fn next(&mut self) -> Result<Option<MeasuredChunk>> {
+    async fn next(&mut self) -> Result<Option<MeasuredPiece>> {
         self.ready
             .recv()
             .await
@@ -573,18 +569,24 @@ pub fn run(
         let mut done = 0;
         let mut skipped = 0;
         let mut last_report = Instant::now();
-        // The next chunk is read and its turns measured on the other core
-        // while this one folds the chunk before (`core::measure`).
+        // The next pieces are read and their turns measured on the other
+        // core while this one folds the piece before (`core::measure`).
         let mut ahead = InputAhead::start(input, Measurer::for_policy(&config.policy), batch)?;
-        while let Some(MeasuredChunk {
+        let mut uncommitted = 0;
+        while let Some(MeasuredPiece {
             records,
             measures,
             dropped,
         }) = ahead.next().await?
         {
             skipped += dropped;
-            p.ingest_measured(&records, measures).await?;
+            p.fold_measured(&records, measures).await?;
             done += records.len();
+            uncommitted += records.len();
+            if uncommitted >= batch {
+                p.commit().await?;
+                uncommitted = 0;
+            }
             if last_report.elapsed().as_millis() >= 500 {
                 eprintln!(
                     "  {done} events folded ({:.1}s)",
@@ -592,6 +594,9 @@ pub fn run(
                 );
                 last_report = Instant::now();
             }
+        }
+        if uncommitted > 0 {
+            p.commit().await?;
         }
         eprintln!(
             "  {done} events folded ({:.1}s)",
@@ -788,14 +793,13 @@ pub fn rebuild(config: &Config) -> Result<ExitCode> {
 
 #[cfg(test)]
 mod tests {
-    use super::chunk_sizes;
+    use super::piece_size;
 
     #[test]
-    fn chunks_start_at_a_sixteenth_of_the_batch_and_double_up_to_it() {
-        let sizes = |batch| chunk_sizes(batch).take(7).collect::<Vec<_>>();
-        assert_eq!(sizes(4096), [256, 512, 1024, 2048, 4096, 4096, 4096]);
-        assert_eq!(sizes(20), [1, 2, 4, 8, 16, 20, 20]);
-        assert_eq!(sizes(1), [1; 7]);
-        assert_eq!(sizes(0), [1; 7]);
+    fn pieces_are_a_sixteenth_of_the_batch_and_never_empty() {
+        assert_eq!(piece_size(4096), 256);
+        assert_eq!(piece_size(20), 1);
+        assert_eq!(piece_size(1), 1);
+        assert_eq!(piece_size(0), 1);
     }
 }

@@ -260,6 +260,20 @@ impl<L: EventLog, B: KvBackend, S: Summarizer> Pipeline<L, B, S> {
         records: &[(Encoding, Vec<u8>)],
         measures: Vec<Option<TurnMeasure>>,
     ) -> Result<(), PipelineError> {
+        self.fold_measured(records, measures).await?;
+        self.commit().await
+    }
+
+    /// The first half of [`Pipeline::ingest_measured`]: appends and folds
+    /// the records, running the jobs they issue, without syncing the log
+    /// or committing the state. Until [`Pipeline::commit`] a crash loses
+    /// them, as it loses a batch in flight: folding the same input again
+    /// restores them (events are deduplicated by id).
+    pub async fn fold_measured(
+        &mut self,
+        records: &[(Encoding, Vec<u8>)],
+        measures: Vec<Option<TurnMeasure>>,
+    ) -> Result<(), PipelineError> {
         let mut total = CatchUp::default();
         let mut measures = measures.into_iter();
         for (encoding, bytes) in records {
@@ -273,6 +287,12 @@ impl<L: EventLog, B: KvBackend, S: Summarizer> Pipeline<L, B, S> {
             let jobs = self.fold_available(&mut total).await?;
             self.settle_unsynced(jobs, &mut total).await?;
         }
+        Ok(())
+    }
+
+    /// Syncs the log and commits the state folded since the last commit
+    /// (the second half of [`Pipeline::ingest_measured`]).
+    pub async fn commit(&mut self) -> Result<(), PipelineError> {
         self.log.sync().await?;
         self.engine.commit()?;
         Ok(())
