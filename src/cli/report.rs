@@ -70,20 +70,17 @@ pub fn conversation_report(
     })
 }
 
-/// Reports every conversation of an engine (read one at a time) and the
-/// state hash.
-pub fn print<B: KvBackend>(
+/// Reports every conversation of an engine (stored ones read one at a time
+/// on each core) and the state hash.
+pub fn print<B: KvBackend + Sync>(
     engine: &Engine<B>,
     _policy: &PolicyConfig,
     elapsed: Duration,
     json: bool,
 ) -> anyhow::Result<()> {
-    let bodies = engine.bodies();
-    let mut reports = Vec::new();
-    engine.each_conversation(|_, conv| -> anyhow::Result<()> {
-        reports.push(conversation_report(conv, &bodies)?);
-        Ok(())
-    })?;
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    let reports =
+        engine.map_conversations(cores, |conv, bodies| conversation_report(conv, bodies))?;
     // The state hash from the conversations' hashes just reported (in the
     // same key order): each conversation's bodies are read once.
     let state_hash = engine.state.hash_of(

@@ -43,10 +43,11 @@ use crate::core::state::State;
 use crate::core::sweep::{self, SweepSnapshot};
 use crate::log::{LogRecord, Position};
 use crate::runtime::read_ahead::{Readings, WithReadings};
-use crate::store::state_store::StateStore;
+use crate::store::state_store::{StateStore, StoredBodies};
 use crate::store::{KvBackend, StoreError};
 use crate::telemetry as t;
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// What folding records produced, for the runtime to carry out.
@@ -541,6 +542,59 @@ impl<B: KvBackend> Engine<B> {
             }
         }
         Ok(())
+    }
+
+    /// Every conversation, resident or stored, given to `f` with the bodies
+    /// to read it by, on up to `threads` threads (each takes the next
+    /// conversation in key order, reading a stored one only then): `f`'s
+    /// results in key order. For a report over every conversation, whose
+    /// bodies are read back and hashed, on cores otherwise idle at the end
+    /// of a run.
+    pub fn map_conversations<T: Send, E: From<StoreError> + Send>(
+        &self,
+        threads: usize,
+        f: impl Fn(&crate::core::state::Conversation, &StoredBodies<'_, B>) -> Result<T, E> + Sync,
+    ) -> Result<Vec<T>, E>
+    where
+        B: Sync,
+    {
+        let keys: Vec<String> = self.store.keys_with(&self.state)?.into_iter().collect();
+        let next = AtomicUsize::new(0);
+        let (store, state) = (&self.store, &self.state);
+        let work = || -> Result<Vec<(usize, T)>, E> {
+            let bodies = store.bodies();
+            let mut out = Vec::new();
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(key) = keys.get(i) else {
+                    return Ok(out);
+                };
+                match state.conversations.get(key) {
+                    Some(conv) => out.push((i, f(conv, &bodies)?)),
+                    None => {
+                        if let Some(conv) = store.read_conversation(key)? {
+                            out.push((i, f(&conv, &bodies)?));
+                        }
+                    }
+                }
+            }
+        };
+        let mut all = std::thread::scope(|scope| {
+            let helpers: Vec<_> = (1..threads.max(1).min(keys.len()))
+                .map(|_| scope.spawn(work))
+                .collect();
+            let mut all = work()?;
+            for helper in helpers {
+                // A helper panics only on a bug: carried to this thread.
+                let part = helper
+                    .join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
+                all.extend(part);
+            }
+            Ok::<_, E>(all)
+        })?;
+        all.sort_unstable_by_key(|(i, _)| *i);
+        Ok(all.into_iter().map(|(_, t)| t).collect())
     }
 
     /// Snapshots of every conversation's pending job (what a runner that
@@ -1221,6 +1275,57 @@ mod tests {
         assert!(
             text.contains("record refused") && text.contains("undecodable"),
             "{text}"
+        );
+    }
+
+    #[test]
+    fn conversations_mapped_on_several_threads_come_back_in_key_order() {
+        let mut engine = Engine::open(MemoryBackend::default(), PolicyConfig::default()).unwrap();
+        engine.set_residency(Residency {
+            conversations: 2,
+            ..Residency::default()
+        });
+        let mut position = 0;
+        for conv in ["c4", "c1", "c6", "c0", "c3", "c5", "c2"] {
+            for i in 0..3 {
+                position += 1;
+                let e = crate::testing::turn(conv, i, position);
+                engine.apply(&record(position, Origin::Agent, &e)).unwrap();
+            }
+            engine.commit().unwrap();
+        }
+        assert!(
+            engine.state.conversations.len() < 7,
+            "some conversations are read from the store, not memory"
+        );
+        let bodies = engine.bodies();
+        let mut expected = Vec::new();
+        engine
+            .each_conversation(|_, conv| -> Result<(), StoreError> {
+                expected.push((conv.key.clone(), conv.hash_with(&bodies).unwrap()));
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(expected.len(), 7);
+        assert!(expected.is_sorted());
+        for threads in [0, 1, 2, 3, 16] {
+            let mapped = engine
+                .map_conversations(threads, |conv, bodies| -> Result<_, StoreError> {
+                    Ok((conv.key.clone(), conv.hash_with(bodies).unwrap()))
+                })
+                .unwrap();
+            assert_eq!(mapped, expected, "{threads} threads");
+        }
+        let failed = engine.map_conversations(2, |conv, _| match conv.key.as_str() {
+            "c3" => Err(StoreError::Corrupt {
+                what: "c3".into(),
+                source: "test".into(),
+            }),
+            _ => Ok(()),
+        });
+        assert!(
+            matches!(failed, Err(StoreError::Corrupt { .. })),
+            "{failed:?}"
         );
     }
 
