@@ -547,9 +547,10 @@ impl<B: KvBackend> Engine<B> {
     /// Every conversation, resident or stored, given to `f` with the bodies
     /// to read it by, on up to `threads` threads (each takes the next
     /// conversation in key order, reading a stored one only then): `f`'s
-    /// results in key order. For a report over every conversation, whose
-    /// bodies are read back and hashed, on cores otherwise idle at the end
-    /// of a run.
+    /// results in key order, or the first error (the other threads stop
+    /// at their next conversation). For a report over every conversation,
+    /// whose bodies are read back and hashed, on cores otherwise idle at
+    /// the end of a run.
     pub fn map_conversations<T: Send, E: From<StoreError> + Send>(
         &self,
         threads: usize,
@@ -561,7 +562,7 @@ impl<B: KvBackend> Engine<B> {
         let keys: Vec<String> = self.store.keys_with(&self.state)?.into_iter().collect();
         let next = AtomicUsize::new(0);
         let (store, state) = (&self.store, &self.state);
-        let work = || -> Result<Vec<(usize, T)>, E> {
+        let take_each = || -> Result<Vec<(usize, T)>, E> {
             let bodies = store.bodies();
             let mut out = Vec::new();
             loop {
@@ -578,6 +579,14 @@ impl<B: KvBackend> Engine<B> {
                     }
                 }
             }
+        };
+        let work = || {
+            let taken = take_each();
+            if taken.is_err() {
+                // The other threads stop at their next conversation.
+                next.store(keys.len(), Ordering::Relaxed);
+            }
+            taken
         };
         let mut all = std::thread::scope(|scope| {
             let helpers: Vec<_> = (1..threads.max(1).min(keys.len()))
