@@ -532,13 +532,8 @@ impl<B: KvBackend> Engine<B> {
         mut f: impl FnMut(&State, &crate::core::state::Conversation) -> Result<(), E>,
     ) -> Result<(), E> {
         for key in self.store.keys_with(&self.state)? {
-            match self.state.conversations.get(&key) {
-                Some(conv) => f(&self.state, conv)?,
-                None => {
-                    if let Some(conv) = self.store.read_conversation(&key)? {
-                        f(&self.state, &conv)?;
-                    }
-                }
+            if let Some(conv) = self.store.resident_or_stored(&self.state, &key)? {
+                f(&self.state, &conv)?;
             }
         }
         Ok(())
@@ -570,13 +565,8 @@ impl<B: KvBackend> Engine<B> {
                 let Some(key) = keys.get(i) else {
                     return Ok(out);
                 };
-                match state.conversations.get(key) {
-                    Some(conv) => out.push((i, f(conv, &bodies)?)),
-                    None => {
-                        if let Some(conv) = store.read_conversation(key)? {
-                            out.push((i, f(&conv, &bodies)?));
-                        }
-                    }
+                if let Some(conv) = store.resident_or_stored(state, key)? {
+                    out.push((i, f(&conv, &bodies)?));
                 }
             }
         };

@@ -615,6 +615,19 @@ impl<B: KvBackend> StateStore<B> {
         }
     }
 
+    /// `key`'s conversation: `resident`'s copy when it holds one, else the
+    /// stored one, read now (`None` when neither has it).
+    pub fn resident_or_stored<'a>(
+        &self,
+        resident: &'a State,
+        key: &str,
+    ) -> Result<Option<Cow<'a, Conversation>>, StoreError> {
+        Ok(match resident.conversations.get(key) {
+            Some(conv) => Some(Cow::Borrowed(conv)),
+            None => self.read_conversation(key)?.map(Cow::Owned),
+        })
+    }
+
     /// The hash of the whole stored state with `resident`'s conversations
     /// in place of their stored copies (what a clean fold of the same log
     /// in memory gives as [`State::hash`]); reads one stored conversation
@@ -628,13 +641,10 @@ impl<B: KvBackend> StateStore<B> {
             source: e.into(),
         };
         for key in keys {
-            let hash = match resident.conversations.get(&key) {
-                Some(conv) => conv.hash_with(&bodies).map_err(corrupt)?,
-                None => match self.read(&key)? {
-                    Some((conv, _)) => conv.hash_with(&bodies).map_err(corrupt)?,
-                    None => continue,
-                },
+            let Some(conv) = self.resident_or_stored(resident, &key)? else {
+                continue;
             };
+            let hash = conv.hash_with(&bodies).map_err(corrupt)?;
             hashes.push((key, hash));
         }
         Ok(resident.hash_of(
