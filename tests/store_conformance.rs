@@ -152,6 +152,43 @@ fn scan_prefix_is_ordered_and_bounded<B: KvBackend>(open: fn(&Path) -> B) {
     assert_eq!(store.scan_prefix(Table::Blobs, b"").unwrap(), vec![]);
 }
 
+fn last_at_or_before_finds_the_record_holding_a_key<B: KvBackend>(open: fn(&Path) -> B) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = open(dir.path());
+    store
+        .commit(
+            &[
+                put(Table::Records, b"a\x00\x08\x00", b"run 0"),
+                put(Table::Records, b"a\x00\x08\x05", b"run 5"),
+                put(Table::Records, b"a\x00\x09\x00", b"other kind"),
+                put(Table::Records, b"b\x00\x08\x01", b"other key"),
+                put(Table::Meta, b"a\x00\x08\x03", b"other table"),
+            ],
+            false,
+        )
+        .unwrap();
+    let seek = |prefix: &[u8], key: &[u8]| {
+        store
+            .last_at_or_before(Table::Records, prefix, key)
+            .unwrap()
+            .map(|(k, v)| (k, String::from_utf8(v).unwrap()))
+    };
+    let run = |last: u8, value: &str| Some((vec![b'a', 0, 8, last], value.to_string()));
+    assert_eq!(seek(b"a\x00\x08", b"a\x00\x08\x03"), run(0, "run 0"));
+    assert_eq!(seek(b"a\x00\x08", b"a\x00\x08\x05"), run(5, "run 5"));
+    assert_eq!(seek(b"a\x00\x08", b"a\x00\x08\xff\xff"), run(5, "run 5"));
+    // Before the first record with the prefix, and a prefix whose nearest
+    // record belongs to another prefix: none.
+    assert_eq!(seek(b"a\x00\x08", b"a\x00\x08"), None);
+    assert_eq!(seek(b"b\x00\x09", b"b\x00\x09\x07"), None);
+    assert_eq!(
+        store
+            .last_at_or_before(Table::Blobs, b"a", b"a\x00")
+            .unwrap(),
+        None
+    );
+}
+
 fn flushed_commits_survive_reopen<B: KvBackend>(open: fn(&Path) -> B) {
     let dir = tempfile::tempdir().unwrap();
     {
@@ -446,6 +483,35 @@ fn matches_model<B: KvBackend>(store: &B, model: &BTreeMap<(bool, Vec<u8>), Vec<
             Some(value)
         );
     }
+    // The seek, from every prefix to each key that starts with it (held or
+    // not): the greatest key at or before it with the prefix, or none.
+    for side in [true, false] {
+        for prefix in &prefixes {
+            let mut probes: Vec<Vec<u8>> = model
+                .keys()
+                .filter(|(_, k)| k.starts_with(prefix))
+                .flat_map(|(_, k)| [k.clone(), [k.as_slice(), &[0x80]].concat()])
+                .collect();
+            probes.push(prefix.clone());
+            probes.push([prefix.as_slice(), &[0x80]].concat());
+            for probe in probes {
+                let expected = model
+                    .iter()
+                    .filter(|((s, k), _)| *s == side && k.starts_with(prefix) && *k <= probe)
+                    .map(|((_, k), v)| (k.clone(), v.clone()))
+                    .next_back();
+                let got = store
+                    .last_at_or_before(table_of(side), prefix, &probe)
+                    .unwrap();
+                assert_eq!(
+                    got,
+                    expected,
+                    "table {:?} prefix {prefix:x?} key {probe:x?}",
+                    table_of(side)
+                );
+            }
+        }
+    }
 }
 
 fn agrees_with_a_sorted_map<B: KvBackend>(open: fn(&Path) -> B) {
@@ -498,6 +564,10 @@ macro_rules! conformance {
             #[test]
             fn scan_prefix_is_ordered_and_bounded() {
                 super::scan_prefix_is_ordered_and_bounded($open);
+            }
+            #[test]
+            fn last_at_or_before_finds_the_record_holding_a_key() {
+                super::last_at_or_before_finds_the_record_holding_a_key($open);
             }
             #[test]
             fn flushed_commits_survive_reopen() {

@@ -195,7 +195,9 @@ pub struct Engine<B: KvBackend> {
 /// 13: the partition's clock and timers (`PartitionClock`); spend windows
 ///     count no-progress rounds and urgent spend; no `awaiting_input`.
 /// 14: turns keep what their masked rendering costs (`masked_tokens`).
-pub const STATE_LAYOUT: u32 = 14;
+/// 15: turn bodies are stored in runs, one or a few records per
+///     conversation per commit (`store::body_runs`), not one per body.
+pub const STATE_LAYOUT: u32 = 15;
 
 /// What the store records of its layout: a store of another layout is
 /// rebuilt from the log by a process that folds, and refused by a reader.

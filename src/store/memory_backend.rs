@@ -28,6 +28,19 @@ impl KvBackend for MemoryBackend {
             .map(|((_, k), v)| (k.clone(), v.clone()))
             .collect())
     }
+    fn last_at_or_before(
+        &self,
+        table: Table,
+        prefix: &[u8],
+        key: &[u8],
+    ) -> Result<Option<crate::store::Entry>, StoreError> {
+        Ok(self
+            .tables
+            .range(..=(tag(table), key.to_vec()))
+            .next_back()
+            .filter(|((t, k), _)| *t == tag(table) && k.starts_with(prefix))
+            .map(|((_, k), v)| (k.clone(), v.clone())))
+    }
     fn commit(&mut self, writes: &[Write], _durable: bool) -> Result<(), StoreError> {
         for w in writes {
             match w {

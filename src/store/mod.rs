@@ -3,6 +3,7 @@
 //! of it ([`state_store`]): materialized conversations, turn bodies, blobs
 //! and the log position they reflect, committed together.
 
+mod body_runs;
 pub mod config;
 pub mod memory_backend;
 pub mod redb_backend;
@@ -96,8 +97,11 @@ impl From<crate::core::state::BodyError> for StoreError {
     }
 }
 
+/// One key and its value.
+pub type Entry = (Vec<u8>, Vec<u8>);
+
 /// Key-value pairs in key order.
-pub type Entries = Vec<(Vec<u8>, Vec<u8>)>;
+pub type Entries = Vec<Entry>;
 
 /// A transactional key-value store with a few named tables.
 pub trait KvBackend: Send {
@@ -105,6 +109,16 @@ pub trait KvBackend: Send {
 
     /// All entries whose key starts with `prefix`, in key order.
     fn scan_prefix(&self, table: Table, prefix: &[u8]) -> Result<Entries, StoreError>;
+
+    /// The entry with the greatest key at or before `key` among those that
+    /// start with `prefix` (`key` starts with `prefix`): what holds `key`
+    /// when records are keyed by the first of a run of keys.
+    fn last_at_or_before(
+        &self,
+        table: Table,
+        prefix: &[u8],
+        key: &[u8],
+    ) -> Result<Option<Entry>, StoreError>;
 
     /// Applies every write or none. With `durable`, the commit is on disk
     /// when this returns; without, it is atomic and ordered but may be lost

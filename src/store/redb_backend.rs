@@ -192,6 +192,26 @@ fn read_get(txn: Begun, table: Table, key: &[u8]) -> Result<Option<Vec<u8>>, Sto
     Ok(value)
 }
 
+fn read_last_at_or_before(
+    txn: Begun,
+    table: Table,
+    prefix: &[u8],
+    key: &[u8],
+) -> Result<Option<crate::store::Entry>, StoreError> {
+    let Some(t) = read_table(txn, table)? else {
+        return Ok(None);
+    };
+    let last = t
+        .range::<&[u8]>(..=key)
+        .map_err(|e| backend_error("seek")(e.into()))?
+        .next_back()
+        .transpose()
+        .map_err(|e| backend_error("seek")(e.into()))?;
+    Ok(last
+        .filter(|(k, _)| k.value().starts_with(prefix))
+        .map(|(k, v)| (k.value().to_vec(), v.value().to_vec())))
+}
+
 fn read_scan(txn: Begun, table: Table, prefix: &[u8]) -> Result<crate::store::Entries, StoreError> {
     let Some(t) = read_table(txn, table)? else {
         return Ok(Vec::new());
@@ -224,6 +244,15 @@ impl KvBackend for RedbBackend {
         prefix: &[u8],
     ) -> Result<crate::store::Entries, StoreError> {
         read_scan(self.db.begin_read(), table, prefix)
+    }
+
+    fn last_at_or_before(
+        &self,
+        table: Table,
+        prefix: &[u8],
+        key: &[u8],
+    ) -> Result<Option<crate::store::Entry>, StoreError> {
+        read_last_at_or_before(self.db.begin_read(), table, prefix, key)
     }
 
     fn commit(&mut self, writes: &[Write], durable: bool) -> Result<(), StoreError> {
@@ -323,6 +352,15 @@ impl KvBackend for ReadOnlyRedb {
         prefix: &[u8],
     ) -> Result<crate::store::Entries, StoreError> {
         read_scan(self.db.begin_read(), table, prefix)
+    }
+
+    fn last_at_or_before(
+        &self,
+        table: Table,
+        prefix: &[u8],
+        key: &[u8],
+    ) -> Result<Option<crate::store::Entry>, StoreError> {
+        read_last_at_or_before(self.db.begin_read(), table, prefix, key)
     }
 
     fn commit(&mut self, _writes: &[Write], _durable: bool) -> Result<(), StoreError> {

@@ -158,6 +158,23 @@ impl KvBackend for SledBackend {
             .collect()
     }
 
+    fn last_at_or_before(
+        &self,
+        table: Table,
+        prefix: &[u8],
+        key: &[u8],
+    ) -> Result<Option<crate::store::Entry>, StoreError> {
+        let entry = self
+            .tree(table)
+            .range(..=key)
+            .next_back()
+            .transpose()
+            .map_err(backend_error("seek"))?;
+        Ok(entry
+            .filter(|(k, _)| k.starts_with(prefix))
+            .map(|(k, v)| (k.to_vec(), v.to_vec())))
+    }
+
     fn commit(&mut self, writes: &[Write], durable: bool) -> Result<(), StoreError> {
         if !writes.is_empty() {
             self.trees

@@ -11,11 +11,13 @@
 //!
 //! # Bodies apart, conversations on demand
 //!
-//! Each turn's body is a record of its own (key: the conversation's escaped
-//! key, 0, `KIND_BODY`, the big-endian sequence number), written in the
-//! commit that first stores the turn, so one body is read without reading
-//! its conversation, and loading a conversation never reads a body (but the
-//! few its duplicate and flood guards still compare with). Opening a store
+//! Turn bodies are records apart from the chunks: the bodies one commit adds
+//! to a conversation, in runs of consecutive sequences of about 64 KiB
+//! ([`super::body_runs`]; key: the conversation's escaped key, 0,
+//! `KIND_BODY_RUN`, the big-endian sequence of the run's first body). So one
+//! body is read with one seek and without reading its conversation, and
+//! loading a conversation never reads a body (but the few its duplicate and
+//! flood guards still compare with). Opening a store
 //! reads the position and the partition's counts only; a conversation is
 //! read when [`StateStore::load_conversation`] asks for it, and forgotten
 //! with [`StateStore::forget`] (its records stay). Bodies read through
@@ -29,7 +31,7 @@ use crate::core::state::{
     IntakeQuota, State, Summary, Turn, TurnBodies, TurnBody,
 };
 use crate::log::Position;
-use crate::store::{KvBackend, StoreError, Table, Write};
+use crate::store::{body_runs, KvBackend, StoreError, Table, Write};
 use std::borrow::Cow;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
@@ -53,8 +55,10 @@ const PENDING_KEY: &[u8] = b"pending_jobs";
 
 /// Key kind of a conversation's chunks (after the conversation key and a 0).
 const KIND_CHUNK: u8 = 5;
-/// Key kind of a conversation's turn bodies.
-const KIND_BODY: u8 = 6;
+/// Key kind of a conversation's runs of turn bodies (keyed by the first
+/// body's sequence), and of each body in the cache. (6 was one record per
+/// body, up to layout 14.)
+const KIND_BODY_RUN: u8 = 8;
 /// Key kind of a conversation's summary texts (by summary index).
 const KIND_SUMMARY_TEXT: u8 = 7;
 
@@ -548,7 +552,7 @@ impl<B: KvBackend> StateStore<B> {
         key_digest: IdDigest,
         seq: u64,
     ) -> Result<Arc<TurnBody>, BodyError> {
-        let cache_key = (key_digest, KIND_BODY, seq);
+        let cache_key = (key_digest, KIND_BODY_RUN, seq);
         if let Some(Cached::Turn(body)) = self.cache.get(&cache_key) {
             return Ok(body);
         }
@@ -557,20 +561,39 @@ impl<B: KvBackend> StateStore<B> {
             seq,
             detail,
         };
-        let bytes = self
+        let missing = || BodyError::Missing {
+            conversation: conv.key.clone(),
+            seq,
+        };
+        let prefix = record_prefix(&conv.key, KIND_BODY_RUN);
+        let (run_key, value) = self
             .backend
-            .get(Table::Records, &record_key(&conv.key, KIND_BODY, seq))
+            .last_at_or_before(
+                Table::Records,
+                &prefix,
+                &record_key(&conv.key, KIND_BODY_RUN, seq),
+            )
             .map_err(|e| unreadable(e.to_string()))?
-            .ok_or_else(|| BodyError::Missing {
-                conversation: conv.key.clone(),
-                seq,
-            })?;
-        let body: TurnBody =
-            rmp_serde::from_slice(&bytes).map_err(|e| unreadable(e.to_string()))?;
-        let body = Arc::new(body);
-        self.cache
-            .insert(cache_key, Cached::Turn(Arc::clone(&body)));
-        Ok(body)
+            .ok_or_else(missing)?;
+        let first = run_key
+            .get(prefix.len()..)
+            .and_then(|first| <[u8; 8]>::try_from(first).ok())
+            .map(u64::from_be_bytes)
+            .ok_or_else(|| unreadable(format!("a run of bodies under the key {run_key:?}")))?;
+        // The run's neighbours are what a reader asks for next (a fresh
+        // tail, a summary's sources, the state hash): all go to the cache.
+        let mut wanted = None;
+        for (at, body) in
+            (first..).zip(body_runs::decode_run(&value).map_err(|e| unreadable(e.to_string()))?)
+        {
+            let body = Arc::new(body);
+            if at == seq {
+                wanted = Some(Arc::clone(&body));
+            }
+            self.cache
+                .insert((key_digest, KIND_BODY_RUN, at), Cached::Turn(body));
+        }
+        wanted.ok_or_else(missing)
     }
 
     fn stored_summary_text(
@@ -678,13 +701,18 @@ impl<B: KvBackend> StateStore<B> {
             // `ContextWindow` counts every change but an append.
             let context_appended =
                 conv.context.edits() == p.context_edits && conv.context.len() >= p.context;
-            for (seq, body) in conv.bodies.from(p.turns as u64) {
-                writes.push(Write::Put {
-                    table: Table::Records,
-                    key: record_key(key, KIND_BODY, seq),
-                    value: encode_sized(&**body, body.message.text_bytes() + 64),
-                });
-            }
+            body_runs::write_runs(
+                conv.bodies
+                    .from(p.turns as u64)
+                    .map(|(seq, body)| (seq, &**body)),
+                |first, value| {
+                    writes.push(Write::Put {
+                        table: Table::Records,
+                        key: record_key(key, KIND_BODY_RUN, first),
+                        value,
+                    })
+                },
+            );
             for (index, text) in conv.summary_texts.from(p.summaries as u32) {
                 writes.push(Write::Put {
                     table: Table::Records,
@@ -819,7 +847,7 @@ impl<B: KvBackend> StateStore<B> {
                 let digest = id_digest(key);
                 for (seq, body) in conv.release_bodies(crate::core::fold::guard_read) {
                     self.cache
-                        .insert((digest, KIND_BODY, seq), Cached::Turn(body));
+                        .insert((digest, KIND_BODY_RUN, seq), Cached::Turn(body));
                 }
                 for (index, text) in conv.summary_texts.release() {
                     self.cache.insert(
@@ -1012,5 +1040,69 @@ mod tests {
             reopened.state_hash(&opened.state).unwrap(),
             reference.hash()
         );
+    }
+
+    /// A conversation's bodies, committed in runs over a few commits, read
+    /// back one by one from a store with an empty cache; a damaged run is
+    /// an error that names the turn, and a turn past the last run is missing.
+    #[test]
+    fn bodies_read_back_from_their_runs_one_by_one() {
+        let policy = PolicyConfig::default();
+        let mut state = State::default();
+        let mut reference = State::default();
+        let mut store = StateStore::new(MemoryBackend::default());
+        let dirty: BTreeSet<String> = ["c".to_string()].into();
+        let turns = 300u64;
+        for i in 0..turns {
+            let text = format!("turn {i} {}", "of the build log ".repeat(120));
+            let turn = TurnAppended::from(ChatMessage::text(Role::User, text));
+            let e = Envelope::new(format!("t{i}"), "c", 1 + i, EventBody::TurnAppended(turn));
+            fold(&mut state, &policy, &e);
+            fold(&mut reference, &policy, &e);
+            if i % 100 == 99 {
+                store.commit(&mut state, &dirty, i + 1, "fp").unwrap();
+            }
+        }
+        let runs = store
+            .backend()
+            .scan_prefix(Table::Records, &record_prefix("c", KIND_BODY_RUN))
+            .unwrap();
+        // ~2 KB a body: a few dozen to a run, and a run never spans commits.
+        assert!(
+            (6..=30).contains(&runs.len()),
+            "{} runs for {turns} bodies",
+            runs.len()
+        );
+        let reader = StateStore::new(store.backend().clone());
+        let conv = reader.read_conversation("c").unwrap().unwrap();
+        let want = &reference.conversations["c"];
+        for seq in (0..turns).rev() {
+            let body = reader.bodies().turn_body(&conv, seq).unwrap();
+            assert_eq!(body, *want.bodies.get(seq).unwrap(), "turn {seq}");
+        }
+        assert!(matches!(
+            reader.bodies().turn_body(&conv, turns),
+            Err(BodyError::Missing { seq, .. }) if seq == turns
+        ));
+        // The second run damaged: its turns fail with a reason, others read.
+        let (second, value) = runs[1].clone();
+        let mut damaged = store.backend().clone();
+        damaged
+            .commit(
+                &[Write::Put {
+                    table: Table::Records,
+                    key: second.clone(),
+                    value: value[..value.len() / 2].to_vec(),
+                }],
+                false,
+            )
+            .unwrap();
+        let first_of_second = u64::from_be_bytes(second[second.len() - 8..].try_into().unwrap());
+        let reader = StateStore::new(damaged);
+        assert!(matches!(
+            reader.bodies().turn_body(&conv, first_of_second),
+            Err(BodyError::Unreadable { seq, .. }) if seq == first_of_second
+        ));
+        assert!(reader.bodies().turn_body(&conv, 0).is_ok());
     }
 }
