@@ -8,6 +8,10 @@
 //! about [`RUN_BYTES`], or one larger body alone), and a reader finds the run
 //! that holds a sequence with one seek ([`KvBackend::last_at_or_before`]).
 //!
+//! A run is written once, in the commit that first stores its turns (so
+//! it never spans two commits and is never rewritten): the store's crash
+//! reasoning is unchanged.
+//!
 //! A run's value is its bodies' encodings back to back, then the end offset
 //! of each (`u32`, little-endian) and their count (`u32`). Nothing here is
 //! trusted when read: an offset out of order or out of bounds is an error
