@@ -13,7 +13,7 @@
 //!
 //! Turn bodies are records apart from the chunks: the bodies one commit adds
 //! to a conversation, in runs of consecutive sequences of about 64 KiB
-//! ([`super::body_runs`]; key: the conversation's escaped key, 0,
+//! (`store::body_runs`; key: the conversation's escaped key, 0,
 //! `KIND_BODY_RUN`, the big-endian sequence of the run's first body). So one
 //! body is read with one seek and without reading its conversation, and
 //! loading a conversation never reads a body (but the few its duplicate and
