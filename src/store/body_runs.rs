@@ -162,18 +162,12 @@ pub(crate) fn encoded_bodies(value: &[u8]) -> Result<Vec<&[u8]>, RunError> {
     Ok(out)
 }
 
-/// Decodes every body of a run's value, in order.
-pub(crate) fn decode_run(value: &[u8]) -> Result<Vec<TurnBody>, RunError> {
-    encoded_bodies(value)?
-        .into_iter()
-        .enumerate()
-        .map(|(index, bytes)| {
-            rmp_serde::from_slice(bytes).map_err(|e| RunError::Undecodable {
-                index,
-                detail: e.to_string(),
-            })
-        })
-        .collect()
+/// Decodes one body of a run (`index`: its place in the run).
+pub(crate) fn decode_body(index: usize, bytes: &[u8]) -> Result<TurnBody, RunError> {
+    rmp_serde::from_slice(bytes).map_err(|e| RunError::Undecodable {
+        index,
+        detail: e.to_string(),
+    })
 }
 
 #[cfg(test)]
@@ -193,6 +187,14 @@ mod tests {
                 metadata: None,
             },
         )
+    }
+
+    fn decode_run(value: &[u8]) -> Result<Vec<TurnBody>, RunError> {
+        encoded_bodies(value)?
+            .into_iter()
+            .enumerate()
+            .map(|(index, bytes)| decode_body(index, bytes))
+            .collect()
     }
 
     fn runs(bodies: &[(u64, TurnBody)]) -> Vec<(u64, Vec<u8>)> {

@@ -580,20 +580,26 @@ impl<B: KvBackend> StateStore<B> {
             .and_then(|first| <[u8; 8]>::try_from(first).ok())
             .map(u64::from_be_bytes)
             .ok_or_else(|| unreadable(format!("a run of bodies under the key {run_key:?}")))?;
+        let encoded = body_runs::encoded_bodies(&value).map_err(|e| unreadable(e.to_string()))?;
         // The run's neighbours are what a reader asks for next (a fresh
-        // tail, a summary's sources, the state hash): all go to the cache.
+        // tail, a summary's sources, the state hash): they go to the cache
+        // too. A body that does not decode fails only its own reads.
         let mut wanted = None;
-        for (at, body) in
-            (first..).zip(body_runs::decode_run(&value).map_err(|e| unreadable(e.to_string()))?)
-        {
-            let body = Arc::new(body);
-            if at == seq {
-                wanted = Some(Arc::clone(&body));
+        for (index, (at, bytes)) in (first..).zip(encoded).enumerate() {
+            match body_runs::decode_body(index, bytes) {
+                Ok(body) => {
+                    let body = Arc::new(body);
+                    if at == seq {
+                        wanted = Some(Ok(Arc::clone(&body)));
+                    }
+                    self.cache
+                        .insert((key_digest, KIND_BODY_RUN, at), Cached::Turn(body));
+                }
+                Err(e) if at == seq => wanted = Some(Err(unreadable(e.to_string()))),
+                Err(_) => {}
             }
-            self.cache
-                .insert((key_digest, KIND_BODY_RUN, at), Cached::Turn(body));
         }
-        wanted.ok_or_else(missing)
+        wanted.unwrap_or_else(|| Err(missing()))
     }
 
     fn stored_summary_text(
@@ -1084,25 +1090,45 @@ mod tests {
             reader.bodies().turn_body(&conv, turns),
             Err(BodyError::Missing { seq, .. }) if seq == turns
         ));
-        // The second run damaged: its turns fail with a reason, others read.
-        let (second, value) = runs[1].clone();
+        // The second run cut short (its table of offsets lost): its turns
+        // fail with a reason. The third's first body damaged (0xc1 is no
+        // MessagePack): that turn fails, the one after it reads.
+        let first_of = |key: &[u8]| u64::from_be_bytes(key[key.len() - 8..].try_into().unwrap());
+        let (second, cut) = runs[1].clone();
+        let (third, mut flipped) = runs[2].clone();
+        flipped[0] = 0xc1;
         let mut damaged = store.backend().clone();
         damaged
             .commit(
-                &[Write::Put {
-                    table: Table::Records,
-                    key: second.clone(),
-                    value: value[..value.len() / 2].to_vec(),
-                }],
+                &[
+                    Write::Put {
+                        table: Table::Records,
+                        key: second.clone(),
+                        value: cut[..cut.len() / 2].to_vec(),
+                    },
+                    Write::Put {
+                        table: Table::Records,
+                        key: third.clone(),
+                        value: flipped,
+                    },
+                ],
                 false,
             )
             .unwrap();
-        let first_of_second = u64::from_be_bytes(second[second.len() - 8..].try_into().unwrap());
         let reader = StateStore::new(damaged);
-        assert!(matches!(
-            reader.bodies().turn_body(&conv, first_of_second),
-            Err(BodyError::Unreadable { seq, .. }) if seq == first_of_second
-        ));
+        for seq in [first_of(&second), first_of(&second) + 1, first_of(&third)] {
+            assert!(matches!(
+                reader.bodies().turn_body(&conv, seq),
+                Err(BodyError::Unreadable { seq: s, .. }) if s == seq
+            ));
+        }
         assert!(reader.bodies().turn_body(&conv, 0).is_ok());
+        assert_eq!(
+            reader
+                .bodies()
+                .turn_body(&conv, first_of(&third) + 1)
+                .unwrap(),
+            *want.bodies.get(first_of(&third) + 1).unwrap()
+        );
     }
 }
