@@ -81,17 +81,17 @@ impl Run {
     /// A run of `from`'s last body, encoded at `encoded_at`; `from` keeps
     /// the bodies before it.
     fn moved_from(from: &mut Run, encoded_at: usize) -> Run {
-        let mut data = Vec::with_capacity((from.data.len() - encoded_at).max(4 * 1024));
-        data.extend_from_slice(&from.data[encoded_at..]);
+        let data = from.data[encoded_at..].to_vec();
         from.data.truncate(encoded_at);
         from.ends.pop();
         from.next -= 1;
-        let mut run = Run::starting_at(from.next);
-        run.data = data;
-        // Its end was a `u32` in `from`: its length is one too.
-        run.ends.push(run.data.len() as u32);
-        run.next += 1;
-        run
+        Run {
+            first: from.next,
+            next: from.next + 1,
+            // Its end was a `u32` in `from`: its length is one too.
+            ends: vec![data.len() as u32],
+            data,
+        }
     }
 
     /// The value's size once finished.
