@@ -175,8 +175,12 @@ impl BodyCache {
     fn get(&self, key: &BodyKey) -> Option<Cached> {
         self.cache.get(key)
     }
+    /// Whether it keeps anything (`store.body_cache_bytes` 0 turns it off).
+    fn keeps(&self) -> bool {
+        self.capacity_bytes > 0
+    }
     fn insert(&self, key: BodyKey, body: Cached) {
-        if self.capacity_bytes > 0 {
+        if self.keeps() {
             self.cache.insert(key, body);
         }
     }
@@ -583,9 +587,14 @@ impl<B: KvBackend> StateStore<B> {
         let encoded = body_runs::encoded_bodies(&value).map_err(|e| unreadable(e.to_string()))?;
         // The run's neighbours are what a reader asks for next (a fresh
         // tail, a summary's sources, the state hash): they go to the cache
-        // too. A body that does not decode fails only its own reads.
+        // too, when there is one. A body that does not decode fails only its
+        // own reads.
+        let neighbours = self.cache.keeps();
         let mut wanted = None;
         for (index, (at, bytes)) in (first..).zip(encoded).enumerate() {
+            if at != seq && !neighbours {
+                continue;
+            }
             match body_runs::decode_body(index, bytes) {
                 Ok(body) => {
                     let body = Arc::new(body);
@@ -1082,10 +1091,15 @@ mod tests {
         let reader = StateStore::new(store.backend().clone());
         let conv = reader.read_conversation("c").unwrap().unwrap();
         let want = &reference.conversations["c"];
+        // With the cache, and without one (only the wanted body decoded).
+        let uncached = StateStore::with_cache(store.backend().clone(), Arc::new(BodyCache::new(0)));
         for seq in (0..turns).rev() {
-            let body = reader.bodies().turn_body(&conv, seq).unwrap();
-            assert_eq!(body, *want.bodies.get(seq).unwrap(), "turn {seq}");
+            for r in [&reader, &uncached] {
+                let body = r.bodies().turn_body(&conv, seq).unwrap();
+                assert_eq!(body, *want.bodies.get(seq).unwrap(), "turn {seq}");
+            }
         }
+        assert!(uncached.cache().is_empty());
         assert!(matches!(
             reader.bodies().turn_body(&conv, turns),
             Err(BodyError::Missing { seq, .. }) if seq == turns
