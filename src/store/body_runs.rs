@@ -24,8 +24,8 @@ use crate::core::state::TurnBody;
 /// The most a run's value holds (its bodies and offsets), unless one body
 /// alone is larger. Under 64 KiB with room for the key and the page's own
 /// bookkeeping: redb allocates pages in powers of two, and a value just over
-/// 64 KiB would take 128 (a first version closing runs just past 64 KiB grew
-/// the real-transcript fleet's store by a quarter; `docs/notes/issue-26.md`).
+/// 64 KiB would take 128 (measured: `docs/notes/issue-26.md`, fourteenth
+/// pass).
 pub(crate) const RUN_BYTES: usize = 63 * 1024;
 
 /// Splits consecutive `(sequence, body)` pairs into runs and hands each to
