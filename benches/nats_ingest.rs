@@ -35,6 +35,7 @@
 //! CONTEXTFOLD_BENCH_EVENTS=100000  # events published (default 100,000)
 //! CONTEXTFOLD_BENCH_ROUNDS=3       # raw / end-to-end pairs (default 3)
 //! CONTEXTFOLD_BENCH_BATCH=1024     # folder batch and raw pull batch (default: the folder's)
+//! CONTEXTFOLD_BENCH_RAW_BATCH=1024 # raw pull batch alone (default: the folder batch)
 //! CONTEXTFOLD_BENCH_FLUSH_EVERY=1  # every N-th state commit durable (default: serve's, 1)
 //! CONTEXTFOLD_BENCH_GATHER_MS=50   # folder's wait for a backlog batch to fill (default: the folder's)
 //! ```
@@ -195,6 +196,8 @@ struct Bench {
     infra: Infrastructure,
     cfg: NatsConfig,
     settings: FolderSettings,
+    /// The raw phase's pull batch (the folder's unless set apart).
+    raw_batch: usize,
     /// Every N-th state commit is durable.
     flush_every: u32,
     server_pid: Option<u32>,
@@ -206,11 +209,11 @@ async fn raw(bench: &Bench, round: usize, last: &[u64]) -> Result<(f64, String),
     let Bench {
         infra,
         settings,
+        raw_batch,
         server_pid,
         ..
     } = bench;
-    let server_pid = *server_pid;
-    let batch = settings.batch.max(1);
+    let (server_pid, batch) = (*server_pid, *raw_batch);
     let names: Vec<String> = (0..last.len())
         .map(|p| format!("raw_{round}_{p}"))
         .collect();
@@ -280,6 +283,7 @@ async fn end_to_end(bench: &Bench, round: usize, last: &[u64]) -> Result<EndToEn
         infra,
         cfg,
         settings,
+        raw_batch: _,
         flush_every,
         server_pid,
     } = bench;
@@ -450,6 +454,7 @@ async fn run() -> Result<(), Error> {
         ) as u64),
         ..defaults
     };
+    let raw_batch = env_usize("CONTEXTFOLD_BENCH_RAW_BATCH", settings.batch).max(1);
     let flush_every =
         env_usize("CONTEXTFOLD_BENCH_FLUSH_EVERY", 1).clamp(1, u32::MAX as usize) as u32;
 
@@ -460,8 +465,8 @@ async fn run() -> Result<(), Error> {
     println!(
         "nats_ingest: {n} turn events of about {size} bytes (JSON) over {CONVERSATIONS} \
          conversations, {} partitions, file storage; published at {publish_rate:.0} events/s; \
-         folder batch {} (gathered for up to {:?}), max_ack_pending {}, state commits durable \
-         every {flush_every}",
+         folder batch {} (gathered for up to {:?}), raw pull batch {raw_batch}, max_ack_pending \
+         {}, state commits durable every {flush_every}",
         cfg.partitions, settings.batch, settings.gather_wait, settings.max_ack_pending
     );
     let bench = Bench {
@@ -469,6 +474,7 @@ async fn run() -> Result<(), Error> {
         infra,
         cfg,
         settings,
+        raw_batch,
         flush_every,
         server_pid: server.pid(),
     };
