@@ -34,7 +34,7 @@ pub struct StoreConfig {
     /// next commit (default 600,000 ms).
     pub conversation_idle_ms: u64,
     /// Bytes of redb pages each state store keeps in memory (default
-    /// 64 MiB).
+    /// 16 MiB; `serve` opens one store per partition it owns).
     pub redb_cache_bytes: u64,
 }
 
