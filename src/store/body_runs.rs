@@ -121,14 +121,18 @@ impl Run {
 }
 
 /// Why a run's value could not be read.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 pub(crate) enum RunError {
     #[error("a run of turn bodies of {len} bytes is too short for its table of {count} offsets")]
     Truncated { len: usize, count: u64 },
     #[error("offset {index} of a run of turn bodies ({end}) is before the one before it or past its data ({data} bytes)")]
     BadOffset { index: usize, end: u32, data: usize },
-    #[error("turn body {index} of its run could not be decoded: {detail}")]
-    Undecodable { index: usize, detail: String },
+    #[error("turn body {index} of its run could not be decoded: {source}")]
+    Undecodable {
+        index: usize,
+        #[source]
+        source: rmp_serde::decode::Error,
+    },
 }
 
 /// The encoded bodies of a run's value, in order.
@@ -165,10 +169,7 @@ pub(crate) fn encoded_bodies(value: &[u8]) -> Result<Vec<&[u8]>, RunError> {
 
 /// Decodes one body of a run (`index`: its place in the run).
 pub(crate) fn decode_body(index: usize, bytes: &[u8]) -> Result<TurnBody, RunError> {
-    rmp_serde::from_slice(bytes).map_err(|e| RunError::Undecodable {
-        index,
-        detail: e.to_string(),
-    })
+    rmp_serde::from_slice(bytes).map_err(|source| RunError::Undecodable { index, source })
 }
 
 #[cfg(test)]

@@ -60,8 +60,14 @@ pub enum Write {
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error("state store at {path} could not be opened: {detail}")]
-    Open { path: String, detail: String },
+    #[error("state store at {path} could not be opened: {source}")]
+    Open {
+        path: String,
+        /// The backend's error, an [`OpenStep`] naming the step it failed
+        /// at, or a sentence saying what to do.
+        #[source]
+        source: crate::BoxError,
+    },
     #[error("state store error: {what}: {source}")]
     Backend {
         /// The backend and the operation (`redb commit`).
@@ -85,6 +91,26 @@ pub enum StoreError {
     OtherLayout { found: String, expected: String },
     #[error("state store was opened read-only; a read-only command never writes it")]
     ReadOnly,
+}
+
+/// The step of opening a store that failed, and its cause.
+#[derive(Debug, thiserror::Error)]
+#[error("{step}: {source}")]
+pub struct OpenStep {
+    /// What was being done (`cannot open table records`).
+    pub step: String,
+    #[source]
+    pub source: crate::BoxError,
+}
+
+impl OpenStep {
+    /// `source` at `step`, boxed as an [`StoreError::Open`]'s cause.
+    pub fn boxed(step: impl Into<String>, source: impl Into<crate::BoxError>) -> crate::BoxError {
+        Box::new(OpenStep {
+            step: step.into(),
+            source: source.into(),
+        })
+    }
 }
 
 impl From<crate::core::state::BodyError> for StoreError {

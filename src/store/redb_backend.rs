@@ -6,7 +6,8 @@
 //! [`KvBackend::flush`] is a `Durability::Immediate` commit, which makes it
 //! and every earlier commit durable.
 
-use super::{KvBackend, StoreError, Table, Write};
+use super::{KvBackend, OpenStep, StoreError, Table, Write};
+use crate::BoxError;
 use redb::{Database, Durability, ReadableDatabase, ReadableTableMetadata, TableDefinition};
 use std::path::{Path, PathBuf};
 
@@ -48,14 +49,14 @@ pub enum InspectError {
 /// through a read-only open: nothing is created or written, and a store a
 /// running process holds is reported as in use.
 pub fn inspect(path: &Path) -> Result<StoreSummary, InspectError> {
-    let open_error = |detail: String| StoreError::Open {
+    let open_error = |source: BoxError| StoreError::Open {
         path: path.display().to_string(),
-        detail,
+        source,
     };
     let db = redb::ReadOnlyDatabase::open(path).map_err(|e| match e {
         redb::DatabaseError::DatabaseAlreadyOpen => InspectError::InUse(path.display().to_string()),
         redb::DatabaseError::RepairAborted => InspectError::NeedsRepair(path.display().to_string()),
-        other => open_error(other.to_string()).into(),
+        other => open_error(other.into()).into(),
     })?;
     let txn = db
         .begin_read()
@@ -117,13 +118,13 @@ impl RedbBackend {
     /// its pages in memory (its own default, 1 GiB, would let a process grow
     /// with its store: the bodies are read through the body cache instead).
     pub fn open_with_cache(path: &Path, cache_bytes: usize) -> Result<Self, StoreError> {
-        let open_error = |detail: String| StoreError::Open {
+        let open_error = |source: BoxError| StoreError::Open {
             path: path.display().to_string(),
-            detail,
+            source,
         };
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent)
-                .map_err(|e| open_error(format!("cannot create its directory: {e}")))?;
+                .map_err(|e| open_error(OpenStep::boxed("cannot create its directory", e)))?;
         }
         let db = Database::builder()
             .set_cache_size(cache_bytes)
@@ -134,17 +135,21 @@ impl RedbBackend {
                  another --data directory"
                         .into(),
                 ),
-                other => open_error(other.to_string()),
+                other => open_error(other.into()),
             })?;
         let txn = db
             .begin_write()
-            .map_err(|e| open_error(format!("cannot begin a transaction: {e}")))?;
+            .map_err(|e| open_error(OpenStep::boxed("cannot begin a transaction", e)))?;
         for table in Table::ALL {
-            txn.open_table(definition(table))
-                .map_err(|e| open_error(format!("cannot open table {}: {e}", table.name())))?;
+            txn.open_table(definition(table)).map_err(|e| {
+                open_error(OpenStep::boxed(
+                    format!("cannot open table {}", table.name()),
+                    e,
+                ))
+            })?;
         }
         txn.commit()
-            .map_err(|e| open_error(format!("cannot create the tables: {e}")))?;
+            .map_err(|e| open_error(OpenStep::boxed("cannot create the tables", e)))?;
         Ok(RedbBackend {
             db,
             path: path.to_path_buf(),
@@ -323,9 +328,9 @@ impl ReadOnlyRedb {
     /// Opens `path` read-only; a store a running process holds, or one
     /// that needs a repair after an unclean stop, is an error that says so.
     pub fn open(path: &Path) -> Result<Self, StoreError> {
-        let open_error = |detail: String| StoreError::Open {
+        let open_error = |source: BoxError| StoreError::Open {
             path: path.display().to_string(),
-            detail,
+            source,
         };
         let db = redb::ReadOnlyDatabase::open(path).map_err(|e| match e {
             redb::DatabaseError::DatabaseAlreadyOpen => open_error(
@@ -338,7 +343,7 @@ impl ReadOnlyRedb {
                  writes makes: run `contextfold run` (with no input: `run /dev/null`) once"
                     .into(),
             ),
-            other => open_error(other.to_string()),
+            other => open_error(other.into()),
         })?;
         Ok(ReadOnlyRedb { db })
     }
@@ -418,5 +423,27 @@ mod tests {
                 .unwrap(),
             Some(42u64.to_be_bytes().to_vec())
         );
+    }
+
+    #[test]
+    fn an_open_that_fails_keeps_its_step_and_cause() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("a-file");
+        std::fs::write(&file, b"not a directory").unwrap();
+        let err = RedbBackend::open(&file.join("state.redb")).unwrap_err();
+        assert!(matches!(err, StoreError::Open { .. }), "{err:?}");
+        let step = std::error::Error::source(&err)
+            .and_then(|s| s.downcast_ref::<OpenStep>())
+            .expect("the step it failed at");
+        assert_eq!(step.step, "cannot create its directory");
+        let io = std::error::Error::source(step).expect("the I/O error");
+        assert!(io.is::<std::io::Error>());
+        assert!(err.to_string().ends_with(&io.to_string()), "{err}");
+        // A sentence where there is no error value to keep.
+        let path = dir.path().join("state.redb");
+        let _held = RedbBackend::open(&path).unwrap();
+        let err = RedbBackend::open(&path).unwrap_err();
+        let sentence = std::error::Error::source(&err).unwrap().to_string();
+        assert!(sentence.starts_with("it is already open in another process"));
     }
 }

@@ -17,7 +17,7 @@
 //! ~2 MB) and the deadlock remains possible. sled records the segment size
 //! in the database, so a database made with another size will not open.
 
-use super::{KvBackend, StoreError, Table, Write};
+use super::{KvBackend, OpenStep, StoreError, Table, Write};
 use sled::transaction::{ConflictableTransactionError, TransactionError, TransactionalTree};
 use sled::Transactional;
 use std::path::{Path, PathBuf};
@@ -76,9 +76,9 @@ impl std::fmt::Debug for SledBackend {
 impl SledBackend {
     /// Opens (creating if needed) the sled database directory at `path`.
     pub fn open(path: &Path) -> Result<Self, StoreError> {
-        let open_error = |detail: String| StoreError::Open {
+        let open_error = |source: crate::BoxError| StoreError::Open {
             path: path.display().to_string(),
-            detail,
+            source,
         };
         let config = sled::Config::new().path(path).segment_size(SEGMENT_BYTES);
         let deadline = std::time::Instant::now() + LOCK_RELEASE_WAIT;
@@ -92,15 +92,18 @@ impl SledBackend {
                     std::thread::sleep(pause);
                     pause = (pause * 2).min(std::time::Duration::from_millis(100));
                 }
-                Err(e) => return Err(open_error(e.to_string())),
+                Err(e) => return Err(open_error(e.into())),
             }
         };
         let mut trees = Vec::with_capacity(Table::ALL.len());
         for table in Table::ALL {
             debug_assert_eq!(table_index(table), trees.len());
-            let tree = db
-                .open_tree(table.name())
-                .map_err(|e| open_error(format!("cannot open tree {}: {e}", table.name())))?;
+            let tree = db.open_tree(table.name()).map_err(|e| {
+                open_error(OpenStep::boxed(
+                    format!("cannot open tree {}", table.name()),
+                    e,
+                ))
+            })?;
             trees.push(tree);
         }
         Ok(SledBackend {

@@ -32,6 +32,7 @@ use crate::core::state::{
 };
 use crate::log::Position;
 use crate::store::{body_runs, KvBackend, StoreError, Table, Write};
+use crate::BoxError;
 use std::borrow::Cow;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
@@ -560,10 +561,10 @@ impl<B: KvBackend> StateStore<B> {
         if let Some(Cached::Turn(body)) = self.cache.get(&cache_key) {
             return Ok(body);
         }
-        let unreadable = |detail: String| BodyError::Unreadable {
+        let unreadable = |source: BoxError| BodyError::Unreadable {
             conversation: conv.key.clone(),
             seq,
-            detail,
+            source,
         };
         let missing = || BodyError::Missing {
             conversation: conv.key.clone(),
@@ -577,14 +578,16 @@ impl<B: KvBackend> StateStore<B> {
                 &prefix,
                 &record_key(&conv.key, KIND_BODY_RUN, seq),
             )
-            .map_err(|e| unreadable(e.to_string()))?
+            .map_err(|e| unreadable(e.into()))?
             .ok_or_else(missing)?;
         let first = run_key
             .get(prefix.len()..)
             .and_then(|first| <[u8; 8]>::try_from(first).ok())
             .map(u64::from_be_bytes)
-            .ok_or_else(|| unreadable(format!("a run of bodies under the key {run_key:?}")))?;
-        let encoded = body_runs::encoded_bodies(&value).map_err(|e| unreadable(e.to_string()))?;
+            .ok_or_else(|| {
+                unreadable(format!("a run of bodies under the key {run_key:?}").into())
+            })?;
+        let encoded = body_runs::encoded_bodies(&value).map_err(|e| unreadable(e.into()))?;
         // The run's neighbours are what a reader asks for next (a fresh
         // tail, a summary's sources, the state hash): they go to the cache
         // too, when there is one. A body that does not decode fails only its
@@ -604,7 +607,7 @@ impl<B: KvBackend> StateStore<B> {
                     self.cache
                         .insert((key_digest, KIND_BODY_RUN, at), Cached::Turn(body));
                 }
-                Err(e) if at == seq => wanted = Some(Err(unreadable(e.to_string()))),
+                Err(e) if at == seq => wanted = Some(Err(unreadable(e.into()))),
                 Err(_) => {}
             }
         }
@@ -621,10 +624,10 @@ impl<B: KvBackend> StateStore<B> {
         if let Some(Cached::SummaryText(text)) = self.cache.get(&cache_key) {
             return Ok(text);
         }
-        let unreadable = |detail: String| BodyError::SummaryUnreadable {
+        let unreadable = |source: BoxError| BodyError::SummaryUnreadable {
             conversation: conv.key.clone(),
             index,
-            detail,
+            source,
         };
         let bytes = self
             .backend
@@ -632,12 +635,12 @@ impl<B: KvBackend> StateStore<B> {
                 Table::Records,
                 &record_key(&conv.key, KIND_SUMMARY_TEXT, u64::from(index)),
             )
-            .map_err(|e| unreadable(e.to_string()))?
+            .map_err(|e| unreadable(e.into()))?
             .ok_or_else(|| BodyError::SummaryMissing {
                 conversation: conv.key.clone(),
                 index,
             })?;
-        let text: String = rmp_serde::from_slice(&bytes).map_err(|e| unreadable(e.to_string()))?;
+        let text: String = rmp_serde::from_slice(&bytes).map_err(|e| unreadable(e.into()))?;
         let text: Arc<str> = Arc::from(text);
         self.cache
             .insert(cache_key, Cached::SummaryText(Arc::clone(&text)));
@@ -955,7 +958,7 @@ impl<B: KvBackend> TurnBodies for StoredBodies<'_, B> {
                 .read_history(&conv.key)
                 .map_err(|e| BodyError::HistoryUnreadable {
                     conversation: conv.key.clone(),
-                    detail: e.to_string(),
+                    source: e.into(),
                 })?;
         // The store may hold some of the resident ones already (a commit
         // that has not dropped them yet): those before them come from it.
@@ -1136,6 +1139,27 @@ mod tests {
                 Err(BodyError::Unreadable { seq: s, .. }) if s == seq
             ));
         }
+        // Each keeps its cause: the run's damage, and under a damaged body
+        // the decoder's own error.
+        let cause = |seq, check: &dyn Fn(&body_runs::RunError)| {
+            let err = reader.bodies().turn_body(&conv, seq).unwrap_err();
+            let source = std::error::Error::source(&err).expect("a cause");
+            check(source.downcast_ref().expect("a run's error"));
+        };
+        cause(first_of(&second), &|run| {
+            assert!(matches!(
+                run,
+                body_runs::RunError::Truncated { .. } | body_runs::RunError::BadOffset { .. }
+            ));
+            assert!(std::error::Error::source(run).is_none());
+        });
+        cause(first_of(&third), &|run| {
+            let decoder = std::error::Error::source(run).expect("the decoder's error");
+            assert!(decoder.is::<rmp_serde::decode::Error>());
+            let text = run.to_string();
+            assert!(text.starts_with("turn body 0 of its run could not be decoded: "));
+            assert!(text.ends_with(&decoder.to_string()), "{text}");
+        });
         assert!(reader.bodies().turn_body(&conv, 0).is_ok());
         assert_eq!(
             reader

@@ -7,6 +7,7 @@
 use super::{Conversation, HistoryEntry};
 use crate::core::event::TurnAppended;
 use crate::core::summary::SourceReading;
+use crate::BoxError;
 use serde_tuple::{Deserialize_tuple, Serialize_tuple};
 use std::sync::Arc;
 
@@ -189,7 +190,7 @@ pub fn body_size(body: &TurnBody) -> u64 {
 }
 
 /// Why a turn body could not be read.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 pub enum BodyError {
     #[error(
         "turn {seq} of conversation {conversation:?} has no body in memory and no store to read it from"
@@ -207,11 +208,12 @@ pub enum BodyError {
         "summary {index} of conversation {conversation:?} has no text in the state store; run `contextfold rebuild`"
     )]
     SummaryMissing { conversation: String, index: u32 },
-    #[error("summary {index} of conversation {conversation:?} could not be read: {detail}")]
+    #[error("summary {index} of conversation {conversation:?} could not be read: {source}")]
     SummaryUnreadable {
         conversation: String,
         index: u32,
-        detail: String,
+        #[source]
+        source: BoxError,
     },
     #[error(
         "the history of conversation {conversation:?} is not in memory and there is no store to read it from"
@@ -221,16 +223,18 @@ pub enum BodyError {
         "the stored history of conversation {conversation:?} does not match its digest; run `contextfold rebuild`"
     )]
     HistoryMismatch { conversation: String },
-    #[error("the history of conversation {conversation:?} could not be read: {detail}")]
+    #[error("the history of conversation {conversation:?} could not be read: {source}")]
     HistoryUnreadable {
         conversation: String,
-        detail: String,
+        #[source]
+        source: BoxError,
     },
-    #[error("turn {seq} of conversation {conversation:?} could not be read: {detail}")]
+    #[error("turn {seq} of conversation {conversation:?} could not be read: {source}")]
     Unreadable {
         conversation: String,
         seq: u64,
-        detail: String,
+        #[source]
+        source: BoxError,
     },
 }
 
