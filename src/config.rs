@@ -482,6 +482,8 @@ pub enum ConfigError {
         #[source]
         source: std::io::Error,
     },
+    /// Located by line and column, without the TOML error as its cause:
+    /// that error quotes the line, which may hold a password.
     #[error("config file {path} is not valid TOML: {detail}")]
     Parse { path: String, detail: String },
     #[error("invalid configuration{origin}: {source}")]
@@ -520,6 +522,20 @@ pub enum ConfigError {
     Policy(#[from] PolicyError),
 }
 
+impl ConfigError {
+    /// `text`, read from `path`, is not TOML: where and why, without
+    /// quoting it.
+    fn parse(path: &Path, text: &str, e: &toml::de::Error) -> ConfigError {
+        ConfigError::Parse {
+            path: path.display().to_string(),
+            detail: match e.span() {
+                Some(span) => format!("{}: {}", line_and_column(text, span.start), e.message()),
+                None => e.message().to_string(),
+            },
+        }
+    }
+}
+
 impl Config {
     /// Reads the file (if any), applies `CONTEXTFOLD_*` overrides from the
     /// process environment, and validates.
@@ -537,15 +553,7 @@ impl Config {
         })?;
         let mut table = text
             .parse::<toml::Table>()
-            .map_err(|e| ConfigError::Parse {
-                path: path.display().to_string(),
-                detail: match e.span() {
-                    Some(span) => {
-                        format!("{}: {}", line_and_column(&text, span.start), e.message())
-                    }
-                    None => e.message().to_string(),
-                },
-            })?;
+            .map_err(|e| ConfigError::parse(path, &text, &e))?;
         if table.len() == 1 {
             if let Some(toml::Value::Table(section)) = table.get("policy") {
                 table = section.clone();
@@ -577,15 +585,7 @@ impl Config {
                 // Located by line and column, not quoted: the line may
                 // hold a password.
                 text.parse::<toml::Table>()
-                    .map_err(|e| ConfigError::Parse {
-                        path: p.display().to_string(),
-                        detail: match e.span() {
-                            Some(span) => {
-                                format!("{}: {}", line_and_column(&text, span.start), e.message())
-                            }
-                            None => e.message().to_string(),
-                        },
-                    })?
+                    .map_err(|e| ConfigError::parse(p, &text, &e))?
             }
             None => toml::Table::new(),
         };

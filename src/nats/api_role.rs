@@ -140,10 +140,14 @@ pub enum ServiceError {
     QueueGroup(String),
     #[error("`forward_partitions` must be at least 1")]
     Partitions,
-    #[error("cannot subscribe to {subject}: {detail}")]
-    Subscribe { subject: String, detail: String },
+    #[error("cannot subscribe to {subject}: {source}")]
+    Subscribe {
+        subject: String,
+        #[source]
+        source: async_nats::SubscribeError,
+    },
     #[error("cannot reach the NATS server to confirm the subscription: {0}")]
-    Flush(String),
+    Flush(#[source] crate::BoxError),
 }
 
 /// A running API subscription. Dropping it stops it too, without waiting.
@@ -280,9 +284,9 @@ async fn subscribe(
             client
                 .queue_subscribe(f.clone(), queue_group.to_string())
                 .await
-                .map_err(|e| ServiceError::Subscribe {
+                .map_err(|source| ServiceError::Subscribe {
                     subject: f.clone(),
-                    detail: e.to_string(),
+                    source,
                 })?,
         );
     }
@@ -648,21 +652,15 @@ async fn gather_status(
 /// the connection. `Client::flush` only writes to the socket, and a
 /// request from another connection can overtake what is still unread
 /// there.
-async fn round_trip(client: &Client) -> Result<(), String> {
+async fn round_trip(client: &Client) -> Result<(), crate::BoxError> {
     let inbox = client.new_inbox();
-    let mut back = client
-        .subscribe(inbox.clone())
-        .await
-        .map_err(|e| e.to_string())?;
-    client
-        .publish(inbox, Bytes::new())
-        .await
-        .map_err(|e| e.to_string())?;
+    let mut back = client.subscribe(inbox.clone()).await?;
+    client.publish(inbox, Bytes::new()).await?;
     let limit = client.timeout().unwrap_or(Duration::from_secs(10));
     match tokio::time::timeout(limit, back.next()).await {
         Ok(Some(_)) => Ok(()),
         Ok(None) => Err("the connection closed".into()),
-        Err(_) => Err(format!("no answer within {limit:?}")),
+        Err(_) => Err(format!("no answer within {limit:?}").into()),
     }
 }
 
