@@ -58,11 +58,11 @@ pub struct CompactResponse {
 /// conversation so the log's deduplication window (one per stream) never
 /// merges two conversations' requests.
 pub fn event_id_for_request(conversation: &str, request_id: &str) -> String {
-    let mut h = blake3::Hasher::new();
-    h.update(conversation.as_bytes());
-    h.update(&[0]);
-    h.update(request_id.as_bytes());
-    format!("compact_{}", &h.finalize().to_hex()[..24])
+    crate::core::derived_id::DerivedId::CompactionRequest {
+        conversation,
+        request_id,
+    }
+    .to_string()
 }
 
 pub fn compact(

@@ -106,11 +106,11 @@ pub struct RecallResponse {
 
 /// The event id of a recall.
 pub fn event_id(conversation: &str, request_id: &str) -> String {
-    let mut h = blake3::Hasher::new();
-    h.update(conversation.as_bytes());
-    h.update(&[0]);
-    h.update(request_id.as_bytes());
-    format!("recall_{}", &h.finalize().to_hex()[..24])
+    crate::core::derived_id::DerivedId::Recall {
+        conversation,
+        request_id,
+    }
+    .to_string()
 }
 
 fn spend_refusal(conversation: &str, detail: String) -> ApiError {

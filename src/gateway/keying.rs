@@ -197,10 +197,12 @@ pub fn link(prev: &Chain, digest: &[u8; 16]) -> Chain {
 /// The id of the `n`-th turn of the item that follows `chain` (the history
 /// before it) in `conversation`.
 pub fn event_id(conversation: &str, chain: &Chain, n: usize) -> String {
-    format!(
-        "gw-{}.{n}",
-        hex(&h(&[conversation.as_bytes(), chain])[..12])
-    )
+    crate::core::derived_id::DerivedId::GatewayTurn {
+        conversation,
+        chain,
+        n,
+    }
+    .to_string()
 }
 
 /// Whether an item is a turn of the chain.

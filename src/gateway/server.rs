@@ -18,6 +18,7 @@
 //! recorded as `provider_error_observed`.
 
 use crate::config::{GatewayConfig, GatewayMode, StoreUnavailable};
+use crate::core::derived_id::DerivedId;
 use crate::core::event::{
     CompactionRequested, Envelope, EventBody, ProviderErrorObserved, TurnAppended,
 };
@@ -856,10 +857,8 @@ async fn forward(
         }
         .emit();
         if let (true, Some(res)) = (verdict.overflow, &res) {
-            let id = format!(
-                "{}.overflow",
-                keying::event_id(&res.conversation, &res.tail.1, 0)
-            );
+            let turn_id = keying::event_id(&res.conversation, &res.tail.1, 0);
+            let id = DerivedId::GatewayOverflow { turn_id: &turn_id }.to_string();
             gw.store.publish(vec![Envelope::new(
                 id,
                 &*res.conversation,
@@ -1135,7 +1134,10 @@ fn answer_compaction(
     }
     // The store compacts too, so later blocks cover what this summary does.
     gw.store.publish(vec![Envelope::new(
-        format!("{}.compact", keying::event_id(conv, &res.tail.1, 0)),
+        DerivedId::GatewayCompaction {
+            turn_id: &keying::event_id(conv, &res.tail.1, 0),
+        }
+        .to_string(),
         &**conv,
         now_ms(),
         EventBody::CompactionRequested(CompactionRequested::default()),

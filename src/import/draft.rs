@@ -269,15 +269,13 @@ fn declare(model: &str) -> EventBody {
     })
 }
 
-/// `imp-` + the first 16 hex digits of blake3(conversation, NUL, index).
+/// The id of the `index`-th event imported into `conversation`.
 pub(crate) fn event_id(conversation: &str, index: usize) -> String {
-    let mut hasher = blake3::Hasher::new();
-    hasher.update(b"contextfold-import\0");
-    hasher.update(conversation.as_bytes());
-    hasher.update(b"\0");
-    hasher.update(&(index as u64).to_le_bytes());
-    let hex = hasher.finalize().to_hex();
-    format!("imp-{}", &hex[..16])
+    crate::core::derived_id::DerivedId::Imported {
+        conversation,
+        index,
+    }
+    .to_string()
 }
 
 fn event_times(draft: &Draft) -> Vec<u64> {

@@ -759,7 +759,11 @@ impl<B: KvBackend + 'static> FolderRole<B> {
             let e = lock(engine);
             e.partition_key().map(|(key, recorder)| {
                 crate::core::event::Envelope::new(
-                    format!("tick:{key}:{}", e.position()),
+                    DerivedId::ClockTick {
+                        partition_key: key,
+                        position: e.position(),
+                    }
+                    .to_string(),
                     key,
                     wall_ms(),
                     crate::core::event::EventBody::ClockTicked(crate::core::event::ClockTicked {

@@ -34,6 +34,7 @@
 //! test folds with random evictions). Turn bodies leave memory at commit,
 //! into the store's bounded body cache.
 
+use crate::core::derived_id::DerivedId;
 use crate::core::event::{self, Encoding, Envelope, EventBody};
 use crate::core::fold::{self, FoldStatus};
 use crate::core::intake::{self, Refused};
@@ -401,12 +402,12 @@ impl<B: KvBackend> Engine<B> {
             .max()
             .unwrap_or(0);
         Some(Envelope::new(
-            // The partition's key in the id: ids are deduplicated across
-            // the whole stream, and every partition records its own.
-            format!(
-                "policy:{key}:{}:{}",
-                self.configured_fingerprint, self.position
-            ),
+            DerivedId::PolicyRecorded {
+                partition_key: &key,
+                fingerprint: &self.configured_fingerprint,
+                position: self.position,
+            }
+            .to_string(),
             key,
             time,
             EventBody::PolicyRecorded(event::PolicyRecorded {
