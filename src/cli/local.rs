@@ -489,6 +489,36 @@ fn piece_size(batch: usize) -> usize {
     (batch / 16).max(1)
 }
 
+/// How many of the turns' readings the measuring thread leaves to the
+/// fold's thread ([`Measurer::shed_readings`]), steered by the pieces
+/// waiting for the fold: with at most one waiting the fold is about to
+/// wait on the measuring, which then sheds a larger share; with three or
+/// more waiting the measuring is ahead and sheds less. The measuring
+/// thread is the slower of the two on real transcripts (token counts and
+/// readings; `docs/notes/issue-26.md`), so both cores stay busy. What is
+/// shed is read by the drafts and rolling states that need it: the time
+/// changes, never the state.
+#[derive(Debug, Default)]
+struct ShedReadings {
+    share: f64,
+}
+
+impl ShedReadings {
+    /// The change of the share per piece.
+    const STEP: f64 = 1.0 / 32.0;
+
+    /// The share to shed from the next piece, with `waiting` pieces
+    /// measured and not yet taken by the fold.
+    fn after(&mut self, waiting: usize) -> f64 {
+        match waiting {
+            0 | 1 => self.share = (self.share + Self::STEP).min(1.0),
+            2 => {}
+            _ => self.share = (self.share - Self::STEP).max(0.0),
+        }
+        self.share
+    }
+}
+
 /// A piece of input records, read and measured.
 struct MeasuredPiece {
     records: Vec<(Encoding, Vec<u8>)>,
@@ -513,6 +543,7 @@ impl InputAhead {
         // A batch of pieces waiting; the thread blocks with the next one
         // measured.
         let (send, ready) = tokio::sync::mpsc::channel(batch.max(1).div_ceil(size));
+        let mut shed = ShedReadings::default();
         std::thread::Builder::new()
             .name("measure".into())
             .spawn(move || loop {
@@ -523,6 +554,8 @@ impl InputAhead {
                     .map(|records| {
                         (!records.is_empty()).then(|| {
                             let (records, dropped) = drop_unstorable(records);
+                            let waiting = send.max_capacity() - send.capacity();
+                            measurer.shed_readings(shed.after(waiting));
                             let measures = measurer.measure(&records);
                             MeasuredPiece {
                                 records,
@@ -793,7 +826,24 @@ pub fn rebuild(config: &Config) -> Result<ExitCode> {
 
 #[cfg(test)]
 mod tests {
-    use super::piece_size;
+    use super::{piece_size, ShedReadings};
+
+    #[test]
+    fn the_share_shed_grows_while_the_fold_waits_and_shrinks_while_it_lags() {
+        let mut shed = ShedReadings::default();
+        assert_eq!(shed.after(1), ShedReadings::STEP);
+        assert_eq!(shed.after(0), 2.0 * ShedReadings::STEP);
+        assert_eq!(shed.after(2), 2.0 * ShedReadings::STEP);
+        assert_eq!(shed.after(3), ShedReadings::STEP);
+        for _ in 0..100 {
+            shed.after(0);
+        }
+        assert_eq!(shed.after(1), 1.0);
+        for _ in 0..100 {
+            shed.after(16);
+        }
+        assert_eq!(shed.after(9), 0.0);
+    }
 
     #[test]
     fn pieces_are_a_sixteenth_of_the_batch_and_never_empty() {

@@ -330,6 +330,11 @@ impl<L: EventLog, B: KvBackend, S: Summarizer> Pipeline<L, B, S> {
 /// the model and window it declared, or the default, and the policy's
 /// overrides; before that its turns may never be summarized; a turn not
 /// read ahead is read by its draft).
+///
+/// Its caller may leave some readings to the drafts and rolling states
+/// ([`Measurer::shed_readings`]): `run` does when the fold's thread waits
+/// on this one. A reading is a shortcut (`fallback_summary::reading`), so
+/// what is shed moves work to the other thread and never changes a state.
 #[derive(Debug, Default)]
 pub struct Measurer {
     conversations: HashMap<String, Measured>,
@@ -337,6 +342,11 @@ pub struct Measurer {
     /// and the injected-context tags a turn's source text is stripped of
     /// (`sweep::turn_text`), as the snapshots strip them.
     policy: PolicyConfig,
+    /// The share of turns whose reading is left to their readers (0 to 1).
+    shed: f64,
+    /// The shed share accumulated over turns: a turn is shed each time it
+    /// reaches one, so the turns shed are spread evenly.
+    shed_due: f64,
 }
 
 #[derive(Debug, Default)]
@@ -356,9 +366,30 @@ impl Measurer {
     /// A measurer for a pipeline folding under `policy`.
     pub fn for_policy(policy: &PolicyConfig) -> Measurer {
         Measurer {
-            conversations: HashMap::new(),
             policy: policy.clone(),
+            ..Measurer::default()
         }
+    }
+
+    /// From now on, leaves the readings of about `share` of the turns (0:
+    /// none, the default; 1: all) to the drafts and rolling states that
+    /// read them, which then read them on their own thread.
+    pub fn shed_readings(&mut self, share: f64) {
+        self.shed = if share.is_nan() {
+            0.0
+        } else {
+            share.clamp(0.0, 1.0)
+        };
+    }
+
+    /// Whether the next turn's reading is shed.
+    fn sheds_next(&mut self) -> bool {
+        self.shed_due += self.shed;
+        let shed = self.shed_due >= 1.0;
+        if shed {
+            self.shed_due -= 1.0;
+        }
+        shed
     }
 
     /// One measure per record: `None` for a record that is not a turn (or
@@ -392,6 +423,7 @@ impl Measurer {
                     }
                     _ => return None,
                 };
+                let shed = self.sheds_next();
                 let measured = self
                     .conversations
                     .entry(admitted.event.conversation.clone())
@@ -402,8 +434,11 @@ impl Measurer {
                 let mut measure = TurnMeasure::of(encoding, &turn.message);
                 measured.tokens += measure.tokens;
                 let msg = &turn.message;
-                if let Some(text) = sweep::turn_text(msg, &self.policy.strip_injected_context_tags)
-                {
+                let text = match shed {
+                    true => None,
+                    false => sweep::turn_text(msg, &self.policy.strip_injected_context_tags),
+                };
+                if let Some(text) = text {
                     let source = SourceItem {
                         role: Some(msg.role),
                         tool: sweep::source_tool(msg),
@@ -610,6 +645,62 @@ mod tests {
         // Nor did it admit (decode) again a turn admitted ahead.
         assert_eq!(admitted_ahead, records.len() as u64);
         assert_eq!(admitted_plain - admitted_measured, admitted_ahead);
+    }
+
+    #[tokio::test]
+    async fn readings_shed_to_the_fold_leave_the_same_log_and_state() {
+        let records = measured_session();
+        let policy = PolicyConfig {
+            default_context_window: 6_000,
+            ..PolicyConfig::default()
+        };
+        // The state hash, the log, and how many turns came with a reading
+        // and with a telling line.
+        let fold_shedding = |share: f64| {
+            let policy = policy.clone();
+            let records = records.clone();
+            async move {
+                let mut p = Pipeline::open(
+                    MemoryLog::new(),
+                    Engine::open(MemoryBackend::default(), policy.clone()).unwrap(),
+                    crate::summarizer::DeterministicSummarizer,
+                )
+                .await
+                .unwrap();
+                let mut measurer = Measurer::for_policy(&policy);
+                measurer.shed_readings(share);
+                let (mut readings, mut tellings, mut turns) = (0, 0, 0);
+                for chunk in records.chunks(50) {
+                    let measures = measurer.measure(chunk);
+                    for m in measures.iter().flatten() {
+                        turns += 1;
+                        readings += usize::from(m.reading.is_some());
+                        tellings += usize::from(m.telling.is_some());
+                    }
+                    p.ingest_measured(chunk, measures).await.unwrap();
+                }
+                let log = p.log.read_after(0, usize::MAX).await.unwrap();
+                let log: Vec<bytes::Bytes> = log.into_iter().map(|r| r.bytes).collect();
+                let hash = p.engine.state_hash().unwrap();
+                (hash, log, readings, tellings, turns)
+            }
+        };
+        let (hash, log, all_read, all_told, turns) = fold_shedding(0.0).await;
+        assert_eq!(all_read, turns, "every turn here has text to read");
+        assert!(all_told > 0, "the session has long outputs");
+        // Only readings are shed: the telling lines are still found ahead.
+        let (half_hash, half_log, half_read, half_told, _) = fold_shedding(0.5).await;
+        assert_eq!((&half_hash, &half_log), (&hash, &log));
+        assert_eq!((half_read, half_told), (turns / 2, all_told));
+        let (none_hash, none_log, none_read, none_told, _) = fold_shedding(1.0).await;
+        assert_eq!((&none_hash, &none_log), (&hash, &log));
+        assert_eq!((none_read, none_told), (0, all_told));
+        // Out-of-range shares are clamped, and NaN sheds nothing.
+        let mut m = Measurer::default();
+        m.shed_readings(f64::NAN);
+        assert!(!m.sheds_next());
+        m.shed_readings(7.0);
+        assert!(m.sheds_next() && m.sheds_next());
     }
 
     #[test]
