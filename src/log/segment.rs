@@ -74,6 +74,23 @@
 //! what the file names say (a segment missing) or a newest segment whose
 //! vouched part does not hold what `HEAD` says.
 //!
+//! # Deferred appends
+//!
+//! [`SegmentLog::append_deferred`] promises a record durable only after the
+//! next [`SegmentLog::sync_now`]. Until then it gathers the framed records
+//! in memory (indexed and readable at once, from there) and writes them in
+//! one positioned write once a mebibyte has gathered, at the sync, before
+//! an append that syncs, before a new segment starts, when a read takes
+//! both older records and these, and when the log is dropped. `run`
+//! appends and reads back each record it folds: two system calls a record
+//! became one write a mebibyte. A kill loses what was still in memory, a
+//! suffix of the unsynced records, as a crash before the sync always could;
+//! nothing that a sync vouched for moves. A write that fails drops the
+//! records it carried from the log (and cuts the file where they began), so
+//! the error reaches the caller at that append, read or sync, which must
+//! not commit state that folded them: the embedded pipeline commits only
+//! after a sync succeeds.
+//!
 //! Reads go through an in-memory index of record offsets (8 bytes per
 //! record, built for a segment by the first read that reaches it), so
 //! `read_after(pos, max)` costs O(max) whatever the log's size.
@@ -96,6 +113,8 @@ const HEADER_LEN: u64 = 12;
 pub const RECORD_OVERHEAD: u64 = HEADER_LEN + 1;
 /// Default size at which a new segment is started.
 pub const DEFAULT_SEGMENT_BYTES: u64 = 256 * 1024 * 1024;
+/// Deferred appends gathered in memory before they are written in one go.
+const UNWRITTEN_BYTES: usize = 1024 * 1024;
 /// Default limit on one record's payload: twice the largest event the
 /// decoder accepts, so the log never refuses an event the fold could read.
 pub const DEFAULT_MAX_RECORD_BYTES: usize = 2 * crate::core::event::MAX_EVENT_BYTES;
@@ -321,6 +340,10 @@ pub struct SegmentLog {
     deferred: bool,
     /// The newest segment holds bytes written but not yet synced.
     unsynced: bool,
+    /// Deferred appends not yet written to the newest segment's file:
+    /// the framed records at the end of its `len` (see "Deferred appends"
+    /// in the module doc).
+    unwritten: Vec<u8>,
     /// Holds the directory's exclusive lock for as long as the log is open;
     /// released explicitly on drop (see the `Drop` impl).
     lock: File,
@@ -338,6 +361,14 @@ impl Drop for SegmentLog {
     /// "already open" for a moment after it was dropped. Unlocking acts on
     /// the description itself, whoever else still refers to it.
     fn drop(&mut self) {
+        // A clean drop leaves deferred appends in the file, unsynced, as
+        // an append that wrote them at once did.
+        if let Err(e) = self.write_unwritten() {
+            tracing::warn!(
+                dir = %self.dir.display(),
+                "event log: writing deferred appends on close failed: {e}"
+            );
+        }
         if let Err(e) = self.lock.unlock() {
             tracing::warn!(
                 dir = %self.dir.display(),
@@ -729,6 +760,7 @@ impl SegmentLog {
             dropped_tail_bytes: 0,
             deferred: false,
             unsynced: false,
+            unwritten: Vec::new(),
             lock,
             head_file: None,
         };
@@ -1002,6 +1034,20 @@ impl SegmentLog {
     /// extended only once the bytes are durable.
     fn write_frames(&mut self, frames: &[u8], starts: &[u64]) -> Result<(), LogError> {
         let deferred = self.deferred;
+        if deferred {
+            // Gathered, and written once a mebibyte is (module doc).
+            let newest = self.newest();
+            let base = newest.len;
+            newest.offsets.extend(starts.iter().map(|s| base + s));
+            newest.len = base + frames.len() as u64;
+            self.unwritten.extend_from_slice(frames);
+            self.unsynced = true;
+            if self.unwritten.len() >= UNWRITTEN_BYTES {
+                self.write_unwritten()?;
+            }
+            return Ok(());
+        }
+        self.write_unwritten()?;
         let newest = self.newest();
         let base = newest.len;
         let written = write_all_at(&mut newest.file, base, frames).and_then(|()| {
@@ -1046,8 +1092,45 @@ impl SegmentLog {
         appended
     }
 
+    /// Writes the deferred appends gathered in memory to the newest
+    /// segment's file (not synced). If the write fails they are dropped
+    /// from the log, as a crash would drop them, and the error says so.
+    fn write_unwritten(&mut self) -> Result<(), LogError> {
+        if self.unwritten.is_empty() {
+            return Ok(());
+        }
+        let bytes = std::mem::take(&mut self.unwritten);
+        let newest = self.newest();
+        let base = newest.len - bytes.len() as u64;
+        if let Err(source) = write_all_at(&mut newest.file, base, &bytes) {
+            // Best effort, as in `write_frames`: the records go, the file
+            // is cut where they started.
+            let _ = newest.file.set_len(base);
+            let kept = newest.offsets.partition_point(|&o| o < base);
+            newest.offsets.truncate(kept);
+            newest.len = base;
+            return Err(io_error(&newest.path)(source));
+        }
+        // The allocation is kept for the next appends.
+        self.unwritten = bytes;
+        self.unwritten.clear();
+        Ok(())
+    }
+
+    /// The position of the first deferred append still in memory.
+    fn first_unwritten(&self) -> Option<Position> {
+        if self.unwritten.is_empty() {
+            return None;
+        }
+        let newest = &self.segments[self.segments.len() - 1];
+        let at = newest.len - self.unwritten.len() as u64;
+        let indexed = newest.offsets.partition_point(|&o| o < at) as u64;
+        Some(newest.first + newest.unindexed.map_or(0, |u| u.records) + indexed)
+    }
+
     /// Makes every deferred append durable.
     pub fn sync_now(&mut self) -> Result<(), LogError> {
+        self.write_unwritten()?;
         if self.unsynced {
             let newest = self.newest();
             newest.file.sync_data().map_err(io_error(&newest.path))?;
@@ -1072,7 +1155,17 @@ impl SegmentLog {
         if max == 0 || position > end {
             return Ok(out);
         }
+        // A read either ends before the deferred appends still in memory
+        // or starts at or after them: one that would take both writes them
+        // first.
+        if self
+            .first_unwritten()
+            .is_some_and(|first| position < first && end >= first)
+        {
+            self.write_unwritten()?;
+        }
         out.reserve((end - position + 1) as usize);
+        let newest = self.segments.len() - 1;
         while position <= end {
             let index = self.segments.partition_point(|s| s.first <= position) - 1;
             let segment = &mut self.segments[index];
@@ -1081,10 +1174,21 @@ impl SegmentLog {
             let to = ((end - segment.first + 1) as usize).min(segment.offsets.len());
             let start_offset = segment.offsets[from];
             let end_offset = segment.offsets.get(to).copied().unwrap_or(segment.len);
-            let mut buf = vec![0u8; (end_offset - start_offset) as usize];
-            segment
-                .read_exact_at(start_offset, &mut buf)
-                .map_err(io_error(&segment.path))?;
+            let unwritten_at = (index == newest && !self.unwritten.is_empty())
+                .then(|| segment.len - self.unwritten.len() as u64)
+                .filter(|&at| start_offset >= at);
+            let read;
+            let buf: &[u8] = if let Some(unwritten_at) = unwritten_at {
+                let at = (start_offset - unwritten_at) as usize;
+                &self.unwritten[at..at + (end_offset - start_offset) as usize]
+            } else {
+                let mut bytes = vec![0u8; (end_offset - start_offset) as usize];
+                segment
+                    .read_exact_at(start_offset, &mut bytes)
+                    .map_err(io_error(&segment.path))?;
+                read = bytes;
+                &read
+            };
             for (i, &offset) in segment.offsets[from..to].iter().enumerate() {
                 let at = (offset - start_offset) as usize;
                 let record = decode_frame(&buf[at..]).map_err(|detail| LogError::Corrupt {
@@ -1646,6 +1750,61 @@ mod tests {
     }
 
     #[test]
+    fn deferred_appends_are_read_from_memory_and_written_a_mebibyte_at_a_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = SegmentLog::open(dir.path()).unwrap();
+        fill(&mut log, 4);
+        let path = newest_path(&log);
+        let written = fs::metadata(&path).unwrap().len();
+        for i in 4..10 {
+            let pos = log
+                .append_deferred(Origin::Agent, encoding_of(i), &payload(i))
+                .unwrap();
+            assert_eq!(pos, i as u64 + 1);
+            // Readable at once, from memory: the file has not grown.
+            let back = log.read_after_sync(pos - 1, 1).unwrap();
+            assert_eq!(back[0].bytes, payload(i));
+            assert_eq!(fs::metadata(&path).unwrap().len(), written);
+        }
+        assert_eq!(log.first_unwritten(), Some(5));
+        // A read that takes written and unwritten records writes them first.
+        check_all(&mut log, 10);
+        assert_eq!(log.first_unwritten(), None);
+        assert_eq!(fs::metadata(&path).unwrap().len(), log.size_bytes());
+        // A mebibyte gathered is written without a sync.
+        let big = vec![b'y'; UNWRITTEN_BYTES / 4];
+        for _ in 0..4 {
+            log.append_deferred(Origin::Agent, Encoding::Json, &big)
+                .unwrap();
+        }
+        assert_eq!(log.first_unwritten(), None);
+        assert_eq!(fs::metadata(&path).unwrap().len(), log.size_bytes());
+        assert_eq!(head_of(dir.path()).records, 4, "not synced");
+        // The next ones wait for the sync, which writes and syncs them.
+        log.append_deferred(Origin::Agent, Encoding::Json, b"{}")
+            .unwrap();
+        assert_eq!(log.first_unwritten(), Some(15));
+        log.sync_now().unwrap();
+        assert_eq!(log.first_unwritten(), None);
+        assert_eq!(head_of(dir.path()).records, 15);
+        // Deferred appends a clean drop leaves are in the file; a kill
+        // loses them (and never a record before them).
+        log.append_deferred(Origin::Agent, Encoding::Json, b"[1]")
+            .unwrap();
+        drop(log);
+        let mut log = SegmentLog::open(dir.path()).unwrap();
+        assert_eq!(log.last_position_sync(), 16);
+        log.append_deferred(Origin::Agent, Encoding::Json, b"[2]")
+            .unwrap();
+        log.unwritten.clear();
+        drop(log);
+        let mut log = SegmentLog::open(dir.path()).unwrap();
+        assert_eq!(log.last_position_sync(), 16);
+        let last = log.read_after_sync(15, 1).unwrap();
+        assert_eq!(last[0].bytes, &b"[1]"[..]);
+    }
+
+    #[test]
     fn torn_tail_after_the_head_is_truncated_and_records_after_it_are_found() {
         let dir = tempfile::tempdir().unwrap();
         let mut log = SegmentLog::open(dir.path()).unwrap();
@@ -1910,7 +2069,14 @@ mod tests {
                             } else {
                                 len
                             };
+                            // Half the crashes are kills: the deferred
+                            // appends still in memory never reach the file.
+                            if keep % 2 == 1 {
+                                log.unwritten.clear();
+                            }
                             drop(log);
+                            let len = fs::metadata(&path).unwrap().len();
+                            let synced = synced.min(len);
                             let cut = synced + (len - synced) * u64::from(keep) / 1000;
                             let f = OpenOptions::new().write(true).open(&path).unwrap();
                             f.set_len(cut).unwrap();
