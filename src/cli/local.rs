@@ -492,8 +492,9 @@ fn piece_size(batch: usize) -> usize {
 /// How many of the turns' readings the measuring thread leaves to the
 /// fold's thread ([`Measurer::shed_readings`]), steered by the pieces
 /// waiting for the fold: with at most one waiting the fold is about to
-/// wait on the measuring, which then sheds a larger share; with three or
-/// more waiting the measuring is ahead and sheds less. The measuring
+/// wait on the measuring, which then sheds a larger share; with six or
+/// more waiting the measuring is ahead and sheds less (between the two,
+/// a commit's pause or a burst of drafts, it holds). The measuring
 /// thread is the slower of the two on real transcripts (token counts and
 /// readings; `docs/notes/issue-26.md`), so both cores stay busy. What is
 /// shed is read by the drafts and rolling states that need it: the time
@@ -512,7 +513,7 @@ impl ShedReadings {
     fn after(&mut self, waiting: usize) -> f64 {
         match waiting {
             0 | 1 => self.share = (self.share + Self::STEP).min(1.0),
-            2 => {}
+            2..=5 => {}
             _ => self.share = (self.share - Self::STEP).max(0.0),
         }
         self.share
@@ -834,7 +835,8 @@ mod tests {
         assert_eq!(shed.after(1), ShedReadings::STEP);
         assert_eq!(shed.after(0), 2.0 * ShedReadings::STEP);
         assert_eq!(shed.after(2), 2.0 * ShedReadings::STEP);
-        assert_eq!(shed.after(3), ShedReadings::STEP);
+        assert_eq!(shed.after(5), 2.0 * ShedReadings::STEP);
+        assert_eq!(shed.after(6), ShedReadings::STEP);
         for _ in 0..100 {
             shed.after(0);
         }
