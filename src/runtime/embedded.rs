@@ -556,22 +556,32 @@ mod tests {
         out
     }
 
+    /// The policy [`measured_session`] compacts under.
+    fn measured_policy() -> PolicyConfig {
+        PolicyConfig {
+            default_context_window: 6_000,
+            ..PolicyConfig::default()
+        }
+    }
+
+    /// A pipeline in memory under `policy`, with the deterministic summarizer.
+    async fn memory_pipeline(
+        policy: &PolicyConfig,
+    ) -> Pipeline<MemoryLog, MemoryBackend, crate::summarizer::DeterministicSummarizer> {
+        Pipeline::open(
+            MemoryLog::new(),
+            Engine::open(MemoryBackend::default(), policy.clone()).unwrap(),
+            crate::summarizer::DeterministicSummarizer,
+        )
+        .await
+        .unwrap()
+    }
+
     #[tokio::test]
     async fn turns_measured_ahead_fold_to_the_same_log_and_state() {
         let records = measured_session();
-        let policy = PolicyConfig {
-            default_context_window: 6_000,
-            ..PolicyConfig::default()
-        };
-        let open = || async {
-            Pipeline::open(
-                MemoryLog::new(),
-                Engine::open(MemoryBackend::default(), policy.clone()).unwrap(),
-                crate::summarizer::DeterministicSummarizer,
-            )
-            .await
-            .unwrap()
-        };
+        let policy = measured_policy();
+        let open = || memory_pipeline(&policy);
         let mut plain = open().await;
         let counted_before = crate::core::tokens::texts_counted();
         let admitted_before = intake::records_admitted();
@@ -650,23 +660,14 @@ mod tests {
     #[tokio::test]
     async fn readings_shed_to_the_fold_leave_the_same_log_and_state() {
         let records = measured_session();
-        let policy = PolicyConfig {
-            default_context_window: 6_000,
-            ..PolicyConfig::default()
-        };
+        let policy = measured_policy();
         // The state hash, the log, and how many turns came with a reading
         // and with a telling line.
         let fold_shedding = |share: f64| {
             let policy = policy.clone();
             let records = records.clone();
             async move {
-                let mut p = Pipeline::open(
-                    MemoryLog::new(),
-                    Engine::open(MemoryBackend::default(), policy.clone()).unwrap(),
-                    crate::summarizer::DeterministicSummarizer,
-                )
-                .await
-                .unwrap();
+                let mut p = memory_pipeline(&policy).await;
                 let mut measurer = Measurer::for_policy(&policy);
                 measurer.shed_readings(share);
                 let (mut readings, mut tellings, mut turns) = (0, 0, 0);
