@@ -336,8 +336,6 @@ pub struct SegmentLog {
     /// Oldest first; never empty, the last one takes appends.
     segments: Vec<Segment>,
     dropped_tail_bytes: u64,
-    /// Appends skip their fdatasync until [`SegmentLog::sync_now`].
-    deferred: bool,
     /// The newest segment holds bytes written but not yet synced.
     unsynced: bool,
     /// Deferred appends not yet written to the newest segment's file:
@@ -758,7 +756,6 @@ impl SegmentLog {
             options,
             segments: Vec::with_capacity(firsts.len().max(1)),
             dropped_tail_bytes: 0,
-            deferred: false,
             unsynced: false,
             unwritten: Vec::new(),
             lock,
@@ -1033,30 +1030,11 @@ impl SegmentLog {
     /// `starts` are the records' offsets within `frames`. The index is
     /// extended only once the bytes are durable.
     fn write_frames(&mut self, frames: &[u8], starts: &[u64]) -> Result<(), LogError> {
-        let deferred = self.deferred;
-        if deferred {
-            // Gathered, and written once a mebibyte is (module doc).
-            let newest = self.newest();
-            let base = newest.len;
-            newest.offsets.extend(starts.iter().map(|s| base + s));
-            newest.len = base + frames.len() as u64;
-            self.unwritten.extend_from_slice(frames);
-            self.unsynced = true;
-            if self.unwritten.len() >= UNWRITTEN_BYTES {
-                self.write_unwritten()?;
-            }
-            return Ok(());
-        }
         self.write_unwritten()?;
         let newest = self.newest();
         let base = newest.len;
-        let written = write_all_at(&mut newest.file, base, frames).and_then(|()| {
-            if deferred {
-                Ok(())
-            } else {
-                newest.file.sync_data()
-            }
-        });
+        let written =
+            write_all_at(&mut newest.file, base, frames).and_then(|()| newest.file.sync_data());
         if let Err(source) = written {
             // Best effort: drop the partial write now rather than leave it
             // for the next open to find as a torn tail. Later appends
@@ -1066,14 +1044,10 @@ impl SegmentLog {
         }
         newest.offsets.extend(starts.iter().map(|s| base + s));
         newest.len = base + frames.len() as u64;
-        if deferred {
-            self.unsynced = true;
-        } else {
-            // The fdatasync covered every byte of the file, deferred ones
-            // included.
-            self.unsynced = false;
-            self.write_head();
-        }
+        // The fdatasync covered every byte of the file, deferred ones
+        // included.
+        self.unsynced = false;
+        self.write_head();
         Ok(())
     }
 
@@ -1086,10 +1060,19 @@ impl SegmentLog {
         encoding: Encoding,
         bytes: &[u8],
     ) -> Result<Position, LogError> {
-        self.deferred = true;
-        let appended = self.append_sync(origin, encoding, bytes);
-        self.deferred = false;
-        appended
+        self.check_size(bytes)?;
+        self.roll_if_full(RECORD_OVERHEAD + bytes.len() as u64)?;
+        // Framed straight into the records gathered in memory, and written
+        // once a mebibyte is (module doc).
+        let newest = self.newest();
+        newest.offsets.push(newest.len);
+        newest.len += RECORD_OVERHEAD + bytes.len() as u64;
+        frame_record(&mut self.unwritten, origin, encoding, bytes);
+        self.unsynced = true;
+        if self.unwritten.len() >= UNWRITTEN_BYTES {
+            self.write_unwritten()?;
+        }
+        Ok(self.last_position_sync())
     }
 
     /// Writes the deferred appends gathered in memory to the newest
