@@ -83,8 +83,19 @@ pub enum DerivedId<'a> {
     GatewayCompaction { turn_id: &'a str },
 }
 
-/// The first `hex_digits` of the hash of `conversation`, a NUL and
-/// `request_id`.
+/// The hash of `parts`, each after its length (so no two lists of parts
+/// hash alike): the gateway's turn ids, and its chain values
+/// (`gateway::keying`).
+pub fn hash_of_parts(parts: &[&[u8]]) -> blake3::Hash {
+    let mut h = blake3::Hasher::new();
+    for part in parts {
+        h.update(&(part.len() as u64).to_le_bytes());
+        h.update(part);
+    }
+    h.finalize()
+}
+
+/// The hash of `conversation`, a NUL and `request_id`.
 fn request_hash(conversation: &str, request_id: &str) -> blake3::Hash {
     let mut h = blake3::Hasher::new();
     h.update(conversation.as_bytes());
@@ -162,13 +173,8 @@ impl fmt::Display for DerivedId<'_> {
                 chain,
                 n,
             } => {
-                // Each part after its length, as the gateway's chain values.
-                let mut h = blake3::Hasher::new();
-                for part in [conversation.as_bytes(), &chain[..]] {
-                    h.update(&(part.len() as u64).to_le_bytes());
-                    h.update(part);
-                }
-                write!(f, "gw-{}.{n}", &h.finalize().to_hex()[..24])
+                let h = hash_of_parts(&[conversation.as_bytes(), chain]);
+                write!(f, "gw-{}.{n}", &h.to_hex()[..24])
             }
             DerivedId::GatewayOverflow { turn_id } => write!(f, "{turn_id}.overflow"),
             DerivedId::GatewayCompaction { turn_id } => write!(f, "{turn_id}.compact"),

@@ -38,7 +38,7 @@
 //! request of a forgotten conversation resolves to the same id by the same
 //! derivation.
 
-use crate::gateway::surface::{digest16, Canon, ItemKind};
+use crate::gateway::surface::{Canon, ItemKind};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
@@ -172,12 +172,9 @@ impl Inner {
 }
 
 fn h(parts: &[&[u8]]) -> Chain {
-    let mut hasher = blake3::Hasher::new();
-    for p in parts {
-        hasher.update(&(p.len() as u64).to_le_bytes());
-        hasher.update(p);
-    }
-    digest16(hasher)
+    let mut chain = Chain::default();
+    chain.copy_from_slice(&crate::core::derived_id::hash_of_parts(parts).as_bytes()[..16]);
+    chain
 }
 
 fn hex(bytes: &[u8]) -> String {
