@@ -434,9 +434,10 @@ impl Measurer {
                 let mut measure = TurnMeasure::of(encoding, &turn.message);
                 measured.tokens += measure.tokens;
                 let msg = &turn.message;
-                let text = match shed {
-                    true => None,
-                    false => sweep::turn_text(msg, &self.policy.strip_injected_context_tags),
+                let text = if shed {
+                    None
+                } else {
+                    sweep::turn_text(msg, &self.policy.strip_injected_context_tags)
                 };
                 if let Some(text) = text {
                     let source = SourceItem {
