@@ -17,7 +17,6 @@ use crate::runtime::engine::{Effects, Engine};
 use crate::runtime::sweep::run_sweep;
 use crate::store::{KvBackend, StoreError};
 use crate::summarizer::Summarizer;
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -337,7 +336,10 @@ impl<L: EventLog, B: KvBackend, S: Summarizer> Pipeline<L, B, S> {
 /// what is shed moves work to the other thread and never changes a state.
 #[derive(Debug, Default)]
 pub struct Measurer {
-    conversations: HashMap<String, Measured>,
+    /// Keyed by agents' ids, so hashed with a keyed hash (as
+    /// `core::state::Conversations` is); looked up by `&str`, a key copied
+    /// only for a conversation's first event.
+    conversations: hashbrown::HashMap<String, Measured, std::hash::RandomState>,
     /// The policy the pipeline folds under: its levels (`policy::levels_of`)
     /// and the injected-context tags a turn's source text is stripped of
     /// (`sweep::turn_text`), as the snapshots strip them.
@@ -412,7 +414,7 @@ impl Measurer {
                     EventBody::ModelDeclared(declared) => {
                         let measured = self
                             .conversations
-                            .entry(admitted.event.conversation.clone())
+                            .entry_ref(admitted.event.conversation.as_str())
                             .or_default();
                         measured.model = Some(declared.model.clone());
                         if declared.context_window.is_some() {
@@ -426,7 +428,7 @@ impl Measurer {
                 let shed = self.sheds_next();
                 let measured = self
                     .conversations
-                    .entry(admitted.event.conversation.clone())
+                    .entry_ref(admitted.event.conversation.as_str())
                     .or_default();
                 let encoding = *measured
                     .encoding
