@@ -19,6 +19,9 @@
 //!   (`Envelope::decode`) then folded with pre-measured turns (`fold_owned`,
 //!   as the engine does).
 //!
+//! And `decode_json`: the same events as JSON, as agents publish them and
+//! `run` reads them, decoded (`Envelope::decode`) and not folded.
+//!
 //! The duplicate and flood guards read a turn's text only when a turn it
 //! could be identical to is in their windows (the same conversation's
 //! second for floods, its last minute of long user turns for duplicates):
@@ -57,6 +60,7 @@ struct Corpus {
     /// Each turn measured as the fold measures it; `None` for other events.
     tokens: Vec<Option<TurnMeasure>>,
     msgpack: Vec<Vec<u8>>,
+    json: Vec<Vec<u8>>,
 }
 
 /// Which transcripts a corpus holds.
@@ -138,6 +142,7 @@ fn load(name: &'static str, events: Vec<Envelope>) -> Option<Corpus> {
         .map(|e| counted.get(e.id.as_str()).cloned())
         .collect();
     let msgpack: Vec<Vec<u8>> = events.iter().map(Envelope::to_msgpack).collect();
+    let json = events.iter().map(|e| e.to_json().into_bytes()).collect();
     let text: u64 = state
         .conversations
         .values()
@@ -161,6 +166,7 @@ fn load(name: &'static str, events: Vec<Envelope>) -> Option<Corpus> {
         events,
         tokens,
         msgpack,
+        json,
     })
 }
 
@@ -266,6 +272,18 @@ fn decode_and_fold(bencher: Bencher, input: Input) {
                 fold_owned(&mut state, &policy, e, None, t.as_ref());
             }
             state
+        });
+}
+
+#[divan::bench(args = inputs(), sample_count = 30)]
+fn decode_json(bencher: Bencher, input: Input) {
+    let c = &corpora()[input.0];
+    bencher
+        .counter(ItemsCount::new(c.events.len()))
+        .bench_local(|| {
+            for bytes in &c.json {
+                divan::black_box(Envelope::decode(bytes, Encoding::Json).expect("corpus decodes"));
+            }
         });
 }
 

@@ -779,7 +779,13 @@ impl Envelope {
         // through the derived one, which decides and words the error.
         let fast = match encoding {
             Encoding::Msgpack => from_msgpack::<direct::Direct>(bytes).ok(),
-            Encoding::Json => serde_json::from_slice::<direct::Direct>(bytes).ok(),
+            // JSON that is UTF-8 as a whole (checked at once, with SIMD) is
+            // decoded as `str`, so serde_json checks none of its strings and
+            // keys again one by one. What is not goes to the derived
+            // decoder, which words the error as before.
+            Encoding::Json => simdutf8::basic::from_utf8(bytes)
+                .ok()
+                .and_then(|text| serde_json::from_str::<direct::Direct>(text).ok()),
         };
         let env: Envelope = match (fast, encoding) {
             (Some(direct::Direct(env)), _) => env,
@@ -1123,6 +1129,41 @@ mod tests {
                 Err(want) => {
                     let got = got.unwrap_err().to_string();
                     assert!(got.contains(&want), "{case}: {got} vs {want}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn json_decoded_from_str_agrees_with_bytes_on_any_text() {
+        // `decode` reads UTF-8 JSON as `str`; every other record goes to the
+        // derived decoder. Both must give what the bytes always gave.
+        let record = |content: &[u8]| {
+            let mut r = br#"{"id":"a","conversation":"c","type":"turn_appended","payload":{"message":{"role":"user","content":""#.to_vec();
+            r.extend_from_slice(content);
+            r.extend_from_slice(br#""}}}"#);
+            r
+        };
+        let contents: [&[u8]; 9] = [
+            "café ✓ 漢字 🦀".as_bytes(),
+            br"caf\u00e9 \ud83e\udd80 \n\t\\ \/",
+            br"lone \ud800 surrogate",
+            b"invalid \xff\xfe bytes",
+            b"truncated \xe2\x9c",
+            b"overlong \xc0\xaf",
+            b"raw \x01 control",
+            b"raw\nnewline",
+            b"",
+        ];
+        for content in contents {
+            let bytes = record(content);
+            let got = Envelope::decode(&bytes, Encoding::Json);
+            let shown = String::from_utf8_lossy(content);
+            match derived(&bytes, Encoding::Json) {
+                Ok(want) => assert_eq!(got.unwrap(), want, "{shown}"),
+                Err(want) => {
+                    let got = got.unwrap_err().to_string();
+                    assert!(got.contains(&want), "{shown}: {got} vs {want}");
                 }
             }
         }
