@@ -1276,6 +1276,15 @@ mod tests {
         }
     }
 
+    /// A log in a fresh directory with `n` records appended and synced
+    /// ([`fill`]); the directory lives as long as the guard.
+    fn filled(n: usize) -> (tempfile::TempDir, SegmentLog) {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = SegmentLog::open(dir.path()).unwrap();
+        fill(&mut log, n);
+        (dir, log)
+    }
+
     fn fill(log: &mut SegmentLog, n: usize) {
         for i in 0..n {
             let pos = log
@@ -1315,9 +1324,7 @@ mod tests {
 
     #[test]
     fn append_then_read_after_windows() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut log = SegmentLog::open(dir.path()).unwrap();
-        fill(&mut log, 50);
+        let (_dir, mut log) = filled(50);
         check_all(&mut log, 50);
         let window = log.read_after_sync(10, 5).unwrap();
         let positions: Vec<_> = window.iter().map(|r| r.position).collect();
@@ -1349,9 +1356,7 @@ mod tests {
 
     #[test]
     fn reopen_keeps_records_and_continues_numbering() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut log = SegmentLog::open(dir.path()).unwrap();
-        fill(&mut log, 20);
+        let (dir, log) = filled(20);
         drop(log);
         let mut log = SegmentLog::open(dir.path()).unwrap();
         assert_eq!(log.last_position_sync(), 20);
@@ -1439,9 +1444,7 @@ mod tests {
 
     #[test]
     fn torn_tail_of_partial_record_is_truncated() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut log = SegmentLog::open(dir.path()).unwrap();
-        fill(&mut log, 10);
+        let (dir, log) = filled(10);
         let path = newest_path(&log);
         let clean_len = log.size_bytes();
         drop(log);
@@ -1475,9 +1478,7 @@ mod tests {
             b"cfL".to_vec(),
             b"junk after crash".to_vec(),
         ] {
-            let dir = tempfile::tempdir().unwrap();
-            let mut log = SegmentLog::open(dir.path()).unwrap();
-            fill(&mut log, 5);
+            let (dir, log) = filled(5);
             let path = newest_path(&log);
             drop(log);
             let mut f = OpenOptions::new().append(true).open(&path).unwrap();
@@ -1491,9 +1492,7 @@ mod tests {
 
     #[test]
     fn torn_tail_with_bad_checksum_in_last_record_is_truncated() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut log = SegmentLog::open(dir.path()).unwrap();
-        fill(&mut log, 5);
+        let (dir, log) = filled(5);
         let last_offset = *log.segments[0].offsets.last().unwrap();
         let len = log.size_bytes();
         let path = newest_path(&log);
@@ -1512,9 +1511,7 @@ mod tests {
 
     #[test]
     fn damage_in_the_middle_is_corruption_naming_the_offset() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut log = SegmentLog::open(dir.path()).unwrap();
-        fill(&mut log, 10);
+        let (dir, log) = filled(10);
         let path = newest_path(&log);
         let len_before = log.size_bytes();
         let offsets = log.segments[0].offsets.clone();
@@ -1709,9 +1706,7 @@ mod tests {
 
     #[test]
     fn damage_in_what_the_head_vouches_for_is_found_by_the_first_read() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut log = SegmentLog::open(dir.path()).unwrap();
-        fill(&mut log, 10);
+        let (dir, log) = filled(10);
         let path = newest_path(&log);
         let len_before = log.size_bytes();
         let offsets = log.segments[0].offsets.clone();
@@ -1734,9 +1729,7 @@ mod tests {
 
     #[test]
     fn deferred_appends_are_read_from_memory_and_written_a_mebibyte_at_a_time() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut log = SegmentLog::open(dir.path()).unwrap();
-        fill(&mut log, 4);
+        let (dir, mut log) = filled(4);
         let path = newest_path(&log);
         let written = fs::metadata(&path).unwrap().len();
         for i in 4..10 {
@@ -1789,9 +1782,7 @@ mod tests {
 
     #[test]
     fn torn_tail_after_the_head_is_truncated_and_records_after_it_are_found() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut log = SegmentLog::open(dir.path()).unwrap();
-        fill(&mut log, 6);
+        let (dir, mut log) = filled(6);
         // Two records written after the last sync (the head says 6), then a
         // torn third one.
         for i in 6..8 {
@@ -1904,9 +1895,7 @@ mod tests {
 
     #[test]
     fn a_head_that_miscounts_its_records_is_caught_by_the_first_read() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut log = SegmentLog::open(dir.path()).unwrap();
-        fill(&mut log, 10);
+        let (dir, log) = filled(10);
         drop(log);
         let good = head_of(dir.path());
         let wrong = Head { records: 7, ..good };
