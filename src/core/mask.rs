@@ -131,40 +131,47 @@ fn result_stub(msg: &ChatMessage, text: &str, line: &str, seq: u64) -> String {
 /// failure or a test count first, then a milestone (a commit, a closed
 /// task, a push), else the first line with some letters in it.
 pub fn telling_line(text: &str) -> String {
-    use crate::core::fallback_summary::{has_alphanumerics, is_listing_line, Lowered};
+    use crate::core::fallback_summary::{ascending, has_alphanumerics, is_listing_line, Lowered};
     let text = crate::core::fallback_summary::prefix_bytes(text, 20_000);
     let head = Lowered::new(text);
-    // The lines with some letters that a screen found a word of, from one
-    // search of the whole head (see `fallback_summary::Lowered`): the fold
-    // masks every long tool output as it arrives, and most of their lines
-    // hold none. Each pattern runs only on those lines.
+    // Only the lines a screen found a word of are read, from one search
+    // of the whole head (see `fallback_summary::Lowered`): the fold masks
+    // every long tool output as it arrives, and most of their lines hold
+    // none. Each pattern runs only on those lines.
     let error_screen = regex!(
         r"error|exception|traceback|fail|fatal|panicked|denied|not found|no such file|cannot|could not|unable to|exit code|[\x{17F}\x{212A}]"
     );
-    let mut errors = head
-        .lines_with_hits(error_screen)
-        .map(|(line, hit)| (line.trim(), hit));
-    // A milestone's words; its two shapes without one (`[main 1a2b3c4]`
-    // at the line's start, `1a2b3c4..5d6e7f8`) are looked for in the line:
-    // `[` and `..` as literals of the screen would hit half the lines of
-    // code and data.
-    let milestone_screen = regex!(
-        r"pass|run|0 failures|closed|committed|merged|pushed|created|successfully|[\x{17F}\x{212A}]"
-    );
-    let mut milestones = head.lines_with_hits(milestone_screen).map(|(line, hit)| {
-        let line = line.trim();
-        (line, hit || line.starts_with('[') || line.contains(".."))
-    });
-    let worded = |line: &str, hit: bool| hit && has_alphanumerics(line, 3);
-    let pick = errors
-        .find(|&(l, hit)| worded(l, hit) && telling_error().is_match(l) && !is_listing_line(l))
-        .or_else(|| milestones.find(|&(l, hit)| worded(l, hit) && telling_milestone().is_match(l)))
-        .map(|(line, _)| line)
+    let worded = |line: &str| has_alphanumerics(line, 3);
+    let pick = head
+        .lines_at(head.hits(error_screen).map(|at| (at, true)))
+        .map(|(line, _)| line.trim())
+        .find(|&l| worded(l) && telling_error().is_match(l) && !is_listing_line(l))
         .or_else(|| {
-            text.lines()
-                .map(str::trim)
-                .find(|line| has_alphanumerics(line, 3))
+            // A milestone's words; its two shapes without one (`[main
+            // 1a2b3c4]` at the line's start, `1a2b3c4..5d6e7f8`) are found
+            // by their bytes: a line holding `..`, or one with a `[` that
+            // starts it (told once the line is cut). As literals of the
+            // screen they would hit half the lines of code and data.
+            let milestone_screen = regex!(
+                r"pass|run|0 failures|closed|committed|merged|pushed|created|successfully|[\x{17F}\x{212A}]"
+            );
+            let bytes = text.as_bytes();
+            let shapes = ascending(
+                memchr::memmem::find_iter(bytes, "..").map(|at| (at, true)),
+                memchr::memchr_iter(b'[', bytes).map(|at| (at, false)),
+            );
+            head.lines_at(ascending(
+                head.hits(milestone_screen).map(|at| (at, true)),
+                shapes,
+            ))
+            .map(|(line, marked)| {
+                let line = line.trim();
+                (line, marked || line.starts_with('['))
+            })
+            .find(|&(l, hit)| hit && worded(l) && telling_milestone().is_match(l))
+            .map(|(line, _)| line)
         })
+        .or_else(|| text.lines().map(str::trim).find(|line| worded(line)))
         .unwrap_or("");
     clip(pick, KEPT_LINE_CHARS).replace('"', "'")
 }
@@ -318,7 +325,9 @@ mod tests {
         "1a2b3c4..5d6e7f8",
         "1A2B3C4..5D6E7F8",
         "[",
+        "  [x",
         "..",
+        ".",
         "→",
         "✓",
         "é",
@@ -354,6 +363,19 @@ mod tests {
         #[test]
         fn the_screened_telling_line_is_the_unscreened_one(text in outputs()) {
             prop_assert_eq!(telling_line(&text), unscreened_telling_line(&text));
+        }
+    }
+
+    #[test]
+    fn a_milestone_without_its_words_is_found_by_its_shape() {
+        // No screen word in either: a commit line told by its `[` (after
+        // white space), a push by its `..`, between lines of code.
+        let commit = "fn main() {}\n let v = [1, 2, 3];\n  [main 1a2b3c4] Fix the parser\n}";
+        assert_eq!(telling_line(commit), "[main 1a2b3c4] Fix the parser");
+        let push = "To origin\n   1a2b3c4..5d6e7f8  main -> main\nDone";
+        assert_eq!(telling_line(push), "1a2b3c4..5d6e7f8  main -> main");
+        for text in [commit, push] {
+            assert_eq!(telling_line(text), unscreened_telling_line(text));
         }
     }
 

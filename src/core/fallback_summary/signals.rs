@@ -87,6 +87,52 @@ impl<'a> Lowered<'a> {
             (line.strip_suffix('\r').unwrap_or(line), hit)
         })
     }
+
+    /// Where `screen` (lowercase literals) matches, by the byte each match
+    /// starts at, in order.
+    pub fn hits<'s>(&'s self, screen: &'static Regex) -> impl Iterator<Item = usize> + 's {
+        screen.find_iter(&self.lower).map(|m| m.start())
+    }
+
+    /// The lines of the text, cut as [`Lowered::lines_with_hits`] cuts
+    /// them, that hold one of `marks` (byte offsets in ascending order, each
+    /// with a flag), each line once, in order, with whether any of its
+    /// marks was flagged. For a check only a marked line can pass: the
+    /// lines between marks are never cut (most lines of most outputs).
+    pub fn lines_at<'s>(
+        &'s self,
+        marks: impl Iterator<Item = (usize, bool)> + 's,
+    ) -> impl Iterator<Item = (&'a str, bool)> + 's {
+        let text: &'a str = self.text;
+        let bytes = text.as_bytes();
+        let mut marks = marks.peekable();
+        std::iter::from_fn(move || {
+            let (at, mut flagged) = marks.next()?;
+            let at = at.min(bytes.len());
+            let start = memchr::memrchr(b'\n', &bytes[..at]).map_or(0, |i| i + 1);
+            let end = memchr::memchr(b'\n', &bytes[at..]).map_or(bytes.len(), |i| at + i);
+            // A mark on the line end belongs to the line, as a hit of
+            // `lines_with_hits` does.
+            while let Some((_, also)) = marks.next_if(|&(m, _)| m <= end) {
+                flagged |= also;
+            }
+            let line = &text[start..end];
+            Some((line.strip_suffix('\r').unwrap_or(line), flagged))
+        })
+    }
+}
+
+/// Two ascending sequences of marks ([`Lowered::lines_at`]) as one.
+pub fn ascending<T: Copy>(
+    a: impl Iterator<Item = (usize, T)>,
+    b: impl Iterator<Item = (usize, T)>,
+) -> impl Iterator<Item = (usize, T)> {
+    let (mut a, mut b) = (a.peekable(), b.peekable());
+    std::iter::from_fn(move || match (a.peek(), b.peek()) {
+        (Some(x), Some(y)) if y.0 < x.0 => b.next(),
+        (Some(_), _) => a.next(),
+        (None, _) => b.next(),
+    })
 }
 
 /// Whether `screen` (lowercase literals) matches in `line`, of any case.
