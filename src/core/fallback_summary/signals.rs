@@ -77,7 +77,7 @@ impl<'a> Lowered<'a> {
     ) -> impl Iterator<Item = (&'a str, bool)> + 's {
         let mut hits = screen.find_iter(&self.lower).map(|m| m.start()).peekable();
         let mut end = 0;
-        self.text.split_inclusive('\n').map(move |piece| {
+        split_inclusive_lines(self.text).map(move |piece| {
             end += piece.len();
             let mut hit = false;
             while hits.next_if(|&start| start < end).is_some() {
@@ -120,6 +120,19 @@ impl<'a> Lowered<'a> {
             Some((line.strip_suffix('\r').unwrap_or(line), flagged))
         })
     }
+}
+
+/// `text.split_inclusive('\n')`, each line end found by `memchr` (the
+/// standard library's search for a char costs a call and a compare of
+/// its encoding per line, most of the time of a listing's short lines).
+fn split_inclusive_lines(text: &str) -> impl Iterator<Item = &str> {
+    let mut from = 0;
+    std::iter::from_fn(move || {
+        let rest = text.get(from..).filter(|rest| !rest.is_empty())?;
+        let len = memchr::memchr(b'\n', rest.as_bytes()).map_or(rest.len(), |i| i + 1);
+        from += len;
+        rest.get(..len)
+    })
 }
 
 /// Two ascending sequences of marks ([`Lowered::lines_at`]) as one.
@@ -732,6 +745,42 @@ mod tests {
 
     fn error_line(text: &str) -> Option<String> {
         output_report(text, |_| true).error
+    }
+
+    proptest! {
+        #[test]
+        fn lines_are_cut_as_split_inclusive_cuts_them(text in "(a|é|\r|\n|\n\n| ){0,24}") {
+            let ours: Vec<&str> = split_inclusive_lines(&text).collect();
+            let std: Vec<&str> = text.split_inclusive('\n').collect();
+            prop_assert_eq!(ours, std);
+        }
+
+        #[test]
+        fn marked_lines_are_the_lines_holding_a_mark(
+            text in "(ab|é|\r|\n|\n\n| ){0,24}",
+            picks in prop::collection::vec((any::<prop::sample::Index>(), any::<bool>()), 0..6),
+        ) {
+            let head = Lowered::new(&text);
+            let mut marks: Vec<(usize, bool)> =
+                picks.iter().filter(|_| !text.is_empty()).map(|(i, f)| (i.index(text.len()), *f)).collect();
+            marks.sort_unstable();
+            // Each line (its bytes and its end) with whether a mark lies
+            // in it and whether one of those is flagged.
+            let mut want = Vec::new();
+            let mut start = 0;
+            for piece in text.split_inclusive('\n') {
+                let end = start + piece.len();
+                let inside: Vec<bool> =
+                    marks.iter().filter(|(m, _)| (start..end).contains(m)).map(|m| m.1).collect();
+                if !inside.is_empty() {
+                    let line = piece.strip_suffix('\n').unwrap_or(piece);
+                    want.push((line.strip_suffix('\r').unwrap_or(line), inside.contains(&true)));
+                }
+                start = end;
+            }
+            let got: Vec<(&str, bool)> = head.lines_at(marks.into_iter()).collect();
+            prop_assert_eq!(got, want);
+        }
     }
 
     fn reported_error_line(text: &str) -> Option<String> {
