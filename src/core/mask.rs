@@ -131,7 +131,9 @@ fn result_stub(msg: &ChatMessage, text: &str, line: &str, seq: u64) -> String {
 /// failure or a test count first, then a milestone (a commit, a closed
 /// task, a push), else the first line with some letters in it.
 pub fn telling_line(text: &str) -> String {
-    use crate::core::fallback_summary::{ascending, has_alphanumerics, is_listing_line, Lowered};
+    use crate::core::fallback_summary::{
+        ascending, has_alphanumerics, is_listing_line, lines, Lowered,
+    };
     let text = crate::core::fallback_summary::prefix_bytes(text, 20_000);
     let head = Lowered::new(text);
     // Only the lines a screen found a word of are read, from one search
@@ -171,7 +173,7 @@ pub fn telling_line(text: &str) -> String {
             .find(|&(l, hit)| hit && worded(l) && telling_milestone().is_match(l))
             .map(|(line, _)| line)
         })
-        .or_else(|| text.lines().map(str::trim).find(|line| worded(line)))
+        .or_else(|| lines(text).map(str::trim).find(|line| worded(line)))
         .unwrap_or("");
     clip(pick, KEPT_LINE_CHARS).replace('"', "'")
 }

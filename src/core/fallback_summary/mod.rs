@@ -65,7 +65,7 @@ pub use reading::read_source;
 #[cfg(test)]
 pub(crate) use reading::reading_used;
 pub use rolling::rolling_state;
-pub use signals::{ascending, Lowered};
+pub use signals::{ascending, lines, Lowered};
 
 /// What [`SummaryDraft::model`] says for this summarizer.
 pub const MODEL: &str = "deterministic";

@@ -543,7 +543,7 @@ pub(super) fn first_sentence_of(text: &str) -> Option<String> {
 pub(super) fn words_only(text: &str) -> String {
     let mut out = String::new();
     let mut in_fence = false;
-    for line in text.lines() {
+    for line in lines(text) {
         let t = line.trim_start();
         if t.starts_with("```") {
             in_fence = !in_fence;
@@ -683,7 +683,7 @@ pub(super) fn looks_like_code(sentence: &str) -> bool {
 /// by a space. Empty pieces are dropped.
 pub(super) fn sentences(text: &str) -> Vec<&str> {
     let mut out = Vec::new();
-    for line in text.lines() {
+    for line in lines(text) {
         let mut start = 0;
         let bytes = line.as_bytes();
         for (i, &b) in bytes.iter().enumerate() {

@@ -135,6 +135,15 @@ fn split_inclusive_lines(text: &str) -> impl Iterator<Item = &str> {
     })
 }
 
+/// [`str::lines`], each line end found by `memchr` (see
+/// [`split_inclusive_lines`]): for the texts every turn is read through.
+pub fn lines(text: &str) -> impl Iterator<Item = &str> {
+    split_inclusive_lines(text).map(|piece| match piece.strip_suffix('\n') {
+        Some(line) => line.strip_suffix('\r').unwrap_or(line),
+        None => piece,
+    })
+}
+
 /// Two ascending sequences of marks ([`Lowered::lines_at`]) as one.
 pub fn ascending<T: Copy>(
     a: impl Iterator<Item = (usize, T)>,
@@ -663,7 +672,7 @@ pub(super) fn search_replace_paths(words: &str) -> Vec<String> {
 pub(super) fn prose(text: &str) -> String {
     let mut out = String::new();
     let mut in_fence = false;
-    for line in prefix_bytes(text, MINED_BYTES).lines() {
+    for line in lines(prefix_bytes(text, MINED_BYTES)) {
         let t = line.trim();
         if t.starts_with("```") {
             in_fence = !in_fence;
@@ -752,6 +761,9 @@ mod tests {
         fn lines_are_cut_as_split_inclusive_cuts_them(text in "(a|é|\r|\n|\n\n| ){0,24}") {
             let ours: Vec<&str> = split_inclusive_lines(&text).collect();
             let std: Vec<&str> = text.split_inclusive('\n').collect();
+            prop_assert_eq!(ours, std);
+            let ours: Vec<&str> = super::lines(&text).collect();
+            let std: Vec<&str> = text.lines().collect();
             prop_assert_eq!(ours, std);
         }
 
