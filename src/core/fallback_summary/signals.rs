@@ -135,8 +135,9 @@ fn split_inclusive_lines(text: &str) -> impl Iterator<Item = &str> {
     })
 }
 
-/// [`str::lines`], each line end found by `memchr` (see
-/// [`split_inclusive_lines`]): for the texts every turn is read through.
+/// [`str::lines`], each line end found by `memchr` (the standard
+/// library's char search is no SIMD search): for the texts every turn is
+/// read through.
 pub fn lines(text: &str) -> impl Iterator<Item = &str> {
     split_inclusive_lines(text).map(|piece| match piece.strip_suffix('\n') {
         Some(line) => line.strip_suffix('\r').unwrap_or(line),
