@@ -75,7 +75,7 @@ impl<'a> Lowered<'a> {
         &'s self,
         screen: &'static Regex,
     ) -> impl Iterator<Item = (&'a str, bool)> + 's {
-        let mut hits = screen.find_iter(&self.lower).map(|m| m.start()).peekable();
+        let mut hits = self.hits(screen).peekable();
         let mut end = 0;
         split_inclusive_lines(self.text).map(move |piece| {
             end += piece.len();
