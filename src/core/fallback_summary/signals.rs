@@ -65,12 +65,12 @@ impl<'a> Lowered<'a> {
         screen.is_match(&self.lower)
     }
 
-    /// The lines of the text as [`str::lines`] cuts them, each with
-    /// whether `screen` (lowercase literals) matches in it, from one search
-    /// of the whole lowered copy rather than one a line (a screen's
-    /// literals hold no line end, so a match lies in the line where it
-    /// starts). A line without a hit fails the screened check without
-    /// asking.
+    /// The lines of the text as [`str::lines`] cuts them (a last line's
+    /// `\r` dropped too), each with whether `screen` (lowercase literals)
+    /// matches in it, from one search of the whole lowered copy rather than
+    /// one a line (a screen's literals hold no line end, so a match lies in
+    /// the line where it starts). A line without a hit fails the screened
+    /// check without asking.
     pub fn lines_with_hits<'s>(
         &'s self,
         screen: &'static Regex,
@@ -83,8 +83,7 @@ impl<'a> Lowered<'a> {
             while hits.next_if(|&start| start < end).is_some() {
                 hit = true;
             }
-            let line = piece.strip_suffix('\n').unwrap_or(piece);
-            (line.strip_suffix('\r').unwrap_or(line), hit)
+            (line_of(piece), hit)
         })
     }
 
@@ -116,10 +115,16 @@ impl<'a> Lowered<'a> {
             while let Some((_, also)) = marks.next_if(|&(m, _)| m <= end) {
                 flagged |= also;
             }
-            let line = &text[start..end];
-            Some((line.strip_suffix('\r').unwrap_or(line), flagged))
+            Some((line_of(&text[start..end]), flagged))
         })
     }
+}
+
+/// A piece of [`split_inclusive_lines`] without its line end, `\n`, `\r\n`
+/// or a last line's `\r` (the output readers trim each line anyway).
+fn line_of(piece: &str) -> &str {
+    let line = piece.strip_suffix('\n').unwrap_or(piece);
+    line.strip_suffix('\r').unwrap_or(line)
 }
 
 /// `text.split_inclusive('\n')`, each line end found by `memchr` (the
@@ -146,10 +151,10 @@ pub fn lines(text: &str) -> impl Iterator<Item = &str> {
 }
 
 /// Two ascending sequences of marks ([`Lowered::lines_at`]) as one.
-pub fn ascending<T: Copy>(
-    a: impl Iterator<Item = (usize, T)>,
-    b: impl Iterator<Item = (usize, T)>,
-) -> impl Iterator<Item = (usize, T)> {
+pub fn ascending(
+    a: impl Iterator<Item = (usize, bool)>,
+    b: impl Iterator<Item = (usize, bool)>,
+) -> impl Iterator<Item = (usize, bool)> {
     let (mut a, mut b) = (a.peekable(), b.peekable());
     std::iter::from_fn(move || match (a.peek(), b.peek()) {
         (Some(x), Some(y)) if y.0 < x.0 => b.next(),
