@@ -52,6 +52,7 @@ use std::sync::LazyLock;
 
 mod children;
 mod fit;
+mod lines;
 mod notes;
 mod reading;
 mod rolling;
@@ -59,13 +60,13 @@ mod signals;
 
 use children::*;
 use fit::*;
+pub use lines::{ascending, lines, Lowered};
 use notes::*;
 pub use notes::{has_alphanumerics, is_listing_line, prefix_bytes};
 pub use reading::read_source;
 #[cfg(test)]
 pub(crate) use reading::reading_used;
 pub use rolling::rolling_state;
-pub use signals::{ascending, lines, Lowered};
 
 /// What [`SummaryDraft::model`] says for this summarizer.
 pub const MODEL: &str = "deterministic";
