@@ -257,6 +257,28 @@ fn a_run_in_small_chunks_folds_to_the_state_of_one_chunk() {
     );
 }
 
+/// `run` starts measuring its input before it opens the data directory (the
+/// tokenizer loads while the store opens): when the directory cannot be
+/// made, it still fails with the reason, folds nothing and exits, its
+/// measuring thread stopped with it.
+#[test]
+fn a_run_whose_data_directory_cannot_be_made_fails_with_the_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("events.jsonl");
+    std::fs::write(&file, turn_lines("agent:nowhere", 3000).join("\n")).unwrap();
+    // A file where the data directory's parent should be.
+    let blocker = dir.path().join("blocker");
+    std::fs::write(&blocker, "not a directory").unwrap();
+    let data = blocker.join("data");
+    let (ok, out, err) = cli(&data, &["run", file.to_str().unwrap()]);
+    assert!(!ok, "the run fails: {out}");
+    assert!(
+        err.contains("creating data directory") && err.contains(&*data.to_string_lossy()),
+        "the reason names the directory: {err}"
+    );
+    assert!(!out.contains("total:"), "nothing was folded: {out}");
+}
+
 /// `classify-errors` tells a context overflow, a byte-size limit (no
 /// compaction) and any other error apart, one line of stdin each.
 #[test]

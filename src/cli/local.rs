@@ -23,6 +23,7 @@ use contextfold::core::event::{Encoding, MAX_EVENT_BYTES};
 use contextfold::core::measure::TurnMeasure;
 use contextfold::core::overflow;
 use contextfold::core::policy::PolicyConfig;
+use contextfold::core::tokens;
 use contextfold::import::{self, Format};
 use contextfold::log::segment::{SegmentLog, DEFAULT_MAX_RECORD_BYTES};
 use contextfold::log::{EventLog, LogRecord};
@@ -593,19 +594,25 @@ pub fn run(
     batch: usize,
     json: bool,
 ) -> Result<ExitCode> {
+    let started = Instant::now();
     let input = input_records(file, format)?;
+    // The pieces are read and their turns measured on the other core while
+    // this one folds the piece before (`core::measure`). Measuring starts
+    // before the store is open: the first turn it counts loads the
+    // tokenizer, tens of milliseconds the store's opening then overlaps.
+    let mut ahead = InputAhead::start(input, Measurer::for_policy(&config.policy), batch)?;
     let rt = runtime()?;
     // The fold is the runtime's one task, and it waits on each draft: the
     // drafts are written on its thread (`blocking::inline_within`).
     rt.block_on(contextfold::blocking::inline_within(async {
         let mut p = open_pipeline(config).await?;
-        let started = Instant::now();
+        // Then, while the first piece is measured, this thread builds the
+        // default encoding's pre-tokenizer patterns the measuring thread
+        // would build after the BPE (`load_tokenizer` shares the work).
+        tokens::load_tokenizer(tokens::Encoding::for_model(None));
         let mut done = 0;
         let mut skipped = 0;
         let mut last_report = Instant::now();
-        // The next pieces are read and their turns measured on the other
-        // core while this one folds the piece before (`core::measure`).
-        let mut ahead = InputAhead::start(input, Measurer::for_policy(&config.policy), batch)?;
         let mut uncommitted = 0;
         while let Some(MeasuredPiece {
             records,

@@ -74,8 +74,18 @@ fn tokenizer(encoding: Encoding) -> &'static bpe_openai::Tokenizer {
 /// calls this at start so that its first turn is not the one that waits.
 pub fn load_tokenizers() {
     for encoding in [Encoding::O200kBase, Encoding::Cl100kBase] {
-        tokenizer(encoding);
+        load_tokenizer(encoding);
     }
+}
+
+/// Loads one encoding's pre-tokenizer patterns, then its BPE, now. Another
+/// thread loading either at the same time waits for it rather than loading
+/// it twice, so two threads calling this (or counting) share the work:
+/// while one builds the BPE (tens of milliseconds), the other builds the
+/// patterns.
+pub fn load_tokenizer(encoding: Encoding) {
+    pretokenizer::load(encoding);
+    tokenizer(encoding);
 }
 
 /// Pieces no longer than this are remembered: words, numbers and

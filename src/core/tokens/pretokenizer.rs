@@ -65,6 +65,12 @@ static CL100K: LazyLock<Patterns> = LazyLock::new(|| {
     )
 });
 
+/// Builds `encoding`'s patterns now rather than on the first text outside
+/// the ASCII fast path.
+pub(super) fn load(encoding: Encoding) {
+    patterns(encoding);
+}
+
 fn patterns(encoding: Encoding) -> &'static Patterns {
     match encoding {
         Encoding::O200kBase => &O200K,
