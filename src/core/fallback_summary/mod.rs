@@ -50,6 +50,7 @@ use regex::Regex;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::LazyLock;
 
+mod call_args;
 mod children;
 mod fit;
 mod lines;

@@ -4,11 +4,11 @@
 //! Patterns are about the shape of common tool output and of how people
 //! and agents write, never about one transcript.
 
+use super::call_args::CallArgs;
 use super::*;
 use crate::core::summary::OutputReading;
 use crate::line_pattern;
 use lazy_regex::regex;
-use serde_json::Value;
 
 /// `pattern` matches `text`, asked only when `screen` does first.
 ///
@@ -330,22 +330,18 @@ pub(super) fn classify_call(call: &Call) -> CallKind {
     classify_parsed_call(call, call_arguments(call).as_ref())
 }
 
-/// A call's arguments as JSON, when they are JSON.
-pub(super) fn call_arguments(call: &Call) -> Option<Value> {
-    serde_json::from_str(&call.arguments).ok()
+/// A call's arguments read as JSON, when they are JSON.
+pub(super) fn call_arguments(call: &Call) -> Option<CallArgs<'_>> {
+    CallArgs::parse(&call.arguments)
 }
 
 /// [`classify_call`] with the call's arguments parsed already
 /// ([`call_arguments`]): a draft reads a call's arguments (a written file's
 /// whole content, often) once, not for each question it asks of them.
-pub(super) fn classify_parsed_call(call: &Call, args: Option<&Value>) -> CallKind {
+pub(super) fn classify_parsed_call(call: &Call, args: Option<&CallArgs>) -> CallKind {
     let name = call.name.to_lowercase();
-    let string_arg = |keys: &[&str]| -> Option<String> {
-        let obj = args?.as_object()?;
-        keys.iter()
-            .find_map(|k| obj.get(*k).and_then(Value::as_str))
-            .map(str::to_string)
-    };
+    let string_arg =
+        |keys: &[&str]| -> Option<String> { args?.first_string(keys).map(str::to_string) };
     if regex!(r"^(bash|shell|sh|zsh|run|exec|execute|terminal|command|cmd|run_command|execute_command|run_shell_command|run_terminal_cmd|shell_exec)$").is_match(&name) {
         let command = string_arg(&["command", "cmd", "script", "input"])
             .unwrap_or_else(|| call.arguments.clone());
@@ -405,12 +401,8 @@ fn patched_path(arguments: &str) -> Option<String> {
 /// What an edit call changed, in a few words, from its arguments
 /// ([`call_arguments`]): the first line its new text adds (for an edit with
 /// old and new text), or a new file's first line.
-pub(super) fn change_of(args: &Value) -> Option<String> {
-    let obj = args.as_object()?;
-    let get = |keys: &[&str]| {
-        keys.iter()
-            .find_map(|k| obj.get(*k).and_then(Value::as_str))
-    };
+pub(super) fn change_of(args: &CallArgs) -> Option<String> {
+    let get = |keys: &[&str]| args.first_string(keys);
     let new = get(&[
         "new_string",
         "new_str",
