@@ -104,8 +104,8 @@ impl<'de> Visitor<'de> for ArgsVisitor {
         Ok(CallArgs { entries })
     }
 
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-        while seq.next_element::<Value>()?.is_some() {}
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
+        Value::deserialize(de::value::SeqAccessDeserializer::new(seq))?;
         Ok(CallArgs::default())
     }
 

@@ -402,8 +402,7 @@ fn patched_path(arguments: &str) -> Option<String> {
 /// ([`call_arguments`]): the first line its new text adds (for an edit with
 /// old and new text), or a new file's first line.
 pub(super) fn change_of(args: &CallArgs) -> Option<String> {
-    let get = |keys: &[&str]| args.first_string(keys);
-    let new = get(&[
+    let new = args.first_string(&[
         "new_string",
         "new_str",
         "newText",
@@ -411,8 +410,10 @@ pub(super) fn change_of(args: &CallArgs) -> Option<String> {
         "replace",
         "replacement",
     ]);
-    let old = get(&["old_string", "old_str", "oldText", "old_text", "search"]).unwrap_or("");
-    let content = get(&["content", "file_text", "text", "contents"]);
+    let old = args
+        .first_string(&["old_string", "old_str", "oldText", "old_text", "search"])
+        .unwrap_or("");
+    let content = args.first_string(&["content", "file_text", "text", "contents"]);
     let added = match (new, content) {
         (Some(new), _) => {
             // The first added line that says something (a keyword and a
