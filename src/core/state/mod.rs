@@ -733,21 +733,20 @@ impl Conversation {
     #[allow(clippy::expect_used)] // only a bug reaches the expect (see its message)
     pub fn hash_with(&self, bodies: &dyn TurnBodies) -> Result<String, BodyError> {
         let mut hasher = blake3::Hasher::new();
-        // One buffer for every encoding (a long conversation has thousands).
+        // One buffer for every encoding (a long conversation has thousands),
+        // hashed as it fills (`hash_gathered`).
         let mut buf = rmp_serde::to_vec(self).expect("state serializes");
-        hasher.update(&buf);
         for turn in &self.turns {
             let body = bodies.turn_body(self, turn.seq)?;
-            buf.clear();
             rmp_serde::encode::write(&mut buf, &*body).expect("turns serialize");
-            hasher.update(&buf);
+            hash_gathered(&mut hasher, &mut buf, GATHERED_BYTES);
         }
         for index in 0..self.summaries.len() as u32 {
             let text = bodies.summary_text(self, index)?;
-            buf.clear();
             rmp_serde::encode::write(&mut buf, &*text).expect("texts serialize");
-            hasher.update(&buf);
+            hash_gathered(&mut hasher, &mut buf, GATHERED_BYTES);
         }
+        hasher.update(&buf);
         Ok(hasher.finalize().to_hex()[..32].to_string())
     }
 
@@ -756,6 +755,21 @@ impl Conversation {
     pub fn hash(&self) -> String {
         self.hash_with(&Resident)
             .expect("a conversation folded in memory holds every body it folded")
+    }
+}
+
+/// Bytes of encodings [`Conversation::hash_with`] gathers before hashing
+/// them: BLAKE3 hashes 1 KiB chunks side by side (SIMD) only when one
+/// update holds many, and a turn's body is a chunk or two.
+const GATHERED_BYTES: usize = 64 * 1024;
+
+/// Hashes what `buf` gathered, and empties it, once it holds `at` bytes or
+/// more. A BLAKE3 digest is the same however its bytes are split between
+/// updates.
+fn hash_gathered(hasher: &mut blake3::Hasher, buf: &mut Vec<u8>, at: usize) {
+    if buf.len() >= at {
+        hasher.update(buf);
+        buf.clear();
     }
 }
 
@@ -837,6 +851,30 @@ mod tests {
             large_payload: true,
             masked_tokens: 0,
             tool_ids: Box::new([call_digest("call_1")]),
+        }
+    }
+
+    /// A conversation's hash is BLAKE3 over its encoding and then every
+    /// body's, whatever sizes `hash_with` gathers them in: checked across
+    /// flush points against each piece hashed on its own.
+    #[test]
+    fn gathered_encodings_hash_as_one_stream() {
+        let pieces: Vec<Vec<u8>> = (0..300usize)
+            .map(|i| vec![(i % 251) as u8; 1 + (i * 37) % 2_000])
+            .collect();
+        let mut one_by_one = blake3::Hasher::new();
+        for piece in &pieces {
+            one_by_one.update(piece);
+        }
+        for at in [1, 1_000, 4_096, GATHERED_BYTES] {
+            let mut hasher = blake3::Hasher::new();
+            let mut buf = Vec::new();
+            for piece in &pieces {
+                buf.extend_from_slice(piece);
+                hash_gathered(&mut hasher, &mut buf, at);
+            }
+            hasher.update(&buf);
+            assert_eq!(hasher.finalize(), one_by_one.finalize(), "gathered by {at}");
         }
     }
 
