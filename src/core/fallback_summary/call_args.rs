@@ -12,10 +12,10 @@
 //!   and dropped;
 //! - a key given twice says what its last value says, as `Value`'s map
 //!   keeps;
-//! - valid JSON that is not an object has no keys;
-//! - anything the direct parse refuses (including the key serde_json
-//!   reserves for its raw values, which `Value` reads its own way) is
-//!   parsed as `Value` after all, and read from that.
+//! - anything the direct parse refuses is parsed as `Value` after all, and
+//!   read from that: valid JSON that is not an object (which then has no
+//!   keys), and an object holding the key serde_json reserves for its raw
+//!   values (which `Value` reads its own way).
 //!
 //! `tests::a_key_says_what_the_value_tree_says` holds this to `Value`.
 
@@ -89,7 +89,7 @@ impl<'de> Visitor<'de> for ArgsVisitor {
     type Value = CallArgs<'de>;
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str("JSON")
+        f.write_str("a JSON object (anything else is read through `Value`)")
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
@@ -103,58 +103,11 @@ impl<'de> Visitor<'de> for ArgsVisitor {
         }
         Ok(CallArgs { entries })
     }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
-        Value::deserialize(de::value::SeqAccessDeserializer::new(seq))?;
-        Ok(CallArgs::default())
-    }
-
-    fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
-        Ok(CallArgs::default())
-    }
-
-    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
-        Ok(CallArgs::default())
-    }
-
-    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
-        Ok(CallArgs::default())
-    }
-
-    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
-        Ok(CallArgs::default())
-    }
-
-    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
-        Ok(CallArgs::default())
-    }
-
-    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-        Ok(CallArgs::default())
-    }
 }
 
 /// A key: borrowed from the text when it holds no escape.
-struct Text<'de>(Cow<'de, str>);
-
-impl<'de> Deserialize<'de> for Text<'de> {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct TextVisitor;
-        impl<'de> Visitor<'de> for TextVisitor {
-            type Value = Text<'de>;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a string")
-            }
-            fn visit_borrowed_str<E: de::Error>(self, s: &'de str) -> Result<Self::Value, E> {
-                Ok(Text(Cow::Borrowed(s)))
-            }
-            fn visit_str<E: de::Error>(self, s: &str) -> Result<Self::Value, E> {
-                Ok(Text(Cow::Owned(s.to_string())))
-            }
-        }
-        deserializer.deserialize_str(TextVisitor)
-    }
-}
+#[derive(serde::Deserialize)]
+struct Text<'a>(#[serde(borrow)] Cow<'a, str>);
 
 /// A top-level value: its text when it is a string, else parsed as
 /// `Value` parses it and dropped.
