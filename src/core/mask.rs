@@ -14,7 +14,6 @@
 
 use crate::core::line_pattern::LinePattern;
 use crate::core::message::{ChatMessage, Content, Role};
-use lazy_regex::regex;
 use serde_json::Value;
 
 /// Turns shorter than this (content and calls) are sent as they are.
@@ -140,8 +139,8 @@ pub fn telling_line(text: &str) -> String {
     // of the whole head (see `fallback_summary::Lowered`): the fold masks
     // every long tool output as it arrives, and most of their lines hold
     // none. Each pattern runs only on those lines.
-    let error_screen = regex!(
-        r"error|exception|traceback|fail|fatal|panicked|denied|not found|no such file|cannot|could not|unable to|exit code|[\x{17F}\x{212A}]"
+    let error_screen = crate::screen!(
+        "error|exception|traceback|fail|fatal|panicked|denied|not found|no such file|cannot|could not|unable to|exit code"
     );
     let worded = |line: &str| has_alphanumerics(line, 3);
     let pick = head
@@ -154,8 +153,8 @@ pub fn telling_line(text: &str) -> String {
             // by their bytes: a line holding `..`, or one with a `[` that
             // starts it (told once the line is cut). As literals of the
             // screen they would hit half the lines of code and data.
-            let milestone_screen = regex!(
-                r"pass|run|0 failures|closed|committed|merged|pushed|created|successfully|[\x{17F}\x{212A}]"
+            let milestone_screen = crate::screen!(
+                "pass|run|0 failures|closed|committed|merged|pushed|created|successfully"
             );
             let bytes = text.as_bytes();
             let shapes = ascending(

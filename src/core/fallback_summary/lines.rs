@@ -1,7 +1,7 @@
 //! Cutting an output or a turn into lines, for the readers that look at
 //! every line of every turn: [`Lowered`] (a text beside its ASCII-lowered
-//! copy, in which the screens of `signals` search once for the whole
-//! text), the lines a screen hit or a mark falls in, and [`lines`]
+//! copy, in which the [`Screen`]s of `signals` and `mask` search once for
+//! the whole text), the lines a screen hit or a mark falls in, and [`lines`]
 //! (`str::lines` with each line end found by `memchr`). Each cut is the
 //! standard library's (but that the marked cutters drop a last line's lone
 //! `\r` too, which their callers trim anyway), held to it by the proptests
@@ -33,20 +33,20 @@ impl<'a> Lowered<'a> {
         }
     }
 
-    /// Whether `screen` (lowercase literals) matches anywhere in the text.
-    pub fn has(&self, screen: &Regex) -> bool {
+    /// Whether `screen` hits anywhere in the text.
+    pub fn has(&self, screen: &Screen) -> bool {
         screen.is_match(&self.lower)
     }
 
     /// The lines of the text as [`str::lines`] cuts them (a last line's
-    /// `\r` dropped too), each with whether `screen` (lowercase literals)
-    /// matches in it, from one search of the whole lowered copy rather than
-    /// one a line (a screen's literals hold no line end, so a match lies in
-    /// the line where it starts). A line without a hit fails the screened
-    /// check without asking.
+    /// `\r` dropped too), each with whether `screen` hits in it, from one
+    /// search of the whole lowered copy rather than one a line (a screen's
+    /// literals hold no line end, so a hit lies in the line where it
+    /// starts). A line without a hit fails the screened check without
+    /// asking.
     pub fn lines_with_hits<'s>(
         &'s self,
-        screen: &'static Regex,
+        screen: &'static Screen,
     ) -> impl Iterator<Item = (&'a str, bool)> + 's {
         let mut hits = self.hits(screen).peekable();
         let mut end = 0;
@@ -60,10 +60,9 @@ impl<'a> Lowered<'a> {
         })
     }
 
-    /// Where `screen` (lowercase literals) matches, by the byte each match
-    /// starts at, in order.
-    pub fn hits<'s>(&'s self, screen: &'static Regex) -> impl Iterator<Item = usize> + 's {
-        screen.find_iter(&self.lower).map(|m| m.start())
+    /// Where `screen` hits, by the byte each hit starts at, in order.
+    pub fn hits<'s>(&'s self, screen: &'static Screen) -> impl Iterator<Item = usize> + 's {
+        screen.hits(&self.lower)
     }
 
     /// The lines of the text, cut as [`Lowered::lines_with_hits`] cuts
@@ -91,6 +90,79 @@ impl<'a> Lowered<'a> {
             Some((line_of(&text[start..end]), flagged))
         })
     }
+}
+
+/// What a pattern's screen looks for in a [`Lowered`] text: lowercase
+/// ASCII literals (an alternation, case-sensitive), of which every match of
+/// the pattern holds one. A screen also hits wherever the text holds one of
+/// the two characters a case-insensitive Unicode pattern takes for an ASCII
+/// letter (`ſ` for `s`, the Kelvin sign for `k`; `signals` has the test
+/// that they are the only two), which lowering cannot turn into the
+/// literals' letters.
+///
+/// Those two are searched on their own, not as literals of the
+/// alternation. The literal search fingerprints each literal by as many of
+/// its first bytes as the shortest literal has (up to four), and `ſ` is two
+/// bytes: in the alternation, every literal was looked for by its first two
+/// bytes (`er`, `co`, `no`, `un`), a candidate to check in most words of
+/// most texts. Apart, the literals' search ran about four times as fast on
+/// real transcripts, and the two characters cost one search at memory
+/// speed (docs/notes/issue-26.md, twentieth pass).
+#[derive(Debug)]
+pub struct Screen {
+    literals: Regex,
+}
+
+impl Screen {
+    /// The screen of `literals`, an alternation of lowercase ASCII
+    /// literals (`error|not found|fail`).
+    ///
+    /// # Panics
+    ///
+    /// On an invalid pattern: screens are written in the code
+    /// ([`crate::screen`]), and the tests of the output readers build each.
+    #[allow(clippy::expect_used)]
+    pub fn new(literals: &str) -> Screen {
+        // An uppercase literal would never hit a lowered text.
+        debug_assert!(
+            literals.is_ascii() && !literals.bytes().any(|b| b.is_ascii_uppercase()),
+            "a screen's literals are lowercase ASCII: {literals:?}"
+        );
+        Screen {
+            literals: Regex::new(literals).expect("a screen is an alternation of literals"),
+        }
+    }
+
+    /// Whether it hits anywhere in `lowered` (a text with its ASCII letters
+    /// lowered).
+    pub fn is_match(&self, lowered: &str) -> bool {
+        self.literals.is_match(lowered) || folds_to_ascii().is_match(lowered)
+    }
+
+    /// Where it hits in `lowered`, by the byte each hit starts at, in order.
+    fn hits<'t>(&'t self, lowered: &'t str) -> impl Iterator<Item = usize> + 't {
+        let literals = self.literals.find_iter(lowered).map(|m| (m.start(), true));
+        let folds = folds_to_ascii()
+            .find_iter(lowered)
+            .map(|m| (m.start(), true));
+        ascending(literals, folds).map(|(at, _)| at)
+    }
+}
+
+/// The two characters outside ASCII that a case-insensitive pattern
+/// matches for an ASCII letter.
+fn folds_to_ascii() -> &'static Regex {
+    lazy_regex::regex!(r"[\x{17F}\x{212A}]")
+}
+
+/// A `&'static` [`Screen`], built on first use.
+#[macro_export]
+macro_rules! screen {
+    ($literals:literal) => {{
+        static SCREEN: std::sync::LazyLock<$crate::core::fallback_summary::Screen> =
+            std::sync::LazyLock::new(|| $crate::core::fallback_summary::Screen::new($literals));
+        &*SCREEN
+    }};
 }
 
 /// A piece of [`split_inclusive_lines`] without its line end, `\n`, `\r\n`
@@ -140,6 +212,34 @@ pub fn ascending(
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// The lines a screen's hits fall in, as [`Lowered::lines_at`] groups
+    /// them.
+    fn hit_lines<'a>(text: &'a Lowered<'a>, hits: impl Iterator<Item = usize>) -> Vec<&'a str> {
+        text.lines_at(hits.map(|at| (at, true)))
+            .map(|(line, _)| line)
+            .collect()
+    }
+
+    proptest! {
+        /// A screen hits the lines that the alternation of its literals and
+        /// the two folding characters hits, the way screens were written
+        /// before they searched the two apart.
+        #[test]
+        fn a_screen_hits_the_lines_its_literals_or_a_folding_character_hit(
+            text in "(fail|FAIL|error|err|or|ſ|\u{212A}|K|k|é|→| |\n|\r\n){0,24}",
+        ) {
+            let screen = crate::screen!("error|fail|exit code");
+            let together = Regex::new(r"error|fail|exit code|[\x{17F}\x{212A}]").unwrap();
+            let lowered = Lowered::new(&text);
+            let want = hit_lines(&lowered, together.find_iter(&lowered.lower).map(|m| m.start()));
+            prop_assert_eq!(hit_lines(&lowered, lowered.hits(screen)), want.clone());
+            prop_assert_eq!(lowered.has(screen), !want.is_empty());
+            let with_hits: Vec<&str> =
+                lowered.lines_with_hits(screen).filter(|l| l.1).map(|l| l.0).collect();
+            prop_assert_eq!(with_hits, want);
+        }
+    }
 
     proptest! {
         #[test]

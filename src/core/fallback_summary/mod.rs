@@ -61,7 +61,7 @@ mod signals;
 
 use children::*;
 use fit::*;
-pub use lines::{ascending, lines, Lowered};
+pub use lines::{ascending, lines, Lowered, Screen};
 use notes::*;
 pub use notes::{has_alphanumerics, is_listing_line, prefix_bytes};
 pub use reading::read_source;

@@ -22,22 +22,23 @@ use lazy_regex::regex;
 /// screen with a literal search or its DFA, never the slower engines,
 /// whatever the text (with many literals in every case it may pick the
 /// DFA, which costs little on a sentence; the screens of whole outputs are
-/// lowercase literals searched in a [`Lowered`] copy, for the literal
-/// search), and most lines hold none of the words. So the answer is the
+/// [`Screen`]s, lowercase literals searched in a [`Lowered`] copy, for the
+/// literal search, with the two characters searched apart), and most lines
+/// hold none of the words. So the answer is the
 /// pattern's own, and the pattern runs on the few lines that could match.
 fn screened(screen: &Regex, pattern: &LinePattern, text: &str) -> bool {
     screen.is_match(text) && pattern.is_match(text)
 }
 
 /// The screen of [`is_error_line`], searched in a [`Lowered`] text.
-fn error_screen() -> &'static Regex {
-    regex!(
-        r"error|fatal|panic|exception|traceback|fail|no such file|not found|permission denied|cannot|could not|unable to|exit|e999|[\x{17F}\x{212A}]"
+fn error_screen() -> &'static Screen {
+    crate::screen!(
+        "error|fatal|panic|exception|traceback|fail|no such file|not found|permission denied|cannot|could not|unable to|exit|e999"
     )
 }
 
 /// Whether `screen` (lowercase literals) matches in `line`, of any case.
-fn screen_matches(screen: &Regex, line: &str) -> bool {
+fn screen_matches(screen: &Screen, line: &str) -> bool {
     if line.bytes().any(|b| b.is_ascii_uppercase()) {
         screen.is_match(&line.to_ascii_lowercase())
     } else {
@@ -167,8 +168,8 @@ impl<'a> ErrorPick<'a> {
 
 /// The screen of the test counts among the milestone patterns, searched
 /// in a [`Lowered`] text.
-fn counts_screen() -> &'static Regex {
-    regex!(r"0 failures|passed|test result: ok|[\x{17F}\x{212A}]")
+fn counts_screen() -> &'static Screen {
+    crate::screen!("0 failures|passed|test result: ok")
 }
 
 /// Adds `line` to `out` (once) if it reports a milestone.
@@ -481,8 +482,8 @@ pub(super) fn shell_file_changes(command: &str) -> Vec<(String, &'static str)> {
 fn reported_file_changes(head: &Lowered<'_>) -> Vec<(String, &'static str)> {
     // Most outputs say none of it: one search for the words every report
     // holds spares the patterns' six.
-    let screen = regex!(
-        r"file created successfully|has been|applied edit to|successfully wr|successfully replaced text in|file updated|[\x{17F}\x{212A}]"
+    let screen = crate::screen!(
+        "file created successfully|has been|applied edit to|successfully wr|successfully replaced text in|file updated"
     );
     if !head.has(screen) {
         return Vec::new();
@@ -988,10 +989,10 @@ mod tests {
         }
     }
 
-    /// The screens add `[\x{17F}\x{212A}]` because those are the only
-    /// characters outside ASCII that a case-insensitive pattern matches for
-    /// an ASCII letter; a new Unicode table in the regex crate that adds
-    /// one must fail here.
+    /// The screens add `[\x{17F}\x{212A}]` (a [`Screen`] searches them
+    /// apart) because those are the only characters outside ASCII that a
+    /// case-insensitive pattern matches for an ASCII letter; a new Unicode
+    /// table in the regex crate that adds one must fail here.
     #[test]
     fn only_two_characters_fold_to_ascii_letters() {
         let letter = Regex::new(r"(?i)^[a-z]$").unwrap();
