@@ -337,63 +337,16 @@ pub fn snapshot_from(
     cfg: &PolicyConfig,
 ) -> Result<SweepSnapshot, BodyError> {
     let levels = policy::levels(conv, cfg);
-    let tail = policy::fresh_tail_start_with(conv, cfg, false);
     let tags = &cfg.strip_injected_context_tags;
-    let resummarizing = job.compact && job.reason == DebtReason::Resummarize;
-    let items = conv
-        .context
-        .iter()
-        .enumerate()
-        .map(|(i, &item)| {
-            let plan = conv.item(i);
-            let wire = match plan {
-                PlanItem::Turn { seq, role, tokens } => PlanItemWire {
-                    seq: Some(seq),
-                    role: Some(role),
-                    depth: 0,
-                    tokens,
-                },
-                PlanItem::Summary { depth, tokens } => PlanItemWire {
-                    seq: None,
-                    role: None,
-                    depth,
-                    tokens,
-                },
-            };
-            Ok(match item {
-                ContextItem::Turn(seq) => SnapshotItem {
-                    plan: wire,
-                    summary_id: None,
-                    first_turn: seq,
-                    last_turn: seq,
-                    // A re-summarization never reads raw turns in context:
-                    // they are left out of its (queued, maybe stored) snapshot.
-                    source: (job.compact && !resummarizing && i < tail)
-                        .then(|| turn_source(conv, bodies, seq, tags))
-                        .transpose()?,
-                    fallback: false,
-                    resummarize: None,
-                },
-                ContextItem::Summary(k) => {
-                    let s = &conv.summaries[k as usize];
-                    SnapshotItem {
-                        plan: wire,
-                        summary_id: Some(s.id.clone()),
-                        first_turn: s.first_turn,
-                        last_turn: s.last_turn,
-                        source: job
-                            .compact
-                            .then(|| summary_source(conv, bodies, k))
-                            .transpose()?,
-                        fallback: s.fallback,
-                        resummarize: (resummarizing && s.fallback)
-                            .then(|| resummary(conv, bodies, s, tags))
-                            .transpose()?,
-                    }
-                }
-            })
-        })
-        .collect::<Result<_, BodyError>>()?;
+    // A job that only refreshes the rolling state makes no pass over the
+    // plan (`SweepSnapshot::next_pass`), so its snapshot carries none: a
+    // long conversation's context is not walked for each of its rolling
+    // states.
+    let items = if job.compact {
+        plan_items(conv, bodies, job, cfg)?
+    } else {
+        Vec::new()
+    };
     let from = conv.rolling_through.map_or(0, |t| t.saturating_add(1));
     let rolling_sources = if job.refresh_rolling_state {
         let seqs: Vec<u64> = conv
@@ -426,6 +379,70 @@ pub fn snapshot_from(
         through_turn: conv.turns.len().saturating_sub(1) as u64,
         fresh_tail_cap: Some(policy::fresh_tail_cap(conv, cfg)),
     })
+}
+
+/// A compacting job's plan: every item of the context, with what its
+/// passes read (the turns outside the fresh tail, the summaries, and for a
+/// re-summarization the fallback summaries' sources).
+fn plan_items(
+    conv: &Conversation,
+    bodies: &dyn TurnBodies,
+    job: &JobIssued,
+    cfg: &PolicyConfig,
+) -> Result<Vec<SnapshotItem>, BodyError> {
+    let tail = policy::fresh_tail_start_with(conv, cfg, false);
+    let tags = &cfg.strip_injected_context_tags;
+    let resummarizing = job.reason == DebtReason::Resummarize;
+    conv.context
+        .iter()
+        .enumerate()
+        .map(|(i, &item)| {
+            let plan = conv.item(i);
+            let wire = match plan {
+                PlanItem::Turn { seq, role, tokens } => PlanItemWire {
+                    seq: Some(seq),
+                    role: Some(role),
+                    depth: 0,
+                    tokens,
+                },
+                PlanItem::Summary { depth, tokens } => PlanItemWire {
+                    seq: None,
+                    role: None,
+                    depth,
+                    tokens,
+                },
+            };
+            Ok(match item {
+                ContextItem::Turn(seq) => SnapshotItem {
+                    plan: wire,
+                    summary_id: None,
+                    first_turn: seq,
+                    last_turn: seq,
+                    // A re-summarization never reads raw turns in context:
+                    // they are left out of its (queued, maybe stored) snapshot.
+                    source: (!resummarizing && i < tail)
+                        .then(|| turn_source(conv, bodies, seq, tags))
+                        .transpose()?,
+                    fallback: false,
+                    resummarize: None,
+                },
+                ContextItem::Summary(k) => {
+                    let s = &conv.summaries[k as usize];
+                    SnapshotItem {
+                        plan: wire,
+                        summary_id: Some(s.id.clone()),
+                        first_turn: s.first_turn,
+                        last_turn: s.last_turn,
+                        source: Some(summary_source(conv, bodies, k)?),
+                        fallback: s.fallback,
+                        resummarize: (resummarizing && s.fallback)
+                            .then(|| resummary(conv, bodies, s, tags))
+                            .transpose()?,
+                    }
+                }
+            })
+        })
+        .collect::<Result<_, BodyError>>()
 }
 
 /// [`snapshot_from`] a conversation folded in memory (every body resident).
@@ -743,6 +760,29 @@ mod tests {
             fold(&mut state, policy, &e);
         }
         state
+    }
+
+    #[test]
+    fn a_rolling_state_job_carries_its_sources_and_no_plan() {
+        let policy = PolicyConfig::default();
+        let state = folded(
+            &policy,
+            (0..8).map(|i| ChatMessage::text(Role::User, format!("step {i}: run the tests"))),
+        );
+        let conv = &state.conversations["c"];
+        let rolling_only = JobIssued {
+            compact: false,
+            ..job(true)
+        };
+        let snap = snapshot(conv, &rolling_only, &policy).unwrap();
+        assert!(snap.items.is_empty());
+        assert_eq!(snap.rolling_sources.len(), 8);
+        assert_eq!(snap.next_pass(), None);
+        assert!(snap.rolling_request().is_some());
+        // A compacting job plans over every item of the context.
+        let snap = snapshot(conv, &job(true), &policy).unwrap();
+        assert_eq!(snap.items.len(), conv.context.len());
+        assert_eq!(snap.rolling_sources.len(), 8);
     }
 
     #[test]
