@@ -172,15 +172,33 @@ fn first_unhandled(text: &str, from: usize) -> usize {
     let t = text.as_bytes();
     let mut i = from;
     loop {
-        match t[i..].iter().position(|b| !b.is_ascii()) {
-            None => return t.len(),
-            Some(n) => i += n,
+        i += first_non_ascii(&t[i..]);
+        if i == t.len() {
+            return i;
         }
         match text[i..].chars().next() {
             Some(c) if is_punctuation(c) => i += c.len_utf8(),
             _ => return i,
         }
     }
+}
+
+/// The first byte of `t` outside ASCII (`t.len()`: none), looked for 16
+/// bytes at a time: a mixed text's ASCII stretches (a numbered listing's
+/// lines between its arrows) are most of it.
+fn first_non_ascii(t: &[u8]) -> usize {
+    const HIGH_BITS: u128 = u128::from_ne_bytes([0x80; 16]);
+    let mut i = 0;
+    while let Some((chunk, _)) = t[i..].split_first_chunk::<16>() {
+        if u128::from_ne_bytes(*chunk) & HIGH_BITS != 0 {
+            break;
+        }
+        i += 16;
+    }
+    t[i..]
+        .iter()
+        .position(|b| !b.is_ascii())
+        .map_or(t.len(), |n| i + n)
 }
 
 /// The end of the piece at `start`, as the regex finds it.
@@ -395,6 +413,22 @@ mod tests {
         "é", "ſ", "٣", "\u{85}", "\u{a0}", "日", "\u{301}", "É", "\u{2028}", "ǅ", "ʰ", "😀", "→",
         "✓", "─", "…", "“", "•", "🏽", "\u{200d}", "\u{fe0f}", "²",
     ];
+
+    #[test]
+    fn the_first_byte_outside_ascii_is_found_across_chunks() {
+        for len in 0..50 {
+            let ascii = vec![b'a'; len];
+            assert_eq!(first_non_ascii(&ascii), len);
+            for at in 0..len {
+                let mut bytes = ascii.clone();
+                bytes[at] = 0xC3;
+                if at + 1 < len {
+                    bytes[len - 1] = 0xE2;
+                }
+                assert_eq!(first_non_ascii(&bytes), at, "{len} {at}");
+            }
+        }
+    }
 
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(4000))]
