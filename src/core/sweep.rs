@@ -81,6 +81,9 @@ pub struct SweepSnapshot {
     pub budget: u64,
     pub context_tokens: u64,
     pub prefix_target_tokens: u64,
+    /// The context's items, each with what a compaction pass reads of it;
+    /// empty for a job that does not compact (it makes no pass, and reads
+    /// only `rolling_sources`).
     pub items: Vec<SnapshotItem>,
     pub policy: PolicyConfig,
     pub rolling: Option<RollingState>,
