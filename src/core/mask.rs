@@ -14,6 +14,7 @@
 
 use crate::core::line_pattern::LinePattern;
 use crate::core::message::{ChatMessage, Content, Role};
+use crate::core::tokens::{self, Encoding};
 use serde_json::Value;
 
 /// Turns shorter than this (content and calls) are sent as they are.
@@ -87,25 +88,64 @@ pub fn masked_told(msg: &ChatMessage, seq: u64, telling: Option<&str>) -> Option
 /// does not name the turn, unlike a tool result's stub, so it may be
 /// rendered (and counted) ahead of the fold (`core::measure`).
 pub fn masked_calls(msg: &ChatMessage) -> Option<ChatMessage> {
-    if msg.role != Role::Assistant
-        || !maskable(msg.role, msg.text_bytes(), !msg.tool_calls.is_empty())
-    {
+    if !masks_calls(msg) {
         return None;
     }
     elided_calls(msg)
 }
 
+/// Whether `msg` is an assistant turn [`maskable`] (whose calls' long
+/// arguments a masked rendering elides).
+fn masks_calls(msg: &ChatMessage) -> bool {
+    msg.role == Role::Assistant && maskable(msg.role, msg.text_bytes(), !msg.tool_calls.is_empty())
+}
+
 /// `msg` with its calls' long arguments elided, once [`maskable`] said so.
 fn elided_calls(msg: &ChatMessage) -> Option<ChatMessage> {
+    let elided = elided_arguments(msg)?;
     let mut m = msg.clone();
-    let mut changed = false;
-    for call in &mut m.tool_calls {
-        if let Some(args) = elide_arguments(&call.function.arguments) {
+    for (call, args) in m.tool_calls.iter_mut().zip(elided) {
+        if let Some(args) = args {
             call.function.arguments = args;
-            changed = true;
         }
     }
-    changed.then_some(m)
+    Some(m)
+}
+
+/// Each call's arguments as [`elided_calls`] renders them (`None`: kept
+/// as they are), or `None` when it elides none.
+fn elided_arguments(msg: &ChatMessage) -> Option<Vec<Option<String>>> {
+    let elided: Vec<Option<String>> = msg
+        .tool_calls
+        .iter()
+        .map(|call| elide_arguments(&call.function.arguments))
+        .collect();
+    elided.iter().any(Option::is_some).then_some(elided)
+}
+
+/// `msg`'s [`tokens::count_message`] and its [`masked_calls`] rendering's
+/// (`None` when it has none), from one count of `msg`: the rendering
+/// differs only in the elided calls' arguments, and a message's count is
+/// the sum of its parts', so those arguments' counts are taken out of
+/// `msg`'s and their elided forms' put in. Neither the message is copied
+/// nor its words and other calls counted again (the measuring thread of
+/// `run` does this for every assistant turn with long arguments).
+pub fn counted(encoding: Encoding, msg: &ChatMessage) -> (u64, Option<u64>) {
+    let Some(elided) = masks_calls(msg).then(|| elided_arguments(msg)).flatten() else {
+        return (tokens::count_message(encoding, msg), None);
+    };
+    let mut left_out = 0;
+    let total = tokens::count_message_telling_arguments(encoding, msg, |i, counted| {
+        if elided.get(i).is_some_and(Option::is_some) {
+            left_out += counted;
+        }
+    });
+    let put_in: u64 = elided
+        .iter()
+        .flatten()
+        .map(|args| tokens::count_text(encoding, args))
+        .sum();
+    (total, Some(total - left_out + put_in))
 }
 
 /// `[output of `Read` masked: 32,133 bytes; "…line…"; `describe` turn 291
@@ -364,6 +404,61 @@ mod tests {
         #[test]
         fn the_screened_telling_line_is_the_unscreened_one(text in outputs()) {
             prop_assert_eq!(telling_line(&text), unscreened_telling_line(&text));
+        }
+    }
+
+    /// Call arguments of every kind `elide_arguments` meets: short and
+    /// long JSON (long strings nested or not, escapes, text outside
+    /// ASCII), text that is not JSON, and nothing.
+    fn arguments() -> impl Strategy<Value = String> {
+        let long = "[a-zé→ \\n\\\"{}]{0,40}".prop_map(|s| s.repeat(12));
+        prop_oneof![
+            Just(String::new()),
+            "[a-z/.]{0,30}".prop_map(|p| serde_json::json!({ "file_path": p }).to_string()),
+            (long.clone(), "[a-z]{0,8}").prop_map(|(content, path)| {
+                serde_json::json!({ "file_path": path, "content": content }).to_string()
+            }),
+            (long.clone(), long.clone()).prop_map(|(old, new)| {
+                serde_json::json!({ "edits": [{ "old_string": old, "new_string": new }], "n": 3 })
+                    .to_string()
+            }),
+            long.prop_map(|text| format!("{text} not json {{")),
+        ]
+    }
+
+    fn turns() -> impl Strategy<Value = ChatMessage> {
+        let role = prop::sample::select(vec![
+            Role::Assistant,
+            Role::Assistant,
+            Role::Tool,
+            Role::User,
+        ]);
+        let call = ("[A-Za-z_]{1,12}", arguments()).prop_map(|(name, arguments)| ToolCall {
+            id: "call_1".into(),
+            kind: "function".into(),
+            function: FunctionCall { name, arguments },
+        });
+        (role, "\\PC{0,300}", prop::collection::vec(call, 0..4)).prop_map(|(role, text, calls)| {
+            let mut m = ChatMessage::text(role, text);
+            m.tool_calls = calls;
+            m
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(1000))]
+
+        /// Counted from its parts, a turn's masked calls cost what their
+        /// rendering counts whole.
+        #[test]
+        fn masked_calls_counted_by_parts_cost_what_their_rendering_counts(msg in turns()) {
+            for encoding in [Encoding::O200kBase, Encoding::Cl100kBase] {
+                let whole = (
+                    tokens::count_message(encoding, &msg),
+                    masked_calls(&msg).map(|m| tokens::count_message(encoding, &m)),
+                );
+                prop_assert_eq!(counted(encoding, &msg), whole);
+            }
         }
     }
 

@@ -18,7 +18,7 @@ use crate::core::intake::{self, Address, Arrival};
 use crate::core::mask;
 use crate::core::message::ChatMessage;
 use crate::core::summary::SourceReading;
-use crate::core::tokens::{self, Encoding};
+use crate::core::tokens::Encoding;
 use std::sync::Arc;
 
 /// A turn measured ahead of the fold.
@@ -26,15 +26,17 @@ use std::sync::Arc;
 pub struct TurnMeasure {
     /// The encoding `tokens` was counted in.
     pub encoding: Encoding,
-    /// [`tokens::count_message`] of the turn.
+    /// [`count_message`](crate::core::tokens::count_message) of the turn.
     pub tokens: u64,
     /// [`mask::telling_line`] of the output a masked rendering would stand
     /// for (`None`: the turn has no such output, or it was not measured).
     pub telling: Option<String>,
-    /// [`tokens::count_message`] under `encoding` of the turn's masked
-    /// rendering when that does not name the turn ([`mask::masked_calls`]);
-    /// `None` when it has none, or when it is a tool result (whose stub
-    /// names its turn, so the fold renders and counts it).
+    /// [`count_message`](crate::core::tokens::count_message) under
+    /// `encoding` of the turn's masked rendering when that does not name
+    /// the turn ([`mask::masked_calls`]),
+    /// counted from the turn's parts ([`mask::counted`]); `None` when it
+    /// has none, or when it is a tool result (whose stub names its turn,
+    /// so the fold renders and counts it).
     pub masked_calls_tokens: Option<u64>,
     /// What a summarizer reads of the turn, when it was read ahead too
     /// ([`SourceReading`]; the fold does not use it, its runtime hands it
@@ -89,12 +91,12 @@ impl AdmittedAhead {
 impl TurnMeasure {
     /// Measures `msg` as the fold would under `encoding`.
     pub fn of(encoding: Encoding, msg: &ChatMessage) -> TurnMeasure {
+        let (tokens, masked_calls_tokens) = mask::counted(encoding, msg);
         TurnMeasure {
             encoding,
-            tokens: tokens::count_message(encoding, msg),
+            tokens,
             telling: mask::output_to_mask(msg).map(|text| mask::telling_line(&text)),
-            masked_calls_tokens: mask::masked_calls(msg)
-                .map(|m| tokens::count_message(encoding, &m)),
+            masked_calls_tokens,
             reading: None,
             admitted: None,
         }
@@ -110,6 +112,7 @@ impl TurnMeasure {
 mod tests {
     use super::*;
     use crate::core::message::{ChatMessage, Role};
+    use crate::core::tokens;
 
     fn tool_result(text: &str) -> ChatMessage {
         let mut m = ChatMessage::text(Role::Tool, text);

@@ -207,11 +207,24 @@ pub fn count_text_tiktoken(encoding: Encoding, text: &str) -> u64 {
 
 /// Tokens a chat message costs in a prompt: text, tool calls, name, overhead.
 pub fn count_message(encoding: Encoding, message: &ChatMessage) -> u64 {
+    count_message_telling_arguments(encoding, message, |_, _| {})
+}
+
+/// [`count_message`], telling `arguments` what each call's arguments
+/// count (the call's index and its count, in order). The count is a sum
+/// of its parts, so a caller may take a rendering that differs only in
+/// some calls' arguments from it without counting the rest again
+/// ([`crate::core::mask::counted`]).
+pub fn count_message_telling_arguments(
+    encoding: Encoding,
+    message: &ChatMessage,
+    mut arguments: impl FnMut(usize, u64),
+) -> u64 {
     let mut total = MESSAGE_OVERHEAD_TOKENS + count_text(encoding, &message.text_view());
-    for call in &message.tool_calls {
-        total += 3
-            + count_text(encoding, &call.function.name)
-            + count_text(encoding, &call.function.arguments);
+    for (i, call) in message.tool_calls.iter().enumerate() {
+        let counted = count_text(encoding, &call.function.arguments);
+        arguments(i, counted);
+        total += 3 + count_text(encoding, &call.function.name) + counted;
     }
     if let Some(name) = &message.name {
         total += 1 + count_text(encoding, name);
