@@ -190,40 +190,45 @@ fn ranked_identifiers(sources: &[SourceItem]) -> Vec<String> {
         rank: usize,
         newest: usize,
     }
-    let mut order: Vec<String> = Vec::new();
-    let mut seen: std::collections::HashMap<String, Seen> = std::collections::HashMap::new();
+    // Read ahead when it was (`reading`); all held at once, so the
+    // identifiers are borrowed from them, not copied.
+    let readings: Vec<_> = sources.iter().map(reading::identifiers_of).collect();
+    // Each identifier once, in first-seen order, with where it is in it.
+    let mut order: Vec<(&str, Seen)> = Vec::new();
+    let mut seen: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
     // Names of the calls whose results come next, in order.
-    let mut pending: std::collections::VecDeque<String> = Default::default();
-    for (at, source) in sources.iter().enumerate() {
-        // Read ahead when it was (`reading`).
-        let read = reading::identifiers_of(source);
+    let mut pending: std::collections::VecDeque<&str> = Default::default();
+    let mut here: HashSet<&str> = HashSet::new();
+    for (at, (source, read)) in sources.iter().zip(&readings).enumerate() {
         let acted: HashSet<&str> = read.acted.iter().map(String::as_str).collect();
         let mut listing = false;
         match source.role {
             Some(Role::Assistant) => {
                 pending.clear();
-                pending.extend(read.calls.iter().cloned());
+                pending.extend(read.calls.iter().map(String::as_str));
             }
             Some(Role::Tool) => {
-                let name = pending.pop_front().or_else(|| source.tool.clone());
-                listing = name.is_some_and(|n| signals::is_listing_tool(&n));
+                let name = pending.pop_front().or(source.tool.as_deref());
+                listing = name.is_some_and(signals::is_listing_tool);
             }
             _ => pending.clear(),
         }
-        let mut here: HashSet<String> = HashSet::new();
+        here.clear();
         for id in &read.identifiers {
-            if !here.insert(id.clone()) {
+            let id = id.as_str();
+            if !here.insert(id) {
                 continue;
             }
             let by_user = source.role == Some(Role::User);
-            let acted_on = acted.contains(id.as_str());
+            let acted_on = acted.contains(id);
             let child = source.role.is_none();
             let rank = if child { here.len() } else { 0 };
             // Recency and length order turns only (see above).
             let at = if child { 0 } else { at };
             let mention = u32::from(!listing);
-            match seen.get_mut(id.as_str()) {
-                Some(s) => {
+            match seen.get(id) {
+                Some(&i) => {
+                    let s = &mut order[i].1;
                     s.acted_on |= acted_on;
                     s.by_user |= by_user;
                     s.sources += mention;
@@ -231,8 +236,9 @@ fn ranked_identifiers(sources: &[SourceItem]) -> Vec<String> {
                     s.newest = at;
                 }
                 None => {
-                    seen.insert(
-                        id.clone(),
+                    seen.insert(id, order.len());
+                    order.push((
+                        id,
                         Seen {
                             acted_on,
                             by_user,
@@ -240,16 +246,14 @@ fn ranked_identifiers(sources: &[SourceItem]) -> Vec<String> {
                             rank,
                             newest: at,
                         },
-                    );
-                    order.push(id.clone());
+                    ));
                 }
             }
         }
     }
     // A stable sort: equal keys keep their first-seen order, so the same
     // sources always give the same list.
-    order.sort_by(|a, b| {
-        let (sa, sb) = (&seen[a], &seen[b]);
+    order.sort_by(|(a, sa), (b, sb)| {
         sb.acted_on
             .cmp(&sa.acted_on)
             .then(sb.by_user.cmp(&sa.by_user))
@@ -262,7 +266,7 @@ fn ranked_identifiers(sources: &[SourceItem]) -> Vec<String> {
                 std::cmp::Ordering::Equal
             })
     });
-    order
+    order.into_iter().map(|(id, _)| id.to_string()).collect()
 }
 
 /// What code can check a summary of some sources keeps, so that a model's
