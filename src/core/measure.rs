@@ -33,10 +33,10 @@ pub struct TurnMeasure {
     pub telling: Option<String>,
     /// [`count_message`](crate::core::tokens::count_message) under
     /// `encoding` of the turn's masked rendering when that does not name
-    /// the turn ([`mask::masked_calls`]),
-    /// counted from the turn's parts ([`mask::counted`]); `None` when it
-    /// has none, or when it is a tool result (whose stub names its turn,
-    /// so the fold renders and counts it).
+    /// the turn ([`mask::masked_calls`]), counted from the turn's parts
+    /// ([`mask::counted`]); `None` when it has none, or when it is a tool
+    /// result (whose stub names its turn, so the fold renders and counts
+    /// it).
     pub masked_calls_tokens: Option<u64>,
     /// What a summarizer reads of the turn, when it was read ahead too
     /// ([`SourceReading`]; the fold does not use it, its runtime hands it

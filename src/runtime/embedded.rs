@@ -656,34 +656,32 @@ mod tests {
         // measurer counted fewer texts than the fold spared: an assistant
         // turn's masked calls are counted from its parts
         // (`mask::counted`), where the fold counts their rendering whole.
+        let texts = |count: &dyn Fn()| {
+            let before = tokens::texts_counted();
+            count();
+            tokens::texts_counted() - before
+        };
+        let encoding = tokens::Encoding::O200kBase;
         let spared_by_parts: u64 = records
             .iter()
-            .filter_map(
-                |(encoding, bytes)| match Envelope::decode(bytes, *encoding) {
-                    Ok(Envelope {
-                        body: EventBody::TurnAppended(t),
-                        ..
-                    }) => Some(t.message),
-                    _ => None,
-                },
-            )
+            .filter_map(|(format, bytes)| match Envelope::decode(bytes, *format) {
+                Ok(Envelope {
+                    body: EventBody::TurnAppended(t),
+                    ..
+                }) => Some(t.message),
+                _ => None,
+            })
             .map(|msg| {
-                let texts = |count: &dyn Fn()| {
-                    let before = crate::core::tokens::texts_counted();
-                    count();
-                    crate::core::tokens::texts_counted() - before
-                };
-                let encoding = tokens::Encoding::O200kBase;
                 let whole = texts(&|| {
                     tokens::count_message(encoding, &msg);
                     if let Some(m) = crate::core::mask::masked_calls(&msg) {
                         tokens::count_message(encoding, &m);
                     }
                 });
-                whole
-                    - texts(&|| {
-                        let _ = crate::core::mask::counted(encoding, &msg);
-                    })
+                let by_parts = texts(&|| {
+                    let _ = crate::core::mask::counted(encoding, &msg);
+                });
+                whole - by_parts
             })
             .sum();
         assert!(counted_ahead > 0);
