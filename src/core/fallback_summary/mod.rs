@@ -198,9 +198,12 @@ fn ranked_identifiers(sources: &[SourceItem]) -> Vec<String> {
     let mut seen: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
     // Names of the calls whose results come next, in order.
     let mut pending: std::collections::VecDeque<&str> = Default::default();
-    let mut here: HashSet<&str> = HashSet::new();
+    // Per source: the identifiers its turn acted on, and those it named
+    // so far (both reused from source to source).
+    let (mut acted, mut here): (HashSet<&str>, HashSet<&str>) = Default::default();
     for (at, (source, read)) in sources.iter().zip(&readings).enumerate() {
-        let acted: HashSet<&str> = read.acted.iter().map(String::as_str).collect();
+        acted.clear();
+        acted.extend(read.acted.iter().map(String::as_str));
         let mut listing = false;
         match source.role {
             Some(Role::Assistant) => {
