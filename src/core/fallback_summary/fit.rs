@@ -106,8 +106,9 @@ pub(super) fn render_once(
     }
     // Then the identifiers the narrative does not already quote.
     let narrative = render_text(header, &groups, &chosen, ids);
+    let quoted = Trigrams::of(&narrative);
     let missing: Vec<usize> = (0..ids.len())
-        .filter(|&i| !narrative.contains(ids[i].as_str()))
+        .filter(|&i| !(quoted.may_hold(&ids[i]) && narrative.contains(ids[i].as_str())))
         .collect();
     let mut id_room = room.saturating_sub(used);
     let mut all_listed = missing.is_empty();
@@ -115,9 +116,10 @@ pub(super) fn render_once(
         all_listed = true;
         id_room -= line_cost(ids_heading);
         let mut listed = String::new();
+        let mut listed_runs = Trigrams::of("");
         for &i in &missing {
             // A suffix of a path already listed is quoted by it.
-            if listed.contains(ids[i].as_str()) {
+            if listed_runs.may_hold(&ids[i]) && listed.contains(ids[i].as_str()) {
                 continue;
             }
             if id_costs[i] <= id_room {
@@ -125,6 +127,8 @@ pub(super) fn render_once(
                 chosen.ids.push(i);
                 listed.push_str(&ids[i]);
                 listed.push('\n');
+                listed_runs.push(&ids[i]);
+                listed_runs.push("\n");
             } else {
                 all_listed = false;
             }
@@ -162,6 +166,62 @@ pub(super) fn render_once(
             .collect();
     }
     Some(render_text(header, &groups, &chosen, ids))
+}
+
+/// The runs of three bytes a text holds, a bit each (hashed into a
+/// table): a string holding a run the text lacks is not in it. A summary
+/// weighs tens to hundreds of identifiers against its narrative and
+/// against the ones it has listed (a text that grows with each), most of
+/// them in neither, and searching those texts for each was a few percent
+/// of `run`'s instructions under compaction; with the runs noted, only an
+/// identifier whose runs are all there (or that is too short to have one)
+/// is searched for. Pairs of bytes were too few to tell paths apart: the
+/// paths of one project share most of theirs.
+pub(super) struct Trigrams {
+    bits: Vec<u64>,
+    /// The text's last two bytes, the start of the next run.
+    tail: [Option<u8>; 2],
+}
+
+/// The table's size, in bits (8 KiB): a narrative of a few KiB leaves
+/// most of it clear, and a long list of identifiers still much of it.
+const TRIGRAM_BITS: u32 = 16;
+
+impl Trigrams {
+    pub(super) fn of(text: &str) -> Trigrams {
+        let mut trigrams = Trigrams {
+            bits: vec![0; (1 << TRIGRAM_BITS) / 64],
+            tail: [None, None],
+        };
+        trigrams.push(text);
+        trigrams
+    }
+
+    /// Notes the runs of `more`, appended to the text.
+    pub(super) fn push(&mut self, more: &str) {
+        for &c in more.as_bytes() {
+            if let [Some(a), Some(b)] = self.tail {
+                let i = Self::index(a, b, c);
+                self.bits[i / 64] |= 1 << (i % 64);
+            }
+            self.tail = [self.tail[1], Some(c)];
+        }
+    }
+
+    /// `false` when `s` is surely not in the text (`text.contains(s)`
+    /// answers the rest).
+    pub(super) fn may_hold(&self, s: &str) -> bool {
+        s.as_bytes().windows(3).all(|w| {
+            let i = Self::index(w[0], w[1], w[2]);
+            self.bits[i / 64] & (1 << (i % 64)) != 0
+        })
+    }
+
+    fn index(a: u8, b: u8, c: u8) -> usize {
+        let run = (u32::from(a) << 16) | (u32::from(b) << 8) | u32::from(c);
+        // Fibonacci hashing: the product's top bits.
+        (run.wrapping_mul(0x9E37_79B1) >> (32 - TRIGRAM_BITS)) as usize
+    }
 }
 
 /// Adds lines of `group` in its keep order while they fit `room` (a line

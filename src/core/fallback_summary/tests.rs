@@ -751,6 +751,38 @@ mod properties {
             let all = line.chars().filter(|c| c.is_alphanumeric()).count();
             prop_assert_eq!(has_alphanumerics(&line, n), all >= n);
         }
+
+        /// The runs' screen never turns away a string the text holds,
+        /// whether the text was noted at once or piece by piece:
+        /// overlapping strings, one inside another, empty and one-byte
+        /// ones, text outside ASCII.
+        #[test]
+        fn trigrams_never_turn_away_what_the_text_holds(
+            pieces in proptest::collection::vec("(src/|lib\\.rs|a|ab|b|é|日|/| |\n){0,8}", 0..6),
+            wanted in proptest::collection::vec("(src/|lib\\.rs|a|b|é|日|/|\n){0,4}", 0..24),
+        ) {
+            let text = pieces.concat();
+            let mut pushed = fit::Trigrams::of("");
+            for piece in &pieces {
+                pushed.push(piece);
+            }
+            for runs in [fit::Trigrams::of(&text), pushed] {
+                for s in wanted.iter().filter(|s| text.contains(s.as_str())) {
+                    prop_assert!(runs.may_hold(s), "{:?} in {:?}", s, text);
+                }
+            }
+        }
+    }
+
+    /// The runs' screen turns away what the text lacks a run of: the name
+    /// of a file beside a listed path, and a path beside a file's name it
+    /// ends with.
+    #[test]
+    fn trigrams_turn_away_what_the_text_lacks_a_run_of() {
+        let listed = fit::Trigrams::of("/repo/src/core/mod.rs\n");
+        assert!(!listed.may_hold("main.rs"));
+        assert!(listed.may_hold("mod.rs"));
+        assert!(!fit::Trigrams::of("mod.rs").may_hold("/repo/src/core/mod.rs"));
     }
 
     fn role_strategy() -> impl Strategy<Value = Option<Role>> {
