@@ -101,12 +101,88 @@ pub fn extract_with_kinds_unskipped(text: &str) -> Vec<Identifier> {
     extract_by(text, None)
 }
 
+/// Like [`extract`], and for each of `parts` (byte ranges of `text`) what
+/// [`extract`] finds in that part alone: a turn's text holds its calls'
+/// arguments (`name(arguments)`), which a draft also reads apart, so the
+/// text is searched once for both. A part is answered from the search of
+/// the whole text when it is fenced as a call's arguments are (a `(` or
+/// the text's start before it, a `)`, whitespace or the text's end after
+/// it) and no match there, kept or not, crosses its edges. The rules'
+/// `\b` and the judges ask of the bytes just around a match only whether
+/// they are word bytes or one of a few punctuation marks; a fence answers
+/// every such question as the part's own edge would (`(` is among the
+/// marks only for a bare port, which it lets stand alone as an edge
+/// does). Any other part is searched alone.
+pub fn extract_with_parts(text: &str, parts: &[Range<usize>]) -> (Vec<String>, Vec<Vec<String>>) {
+    let bytes = text.as_bytes();
+    let mut crossed: Vec<bool> = parts
+        .iter()
+        .map(|part| {
+            let before = part.start.checked_sub(1).and_then(|i| bytes.get(i));
+            let after = bytes.get(part.end);
+            let fenced = matches!(before, None | Some(b'('))
+                && after.is_none_or(|&b| b == b')' || b.is_ascii_whitespace());
+            !fenced
+        })
+        .collect();
+    let kept = found_in(text, Some(&Words::of(text)), parts, &mut crossed);
+    let texts = |ids: Vec<Identifier>| ids.into_iter().map(|id| id.text).collect::<Vec<_>>();
+    let whole = texts(distinct(text, kept.iter()));
+    let each = parts
+        .iter()
+        .zip(crossed)
+        .map(|(part, crossed)| match text.get(part.clone()) {
+            Some(alone) if crossed => extract(alone),
+            Some(_) => texts(distinct(
+                text,
+                kept.iter()
+                    .filter(|f| f.start >= part.start && f.end <= part.end),
+            )),
+            // Not a range of the text: nothing is in it.
+            None => Vec::new(),
+        })
+        .collect();
+    (whole, each)
+}
+
 /// Every identifier of `text`, each rule searching only the spans of
 /// `words` that hold its bytes (a rule finds nothing elsewhere), or the
 /// whole text without `words`.
 fn extract_by(text: &str, words: Option<&Words>) -> Vec<Identifier> {
+    distinct(text, found_in(text, words, &[], &mut []).iter())
+}
+
+/// The identifiers `kept` spans, each once, in order of first appearance.
+fn distinct<'a>(text: &'a str, kept: impl Iterator<Item = &'a Found>) -> Vec<Identifier> {
+    let mut seen: HashSet<&str> = HashSet::new();
+    kept.filter_map(|f| {
+        let s = &text[f.start..f.end];
+        seen.insert(s).then(|| Identifier {
+            kind: f.kind,
+            text: s.to_string(),
+        })
+    })
+    .collect()
+}
+
+/// The matches of every rule in `text` that are kept, in order (see
+/// [`extract_by`] for `words`); for each of `parts`, whether a match, kept
+/// or not, crosses one of its edges (`crossed`).
+fn found_in(
+    text: &str,
+    words: Option<&Words>,
+    parts: &[Range<usize>],
+    crossed: &mut [bool],
+) -> Vec<Found> {
     let mut found: Vec<Found> = Vec::new();
     let mut spans: Vec<Range<usize>> = Vec::new();
+    let mut matched = |range: Range<usize>| {
+        for (part, crossed) in parts.iter().zip(crossed.iter_mut()) {
+            let overlaps = range.start < part.end && range.end > part.start;
+            let within = range.start >= part.start && range.end <= part.end;
+            *crossed |= overlaps && !within;
+        }
+    };
     CACHES.with_borrow_mut(|caches| {
         for (rule, cache) in RULES.iter().zip(caches.iter_mut()) {
             spans.clear();
@@ -115,7 +191,7 @@ fn extract_by(text: &str, words: Option<&Words>) -> Vec<Identifier> {
                 Some(words) if rule.within_words => words.holding(rule.needs, &mut spans),
                 _ => spans.push(0..text.len()),
             }
-            search(rule, cache, text, &spans, &mut found);
+            search(rule, cache, text, &spans, &mut found, &mut matched);
         }
     });
     // Text that still holds JSON escapes (`\nsrc/lib.rs`) must not glue the
@@ -127,6 +203,8 @@ fn extract_by(text: &str, words: Option<&Words>) -> Vec<Identifier> {
         {
             f.start += 1;
         }
+        // A judge may reach before its match (`owner/repo#12`).
+        matched(f.start..f.end);
     }
     // Leftmost wins, then the longest: a URL hides the path inside it, an IP
     // with its port hides the bare version-like prefix, a path hides the file
@@ -137,23 +215,15 @@ fn extract_by(text: &str, words: Option<&Words>) -> Vec<Identifier> {
             .then(b.end.cmp(&a.end))
             .then(a.kind.cmp(&b.kind))
     });
-    let mut seen: HashSet<&str> = HashSet::new();
-    let mut out = Vec::new();
     let mut covered_to = 0usize;
-    for f in &found {
-        if f.start < covered_to {
-            continue;
+    found.retain(|f| {
+        let kept = f.start >= covered_to;
+        if kept {
+            covered_to = f.end;
         }
-        covered_to = f.end;
-        let s = &text[f.start..f.end];
-        if seen.insert(s) {
-            out.push(Identifier {
-                kind: f.kind,
-                text: s.to_string(),
-            });
-        }
-    }
-    out
+        kept
+    });
+    found
 }
 
 struct Found {
@@ -310,18 +380,21 @@ thread_local! {
         RefCell::new(RULES.iter().map(|rule| rule.regex.create_cache()).collect());
 }
 
-/// Every match of `rule` in `spans` of `text`, in order, judged; look-around
-/// (`\b`) sees the whole text.
+/// Every match of `rule` in `spans` of `text`, in order, told to `matched`
+/// and judged; look-around (`\b`) sees the whole text.
 fn search(
     rule: &Rule,
     cache: &mut Cache,
     text: &str,
     spans: &[Range<usize>],
     out: &mut Vec<Found>,
+    matched: &mut impl FnMut(Range<usize>),
 ) {
     for span in spans {
         let mut searcher = Searcher::new(Input::new(text).range(span.clone()));
         while let Some(m) = searcher.advance(|input| Ok(rule.regex.search_with(cache, input))) {
+            // Judged or not, a match moves the search past it.
+            matched(m.range());
             (rule.judge)(text, m, out);
         }
     }
@@ -1270,6 +1343,75 @@ mod tests {
         #[test]
         fn rules_skipped_by_their_bytes_find_nothing(text in text()) {
             prop_assert_eq!(extract_with_kinds(&text), extract_with_kinds_unskipped(&text));
+        }
+    }
+
+    /// A turn's text as `searchable_text` renders it: its words, then a
+    /// line per call, `name(arguments)` (the `)` sometimes cut off); and
+    /// where each call's arguments lie in it.
+    fn rendered_turn() -> impl Strategy<Value = (String, Vec<Range<usize>>)> {
+        let arguments = prop_oneof![
+            text(),
+            text().prop_map(|t| format!("{{\"command\": \"{t}\"}}")),
+            text().prop_map(|t| format!("{{\"file_path\":\"{t}\",\"n\":1}}")),
+            // Ending where a match runs on into the call's `)`: a bracket
+            // the `)` closes is kept, so the match crosses the edge.
+            (
+                text(),
+                prop::sample::select(&["C:\\x(", "https://w.org/A_(b", "(", "a"][..])
+            )
+                .prop_map(|(t, end)| format!("{t} {end}")),
+        ];
+        let name = prop::sample::select(&["Bash", "Edit", "mcp__db_v2", "Read", "x1"][..]);
+        (
+            text(),
+            prop::collection::vec((name, arguments, any::<bool>()), 0..4),
+        )
+            .prop_map(|(words, calls)| {
+                let mut out = words;
+                let mut parts = Vec::new();
+                for (name, arguments, closed) in calls {
+                    if !out.is_empty() {
+                        out.push('\n');
+                    }
+                    out.push_str(name);
+                    out.push('(');
+                    parts.push(out.len()..out.len() + arguments.len());
+                    out.push_str(&arguments);
+                    if closed {
+                        out.push(')');
+                    }
+                }
+                (out, parts)
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(3000))]
+
+        /// The whole text's search answers for each call's arguments as
+        /// searching them alone does, and for the text as `extract`.
+        #[test]
+        fn parts_answered_from_the_whole_text_find_what_they_find_alone(
+            (text, parts) in rendered_turn(),
+        ) {
+            let (whole, each) = extract_with_parts(&text, &parts);
+            prop_assert_eq!(whole, extract(&text));
+            for (part, found) in parts.iter().zip(each) {
+                prop_assert_eq!(found, extract(&text[part.clone()]), "{:?}", &text[part.clone()]);
+            }
+        }
+
+        /// Any part of any text, fenced or not, is answered as searched
+        /// alone (an unfenced one is).
+        #[test]
+        fn any_part_finds_what_it_finds_alone(text in text(), a in 0usize..200, b in 0usize..200) {
+            let (lo, hi) = (a.min(b).min(text.len()), a.max(b).min(text.len()));
+            prop_assume!(text.is_char_boundary(lo) && text.is_char_boundary(hi));
+            let part = lo..hi;
+            let (whole, each) = extract_with_parts(&text, std::slice::from_ref(&part));
+            prop_assert_eq!(whole, extract(&text));
+            prop_assert_eq!(&each[0], &extract(&text[lo..hi]));
         }
     }
 

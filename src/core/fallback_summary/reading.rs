@@ -88,29 +88,38 @@ fn read_output(item: &SourceItem) -> OutputReading {
 }
 
 /// The identifiers of `item`'s text and, for an assistant's turn, its
-/// calls' names and the identifiers of the ones that act.
+/// calls' names and the identifiers of the ones that act (their arguments
+/// are in the text, which is searched once for both).
 fn read_identifiers(item: &SourceItem) -> IdentifierReading {
-    let mut acted: Vec<String> = Vec::new();
+    let text = item.text.as_str();
+    let mut acting = Vec::new();
     let mut calls = Vec::new();
     if item.role == Some(Role::Assistant) {
-        let (_, split) = split_calls(&item.text, item.tool.as_deref());
-        let mut seen: HashSet<String> = HashSet::new();
-        for call in split {
+        let (_, spans) = call_spans(text, item.tool.as_deref());
+        for span in spans {
+            let call = Call {
+                name: text[span.name].to_string(),
+                arguments: text[span.arguments.clone()].to_string(),
+            };
             if matches!(
                 classify_call(&call),
                 CallKind::File { .. } | CallKind::Shell(_) | CallKind::Action
             ) {
-                for id in identifiers::extract(&call.arguments) {
-                    if seen.insert(id.clone()) {
-                        acted.push(id);
-                    }
-                }
+                acting.push(span.arguments);
             }
             calls.push(call.name);
         }
     }
+    let (identifiers, in_acting) = identifiers::extract_with_parts(text, &acting);
+    let mut seen: HashSet<&str> = HashSet::new();
+    let mut acted: Vec<String> = Vec::new();
+    for id in in_acting.iter().flatten() {
+        if seen.insert(id) {
+            acted.push(id.clone());
+        }
+    }
     IdentifierReading {
-        identifiers: identifiers::extract(&item.text),
+        identifiers,
         acted,
         calls,
     }
@@ -119,6 +128,7 @@ fn read_identifiers(item: &SourceItem) -> IdentifierReading {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::message::{ChatMessage, Content, FunctionCall, ToolCall};
 
     fn item(role: Role, tool: Option<&str>, text: &str) -> SourceItem {
         SourceItem {
@@ -158,6 +168,91 @@ mod tests {
             identifiers_of(&source).identifiers,
             identifiers::extract(output)
         );
+    }
+
+    /// What an assistant turn's reading was before its text was searched
+    /// once: every acting call's arguments searched again on their own.
+    fn acted_searched_alone(calls: &[Call]) -> Vec<String> {
+        let mut seen = HashSet::new();
+        let mut acted = Vec::new();
+        for call in calls {
+            if matches!(
+                classify_call(call),
+                CallKind::File { .. } | CallKind::Shell(_) | CallKind::Action
+            ) {
+                for id in identifiers::extract(&call.arguments) {
+                    if seen.insert(id.clone()) {
+                        acted.push(id);
+                    }
+                }
+            }
+        }
+        acted
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2000))]
+
+        /// An assistant turn rendered as `searchable_text` renders one
+        /// (its words, then `name(arguments)` per call): the identifiers
+        /// its acting calls act on are the ones their arguments hold
+        /// alone, and its text's are `extract`'s.
+        #[test]
+        fn acted_on_identifiers_are_the_arguments_own(
+            words in "(see |src/lib\\.rs|v1\\.2\\.3|E0308| |\n|\\(){0,6}",
+            calls in proptest::collection::vec((
+                proptest::sample::select(&["Bash", "Edit", "Read", "Write", "Glob", "mcp__db_v2", "x1"][..]),
+                proptest::collection::vec(
+                    proptest::sample::select(&[
+                        "cargo test -p core", "/repo/src/main.rs", "src/a.rs:12", "https://w.org/A_(b",
+                        "C:\\\\x(", "10.0.0.1:8080", "#123", "ABC-123", "toolu_01ABC", "é", "(", ")", "\\n",
+                        "a", " ",
+                    ][..]),
+                    0..5,
+                ),
+                proptest::sample::select(&["command", "file_path", "pattern", "path"][..]),
+                proptest::bool::ANY,
+            ), 0..4),
+        ) {
+            let message = ChatMessage {
+                role: Role::Assistant,
+                content: (!words.is_empty()).then(|| Content::Text(words.clone())),
+                tool_calls: calls
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (name, value, key, json))| {
+                        let value = value.concat();
+                        let arguments = if *json {
+                            serde_json::json!({ *key: value }).to_string()
+                        } else {
+                            value
+                        };
+                        ToolCall {
+                            id: format!("call_{i}"),
+                            kind: "function".into(),
+                            function: FunctionCall {
+                                name: name.to_string(),
+                                arguments,
+                            },
+                        }
+                    })
+                    .collect(),
+                tool_call_id: None,
+                name: None,
+            };
+            let first = message.tool_calls.first().map(|c| c.function.name.clone());
+            let source = item(Role::Assistant, first.as_deref(), &message.searchable_text());
+            let reading = read_identifiers(&source);
+            // The calls as made (no argument holds a line of its own, so
+            // the text splits back into exactly these).
+            let made: Vec<Call> = message
+                .tool_calls
+                .iter()
+                .map(|c| Call { name: c.function.name.clone(), arguments: c.function.arguments.clone() })
+                .collect();
+            proptest::prop_assert_eq!(&reading.acted, &acted_searched_alone(&made));
+            proptest::prop_assert_eq!(&reading.identifiers, &identifiers::extract(&source.text));
+        }
     }
 
     #[test]

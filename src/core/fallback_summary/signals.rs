@@ -282,6 +282,27 @@ pub(super) struct Call {
 /// calls (`name(arguments)` lines after the words, the first named
 /// `first_call`).
 pub(super) fn split_calls<'a>(text: &'a str, first_call: Option<&str>) -> (&'a str, Vec<Call>) {
+    let (words, spans) = call_spans(text, first_call);
+    let calls = spans
+        .into_iter()
+        .map(|span| Call {
+            name: text[span.name].to_string(),
+            arguments: text[span.arguments].to_string(),
+        })
+        .collect();
+    (words, calls)
+}
+
+/// Where a call of [`split_calls`] lies in the text: its name and its
+/// arguments.
+pub(super) struct CallSpan {
+    pub(super) name: std::ops::Range<usize>,
+    pub(super) arguments: std::ops::Range<usize>,
+}
+
+/// [`split_calls`] as places in the text: its words, and each call's name
+/// and arguments.
+pub(super) fn call_spans<'a>(text: &'a str, first_call: Option<&str>) -> (&'a str, Vec<CallSpan>) {
     let Some(first) = first_call else {
         return (text, Vec::new());
     };
@@ -304,12 +325,13 @@ pub(super) fn split_calls<'a>(text: &'a str, first_call: Option<&str>) -> (&'a s
         let end = starts.get(k + 1).copied().unwrap_or(rest.len());
         let piece = rest[s..end].trim_end();
         if let Some(open) = piece.find('(') {
-            let name = piece[..open].to_string();
-            let arguments = piece[open + 1..]
-                .strip_suffix(')')
-                .unwrap_or(&piece[open + 1..])
-                .to_string();
-            calls.push(Call { name, arguments });
+            let at = start + s;
+            let arguments = &piece[open + 1..];
+            let len = arguments.strip_suffix(')').unwrap_or(arguments).len();
+            calls.push(CallSpan {
+                name: at..at + open,
+                arguments: at + open + 1..at + open + 1 + len,
+            });
         }
     }
     (words, calls)
