@@ -16,6 +16,14 @@
 # state hash: the same for both binaries when the summaries are).
 # With two binaries the runs alternate A B A B ... RUNS (default 3) each.
 # Needs jq.
+#
+# MEASURE=instructions counts each run's instructions under valgrind's
+# cachegrind instead of timing it (Debian: apt-get install valgrind). The
+# count repeats to within a few hundredths of a percent where wall times
+# on a shared VM spread over +-20%, so a change of a few percent shows in
+# one run; it is about 50x slower, so use COPIES=20 (7,640 events). It
+# counts work, not time: waits, the disk and how the two threads overlap
+# are not in it, so a change that counts less is then timed as well.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -51,6 +59,14 @@ echo "fleet: $fleet, $events events, window $window"
 one_run() {
     local label="$1" bin="$2" dir="$out/data.$1"
     rm -rf "$dir"
+    if [ "${MEASURE:-wall}" = instructions ]; then
+        command -v valgrind > /dev/null || { echo "MEASURE=instructions needs valgrind" >&2; exit 1; }
+        CONTEXTFOLD_POLICY__DEFAULT_CONTEXT_WINDOW="$window" valgrind --tool=cachegrind --cache-sim=no \
+            --cachegrind-out-file=/dev/null "$bin" --data "$dir" run "$fleet" > "$out/run.$label.txt" 2> "$out/valgrind.$label.txt"
+        echo "$label: $(grep -o 'I *refs: *[0-9,]*' "$out/valgrind.$label.txt" | tr -s ' ') instructions | $(tail -1 "$out/run.$label.txt")"
+        rm -rf "$dir"
+        return
+    fi
     local start end
     start=$(date +%s.%N)
     CONTEXTFOLD_POLICY__DEFAULT_CONTEXT_WINDOW="$window" "$bin" --data "$dir" run "$fleet" > "$out/run.$label.txt" 2>&1
