@@ -210,10 +210,27 @@ async fn leases_a_dead_serve_left_behind_are_held_by_nobody_after_their_ttl() {
     let dir = tempfile::tempdir().unwrap();
     let opts = options(&server.url(), dir.path(), &PolicyConfig::default(), "gone");
     let service = start_alone(opts).await;
-    service.abort();
-    let (client, _, _) = client_for(&server.url()).await;
-    raw_publish(&client, &turns("doctor-orphan", 0..3, 10)).await;
+    let (client, _, infra) = client_for(&server.url()).await;
     let partition = partition_of("doctor-orphan");
+    // The serve dies folding the orphan's partition: its lease is held
+    // (`start_alone`) and its consumer made. Killed before that, the
+    // partition has no consumer to count its waiting turns by, and doctor
+    // says so in the consumers' check instead.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while infra
+        .events
+        .consumer_info(infra.subjects.folder_consumer(partition))
+        .await
+        .is_err()
+    {
+        assert!(
+            Instant::now() < deadline,
+            "no folder consumer for {partition}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    service.abort();
+    raw_publish(&client, &turns("doctor-orphan", 0..3, 10)).await;
 
     let deadline = Instant::now() + Duration::from_secs(20);
     let out = loop {
