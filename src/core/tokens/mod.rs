@@ -170,7 +170,12 @@ fn count_up_to(encoding: Encoding, text: &str, limit: u64) -> u64 {
         // text is not cut into pieces.
         pretokenizer::for_each_piece_while(encoding, text, |piece| {
             let piece = piece.as_bytes();
-            total += if piece.len() > REMEMBERED_PIECE_BYTES {
+            // Every byte is a token of both vocabularies: a piece of one
+            // byte (a space, a bracket, a digit) is one token, and a third
+            // of real text's pieces are, so they skip the memo's lookup.
+            total += if piece.len() == 1 {
+                1
+            } else if piece.len() > REMEMBERED_PIECE_BYTES {
                 tokenizer.bpe.count(piece) as u64
             } else if let Some(&n) = remembered.get(piece) {
                 u64::from(n)
@@ -262,6 +267,31 @@ mod tests {
             Encoding::O200kBase
         );
         assert_eq!(Encoding::for_model(None), Encoding::O200kBase);
+    }
+
+    /// The one-byte pieces the memo is skipped for are one token in both
+    /// vocabularies: every ASCII character alone, and in a text of such
+    /// pieces (the count is the tokenizer's own, which has no shortcut).
+    #[test]
+    fn a_piece_of_one_byte_is_one_token() {
+        for encoding in [Encoding::O200kBase, Encoding::Cl100kBase] {
+            let mut all = String::new();
+            for b in 0u8..128 {
+                let c = (b as char).to_string();
+                assert_eq!(
+                    count_text(encoding, &c),
+                    count_text_unremembered(encoding, &c),
+                    "{c:?}"
+                );
+                assert_eq!(count_text_unremembered(encoding, &c), 1, "{c:?}");
+                all.push(b as char);
+                all.push_str(" x");
+            }
+            assert_eq!(
+                count_text(encoding, &all),
+                count_text_unremembered(encoding, &all)
+            );
+        }
     }
 
     #[test]
