@@ -243,32 +243,80 @@ fn split_by_regex(encoding: Encoding, text: &str, mut piece: impl FnMut(&str)) {
 mod ascii {
     use super::Encoding;
 
-    fn is_letter(b: u8) -> bool {
-        b.is_ascii_alphabetic()
-    }
-    fn is_digit(b: u8) -> bool {
-        b.is_ascii_digit()
-    }
-    fn is_space(b: u8) -> bool {
-        matches!(b, b'\t' | b'\n' | 0x0B | 0x0C | b'\r' | b' ')
-    }
-    fn is_newline(b: u8) -> bool {
-        matches!(b, b'\r' | b'\n')
-    }
+    // The classes the rules ask about, a bit each in [`CLASS`]: one
+    // table load per byte, where the rules' tests compared each byte
+    // with up to six ranges (the ASCII split was a tenth of `run`'s
+    // instructions).
+    const UPPER: u8 = 1;
+    const LOWER: u8 = 1 << 1;
+    const DIGIT: u8 = 1 << 2;
+    /// `\s`
+    const SPACE: u8 = 1 << 3;
+    /// `[\r\n]`
+    const NEWLINE: u8 = 1 << 4;
     /// `[^\s\p{L}\p{N}]`
-    fn is_other(b: u8) -> bool {
-        !is_space(b) && !is_letter(b) && !is_digit(b)
-    }
+    const OTHER: u8 = 1 << 5;
     /// `[^\r\n\p{L}\p{N}]`: the optional character before a word.
-    fn is_word_prefix(b: u8) -> bool {
-        !is_newline(b) && !is_letter(b) && !is_digit(b)
+    const WORD_PREFIX: u8 = 1 << 6;
+    /// `[\r\n/]`: what o200k's punctuation takes after it.
+    const NEWLINE_OR_SLASH: u8 = 1 << 7;
+
+    /// Each byte's classes. A byte outside ASCII is part of a punctuation
+    /// character here (see the module above), so it is in the classes
+    /// ASCII punctuation is in.
+    static CLASS: [u8; 256] = {
+        let mut class = [0u8; 256];
+        let mut b = 0;
+        while b < 256 {
+            let c = b as u8;
+            let letter = c.is_ascii_alphabetic();
+            let digit = c.is_ascii_digit();
+            let space = matches!(c, b'\t' | b'\n' | 0x0B | 0x0C | b'\r' | b' ');
+            let newline = matches!(c, b'\r' | b'\n');
+            let mut bits = 0;
+            if c.is_ascii_uppercase() {
+                bits |= UPPER;
+            }
+            if c.is_ascii_lowercase() {
+                bits |= LOWER;
+            }
+            if digit {
+                bits |= DIGIT;
+            }
+            if space {
+                bits |= SPACE;
+            }
+            if newline {
+                bits |= NEWLINE | NEWLINE_OR_SLASH;
+            }
+            if !space && !letter && !digit {
+                bits |= OTHER;
+            }
+            if !newline && !letter && !digit {
+                bits |= WORD_PREFIX;
+            }
+
+            if c == b'/' {
+                bits |= NEWLINE_OR_SLASH;
+            }
+            class[b] = bits;
+            b += 1;
+        }
+        class
+    };
+
+    fn is(b: u8, class: u8) -> bool {
+        CLASS[b as usize] & class != 0
     }
 
-    fn run(t: &[u8], from: usize, class: impl Fn(u8) -> bool) -> usize {
-        t[from..]
-            .iter()
-            .position(|&b| !class(b))
-            .map_or(t.len(), |n| from + n)
+    /// The end of the run of bytes in `class` from `from`.
+    #[inline(always)]
+    fn run(t: &[u8], from: usize, class: u8) -> usize {
+        let mut i = from;
+        while i < t.len() && is(t[i], class) {
+            i += 1;
+        }
+        i
     }
 
     /// `(?i:'s|'t|'re|'ve|'m|'ll|'d)` at `i`: its end.
@@ -289,7 +337,7 @@ mod ascii {
     /// that only matters when letters follow it): one character, of one
     /// to four bytes.
     fn after_prefix(t: &[u8], i: usize) -> usize {
-        if is_word_prefix(t[i]) {
+        if is(t[i], WORD_PREFIX) {
             i + char_len(t[i])
         } else {
             i
@@ -309,8 +357,8 @@ mod ascii {
     /// o200k: `P?[Lu]*[Ll]+C?` then `P?[Lu]+[Ll]*C?`.
     fn o200k_word(t: &[u8], i: usize) -> Option<usize> {
         let start = after_prefix(t, i);
-        let upper_end = run(t, start, |b| b.is_ascii_uppercase());
-        let lower_end = run(t, upper_end, |b| b.is_ascii_lowercase());
+        let upper_end = run(t, start, UPPER);
+        let lower_end = run(t, upper_end, LOWER);
         // The first form needs a lower-case letter after the upper-case
         // run; the second an upper-case letter (the prefix, if any, was
         // taken: without it the word would have to start at a non-letter).
@@ -324,25 +372,26 @@ mod ascii {
     /// cl100k: `P?\p{L}+`.
     fn cl100k_word(t: &[u8], i: usize) -> Option<usize> {
         let start = after_prefix(t, i);
-        let end = run(t, start, is_letter);
+        let end = run(t, start, UPPER | LOWER);
         (end > start).then_some(end)
     }
 
     /// ` ?[^\s\p{L}\p{N}]+` followed by `[\r\n/]*` (o200k) or `[\r\n]*`.
     fn punctuation(t: &[u8], i: usize, slash_too: bool) -> Option<usize> {
         let start = if t[i] == b' ' { i + 1 } else { i };
-        let end = run(t, start, is_other);
+        let end = run(t, start, OTHER);
         if end == start {
             return None;
         }
-        Some(run(t, end, |b| is_newline(b) || (slash_too && b == b'/')))
+        let after = if slash_too { NEWLINE_OR_SLASH } else { NEWLINE };
+        Some(run(t, end, after))
     }
 
     /// The whitespace alternatives, in order: `\s*[\r\n]+`, `\s+$`,
     /// `\s+(?!\S)` (`\s+\s` giving the last character back), `\s+`.
     fn whitespace(t: &[u8], i: usize) -> usize {
-        let end = run(t, i, is_space);
-        if let Some(last_newline) = t[i..end].iter().rposition(|&b| is_newline(b)) {
+        let end = run(t, i, SPACE);
+        if let Some(last_newline) = t[i..end].iter().rposition(|&b| is(b, NEWLINE)) {
             return i + last_newline + 1;
         }
         if end == t.len() || end - i < 2 {
@@ -361,8 +410,8 @@ mod ascii {
         if let Some(end) = word {
             return end;
         }
-        if is_digit(t[i]) {
-            return run(t, i, is_digit).min(i + 3);
+        if is(t[i], DIGIT) {
+            return run(t, i, DIGIT).min(i + 3);
         }
         if let Some(end) = punctuation(t, i, slash_too) {
             return end;
