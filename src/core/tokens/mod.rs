@@ -172,8 +172,8 @@ fn count_up_to(encoding: Encoding, text: &str, limit: u64) -> u64 {
             let piece = piece.as_bytes();
             // Every byte is a token of both vocabularies: a piece of one
             // byte (a space, a bracket, a digit) is one token, and about
-            // two fifths of the shared transcripts' pieces are, so they
-            // skip the memo's lookup.
+            // two fifths of the pieces of the bench's real transcripts
+            // are, so they skip the memo's lookup.
             total += if piece.len() == 1 {
                 1
             } else if piece.len() > REMEMBERED_PIECE_BYTES {
