@@ -13,7 +13,12 @@
 //! search only part of a text: a match of theirs holds no whitespace and one
 //! of a few bytes (a `/` for a path, a digit for a version), so it lies in
 //! one word that holds such a byte, and the words that hold none are
-//! skipped (`Words`).
+//! skipped (`Words`). What those rules find in a word depends on the word
+//! alone (its edges are whitespace, which every rule and judge reads
+//! alike, but for one case `word_hits` names), and a session repeats its
+//! words (paths, ids, hashes, tool output read again): each thread
+//! remembers the last few thousand words' finds, and a word read again
+//! costs a hash lookup instead of a search per rule.
 
 use regex_automata::meta::{Cache, Regex};
 use regex_automata::util::iter::Searcher;
@@ -184,11 +189,26 @@ fn found_in(
         }
     };
     CACHES.with_borrow_mut(|caches| {
+        if let Some(words) = words {
+            WORD_FINDS.with_borrow_mut(|memo| {
+                for (span, bits) in &words.list {
+                    word_hits(
+                        text,
+                        span.clone(),
+                        *bits,
+                        caches,
+                        memo,
+                        &mut found,
+                        &mut matched,
+                    );
+                }
+            });
+        }
         for (rule, cache) in RULES.iter().zip(caches.iter_mut()) {
             spans.clear();
             match words {
+                Some(_) if rule.within_words => continue,
                 Some(words) if !words.may_match(rule.needs) => continue,
-                Some(words) if rule.within_words => words.holding(rule.needs, &mut spans),
                 _ => spans.push(0..text.len()),
             }
             search(rule, cache, text, &spans, &mut found, &mut matched);
@@ -241,7 +261,7 @@ struct Rule {
     needs: u8,
     /// No match holds whitespace (the pattern has no `\s`, space or
     /// class that takes one), so each lies within one word: only the words
-    /// holding one of `needs` are searched ([`Words::holding`]).
+    /// holding one of `needs` are searched ([`word_hits`]).
     within_words: bool,
 }
 
@@ -291,16 +311,19 @@ const fn holds_bit(b: u8) -> u8 {
 }
 
 /// A text's words (runs between ASCII whitespace) that hold a byte the
-/// rules need, listed under each bit they hold, from one pass over the text.
+/// rules need, each with the bits it holds, from one pass over the text.
 struct Words {
-    /// For each bit, the words holding it, in order.
-    by_bit: [Vec<Range<usize>>; 8],
+    /// The words holding a byte the rules need, in order, with their bits.
+    list: Vec<(Range<usize>, u8)>,
+    /// Every bit some word holds.
+    bits: u8,
 }
 
 impl Words {
     fn of(text: &str) -> Words {
         let mut words = Words {
-            by_bit: Default::default(),
+            list: Vec::new(),
+            bits: 0,
         };
         let mut start = 0usize;
         let mut bits = 0u8;
@@ -308,7 +331,8 @@ impl Words {
             let class = BYTE_CLASS[usize::from(b)];
             if class == SPACE {
                 if bits != 0 {
-                    words.push(start..i, bits);
+                    words.list.push((start..i, bits));
+                    words.bits |= bits;
                     bits = 0;
                 }
                 start = i + 1;
@@ -317,7 +341,8 @@ impl Words {
             }
         }
         if bits != 0 {
-            words.push(start..text.len(), bits);
+            words.list.push((start..text.len(), bits));
+            words.bits |= bits;
         }
         words
     }
@@ -325,50 +350,117 @@ impl Words {
     /// Whether the text holds one of `needs` (a rule that needs none may
     /// match anywhere).
     fn may_match(&self, needs: u8) -> bool {
-        needs == 0 || (0..8).any(|bit| needs & (1 << bit) != 0 && !self.by_bit[bit].is_empty())
+        needs == 0 || self.bits & needs != 0
     }
+}
 
-    fn push(&mut self, span: Range<usize>, bits: u8) {
-        for (bit, list) in self.by_bit.iter_mut().enumerate() {
-            if bits & (1 << bit) != 0 {
-                list.push(span.clone());
+/// A match within one word, from the word's start: found (`kind`) or only
+/// matched (`None`: its judge kept nothing, yet it moved the search).
+#[derive(Clone, Copy)]
+struct Hit {
+    start: u32,
+    end: u32,
+    kind: Option<IdentifierKind>,
+}
+
+/// Words longer than this are searched each time, not remembered (a
+/// long URL still is; a blob of base64 is not worth the key).
+const REMEMBERED_WORD_BYTES: usize = 256;
+/// Words remembered per thread before the memo starts over: keys of 2 MiB
+/// at most (8,192 of 256 bytes), and their finds.
+const REMEMBERED_WORDS: usize = 8_192;
+
+thread_local! {
+    /// What the rules searching within words found in each word read
+    /// lately on this thread ([`word_hits`]).
+    static WORD_FINDS: RefCell<rustc_hash::FxHashMap<Box<str>, Box<[Hit]>>> =
+        RefCell::new(Default::default());
+}
+
+/// Empties this thread's memo of words, so that the next texts are read
+/// as a session's first ones are (`benches/identifiers.rs` starts each
+/// sample so); it changes no answer.
+#[doc(hidden)]
+pub fn forget_words() {
+    WORD_FINDS.with_borrow_mut(|memo| memo.clear());
+}
+
+/// Every match of the rules searching within words in the word `span` of
+/// `text` (whose bits are `bits`), told to `matched`, and what their judges
+/// keep, pushed to `out`: from the memo when the word was read lately.
+///
+/// The rules' `\b` and the judges ask of the bytes around a match inside a
+/// word what the word's own bytes answer; at its edges they see ASCII
+/// whitespace or the text's end, and ask only whether that is a word byte
+/// or a punctuation mark, which none is. But for one question: a bare port
+/// (`:8080`) stands alone after `is_ascii_whitespace`, which a vertical tab
+/// is not (it still ends a word here, as the regex crate's `\s` does). A
+/// word at a vertical tab is searched each time.
+fn word_hits(
+    text: &str,
+    span: Range<usize>,
+    bits: u8,
+    caches: &mut [Cache],
+    memo: &mut rustc_hash::FxHashMap<Box<str>, Box<[Hit]>>,
+    out: &mut Vec<Found>,
+    matched: &mut impl FnMut(Range<usize>),
+) {
+    let word = &text[span.clone()];
+    let mut apply = |hits: &[Hit]| {
+        for hit in hits {
+            let (start, end) = (
+                span.start + hit.start as usize,
+                span.start + hit.end as usize,
+            );
+            match hit.kind {
+                None => matched(start..end),
+                Some(kind) => out.push(Found { start, end, kind }),
             }
         }
-    }
-
-    /// The spans to search for a match holding one of `needs`: the words
-    /// that hold one, in order, each once. A search in a word sees each
-    /// match there whole, and `\b` and a judge's look at the bytes around a
-    /// match see the text as it is. (Searching words a few bytes apart as
-    /// one span, to start fewer searches, measured slower: starting one is
-    /// cheap.)
-    fn holding(&self, needs: u8, out: &mut Vec<Range<usize>>) {
-        out.clear();
-        for (bit, list) in self.by_bit.iter().enumerate() {
-            if needs & (1 << bit) == 0 {
-                continue;
-            }
-            if out.is_empty() {
-                out.extend(list.iter().cloned());
-            } else {
-                // A second bit (two rules have two): merge, words in order.
-                let mut merged = Vec::with_capacity(out.len() + list.len());
-                let (mut a, mut b) = (out.iter().peekable(), list.iter().peekable());
-                while let (Some(x), Some(y)) = (a.peek(), b.peek()) {
-                    match x.start.cmp(&y.start) {
-                        std::cmp::Ordering::Less => merged.extend(a.next().cloned()),
-                        std::cmp::Ordering::Greater => merged.extend(b.next().cloned()),
-                        std::cmp::Ordering::Equal => {
-                            merged.extend(a.next().cloned());
-                            b.next();
-                        }
-                    }
-                }
-                merged.extend(a.cloned());
-                merged.extend(b.cloned());
-                *out = merged;
-            }
+    };
+    let plain_edges = !matches!(byte_before(text, span.start), Some(b'\x0b'))
+        && !matches!(byte_at(text, span.end), Some(b'\x0b'));
+    let remember = plain_edges && word.len() <= REMEMBERED_WORD_BYTES;
+    if remember {
+        if let Some(hits) = memo.get(word) {
+            apply(hits);
+            return;
         }
+    }
+    let mut hits = Vec::new();
+    let mut found = Vec::new();
+    for (rule, cache) in RULES.iter().zip(caches.iter_mut()) {
+        if !rule.within_words || rule.needs & bits == 0 {
+            continue;
+        }
+        found.clear();
+        let mut raw = |range: Range<usize>| {
+            hits.push(Hit {
+                start: (range.start - span.start) as u32,
+                end: (range.end - span.start) as u32,
+                kind: None,
+            })
+        };
+        search(
+            rule,
+            cache,
+            text,
+            std::slice::from_ref(&span),
+            &mut found,
+            &mut raw,
+        );
+        hits.extend(found.iter().map(|f| Hit {
+            start: (f.start - span.start) as u32,
+            end: (f.end - span.start) as u32,
+            kind: Some(f.kind),
+        }));
+    }
+    apply(&hits);
+    if remember {
+        if memo.len() >= REMEMBERED_WORDS {
+            memo.clear();
+        }
+        memo.insert(word.into(), hits.into());
     }
 }
 
@@ -1415,6 +1507,45 @@ mod tests {
         }
     }
 
+    /// A word's finds are remembered apart from its edges, which every
+    /// rule and judge reads alike but for one: `:8080` stands alone after
+    /// a space or the text's start, not after a vertical tab (no
+    /// `is_ascii_whitespace`). So a word at a vertical tab is searched
+    /// each time, and either order of the two is answered as unremembered.
+    #[test]
+    fn a_remembered_word_is_answered_as_its_edges_ask() {
+        for texts in [
+            ["at :8080 now", "at\u{b}:8080 now"],
+            ["at\u{b}:8080\u{b}", ":8080"],
+        ] {
+            for text in texts.iter().chain(texts.iter().rev()) {
+                assert_eq!(
+                    extract_with_kinds(text),
+                    extract_with_kinds_unskipped(text),
+                    "{text:?}"
+                );
+            }
+        }
+        assert!(extract("at :8080 now").contains(&":8080".to_string()));
+        assert!(extract("at\u{b}:8080 now").is_empty());
+    }
+
+    /// More words than the memo holds are answered as unremembered ones,
+    /// while it fills, when it starts over and after.
+    #[test]
+    fn words_past_the_memo_are_answered_alike() {
+        for round in 0..2 {
+            for i in 0..REMEMBERED_WORDS + 100 {
+                let text = format!("see src/m{i}.rs and v{round}.{i}.0 at :{}", 1000 + i % 9000);
+                assert_eq!(
+                    extract_with_kinds(&text),
+                    extract_with_kinds_unskipped(&text),
+                    "{text:?}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn a_rule_searched_in_words_names_the_bytes_its_words_hold() {
         // A rule with no bytes to look for would search no word at all.
@@ -1423,19 +1554,21 @@ mod tests {
         }
         let text = "see src/lib.rs\tand\u{a0}v1.2.3 at :8080\n";
         let words = Words::of(text);
-        let spans = |needs| -> Vec<&str> {
-            let mut spans = Vec::new();
-            words.holding(needs, &mut spans);
-            spans.into_iter().map(|s| &text[s]).collect()
-        };
-        assert_eq!(spans(SLASH), ["src/lib.rs"]);
-        assert_eq!(spans(DOT), ["src/lib.rs", "and\u{a0}v1.2.3"]);
-        assert_eq!(spans(COLON | HASH), [":8080"]);
+        let listed: Vec<(&str, u8)> = words
+            .list
+            .iter()
+            .map(|(span, bits)| (&text[span.clone()], *bits))
+            .collect();
         assert_eq!(
-            spans(SLASH | DIGIT),
-            ["src/lib.rs", "and\u{a0}v1.2.3", ":8080"]
+            listed,
+            [
+                ("src/lib.rs", SLASH | DOT),
+                ("and\u{a0}v1.2.3", DOT | DIGIT),
+                (":8080", COLON | DIGIT)
+            ]
         );
-        assert!(spans(BRACKET).is_empty());
+        assert!(words.may_match(HASH | DIGIT));
+        assert!(!words.may_match(BRACKET | HASH));
     }
 
     fn ids(text: &str) -> Vec<String> {
