@@ -24,7 +24,6 @@ use regex_automata::meta::{Cache, Regex};
 use regex_automata::util::iter::Searcher;
 use regex_automata::{Input, Match};
 use std::cell::RefCell;
-use std::collections::HashSet;
 use std::net::{Ipv4Addr, Ipv6Addr};
 use std::ops::Range;
 use std::sync::LazyLock;
@@ -159,7 +158,7 @@ fn extract_by(text: &str, words: Option<&Words>) -> Vec<Identifier> {
 
 /// The identifiers `kept` spans, each once, in order of first appearance.
 fn distinct<'a>(text: &'a str, kept: impl Iterator<Item = &'a Found>) -> Vec<Identifier> {
-    let mut seen: HashSet<&str> = HashSet::new();
+    let mut seen: foldhash::HashSet<&str> = foldhash::HashSet::default();
     kept.filter_map(|f| {
         let s = &text[f.start..f.end];
         seen.insert(s).then(|| Identifier {
@@ -372,8 +371,9 @@ const REMEMBERED_WORDS: usize = 8_192;
 
 thread_local! {
     /// What the rules searching within words found in each word read
-    /// lately on this thread ([`word_hits`]).
-    static WORD_FINDS: RefCell<rustc_hash::FxHashMap<Box<str>, Box<[Hit]>>> =
+    /// lately on this thread ([`word_hits`]); seeded per process, as the
+    /// piece memo of `core::tokens` is, for the same reason.
+    static WORD_FINDS: RefCell<foldhash::HashMap<Box<str>, Box<[Hit]>>> =
         RefCell::new(Default::default());
 }
 
@@ -401,7 +401,7 @@ fn word_hits(
     span: Range<usize>,
     bits: u8,
     caches: &mut [Cache],
-    memo: &mut rustc_hash::FxHashMap<Box<str>, Box<[Hit]>>,
+    memo: &mut foldhash::HashMap<Box<str>, Box<[Hit]>>,
     out: &mut Vec<Found>,
     matched: &mut impl FnMut(Range<usize>),
 ) {

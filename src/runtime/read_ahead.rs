@@ -8,7 +8,7 @@
 
 use crate::core::state::{BodyError, Conversation, HistoryEntry, TurnBodies, TurnBody};
 use crate::core::summary::SourceReading;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 /// The readings of the newest turns, by event id: at most [`Readings::CAP`],
@@ -16,7 +16,7 @@ use std::sync::Arc;
 /// of its arrival, or read again by its draft).
 #[derive(Debug, Default)]
 pub struct Readings {
-    by_event: HashMap<Box<str>, Arc<SourceReading>>,
+    by_event: foldhash::HashMap<Box<str>, Arc<SourceReading>>,
     order: VecDeque<Box<str>>,
 }
 

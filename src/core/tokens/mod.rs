@@ -14,7 +14,6 @@
 mod pretokenizer;
 
 use crate::core::message::ChatMessage;
-use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 use std::cell::RefCell;
 
@@ -100,8 +99,11 @@ const REMEMBERED_PIECES: usize = 16_384;
 /// time; a hash lookup of a short piece costs a fraction of that, and the
 /// count of a piece never depends on its neighbours, so the memo changes
 /// no count (`tests/token_counts.rs` checks the totals against tiktoken).
+/// Its hash is seeded per process: its keys are what agents wrote, and a
+/// fixed hash would let a text of colliding pieces turn each lookup into
+/// a scan.
 #[derive(Default)]
-struct PieceCounts([FxHashMap<Box<[u8]>, u32>; 2]);
+struct PieceCounts([foldhash::HashMap<Box<[u8]>, u32>; 2]);
 
 thread_local! {
     static PIECE_COUNTS: RefCell<PieceCounts> = RefCell::new(PieceCounts::default());
