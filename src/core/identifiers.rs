@@ -420,26 +420,28 @@ fn word_hits(
     };
     let plain_edges = !matches!(byte_before(text, span.start), Some(b'\x0b'))
         && !matches!(byte_at(text, span.end), Some(b'\x0b'));
-    let remember = plain_edges && word.len() <= REMEMBERED_WORD_BYTES;
+    let mut remember = plain_edges && word.len() <= REMEMBERED_WORD_BYTES;
     if remember {
         if let Some(hits) = memo.get(word) {
             apply(hits);
             return;
         }
     }
+    let relative = |range: Range<usize>| Hit {
+        start: (range.start - span.start) as u32,
+        end: (range.end - span.start) as u32,
+        kind: None,
+    };
     let mut hits = Vec::new();
     let mut found = Vec::new();
     for (rule, cache) in RULES.iter().zip(caches.iter_mut()) {
         if !rule.within_words || rule.needs & bits == 0 {
             continue;
         }
-        found.clear();
+        // A match lies in the span searched.
         let mut raw = |range: Range<usize>| {
-            hits.push(Hit {
-                start: (range.start - span.start) as u32,
-                end: (range.end - span.start) as u32,
-                kind: None,
-            })
+            hits.push(relative(range.clone()));
+            matched(range);
         };
         search(
             rule,
@@ -449,13 +451,21 @@ fn word_hits(
             &mut found,
             &mut raw,
         );
-        hits.extend(found.iter().map(|f| Hit {
-            start: (f.start - span.start) as u32,
-            end: (f.end - span.start) as u32,
-            kind: Some(f.kind),
-        }));
     }
-    apply(&hits);
+    // A judge may reach past its match (`owner/repo#12`); none reaches
+    // past the word, but one that did would make the word's finds depend
+    // on its neighbours, and the word is not remembered then.
+    for f in &found {
+        if f.start >= span.start && f.end <= span.end {
+            hits.push(Hit {
+                kind: Some(f.kind),
+                ..relative(f.start..f.end)
+            });
+        } else {
+            remember = false;
+        }
+    }
+    out.append(&mut found);
     if remember {
         if memo.len() >= REMEMBERED_WORDS {
             memo.clear();
@@ -1418,10 +1428,20 @@ mod tests {
         "`",
     ];
 
+    /// The ASCII whitespace that ends a word ([`BYTE_CLASS`]'s `SPACE`).
+    const WORD_ENDS: &[&str] = &[" ", "\t", "\n", "\r", "\u{b}", "\u{c}"];
+
     fn text() -> impl Strategy<Value = String> {
         prop_oneof![
             3 => prop::collection::vec(prop::sample::select(PIECES), 0..16).prop_map(|p| p.join(" ")),
             3 => prop::collection::vec(prop::sample::select(PIECES), 0..16).prop_map(|p| p.concat()),
+            // Pieces apart by each kind of whitespace that ends a word: the
+            // same word at different edges, which the word memo must not mix.
+            3 => prop::collection::vec(
+                (prop::sample::select(PIECES), prop::sample::select(WORD_ENDS)),
+                0..16,
+            )
+            .prop_map(|p| p.into_iter().flat_map(|(piece, end)| [piece, end]).collect()),
             1 => "\\PC{0,80}",
         ]
     }
