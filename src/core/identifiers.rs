@@ -15,7 +15,7 @@
 //! one word that holds such a byte, and the words that hold none are
 //! skipped (`Words`). What those rules find in a word depends on the word
 //! alone (its edges are whitespace, which every rule and judge reads
-//! alike, but for one case `word_hits` names), and a session repeats its
+//! alike, but for one case `words_found` names), and a session repeats its
 //! words (paths, ids, hashes, tool output read again): each thread
 //! remembers the last few thousand words' finds, and a word read again
 //! costs a hash lookup instead of a search per rule.
@@ -190,17 +190,7 @@ fn found_in(
     CACHES.with_borrow_mut(|caches| {
         if let Some(words) = words {
             WORD_FINDS.with_borrow_mut(|memo| {
-                for (span, bits) in &words.list {
-                    word_hits(
-                        text,
-                        span.clone(),
-                        *bits,
-                        caches,
-                        memo,
-                        &mut found,
-                        &mut matched,
-                    );
-                }
+                words_found(text, &words.list, caches, memo, &mut found, &mut matched);
             });
         }
         for (rule, cache) in RULES.iter().zip(caches.iter_mut()) {
@@ -260,7 +250,7 @@ struct Rule {
     needs: u8,
     /// No match holds whitespace (the pattern has no `\s`, space or
     /// class that takes one), so each lies within one word: only the words
-    /// holding one of `needs` are searched ([`word_hits`]).
+    /// holding one of `needs` are searched ([`words_found`]).
     within_words: bool,
 }
 
@@ -368,13 +358,47 @@ const REMEMBERED_WORD_BYTES: usize = 256;
 /// Words remembered per thread before the memo starts over: keys of 2 MiB
 /// at most (8,192 of 256 bytes), and their finds.
 const REMEMBERED_WORDS: usize = 8_192;
+/// Slots of the memo's doorkeeper (a power of two): the hashes of words
+/// read once, 128 KiB per thread.
+const SEEN_WORDS: usize = 16_384;
+
+/// The words' finds, and which words were read once: a word is remembered
+/// the second time it is read, so text whose words never repeat (ids made
+/// fresh per line, generated data) costs a hash per word rather than a
+/// key and its finds allocated, kept and dropped unused.
+struct WordMemo {
+    finds: foldhash::HashMap<Box<str>, Box<[Hit]>>,
+    /// Direct-mapped by hash: a collision only remembers a word a read
+    /// earlier or later, never changes what is found.
+    seen: Box<[u64]>,
+}
+
+impl Default for WordMemo {
+    fn default() -> Self {
+        WordMemo {
+            finds: Default::default(),
+            seen: vec![0; SEEN_WORDS].into_boxed_slice(),
+        }
+    }
+}
+
+impl WordMemo {
+    /// Whether `word` was read before (by its hash), noting that it now is.
+    fn read_before(&mut self, word: &str) -> bool {
+        use std::hash::BuildHasher;
+        let hash = self.finds.hasher().hash_one(word);
+        let slot = &mut self.seen[hash as usize & (SEEN_WORDS - 1)];
+        let before = *slot == hash;
+        *slot = hash;
+        before
+    }
+}
 
 thread_local! {
     /// What the rules searching within words found in each word read
-    /// lately on this thread ([`word_hits`]); seeded per process, as the
+    /// lately on this thread ([`words_found`]); seeded per process, as the
     /// piece memo of `core::tokens` is, for the same reason.
-    static WORD_FINDS: RefCell<foldhash::HashMap<Box<str>, Box<[Hit]>>> =
-        RefCell::new(Default::default());
+    static WORD_FINDS: RefCell<WordMemo> = RefCell::new(WordMemo::default());
 }
 
 /// Empties this thread's memo of words, so that the next texts are read
@@ -382,12 +406,14 @@ thread_local! {
 /// sample so); it changes no answer.
 #[doc(hidden)]
 pub fn forget_words() {
-    WORD_FINDS.with_borrow_mut(|memo| memo.clear());
+    WORD_FINDS.with_borrow_mut(|memo| *memo = WordMemo::default());
 }
 
-/// Every match of the rules searching within words in the word `span` of
-/// `text` (whose bits are `bits`), told to `matched`, and what their judges
-/// keep, pushed to `out`: from the memo when the word was read lately.
+/// Every match of the rules searching within words in the words `list` of
+/// `text` (each with its bits), told to `matched`, and what their judges
+/// keep, pushed to `out`: from the memo for the words read lately, by a
+/// search for the others, rule by rule over all of them (each rule's lazy
+/// DFA stays warm over the words it searches, as it did before the memo).
 ///
 /// The rules' `\b` and the judges ask of the bytes around a match inside a
 /// word what the word's own bytes answer; at its edges they see ASCII
@@ -396,81 +422,97 @@ pub fn forget_words() {
 /// (`:8080`) stands alone after `is_ascii_whitespace`, which a vertical tab
 /// is not (it still ends a word here, as the regex crate's `\s` does). A
 /// word at a vertical tab is searched each time.
-fn word_hits(
+fn words_found(
     text: &str,
-    span: Range<usize>,
-    bits: u8,
+    list: &[(Range<usize>, u8)],
     caches: &mut [Cache],
-    memo: &mut foldhash::HashMap<Box<str>, Box<[Hit]>>,
+    memo: &mut WordMemo,
     out: &mut Vec<Found>,
     matched: &mut impl FnMut(Range<usize>),
 ) {
-    let word = &text[span.clone()];
-    let mut apply = |hits: &[Hit]| {
-        for hit in hits {
-            let (start, end) = (
-                span.start + hit.start as usize,
-                span.start + hit.end as usize,
-            );
-            match hit.kind {
-                None => matched(start..end),
-                Some(kind) => out.push(Found { start, end, kind }),
-            }
-        }
-    };
-    let plain_edges = !matches!(byte_before(text, span.start), Some(b'\x0b'))
-        && !matches!(byte_at(text, span.end), Some(b'\x0b'));
-    let mut remember = plain_edges && word.len() <= REMEMBERED_WORD_BYTES;
-    if remember {
-        if let Some(hits) = memo.get(word) {
-            apply(hits);
-            return;
-        }
+    /// A word the memo did not answer: searched, and remembered after
+    /// when `remember` still holds.
+    struct Unanswered {
+        span: Range<usize>,
+        bits: u8,
+        remember: bool,
+        hits: Vec<Hit>,
     }
-    let relative = |range: Range<usize>| Hit {
-        start: (range.start - span.start) as u32,
-        end: (range.end - span.start) as u32,
-        kind: None,
+    let mut unanswered: Vec<Unanswered> = Vec::new();
+    for (span, bits) in list {
+        let word = &text[span.clone()];
+        let plain_edges = !matches!(byte_before(text, span.start), Some(b'\x0b'))
+            && !matches!(byte_at(text, span.end), Some(b'\x0b'));
+        let mut remember = plain_edges && word.len() <= REMEMBERED_WORD_BYTES;
+        if remember {
+            if let Some(hits) = memo.finds.get(word) {
+                for hit in hits.iter() {
+                    let (start, end) = (
+                        span.start + hit.start as usize,
+                        span.start + hit.end as usize,
+                    );
+                    match hit.kind {
+                        None => matched(start..end),
+                        Some(kind) => out.push(Found { start, end, kind }),
+                    }
+                }
+                continue;
+            }
+            remember = memo.read_before(word);
+        }
+        unanswered.push(Unanswered {
+            span: span.clone(),
+            bits: *bits,
+            remember,
+            hits: Vec::new(),
+        });
+    }
+    let relative = |from: usize, range: Range<usize>, kind| Hit {
+        start: (range.start - from) as u32,
+        end: (range.end - from) as u32,
+        kind,
     };
-    let mut hits = Vec::new();
-    let mut found = Vec::new();
     for (rule, cache) in RULES.iter().zip(caches.iter_mut()) {
-        if !rule.within_words || rule.needs & bits == 0 {
+        if !rule.within_words {
             continue;
         }
-        // A match lies in the span searched.
-        let mut raw = |range: Range<usize>| {
-            hits.push(relative(range.clone()));
-            matched(range);
-        };
-        search(
-            rule,
-            cache,
-            text,
-            std::slice::from_ref(&span),
-            &mut found,
-            &mut raw,
-        );
-    }
-    // A judge may reach past its match (`owner/repo#12`); none reaches
-    // past the word, but one that did would make the word's finds depend
-    // on its neighbours, and the word is not remembered then.
-    for f in &found {
-        if f.start >= span.start && f.end <= span.end {
-            hits.push(Hit {
-                kind: Some(f.kind),
-                ..relative(f.start..f.end)
-            });
-        } else {
-            remember = false;
+        for word in unanswered.iter_mut().filter(|w| rule.needs & w.bits != 0) {
+            let (from, keep, hits) = (word.span.start, word.remember, &mut word.hits);
+            let judged = out.len();
+            // A match lies in the span searched.
+            let mut raw = |range: Range<usize>| {
+                if keep {
+                    hits.push(relative(from, range.clone(), None));
+                }
+                matched(range);
+            };
+            search(
+                rule,
+                cache,
+                text,
+                std::slice::from_ref(&word.span),
+                out,
+                &mut raw,
+            );
+            // A judge may reach past its match (`owner/repo#12`); none
+            // reaches past the word, but one that did would make the word's
+            // finds depend on its neighbours: it is not remembered then.
+            for f in &out[judged..] {
+                if f.start >= word.span.start && f.end <= word.span.end {
+                    word.hits.push(relative(from, f.start..f.end, Some(f.kind)));
+                } else {
+                    word.remember = false;
+                }
+            }
         }
     }
-    out.append(&mut found);
-    if remember {
-        if memo.len() >= REMEMBERED_WORDS {
-            memo.clear();
+    for word in unanswered {
+        if word.remember {
+            if memo.finds.len() >= REMEMBERED_WORDS {
+                memo.finds.clear();
+            }
+            memo.finds.insert(text[word.span].into(), word.hits.into());
         }
-        memo.insert(word.into(), hits.into());
     }
 }
 
@@ -1538,7 +1580,9 @@ mod tests {
             ["at :8080 now", "at\u{b}:8080 now"],
             ["at\u{b}:8080\u{b}", ":8080"],
         ] {
-            for text in texts.iter().chain(texts.iter().rev()) {
+            // Each read twice: a word is remembered at its second read.
+            let twice = texts.iter().flat_map(|text| [text, text]);
+            for text in twice.clone().chain(twice.rev()) {
                 assert_eq!(
                     extract_with_kinds(text),
                     extract_with_kinds_unskipped(text),
@@ -1551,10 +1595,11 @@ mod tests {
     }
 
     /// More words than the memo holds are answered as unremembered ones,
-    /// while it fills, when it starts over and after.
+    /// while it fills, when it starts over and after: read once (noted),
+    /// twice (remembered) and a third time (answered from the memo).
     #[test]
     fn words_past_the_memo_are_answered_alike() {
-        for round in 0..2 {
+        for round in 0..3 {
             for i in 0..REMEMBERED_WORDS + 100 {
                 let text = format!("see src/m{i}.rs and v{round}.{i}.0 at :{}", 1000 + i % 9000);
                 assert_eq!(
