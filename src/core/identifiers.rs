@@ -17,8 +17,8 @@
 //! alone (its edges are whitespace, which every rule and judge reads
 //! alike, but for one case `words_found` names), and a session repeats its
 //! words (paths, ids, hashes, tool output read again): each thread
-//! remembers the last few thousand words' finds, and a word read again
-//! costs a hash lookup instead of a search per rule.
+//! remembers the finds of the last few thousand words it read twice, and
+//! a word read again costs a hash lookup instead of a search per rule.
 
 use regex_automata::meta::{Cache, Regex};
 use regex_automata::util::iter::Searcher;
