@@ -498,10 +498,10 @@ fn words_found(
             // reaches past the word, but one that did would make the word's
             // finds depend on its neighbours: it is not remembered then.
             for f in &out[judged..] {
-                if f.start >= word.span.start && f.end <= word.span.end {
-                    word.hits.push(relative(from, f.start..f.end, Some(f.kind)));
-                } else {
+                if f.start < word.span.start || f.end > word.span.end {
                     word.remember = false;
+                } else if word.remember {
+                    word.hits.push(relative(from, f.start..f.end, Some(f.kind)));
                 }
             }
         }
