@@ -260,16 +260,9 @@ impl EventLog for NatsEventLog {
         let subjects = self.subjects.clone();
         let partition = self.partition;
         let cursor = self.reader(after).await?;
-        let mut batch = cursor
-            .consumer
-            .fetch()
-            .max_messages(max)
-            .messages()
-            .await
-            .map_err(backend)?;
-        let mut records = Vec::new();
-        while let Some(message) = batch.next().await {
-            let message = message.map_err(backend)?;
+        let messages = drain(&mut cursor.consumer, max, None).await?;
+        let mut records = Vec::with_capacity(messages.len());
+        for message in messages {
             let info = message.info().map_err(backend)?;
             let position = info.stream_sequence;
             let stored_at_ms =
@@ -296,8 +289,8 @@ impl EventLog for NatsEventLog {
             return Ok(info.state.last_sequence);
         };
         // The newest event of the partition: a consumer starting at the
-        // last matching message hands it over at once, or nothing.
-        let consumer: PullConsumer = self
+        // last matching message counts it pending (1) or has none (0).
+        let mut consumer: PullConsumer = self
             .stream
             .create_consumer(pull::Config {
                 deliver_policy: DeliverPolicy::Last,
@@ -309,20 +302,104 @@ impl EventLog for NatsEventLog {
             })
             .await
             .map_err(backend)?;
-        let mut batch = consumer
-            .fetch()
-            .max_messages(1)
-            .messages()
-            .await
-            .map_err(backend)?;
-        let mut last = 0;
-        if let Some(message) = batch.next().await {
-            let message: jetstream::Message = message.map_err(backend)?;
-            last = message.info().map_err(backend)?.stream_sequence;
-        }
+        let pending = consumer.cached_info().num_pending;
+        let newest = drain(&mut consumer, 1, Some(pending)).await;
         let name = consumer.cached_info().name.clone();
         let _ = self.stream.delete_consumer(&name).await;
-        Ok(last)
+        match newest?.first() {
+            Some(message) => Ok(message.info().map_err(backend)?.stream_sequence),
+            None => Ok(0),
+        }
+    }
+}
+
+/// How long a read waits for events its consumer counts as pending but a
+/// no-wait fetch did not hand over.
+const PENDING_WAIT: Duration = Duration::from_secs(5);
+
+/// What [`drain`] asks its consumer for next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pull {
+    /// A no-wait fetch of up to this many.
+    Fetch(usize),
+    /// A request waiting up to [`PENDING_WAIT`] for exactly this many.
+    Wait(usize),
+    /// `max` read, or nothing pending: the read is whole.
+    Done,
+    /// A wait delivered none of the events the consumer still counts.
+    Stalled(u64),
+}
+
+/// The pull after one that `delivered` messages (`have` in all, of
+/// `max`), when the consumer counts `owed` more pending.
+fn next_pull(max: usize, have: usize, delivered: usize, owed: u64, waited: bool) -> Pull {
+    if owed == 0 || have >= max {
+        return Pull::Done;
+    }
+    let want = max - have;
+    match (delivered, waited) {
+        (0, true) => Pull::Stalled(owed),
+        (0, false) => Pull::Wait(want.min(usize::try_from(owed).unwrap_or(usize::MAX))),
+        _ => Pull::Fetch(want),
+    }
+}
+
+/// Up to `max` messages from `consumer`: all it has pending, up to `max`.
+///
+/// A no-wait fetch may end short: under load a CI run saw one end with
+/// nothing while the consumer still counted two events pending (the
+/// server refuses a no-wait pull while it believes earlier requests still
+/// wait). Every caller takes an empty read for the end of the log, so this
+/// trusts the consumer's count, not the fetch's end: each delivered
+/// message says how many remain after it, and when a fetch delivers
+/// nothing the consumer is asked (or the caller's `pending`, known from
+/// the consumer's creation, is used once). What is still pending is asked
+/// for again, waiting for exactly that many; a wait that delivers none is
+/// an error, never a short read.
+async fn drain(
+    consumer: &mut PullConsumer,
+    max: usize,
+    mut pending: Option<u64>,
+) -> Result<Vec<jetstream::Message>, LogError> {
+    let mut messages: Vec<jetstream::Message> = Vec::new();
+    let mut pull = Pull::Fetch(max);
+    loop {
+        let (batch, waited) = match pull {
+            Pull::Done => return Ok(messages),
+            Pull::Stalled(owed) => {
+                return Err(LogError::Backend(
+                    format!(
+                        "the events stream's consumer counts {owed} events pending but \
+                         delivered none within {}s; retry, or check the server's health",
+                        PENDING_WAIT.as_secs()
+                    )
+                    .into(),
+                ))
+            }
+            Pull::Fetch(n) => (consumer.fetch().max_messages(n).messages().await, false),
+            Pull::Wait(n) => (
+                consumer
+                    .batch()
+                    .max_messages(n)
+                    .expires(PENDING_WAIT)
+                    .messages()
+                    .await,
+                true,
+            ),
+        };
+        let mut batch = batch.map_err(backend)?;
+        let before = messages.len();
+        while let Some(message) = batch.next().await {
+            messages.push(message.map_err(backend)?);
+        }
+        let owed = match messages[before..].last() {
+            Some(last) => last.info().map_err(backend)?.pending,
+            None => match pending.take().filter(|_| !waited) {
+                Some(known) => known,
+                None => consumer.info().await.map_err(backend)?.num_pending,
+            },
+        };
+        pull = next_pull(max, messages.len(), messages.len() - before, owed, waited);
     }
 }
 
@@ -341,6 +418,23 @@ mod tests {
         assert_eq!(encoding_of(None, b"  {\"id\":1}"), Encoding::Json);
         assert_eq!(encoding_of(None, b"\x85\xa2id"), Encoding::Msgpack);
         assert_eq!(encoding_of(None, b""), Encoding::Msgpack);
+    }
+
+    #[test]
+    fn a_read_is_whole_only_when_nothing_is_pending_or_max_is_read() {
+        // A full fetch, or nothing left: done.
+        assert_eq!(next_pull(4, 4, 4, 2, false), Pull::Done);
+        assert_eq!(next_pull(100, 6, 6, 0, false), Pull::Done);
+        assert_eq!(next_pull(100, 0, 0, 0, false), Pull::Done);
+        // A short fetch with more pending: fetch the rest.
+        assert_eq!(next_pull(100, 4, 4, 2, false), Pull::Fetch(96));
+        // A fetch that ended empty while two are pending: wait for the two,
+        // not for all 100 (a wait asks for exactly what is owed).
+        assert_eq!(next_pull(100, 4, 0, 2, false), Pull::Wait(2));
+        assert_eq!(next_pull(3, 0, 0, 7, false), Pull::Wait(3));
+        // A wait that delivered some goes on; one that delivered none fails.
+        assert_eq!(next_pull(100, 6, 2, 1, true), Pull::Fetch(94));
+        assert_eq!(next_pull(100, 4, 0, 2, true), Pull::Stalled(2));
     }
 
     #[test]
