@@ -2,15 +2,16 @@
 //! real text: every message of the tau-bench airline corpus, counted the way
 //! the fold counts it, must get the same number of tokens from both engines
 //! in both encodings. A difference is reported with the message, the text
-//! and both counts.
+//! and both counts. And on all three corpora no text counts fewer tokens
+//! than the bound that spares a draft counting its sources
+//! (`tokens::fewest_tokens_up_to`).
 
 // Tests and benches fail loudly: a panic is their report.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[allow(dead_code)] // the aider and Claude Code corpora are for the benchmarks
 mod corpus;
 
-use contextfold::core::tokens::{count_text, count_text_tiktoken, Encoding};
+use contextfold::core::tokens::{count_text, count_text_tiktoken, fewest_tokens_up_to, Encoding};
 
 #[test]
 fn bpe_openai_counts_like_tiktoken_on_every_tau_bench_message() {
@@ -76,4 +77,57 @@ fn bpe_openai_counts_like_tiktoken_on_every_tau_bench_message() {
         differences.len(),
         differences.join("\n")
     );
+}
+
+#[test]
+fn no_real_text_counts_fewer_tokens_than_its_ends_of_words() {
+    let corpora = [
+        ("tau-bench", corpus::tau_bench()),
+        ("aider", corpus::aider()),
+        ("Claude Code", corpus::claude_code()),
+    ];
+    let mut read = 0;
+    for (name, corpus) in corpora {
+        let corpus = match corpus {
+            Ok(Some(corpus)) => corpus,
+            Ok(None) => {
+                eprintln!(
+                    "skipped {name}: set {} to the shared data",
+                    corpus::SHARED_DATA_ENV
+                );
+                continue;
+            }
+            Err(e) => panic!("{name}: {e}"),
+        };
+        read += 1;
+        for encoding in [Encoding::O200kBase, Encoding::Cl100kBase] {
+            let (mut fewest_total, mut total) = (0u64, 0u64);
+            for message in &corpus.messages {
+                for piece in &message.pieces {
+                    let (fewest, n) = (
+                        fewest_tokens_up_to(piece, u64::MAX),
+                        count_text(encoding, piece),
+                    );
+                    let start: String = piece.chars().take(80).collect();
+                    assert!(
+                        fewest <= n,
+                        "{name} {} {}: {fewest} ends of words, {n} tokens in {start:?}...",
+                        encoding.name(),
+                        message.label
+                    );
+                    fewest_total += fewest;
+                    total += n;
+                }
+            }
+            eprintln!(
+                "{name} {}: ends of words {fewest_total} of {total} tokens ({:.0}%)",
+                encoding.name(),
+                100.0 * fewest_total as f64 / total.max(1) as f64
+            );
+            assert!(fewest_total > 0, "{name}: no letters read");
+        }
+    }
+    if read == 0 {
+        eprintln!("skipped: no corpus in {}", corpus::SHARED_DATA_ENV);
+    }
 }

@@ -45,7 +45,7 @@ use crate::core::summary::{
     IdentifierPolicy, RollingStateRequest, SourceItem, SummaryDraft, SummaryRequest,
     ROLLING_SECTION_MAX_CHARS, ROLLING_STATE_MAX_CHARS,
 };
-use crate::core::tokens::{count_text, count_within, Encoding};
+use crate::core::tokens::{count_text, count_within, fewest_tokens_up_to, Encoding};
 use regex::Regex;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::LazyLock;
@@ -135,16 +135,29 @@ fn write_summary(req: &SummaryRequest) -> String {
     if budget == 0 || req.sources.is_empty() {
         return String::new();
     }
-    let verbatim = req
-        .sources
-        .iter()
-        .map(|s| s.text.as_str())
-        .filter(|t| !t.trim().is_empty())
-        .collect::<Vec<_>>()
-        .join("\n");
-    // Usually far over: counted only as far as the budget.
-    if count_within(ENCODING, &verbatim, budget).is_some() {
-        return verbatim;
+    let texts = || {
+        req.sources
+            .iter()
+            .map(|s| s.text.as_str())
+            .filter(|t| !t.trim().is_empty())
+    };
+    let verbatim = || texts().collect::<Vec<_>>().join("\n");
+    // Usually far over, and the ends of the sources' words alone show it
+    // (the line breaks that would join them end a word as the join's end
+    // does: `fewest_tokens_up_to`), so they are neither joined nor
+    // counted; else counted only as far as the budget.
+    let mut fewest = 0u64;
+    for text in texts() {
+        if fewest > budget {
+            break;
+        }
+        fewest += fewest_tokens_up_to(text, budget - fewest);
+    }
+    if fewest <= budget {
+        let verbatim = verbatim();
+        if count_within(ENCODING, &verbatim, budget).is_some() {
+            return verbatim;
+        }
     }
     let condensed = req.kind == SummaryKind::Condensed
         || req.depth > 0
@@ -162,7 +175,7 @@ fn write_summary(req: &SummaryRequest) -> String {
     if let Some(text) = render_within(&notes, &ids, &header, budget) {
         return text;
     }
-    truncate_to_tokens(&verbatim, budget)
+    truncate_to_tokens(&verbatim(), budget)
 }
 
 /// The sources' identifiers, the ones that matter most first: what room
