@@ -9,6 +9,7 @@
 // Tests and benches fail loudly: a panic is their report.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+#[allow(dead_code)] // `corpus::available` is the benchmarks' (it skips what it cannot read)
 mod corpus;
 
 use contextfold::core::tokens::{count_text, count_text_tiktoken, fewest_tokens_up_to, Encoding};
