@@ -49,18 +49,56 @@ pub struct SourceItem {
 /// `run` reads them on its other core while the fold works on the turns
 /// before (`runtime::embedded::Measurer`), and the draft, which waits on
 /// the fold's thread, only merges them. A reading names the text it was
-/// taken from (role, tool and the text's digest): a draft uses it only for
+/// taken from (role, tool and the text itself): a draft uses it only for
 /// that text and reads anything else itself, so a reading changes the time
 /// a draft takes, never what it writes (`fallback_summary::reading`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SourceReading {
     pub role: Option<Role>,
     pub tool: Option<String>,
-    /// The BLAKE3 digest of the text read.
-    pub text_digest: [u8; 32],
+    /// The text read, to be compared with a source's before the reading is
+    /// used for it.
+    pub text: ReadText,
     pub output: OutputReading,
     /// `None` when only the output was read.
     pub identifiers: Option<IdentifierReading>,
+}
+
+/// The text a [`SourceReading`] was taken from, as kept to be compared:
+/// whole up to [`ReadText::WHOLE_BYTES`] (compared byte for byte, cheaper
+/// than digesting a short text), else by its BLAKE3 digest (which digests
+/// a long text's chunks side by side), so a reading holds at most about
+/// a kilobyte of its text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReadText {
+    Whole(std::sync::Arc<str>),
+    Digest { len: usize, blake3: [u8; 32] },
+}
+
+impl ReadText {
+    /// The longest text kept whole.
+    pub const WHOLE_BYTES: usize = 1024;
+
+    pub fn of(text: &str) -> ReadText {
+        if text.len() <= Self::WHOLE_BYTES {
+            ReadText::Whole(text.into())
+        } else {
+            ReadText::Digest {
+                len: text.len(),
+                blake3: *blake3::hash(text.as_bytes()).as_bytes(),
+            }
+        }
+    }
+
+    /// Whether this is `text`.
+    pub fn is(&self, text: &str) -> bool {
+        match self {
+            ReadText::Whole(whole) => **whole == *text,
+            ReadText::Digest { len, blake3 } => {
+                *len == text.len() && *blake3 == *blake3::hash(text.as_bytes()).as_bytes()
+            }
+        }
+    }
 }
 
 /// What a turn's output says on its own (a tool's result, or console

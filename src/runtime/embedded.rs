@@ -620,7 +620,7 @@ mod tests {
                 measures
                     .iter()
                     .flatten()
-                    .filter_map(|m| m.reading.as_ref().map(|reading| reading.text_digest)),
+                    .filter_map(|m| m.reading.as_ref().map(|reading| reading.text.clone())),
             );
             counted_ahead += crate::core::tokens::texts_counted() - before;
             assert_eq!(measures.len(), chunk.len());

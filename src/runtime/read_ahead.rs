@@ -80,7 +80,7 @@ mod tests {
         Arc::new(SourceReading {
             role: None,
             tool: None,
-            text_digest: [n; 32],
+            text: crate::core::summary::ReadText::of(&format!("text {n}")),
             output: OutputReading::default(),
             identifiers: None,
         })

@@ -2,13 +2,13 @@
 //! output's error, milestones and file changes, and the identifiers. Taken
 //! here for each source, unless the source carries one read ahead (by
 //! `run`'s measurer, on its other core) from the same text: a reading is
-//! used only for the role, tool and text (by digest) it was taken from, so
-//! the draft is the same either way.
+//! used only for the role, tool and text (compared byte for byte) it was
+//! taken from, so the draft is the same either way.
 
 use super::signals::*;
 use crate::core::identifiers;
 use crate::core::message::{Role, DEMONSTRATION_NAME};
-use crate::core::summary::{IdentifierReading, OutputReading, SourceItem, SourceReading};
+use crate::core::summary::{IdentifierReading, OutputReading, ReadText, SourceItem, SourceReading};
 use std::borrow::Cow;
 use std::collections::HashSet;
 
@@ -17,7 +17,7 @@ pub fn read_source(item: &SourceItem, identifiers: bool) -> SourceReading {
     SourceReading {
         role: item.role,
         tool: item.tool.clone(),
-        text_digest: digest(&item.text),
+        text: ReadText::of(&item.text),
         output: read_output(item),
         identifiers: identifiers.then(|| read_identifiers(item)),
     }
@@ -40,36 +40,35 @@ pub(super) fn identifiers_of(item: &SourceItem) -> Cow<'_, IdentifierReading> {
 }
 
 /// The reading `item` carries, when it was taken from `item` as it is.
+///
+/// A short text is compared byte for byte ([`ReadText`]): a draft checks
+/// each source's reading once or twice, and a BLAKE3 digest of every
+/// source each time was 7% of the instructions of `run`'s fold thread.
 fn read_ahead(item: &SourceItem) -> Option<&SourceReading> {
-    let reading = item.read_ahead.0.as_deref().filter(|r| {
-        r.role == item.role && r.tool == item.tool && r.text_digest == digest(&item.text)
-    });
+    let reading = item
+        .read_ahead
+        .0
+        .as_deref()
+        .filter(|r| r.role == item.role && r.tool == item.tool && r.text.is(&item.text));
     #[cfg(test)]
     if let Some(r) = reading {
         if let Ok(mut used) = READINGS_USED.lock() {
-            used.insert(r.text_digest);
+            used.push(r.text.clone());
         }
     }
     reading
 }
 
-/// The texts (by digest) whose readings drafts used, in this process:
-/// drafts run on other threads than the tests that start them, and tests
-/// run beside each other, so a test asks about its own texts.
+/// The texts whose readings drafts used, in this process: drafts run on
+/// other threads than the tests that start them, and tests run beside
+/// each other, so a test asks about its own texts.
 #[cfg(test)]
-static READINGS_USED: std::sync::Mutex<std::collections::BTreeSet<[u8; 32]>> =
-    std::sync::Mutex::new(std::collections::BTreeSet::new());
+static READINGS_USED: std::sync::Mutex<Vec<ReadText>> = std::sync::Mutex::new(Vec::new());
 
-/// Whether a draft used the reading of a text of digest `text_digest`.
+/// Whether a draft used the reading of `text`.
 #[cfg(test)]
-pub(crate) fn reading_used(text_digest: &[u8; 32]) -> bool {
-    READINGS_USED
-        .lock()
-        .is_ok_and(|used| used.contains(text_digest))
-}
-
-fn digest(text: &str) -> [u8; 32] {
-    *blake3::hash(text.as_bytes()).as_bytes()
+pub(crate) fn reading_used(text: &ReadText) -> bool {
+    READINGS_USED.lock().is_ok_and(|used| used.contains(text))
 }
 
 /// The error a tool's result reports (or one pasted in a user's turn), its
@@ -168,6 +167,32 @@ mod tests {
             identifiers_of(&source).identifiers,
             identifiers::extract(output)
         );
+    }
+
+    #[test]
+    fn a_long_text_is_kept_by_digest_and_a_short_one_whole() {
+        let short = "error: 1 test failed";
+        let long = format!("{}error: 1 test failed\n", "running tests\n".repeat(100));
+        assert!(matches!(ReadText::of(short), ReadText::Whole(_)));
+        assert!(matches!(ReadText::of(&long), ReadText::Digest { .. }));
+        for text in [short, long.as_str()] {
+            let kept = ReadText::of(text);
+            assert!(kept.is(text));
+            // Another byte, one more, one fewer: another text.
+            let mut changed = text.to_string().into_bytes();
+            changed[3] ^= 1;
+            assert!(!kept.is(std::str::from_utf8(&changed).unwrap()));
+            assert!(!kept.is(&format!("{text}x")));
+            assert!(!kept.is(&text[..text.len() - 1]));
+        }
+        // And a reading of a long text is used for that text only.
+        let mut source = item(Role::Tool, Some("Bash"), &long);
+        let mut reading = read_source(&source, false);
+        reading.output.error = Some("read ahead".into());
+        source.read_ahead.0 = Some(std::sync::Arc::new(reading));
+        assert_eq!(output_of(&source).error.as_deref(), Some("read ahead"));
+        source.text.push('x');
+        assert_ne!(output_of(&source).error.as_deref(), Some("read ahead"));
     }
 
     /// What an assistant turn's reading was before its text was searched
