@@ -49,7 +49,7 @@ pub struct SourceItem {
 /// `run` reads them on its other core while the fold works on the turns
 /// before (`runtime::embedded::Measurer`), and the draft, which waits on
 /// the fold's thread, only merges them. A reading names the text it was
-/// taken from (role, tool and the text itself): a draft uses it only for
+/// taken from (role, tool and text, [`ReadText`]): a draft uses it only for
 /// that text and reads anything else itself, so a reading changes the time
 /// a draft takes, never what it writes (`fallback_summary::reading`).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -2,8 +2,9 @@
 //! output's error, milestones and file changes, and the identifiers. Taken
 //! here for each source, unless the source carries one read ahead (by
 //! `run`'s measurer, on its other core) from the same text: a reading is
-//! used only for the role, tool and text (compared byte for byte) it was
-//! taken from, so the draft is the same either way.
+//! used only for the role, tool and text it was taken from (a short text
+//! compared byte for byte, a long one by digest: [`ReadText`]), so the
+//! draft is the same either way.
 
 use super::signals::*;
 use crate::core::identifiers;
