@@ -109,13 +109,14 @@ fn no_real_text_counts_fewer_tokens_than_its_ends_of_words() {
                         fewest_tokens_up_to(piece, u64::MAX),
                         count_text(encoding, piece),
                     );
-                    let start: String = piece.chars().take(80).collect();
-                    assert!(
-                        fewest <= n,
-                        "{name} {} {}: {fewest} ends of words, {n} tokens in {start:?}...",
-                        encoding.name(),
-                        message.label
-                    );
+                    if fewest > n {
+                        let start: String = piece.chars().take(80).collect();
+                        panic!(
+                            "{name} {} {}: {fewest} ends of words, {n} tokens in {start:?}...",
+                            encoding.name(),
+                            message.label
+                        );
+                    }
                     fewest_total += fewest;
                     total += n;
                 }

@@ -152,13 +152,9 @@ pub fn count_text(encoding: Encoding, text: &str) -> u64 {
 /// counting the pieces past the limit (a piece's tokens never depend on
 /// the pieces after it): whether a long text fits a small budget costs
 /// what the budget's worth of it does.
-///
-/// A text whose words alone pass the limit ([`fewest_tokens_up_to`]) is
-/// not cut into pieces at all.
+/// (A caller whose text is often far over screens it first with
+/// [`fewest_tokens_up_to`], as the deterministic draft does.)
 pub fn count_within(encoding: Encoding, text: &str, limit: u64) -> Option<u64> {
-    if fewest_tokens_up_to(text, limit) > limit {
-        return None;
-    }
     Some(count_up_to(encoding, text, limit)).filter(|&n| n <= limit)
 }
 
