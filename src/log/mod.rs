@@ -77,6 +77,11 @@ pub enum LogError {
     },
     #[error("record of {size} bytes exceeds the log's {limit}-byte record limit")]
     TooLarge { size: usize, limit: usize },
+    #[error(
+        "the event log counts {owed} events pending past this read but delivered none \
+         within {waited_secs}s; retry, or check the server's health"
+    )]
+    Stalled { owed: u64, waited_secs: u64 },
     #[error("event log backend error: {0}")]
     Backend(#[source] crate::BoxError),
 }

@@ -367,14 +367,10 @@ async fn drain(
         let (batch, waited) = match pull {
             Pull::Done => return Ok(messages),
             Pull::Stalled(owed) => {
-                return Err(LogError::Backend(
-                    format!(
-                        "the events stream's consumer counts {owed} events pending but \
-                         delivered none within {}s; retry, or check the server's health",
-                        PENDING_WAIT.as_secs()
-                    )
-                    .into(),
-                ))
+                return Err(LogError::Stalled {
+                    owed,
+                    waited_secs: PENDING_WAIT.as_secs(),
+                })
             }
             Pull::Fetch(n) => (consumer.fetch().max_messages(n).messages().await, false),
             Pull::Wait(n) => (
@@ -435,6 +431,19 @@ mod tests {
         // A wait that delivered some goes on; one that delivered none fails.
         assert_eq!(next_pull(100, 6, 2, 1, true), Pull::Fetch(94));
         assert_eq!(next_pull(100, 4, 0, 2, true), Pull::Stalled(2));
+    }
+
+    #[test]
+    fn a_stalled_read_says_what_it_waited_for() {
+        let err = LogError::Stalled {
+            owed: 2,
+            waited_secs: PENDING_WAIT.as_secs(),
+        };
+        let said = err.to_string();
+        assert!(
+            said.contains("2 events pending") && said.contains("within 5s"),
+            "{said}"
+        );
     }
 
     #[test]
