@@ -3,6 +3,7 @@
 //! depends on which one runs.
 
 use crate::core::event::{RollingState, SummaryKind};
+use crate::core::fallback_summary::TurnNotes;
 use crate::core::message::Role;
 use serde::{Deserialize, Serialize};
 
@@ -62,6 +63,10 @@ pub struct SourceReading {
     pub output: OutputReading,
     /// `None` when only the output was read.
     pub identifiers: Option<IdentifierReading>,
+    /// What the first draft to read this source noted of it, kept for the
+    /// next (a turn is noted by a rolling state while it is new, then by
+    /// the leaf that covers it).
+    pub notes: std::sync::OnceLock<TurnNotes>,
 }
 
 /// The text a [`SourceReading`] was taken from, as kept to be compared:

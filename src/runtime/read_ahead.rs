@@ -83,6 +83,7 @@ mod tests {
             text: crate::core::summary::ReadText::of(&format!("text {n}")),
             output: OutputReading::default(),
             identifiers: None,
+            notes: Default::default(),
         })
     }
 

@@ -58,6 +58,7 @@ mod notes;
 mod reading;
 mod rolling;
 mod signals;
+mod turn;
 
 use children::*;
 use fit::*;
@@ -68,6 +69,7 @@ pub use reading::read_source;
 #[cfg(test)]
 pub(crate) use reading::reading_used;
 pub use rolling::rolling_state;
+pub use turn::TurnNotes;
 
 /// What [`SummaryDraft::model`] says for this summarizer.
 pub const MODEL: &str = "deterministic";

@@ -3,7 +3,9 @@
 //! how they were met, decisions, milestones done, what is open, and the
 //! next step. Also the text helpers every part of the summarizer shares.
 
+use super::reading::{read_of, Read};
 use super::signals::*;
+use super::turn;
 use super::*;
 
 /// Which lines of a section to keep first when not all fit.
@@ -254,37 +256,46 @@ impl Notes {
     pub(super) fn from_turns(sources: &[SourceItem]) -> Notes {
         let mut notes = Notes::default();
         let mut seen = Dedup::default();
-        // Calls of the newest assistant turn still waiting for results.
-        // The calls awaiting their results, each with how it was read.
-        let mut pending: std::collections::VecDeque<(Call, CallKind)> = Default::default();
+        // What each turn says on its own: its output's signals and its
+        // notes, read ahead when they were (`reading::read_of`).
+        let read: Vec<Read<'_>> = sources.iter().map(read_of).collect();
+        // The calls awaiting their results (by name), each with how it
+        // was read.
+        let mut pending: std::collections::VecDeque<(&str, &CallKind)> = Default::default();
         // The newest error not yet followed by the agent's words.
         let mut unanswered_error: Option<usize> = None;
         // The newest intention of the agent, and the newest user request.
         let mut intention: Option<Line> = None;
         let mut last_ask: Option<(usize, String)> = None;
         let mut last_question: Option<Line> = None;
-        for (at, item) in sources.iter().enumerate() {
+        for (at, (item, read)) in sources.iter().zip(&read).enumerate() {
             let label = &item.label;
-            let text = item.text.as_str();
-            // The output's own signals, read ahead when they were.
-            let output = super::reading::output_of(item);
-            match item.role {
-                // Another task's example (its text is a note saying so).
-                Some(Role::User) if item.tool.as_deref() == Some(DEMONSTRATION_NAME) => {}
-                Some(Role::User) => {
-                    let words = prose(text);
-                    if !words.is_empty() {
-                        let long = sentences_up_to(&words, ASK_CHARS);
-                        let short = sentences_up_to(&words, SHORT_ASK_CHARS);
-                        if seen.first(SectionId::Task, &long) {
+            let output = &read.output;
+            match &read.notes.0 {
+                // Another task's example (its text is a note saying so),
+                // or a system prompt: context, not events of the segment;
+                // their identifiers still reach the identifier list.
+                turn::Of::Context => {}
+                turn::Of::User(user) => {
+                    if let Some(ask) = &user.ask {
+                        if seen.first(SectionId::Task, &ask.long) {
                             notes.task.push(Line {
                                 at,
-                                text: format!("{label}: {long}"),
-                                short: (short != long).then(|| format!("{label}: {short}")),
+                                text: format!("{label}: {}", ask.long),
+                                short: (ask.short != ask.long)
+                                    .then(|| format!("{label}: {}", ask.short)),
                             });
                         }
-                        last_ask = Some((at, short));
-                        mine_decisions(&mut notes, &mut seen, at, label, &words);
+                        last_ask = Some((at, ask.short.clone()));
+                        for s in &user.decisions {
+                            if seen.first(SectionId::Decisions, s) {
+                                notes.decisions.push(Line {
+                                    at,
+                                    text: format!("{label}: {s}"),
+                                    short: None,
+                                });
+                            }
+                        }
                     }
                     // Output pasted or printed in the user's turn (an error
                     // to fix, a tool's console): its errors and milestones.
@@ -308,91 +319,77 @@ impl Notes {
                         }
                     }
                     for (path, verb) in &output.file_changes {
-                        notes.add_file(file_entry(path.clone(), verb, label, None, at));
+                        notes.add_file(file_entry(path.clone(), verb, label, Vec::new(), at));
                     }
                     pending.clear();
                 }
-                Some(Role::Assistant) => {
-                    let (words, calls) = split_calls(text, item.tool.as_deref());
-                    let narration = prefix_bytes(words, MINED_BYTES);
-                    let first = first_sentence_of(narration);
-                    if let (Some(i), Some(_)) = (unanswered_error, &first) {
-                        let fix = sentences_up_to(&words_only(narration), FIX_CHARS);
-                        if !fix.is_empty() {
+                turn::Of::Assistant(turn) => {
+                    if let (Some(i), Some(_)) = (unanswered_error, &turn.first) {
+                        if !turn.fix.is_empty() {
                             let e = &mut notes.errors[i];
                             e.short = Some(e.text.clone());
-                            e.text = format!("{} → {label}: {fix}", e.text);
+                            e.text = format!("{} → {label}: {}", e.text, turn.fix);
                             unanswered_error = None;
                         }
                     }
-                    mine_sentences(
-                        &mut notes,
-                        &mut seen,
-                        at,
-                        label,
-                        narration,
-                        &mut intention,
-                        &mut last_question,
-                    );
-                    for path in search_replace_paths(words) {
-                        notes.add_file(file_entry(path, "edited", label, first.clone(), at));
-                    }
-                    pending.clear();
-                    for call in calls {
-                        let args = call_arguments(&call);
-                        let kind = classify_parsed_call(&call, args.as_ref());
-                        match &kind {
-                            CallKind::File { path, verb } => {
-                                let change = args.as_ref().and_then(change_of);
-                                let what = first.clone().or_else(|| change.clone());
-                                let mut entry = file_entry(path.clone(), verb, label, what, at);
-                                if let Some(change) = change {
-                                    if !entry.what.contains(&change) {
-                                        entry.what.push(change);
+                    for noted in &turn.noted {
+                        let line = |s: &str| Line {
+                            at,
+                            text: format!("{label}: {s}"),
+                            short: None,
+                        };
+                        match noted {
+                            turn::Noted::Sentence(said, s) => match said {
+                                turn::Said::Question => last_question = Some(line(s)),
+                                turn::Said::Intention => intention = Some(line(s)),
+                                turn::Said::Milestone => {
+                                    if seen.first(SectionId::Done, s) {
+                                        notes.done.push(line(s));
                                     }
                                 }
-                                notes.add_file(entry);
-                            }
-                            CallKind::Shell(command) => {
-                                for (path, verb) in shell_file_changes(command) {
-                                    notes.add_file(file_entry(path, verb, label, None, at));
+                                turn::Said::Diagnosis => {
+                                    if seen.first(SectionId::Errors, s) {
+                                        notes.errors.push(line(s));
+                                    }
                                 }
-                            }
-                            CallKind::Action => {
-                                let line = action_line(&call);
-                                if seen.first(SectionId::Done, &line) {
-                                    notes.done.push(Line {
-                                        at,
-                                        text: format!("{label}: {line}"),
-                                        short: None,
-                                    });
+                                turn::Said::Decision => {
+                                    if seen.first(SectionId::Decisions, s) {
+                                        notes.decisions.push(line(s));
+                                    }
                                 }
-                            }
-                            CallKind::Thought(thought) => mine_sentences(
-                                &mut notes,
-                                &mut seen,
-                                at,
+                                turn::Said::Open => {
+                                    if seen.first(SectionId::Open, s) {
+                                        notes.open.push(line(s));
+                                    }
+                                }
+                            },
+                            turn::Noted::File { path, verb, what } => notes.add_file(file_entry(
+                                path.clone(),
+                                verb,
                                 label,
-                                thought,
-                                &mut intention,
-                                &mut last_question,
-                            ),
-                            CallKind::Read => {}
+                                what.clone(),
+                                at,
+                            )),
+                            turn::Noted::Action(action) => {
+                                if seen.first(SectionId::Done, action) {
+                                    notes.done.push(line(action));
+                                }
+                            }
                         }
-                        pending.push_back((call, kind));
                     }
+                    pending.clear();
+                    pending.extend(turn.calls.iter().map(|(name, kind)| (name.as_str(), kind)));
                 }
-                Some(Role::Tool) => {
+                turn::Of::Result => {
                     let call = pending.pop_front();
                     let edit_call = matches!(call, Some((_, CallKind::File { .. })));
-                    let what = match &call {
+                    let what = match call {
                         Some((_, CallKind::Shell(command))) => {
                             format!("`{}`", clip_words(command, COMMAND_CHARS))
                         }
                         _ => format!(
                             "`{}`",
-                            call.as_ref()
-                                .map(|(c, _)| c.name.as_str())
+                            call.map(|(name, _)| name)
                                 .or(item.tool.as_deref())
                                 .unwrap_or("tool")
                         ),
@@ -419,15 +416,12 @@ impl Notes {
                     // A result confirming its own call's edit adds nothing.
                     if !edit_call {
                         for (path, verb) in &output.file_changes {
-                            notes.add_file(file_entry(path.clone(), verb, label, None, at));
+                            notes.add_file(file_entry(path.clone(), verb, label, Vec::new(), at));
                         }
                     }
                 }
-                // System prompts are context, not events of the segment;
-                // their identifiers still reach the identifier list.
-                Some(Role::System) => {}
-                None => {
-                    let child = parse_child(text);
+                turn::Of::Child => {
+                    let child = parse_child(&item.text);
                     notes.absorb_child(at, child, &mut seen);
                 }
             }
@@ -497,46 +491,14 @@ impl Notes {
     }
 }
 
-fn file_entry(path: String, verb: &str, label: &str, what: Option<String>, at: usize) -> FileEntry {
+fn file_entry(path: String, verb: &str, label: &str, what: Vec<String>, at: usize) -> FileEntry {
     FileEntry {
         path,
         verbs: vec![verb.to_string()],
         turns: vec![label.to_string()],
-        what: what.into_iter().collect(),
+        what,
         at,
     }
-}
-
-/// `name(key=value, ...)` for a call that changes something other than a
-/// file: short scalar arguments only, never the JSON.
-fn action_line(call: &Call) -> String {
-    let args: Option<serde_json::Value> = serde_json::from_str(&call.arguments).ok();
-    let mut parts: Vec<String> = Vec::new();
-    if let Some(obj) = args.as_ref().and_then(|a| a.as_object()) {
-        for (k, v) in obj {
-            let shown = match v {
-                serde_json::Value::String(s) if s.chars().count() <= 40 => s.clone(),
-                serde_json::Value::Number(n) => n.to_string(),
-                serde_json::Value::Bool(b) => b.to_string(),
-                serde_json::Value::Array(items) => format!("[{} items]", items.len()),
-                _ => continue,
-            };
-            parts.push(format!("{k}={shown}"));
-            if parts.len() == 4 {
-                break;
-            }
-        }
-    }
-    format!("called `{}`({})", call.name, parts.join(", "))
-}
-
-/// The first sentence of an agent's words that is prose, whole (up to
-/// [`SENTENCE_CHARS`]).
-pub(super) fn first_sentence_of(text: &str) -> Option<String> {
-    sentences(&words_only(text))
-        .into_iter()
-        .find(|s| s.len() >= 12 && !looks_like_code(s))
-        .map(|s| sentences_up_to(s, SENTENCE_CHARS))
 }
 
 /// An agent's words without code blocks and SEARCH/REPLACE blocks.
@@ -556,71 +518,6 @@ pub(super) fn words_only(text: &str) -> String {
         out.push('\n');
     }
     out
-}
-
-/// Decisions among the sentences of a user turn.
-fn mine_decisions(notes: &mut Notes, seen: &mut Dedup, at: usize, label: &str, text: &str) {
-    for sentence in sentences(text) {
-        if sentence.len() < 12 || sentence.ends_with('?') || looks_like_code(sentence) {
-            continue;
-        }
-        if is_decision(sentence) {
-            let s = sentences_up_to(sentence, SENTENCE_CHARS);
-            if seen.first(SectionId::Decisions, &s) {
-                notes.decisions.push(Line {
-                    at,
-                    text: format!("{label}: {s}"),
-                    short: None,
-                });
-            }
-        }
-    }
-}
-
-/// Decisions, milestones claimed, open items, intentions and questions
-/// among the sentences of the agent's words.
-fn mine_sentences(
-    notes: &mut Notes,
-    seen: &mut Dedup,
-    at: usize,
-    label: &str,
-    text: &str,
-    intention: &mut Option<Line>,
-    question: &mut Option<Line>,
-) {
-    let words = words_only(text);
-    for sentence in sentences(&words) {
-        if sentence.len() < 12 || looks_like_code(sentence) {
-            continue;
-        }
-        let s = sentences_up_to(sentence, SENTENCE_CHARS);
-        let line = Line {
-            at,
-            text: format!("{label}: {s}"),
-            short: None,
-        };
-        if sentence.ends_with('?') {
-            *question = Some(line);
-            continue;
-        }
-        if is_intention(sentence) {
-            *intention = Some(line);
-        } else if claims_milestone(sentence) {
-            if seen.first(SectionId::Done, &s) {
-                notes.done.push(line);
-            }
-        } else if is_diagnosis(sentence) {
-            if seen.first(SectionId::Errors, &s) {
-                notes.errors.push(line);
-            }
-        } else if is_decision(sentence) {
-            if seen.first(SectionId::Decisions, &s) {
-                notes.decisions.push(line);
-            }
-        } else if is_open(sentence) && seen.first(SectionId::Open, &s) {
-            notes.open.push(line);
-        }
-    }
 }
 
 /// Lines already taken, per section, compared without case, punctuation or

@@ -4,9 +4,12 @@
 //! `run`'s measurer, on its other core) from the same text: a reading is
 //! used only for the role, tool and text it was taken from (a short text
 //! compared byte for byte, a long one by digest: [`ReadText`]), so the
-//! draft is the same either way.
+//! draft is the same either way. A reading also keeps the turn's notes
+//! ([`TurnNotes`]) once a draft has taken them, for the next draft of the
+//! same turn (a rolling state's, then a leaf's).
 
 use super::signals::*;
+use super::turn::TurnNotes;
 use crate::core::identifiers;
 use crate::core::message::{Role, DEMONSTRATION_NAME};
 use crate::core::summary::{IdentifierReading, OutputReading, ReadText, SourceItem, SourceReading};
@@ -21,14 +24,30 @@ pub fn read_source(item: &SourceItem, identifiers: bool) -> SourceReading {
         text: ReadText::of(&item.text),
         output: read_output(item),
         identifiers: identifiers.then(|| read_identifiers(item)),
+        notes: std::sync::OnceLock::new(),
     }
 }
 
-/// What `item`'s output says: read ahead, or read now.
-pub(super) fn output_of(item: &SourceItem) -> Cow<'_, OutputReading> {
+/// What a draft reads of one source in its notes: its output's signals
+/// and its own notes ([`TurnNotes`]).
+pub(super) struct Read<'a> {
+    pub(super) output: Cow<'a, OutputReading>,
+    pub(super) notes: Cow<'a, TurnNotes>,
+}
+
+/// What `item`'s output says and what it notes on its own: from the
+/// reading it carries (its notes taken by the first draft to need them
+/// and kept there for the next), or read now.
+pub(super) fn read_of(item: &SourceItem) -> Read<'_> {
     match read_ahead(item) {
-        Some(reading) => Cow::Borrowed(&reading.output),
-        None => Cow::Owned(read_output(item)),
+        Some(reading) => Read {
+            output: Cow::Borrowed(&reading.output),
+            notes: Cow::Borrowed(reading.notes.get_or_init(|| TurnNotes::of(item))),
+        },
+        None => Read {
+            output: Cow::Owned(read_output(item)),
+            notes: Cow::Owned(TurnNotes::of(item)),
+        },
     }
 }
 
@@ -145,22 +164,31 @@ mod tests {
         let output = "running 3 tests\nerror[E0308]: mismatched types at src/lib.rs:4\n";
         let mut source = item(Role::Tool, Some("Bash"), output);
         let mut reading = read_source(&source, true);
-        assert_eq!(output_of(&source).error, read_output(&source).error);
+        assert_eq!(read_of(&source).output.error, read_output(&source).error);
         // A reading that says something else, carried by the same text, is
         // used (the shortcut) ...
         reading.output.error = Some("read ahead".into());
         source.read_ahead.0 = Some(std::sync::Arc::new(reading.clone()));
-        assert_eq!(output_of(&source).error.as_deref(), Some("read ahead"));
+        assert_eq!(read_of(&source).output.error.as_deref(), Some("read ahead"));
         // ... and never for another text, role or tool.
         let mut other_text = source.clone();
         other_text.text.push('x');
-        assert_ne!(output_of(&other_text).error.as_deref(), Some("read ahead"));
+        assert_ne!(
+            read_of(&other_text).output.error.as_deref(),
+            Some("read ahead")
+        );
         let mut other_role = source.clone();
         other_role.role = Some(Role::User);
-        assert_ne!(output_of(&other_role).error.as_deref(), Some("read ahead"));
+        assert_ne!(
+            read_of(&other_role).output.error.as_deref(),
+            Some("read ahead")
+        );
         let mut other_tool = source.clone();
         other_tool.tool = Some("Read".into());
-        assert_ne!(output_of(&other_tool).error.as_deref(), Some("read ahead"));
+        assert_ne!(
+            read_of(&other_tool).output.error.as_deref(),
+            Some("read ahead")
+        );
         // Output only: the identifiers are read from the text.
         reading.identifiers = None;
         source.read_ahead.0 = Some(std::sync::Arc::new(reading));
@@ -168,6 +196,41 @@ mod tests {
             identifiers_of(&source).identifiers,
             identifiers::extract(output)
         );
+    }
+
+    #[test]
+    fn a_turn_is_noted_once_per_reading_and_as_it_would_be_afresh() {
+        let edit = "I will add the identity to Message, since the upsert needs it.\n\
+                    Edit({\"file_path\":\"lib/spotter/message.ex\",\"new_string\":\"identity\"})";
+        let mut source = item(Role::Assistant, Some("Edit"), edit);
+        let afresh = TurnNotes::of(&source);
+        assert!(matches!(&afresh.0, super::super::turn::Of::Assistant(a)
+            if a.first.is_some() && !a.noted.is_empty() && a.calls.len() == 1));
+        // Without a reading: noted now, nothing kept.
+        assert!(matches!(read_of(&source).notes, Cow::Owned(_)));
+        // With one: noted by the first draft as afresh, kept in the reading.
+        let reading = std::sync::Arc::new(read_source(&source, true));
+        source.read_ahead.0 = Some(reading.clone());
+        assert!(reading.notes.get().is_none());
+        assert_eq!(*read_of(&source).notes, afresh);
+        assert_eq!(reading.notes.get(), Some(&afresh));
+        // The next draft takes what was kept (a planted note shows it is
+        // not noted again) ...
+        let planted = TurnNotes::of(&item(Role::User, None, "Rather use Postgres for this."));
+        let mut kept = read_source(&source, true);
+        kept.notes = planted.clone().into();
+        source.read_ahead.0 = Some(std::sync::Arc::new(kept));
+        assert!(matches!(read_of(&source).notes, Cow::Borrowed(n) if *n == planted));
+        // ... and never for another text, role or tool.
+        let mut other_text = source.clone();
+        other_text.text.push('x');
+        assert_eq!(*read_of(&other_text).notes, TurnNotes::of(&other_text));
+        let mut other_role = source.clone();
+        other_role.role = Some(Role::User);
+        assert_eq!(*read_of(&other_role).notes, TurnNotes::of(&other_role));
+        let mut other_tool = source;
+        other_tool.tool = None;
+        assert_eq!(*read_of(&other_tool).notes, TurnNotes::of(&other_tool));
     }
 
     #[test]
@@ -191,9 +254,9 @@ mod tests {
         let mut reading = read_source(&source, false);
         reading.output.error = Some("read ahead".into());
         source.read_ahead.0 = Some(std::sync::Arc::new(reading));
-        assert_eq!(output_of(&source).error.as_deref(), Some("read ahead"));
+        assert_eq!(read_of(&source).output.error.as_deref(), Some("read ahead"));
         source.text.push('x');
-        assert_ne!(output_of(&source).error.as_deref(), Some("read ahead"));
+        assert_ne!(read_of(&source).output.error.as_deref(), Some("read ahead"));
     }
 
     /// What an assistant turn's reading was before its text was searched
