@@ -620,8 +620,12 @@ pub(super) fn clip_words(text: &str, max: usize) -> String {
 /// `max` characters; a first sentence longer than that is cut at a word
 /// with `…`. Never ends in the middle of a sentence otherwise.
 pub(super) fn sentences_up_to(text: &str, max: usize) -> String {
-    let flat = condense(text, usize::MAX);
-    if flat.chars().count() <= max {
+    // The sentences kept end within `max` characters of the flat text, and
+    // whether the next one fits is known two characters past it: the
+    // rest of a long text (a 6 KB narration for a 200-character fix) is
+    // not flattened.
+    let (flat, more) = condensed_prefix(text, max.saturating_add(2));
+    if !more && flat.chars().count() <= max {
         return flat;
     }
     let mut out = String::new();
@@ -640,6 +644,34 @@ pub(super) fn sentences_up_to(text: &str, max: usize) -> String {
     } else {
         out
     }
+}
+
+/// The first `limit` characters of `condense(text, usize::MAX)`, and
+/// whether it has more.
+fn condensed_prefix(text: &str, limit: usize) -> (String, bool) {
+    let mut out = String::new();
+    let mut count = 0usize;
+    let mut pending_space = false;
+    for c in text.chars() {
+        if c.is_whitespace() {
+            pending_space = !out.is_empty();
+            continue;
+        }
+        if count == limit {
+            return (out, true);
+        }
+        if pending_space {
+            out.push(' ');
+            count += 1;
+            pending_space = false;
+            if count == limit {
+                return (out, true);
+            }
+        }
+        out.push(c);
+        count += 1;
+    }
+    (out, false)
 }
 
 #[cfg(test)]
@@ -957,6 +989,58 @@ mod tests {
     /// Outputs longer than the head and the tail the recognizers read.
     fn long_lines() -> impl Strategy<Value = String> {
         prop::collection::vec(text(10), 100..900).prop_map(|lines| lines.join("\n"))
+    }
+
+    /// [`sentences_up_to`] as it was, flattening the whole text first.
+    fn sentences_up_to_whole(text: &str, max: usize) -> String {
+        let flat = condense(text, usize::MAX);
+        if flat.chars().count() <= max {
+            return flat;
+        }
+        let mut out = String::new();
+        for s in crate::core::fallback_summary::notes::sentences(&flat) {
+            let need = s.chars().count() + usize::from(!out.is_empty());
+            if out.chars().count() + need > max {
+                break;
+            }
+            if !out.is_empty() {
+                out.push(' ');
+            }
+            out.push_str(s);
+        }
+        if out.is_empty() {
+            condense(&flat, max)
+        } else {
+            out
+        }
+    }
+
+    /// Sentences of words and spaces of any kind, ending at every mark
+    /// (a mark followed by a space or not, at the text's end or not).
+    fn prose_text() -> impl Strategy<Value = String> {
+        let piece = prop_oneof![
+            "[a-zé]{1,9}",
+            Just(" ".to_string()),
+            Just("  ".to_string()),
+            Just("\n".to_string()),
+            Just("\t ".to_string()),
+            Just(". ".to_string()),
+            Just("? ".to_string()),
+            Just("!".to_string()),
+            Just(".".to_string()),
+            Just("\u{a0}".to_string()),
+            Just("日本".to_string()),
+        ];
+        prop::collection::vec(piece, 0..80).prop_map(|pieces| pieces.concat())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(4000))]
+
+        #[test]
+        fn sentences_up_to_reads_only_what_it_keeps(text in prose_text(), max in 0usize..90) {
+            prop_assert_eq!(sentences_up_to(&text, max), sentences_up_to_whole(&text, max));
+        }
     }
 
     proptest! {
