@@ -42,7 +42,7 @@ use crate::core::identifiers;
 use crate::core::line_pattern::LinePattern;
 use crate::core::message::{Role, DEMONSTRATION_NAME};
 use crate::core::summary::{
-    IdentifierPolicy, RollingStateRequest, SourceItem, SummaryDraft, SummaryRequest,
+    IdentifierPolicy, RollingStateRequest, SourceItem, SourceReading, SummaryDraft, SummaryRequest,
     ROLLING_SECTION_MAX_CHARS, ROLLING_STATE_MAX_CHARS,
 };
 use crate::core::tokens::{count_text, count_within, fewest_tokens_up_to, Encoding};
@@ -164,14 +164,19 @@ fn write_summary(req: &SummaryRequest) -> String {
     let condensed = req.kind == SummaryKind::Condensed
         || req.depth > 0
         || req.sources.iter().all(|s| s.role.is_none());
+    // Each source's reading checked once for both its notes and its
+    // identifiers.
+    let readings = reading::readings_of(&req.sources);
     let notes = if condensed {
         Notes::from_children(&req.sources)
     } else {
-        Notes::from_turns(&req.sources)
+        Notes::from_turns_read(&req.sources, &readings)
     };
     let ids = match req.identifier_policy {
         IdentifierPolicy::Off => Vec::new(),
-        IdentifierPolicy::Strict | IdentifierPolicy::Custom(_) => ranked_identifiers(&req.sources),
+        IdentifierPolicy::Strict | IdentifierPolicy::Custom(_) => {
+            ranked_identifiers(&req.sources, &readings)
+        }
     };
     let header = header_line(req, condensed);
     if let Some(text) = render_within(&notes, &ids, &header, budget) {
@@ -196,7 +201,7 @@ fn write_summary(req: &SummaryRequest) -> String {
 /// best place an identifier had decides, and on a tie the older child's:
 /// its first identifiers are the task the session started with, while
 /// newer work is still in newer summaries.
-fn ranked_identifiers(sources: &[SourceItem]) -> Vec<String> {
+fn ranked_identifiers(sources: &[SourceItem], readings: &[Option<&SourceReading>]) -> Vec<String> {
     struct Seen {
         acted_on: bool,
         by_user: bool,
@@ -207,7 +212,11 @@ fn ranked_identifiers(sources: &[SourceItem]) -> Vec<String> {
     }
     // Read ahead when it was (`reading`); all held at once, so the
     // identifiers are borrowed from them, not copied.
-    let readings: Vec<_> = sources.iter().map(reading::identifiers_of).collect();
+    let readings: Vec<_> = sources
+        .iter()
+        .zip(readings)
+        .map(|(item, reading)| reading::identifiers_of(item, *reading))
+        .collect();
     // Each identifier once, in first-seen order, with where it is in it.
     let mut order: Vec<(&str, Seen)> = Vec::new();
     let mut seen: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();

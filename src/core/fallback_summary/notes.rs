@@ -3,10 +3,11 @@
 //! how they were met, decisions, milestones done, what is open, and the
 //! next step. Also the text helpers every part of the summarizer shares.
 
-use super::reading::{read_of, Read};
+use super::reading::{read_of, readings_of, Read};
 use super::signals::*;
 use super::turn;
 use super::*;
+use crate::core::summary::SourceReading;
 
 /// Which lines of a section to keep first when not all fit.
 #[derive(Clone, Copy)]
@@ -254,11 +255,24 @@ impl Notes {
     }
 
     pub(super) fn from_turns(sources: &[SourceItem]) -> Notes {
+        Notes::from_turns_read(sources, &readings_of(sources))
+    }
+
+    /// [`Notes::from_turns`] with the readings the sources carry, checked
+    /// already (`reading::readings_of`).
+    pub(super) fn from_turns_read(
+        sources: &[SourceItem],
+        readings: &[Option<&SourceReading>],
+    ) -> Notes {
         let mut notes = Notes::default();
         let mut seen = Dedup::default();
         // What each turn says on its own: its output's signals and its
         // notes, read ahead when they were (`reading::read_of`).
-        let read: Vec<Read<'_>> = sources.iter().map(read_of).collect();
+        let read: Vec<Read<'_>> = sources
+            .iter()
+            .zip(readings)
+            .map(|(item, reading)| read_of(item, *reading))
+            .collect();
         // The calls awaiting their results (by name), each with how it
         // was read.
         let mut pending: std::collections::VecDeque<(&str, &CallKind)> = Default::default();

@@ -35,11 +35,17 @@ pub(super) struct Read<'a> {
     pub(super) notes: Cow<'a, TurnNotes>,
 }
 
-/// What `item`'s output says and what it notes on its own: from the
-/// reading it carries (its notes taken by the first draft to need them
-/// and kept there for the next), or read now.
-pub(super) fn read_of(item: &SourceItem) -> Read<'_> {
-    match read_ahead(item) {
+/// The reading each source carries, where it was taken from the source
+/// as it is: checked once per draft, for its notes and its identifiers.
+pub(super) fn readings_of(sources: &[SourceItem]) -> Vec<Option<&SourceReading>> {
+    sources.iter().map(read_ahead).collect()
+}
+
+/// What `item`'s output says and what it notes on its own: from its
+/// reading (`readings_of`; its notes taken by the first draft to need
+/// them and kept there for the next), or read now.
+pub(super) fn read_of<'a>(item: &SourceItem, reading: Option<&'a SourceReading>) -> Read<'a> {
+    match reading {
         Some(reading) => Read {
             output: Cow::Borrowed(&reading.output),
             notes: Cow::Borrowed(reading.notes.get_or_init(|| TurnNotes::of(item))),
@@ -51,9 +57,13 @@ pub(super) fn read_of(item: &SourceItem) -> Read<'_> {
     }
 }
 
-/// `item`'s identifiers: read ahead, or read now.
-pub(super) fn identifiers_of(item: &SourceItem) -> Cow<'_, IdentifierReading> {
-    match read_ahead(item).and_then(|r| r.identifiers.as_ref()) {
+/// `item`'s identifiers: from its reading (`readings_of`) when it has
+/// them, or read now.
+pub(super) fn identifiers_of<'a>(
+    item: &SourceItem,
+    reading: Option<&'a SourceReading>,
+) -> Cow<'a, IdentifierReading> {
+    match reading.and_then(|r| r.identifiers.as_ref()) {
         Some(reading) => Cow::Borrowed(reading),
         None => Cow::Owned(read_identifiers(item)),
     }
@@ -62,8 +72,9 @@ pub(super) fn identifiers_of(item: &SourceItem) -> Cow<'_, IdentifierReading> {
 /// The reading `item` carries, when it was taken from `item` as it is.
 ///
 /// A short text is compared byte for byte ([`ReadText`]): a draft checks
-/// each source's reading once or twice, and a BLAKE3 digest of every
-/// source each time was 7% of the instructions of `run`'s fold thread.
+/// each source's reading once, a rolling state once more, and a BLAKE3
+/// digest of every source each time was 7% of the instructions of `run`'s
+/// fold thread.
 fn read_ahead(item: &SourceItem) -> Option<&SourceReading> {
     let reading = item
         .read_ahead
@@ -164,36 +175,54 @@ mod tests {
         let output = "running 3 tests\nerror[E0308]: mismatched types at src/lib.rs:4\n";
         let mut source = item(Role::Tool, Some("Bash"), output);
         let mut reading = read_source(&source, true);
-        assert_eq!(read_of(&source).output.error, read_output(&source).error);
+        assert_eq!(
+            read_of(&source, read_ahead(&source)).output.error,
+            read_output(&source).error
+        );
         // A reading that says something else, carried by the same text, is
         // used (the shortcut) ...
         reading.output.error = Some("read ahead".into());
         source.read_ahead.0 = Some(std::sync::Arc::new(reading.clone()));
-        assert_eq!(read_of(&source).output.error.as_deref(), Some("read ahead"));
+        assert_eq!(
+            read_of(&source, read_ahead(&source))
+                .output
+                .error
+                .as_deref(),
+            Some("read ahead")
+        );
         // ... and never for another text, role or tool.
         let mut other_text = source.clone();
         other_text.text.push('x');
         assert_ne!(
-            read_of(&other_text).output.error.as_deref(),
+            read_of(&other_text, read_ahead(&other_text))
+                .output
+                .error
+                .as_deref(),
             Some("read ahead")
         );
         let mut other_role = source.clone();
         other_role.role = Some(Role::User);
         assert_ne!(
-            read_of(&other_role).output.error.as_deref(),
+            read_of(&other_role, read_ahead(&other_role))
+                .output
+                .error
+                .as_deref(),
             Some("read ahead")
         );
         let mut other_tool = source.clone();
         other_tool.tool = Some("Read".into());
         assert_ne!(
-            read_of(&other_tool).output.error.as_deref(),
+            read_of(&other_tool, read_ahead(&other_tool))
+                .output
+                .error
+                .as_deref(),
             Some("read ahead")
         );
         // Output only: the identifiers are read from the text.
         reading.identifiers = None;
         source.read_ahead.0 = Some(std::sync::Arc::new(reading));
         assert_eq!(
-            identifiers_of(&source).identifiers,
+            identifiers_of(&source, read_ahead(&source)).identifiers,
             identifiers::extract(output)
         );
     }
@@ -207,12 +236,15 @@ mod tests {
         assert!(matches!(&afresh.0, super::super::turn::Of::Assistant(a)
             if a.first.is_some() && !a.noted.is_empty() && a.calls.len() == 1));
         // Without a reading: noted now, nothing kept.
-        assert!(matches!(read_of(&source).notes, Cow::Owned(_)));
+        assert!(matches!(
+            read_of(&source, read_ahead(&source)).notes,
+            Cow::Owned(_)
+        ));
         // With one: noted by the first draft as afresh, kept in the reading.
         let reading = std::sync::Arc::new(read_source(&source, true));
         source.read_ahead.0 = Some(reading.clone());
         assert!(reading.notes.get().is_none());
-        assert_eq!(*read_of(&source).notes, afresh);
+        assert_eq!(*read_of(&source, read_ahead(&source)).notes, afresh);
         assert_eq!(reading.notes.get(), Some(&afresh));
         // The next draft takes what was kept (a planted note shows it is
         // not noted again) ...
@@ -220,17 +252,28 @@ mod tests {
         let mut kept = read_source(&source, true);
         kept.notes = planted.clone().into();
         source.read_ahead.0 = Some(std::sync::Arc::new(kept));
-        assert!(matches!(read_of(&source).notes, Cow::Borrowed(n) if *n == planted));
+        assert!(
+            matches!(read_of(&source, read_ahead(&source)).notes, Cow::Borrowed(n) if *n == planted)
+        );
         // ... and never for another text, role or tool.
         let mut other_text = source.clone();
         other_text.text.push('x');
-        assert_eq!(*read_of(&other_text).notes, TurnNotes::of(&other_text));
+        assert_eq!(
+            *read_of(&other_text, read_ahead(&other_text)).notes,
+            TurnNotes::of(&other_text)
+        );
         let mut other_role = source.clone();
         other_role.role = Some(Role::User);
-        assert_eq!(*read_of(&other_role).notes, TurnNotes::of(&other_role));
+        assert_eq!(
+            *read_of(&other_role, read_ahead(&other_role)).notes,
+            TurnNotes::of(&other_role)
+        );
         let mut other_tool = source;
         other_tool.tool = None;
-        assert_eq!(*read_of(&other_tool).notes, TurnNotes::of(&other_tool));
+        assert_eq!(
+            *read_of(&other_tool, read_ahead(&other_tool)).notes,
+            TurnNotes::of(&other_tool)
+        );
     }
 
     #[test]
@@ -254,9 +297,21 @@ mod tests {
         let mut reading = read_source(&source, false);
         reading.output.error = Some("read ahead".into());
         source.read_ahead.0 = Some(std::sync::Arc::new(reading));
-        assert_eq!(read_of(&source).output.error.as_deref(), Some("read ahead"));
+        assert_eq!(
+            read_of(&source, read_ahead(&source))
+                .output
+                .error
+                .as_deref(),
+            Some("read ahead")
+        );
         source.text.push('x');
-        assert_ne!(read_of(&source).output.error.as_deref(), Some("read ahead"));
+        assert_ne!(
+            read_of(&source, read_ahead(&source))
+                .output
+                .error
+                .as_deref(),
+            Some("read ahead")
+        );
     }
 
     /// What an assistant turn's reading was before its text was searched
