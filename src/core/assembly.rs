@@ -139,7 +139,9 @@ pub fn summary_tokens(
     fallback: bool,
     content: &str,
 ) -> u64 {
-    tokens::count_message(
+    // Counted where a sweep places it and again where the fold applies
+    // it: kept for the second count.
+    tokens::count_message_kept(
         enc,
         &summary_message(id, depth, first, last, fallback, content),
     )

@@ -622,7 +622,8 @@ impl SweepSnapshot {
             covers,
             content: draft.content.clone(),
             source_tokens,
-            tokens: tokens::count_text(self.encoding, &draft.content),
+            // A deterministic draft counted it last as it fitted it.
+            tokens: tokens::count_text_kept(self.encoding, &draft.content),
             model: draft.model.clone(),
             provider: draft.provider.clone(),
             prompt_version: draft.prompt_version.clone(),

@@ -22,7 +22,8 @@ pub(super) fn render_within(
     // retry on the rare overshoot.
     for _ in 0..4 {
         let text = render_once(notes, ids, header, room)?;
-        let used = tokens(&text);
+        // Kept: its record counts the summary again (`sweep`).
+        let used = count_text_kept(ENCODING, &text);
         if used <= budget {
             return Some(text);
         }

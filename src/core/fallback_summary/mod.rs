@@ -45,7 +45,9 @@ use crate::core::summary::{
     IdentifierPolicy, RollingStateRequest, SourceItem, SourceReading, SummaryDraft, SummaryRequest,
     ROLLING_SECTION_MAX_CHARS, ROLLING_STATE_MAX_CHARS,
 };
-use crate::core::tokens::{count_text, count_within, fewest_tokens_up_to, Encoding};
+use crate::core::tokens::{
+    count_text, count_text_kept, count_within, fewest_tokens_up_to, Encoding,
+};
 use regex::Regex;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::LazyLock;

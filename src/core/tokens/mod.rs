@@ -260,6 +260,43 @@ pub fn count_message(encoding: Encoding, message: &ChatMessage) -> u64 {
     count_message_telling_arguments(encoding, message, |_, _| {})
 }
 
+/// Texts counted with [`count_text_kept`] on this thread, the newest last.
+const KEPT_TEXTS: usize = 4;
+
+thread_local! {
+    static KEPT: RefCell<std::collections::VecDeque<(Encoding, Box<str>, u64)>> =
+        const { RefCell::new(std::collections::VecDeque::new()) };
+}
+
+/// [`count_text`], for a text likely to be counted again soon on this
+/// thread: the last few such texts keep their counts, so the same text
+/// (compared whole) is counted once. A summary is counted where its draft
+/// fits it, where its record is made, where a sweep's snapshot places it
+/// and where the fold applies it; `run` does all four on one thread.
+pub fn count_text_kept(encoding: Encoding, text: &str) -> u64 {
+    let kept = KEPT.with_borrow(|kept| {
+        kept.iter()
+            .find(|(e, t, _)| *e == encoding && **t == *text)
+            .map(|&(_, _, n)| n)
+    });
+    if let Some(n) = kept {
+        return n;
+    }
+    let n = count_text(encoding, text);
+    KEPT.with_borrow_mut(|kept| {
+        if kept.len() == KEPT_TEXTS {
+            kept.pop_front();
+        }
+        kept.push_back((encoding, text.into(), n));
+    });
+    n
+}
+
+/// [`count_message`] with its text counted by [`count_text_kept`].
+pub fn count_message_kept(encoding: Encoding, message: &ChatMessage) -> u64 {
+    count_message_by(encoding, message, count_text_kept, |_, _| {})
+}
+
 /// [`count_message`], telling `arguments` what each call's arguments
 /// count (the call's index and its count, in order). The count is a sum
 /// of its parts, so a caller may take a rendering that differs only in
@@ -268,6 +305,16 @@ pub fn count_message(encoding: Encoding, message: &ChatMessage) -> u64 {
 pub fn count_message_telling_arguments(
     encoding: Encoding,
     message: &ChatMessage,
+    arguments: impl FnMut(usize, u64),
+) -> u64 {
+    count_message_by(encoding, message, count_text, arguments)
+}
+
+/// A message's count with its text counted by `count_text`.
+fn count_message_by(
+    encoding: Encoding,
+    message: &ChatMessage,
+    count_text: fn(Encoding, &str) -> u64,
     mut arguments: impl FnMut(usize, u64),
 ) -> u64 {
     let mut total = MESSAGE_OVERHEAD_TOKENS + count_text(encoding, &message.text_view());
@@ -288,6 +335,41 @@ pub fn count_message_telling_arguments(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_kept_count_is_the_count_of_that_text_in_that_encoding() {
+        // The same length, other counts; the same text, other counts in
+        // the two encodings.
+        let (runs, words) = ("aaaaaaaaaaaaaaaaaaaa", "a b c d e f g h i j ");
+        let other = "日本語のテキストと、ですます調の文章。";
+        assert_eq!(runs.len(), words.len());
+        assert_ne!(
+            count_text(Encoding::O200kBase, runs),
+            count_text(Encoding::O200kBase, words)
+        );
+        assert_ne!(
+            count_text(Encoding::O200kBase, other),
+            count_text(Encoding::Cl100kBase, other)
+        );
+        // More texts than are kept, counted in turn, several times over.
+        let texts = [runs, words, other, "fn main() {}", "", "x\n\ny"];
+        for _ in 0..3 {
+            for text in texts {
+                for encoding in [Encoding::O200kBase, Encoding::Cl100kBase] {
+                    assert_eq!(
+                        count_text_kept(encoding, text),
+                        count_text(encoding, text),
+                        "{encoding:?} {text:?}"
+                    );
+                }
+            }
+        }
+        let message = ChatMessage::text(crate::core::message::Role::User, other);
+        assert_eq!(
+            count_message_kept(Encoding::Cl100kBase, &message),
+            count_message(Encoding::Cl100kBase, &message)
+        );
+    }
 
     #[test]
     fn model_picks_encoding() {
