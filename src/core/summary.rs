@@ -70,10 +70,11 @@ pub struct SourceReading {
 }
 
 /// The text a [`SourceReading`] was taken from, as kept to be compared:
-/// whole up to [`ReadText::WHOLE_BYTES`] (compared byte for byte, cheaper
-/// than digesting a short text), else by its BLAKE3 digest (which digests
-/// a long text's chunks side by side), so a reading holds at most about
-/// a kilobyte of its text.
+/// whole up to [`ReadText::WHOLE_BYTES`] (compared byte for byte: a draft
+/// and a rolling state each compare every source, and a BLAKE3 digest of
+/// each was 7% of `run`'s fold thread), else by its BLAKE3 digest, so a
+/// reading holds at most 16 KiB of its text (and `run`'s store of
+/// readings a bounded sum of them: `runtime::read_ahead::Readings`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ReadText {
     Whole(std::sync::Arc<str>),
@@ -82,7 +83,7 @@ pub enum ReadText {
 
 impl ReadText {
     /// The longest text kept whole.
-    pub const WHOLE_BYTES: usize = 1024;
+    pub const WHOLE_BYTES: usize = 16 * 1024;
 
     pub fn of(text: &str) -> ReadText {
         if text.len() <= Self::WHOLE_BYTES {
@@ -92,6 +93,14 @@ impl ReadText {
                 len: text.len(),
                 blake3: *blake3::hash(text.as_bytes()).as_bytes(),
             }
+        }
+    }
+
+    /// The bytes of text it holds.
+    pub fn held_bytes(&self) -> usize {
+        match self {
+            ReadText::Whole(whole) => whole.len(),
+            ReadText::Digest { .. } => 0,
         }
     }
 

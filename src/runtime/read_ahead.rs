@@ -11,27 +11,45 @@ use crate::core::summary::SourceReading;
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-/// The readings of the newest turns, by event id: at most [`Readings::CAP`],
+/// The readings of the newest turns, by event id: at most [`Readings::CAP`]
+/// of them, holding at most [`Readings::CAP_TEXT_BYTES`] of their texts,
 /// the oldest dropped first (a turn is drafted within a few thousand turns
 /// of its arrival, or read again by its draft).
 #[derive(Debug, Default)]
 pub struct Readings {
     by_event: foldhash::HashMap<Box<str>, Arc<SourceReading>>,
     order: VecDeque<Box<str>>,
+    /// The bytes of text the readings hold ([`ReadText::held_bytes`]).
+    ///
+    /// [`ReadText::held_bytes`]: crate::core::summary::ReadText::held_bytes
+    text_bytes: usize,
 }
 
 impl Readings {
     pub const CAP: usize = 8_192;
+    /// About what 8,192 turns of real sessions hold (2 KiB a turn); a
+    /// stretch of long texts keeps fewer readings rather than more memory.
+    pub const CAP_TEXT_BYTES: usize = 16 << 20;
 
     pub fn insert(&mut self, event_id: Box<str>, reading: Arc<SourceReading>) {
-        if self.by_event.insert(event_id.clone(), reading).is_none() {
-            self.order.push_back(event_id);
+        self.text_bytes += reading.text.held_bytes();
+        match self.by_event.insert(event_id.clone(), reading) {
+            Some(replaced) => self.text_bytes -= replaced.text.held_bytes(),
+            None => self.order.push_back(event_id),
         }
-        while self.order.len() > Self::CAP {
-            if let Some(oldest) = self.order.pop_front() {
-                self.by_event.remove(&oldest);
+        while self.order.len() > Self::CAP || self.text_bytes > Self::CAP_TEXT_BYTES {
+            let Some(oldest) = self.order.pop_front() else {
+                break;
+            };
+            if let Some(dropped) = self.by_event.remove(&oldest) {
+                self.text_bytes -= dropped.text.held_bytes();
             }
         }
+    }
+
+    /// The bytes of text the readings hold.
+    pub fn text_bytes(&self) -> usize {
+        self.text_bytes
     }
 
     pub fn get(&self, event_id: &str) -> Option<Arc<SourceReading>> {
@@ -74,7 +92,7 @@ impl<T: TurnBodies> TurnBodies for WithReadings<'_, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::summary::OutputReading;
+    use crate::core::summary::{OutputReading, ReadText};
 
     fn reading(n: u8) -> Arc<SourceReading> {
         Arc::new(SourceReading {
@@ -103,5 +121,40 @@ mod tests {
         readings.insert("e5".into(), reading(9));
         readings.insert("e5".into(), reading(9));
         assert_eq!(readings.len(), Readings::CAP);
+    }
+
+    #[test]
+    fn the_oldest_readings_go_first_past_the_bytes_of_text_they_may_hold() {
+        let long = |n: usize| {
+            Arc::new(SourceReading {
+                role: None,
+                tool: None,
+                text: ReadText::of(&format!("{n:>16384}")),
+                output: OutputReading::default(),
+                identifiers: None,
+                notes: Default::default(),
+            })
+        };
+        let fit = Readings::CAP_TEXT_BYTES / ReadText::WHOLE_BYTES;
+        let mut readings = Readings::default();
+        for i in 0..fit + 3 {
+            readings.insert(format!("e{i}").into(), long(i));
+            assert!(readings.text_bytes() <= Readings::CAP_TEXT_BYTES);
+        }
+        assert_eq!(readings.len(), fit);
+        assert_eq!(readings.text_bytes(), fit * ReadText::WHOLE_BYTES);
+        assert!((0..3).all(|i| readings.get(&format!("e{i}")).is_none()));
+        assert_eq!(readings.get(&format!("e{}", fit + 2)), Some(long(fit + 2)));
+        // A reading replaced counts once; one held by digest counts none.
+        readings.insert(format!("e{}", fit + 2).into(), long(fit + 2));
+        assert_eq!(readings.text_bytes(), fit * ReadText::WHOLE_BYTES);
+        readings.insert("digest".into(), {
+            let mut r = (*long(0)).clone();
+            r.text = ReadText::of(&"x".repeat(ReadText::WHOLE_BYTES + 1));
+            Arc::new(r)
+        });
+        assert_eq!(readings.len(), fit + 1);
+        assert_eq!(readings.text_bytes(), fit * ReadText::WHOLE_BYTES);
+        assert!(readings.get("digest").is_some());
     }
 }

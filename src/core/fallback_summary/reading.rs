@@ -279,7 +279,7 @@ mod tests {
     #[test]
     fn a_long_text_is_kept_by_digest_and_a_short_one_whole() {
         let short = "error: 1 test failed";
-        let long = format!("{}error: 1 test failed\n", "running tests\n".repeat(100));
+        let long = format!("{}error: 1 test failed\n", "running tests\n".repeat(1200));
         assert!(matches!(ReadText::of(short), ReadText::Whole(_)));
         assert!(matches!(ReadText::of(&long), ReadText::Digest { .. }));
         for text in [short, long.as_str()] {
