@@ -29,11 +29,17 @@ pub async fn inline_within<F: Future>(task: F) -> F::Output {
     INLINE.scope((), task).await
 }
 
+/// Whether this task's blocking work runs in place ([`inline_within`]): a
+/// caller that copies the work's input for the pool need not.
+pub fn inline() -> bool {
+    INLINE.try_with(|_| ()).is_ok()
+}
+
 /// Runs `work` on the blocking pool and waits for it. A panic in it is a
 /// bug and is resumed here, as if it had run inline. `None` only when the
 /// runtime shut down before the pool started it.
 pub async fn run<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> Option<T> {
-    if INLINE.try_with(|_| ()).is_ok() {
+    if inline() {
         return Some(work());
     }
     match tokio::task::spawn_blocking(work).await {
@@ -73,6 +79,8 @@ mod tests {
         .await;
         assert_eq!(inline, Some(caller));
         assert!(spawned.is_some_and(|t| t != caller));
+        assert!(inline_within(async { super::inline() }).await);
+        assert!(!super::inline());
         // And after the scope, off the thread again.
         let after = run(|| std::thread::current().id()).await;
         assert!(after.is_some_and(|t| t != caller));

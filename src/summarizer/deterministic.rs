@@ -26,8 +26,13 @@ impl DeterministicSummarizer {
         draft
     }
 
-    /// [`Self::draft`] on the blocking pool (see the module doc).
+    /// [`Self::draft`] on the blocking pool (see the module doc), or in
+    /// place, without a copy of the request, where the task's work runs
+    /// there ([`crate::blocking::inline_within`]: `run`'s fold).
     pub async fn draft_off_runtime(req: &SummaryRequest) -> SummaryDraft {
+        if crate::blocking::inline() {
+            return Self::draft(req);
+        }
         let owned = req.clone();
         // A runtime shutting down leaves the work to this thread.
         match crate::blocking::run(move || Self::draft(&owned)).await {
@@ -36,8 +41,12 @@ impl DeterministicSummarizer {
         }
     }
 
-    /// The deterministic rolling state, on the blocking pool.
+    /// The deterministic rolling state, on the blocking pool (or in place,
+    /// as [`Self::draft_off_runtime`]).
     pub async fn rolling_state_off_runtime(req: &RollingStateRequest) -> RollingState {
+        if crate::blocking::inline() {
+            return fallback_summary::rolling_state(req);
+        }
         let owned = req.clone();
         match crate::blocking::run(move || fallback_summary::rolling_state(&owned)).await {
             Some(state) => state,
