@@ -353,30 +353,27 @@ impl Notes {
                             short: None,
                         };
                         match noted {
-                            turn::Noted::Sentence(said, s) => match said {
-                                turn::Said::Question => last_question = Some(line(s)),
-                                turn::Said::Intention => intention = Some(line(s)),
-                                turn::Said::Milestone => {
-                                    if seen.first(SectionId::Done, s) {
-                                        notes.done.push(line(s));
+                            turn::Noted::Sentence(said, s) => {
+                                let (section, lines) = match said {
+                                    turn::Said::Question => {
+                                        last_question = Some(line(s));
+                                        continue;
                                     }
-                                }
-                                turn::Said::Diagnosis => {
-                                    if seen.first(SectionId::Errors, s) {
-                                        notes.errors.push(line(s));
+                                    turn::Said::Intention => {
+                                        intention = Some(line(s));
+                                        continue;
                                     }
-                                }
-                                turn::Said::Decision => {
-                                    if seen.first(SectionId::Decisions, s) {
-                                        notes.decisions.push(line(s));
+                                    turn::Said::Milestone => (SectionId::Done, &mut notes.done),
+                                    turn::Said::Diagnosis => (SectionId::Errors, &mut notes.errors),
+                                    turn::Said::Decision => {
+                                        (SectionId::Decisions, &mut notes.decisions)
                                     }
+                                    turn::Said::Open => (SectionId::Open, &mut notes.open),
+                                };
+                                if seen.first(section, s) {
+                                    lines.push(line(s));
                                 }
-                                turn::Said::Open => {
-                                    if seen.first(SectionId::Open, s) {
-                                        notes.open.push(line(s));
-                                    }
-                                }
-                            },
+                            }
                             turn::Noted::File { path, verb, what } => notes.add_file(file_entry(
                                 path.clone(),
                                 verb,

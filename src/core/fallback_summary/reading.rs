@@ -170,54 +170,32 @@ mod tests {
         }
     }
 
+    /// The error a draft takes `item`'s output to report.
+    fn error_read(item: &SourceItem) -> Option<String> {
+        read_of(item, read_ahead(item)).output.error.clone()
+    }
+
     #[test]
     fn a_reading_is_used_only_for_the_text_it_was_taken_from() {
         let output = "running 3 tests\nerror[E0308]: mismatched types at src/lib.rs:4\n";
         let mut source = item(Role::Tool, Some("Bash"), output);
         let mut reading = read_source(&source, true);
-        assert_eq!(
-            read_of(&source, read_ahead(&source)).output.error,
-            read_output(&source).error
-        );
+        assert_eq!(error_read(&source), read_output(&source).error);
         // A reading that says something else, carried by the same text, is
         // used (the shortcut) ...
         reading.output.error = Some("read ahead".into());
         source.read_ahead.0 = Some(std::sync::Arc::new(reading.clone()));
-        assert_eq!(
-            read_of(&source, read_ahead(&source))
-                .output
-                .error
-                .as_deref(),
-            Some("read ahead")
-        );
+        assert_eq!(error_read(&source).as_deref(), Some("read ahead"));
         // ... and never for another text, role or tool.
         let mut other_text = source.clone();
         other_text.text.push('x');
-        assert_ne!(
-            read_of(&other_text, read_ahead(&other_text))
-                .output
-                .error
-                .as_deref(),
-            Some("read ahead")
-        );
+        assert_ne!(error_read(&other_text).as_deref(), Some("read ahead"));
         let mut other_role = source.clone();
         other_role.role = Some(Role::User);
-        assert_ne!(
-            read_of(&other_role, read_ahead(&other_role))
-                .output
-                .error
-                .as_deref(),
-            Some("read ahead")
-        );
+        assert_ne!(error_read(&other_role).as_deref(), Some("read ahead"));
         let mut other_tool = source.clone();
         other_tool.tool = Some("Read".into());
-        assert_ne!(
-            read_of(&other_tool, read_ahead(&other_tool))
-                .output
-                .error
-                .as_deref(),
-            Some("read ahead")
-        );
+        assert_ne!(error_read(&other_tool).as_deref(), Some("read ahead"));
         // Output only: the identifiers are read from the text.
         reading.identifiers = None;
         source.read_ahead.0 = Some(std::sync::Arc::new(reading));
@@ -297,21 +275,9 @@ mod tests {
         let mut reading = read_source(&source, false);
         reading.output.error = Some("read ahead".into());
         source.read_ahead.0 = Some(std::sync::Arc::new(reading));
-        assert_eq!(
-            read_of(&source, read_ahead(&source))
-                .output
-                .error
-                .as_deref(),
-            Some("read ahead")
-        );
+        assert_eq!(error_read(&source).as_deref(), Some("read ahead"));
         source.text.push('x');
-        assert_ne!(
-            read_of(&source, read_ahead(&source))
-                .output
-                .error
-                .as_deref(),
-            Some("read ahead")
-        );
+        assert_ne!(error_read(&source).as_deref(), Some("read ahead"));
     }
 
     /// What an assistant turn's reading was before its text was searched
