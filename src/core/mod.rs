@@ -26,3 +26,4 @@ pub mod state;
 pub mod summary;
 pub mod sweep;
 pub mod tokens;
+pub mod turn_notes;

@@ -3,8 +3,8 @@
 //! depends on which one runs.
 
 use crate::core::event::{RollingState, SummaryKind};
-use crate::core::fallback_summary::TurnNotes;
 use crate::core::message::Role;
+use crate::core::turn_notes::TurnNotes;
 use serde::{Deserialize, Serialize};
 
 /// How strictly opaque identifiers (paths, URLs, hashes, UUIDs, ports, ...)

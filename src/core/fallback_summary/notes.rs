@@ -5,9 +5,9 @@
 
 use super::reading::{read_of, readings_of, Read};
 use super::signals::*;
-use super::turn;
 use super::*;
 use crate::core::summary::SourceReading;
+use crate::core::turn_notes;
 
 /// Which lines of a section to keep first when not all fit.
 #[derive(Clone, Copy)]
@@ -289,8 +289,8 @@ impl Notes {
                 // Another task's example (its text is a note saying so),
                 // or a system prompt: context, not events of the segment;
                 // their identifiers still reach the identifier list.
-                turn::Of::Context => {}
-                turn::Of::User(user) => {
+                turn_notes::Of::Context => {}
+                turn_notes::Of::User(user) => {
                     if let Some(ask) = &user.ask {
                         if seen.first(SectionId::Task, &ask.long) {
                             notes.task.push(Line {
@@ -337,7 +337,7 @@ impl Notes {
                     }
                     pending.clear();
                 }
-                turn::Of::Assistant(turn) => {
+                turn_notes::Of::Assistant(turn) => {
                     if let (Some(i), Some(_)) = (unanswered_error, &turn.first) {
                         if !turn.fix.is_empty() {
                             let e = &mut notes.errors[i];
@@ -353,35 +353,34 @@ impl Notes {
                             short: None,
                         };
                         match noted {
-                            turn::Noted::Sentence(said, s) => {
+                            turn_notes::Noted::Sentence(said, s) => {
                                 let (section, lines) = match said {
-                                    turn::Said::Question => {
+                                    turn_notes::Said::Question => {
                                         last_question = Some(line(s));
                                         continue;
                                     }
-                                    turn::Said::Intention => {
+                                    turn_notes::Said::Intention => {
                                         intention = Some(line(s));
                                         continue;
                                     }
-                                    turn::Said::Milestone => (SectionId::Done, &mut notes.done),
-                                    turn::Said::Diagnosis => (SectionId::Errors, &mut notes.errors),
-                                    turn::Said::Decision => {
+                                    turn_notes::Said::Milestone => {
+                                        (SectionId::Done, &mut notes.done)
+                                    }
+                                    turn_notes::Said::Diagnosis => {
+                                        (SectionId::Errors, &mut notes.errors)
+                                    }
+                                    turn_notes::Said::Decision => {
                                         (SectionId::Decisions, &mut notes.decisions)
                                     }
-                                    turn::Said::Open => (SectionId::Open, &mut notes.open),
+                                    turn_notes::Said::Open => (SectionId::Open, &mut notes.open),
                                 };
                                 if seen.first(section, s) {
                                     lines.push(line(s));
                                 }
                             }
-                            turn::Noted::File { path, verb, what } => notes.add_file(file_entry(
-                                path.clone(),
-                                verb,
-                                label,
-                                what.clone(),
-                                at,
-                            )),
-                            turn::Noted::Action(action) => {
+                            turn_notes::Noted::File { path, verb, what } => notes
+                                .add_file(file_entry(path.clone(), verb, label, what.clone(), at)),
+                            turn_notes::Noted::Action(action) => {
                                 if seen.first(SectionId::Done, action) {
                                     notes.done.push(line(action));
                                 }
@@ -391,7 +390,7 @@ impl Notes {
                     pending.clear();
                     pending.extend(turn.calls.iter().map(|(name, kind)| (name.as_str(), kind)));
                 }
-                turn::Of::Result => {
+                turn_notes::Of::Result => {
                     let call = pending.pop_front();
                     let edit_call = matches!(call, Some((_, CallKind::File { .. })));
                     let what = match call {
@@ -431,7 +430,7 @@ impl Notes {
                         }
                     }
                 }
-                turn::Of::Child => {
+                turn_notes::Of::Child => {
                     let child = parse_child(&item.text);
                     notes.absorb_child(at, child, &mut seen);
                 }

@@ -211,8 +211,10 @@ mod tests {
                     Edit({\"file_path\":\"lib/spotter/message.ex\",\"new_string\":\"identity\"})";
         let mut source = item(Role::Assistant, Some("Edit"), edit);
         let afresh = TurnNotes::of(&source);
-        assert!(matches!(&afresh.0, super::super::turn::Of::Assistant(a)
-            if a.first.is_some() && !a.noted.is_empty() && a.calls.len() == 1));
+        assert!(
+            matches!(&afresh.0, crate::core::turn_notes::Of::Assistant(a)
+            if a.first.is_some() && !a.noted.is_empty() && a.calls.len() == 1)
+        );
         // Without a reading: noted now, nothing kept.
         assert!(matches!(
             read_of(&source, read_ahead(&source)).notes,

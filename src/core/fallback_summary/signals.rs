@@ -256,20 +256,7 @@ pub(super) fn is_open(sentence: &str) -> bool {
     screened(screen, open, sentence)
 }
 
-/// How a tool call is read.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum CallKind {
-    /// It changes a file: the path and how.
-    File { path: String, verb: &'static str },
-    /// A shell command (its text, for naming what failed or passed).
-    Shell(String),
-    /// It reads or looks something up: nothing to record.
-    Read,
-    /// It changes something else (a booking, an issue, a deployment).
-    Action,
-    /// The agent thinking aloud: its text is narration.
-    Thought(String),
-}
+pub(super) use crate::core::turn_notes::CallKind;
 
 /// One call of an assistant turn, parsed back from its searchable text.
 #[derive(Debug, Clone)]

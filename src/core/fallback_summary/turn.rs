@@ -1,5 +1,6 @@
 //! What a draft notes of one turn on its own, whatever came before it
-//! ([`TurnNotes`]): a user's request and decisions; an assistant's first
+//! ([`TurnNotes`], whose data lives in `core::turn_notes` so that a
+//! reading can keep it): a user's request and decisions; an assistant's first
 //! sentence, the words that would answer an error, its sentences sorted
 //! into intentions, milestones, diagnoses, decisions, open items and
 //! questions, the files it changed and the actions it took, and its calls
@@ -16,84 +17,12 @@
 use super::notes::{looks_like_code, sentences, words_only};
 use super::signals::*;
 use super::*;
-
-/// What a draft notes of one turn on its own (see the module doc).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TurnNotes(pub(super) Of);
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum Of {
-    /// A system prompt or another task's demonstration: context, not
-    /// events of the span.
-    Context,
-    User(UserNotes),
-    Assistant(AssistantNotes),
-    /// A tool's result: its output is read apart (`reading::read_output`).
-    Result,
-    /// A child summary, read back into sections by `children::parse_child`.
-    Child,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct UserNotes {
-    /// The request in the user's words, whole and short; `None` when the
-    /// turn holds no prose (only pasted output).
-    pub(super) ask: Option<Ask>,
-    /// Its sentences that decide, each cut to [`SENTENCE_CHARS`].
-    pub(super) decisions: Vec<String>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct Ask {
-    /// Up to [`ASK_CHARS`].
-    pub(super) long: String,
-    /// Up to [`SHORT_ASK_CHARS`].
-    pub(super) short: String,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct AssistantNotes {
-    /// The first sentence of its words that is prose.
-    pub(super) first: Option<String>,
-    /// Its words up to [`FIX_CHARS`]: how it meets an error before it
-    /// (empty when it has no first sentence, which is when they are not
-    /// taken).
-    pub(super) fix: String,
-    /// Its sentences, files and actions, in the order they are met.
-    pub(super) noted: Vec<Noted>,
-    /// Its calls by name and kind, in order: the results after it answer
-    /// them.
-    pub(super) calls: Vec<(String, CallKind)>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum Noted {
-    Sentence(Said, String),
-    /// A file changed: its path, how, and what changed (the first
-    /// sentence, then the change when it says something else).
-    File {
-        path: String,
-        verb: &'static str,
-        what: Vec<String>,
-    },
-    /// A call that changes something other than a file.
-    Action(String),
-}
-
-/// What a sentence of the agent's words says.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Said {
-    Question,
-    Intention,
-    Milestone,
-    Diagnosis,
-    Decision,
-    Open,
-}
+pub use crate::core::turn_notes::TurnNotes;
+use crate::core::turn_notes::{Ask, AssistantNotes, Noted, Of, Said, UserNotes};
 
 impl TurnNotes {
     /// Notes `item` on its own.
-    pub(super) fn of(item: &SourceItem) -> TurnNotes {
+    pub(crate) fn of(item: &SourceItem) -> TurnNotes {
         let text = item.text.as_str();
         TurnNotes(match item.role {
             Some(Role::User) if item.tool.as_deref() == Some(DEMONSTRATION_NAME) => Of::Context,
