@@ -81,7 +81,7 @@ pub(crate) enum Said {
 
 /// How a tool call is read.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum CallKind {
+pub(crate) enum CallKind {
     /// It changes a file: the path and how.
     File { path: String, verb: &'static str },
     /// A shell command (its text, for naming what failed or passed).
