@@ -71,7 +71,6 @@ pub use reading::read_source;
 #[cfg(test)]
 pub(crate) use reading::reading_used;
 pub use rolling::rolling_state;
-pub use turn::TurnNotes;
 
 /// What [`SummaryDraft::model`] says for this summarizer.
 pub const MODEL: &str = "deterministic";

@@ -302,13 +302,14 @@ impl Notes {
                         }
                         last_ask = Some((at, ask.short.clone()));
                         for s in &user.decisions {
-                            if seen.first(SectionId::Decisions, s) {
-                                notes.decisions.push(Line {
-                                    at,
-                                    text: format!("{label}: {s}"),
-                                    short: None,
-                                });
-                            }
+                            keep_first(
+                                &mut seen,
+                                SectionId::Decisions,
+                                &mut notes.decisions,
+                                at,
+                                label,
+                                s,
+                            );
                         }
                     }
                     // Output pasted or printed in the user's turn (an error
@@ -324,13 +325,7 @@ impl Notes {
                         }
                     }
                     for m in &output.milestones {
-                        if seen.first(SectionId::Done, m) {
-                            notes.done.push(Line {
-                                at,
-                                text: format!("{label}: {m}"),
-                                short: None,
-                            });
-                        }
+                        keep_first(&mut seen, SectionId::Done, &mut notes.done, at, label, m);
                     }
                     for (path, verb) in &output.file_changes {
                         notes.add_file(file_entry(path.clone(), verb, label, Vec::new(), at));
@@ -374,17 +369,18 @@ impl Notes {
                                     }
                                     turn_notes::Said::Open => (SectionId::Open, &mut notes.open),
                                 };
-                                if seen.first(section, s) {
-                                    lines.push(line(s));
-                                }
+                                keep_first(&mut seen, section, lines, at, label, s);
                             }
                             turn_notes::Noted::File { path, verb, what } => notes
                                 .add_file(file_entry(path.clone(), verb, label, what.clone(), at)),
-                            turn_notes::Noted::Action(action) => {
-                                if seen.first(SectionId::Done, action) {
-                                    notes.done.push(line(action));
-                                }
-                            }
+                            turn_notes::Noted::Action(action) => keep_first(
+                                &mut seen,
+                                SectionId::Done,
+                                &mut notes.done,
+                                at,
+                                label,
+                                action,
+                            ),
                         }
                     }
                     pending.clear();
@@ -415,13 +411,7 @@ impl Notes {
                         }
                     }
                     for m in &output.milestones {
-                        if seen.first(SectionId::Done, m) {
-                            notes.done.push(Line {
-                                at,
-                                text: format!("{label}: {m}"),
-                                short: None,
-                            });
-                        }
+                        keep_first(&mut seen, SectionId::Done, &mut notes.done, at, label, m);
                     }
                     // A result confirming its own call's edit adds nothing.
                     if !edit_call {
@@ -528,6 +518,25 @@ pub(super) fn words_only(text: &str) -> String {
         out.push('\n');
     }
     out
+}
+
+/// Adds `label: text` to `lines` at `at`, unless its section has the text
+/// already.
+fn keep_first(
+    seen: &mut Dedup,
+    section: SectionId,
+    lines: &mut Vec<Line>,
+    at: usize,
+    label: &str,
+    text: &str,
+) {
+    if seen.first(section, text) {
+        lines.push(Line {
+            at,
+            text: format!("{label}: {text}"),
+            short: None,
+        });
+    }
 }
 
 /// Lines already taken, per section, compared without case, punctuation or

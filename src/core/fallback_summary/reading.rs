@@ -9,10 +9,10 @@
 //! same turn (a rolling state's, then a leaf's).
 
 use super::signals::*;
-use super::turn::TurnNotes;
 use crate::core::identifiers;
 use crate::core::message::{Role, DEMONSTRATION_NAME};
 use crate::core::summary::{IdentifierReading, OutputReading, ReadText, SourceItem, SourceReading};
+use crate::core::turn_notes::TurnNotes;
 use std::borrow::Cow;
 use std::collections::HashSet;
 

@@ -17,8 +17,7 @@
 use super::notes::{looks_like_code, sentences, words_only};
 use super::signals::*;
 use super::*;
-pub use crate::core::turn_notes::TurnNotes;
-use crate::core::turn_notes::{Ask, AssistantNotes, Noted, Of, Said, UserNotes};
+use crate::core::turn_notes::{Ask, AssistantNotes, Noted, Of, Said, TurnNotes, UserNotes};
 
 impl TurnNotes {
     /// Notes `item` on its own.
