@@ -5,7 +5,9 @@
 //! (`nats::api_role::start`, default settings) over a `LocalState`
 //! holding one of the 26,500-turn shapes of `support/shapes.rs`
 //! (`compacted`: summaries plus raw turns, about 125k tokens, assembled
-//! whole; `raw_newest_155k`: uncompacted, a 155k-token budget;
+//! whole with its summaries as they are; `compacted_opened`: the same with
+//! the room given back, summaries opened into about 10,000 masked turns;
+//! `raw_newest_155k`: uncompacted, a 155k-token budget;
 //! `raw_all_155k`: 26,500 short turns all sent). A client in the same
 //! process (same tokio runtime, another connection) sends
 //! `{"conversation": …, "budget": …}` to `cf.api.assemble.<token>`, one request at
@@ -16,8 +18,8 @@
 //!
 //! A reply over the server's `max_payload` (1 MB by default) is answered
 //! with a `bad_request` and not timed: so far the two raw shapes (about
-//! 1.95 MB each: 26,027 `left_out` entries, or 26,500 messages), whose
-//! handler time alone is reported.
+//! 1.95 MB each: 26,027 `left_out` entries, or 26,500 messages) and
+//! `compacted_opened`, whose handler time alone is reported.
 //!
 //! For comparison, in the same run: the handler alone (`api::answer_view`,
 //! what the service runs per request) timed in-process over the same
@@ -219,6 +221,9 @@ async fn bench_shape(name: &str, server: &NatsServer, requests: usize) -> Result
     }
     if let Some(prompt) = &shape.request.prompt {
         body["prompt"] = json!(prompt);
+    }
+    if shape.request.summaries_as_they_are {
+        body["summaries_as_they_are"] = json!(true);
     }
     let body = body.to_string();
     let mut state = State::default();

@@ -6,7 +6,13 @@
 //!   the embedded pipeline with the deterministic summarizer, context window
 //!   1,000,000 and threshold / target at 0.17 / 0.16 of it, chosen so that
 //!   the context ends as summaries plus raw turns at about 155k tokens;
-//!   assembled whole.
+//!   assembled whole, with its summaries as they are (the request's
+//!   `summaries_as_they_are`, as the gateway's summary block asks).
+//! - `compacted_opened`: the same conversation asked with the default
+//!   request: the room left under the window (1,000,000 tokens) goes back
+//!   (DESIGN 14), so summaries open into the turns they cover, masked,
+//!   until it is spent: about 10,000 messages and 1,000,000 tokens, the
+//!   largest answer this conversation gives.
 //! - `raw_newest_155k`: the same 26,500 real turns folded without
 //!   compaction; assembled with a 155,000-token budget, so the newest turns
 //!   fill it and the rest is listed as left out.
@@ -35,7 +41,12 @@ pub const CONTEXT_TOKENS: u64 = 155_000;
 pub const KEY: &str = "bench:long";
 
 /// The shapes, by name.
-pub const NAMES: [&str; 3] = ["compacted", "raw_newest_155k", "raw_all_155k"];
+pub const NAMES: [&str; 4] = [
+    "compacted",
+    "compacted_opened",
+    "raw_newest_155k",
+    "raw_all_155k",
+];
 
 /// A folded conversation, the policy it was folded under and the request
 /// that assembles it.
@@ -51,7 +62,8 @@ pub struct Shape {
 pub fn build(name: &str) -> Option<Shape> {
     let started = Instant::now();
     let shape = match name {
-        "compacted" => compacted()?,
+        "compacted" => compacted(true)?,
+        "compacted_opened" => compacted(false)?,
         "raw_newest_155k" => raw_newest()?,
         "raw_all_155k" => raw_all(),
         other => panic!("unknown shape {other:?}; known: {NAMES:?}"),
@@ -104,7 +116,9 @@ fn raw_policy() -> PolicyConfig {
     }
 }
 
-fn compacted() -> Option<Shape> {
+/// The compacted conversation, asked with its summaries as they are or
+/// not.
+fn compacted(summaries_as_they_are: bool) -> Option<Shape> {
     let events = transcripts::long_conversation(KEY, TURNS)?;
     let policy = PolicyConfig {
         default_context_window: 1_000_000,
@@ -142,7 +156,10 @@ fn compacted() -> Option<Shape> {
     Some(Shape {
         conv,
         policy,
-        request: AssemblyRequest::default(),
+        request: AssemblyRequest {
+            summaries_as_they_are,
+            ..AssemblyRequest::default()
+        },
     })
 }
 
