@@ -71,10 +71,12 @@ pub struct SourceReading {
 
 /// The text a [`SourceReading`] was taken from, as kept to be compared:
 /// whole up to [`ReadText::WHOLE_BYTES`] (compared byte for byte: a draft
-/// and a rolling state each compare every source, and a BLAKE3 digest of
-/// each was 7% of `run`'s fold thread), else by its BLAKE3 digest, so a
-/// reading holds at most 16 KiB of its text (and `run`'s store of
-/// readings a bounded sum of them: `runtime::read_ahead::Readings`).
+/// and a rolling state each compare every source, and digesting each text
+/// over 1 KiB at every comparison was 4.9% of the instructions of `run`'s
+/// fold thread; `docs/notes/issue-26.md`, twenty-seventh pass), else by
+/// its BLAKE3 digest, so a reading holds at most 16 KiB of its text (and
+/// `run`'s store of readings a bounded sum of them:
+/// `runtime::read_ahead::Readings`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ReadText {
     Whole(std::sync::Arc<str>),

@@ -27,8 +27,10 @@ pub struct Readings {
 
 impl Readings {
     pub const CAP: usize = 8_192;
-    /// About what 8,192 turns of real sessions hold (2 KiB a turn); a
-    /// stretch of long texts keeps fewer readings rather than more memory.
+    /// Above what 8,192 turns of the shared real transcripts hold (1.4 KB
+    /// of text a turn on average, about 11 MiB), so on them the count
+    /// decides; a stretch of long texts keeps fewer readings rather than
+    /// more memory.
     pub const CAP_TEXT_BYTES: usize = 16 << 20;
 
     pub fn insert(&mut self, event_id: Box<str>, reading: Arc<SourceReading>) {

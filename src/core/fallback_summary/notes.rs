@@ -7,7 +7,7 @@ use super::reading::{read_of, readings_of, Read};
 use super::signals::*;
 use super::*;
 use crate::core::summary::SourceReading;
-use crate::core::turn_notes;
+use crate::core::turn_notes::{self, CallKind};
 
 /// Which lines of a section to keep first when not all fit.
 #[derive(Clone, Copy)]

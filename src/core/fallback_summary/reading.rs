@@ -12,7 +12,7 @@ use super::signals::*;
 use crate::core::identifiers;
 use crate::core::message::{Role, DEMONSTRATION_NAME};
 use crate::core::summary::{IdentifierReading, OutputReading, ReadText, SourceItem, SourceReading};
-use crate::core::turn_notes::TurnNotes;
+use crate::core::turn_notes::{CallKind, TurnNotes};
 use std::borrow::Cow;
 use std::collections::HashSet;
 

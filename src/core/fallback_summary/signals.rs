@@ -7,6 +7,7 @@
 use super::call_args::CallArgs;
 use super::*;
 use crate::core::summary::OutputReading;
+use crate::core::turn_notes::CallKind;
 use crate::line_pattern;
 use lazy_regex::regex;
 
@@ -255,8 +256,6 @@ pub(super) fn is_open(sentence: &str) -> bool {
     );
     screened(screen, open, sentence)
 }
-
-pub(super) use crate::core::turn_notes::CallKind;
 
 /// One call of an assistant turn, parsed back from its searchable text.
 #[derive(Debug, Clone)]

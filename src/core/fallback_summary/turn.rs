@@ -17,11 +17,13 @@
 use super::notes::{looks_like_code, sentences, words_only};
 use super::signals::*;
 use super::*;
-use crate::core::turn_notes::{Ask, AssistantNotes, Noted, Of, Said, TurnNotes, UserNotes};
+use crate::core::turn_notes::{
+    Ask, AssistantNotes, CallKind, Noted, Of, Said, TurnNotes, UserNotes,
+};
 
 impl TurnNotes {
     /// Notes `item` on its own.
-    pub(crate) fn of(item: &SourceItem) -> TurnNotes {
+    pub(super) fn of(item: &SourceItem) -> TurnNotes {
         let text = item.text.as_str();
         TurnNotes(match item.role {
             Some(Role::User) if item.tool.as_deref() == Some(DEMONSTRATION_NAME) => Of::Context,
