@@ -33,6 +33,7 @@ use contextfold::core::fold::fold;
 use contextfold::core::message::{ChatMessage, FunctionCall, Role, ToolCall};
 use contextfold::core::policy::PolicyConfig;
 use contextfold::core::state::{ContextItem, Conversation, State};
+use std::sync::OnceLock;
 use std::time::Instant;
 
 pub const TURNS: usize = 26_500;
@@ -116,9 +117,24 @@ fn raw_policy() -> PolicyConfig {
     }
 }
 
+/// The compacted conversation, folded once for both of its shapes.
+static COMPACTED: OnceLock<Option<(Conversation, PolicyConfig)>> = OnceLock::new();
+
 /// The compacted conversation, asked with its summaries as they are or
 /// not.
 fn compacted(summaries_as_they_are: bool) -> Option<Shape> {
+    let (conv, policy) = COMPACTED.get_or_init(fold_compacted).clone()?;
+    Some(Shape {
+        conv,
+        policy,
+        request: AssemblyRequest {
+            summaries_as_they_are,
+            ..AssemblyRequest::default()
+        },
+    })
+}
+
+fn fold_compacted() -> Option<(Conversation, PolicyConfig)> {
     let events = transcripts::long_conversation(KEY, TURNS)?;
     let policy = PolicyConfig {
         default_context_window: 1_000_000,
@@ -153,14 +169,7 @@ fn compacted(summaries_as_they_are: bool) -> Option<Shape> {
             .join()
             .expect("folding the compacted shape")
     })?;
-    Some(Shape {
-        conv,
-        policy,
-        request: AssemblyRequest {
-            summaries_as_they_are,
-            ..AssemblyRequest::default()
-        },
-    })
+    Some((conv, policy))
 }
 
 fn raw_newest() -> Option<Shape> {
