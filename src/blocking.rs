@@ -29,9 +29,8 @@ pub async fn inline_within<F: Future>(task: F) -> F::Output {
     INLINE.scope((), task).await
 }
 
-/// Whether this task's blocking work runs in place ([`inline_within`]): a
-/// caller that copies the work's input for the pool need not.
-pub fn inline() -> bool {
+/// Whether this task's blocking work runs in place ([`inline_within`]).
+fn inline() -> bool {
     INLINE.try_with(|_| ()).is_ok()
 }
 
@@ -46,6 +45,25 @@ pub async fn run<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -
         Ok(done) => Some(done),
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
         Err(_) => None,
+    }
+}
+
+/// `work` over `input` as [`run`] runs it: on the pool over a copy of
+/// `input`, or in place over `input` itself, where no copy is needed
+/// ([`inline_within`]). A runtime shutting down leaves the work to this
+/// thread, so there is always an answer.
+pub async fn run_over<I, T>(input: &I, work: fn(&I) -> T) -> T
+where
+    I: Clone + Send + 'static,
+    T: Send + 'static,
+{
+    if inline() {
+        return work(input);
+    }
+    let owned = input.clone();
+    match run(move || work(&owned)).await {
+        Some(done) => done,
+        None => work(input),
     }
 }
 
@@ -84,6 +102,28 @@ mod tests {
         // And after the scope, off the thread again.
         let after = run(|| std::thread::current().id()).await;
         assert!(after.is_some_and(|t| t != caller));
+    }
+
+    /// Counts its copies.
+    struct Counted(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+    impl Clone for Counted {
+        fn clone(&self) -> Self {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Counted(std::sync::Arc::clone(&self.0))
+        }
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn work_over_an_input_copies_it_only_for_the_pool() {
+        let input = Counted(Default::default());
+        let copies = || input.0.load(std::sync::atomic::Ordering::SeqCst);
+        let thread = |_: &Counted| std::thread::current().id();
+        let caller = std::thread::current().id();
+        assert_eq!(inline_within(run_over(&input, thread)).await, caller);
+        assert_eq!(copies(), 0);
+        assert_ne!(run_over(&input, thread).await, caller);
+        assert_eq!(copies(), 1);
     }
 
     #[tokio::test]

@@ -30,28 +30,13 @@ impl DeterministicSummarizer {
     /// place, without a copy of the request, where the task's work runs
     /// there ([`crate::blocking::inline_within`]: `run`'s fold).
     pub async fn draft_off_runtime(req: &SummaryRequest) -> SummaryDraft {
-        if crate::blocking::inline() {
-            return Self::draft(req);
-        }
-        let owned = req.clone();
-        // A runtime shutting down leaves the work to this thread.
-        match crate::blocking::run(move || Self::draft(&owned)).await {
-            Some(draft) => draft,
-            None => Self::draft(req),
-        }
+        crate::blocking::run_over(req, Self::draft).await
     }
 
     /// The deterministic rolling state, on the blocking pool (or in place,
     /// as [`Self::draft_off_runtime`]).
     pub async fn rolling_state_off_runtime(req: &RollingStateRequest) -> RollingState {
-        if crate::blocking::inline() {
-            return fallback_summary::rolling_state(req);
-        }
-        let owned = req.clone();
-        match crate::blocking::run(move || fallback_summary::rolling_state(&owned)).await {
-            Some(state) => state,
-            None => fallback_summary::rolling_state(req),
-        }
+        crate::blocking::run_over(req, fallback_summary::rolling_state).await
     }
 }
 
