@@ -44,11 +44,61 @@ pub struct ChatMessage {
 }
 
 /// Message content: plain text or a list of typed parts.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+///
+/// Written as the text or the list itself (untagged). Read by the one
+/// visitor below, not by serde's untagged derive: that one buffers every
+/// content into an intermediate tree and copies each string out of it
+/// again, on the path of every turn folded (`docs/notes/issue-26.md`,
+/// twenty-ninth pass).
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(untagged)]
 pub enum Content {
     Text(String),
     Parts(Vec<ContentPart>),
+}
+
+impl<'de> Deserialize<'de> for Content {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct ContentVisitor;
+
+        impl<'de> serde::de::Visitor<'de> for ContentVisitor {
+            type Value = Content;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a message content: a string, or a list of content parts")
+            }
+
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Content, E> {
+                Ok(Content::Text(v.to_owned()))
+            }
+
+            fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Content, E> {
+                Ok(Content::Text(v))
+            }
+
+            // A format that writes strings as bytes (as the derive took them).
+            fn visit_bytes<E: serde::de::Error>(self, v: &[u8]) -> Result<Content, E> {
+                match std::str::from_utf8(v) {
+                    Ok(text) => Ok(Content::Text(text.to_owned())),
+                    Err(_) => Err(E::invalid_value(serde::de::Unexpected::Bytes(v), &self)),
+                }
+            }
+
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Content, A::Error> {
+                // A hint from the input is not trusted beyond a small start.
+                let mut parts = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(16));
+                while let Some(part) = seq.next_element::<ContentPart>()? {
+                    parts.push(part);
+                }
+                Ok(Content::Parts(parts))
+            }
+        }
+
+        deserializer.deserialize_any(ContentVisitor)
+    }
 }
 
 /// One content part (`{"type":"text","text":"..."}`, `image_url`, ...).
@@ -179,6 +229,7 @@ impl ChatMessage {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::strategy::Strategy as _;
 
     #[test]
     fn the_text_view_borrows_one_string_and_joins_parts() {
@@ -212,5 +263,116 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("robot"), "{err}");
+    }
+
+    /// The content as serde's untagged derive read it before the visitor.
+    #[derive(Debug, PartialEq, Deserialize)]
+    #[serde(untagged)]
+    enum DerivedContent {
+        Text(String),
+        Parts(Vec<ContentPart>),
+    }
+
+    impl From<DerivedContent> for Content {
+        fn from(d: DerivedContent) -> Content {
+            match d {
+                DerivedContent::Text(t) => Content::Text(t),
+                DerivedContent::Parts(p) => Content::Parts(p),
+            }
+        }
+    }
+
+    /// Field names, text with spaces and escapes at either end, and any
+    /// printable text.
+    fn json_string() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        prop_oneof![
+            Just("text".to_string()),
+            Just("type".to_string()),
+            "[ \t]?[a-z\u{e9}\"\\\\\n]{0,6}[ \t]?",
+            "\\PC{0,12}",
+        ]
+    }
+
+    fn json_value() -> impl proptest::strategy::Strategy<Value = serde_json::Value> {
+        use proptest::prelude::*;
+        use serde_json::Value;
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(Value::from),
+            json_string().prop_map(Value::String),
+        ];
+        leaf.prop_recursive(3, 24, 4, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..4).prop_map(serde_json::Value::Array),
+                proptest::collection::btree_map(
+                    prop_oneof![
+                        Just("type".to_string()),
+                        Just("text".to_string()),
+                        "[a-z_]{1,6}"
+                    ],
+                    inner,
+                    0..4
+                )
+                .prop_map(|m| serde_json::Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2000))]
+
+        /// The visitor accepts what the untagged derive accepted, reads it
+        /// the same, and refuses what it refused, from JSON and from
+        /// MessagePack alike.
+        #[test]
+        fn content_reads_as_the_untagged_derive_did(
+            value in proptest::prop_oneof![
+                json_string().prop_map(serde_json::Value::String),
+                json_value(),
+            ]
+        ) {
+            let json = serde_json::to_string(&value).unwrap();
+            let ours = serde_json::from_str::<Content>(&json).ok();
+            let derived = serde_json::from_str::<DerivedContent>(&json).ok().map(Content::from);
+            proptest::prop_assert_eq!(&ours, &derived, "{}", json);
+            let packed = rmp_serde::to_vec_named(&value).unwrap();
+            let ours = rmp_serde::from_slice::<Content>(&packed).ok();
+            let derived = rmp_serde::from_slice::<DerivedContent>(&packed).ok().map(Content::from);
+            proptest::prop_assert_eq!(&ours, &derived, "{}", json);
+        }
+    }
+
+    #[test]
+    fn content_neither_text_nor_parts_is_refused_with_what_was_expected() {
+        for bad in [
+            r#"{"role":"user","content":42}"#,
+            r#"{"role":"user","content":{"text":"x"}}"#,
+        ] {
+            let err = serde_json::from_str::<ChatMessage>(bad)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("a string, or a list of content parts"),
+                "{bad}: {err}"
+            );
+        }
+        let err =
+            serde_json::from_str::<ChatMessage>(r#"{"role":"user","content":[{"text":"x"}]}"#)
+                .unwrap_err()
+                .to_string();
+        assert!(err.contains("type"), "{err}");
+    }
+
+    #[test]
+    fn content_as_bytes_is_read_as_text_when_utf8() {
+        // MessagePack `bin 8`: 0xc4, the length, the bytes.
+        let packed = [&[0xc4, 5][..], b"plain"].concat();
+        assert_eq!(
+            rmp_serde::from_slice::<Content>(&packed).unwrap(),
+            Content::Text("plain".into())
+        );
+        assert!(rmp_serde::from_slice::<Content>(&[0xc4, 2, 0xff, 0xfe]).is_err());
     }
 }
