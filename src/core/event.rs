@@ -699,8 +699,15 @@ pub enum Encoding {
 impl Encoding {
     /// From a `Content-Type`-like header value; MessagePack when absent.
     pub fn from_header(value: Option<&str>) -> Encoding {
-        match value.map(|v| v.trim().to_ascii_lowercase()) {
-            Some(v) if v.contains("json") => Encoding::Json,
+        // "json" in any ASCII case, without a lowercased copy of the value.
+        match value {
+            Some(v)
+                if v.as_bytes()
+                    .windows(4)
+                    .any(|w| w.eq_ignore_ascii_case(b"json")) =>
+            {
+                Encoding::Json
+            }
             _ => Encoding::Msgpack,
         }
     }
@@ -996,6 +1003,26 @@ mod direct {
 mod tests {
     use super::*;
     use crate::core::message::Role;
+
+    #[test]
+    fn an_encoding_is_json_when_its_header_says_json_in_any_case() {
+        for json in [
+            "application/json",
+            " APPLICATION/JSON; charset=utf-8",
+            "text/Json",
+            "json",
+        ] {
+            assert_eq!(Encoding::from_header(Some(json)), Encoding::Json, "{json}");
+        }
+        for packed in ["application/msgpack", "application/jso", "", "js on"] {
+            assert_eq!(
+                Encoding::from_header(Some(packed)),
+                Encoding::Msgpack,
+                "{packed}"
+            );
+        }
+        assert_eq!(Encoding::from_header(None), Encoding::Msgpack);
+    }
 
     #[test]
     fn sweep_stop_names_are_the_wire_names() {

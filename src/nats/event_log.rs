@@ -32,7 +32,11 @@ pub use crate::nats::publish::{content_type, event_headers, CONTENT_TYPE};
 /// else MessagePack. Agents should set the header; the sniffing lets a
 /// plain `nats pub cf.in.x '{...}'` work.
 pub fn encoding_of(headers: Option<&HeaderMap>, payload: &[u8]) -> Encoding {
-    if let Some(value) = headers.and_then(|h| h.get(CONTENT_TYPE)) {
+    // A name built once: a `&str` key is made a header name (and this one,
+    // not a standard NATS header, copied into a buffer) at every lookup, for
+    // every message folded.
+    const NAME: async_nats::HeaderName = async_nats::HeaderName::from_static(CONTENT_TYPE);
+    if let Some(value) = headers.and_then(|h| h.get(NAME)) {
         return Encoding::from_header(Some(value.as_str()));
     }
     match payload.iter().find(|b| !b.is_ascii_whitespace()) {
