@@ -54,6 +54,15 @@ impl<'m> Probe<'m> {
         turns: &[Turn],
         bodies: &ResidentBodies,
     ) -> bool {
+        // Both sketches known (ours is, once one seen turn was compared):
+        // most pairs differ here, without reading `seen`'s turn. A duplicate
+        // guard's window can hold hundreds of a busy conversation's user
+        // turns, each compared with every new one.
+        if let (Some(theirs), Some(ours)) = (seen.sketch, self.sketch) {
+            if theirs != ours {
+                return false;
+            }
+        }
         let theirs = match seen.digest {
             SeenDigest::Known(d) => d,
             SeenDigest::Of(seq) if !self.may_equal(turns.get(seq as usize)) => return false,
