@@ -546,11 +546,14 @@ pub(super) struct Dedup(pub(super) HashSet<(SectionId, String)>);
 
 impl Dedup {
     pub(super) fn first(&mut self, section: SectionId, text: &str) -> bool {
-        let key: String = text
-            .chars()
-            .filter(|c| c.is_alphanumeric())
-            .flat_map(char::to_lowercase)
-            .collect();
+        // Sized once: a filtered iterator tells `collect` nothing of its
+        // length, so it grew the key a character at a time.
+        let mut key = String::with_capacity(text.len());
+        key.extend(
+            text.chars()
+                .filter(|c| c.is_alphanumeric())
+                .flat_map(char::to_lowercase),
+        );
         !key.is_empty() && self.0.insert((section, key))
     }
 }
@@ -645,7 +648,8 @@ pub fn prefix_bytes(text: &str, max: usize) -> &str {
 /// Whitespace collapsed to single spaces, at most `max_chars` characters,
 /// cut at a word boundary when one is near, `…` marking the cut.
 pub(super) fn condense(text: &str, max_chars: usize) -> String {
-    let mut out = String::new();
+    // Sized once (see `signals::condensed_prefix`), with room for the `…`.
+    let mut out = String::with_capacity(text.len().min(max_chars.saturating_mul(4)) + 3);
     let mut count = 0usize;
     let mut pending_space = false;
     let mut cut = false;

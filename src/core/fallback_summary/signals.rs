@@ -614,16 +614,18 @@ pub(super) fn sentences_up_to(text: &str, max: usize) -> String {
     if !more && flat.chars().count() <= max {
         return flat;
     }
-    let mut out = String::new();
+    let mut out = String::with_capacity(flat.len());
+    let mut chars = 0;
     for s in sentences(&flat) {
         let need = s.chars().count() + usize::from(!out.is_empty());
-        if out.chars().count() + need > max {
+        if chars + need > max {
             break;
         }
         if !out.is_empty() {
             out.push(' ');
         }
         out.push_str(s);
+        chars += need;
     }
     if out.is_empty() {
         condense(&flat, max)
@@ -635,7 +637,10 @@ pub(super) fn sentences_up_to(text: &str, max: usize) -> String {
 /// The first `limit` characters of `condense(text, usize::MAX)`, and
 /// whether it has more.
 fn condensed_prefix(text: &str, limit: usize) -> (String, bool) {
-    let mut out = String::new();
+    // Sized once: flattening never lengthens a text, and `limit`
+    // characters take four bytes each at most (growing it a character at a
+    // time reallocated it some seven times for a 300-character turn).
+    let mut out = String::with_capacity(text.len().min(limit.saturating_mul(4)));
     let mut count = 0usize;
     let mut pending_space = false;
     for c in text.chars() {
