@@ -48,6 +48,7 @@ impl<'m> Probe<'m> {
     /// a seen turn of another role, or a result for another call, differs
     /// in what the digest hashes before its text, so neither text is read
     /// (in a burst of tool calls and results, most pairs are such).
+    #[inline]
     pub(super) fn same_as(
         &mut self,
         seen: &mut SeenTurn,
@@ -55,14 +56,25 @@ impl<'m> Probe<'m> {
         bodies: &ResidentBodies,
     ) -> bool {
         // Both sketches known (ours is, once one seen turn was compared):
-        // most pairs differ here, without reading `seen`'s turn. A duplicate
-        // guard's window can hold hundreds of a busy conversation's user
-        // turns, each compared with every new one.
+        // most pairs differ here, in the caller's loop, without reading
+        // `seen`'s turn. A duplicate guard's window can hold hundreds of a
+        // busy conversation's user turns, each compared with every new one.
         if let (Some(theirs), Some(ours)) = (seen.sketch, self.sketch) {
             if theirs != ours {
                 return false;
             }
         }
+        self.same_as_read(seen, turns, bodies)
+    }
+
+    /// [`Probe::same_as`] past the sketches known to both.
+    #[inline(never)]
+    fn same_as_read(
+        &mut self,
+        seen: &mut SeenTurn,
+        turns: &[Turn],
+        bodies: &ResidentBodies,
+    ) -> bool {
         let theirs = match seen.digest {
             SeenDigest::Known(d) => d,
             SeenDigest::Of(seq) if !self.may_equal(turns.get(seq as usize)) => return false,
