@@ -103,43 +103,7 @@ const REMEMBERED_PIECES: usize = 16_384;
 /// fixed hash would let a text of colliding pieces turn each lookup into
 /// a scan.
 #[derive(Default)]
-struct PieceCounts([foldhash::HashMap<PieceKey, u32>; 2]);
-
-/// A remembered piece as the memo keys it: its bytes zero-padded, its
-/// length in the last byte, as four words held in the table itself. A
-/// lookup compares four words in place; a boxed key sent each lookup to
-/// the heap for its bytes and to `memcmp` for them (a third of the
-/// measuring thread's counting time, twenty-ninth pass).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct PieceKey([u64; 4]);
-
-const _: () = assert!(
-    REMEMBERED_PIECE_BYTES < 32,
-    "a piece and its length fit a key"
-);
-
-impl PieceKey {
-    /// The key of `piece`, `None` when it is too long to remember.
-    fn of(piece: &[u8]) -> Option<PieceKey> {
-        let mut bytes = [0u8; 32];
-        // The last byte holds the length, so a piece takes 31 at most.
-        bytes
-            .get_mut(..piece.len())
-            .filter(|_| piece.len() < 32)?
-            .copy_from_slice(piece);
-        bytes[31] = u8::try_from(piece.len()).ok()?;
-        let word = |i: usize| u64::from_le_bytes(std::array::from_fn(|j| bytes[8 * i + j]));
-        Some(PieceKey([word(0), word(1), word(2), word(3)]))
-    }
-}
-
-impl std::hash::Hash for PieceKey {
-    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
-        for word in self.0 {
-            state.write_u64(word);
-        }
-    }
-}
+struct PieceCounts([foldhash::HashMap<Box<[u8]>, u32>; 2]);
 
 thread_local! {
     static PIECE_COUNTS: RefCell<PieceCounts> = RefCell::new(PieceCounts::default());
@@ -258,20 +222,15 @@ fn count_up_to(encoding: Encoding, text: &str, limit: u64) -> u64 {
                 1
             } else if piece.len() > REMEMBERED_PIECE_BYTES {
                 tokenizer.bpe.count(piece) as u64
-            } else if let Some(key) = PieceKey::of(piece) {
-                match remembered.get(&key) {
-                    Some(&n) => u64::from(n),
-                    None => {
-                        let n = tokenizer.bpe.count(piece) as u32;
-                        if remembered.len() >= REMEMBERED_PIECES {
-                            remembered.clear();
-                        }
-                        remembered.insert(key, n);
-                        u64::from(n)
-                    }
-                }
+            } else if let Some(&n) = remembered.get(piece) {
+                u64::from(n)
             } else {
-                tokenizer.bpe.count(piece) as u64
+                let n = tokenizer.bpe.count(piece) as u32;
+                if remembered.len() >= REMEMBERED_PIECES {
+                    remembered.clear();
+                }
+                remembered.insert(piece.into(), n);
+                u64::from(n)
             };
             total <= limit
         });
@@ -546,30 +505,6 @@ mod tests {
                 assert!(fewest <= n && fewest * 2 >= n, "{fewest} of {n}: {text:?}");
             }
         }
-    }
-
-    proptest::proptest! {
-        /// Two pieces share a memo key only when they are the same bytes
-        /// (a piece and the same bytes with NULs after them differ too).
-        #[test]
-        fn pieces_share_a_key_only_when_equal(
-            a in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..=REMEMBERED_PIECE_BYTES),
-            b in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..=REMEMBERED_PIECE_BYTES),
-            nuls in 1..4usize,
-        ) {
-            let key = |p: &[u8]| PieceKey::of(p).unwrap();
-            proptest::prop_assert_eq!(key(&a) == key(&b), a == b);
-            let padded = [&a[..], &vec![0; nuls]].concat();
-            if padded.len() <= REMEMBERED_PIECE_BYTES {
-                proptest::prop_assert_ne!(key(&a), key(&padded));
-            }
-        }
-    }
-
-    #[test]
-    fn a_piece_too_long_for_a_key_has_none() {
-        assert!(PieceKey::of(&[b'x'; 31]).is_some());
-        assert!(PieceKey::of(&[b'x'; 32]).is_none());
     }
 
     #[test]
