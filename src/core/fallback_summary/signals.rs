@@ -639,7 +639,8 @@ pub(super) fn sentences_up_to(text: &str, max: usize) -> String {
 fn condensed_prefix(text: &str, limit: usize) -> (String, bool) {
     // Sized once: flattening never lengthens a text, and `limit`
     // characters take four bytes each at most (growing it a character at a
-    // time reallocated it some seven times for a 300-character turn).
+    // time reallocated it six times, from 8 bytes to 512, for a
+    // 300-character turn).
     let mut out = String::with_capacity(text.len().min(limit.saturating_mul(4)));
     let mut count = 0usize;
     let mut pending_space = false;
