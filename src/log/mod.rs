@@ -123,4 +123,13 @@ pub trait EventLog {
     async fn sync(&mut self) -> Result<(), LogError> {
         Ok(())
     }
+
+    /// [`EventLog::sync`], and `work` meanwhile where the log can wait on
+    /// its storage without this thread (the segment log syncs on another
+    /// thread); both have finished when this returns. A state commit runs
+    /// its encoding here, and writes only once the sync has succeeded.
+    async fn sync_while<T>(&mut self, work: impl FnOnce() -> T) -> (Result<(), LogError>, T) {
+        let done = work();
+        (self.sync().await, done)
+    }
 }

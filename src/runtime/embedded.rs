@@ -86,8 +86,7 @@ impl<L: EventLog, B: KvBackend, S: Summarizer> Pipeline<L, B, S> {
     pub async fn open(log: L, engine: Engine<B>, summarizer: S) -> Result<Self, PipelineError> {
         let (mut p, pending) = Self::open_leaving_jobs(log, engine, summarizer).await?;
         p.settle_unsynced(pending, &mut CatchUp::default()).await?;
-        p.log.sync().await?;
-        p.engine.commit()?;
+        p.commit().await?;
         Ok(p)
     }
 
@@ -121,8 +120,7 @@ impl<L: EventLog, B: KvBackend, S: Summarizer> Pipeline<L, B, S> {
             p.fold_available(&mut total).await?;
         }
         let pending = p.engine.pending_snapshots()?;
-        p.log.sync().await?;
-        p.engine.commit()?;
+        p.commit().await?;
         Ok((p, pending))
     }
 
@@ -147,8 +145,7 @@ impl<L: EventLog, B: KvBackend, S: Summarizer> Pipeline<L, B, S> {
                 .await?;
         }
         let jobs = self.fold_available(&mut CatchUp::default()).await?;
-        self.log.sync().await?;
-        self.engine.commit()?;
+        self.commit().await?;
         Ok(jobs)
     }
 
@@ -158,8 +155,7 @@ impl<L: EventLog, B: KvBackend, S: Summarizer> Pipeline<L, B, S> {
         let mut total = CatchUp::default();
         let jobs = self.fold_available(&mut total).await?;
         self.settle_unsynced(jobs, &mut total).await?;
-        self.log.sync().await?;
-        self.engine.commit()?;
+        self.commit().await?;
         Ok(total)
     }
 
@@ -297,8 +293,13 @@ impl<L: EventLog, B: KvBackend, S: Summarizer> Pipeline<L, B, S> {
     /// Syncs the log and commits the state folded since the last commit
     /// (the second half of [`Pipeline::ingest_measured`]).
     pub async fn commit(&mut self) -> Result<(), PipelineError> {
-        self.log.sync().await?;
-        self.engine.commit()?;
+        // The state is encoded while the log syncs, and written only once
+        // the log holds every record it follows: a crash between the two
+        // leaves a log ahead of the state, which the next open folds.
+        let engine = &mut self.engine;
+        let (synced, encoded) = self.log.sync_while(|| engine.prepare_commit()).await;
+        synced?;
+        self.engine.apply_commit(encoded)?;
         Ok(())
     }
 
@@ -480,6 +481,7 @@ mod tests {
     use crate::core::message::{ChatMessage, Role};
     use crate::core::policy::PolicyConfig;
     use crate::log::memory::MemoryLog;
+    use crate::log::Position;
     use crate::store::memory_backend::MemoryBackend;
 
     fn engine() -> Engine<MemoryBackend> {
@@ -698,6 +700,80 @@ mod tests {
         // Nor did it admit (decode) again a turn admitted ahead.
         assert_eq!(admitted_ahead, records.len() as u64);
         assert_eq!(admitted_plain - admitted_measured, admitted_ahead);
+    }
+
+    /// A memory log whose syncs fail while `failing` is set.
+    struct UnsyncableLog {
+        inner: MemoryLog,
+        failing: bool,
+    }
+
+    impl EventLog for UnsyncableLog {
+        async fn append(
+            &mut self,
+            origin: Origin,
+            encoding: Encoding,
+            bytes: &[u8],
+        ) -> Result<Position, LogError> {
+            self.inner.append(origin, encoding, bytes).await
+        }
+        async fn append_batch(
+            &mut self,
+            records: &[crate::log::Appended],
+        ) -> Result<Position, LogError> {
+            self.inner.append_batch(records).await
+        }
+        async fn read_after(
+            &mut self,
+            after: Position,
+            max: usize,
+        ) -> Result<Vec<crate::log::LogRecord>, LogError> {
+            self.inner.read_after(after, max).await
+        }
+        async fn last_position(&mut self) -> Result<Position, LogError> {
+            self.inner.last_position().await
+        }
+        async fn sync(&mut self) -> Result<(), LogError> {
+            if self.failing {
+                return Err(LogError::Backend("the disk went away".into()));
+            }
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn a_state_is_committed_only_once_its_log_has_synced() {
+        let records = measured_session();
+        let policy = measured_policy();
+        let log = UnsyncableLog {
+            inner: MemoryLog::new(),
+            failing: false,
+        };
+        let engine = Engine::open(MemoryBackend::default(), policy.clone()).unwrap();
+        let mut p = Pipeline::open(log, engine, crate::summarizer::DeterministicSummarizer)
+            .await
+            .unwrap();
+        let committed = p.engine.store().commits();
+        p.fold_measured(&records, Vec::new()).await.unwrap();
+        p.log.failing = true;
+        assert!(matches!(
+            p.commit().await,
+            Err(PipelineError::Log(LogError::Backend(_)))
+        ));
+        // Nothing written, and nothing forgotten: the next commit has it all.
+        assert_eq!(p.engine.store().commits(), committed);
+        assert!(p.engine.has_uncommitted());
+        p.log.failing = false;
+        p.commit().await.unwrap();
+        assert_eq!(p.engine.store().commits(), committed + 1);
+        assert!(!p.engine.has_uncommitted());
+        let mut plain = memory_pipeline(&policy).await;
+        plain.fold_measured(&records, Vec::new()).await.unwrap();
+        plain.commit().await.unwrap();
+        assert_eq!(
+            p.engine.state_hash().unwrap(),
+            plain.engine.state_hash().unwrap()
+        );
     }
 
     #[tokio::test]

@@ -44,7 +44,7 @@ use crate::core::state::State;
 use crate::core::sweep::{self, SweepSnapshot};
 use crate::log::{LogRecord, Position};
 use crate::runtime::read_ahead::{Readings, WithReadings};
-use crate::store::state_store::{StateStore, StoredBodies};
+use crate::store::state_store::{PreparedCommit, StateStore, StoredBodies};
 use crate::store::{KvBackend, StoreError};
 use crate::telemetry as t;
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
@@ -128,6 +128,12 @@ impl crate::store::StoreConfig {
         }
     }
 }
+
+/// A commit encoded and not yet written ([`Engine::prepare_commit`]),
+/// with the position it was encoded at and the time encoding took;
+/// nothing (`None`) while the engine holds.
+#[must_use = "an encoded commit writes nothing until it is applied"]
+pub struct EncodedCommit(Option<(PreparedCommit, Position, std::time::Duration)>);
 
 pub struct Engine<B: KvBackend> {
     /// The partition's counts and its resident conversations (the others
@@ -1167,20 +1173,46 @@ impl<B: KvBackend> Engine<B> {
     /// does nothing while decisions derived from history are held back
     /// (see the module doc), which [`Engine::holding`] tells.
     pub fn commit(&mut self) -> Result<(), StoreError> {
+        let prepared = self.prepare_commit();
+        self.apply_commit(prepared)
+    }
+
+    /// The first half of [`Engine::commit`]: the commit encoded, not
+    /// written (`None` while holding: nothing to commit). The engine must
+    /// not fold, run or change anything before [`Engine::apply_commit`]
+    /// writes it; until then the caller may make durable what the state
+    /// follows (the log's sync: see `Pipeline::commit`).
+    pub fn prepare_commit(&mut self) -> EncodedCommit {
         if self.holding() {
-            return Ok(());
+            return EncodedCommit(None);
         }
-        self.dirty_partition = false;
-        let dirty = std::mem::take(&mut self.dirty);
         let started = std::time::Instant::now();
-        self.store.commit(
+        let prepared = self.store.prepare_commit(
             &mut self.state,
-            &dirty,
+            &self.dirty,
             self.position,
             &layout_fingerprint(),
-        )?;
+        );
+        EncodedCommit(Some((prepared, self.position, started.elapsed())))
+    }
+
+    /// The second half of [`Engine::commit`]: writes what
+    /// [`Engine::prepare_commit`] encoded.
+    pub fn apply_commit(&mut self, encoded: EncodedCommit) -> Result<(), StoreError> {
+        let EncodedCommit(Some((prepared, position, encoding))) = encoded else {
+            return Ok(());
+        };
+        debug_assert_eq!(
+            position, self.position,
+            "folded between encoding and writing"
+        );
+        let started = std::time::Instant::now();
+        self.store.apply_commit(&mut self.state, prepared)?;
+        self.dirty_partition = false;
+        self.dirty.clear();
+        // Encoding and writing, not what the caller did between the two.
         t::StateCommitted {
-            elapsed: started.elapsed(),
+            elapsed: encoding + started.elapsed(),
         }
         .emit();
         let cache = self.store.cache();

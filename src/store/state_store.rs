@@ -209,6 +209,17 @@ impl Default for BodyCache {
     }
 }
 
+/// A commit encoded and not yet written ([`StateStore::prepare_commit`]).
+#[derive(Debug)]
+#[must_use = "a prepared commit writes nothing until it is applied"]
+pub struct PreparedCommit {
+    writes: Vec<Write>,
+    /// The conversations written, with what is on disk of each after it.
+    committed: Vec<(String, Persisted)>,
+    /// The keys with pending jobs after it, when that changed.
+    pending: Option<BTreeSet<String>>,
+}
+
 /// Durable, incrementally written state.
 pub struct StateStore<B: KvBackend> {
     backend: B,
@@ -705,6 +716,22 @@ impl<B: KvBackend> StateStore<B> {
         position: Position,
         layout: &str,
     ) -> Result<(), StoreError> {
+        let prepared = self.prepare_commit(state, dirty, position, layout);
+        self.apply_commit(state, prepared)
+    }
+
+    /// The first half of [`StateStore::commit`]: the commit's writes,
+    /// encoded from `state` and not yet written. Nothing is changed, so
+    /// the caller may make what the state follows durable meanwhile (the
+    /// log's sync, on another thread) and write them after, with
+    /// [`StateStore::apply_commit`], before `state` changes.
+    pub fn prepare_commit(
+        &self,
+        state: &mut State,
+        dirty: &BTreeSet<String>,
+        position: Position,
+        layout: &str,
+    ) -> PreparedCommit {
         let mut writes = Vec::new();
         let mut committed = Vec::with_capacity(dirty.len());
         let mut pending_changed = Vec::new();
@@ -766,7 +793,7 @@ impl<B: KvBackend> StateStore<B> {
             } else {
                 p.chunks
             };
-            committed.push((key, chunks));
+            committed.push((key.clone(), Persisted::of(conv, chunks)));
             // The head is everything but what the chunks hold.
             let turns = std::mem::take(&mut conv.turns);
             let summaries = std::mem::take(&mut conv.summaries);
@@ -845,6 +872,26 @@ impl<B: KvBackend> StateStore<B> {
                 value: encode(&state.intake),
             });
         }
+        PreparedCommit {
+            writes,
+            committed,
+            pending,
+        }
+    }
+
+    /// The second half of [`StateStore::commit`]: writes what
+    /// [`StateStore::prepare_commit`] encoded from `state`, which has not
+    /// changed since.
+    pub fn apply_commit(
+        &mut self,
+        state: &mut State,
+        prepared: PreparedCommit,
+    ) -> Result<(), StoreError> {
+        let PreparedCommit {
+            writes,
+            committed,
+            pending,
+        } = prepared;
         self.commits_since_flush += 1;
         let durable = self.commits_since_flush >= self.flush_every;
         self.backend.commit(&writes, durable)?;
@@ -855,14 +902,13 @@ impl<B: KvBackend> StateStore<B> {
         if let Some(changed) = pending {
             self.pending = changed;
         }
-        for (key, chunks) in committed {
-            if let Some(conv) = state.conversations.get_mut(key) {
-                self.persisted
-                    .insert(key.clone(), Persisted::of(conv, chunks));
+        for (key, persisted) in committed {
+            if let Some(conv) = state.conversations.get_mut(&key) {
+                // On disk now: the newest turns, what assembly reads next.
+                let digest = id_digest(&key);
+                self.persisted.insert(key, persisted);
                 conv.applied.saved();
                 conv.history.saved();
-                // On disk now: the newest turns, what assembly reads next.
-                let digest = id_digest(key);
                 for (seq, body) in conv.release_bodies(crate::core::fold::guard_read) {
                     self.cache
                         .insert((digest, KIND_BODY_RUN, seq), Cached::Turn(body));
