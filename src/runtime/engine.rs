@@ -1178,7 +1178,7 @@ impl<B: KvBackend> Engine<B> {
     }
 
     /// The first half of [`Engine::commit`]: the commit encoded, not
-    /// written (`None` while holding: nothing to commit). The engine must
+    /// written (an empty one while holding: nothing to commit). The engine must
     /// not fold, run or change anything before [`Engine::apply_commit`]
     /// writes it; until then the caller may make durable what the state
     /// follows (the log's sync: see `Pipeline::commit`).

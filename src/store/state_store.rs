@@ -721,10 +721,12 @@ impl<B: KvBackend> StateStore<B> {
     }
 
     /// The first half of [`StateStore::commit`]: the commit's writes,
-    /// encoded from `state` and not yet written. Nothing is changed, so
-    /// the caller may make what the state follows durable meanwhile (the
-    /// log's sync, on another thread) and write them after, with
-    /// [`StateStore::apply_commit`], before `state` changes.
+    /// encoded from `state` and not yet written. Nothing is changed (each
+    /// conversation's turns are lent out of it while its head is encoded,
+    /// and put back), so the caller may make what the state follows
+    /// durable meanwhile (the log's sync, on another thread) and write
+    /// them after, with [`StateStore::apply_commit`], before `state`
+    /// changes.
     pub fn prepare_commit(
         &self,
         state: &mut State,
